@@ -1,0 +1,649 @@
+"""Re-param blocks declared once as branches of linear steps.
+
+A block (:class:`ReparamConv2d`) is a drop-in replacement for one ``nn.Conv2d``:
+a dict of :class:`Branch` es, each a sequence of *steps*:
+
+* kernel steps (:class:`ConvStep`, :class:`FixedKernelStep`, or a nested block)
+  that are convolutions, and
+* channel-affine steps (:class:`Scale`, ``nn.BatchNorm2d``).
+
+The SAME declaration runs in one of two modes, fixed at construction:
+
+* ``online``: every forward squeezes all branches into one kernel with
+  :mod:`orepa.kernels` and runs a single convolution (OREPA). Branches may
+  hold scales but no BN; the block is meant to be followed by a BatchNorm2d,
+  the post-addition norm (without it the paper's training diverges).
+* ``offline``: every branch runs on the feature map and the outputs are summed
+  (DBB, RepVGG, the prototype block with a BN per branch). Without branch BNs
+  it equals the online block to float tolerance: the test of the squeeze.
+
+Offline branches pad their *input* once, by their own receptive field, and
+run every step unpadded; only the last kernel step is strided. That is the
+exact feature-map counterpart of the squeezed kernel (an intermediate BN bias
+reaches the border as it does through the squeezed kernel), so deploying is
+exact without DBB's "BN-and-pad" special layer. (A stem built from 3x3 convs
+that pad every layer differs from this at the border; see
+:class:`OREPADeepStem`.)
+
+:meth:`ReparamConv2d.equivalent` returns the eval-mode ``(weight, bias)`` of any
+block; it is the single mechanism behind squeezing, BN folding and deployment.
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import kernels as K
+
+__all__ = [
+    "ConvStep",
+    "FixedKernelStep",
+    "Scale",
+    "Branch",
+    "ReparamConv2d",
+    "OREPAConv2d",
+    "OREPADeepStem",
+    "DBBConv2d",
+    "RepVGGBlock",
+    "OREPAVGGBlock",
+    "AbsorbedNorm",
+    "OREPA_BRANCHES",
+    "DEFAULT_SCALE_INIT",
+    "check_conv_config",
+]
+
+# Supplement, "Initialization of branch-wise scaling layers". Rep-1x1's second
+# branch and RepVGG's identity are not listed there: 0.5 and 1.0 are our choice.
+DEFAULT_SCALE_INIT: dict[str, float] = {
+    "1x1": 1.0,
+    "kxk": 0.25,
+    "1x1_kxk": 0.5,
+    "1x1_avg": 0.5,
+    "1x1_prior": 0.0,
+    "dw_pw": 0.5,
+    "1x1_1x1": 0.5,
+    "identity": 1.0,
+}
+#: the six branches of the OREPA kxk block (Fig. "blocks")
+OREPA_BRANCHES: tuple[str, ...] = ("kxk", "1x1", "1x1_avg", "1x1_prior", "1x1_kxk", "dw_pw")
+#: the Rep-1x1 block for 1x1 convs of bottlenecks
+REP_1X1_BRANCHES: tuple[str, ...] = ("1x1", "1x1_1x1")
+SCALINGS = ("vector", "scalar", "none")
+
+
+def _pair(v, name: str) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    if isinstance(v, Sequence) and len(v) == 2 and all(isinstance(i, int) for i in v):
+        return (int(v[0]), int(v[1]))
+    raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
+
+
+def check_conv_config(
+    in_channels: int,
+    out_channels: int,
+    kernel_size,
+    stride=1,
+    padding=None,
+    dilation=1,
+    groups: int = 1,
+    padding_mode: str = "zeros",
+) -> tuple[int, int, int, int]:
+    """Validate a conv configuration a re-param block can squeeze exactly.
+
+    Returns ``(k, stride, padding, dilation)`` as ints. Supported: square odd
+    kernels, equal strides and dilations on both axes, ``groups`` dividing both
+    channel counts and "same" padding ``k // 2 * dilation`` (``None`` or
+    ``"same"`` pick it). Anything else raises a ValueError naming the problem.
+    """
+    for n, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{n} must be a positive int, got {v!r}")
+    kh, kw = _pair(kernel_size, "kernel_size")
+    if kh != kw:
+        raise ValueError(f"unsupported kernel_size {kh}x{kw}: re-param blocks need square kernels")
+    if kh % 2 == 0:
+        raise ValueError(f"unsupported kernel_size {kh}: even kernels have no centre to align branches on")
+    sh, sw = _pair(stride, "stride")
+    if sh != sw or sh < 1:
+        raise ValueError(f"unsupported stride {stride!r}: need one positive stride for both axes")
+    dh, dw = _pair(dilation, "dilation")
+    if dh != dw or dh < 1:
+        raise ValueError(f"unsupported dilation {dilation!r}: need one positive dilation for both axes")
+    same = kh // 2 * dh
+    if padding is None or padding == "same":
+        pad = same
+    else:
+        ph, pw = _pair(padding, "padding")
+        if ph != pw or ph != same:
+            raise ValueError(
+                f"unsupported padding {padding!r} for kernel_size={kh}, dilation={dh}: "
+                f"only 'same' padding {same} keeps branch centres aligned"
+            )
+        pad = ph
+    if padding_mode != "zeros":
+        raise ValueError(f"unsupported padding_mode {padding_mode!r}: only 'zeros' is linear in the kernel")
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
+    return kh, sh, pad, dh
+
+
+# --------------------------------------------------------------------------- steps
+
+
+class ConvStep(nn.Module):
+    """A learnable convolution inside a branch (no bias, no padding of its own)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, groups: int = 1, init: str = "kaiming"):
+        super().__init__()
+        self.in_channels, self.out_channels, self.kernel_size, self.groups = in_channels, out_channels, kernel_size, groups
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, kernel_size, kernel_size))
+        self.init = init
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.init == "identity":
+            with torch.no_grad():
+                self.weight.copy_(
+                    K.pad_to(K.identity_init_1x1(self.out_channels, self.in_channels, self.groups), self.kernel_size)
+                )
+        else:  # nn.Conv2d's default
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def kernel(self) -> Tensor:
+        return self.weight
+
+    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
+        return F.conv2d(x, self.weight, None, stride, 0, dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, k={self.kernel_size}, groups={self.groups}, init={self.init}"
+
+
+class FixedKernelStep(nn.Module):
+    """A fixed (not trained) kernel: identity, average pool or frequency prior.
+
+    The kernel is a non-persistent buffer: it is a function of the shape only,
+    so checkpoints stay free of it and cannot disagree with the code.
+    """
+
+    KINDS = ("identity", "avg", "prior")
+
+    def __init__(self, kind: str, channels: int, kernel_size: int, groups: int | None = None):
+        super().__init__()
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown fixed kernel {kind!r}, expected one of {self.KINDS}")
+        self.kind, self.in_channels, self.out_channels, self.kernel_size = kind, channels, channels, kernel_size
+        if kind == "identity":
+            self.groups = groups or 1
+            w = K.identity_kernel(channels, self.groups, kernel_size)
+        else:  # pooling and filtering act per channel
+            self.groups = channels
+            w = K.avg_pool_kernel(channels, kernel_size) if kind == "avg" else K.freq_prior_kernel(channels, kernel_size)
+        self.register_buffer("weight", w, persistent=False)
+
+    def kernel(self) -> Tensor:
+        return self.weight
+
+    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
+        if self.kind == "identity" and self.kernel_size == 1:
+            return x[:, :, ::stride, ::stride]
+        return F.conv2d(x, self.weight, None, stride, 0, dilation, self.groups)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, channels={self.out_channels}, k={self.kernel_size}"
+
+
+class Scale(nn.Module):
+    """Linear scaling layer of block linearization: a learnable vector or scalar."""
+
+    def __init__(self, channels: int, init: float = 1.0, mode: str = "vector"):
+        super().__init__()
+        if mode not in ("vector", "scalar"):
+            raise ValueError(f"Scale mode must be 'vector' or 'scalar', got {mode!r}")
+        self.mode = mode
+        self.weight = nn.Parameter(torch.full((channels if mode == "vector" else 1,), float(init)))
+
+    def affine(self) -> tuple[Tensor, Tensor | None]:
+        return self.weight, None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight.view(1, -1, 1, 1)
+
+    def extra_repr(self) -> str:
+        return f"{self.mode}, size={self.weight.numel()}"
+
+
+def _is_kernel_step(m: nn.Module) -> bool:
+    return hasattr(m, "kernel") and hasattr(m, "groups")
+
+
+def _ksize(step: nn.Module) -> int:
+    k = step.kernel_size  # an int for steps, a (k, k) tuple for nested blocks
+    return k if isinstance(k, int) else k[0]
+
+
+def _affine_of(step: nn.Module) -> tuple[Tensor, Tensor | None]:
+    if isinstance(step, Scale):
+        return step.affine()
+    if isinstance(step, nn.BatchNorm2d):
+        if step.running_mean is None:
+            raise ValueError("a BatchNorm2d without running statistics cannot be folded")
+        return K.bn_as_affine(step.running_mean, step.running_var, step.weight, step.bias, step.eps)
+    raise TypeError(f"step {type(step).__name__} is neither a kernel nor a channel-affine step")
+
+
+class Branch(nn.Sequential):
+    """One branch: kernel steps and channel-affine steps, applied in order."""
+
+    def __init__(self, steps: Mapping[str, nn.Module]):
+        super().__init__(OrderedDict(steps))
+        kinds = [_is_kernel_step(s) for s in self]
+        if not kinds or not kinds[0]:
+            raise ValueError("a branch must start with a kernel step")
+        for s in self:
+            if not _is_kernel_step(s) and not isinstance(s, (Scale, nn.BatchNorm2d)):
+                raise TypeError(f"unsupported step {type(s).__name__} in a branch")
+        self._last_kernel = max(i for i, k in enumerate(kinds) if k)
+
+    @property
+    def extent(self) -> int:
+        """Receptive field (kernel size) of the composed branch, before dilation."""
+        return 1 + sum(_ksize(s) - 1 for s in self if _is_kernel_step(s))
+
+    @property
+    def has_norm(self) -> bool:
+        return any(isinstance(s, nn.BatchNorm2d) for s in self)
+
+    def fuse(self) -> tuple[Tensor, Tensor | None, int]:
+        """The branch as one affine kernel ``(weight, bias, groups)``; BNs use running stats."""
+        w = b = None
+        g = 1
+        for step in self:
+            if _is_kernel_step(step):
+                if w is None:
+                    w, g = step.kernel(), step.groups
+                else:
+                    w, b, g = K.compose_affine(w, b, g, step.kernel(), None, step.groups)
+            else:
+                scale, shift = _affine_of(step)
+                w = K.scale_channels(w, scale)
+                if b is not None:
+                    b = b * scale
+                if shift is not None:
+                    b = shift if b is None else b + shift
+        return w, b, g
+
+    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
+        """Run on the feature map: pad once by the branch's receptive field, then valid steps."""
+        p = (self.extent // 2) * dilation
+        h = F.pad(x, (p, p, p, p)) if p else x
+        for i, step in enumerate(self):
+            if _is_kernel_step(step):
+                h = step.run(h, stride if i == self._last_kernel else 1, dilation)
+            else:
+                h = step(h)
+        return h
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+class ReparamConv2d(nn.Module):
+    """A convolution trained as parallel branches and deployable as one ``nn.Conv2d``.
+
+    Exposes the ``nn.Conv2d`` attributes (``in_channels``, ``kernel_size``, ...) so it
+    drops in where a conv stood. ``mode`` is fixed at construction (no global switch).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=None,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = False,
+        *,
+        branches: Mapping[str, Branch],
+        mode: str = "online",
+    ):
+        super().__init__()
+        k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
+        if mode not in ("online", "offline"):
+            raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
+        if not branches:
+            raise ValueError("a re-param block needs at least one branch")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size, self.stride, self.padding, self.dilation = (k, k), (s, s), (p, p), (d, d)
+        self.mode = mode
+        self.branches = nn.ModuleDict(branches)
+        for name, br in self.branches.items():
+            first = next(iter(br))
+            if first.in_channels != in_channels or br[self._last_kernel_index(br)].out_channels != out_channels:
+                raise ValueError(f"branch {name!r} does not map {in_channels}->{out_channels} channels")
+            if br.extent > k:
+                raise ValueError(f"branch {name!r} has receptive field {br.extent} > kernel_size {k}")
+            if mode == "online" and br.has_norm:
+                raise ValueError(
+                    f"branch {name!r} holds a BatchNorm2d: batch statistics are not linear, so it can only run offline"
+                )
+        self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
+        # token pairing this block with the BatchNorm it replaced (see AbsorbedNorm)
+        self.absorbed_token: str | None = None
+
+    @staticmethod
+    def _last_kernel_index(br: Branch) -> int:
+        return br._last_kernel
+
+    @property
+    def has_norm(self) -> bool:
+        return any(br.has_norm for br in self.branches.values())
+
+    def equivalent(self) -> tuple[Tensor, Tensor | None]:
+        """Eval-mode ``(weight, bias)`` of the whole block: the squeeze (BNs use running stats)."""
+        k = self.kernel_size[0]
+        parts = []
+        for br in self.branches.values():
+            w, b, g = br.fuse()
+            if g != self.groups:
+                w = K.expand_groups(w, g, self.groups)
+            parts.append((w, b))
+        w, b = K.add_parallel(parts, k)
+        if self.bias is not None:
+            b = self.bias if b is None else b + self.bias
+        return w, b
+
+    def kernel(self) -> Tensor:
+        """The squeezed kernel of a BN-free, bias-free block (lets blocks nest as steps)."""
+        if self.has_norm or self.bias is not None:
+            raise ValueError("kernel() is only defined for blocks without BN and bias; use equivalent()")
+        return self.equivalent()[0]
+
+    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
+        # used when this block is a step inside another block's branch
+        return F.conv2d(x, self.kernel(), None, stride, 0, dilation, self.groups)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{type(self).__name__} expects input [N, {self.in_channels}, H, W], got {list(x.shape)}"
+            )
+        if self.mode == "online":
+            w, b = self.equivalent()
+            return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+        out = None
+        for br in self.branches.values():
+            y = br.run(x, self.stride[0], self.dilation[0])
+            out = y if out is None else out + y
+        if self.bias is not None:
+            out = out + self.bias.view(1, -1, 1, 1)
+        return out
+
+    @torch.no_grad()
+    def to_conv(self) -> nn.Conv2d:
+        """A plain ``nn.Conv2d`` computing this block in eval mode."""
+        w, b = self.equivalent()
+        conv = nn.Conv2d(
+            self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+            self.dilation, self.groups, bias=b is not None, device=w.device, dtype=w.dtype,
+        )
+        conv.weight.copy_(w)
+        if b is not None:
+            conv.bias.copy_(b)
+        return conv
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}"
+        )
+
+
+# --------------------------------------------------------------------------- branch declarations
+
+
+def _tail(name: str, channels: int, scaling: str, scale_init: Mapping[str, float], norm: bool) -> dict:
+    """Last step of a branch: a BN (offline prototype / DBB) or a scaling layer."""
+    if norm:
+        return {"bn": nn.BatchNorm2d(channels)}
+    if scaling == "none":
+        return {}
+    return {"scale": Scale(channels, scale_init.get(name, 1.0), scaling)}
+
+
+def _branch_steps(
+    name: str, cin: int, cout: int, k: int, groups: int, *, inner_norm: bool, dw_expand: int, internal: int | None
+) -> dict:
+    """The linear steps of a named branch (its tail excluded)."""
+    inner = (lambda c: {"bn0": nn.BatchNorm2d(c)}) if inner_norm else (lambda c: {})
+    if name == "kxk":
+        return {"conv": ConvStep(cin, cout, k, groups)}
+    if name == "1x1":
+        return {"conv": ConvStep(cin, cout, 1, groups)}
+    if name == "1x1_avg":
+        return {"conv": ConvStep(cin, cout, 1, groups), **inner(cout), "pool": FixedKernelStep("avg", cout, k)}
+    if name == "1x1_prior":
+        return {"conv": ConvStep(cin, cout, 1, groups), **inner(cout), "prior": FixedKernelStep("prior", cout, k)}
+    if name in ("1x1_kxk", "1x1_1x1"):
+        kk = k if name == "1x1_kxk" else 1
+        # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
+        mid = internal or (cin if groups < cout else 2 * cin)
+        return {
+            "conv1": ConvStep(cin, mid, 1, groups, init="identity"),
+            **inner(mid),
+            "conv2": ConvStep(mid, cout, kk, groups),
+        }
+    if name == "dw_pw":
+        return {"dw": ConvStep(cin, cin * dw_expand, k, cin), **inner(cin * dw_expand), "pw": ConvStep(cin * dw_expand, cout, 1, groups)}
+    if name == "identity":
+        if cin != cout:
+            raise ValueError(f"identity branch needs in_channels == out_channels, got {cin} != {cout}")
+        return {"id": FixedKernelStep("identity", cout, 1, groups)}
+    raise ValueError(f"unknown branch {name!r}; known: {sorted(DEFAULT_SCALE_INIT)}")
+
+
+def build_branches(
+    names: Iterable[str],
+    in_channels: int,
+    out_channels: int,
+    kernel_size: int,
+    groups: int,
+    *,
+    scaling: str = "vector",
+    scale_init: Mapping[str, float] | None = None,
+    norm: bool = False,
+    inner_norm: bool = False,
+    dw_expand: int = 8,
+    internal_channels: int | None = None,
+) -> dict[str, Branch]:
+    """Declare named branches; ``norm`` puts a BN at the end instead of a scale."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    init = {**DEFAULT_SCALE_INIT, **(scale_init or {})}
+    unknown = set(scale_init or {}) - set(DEFAULT_SCALE_INIT)
+    if unknown:
+        raise ValueError(f"scale_init names unknown branches {sorted(unknown)}")
+    out = {}
+    for name in names:
+        steps = _branch_steps(
+            name, in_channels, out_channels, kernel_size, groups,
+            inner_norm=inner_norm, dw_expand=dw_expand, internal=internal_channels,
+        )
+        out[name] = Branch({**steps, **_tail(name, out_channels, scaling, init, norm)})
+    return out
+
+
+class OREPAConv2d(ReparamConv2d):
+    """The OREPA block (Fig. "blocks"); for ``kernel_size=1`` the Rep-1x1 block.
+
+    Replaces a Conv2d that is followed by a BatchNorm2d: that BN is the
+    post-addition norm, and the block does NOT contain it. Without it the
+    paper's training diverges (table "linearization", last row).
+
+    Args:
+        branches: which branches are on (default: the six of Fig. "blocks", or
+            ``("1x1", "1x1_1x1")`` for 1x1 convs). ``"identity"`` is available
+            for RepVGG-style blocks (needs in == out channels and stride 1).
+        scaling: ``"vector"`` (per channel, default), ``"scalar"`` or ``"none"``.
+        scale_init: per-branch overrides of :data:`DEFAULT_SCALE_INIT`.
+        mode: ``"online"`` (squeeze every forward) or ``"offline"`` (run branches).
+        branch_norm: offline prototype: a BN ends each branch instead of a scale.
+        dw_expand: channel expansion of the depthwise step of ``dw_pw`` (8).
+        internal_channels: width of the 1x1 -> kxk intermediate (default as DBB).
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size=3,
+        stride=1,
+        padding=None,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = False,
+        *,
+        branches: Sequence[str] | None = None,
+        scaling: str = "vector",
+        scale_init: Mapping[str, float] | None = None,
+        mode: str = "online",
+        branch_norm: bool = False,
+        dw_expand: int = 8,
+        internal_channels: int | None = None,
+    ):
+        k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
+        if branches is None:
+            branches = REP_1X1_BRANCHES if k == 1 else OREPA_BRANCHES
+        branches = tuple(branches)
+        if not branches:
+            raise ValueError("branches must name at least one branch")
+        if k == 1 and set(branches) - {"1x1", "1x1_1x1", "identity"}:
+            raise ValueError(f"a 1x1 block supports branches 1x1, 1x1_1x1, identity; got {branches}")
+        if "identity" in branches and _pair(stride, "stride")[0] != 1:
+            raise ValueError("the identity branch needs stride 1")
+        if branch_norm and mode == "online":
+            raise ValueError("branch_norm=True (a BN per branch) needs mode='offline'")
+        built = build_branches(
+            branches, in_channels, out_channels, k, groups, scaling=scaling, scale_init=scale_init,
+            norm=branch_norm, dw_expand=dw_expand, internal_channels=internal_channels,
+        )
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         branches=built, mode=mode)
+
+
+class DBBConv2d(ReparamConv2d):
+    """Diverse Branch Block (offline): kxk, 1x1, 1x1->avg, 1x1->kxk, a BN after every conv.
+
+    Contains its BNs, so it replaces a Conv2d *and* the BatchNorm2d after it.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
+                 bias=False, *, internal_channels: int | None = None):
+        k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
+        if k == 1:
+            raise ValueError("DBB needs kernel_size >= 3 (its branches degenerate for 1x1 convs)")
+        built = build_branches(("kxk", "1x1", "1x1_avg", "1x1_kxk"), in_channels, out_channels, k, groups,
+                               norm=True, inner_norm=True, internal_channels=internal_channels)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         branches=built, mode="offline")
+
+
+class RepVGGBlock(ReparamConv2d):
+    """RepVGG's block without its ReLU: kxk+BN, 1x1+BN, identity BN (when in == out, stride 1)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
+                 bias=False):
+        k, s, _, _ = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
+        if k == 1:
+            raise ValueError("RepVGG needs kernel_size >= 3")
+        names = ["kxk", "1x1"] + (["identity"] if in_channels == out_channels and s == 1 else [])
+        built = build_branches(names, in_channels, out_channels, k, groups, norm=True)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         branches=built, mode="offline")
+
+
+class OREPAVGGBlock(ReparamConv2d):
+    """OREPA-VGG: a RepVGG block whose kxk branch is an online OREPA block (+BN).
+
+    The identity and 1x1 branches keep their BNs and run offline (supp. "Limitations").
+    ``orepa_options`` go to the inner :class:`OREPAConv2d`.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
+                 bias=False, **orepa_options):
+        k, s, _, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
+        if k == 1:
+            raise ValueError("OREPA-VGG needs kernel_size >= 3")
+        inner = OREPAConv2d(in_channels, out_channels, k, 1, None, d, groups, **orepa_options)
+        if inner.mode != "online" or inner.has_norm:
+            raise ValueError("the kxk branch of OREPA-VGG must be an online OREPA block")
+        built = {"kxk": Branch({"orepa": inner, "bn": nn.BatchNorm2d(out_channels)})}
+        names = ["1x1"] + (["identity"] if in_channels == out_channels and s == 1 else [])
+        built.update(build_branches(names, in_channels, out_channels, k, groups, norm=True))
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         branches=built, mode="offline")
+
+
+class OREPADeepStem(ReparamConv2d):
+    """Linear deep stem: a kxk conv (7x7/2 in ResNets) trained as (k-1)/2 stacked 3x3 OREPA blocks.
+
+    Online, the stacked kernels are composed (sequential rule) into one kxk kernel
+    every forward. Offline, the stack runs on the feature map with the input
+    padded once, which is exactly the squeezed conv. A stack of 3x3 convs that
+    each pad by 1 (Guo et al.'s deep stem) matches it only away from the border.
+    ``orepa_options`` go to each inner 3x3 :class:`OREPAConv2d`.
+    """
+
+    def __init__(self, in_channels, out_channels, kernel_size=7, stride=2, padding=None, dilation=1, groups=1,
+                 bias=False, *, mid_channels: int | None = None, mode: str = "online", **orepa_options):
+        k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
+        if k < 5 or groups != 1:
+            raise ValueError(f"a deep stem needs kernel_size >= 5 and groups=1, got k={k}, groups={groups}")
+        mid = mid_channels or out_channels
+        n = (k - 1) // 2
+        chans = [in_channels] + [mid] * (n - 1) + [out_channels]
+        steps = {f"layer{i}": OREPAConv2d(chans[i], chans[i + 1], 3, **orepa_options) for i in range(n)}
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         branches={"stem": Branch(steps)}, mode=mode)
+
+
+# --------------------------------------------------------------------------- absorbed BN placeholder
+
+
+class AbsorbedNorm(nn.Identity):
+    """Stands where a BatchNorm2d was when the block that replaced its conv holds its own BNs.
+
+    ``orepa.reparameterize`` turns it back into a BatchNorm2d (so the deployed
+    model has the vanilla layout) that carries the block's bias. It keeps the
+    original BN's configuration and a token pairing it with its block.
+    """
+
+    def __init__(self, bn: nn.BatchNorm2d, token: str | None = None):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
+        self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
+        self.token = token or uuid.uuid4().hex
+
+    def restore(self, shift: Tensor | None) -> nn.BatchNorm2d:
+        """A BatchNorm2d whose eval output is ``x + shift``."""
+        factory = {} if shift is None else {"device": shift.device, "dtype": shift.dtype}
+        bn = nn.BatchNorm2d(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats,
+                            **factory)
+        with torch.no_grad():
+            # (x - mean) / sqrt(var + eps): var = 1 - eps makes the denominator 1
+            bn.running_var.fill_(1.0 - self.eps)
+            if shift is not None:
+                bn.running_mean.copy_(-shift)
+        return bn
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, absorbed into its conv's re-param block"

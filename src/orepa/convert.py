@@ -1,0 +1,339 @@
+"""Network level: turn any CNN into its re-param form and back.
+
+``convert`` finds every Conv2d -> BatchNorm2d pair of a model (torch.fx, or a
+forward-hook trace / registration order when the model cannot be traced) and
+swaps the conv for a block. For online OREPA the BN stays where it is and
+becomes the post-addition norm; for blocks that hold their own BNs (DBB,
+RepVGG, OREPA-VGG, the offline prototype) the BN is replaced by an
+:class:`~orepa.blocks.AbsorbedNorm` placeholder.
+
+``reparameterize`` turns every block back into an ``nn.Conv2d`` and every
+placeholder back into a BatchNorm2d, so the result has the module names, types
+and state_dict keys of the model before ``convert``; ``fuse_bn=True`` then
+folds every conv-BN pair for inference.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch import nn
+
+from . import kernels as K
+from .blocks import (
+    AbsorbedNorm,
+    DBBConv2d,
+    OREPAConv2d,
+    OREPAVGGBlock,
+    ReparamConv2d,
+    RepVGGBlock,
+    check_conv_config,
+)
+
+__all__ = ["convert", "reparameterize", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport", "METHODS", "make_block"]
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert`` did: converted conv names, skipped ones with reasons, how pairs were found."""
+
+    method: str
+    pairing: str = ""
+    converted: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"convert(method={self.method!r}): {len(self.converted)} converted, "
+                 f"{len(self.skipped)} skipped; pairs found by {self.pairing}"]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _conv_args(conv: nn.Conv2d) -> dict:
+    return dict(
+        in_channels=conv.in_channels, out_channels=conv.out_channels, kernel_size=conv.kernel_size,
+        stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
+        bias=conv.bias is not None,
+    )
+
+
+def _orepa(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
+    if conv.kernel_size == (1, 1) and not rep_1x1:
+        raise ValueError("1x1 conv left plain (rep_1x1=False)")
+    if conv.kernel_size == (1, 1):
+        opts = {k: v for k, v in opts.items() if k not in ("branches", "dw_expand")}
+    return OREPAConv2d(**_conv_args(conv), **opts)
+
+
+def _orepa_offline(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
+    return _orepa(conv, rep_1x1, mode="offline", branch_norm=True, **opts)
+
+
+def _orepa_vgg(conv: nn.Conv2d, **opts) -> ReparamConv2d:
+    return OREPAVGGBlock(**_conv_args(conv), **opts)
+
+
+def _dbb(conv: nn.Conv2d, **opts) -> ReparamConv2d:
+    return DBBConv2d(**_conv_args(conv), **opts)
+
+
+def _repvgg(conv: nn.Conv2d, **opts) -> ReparamConv2d:
+    return RepVGGBlock(**_conv_args(conv), **opts)
+
+
+#: method name -> factory(conv, **options) -> block; a ValueError means "unsupported, skip"
+METHODS: dict[str, Callable[..., ReparamConv2d]] = {
+    "orepa": _orepa,
+    "orepa-offline": _orepa_offline,
+    "dbb": _dbb,
+    "repvgg": _repvgg,
+    "orepa-vgg": _orepa_vgg,
+}
+
+
+def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
+    """The ``method`` block replacing ``conv`` (same device/dtype); ValueError if unsupported."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    if type(conv) is not nn.Conv2d:
+        raise ValueError(f"{type(conv).__name__} is not a plain nn.Conv2d")
+    check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                      conv.dilation, conv.groups, conv.padding_mode)
+    block = METHODS[method](conv, **options)
+    return block.to(device=conv.weight.device, dtype=conv.weight.dtype).train(conv.training)
+
+
+# --------------------------------------------------------------------------- finding conv -> BN pairs
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, (ReparamConv2d, AbsorbedNorm)) or super().is_leaf_module(m, qualname)
+
+
+def _is_conv(m: nn.Module) -> bool:
+    return type(m) is nn.Conv2d or isinstance(m, ReparamConv2d)
+
+
+def _foldable_bn(bn: nn.Module, conv: nn.Module) -> bool:
+    return (isinstance(bn, nn.BatchNorm2d) and bn.track_running_stats
+            and bn.num_features == conv.out_channels)
+
+
+def _pairs_fx(model: nn.Module) -> list[tuple[str, str]]:
+    graph = _LeafTracer().trace(model)
+    modules = dict(model.named_modules())
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    pairs = []
+    for node in graph.nodes:
+        if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        src = node.args[0]
+        if src.op != "call_module" or len(src.users) != 1:
+            continue
+        conv, bn = modules[src.target], modules[node.target]
+        if _is_conv(conv) and _foldable_bn(bn, conv) and calls[src.target] == 1 and calls[node.target] == 1:
+            pairs.append((src.target, node.target))
+    return pairs
+
+
+def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
+    """Run the model once; a BN whose input IS a conv's output tensor pairs with that conv."""
+    produced: dict[int, str] = {}
+    consumed: dict[int, int] = {}
+    pairs: list[tuple[str, str]] = []
+    calls: dict[str, int] = {}
+    handles = []
+
+    def hook(name):
+        def fn(mod, args, out):
+            calls[name] = calls.get(name, 0) + 1
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    consumed[id(a)] = consumed.get(id(a), 0) + 1
+            if isinstance(mod, nn.BatchNorm2d) and args and id(args[0]) in produced:
+                pairs.append((produced[id(args[0])], name))
+            if _is_conv(mod):
+                produced[id(out)] = name
+        return fn
+
+    for name, m in model.named_modules():
+        if _is_conv(m) or isinstance(m, nn.BatchNorm2d):
+            handles.append(m.register_forward_hook(hook(name)))
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(*example_input) if isinstance(example_input, tuple) else model(example_input)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    modules = dict(model.named_modules())
+    return [(c, b) for c, b in pairs
+            if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
+
+
+def _pairs_registration(model: nn.Module) -> list[tuple[str, str]]:
+    pairs = []
+    for parent_name, parent in model.named_modules():
+        children = list(parent.named_children())
+        for (cn, c), (bn_name, bn) in zip(children, children[1:]):
+            if _is_conv(c) and _foldable_bn(bn, c):
+                prefix = f"{parent_name}." if parent_name else ""
+                pairs.append((prefix + cn, prefix + bn_name))
+    return pairs
+
+
+def find_conv_bn_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str]:
+    """``[(conv_name, bn_name)]`` where the BN directly and only consumes the conv's output.
+
+    Tries torch.fx; if the model cannot be traced, runs ``example_input`` through
+    it with hooks; without an example input, falls back to consecutive
+    registration order inside each parent (right for Sequential and for the
+    usual ``conv1, bn1`` layouts, a heuristic elsewhere). Returns the pairs and
+    the method used.
+    """
+    try:
+        return _pairs_fx(model), "torch.fx"
+    except Exception as exc:  # untraceable control flow etc.
+        reason = f"{type(exc).__name__}"
+    if example_input is not None:
+        return _pairs_hooks(model, example_input), f"forward hooks (fx failed: {reason})"
+    return _pairs_registration(model), f"registration order (fx failed: {reason}; pass example_input for a traced pairing)"
+
+
+# --------------------------------------------------------------------------- convert / reparameterize
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)
+
+
+def convert(
+    model: nn.Module,
+    method: str = "orepa",
+    *,
+    inplace: bool = False,
+    example_input=None,
+    exclude: Callable[[str, nn.Conv2d], bool] | None = None,
+    return_report: bool = False,
+    **options,
+):
+    """Replace every supported Conv2d -> BatchNorm2d pair of ``model`` by a ``method`` block.
+
+    Args:
+        method: ``"orepa"``, ``"orepa-offline"``, ``"dbb"``, ``"repvgg"`` or ``"orepa-vgg"``.
+        inplace: modify ``model`` itself instead of a deep copy.
+        example_input: used to pair convs with BNs when torch.fx cannot trace the model.
+        exclude: ``exclude(name, conv) -> True`` keeps that conv plain.
+        return_report: also return a :class:`ConversionReport`.
+        options: passed to the block (e.g. ``branches``, ``scaling``, ``scale_init``, ``rep_1x1``).
+    Convs without a following BatchNorm2d are left alone: re-param blocks need a
+    norm after them (OREPA uses it as the post-addition norm).
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    pairs, how = find_conv_bn_pairs(model, example_input)
+    report = ConversionReport(method, how)
+    paired = {c for c, _ in pairs}
+    for name, m in model.named_modules():
+        if type(m) is nn.Conv2d and name not in paired:
+            report.skipped[name] = "not followed by a BatchNorm2d it alone feeds"
+    for conv_name, bn_name in pairs:
+        conv = model.get_submodule(conv_name)
+        if not isinstance(conv, nn.Conv2d) or type(conv) is not nn.Conv2d:
+            continue  # already a block
+        if exclude is not None and exclude(conv_name, conv):
+            report.skipped[conv_name] = "excluded by the caller"
+            continue
+        try:
+            block = make_block(method, conv, **options)
+        except ValueError as exc:
+            report.skipped[conv_name] = str(exc)
+            continue
+        if block.has_norm:  # the block brings its own BNs: the one after it is absorbed
+            absorbed = AbsorbedNorm(model.get_submodule(bn_name))
+            block.absorbed_token = absorbed.token
+            _set_submodule(model, bn_name, absorbed)
+        _set_submodule(model, conv_name, block)
+        report.converted.append(conv_name)
+    return (model, report) if return_report else model
+
+
+def _top_level_blocks(model: nn.Module) -> list[tuple[str, ReparamConv2d]]:
+    found, inside = [], []
+    for name, m in model.named_modules():
+        if any(name.startswith(p + ".") for p in inside):
+            continue
+        if isinstance(m, ReparamConv2d):
+            found.append((name, m))
+            inside.append(name)
+    return found
+
+
+@torch.no_grad()
+def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None) -> nn.Module:
+    """Fold every Conv2d -> BatchNorm2d pair (eval statistics) into the conv; the BN becomes Identity."""
+    if not inplace:
+        model = copy.deepcopy(model)
+    pairs, _ = find_conv_bn_pairs(model, example_input)
+    for conv_name, bn_name in pairs:
+        conv, bn = model.get_submodule(conv_name), model.get_submodule(bn_name)
+        if type(conv) is not nn.Conv2d:
+            continue
+        w, b = K.fold_bn(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+        fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                          conv.dilation, conv.groups, bias=True, device=w.device, dtype=w.dtype)
+        fused.weight.copy_(w)
+        fused.bias.copy_(b)
+        _set_submodule(model, conv_name, fused.train(conv.training))
+        _set_submodule(model, bn_name, nn.Identity())
+    return model
+
+
+@torch.no_grad()
+def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = False, example_input=None) -> nn.Module:
+    """Turn every re-param block into a plain ``nn.Conv2d`` (eval-mode equivalent).
+
+    With ``fuse_bn=False`` the result has the same module names, types and
+    state_dict keys as the model before :func:`convert`: blocks that held their
+    own BNs give their bias to the restored BatchNorm2d. With ``fuse_bn=True``
+    every conv-BN pair is folded as well (fastest inference form).
+    A bare block passed directly is returned as its ``nn.Conv2d``.
+    """
+    if isinstance(model, ReparamConv2d):
+        return model.to_conv()
+    if not inplace:
+        model = copy.deepcopy(model)
+    absorbed = {m.token: name for name, m in model.named_modules() if isinstance(m, AbsorbedNorm)}
+    for name, block in _top_level_blocks(model):
+        conv = block.to_conv().train(block.training)
+        norm_name = absorbed.pop(block.absorbed_token, None)
+        if norm_name is not None:
+            # the conv keeps the original conv's bias (if any); the rest moves into the restored BN
+            shift = None
+            if conv.bias is not None:
+                shift = conv.bias if block.bias is None else conv.bias - block.bias
+            restored = model.get_submodule(norm_name).restore(shift)
+            _set_submodule(model, norm_name, restored.train(block.training))
+            if block.bias is None:
+                conv.bias = None
+            else:
+                conv.bias.copy_(block.bias)
+        _set_submodule(model, name, conv)
+    for token, name in absorbed.items():  # placeholders whose block was not found: plain BN, identity-like
+        _set_submodule(model, name, model.get_submodule(name).restore(None))
+    if fuse_bn:
+        model = fuse_conv_bn(model, inplace=True, example_input=example_input)
+    return model

@@ -1,0 +1,242 @@
+"""Kernel algebra: every training-time linear layer as a (degraded) conv kernel.
+
+Pure, differentiable functions on tensors (no modules, no state). A kernel is a
+``(weight, groups)`` pair with ``weight`` of shape ``[C_out, C_in // groups, k, k]``
+in PyTorch's cross-correlation convention; an *affine* kernel adds a bias
+``[C_out]``. Everything here composes; ``orepa.blocks`` only declares which
+layers a branch holds and calls these functions.
+
+The two squeezing rules of the paper are :func:`compose` (sequential, supp.
+eq. "merge-seq") and :func:`add_parallel` (parallel, centre aligned).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "pad_to",
+    "identity_kernel",
+    "avg_pool_kernel",
+    "freq_prior_kernel",
+    "identity_init_1x1",
+    "scale_channels",
+    "expand_groups",
+    "compose",
+    "compose_affine",
+    "bias_through",
+    "add_parallel",
+    "fold_bn",
+    "bn_as_affine",
+]
+
+
+def _check_odd_square(weight: Tensor) -> int:
+    kh, kw = weight.shape[-2:]
+    if kh != kw or kh % 2 == 0:
+        raise ValueError(f"kernel must be square with an odd size, got {kh}x{kw}")
+    return kh
+
+
+def pad_to(weight: Tensor, k: int) -> Tensor:
+    """Zero-pad an odd ``[.., s, s]`` kernel around its centre to ``k x k`` (1x1 -> kxk)."""
+    s = _check_odd_square(weight)
+    if s == k:
+        return weight
+    if k < s or (k - s) % 2:
+        raise ValueError(f"cannot centre-pad a {s}x{s} kernel to {k}x{k}")
+    p = (k - s) // 2
+    return F.pad(weight, (p, p, p, p))
+
+
+def identity_kernel(channels: int, groups: int = 1, k: int = 1, *, dtype=None, device=None) -> Tensor:
+    """Kernel of the identity map: ``[C, C // groups, k, k]`` with a 1 at the centre."""
+    if channels % groups:
+        raise ValueError(f"channels={channels} not divisible by groups={groups}")
+    per_group = channels // groups
+    w = torch.zeros(channels, per_group, k, k, dtype=dtype, device=device)
+    idx = torch.arange(channels, device=device)
+    w[idx, idx % per_group, k // 2, k // 2] = 1.0
+    return w
+
+
+def identity_init_1x1(out_channels: int, in_channels: int, groups: int = 1, *, dtype=None, device=None) -> Tensor:
+    """Identity-initialised 1x1 kernel (supp. Table "training-time linear layers").
+
+    Within each group, output ``o`` connects to input ``i`` when ``o / C_o == i / C_i``
+    (integer scaling of the local index), which is the identity for ``C_o == C_i``
+    and a "spread" identity when the block expands channels.
+    """
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(f"channels {in_channels}->{out_channels} not divisible by groups={groups}")
+    ci, co = in_channels // groups, out_channels // groups
+    w = torch.zeros(out_channels, ci, 1, 1, dtype=dtype, device=device)
+    local = torch.arange(out_channels, device=device) % co
+    hit = (local * ci) % co == 0
+    rows = torch.arange(out_channels, device=device)[hit]
+    w[rows, (local[hit] * ci) // co, 0, 0] = 1.0
+    return w
+
+
+def avg_pool_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tensor:
+    """Depthwise ``[C, 1, k, k]`` kernel of a kxk average pool with zero padding counted."""
+    return torch.full((channels, 1, k, k), 1.0 / (k * k), dtype=dtype, device=device)
+
+
+def freq_prior_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tensor:
+    """Depthwise ``[C, 1, k, k]`` frequency prior filter for any k (supp. Table).
+
+    ``W[c, h, w] = cos((c + 1)(h + 0.5) pi / k)`` for ``c < C // 2`` and
+    ``cos((c - C // 2 + 1)(w + 0.5) pi / k)`` otherwise: DCT-like bases along
+    rows for the first half of the channels and along columns for the second.
+    """
+    half = channels // 2
+    c = torch.arange(channels, dtype=torch.float64).view(-1, 1, 1)
+    pos = torch.arange(k, dtype=torch.float64) + 0.5
+    h = pos.view(1, -1, 1).expand(channels, k, k)
+    w = pos.view(1, 1, -1).expand(channels, k, k)
+    freq = torch.where(c < half, c + 1, c - half + 1)
+    arg = torch.where(c < half, h, w)
+    out = torch.cos(freq * arg * math.pi / k)
+    return out.unsqueeze(1).to(dtype=dtype or torch.get_default_dtype(), device=device)
+
+
+def scale_channels(weight: Tensor, scale: Tensor) -> Tensor:
+    """Per-output-channel scaling layer folded into a kernel (scalar broadcasts)."""
+    return weight * scale.reshape(-1, 1, 1, 1)
+
+
+def expand_groups(weight: Tensor, groups: int, new_groups: int) -> Tensor:
+    """Re-express a grouped kernel with coarser ``new_groups`` (block-diagonal fill)."""
+    if groups == new_groups:
+        return weight
+    if groups % new_groups:
+        raise ValueError(f"cannot express groups={groups} as groups={new_groups}")
+    c_out, cin_g, kh, kw = weight.shape
+    ratio = groups // new_groups  # fine groups per coarse group
+    cout_g = c_out // groups
+    # [new_groups, ratio, cout_g, cin_g, k, k] -> block diagonal over `ratio`
+    w = weight.reshape(new_groups, ratio, cout_g, cin_g, kh, kw)
+    eye = torch.eye(ratio, dtype=weight.dtype, device=weight.device)
+    full = torch.einsum("grocij,rs->groscij", w, eye)
+    return full.reshape(c_out, ratio * cin_g, kh, kw)
+
+
+def _compose_same_groups(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
+    """Full (true) convolution of kernels, per group: ``W[c2, c0] = sum_c1 W2[c2, c1] (*) W1[c1, c0]``."""
+    c1, c0g, k1h, k1w = w1.shape
+    c2, c1g, _, _ = w2.shape
+    if c1g * groups != c1:
+        raise ValueError(f"channel mismatch in composition: {c1} intermediate channels vs {c1g}x{groups}")
+    if k1h == 1 and k1w == 1:  # cheap, common case (1x1 first): a batched matmul
+        a = w2.reshape(groups, c2 // groups, c1g, *w2.shape[2:])
+        b = w1.reshape(groups, c1g, c0g)
+        return torch.einsum("gomhw,gmi->goihw", a, b).reshape(c2, c0g, *w2.shape[2:])
+    # conv2d computes a cross-correlation; flipping W1 turns it into the true
+    # convolution the sequential rule needs (a no-op only when W1 is 1x1).
+    inp = w2.reshape(groups, c2 // groups, c1g, *w2.shape[2:]).transpose(0, 1).reshape(c2 // groups, c1, *w2.shape[2:])
+    ker = w1.reshape(groups, c1g, c0g, k1h, k1w).transpose(1, 2).reshape(groups * c0g, c1g, k1h, k1w)
+    out = F.conv2d(inp, ker.flip(-1, -2), padding=(k1h - 1, k1w - 1), groups=groups)
+    kh, kw = out.shape[-2:]
+    return out.reshape(c2 // groups, groups, c0g, kh, kw).transpose(0, 1).reshape(c2, c0g, kh, kw)
+
+
+def compose(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, int]:
+    """Sequential rule: the kernel of ``conv(W2, g2)`` applied after ``conv(W1, g1)``.
+
+    Both run with stride 1 and the same dilation; the result has spatial size
+    ``k1 + k2 - 1`` and is to be applied with the outer layer's stride/dilation.
+    Cheap paths: pointwise W2 after a finer-grouped W1 (e.g. depthwise with
+    channel expansion -> pointwise, the dw-pw branch) and depthwise W2 after a
+    coarser W1 (avg pool / frequency filter after 1x1) avoid dense expansion.
+    """
+    c1 = w1.shape[0]
+    if w2.shape[1] * g2 != c1:
+        raise ValueError(f"cannot compose: first kernel gives {c1} channels, second expects {w2.shape[1] * g2}")
+    if g1 == g2:
+        return _compose_same_groups(w1, w2, g1), g1
+    c0g, k1h, k1w = w1.shape[1:]
+    c2 = w2.shape[0]
+    if w2.shape[-2:] == (1, 1) and g1 % g2 == 0:
+        # each coarse group of W2 sees r = g1/g2 fine groups of W1
+        r = g1 // g2
+        a = w2.reshape(g2, c2 // g2, r, c1 // g1)  # [G, o, fine group, m]
+        b = w1.reshape(g2, r, c1 // g1, c0g, k1h, k1w)
+        out = torch.einsum("gorm,grmihw->gorihw", a, b)
+        return out.reshape(c2, r * c0g, k1h, k1w), g2
+    if g2 == c1 == c2 and g2 % g1 == 0:
+        # depthwise W2: per output channel, spatially convolve its row of W1
+        if (k1h, k1w) == (1, 1):
+            return w1 * w2, g1
+        k2h, k2w = w2.shape[-2:]
+        inp = w1.reshape(1, c1 * c0g, k1h, k1w)
+        ker = w2.flip(-1, -2).repeat_interleave(c0g, dim=0)
+        out = F.conv2d(F.pad(inp, (k2w - 1, k2w - 1, k2h - 1, k2h - 1)), ker, groups=c1 * c0g)
+        return out.reshape(c1, c0g, *out.shape[-2:]), g1
+    g = math.gcd(g1, g2)
+    return _compose_same_groups(expand_groups(w1, g1, g), expand_groups(w2, g2, g), g), g
+
+
+def bias_through(w: Tensor, groups: int, bias: Tensor) -> Tensor:
+    """Output of ``conv(W, groups)`` on a constant map equal to ``bias`` per channel.
+
+    This is exact for the offline path because branches pad their *input* once
+    (see ``orepa.blocks``): an intermediate bias then reaches every output pixel
+    through the full kernel, as it does through the squeezed kernel.
+    """
+    c_out, cin_g = w.shape[:2]
+    summed = w.sum(dim=(-1, -2)).reshape(groups, c_out // groups, cin_g)
+    return torch.einsum("goi,gi->go", summed, bias.reshape(groups, cin_g)).reshape(c_out)
+
+
+def compose_affine(
+    w1: Tensor, b1: Tensor | None, g1: int, w2: Tensor, b2: Tensor | None, g2: int
+) -> tuple[Tensor, Tensor | None, int]:
+    """Sequential rule with biases: ``W2 * (W1 * x + b1) + b2``."""
+    w, g = compose(w1, g1, w2, g2)
+    b = None
+    if b1 is not None:
+        b = bias_through(w2, g2, b1)
+    if b2 is not None:
+        b = b2 if b is None else b + b2
+    return w, b, g
+
+
+def add_parallel(kernels: list[tuple[Tensor, Tensor | None]], k: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """Parallel rule: sum of branch kernels with centre alignment (and their biases)."""
+    if not kernels:
+        raise ValueError("add_parallel needs at least one kernel")
+    k = k or max(w.shape[-1] for w, _ in kernels)
+    weight = sum(pad_to(w, k) for w, _ in kernels)
+    biases = [b for _, b in kernels if b is not None]
+    return weight, (sum(biases) if biases else None)
+
+
+def bn_as_affine(
+    running_mean: Tensor, running_var: Tensor, gamma: Tensor | None, beta: Tensor | None, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Eval-mode BatchNorm as a per-channel ``x * scale + shift``."""
+    inv_std = torch.rsqrt(running_var + eps)
+    scale = inv_std if gamma is None else gamma * inv_std
+    shift = -running_mean * scale
+    if beta is not None:
+        shift = shift + beta
+    return scale, shift
+
+
+def fold_bn(
+    weight: Tensor,
+    bias: Tensor | None,
+    running_mean: Tensor,
+    running_var: Tensor,
+    gamma: Tensor | None,
+    beta: Tensor | None,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """BN folding: ``BN(conv(x, W) + b) == conv(x, W') + b'`` in eval mode."""
+    scale, shift = bn_as_affine(running_mean, running_var, gamma, beta, eps)
+    new_bias = shift if bias is None else bias * scale + shift
+    return scale_channels(weight, scale), new_bias

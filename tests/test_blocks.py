@@ -1,0 +1,237 @@
+"""Every block, over a grid of conv configurations: train, then deploy exactly."""
+import itertools
+
+import pytest
+import torch
+from conftest import tol_close
+from torch import nn
+
+import orepa
+from orepa import DBBConv2d, OREPAConv2d, OREPADeepStem, OREPAVGGBlock, RepVGGBlock
+
+FACTORIES = {
+    "orepa": lambda *a, **k: OREPAConv2d(*a, **k),
+    "orepa-offline": lambda *a, **k: OREPAConv2d(*a, mode="offline", branch_norm=True, **k),
+    "orepa-scalar": lambda *a, **k: OREPAConv2d(*a, scaling="scalar", **k),
+    "orepa-noscale": lambda *a, **k: OREPAConv2d(*a, scaling="none", **k),
+    "dbb": lambda *a, **k: DBBConv2d(*a, **k),
+    "repvgg": lambda *a, **k: RepVGGBlock(*a, **k),
+    "orepa-vgg": lambda *a, **k: OREPAVGGBlock(*a, **k),
+    "repvgg-online": lambda *a, **k: OREPAConv2d(*a, branches=("kxk", "1x1", "identity"), **k),
+    "orepa-vgg-offline": lambda *a, **k: OREPAConv2d(
+        *a, branches=orepa.OREPA_BRANCHES + ("identity",), mode="offline", branch_norm=True, **k),
+}
+NEEDS_K3 = {"dbb", "repvgg", "orepa-vgg", "repvgg-online", "orepa-vgg-offline"}
+NEEDS_IDENTITY = {"repvgg-online", "orepa-vgg-offline"}
+
+# kernel size, stride, groups ("dw" = depthwise), dilation, (in, out)
+GRID = list(itertools.product([1, 3, 5, 7], [1, 2], [1, 2, "dw"], [1, 2], [(4, 8), (8, 8)]))
+
+
+def _cfg_id(c):
+    k, s, g, d, (ci, co) = c
+    return f"k{k}-s{s}-g{g}-d{d}-{ci}to{co}"
+
+
+def _build(method, cfg):
+    k, s, g, d, (ci, co) = cfg
+    groups = ci if g == "dw" else g
+    if method in NEEDS_K3 and k == 1:
+        pytest.skip("block defined for k >= 3")
+    if method in NEEDS_IDENTITY and (ci != co or s != 1):
+        pytest.skip("identity branch needs in == out and stride 1")
+    if method == "orepa-vgg-offline" and k == 1:
+        pytest.skip("block defined for k >= 3")
+    return FACTORIES[method](ci, co, k, s, dilation=d, groups=groups), ci
+
+
+def _train(model, ci, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.train()
+    for _ in range(steps):
+        x = torch.randn(4, ci, 9, 9)
+        y = model(x)
+        loss = (y - torch.randn_like(y)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=_cfg_id)
+@pytest.mark.parametrize("method", list(FACTORIES))
+def test_trained_block_deploys_exactly(method, cfg):
+    block, ci = _build(method, cfg)
+    model = nn.Sequential(block, nn.BatchNorm2d(block.out_channels))  # the post-addition norm
+    _train(model, ci)
+    model.eval()
+    x = torch.randn(2, ci, 9, 9)
+    with torch.no_grad():
+        y = model(x)
+        deployed = orepa.reparameterize(model, fuse_bn=True)
+        assert not any(isinstance(m, (orepa.ReparamConv2d, nn.BatchNorm2d)) for m in deployed.modules())
+        tol_close(deployed(x), y)
+        plain = orepa.reparameterize(model)
+        assert [type(m) for m in plain] == [nn.Conv2d, nn.BatchNorm2d]
+        tol_close(plain(x), y)
+
+
+@pytest.mark.parametrize("cfg", GRID, ids=_cfg_id)
+@pytest.mark.parametrize("branches", [None, ("kxk", "1x1", "identity")], ids=["default", "repvgg-like"])
+def test_online_equals_offline_without_bn(cfg, branches):
+    k, s, g, d, (ci, co) = cfg
+    groups = ci if g == "dw" else g
+    if branches and (ci != co or s != 1 or k == 1):
+        pytest.skip("identity branch needs in == out and stride 1")
+    on = OREPAConv2d(ci, co, k, s, dilation=d, groups=groups, branches=branches).double()
+    with torch.no_grad():
+        for p in on.parameters():
+            p.normal_()
+    off = OREPAConv2d(ci, co, k, s, dilation=d, groups=groups, branches=branches, mode="offline").double()
+    off.load_state_dict(on.state_dict())
+    x = torch.randn(2, ci, 11, 11, dtype=torch.double)
+    y_on, y_off = on(x), off(x)
+    assert y_on.shape == y_off.shape == (2, co, (11 - 1) // s + 1, (11 - 1) // s + 1)
+    tol_close(y_on, y_off, rel=1e-12)
+
+
+@pytest.mark.parametrize("method", list(FACTORIES))
+def test_every_parameter_gets_a_gradient(method):
+    block, ci = _build(method, (3, 1, 1, 1, (8, 8)))
+    with torch.no_grad():  # a zero-initialised scale (freq prior) would zero its branch's gradient
+        for name, p in block.named_parameters():
+            if "scale" in name:
+                p.fill_(0.5)
+    block(torch.randn(2, ci, 7, 7)).square().sum().backward()
+    for name, p in block.named_parameters():
+        assert p.grad is not None, name
+        assert p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("k", [5, 7])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_deep_stem_online_offline_and_deploy(k, stride):
+    on = OREPADeepStem(3, 8, k, stride).double()
+    with torch.no_grad():
+        for p in on.parameters():
+            p.normal_(std=0.3)
+    off = OREPADeepStem(3, 8, k, stride, mode="offline").double()
+    off.load_state_dict(on.state_dict())
+    x = torch.randn(2, 3, 16, 16, dtype=torch.double)
+    tol_close(on(x), off(x), rel=1e-12)
+    tol_close(orepa.reparameterize(on)(x), on(x), rel=1e-12)
+    # the stem equals (k-1)/2 stacked 3x3 layers that pad by 1 each ONLY away from the border
+    y = x
+    layers = list(on.branches["stem"])
+    for i, layer in enumerate(layers):
+        y = torch.nn.functional.conv2d(y, layer.kernel(), stride=stride if i == len(layers) - 1 else 1, padding=1)
+    n = (k - 1) // 2  # border pixels influenced by per-layer padding
+    m = -(-n // stride)
+    ref = on(x)
+    inner = (slice(None), slice(None), slice(m, ref.shape[-2] - m), slice(m, ref.shape[-1] - m))
+    tol_close(y[inner], ref[inner], rel=1e-12)
+    assert (y - ref).abs().max() > 1e-6  # and they do differ at the border
+
+
+def test_deep_stem_trains_and_deploys_in_a_resnet_stem():
+    stem = nn.Sequential(OREPADeepStem(3, 16), nn.BatchNorm2d(16), nn.ReLU())
+    _train(stem, 3)
+    stem.eval()
+    x = torch.randn(2, 3, 9, 9)
+    with torch.no_grad():
+        tol_close(orepa.reparameterize(stem, fuse_bn=True)(x), stem(x))
+
+
+def test_scale_initialisation_follows_the_supplement():
+    b = OREPAConv2d(8, 8, 3)
+    want = {"kxk": 0.25, "1x1": 1.0, "1x1_avg": 0.5, "1x1_prior": 0.0, "1x1_kxk": 0.5, "dw_pw": 0.5}
+    assert set(b.branches) == set(want)
+    for name, v in want.items():
+        assert torch.all(b.branches[name].scale.weight == v), name
+    b = OREPAConv2d(8, 8, 3, scale_init={"1x1_avg": 0.25})
+    assert torch.all(b.branches["1x1_avg"].scale.weight == 0.25)
+    r = OREPAConv2d(8, 16, 1)
+    assert set(r.branches) == {"1x1", "1x1_1x1"}
+    assert OREPAConv2d(8, 8, 3, scaling="scalar").branches["kxk"].scale.weight.shape == (1,)
+    assert not hasattr(OREPAConv2d(8, 8, 3, scaling="none").branches["kxk"], "scale")
+
+
+def test_one_x_one_kxk_branch_starts_as_identity_then_kxk():
+    b = OREPAConv2d(8, 8, 3, branches=("1x1_kxk",), scaling="none")
+    conv2 = b.branches["1x1_kxk"].conv2.weight
+    torch.testing.assert_close(b.kernel(), conv2.detach())
+
+
+def test_fixed_filters_are_not_parameters_nor_checkpointed():
+    b = OREPAConv2d(8, 8, 3)
+    names = set(b.state_dict())
+    assert not any("pool" in n or "prior" in n.split(".")[-2] for n in names if n.endswith("weight") and ".prior." in n)
+    assert "branches.1x1_prior.prior.weight" not in names
+    assert "branches.1x1_avg.pool.weight" not in names
+    assert all(p.requires_grad for p in b.parameters())
+
+
+def test_eval_mode_deploy_is_independent_of_batch():
+    block = DBBConv2d(4, 8, 3)
+    _train(nn.Sequential(block), 4)
+    block.eval()
+    x = torch.randn(3, 4, 9, 9)
+    with torch.no_grad():
+        tol_close(block(x[:1]), block(x)[:1])
+        tol_close(block.to_conv()(x), block(x))
+
+
+def test_block_exposes_conv_attributes():
+    b = OREPAConv2d(4, 8, 3, 2, dilation=2, groups=2)
+    assert (b.in_channels, b.out_channels, b.kernel_size, b.stride, b.padding, b.dilation, b.groups) == (
+        4, 8, (3, 3), (2, 2), (2, 2), (2, 2), 2)
+    assert b.kernel().shape == (8, 2, 3, 3)
+
+
+def test_bias_is_kept_through_deploy():
+    b = OREPAConv2d(4, 8, 3, bias=True)
+    with torch.no_grad():
+        b.bias.normal_()
+    x = torch.randn(1, 4, 6, 6)
+    c = orepa.reparameterize(b)
+    assert isinstance(c, nn.Conv2d) and c.bias is not None
+    tol_close(c(x), b(x))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(kernel_size=4), "even"),
+        (dict(kernel_size=(3, 5)), "square"),
+        (dict(kernel_size=3, padding=0), "padding"),
+        (dict(kernel_size=3, padding=(1, 2)), "padding"),
+        (dict(kernel_size=3, stride=(1, 2)), "stride"),
+        (dict(kernel_size=3, dilation=(1, 2)), "dilation"),
+        (dict(kernel_size=3, groups=3), "groups"),
+        (dict(kernel_size=3, branches=("kxk", "bogus")), "unknown branch"),
+        (dict(kernel_size=3, branches=()), "at least one"),
+        (dict(kernel_size=3, scaling="matrix"), "scaling"),
+        (dict(kernel_size=3, scale_init={"nope": 1.0}), "unknown branches"),
+        (dict(kernel_size=3, branches=("kxk", "identity")), "identity"),
+        (dict(kernel_size=3, branch_norm=True), "offline"),
+        (dict(kernel_size=1, branches=("kxk",)), "1x1 block"),
+        (dict(kernel_size=3, mode="lazy"), "mode"),
+    ],
+)
+def test_bad_configurations_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OREPAConv2d(4, 8, **kwargs)
+
+
+def test_more_bad_configurations():
+    with pytest.raises(ValueError, match="kernel_size >= 3"):
+        DBBConv2d(4, 8, 1)
+    with pytest.raises(ValueError, match="kernel_size >= 3"):
+        RepVGGBlock(4, 8, 1)
+    with pytest.raises(ValueError, match="deep stem"):
+        OREPADeepStem(3, 8, 3)
+    with pytest.raises(ValueError, match="identity"):
+        OREPAConv2d(4, 8, 3, branches=("identity",))
+    with pytest.raises(ValueError, match=r"expects input \[N, 4, H, W\]"):
+        OREPAConv2d(4, 8, 3)(torch.randn(1, 3, 5, 5))
+    with pytest.raises(ValueError, match="padding_mode"):
+        orepa.check_conv_config(4, 8, 3, padding_mode="reflect")

@@ -1,0 +1,200 @@
+"""Kernel algebra against running the layers on feature maps, in float64."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from orepa import kernels as K
+
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def run_seq(x, layers, pad):
+    """Apply convs (weight, groups) in sequence on x zero-padded once by `pad`."""
+    h = F.pad(x, (pad,) * 4)
+    for w, g in layers:
+        h = F.conv2d(h, w, groups=g)
+    return h
+
+
+def close(a, b, tol=1e-10):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert (a - b).abs().max().item() <= tol * (1 + b.abs().max().item())
+
+
+def test_pad_to_centres_1x1():
+    w = torch.randn(4, 3, 1, 1)
+    p = K.pad_to(w, 5)
+    assert p.shape == (4, 3, 5, 5)
+    assert torch.equal(p[:, :, 2, 2], w[:, :, 0, 0])
+    assert p.abs().sum() == w.abs().sum()
+    x = torch.randn(2, 3, 9, 9)
+    close(F.conv2d(x, p, padding=2), F.conv2d(x, w))
+    with pytest.raises(ValueError):
+        K.pad_to(torch.randn(1, 1, 3, 3), 4)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 6])
+@pytest.mark.parametrize("k", [1, 3])
+def test_identity_kernel(groups, k):
+    x = torch.randn(2, 6, 7, 7)
+    w = K.identity_kernel(6, groups, k)
+    close(F.conv2d(x, w, padding=k // 2, groups=groups), x)
+
+
+def test_identity_init_1x1_matches_paper_rule():
+    w = K.identity_init_1x1(8, 4)[:, :, 0, 0]
+    for o in range(8):
+        for i in range(4):
+            assert w[o, i] == (1.0 if o / 8 == i / 4 else 0.0)
+    x = torch.randn(1, 4, 3, 3)
+    close(F.conv2d(x, K.identity_init_1x1(4, 4, groups=2), groups=2), x)
+
+
+@pytest.mark.parametrize("k", [3, 5, 7])
+def test_avg_pool_kernel_equals_avg_pool(k):
+    x = torch.randn(2, 5, 11, 11)
+    w = K.avg_pool_kernel(5, k)
+    ref = F.avg_pool2d(x, k, stride=1, padding=k // 2, count_include_pad=True)
+    close(F.conv2d(x, w, padding=k // 2, groups=5), ref)
+
+
+@pytest.mark.parametrize("k", [3, 5, 7, 9])
+@pytest.mark.parametrize("c", [6, 7])
+def test_freq_prior_formula_any_odd_k(k, c):
+    w = K.freq_prior_kernel(c, k)
+    assert w.shape == (c, 1, k, k)
+    half = c // 2
+    for ch in range(c):
+        for h in range(k):
+            for v in range(k):
+                if ch < half:
+                    ref = math.cos((ch + 1) * (h + 0.5) * math.pi / k)
+                else:
+                    ref = math.cos((ch - half + 1) * (v + 0.5) * math.pi / k)
+                assert abs(w[ch, 0, h, v].item() - ref) < 1e-12
+    # first half varies along rows only, second half along columns only
+    assert torch.allclose(w[:half], w[:half, :, :, :1].expand_as(w[:half]))
+    assert torch.allclose(w[half:], w[half:, :, :1, :].expand_as(w[half:]))
+
+
+@pytest.mark.parametrize(
+    "c0,c1,c2,k1,k2,g",
+    [(3, 5, 4, 3, 3, 1), (4, 6, 8, 1, 3, 2), (4, 4, 6, 3, 1, 2), (6, 6, 6, 3, 5, 3), (2, 3, 2, 5, 3, 1), (4, 8, 4, 3, 3, 4)],
+)
+def test_compose_same_groups_equals_sequential_convs(c0, c1, c2, k1, k2, g):
+    w1 = torch.randn(c1, c0 // g, k1, k1)
+    w2 = torch.randn(c2, c1 // g, k2, k2)
+    w, gg = K.compose(w1, g, w2, g)
+    assert gg == g and w.shape == (c2, c0 // g, k1 + k2 - 1, k1 + k2 - 1)
+    x = torch.randn(2, c0, 10, 10)
+    p = (k1 + k2 - 2) // 2
+    close(F.conv2d(F.pad(x, (p,) * 4), w, groups=g), run_seq(x, [(w1, g), (w2, g)], p))
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_compose_depthwise_expansion_then_pointwise(g):
+    cin, e, cout, k = 4, 3, 6 if g != 4 else 8, 3
+    dw = torch.randn(cin * e, 1, k, k)
+    pw = torch.randn(cout, cin * e // g, 1, 1)
+    w, gg = K.compose(dw, cin, pw, g)
+    assert gg == g and w.shape == (cout, cin // g, k, k)
+    x = torch.randn(2, cin, 8, 8)
+    close(F.conv2d(F.pad(x, (1,) * 4), w, groups=g), run_seq(x, [(dw, cin), (pw, g)], 1))
+
+
+@pytest.mark.parametrize("k1", [1, 3])
+def test_compose_then_depthwise(k1):
+    # 1x1 (or kxk) conv followed by a per-channel filter: the avg / prior branches
+    w1 = torch.randn(6, 2, k1, k1)
+    w2 = K.freq_prior_kernel(6, 3)
+    w, gg = K.compose(w1, 2, w2, 6)
+    assert gg == 2
+    x = torch.randn(1, 4, 9, 9)
+    p = (k1 + 1) // 2
+    close(F.conv2d(F.pad(x, (p,) * 4), w, groups=2), run_seq(x, [(w1, 2), (w2, 6)], p))
+
+
+def test_compose_general_groups_fallback():
+    w1 = torch.randn(6, 2, 3, 3)  # groups 2: 4 -> 6
+    w2 = torch.randn(6, 2, 3, 3)  # groups 3: 6 -> 6
+    w, gg = K.compose(w1, 2, w2, 3)
+    assert gg == 1
+    x = torch.randn(1, 4, 8, 8)
+    close(F.conv2d(F.pad(x, (2,) * 4), w), run_seq(x, [(w1, 2), (w2, 3)], 2))
+
+
+def test_expand_groups_is_block_diagonal():
+    w = torch.randn(8, 2, 3, 3)
+    x = torch.randn(1, 8, 6, 6)
+    for new in (1, 2):
+        close(F.conv2d(x, K.expand_groups(w, 4, new), padding=1, groups=new), F.conv2d(x, w, padding=1, groups=4))
+    with pytest.raises(ValueError):
+        K.expand_groups(w, 4, 3)
+
+
+def test_compose_affine_with_bias_and_padding_once():
+    w1, b1 = torch.randn(5, 3, 1, 1), torch.randn(5)
+    w2, b2 = torch.randn(4, 5, 3, 3), torch.randn(4)
+    w, b, g = K.compose_affine(w1, b1, 1, w2, b2, 1)
+    x = torch.randn(2, 3, 7, 7)
+    ref = F.conv2d(F.conv2d(F.pad(x, (1,) * 4), w1, b1), w2, b2)  # bias reaches the border too
+    close(F.conv2d(x, w, b, padding=1), ref)
+
+
+def test_add_parallel_aligns_centres():
+    x = torch.randn(2, 3, 8, 8)
+    parts = [(torch.randn(4, 3, 3, 3), torch.randn(4)), (torch.randn(4, 3, 1, 1), None), (torch.randn(4, 3, 5, 5), None)]
+    w, b = K.add_parallel(parts)
+    ref = sum(F.conv2d(x, pw, pb, padding=pw.shape[-1] // 2) for pw, pb in parts)
+    close(F.conv2d(x, w, b, padding=2), ref)
+
+
+def test_scale_channels_vector_and_scalar():
+    w = torch.randn(4, 3, 3, 3)
+    s = torch.randn(4)
+    x = torch.randn(1, 3, 5, 5)
+    close(F.conv2d(x, K.scale_channels(w, s)), F.conv2d(x, w) * s.view(1, -1, 1, 1))
+    close(K.scale_channels(w, torch.tensor([2.0])), 2 * w)
+
+
+def test_fold_bn_matches_eval_bn():
+    conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=True)
+    bn = torch.nn.BatchNorm2d(4)
+    bn.train()
+    for _ in range(3):
+        bn(conv(torch.randn(4, 3, 6, 6)))
+    bn.weight.data.uniform_(0.5, 2)
+    bn.bias.data.normal_()
+    bn.eval()
+    x = torch.randn(2, 3, 6, 6)
+    w, b = K.fold_bn(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
+    close(F.conv2d(x, w, b, padding=1), bn(conv(x)))
+
+
+def test_gradcheck_sequential_and_parallel_squeeze():
+    w1 = torch.randn(4, 3, 1, 1, requires_grad=True)
+    w2 = torch.randn(5, 4, 3, 3, requires_grad=True)
+    dw = torch.randn(6, 1, 3, 3, requires_grad=True)
+    pw = torch.randn(5, 6, 1, 1, requires_grad=True)
+    p1 = torch.randn(5, 3, 1, 1, requires_grad=True)
+    s = torch.randn(5, requires_grad=True)
+
+    def squeeze(w1, w2, dw, pw, p1, s):
+        a, _ = K.compose(w1, 1, w2, 1)  # 1x1 -> kxk
+        b, _ = K.compose(dw, 3, pw, 1)  # dw (x2) -> pw
+        c, _ = K.compose(p1, 1, K.freq_prior_kernel(5, 3), 5)  # 1x1 -> prior
+        w, _ = K.add_parallel([(K.scale_channels(a, s), None), (b, None), (c, None), (p1, None)])
+        return w
+
+    assert torch.autograd.gradcheck(squeeze, (w1, w2, dw, pw, p1, s))
+    w3 = torch.randn(4, 4, 3, 3, requires_grad=True)  # kxk -> kxk needs the flip
+    assert torch.autograd.gradcheck(lambda a, b: K.compose(a, 1, b, 1)[0], (w3, w2))
