@@ -30,6 +30,7 @@ block; it is the single mechanism behind squeezing, BN folding and deployment.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import uuid
 from collections import OrderedDict
@@ -159,8 +160,8 @@ class ConvStep(nn.Module):
     def kernel(self) -> Tensor:
         return self.weight
 
-    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
-        return F.conv2d(x, self.weight, None, stride, 0, dilation, self.groups)
+    def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
+        return F.conv2d(x, self.weight, None, stride, padding, dilation, self.groups)
 
     def extra_repr(self) -> str:
         return f"{self.in_channels}, {self.out_channels}, k={self.kernel_size}, groups={self.groups}, init={self.init}"
@@ -191,10 +192,10 @@ class FixedKernelStep(nn.Module):
     def kernel(self) -> Tensor:
         return self.weight
 
-    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
+    def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
         if self.kind == "identity" and self.kernel_size == 1:
             return x[:, :, ::stride, ::stride]
-        return F.conv2d(x, self.weight, None, stride, 0, dilation, self.groups)
+        return F.conv2d(x, self.weight, None, stride, padding, dilation, self.groups)
 
     def extra_repr(self) -> str:
         return f"{self.kind}, channels={self.out_channels}, k={self.kernel_size}"
@@ -251,6 +252,69 @@ class Branch(nn.Sequential):
             if not _is_kernel_step(s) and not isinstance(s, (Scale, nn.BatchNorm2d)):
                 raise TypeError(f"unsupported step {type(s).__name__} in a branch")
         self._last_kernel = max(i for i, k in enumerate(kinds) if k)
+        # Zero padding may be applied at the only spatial kernel step (instead of padding the
+        # input once) when nothing before it adds a shift: the same function, no padded copy.
+        spatial = [i for i, st in enumerate(self) if _is_kernel_step(st) and _ksize(st) > 1]
+        self._pad_step = None
+        if len(spatial) <= 1:
+            i = spatial[0] if spatial else self._last_kernel
+            if not any(isinstance(st, nn.BatchNorm2d) for st in list(self)[:i]):
+                self._pad_step = i
+        self._fast_groups = self._closed_form_groups()
+
+    def _closed_form_groups(self) -> int | None:
+        """Groups of the branch kernel if its squeeze has a closed-form backward, else None.
+
+        That holds for one or two plain kernel steps (whose composition has a cheap
+        vjp) optionally ended by a scale: every branch of the OREPA blocks.
+        """
+        steps = list(self)
+        if steps and isinstance(steps[-1], Scale):
+            steps = steps[:-1]
+        if not 1 <= len(steps) <= 2 or not all(isinstance(s, (ConvStep, FixedKernelStep)) for s in steps):
+            return None
+        if len(steps) == 1:
+            return steps[0].groups
+        a, b = steps
+        return K.cheap_vjp_groups(a.weight.shape, a.groups, b.weight.shape, b.groups)
+
+    def _split(self) -> tuple[list[nn.Module], Scale | None]:
+        steps = list(self)
+        if isinstance(steps[-1], Scale):
+            return steps[:-1], steps[-1]
+        return steps, None
+
+    def kernel_closed_form(self) -> tuple[Tensor, bool]:
+        """Branch kernel with the scale folded into the last (smallest) factor; call without grad.
+
+        Returns the kernel and whether it is a fresh tensor (not a parameter itself).
+        """
+        ks, scale = self._split()
+        last = ks[-1].kernel()
+        if scale is not None:
+            last = K.scale_channels(last, scale.weight)
+        if len(ks) == 1:
+            return last, scale is not None
+        return K.compose(ks[0].kernel(), ks[0].groups, last, ks[1].groups)[0], True
+
+    def kernel_vjp(self, grad: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """``(parameter, gradient)`` pairs of ``<grad, branch kernel>`` without stored intermediates."""
+        ks, scale = self._split()
+        out = []
+        last = ks[-1].kernel()
+        if len(ks) == 2:
+            first = ks[0]
+            last_s = last if scale is None else K.scale_channels(last, scale.weight)
+            d_first, grad = K.compose_vjp(first.kernel(), first.groups, last_s, ks[1].groups, grad)
+            if isinstance(first, ConvStep):
+                out.append((first.weight, d_first))
+        if scale is not None:
+            ds = torch.einsum("oihw,oihw->o", grad, last)
+            out.append((scale.weight, ds if scale.mode == "vector" else ds.sum(0, keepdim=True)))
+            grad = K.scale_channels(grad, scale.weight)
+        if isinstance(ks[-1], ConvStep):
+            out.append((ks[-1].weight, grad))
+        return out
 
     @property
     def extent(self) -> int:
@@ -280,13 +344,25 @@ class Branch(nn.Sequential):
                     b = shift if b is None else b + shift
         return w, b, g
 
-    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
-        """Run on the feature map: pad once by the branch's receptive field, then valid steps."""
+    def run(self, x: Tensor, stride: int, dilation: int, padded: dict[int, Tensor] | None = None) -> Tensor:
+        """Run on the feature map: pad once by the branch's receptive field, then valid steps.
+
+        When one kernel step is spatial and nothing before it adds a shift, padding
+        there instead is the same function and needs no padded copy of ``x``.
+        ``padded`` shares padded inputs between branches of one block.
+        """
         p = (self.extent // 2) * dilation
-        h = F.pad(x, (p, p, p, p)) if p else x
+        h = x
+        if self._pad_step is None and p:
+            if padded is not None and p in padded:
+                h = padded[p]
+            else:
+                h = F.pad(x, (p, p, p, p))
+                if padded is not None:
+                    padded[p] = h
         for i, step in enumerate(self):
             if _is_kernel_step(step):
-                h = step.run(h, stride if i == self._last_kernel else 1, dilation)
+                h = step.run(h, stride if i == self._last_kernel else 1, dilation, p if i == self._pad_step else 0)
             else:
                 h = step(h)
         return h
@@ -315,8 +391,12 @@ class ReparamConv2d(nn.Module):
         *,
         branches: Mapping[str, Branch],
         mode: str = "online",
+        recompute: bool | str = "auto",
     ):
         super().__init__()
+        if recompute not in ("auto", True, False):
+            raise ValueError(f"recompute must be 'auto', True or False, got {recompute!r}")
+        self.recompute = recompute
         k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
         if mode not in ("online", "offline"):
             raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
@@ -339,6 +419,10 @@ class ReparamConv2d(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_channels)) if bias else None
         # token pairing this block with the BatchNorm it replaced (see AbsorbedNorm)
         self.absorbed_token: str | None = None
+        # online blocks whose branches all have closed-form backwards squeeze through
+        # _ClosedFormSqueeze: nothing but parameters is kept for backward
+        self._closed_form = mode == "online" and all(br._fast_groups == groups for br in self.branches.values())
+        self._kernel_cache: tuple | None = None
 
     @staticmethod
     def _last_kernel_index(br: Branch) -> int:
@@ -348,29 +432,137 @@ class ReparamConv2d(nn.Module):
     def has_norm(self) -> bool:
         return any(br.has_norm for br in self.branches.values())
 
-    def equivalent(self) -> tuple[Tensor, Tensor | None]:
-        """Eval-mode ``(weight, bias)`` of the whole block: the squeeze (BNs use running stats)."""
-        k = self.kernel_size[0]
+    def _fused_parts(self) -> tuple[Tensor, Tensor | None]:
         parts = []
         for br in self.branches.values():
             w, b, g = br.fuse()
             if g != self.groups:
                 w = K.expand_groups(w, g, self.groups)
             parts.append((w, b))
-        w, b = K.add_parallel(parts, k)
+        return K.add_parallel(parts, self.kernel_size[0])
+
+    def equivalent(self) -> tuple[Tensor, Tensor | None]:
+        """Eval-mode ``(weight, bias)`` of the whole block: the squeeze (BNs use running stats).
+
+        This is the reference path (plain autograd through :mod:`orepa.kernels`); deployment
+        uses it for every block. Online training uses the equal closed-form squeeze.
+        """
+        w, b = self._fused_parts()
         if self.bias is not None:
             b = self.bias if b is None else b + self.bias
         return w, b
 
+    # ---- online path: closed-form squeeze, kernel recomputation, chain order
+
+    def _squeeze_closed_form(self, names: Sequence[str]) -> Tensor:
+        """Sum of the named branches' kernels, built in place (call without grad)."""
+        k = self.kernel_size[0]
+        out = None
+        for name in names:
+            w, fresh = self.branches[name].kernel_closed_form()
+            e = w.shape[-1]
+            if out is None:
+                out = K.pad_to(w, k) if e < k else (w if fresh else w.clone())
+            else:
+                o = (k - e) // 2
+                out[:, :, o:o + e, o:o + e] += w
+        return out
+
+    def _squeeze_vjp(self, grad: Tensor, params: Sequence[Tensor], names: Sequence[str]) -> tuple[Tensor | None, ...]:
+        k = self.kernel_size[0]
+        grads: dict[int, Tensor] = {}
+        for name in names:
+            br = self.branches[name]
+            o = (k - br.extent) // 2
+            for p, g in br.kernel_vjp(grad[:, :, o:o + br.extent, o:o + br.extent]):
+                grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
+        return tuple(grads.get(id(p)) for p in params)
+
+    def _recompute(self, x: Tensor) -> bool:
+        """Rebuild the kernel in backward instead of keeping it (auto: when it outweighs the input)."""
+        if self.recompute != "auto":
+            return bool(self.recompute)
+        w_numel = self.out_channels * (self.in_channels // self.groups) * self.kernel_size[0] ** 2
+        return w_numel > x.numel()
+
+    def _route(self, x: Tensor, recompute: bool) -> tuple[list[str], list[str]]:
+        """Matrix-chain order per branch: squeeze it in kernel space, or run it on the feature map.
+
+        A 1x1 -> kxk branch costs ``C_out k^2 C_mid C_in`` MACs to compose whatever the
+        batch; on the feature map it costs ``N H W`` times its kernels' sizes. Both give
+        the same function (no BN inside), so the cheaper one for this input is taken.
+        """
+        n, _, h, w = x.shape
+        s = self.stride[0]
+        ho, wo = (h - 1) // s + 1, (w - 1) // s + 1
+        kernel_passes = 4 if recompute else 3  # forward, 2 in backward, (+1 rebuild)
+        squeezed, on_features = [], []
+        for name, br in self.branches.items():
+            steps, _ = br._split()
+            if len(steps) == 2 and isinstance(steps[0], ConvStep) and steps[0].kernel_size == 1:
+                a, b = steps
+                compose_macs = b.weight.numel() * a.weight[0].numel()
+                feature_macs = n * h * w * a.weight.numel() + n * ho * wo * b.weight.numel()
+                if 3 * feature_macs < kernel_passes * compose_macs:
+                    on_features.append(name)
+                    continue
+            squeezed.append(name)
+        return squeezed, on_features
+
+    def _online_train_forward(self, x: Tensor) -> Tensor:
+        recompute = self._recompute(x)
+        squeezed, on_features = self._route(x, recompute)
+        y = None
+        if squeezed:
+            params = [p for name in squeezed for p in self.branches[name].parameters()]
+            if recompute:
+                y = _RecomputedSqueezeConv.apply(x, self, tuple(squeezed), self.bias, *params)
+            else:
+                w = _ClosedFormSqueeze.apply(self, tuple(squeezed), *params)
+                y = F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        for name in on_features:
+            z = self.branches[name].run(x, self.stride[0], self.dilation[0])
+            y = z if y is None else y + z
+        if not squeezed and self.bias is not None:
+            y = y + self.bias.view(1, -1, 1, 1)
+        return y
+
+    def _cache_key(self) -> tuple:
+        return tuple((t.data_ptr(), t._version) for t in itertools.chain(self.parameters(), self.buffers()))
+
+    def train(self, mode: bool = True):
+        self._kernel_cache = None
+        return super().train(mode)
+
     def kernel(self) -> Tensor:
-        """The squeezed kernel of a BN-free, bias-free block (lets blocks nest as steps)."""
+        """The squeezed kernel of a BN-free, bias-free block (lets blocks nest as steps).
+
+        In eval mode without autograd the kernel is cached until a parameter changes.
+        """
         if self.has_norm or self.bias is not None:
             raise ValueError("kernel() is only defined for blocks without BN and bias; use equivalent()")
-        return self.equivalent()[0]
+        return self._squeezed()
 
-    def run(self, x: Tensor, stride: int, dilation: int) -> Tensor:
+    def _squeezed(self) -> Tensor:
+        """The summed branch kernels of an online block (its bias excluded)."""
+        cacheable = not self.training and not torch.is_grad_enabled()
+        if cacheable and self._kernel_cache is not None and self._kernel_cache[0] == self._cache_key():
+            return self._kernel_cache[1]
+        names = tuple(self.branches)
+        if not self._closed_form:
+            w = self._fused_parts()[0]
+        elif torch.is_grad_enabled():
+            params = [p for br in self.branches.values() for p in br.parameters()]
+            w = _ClosedFormSqueeze.apply(self, names, *params)
+        else:
+            w = self._squeeze_closed_form(names)
+        if cacheable:
+            self._kernel_cache = (self._cache_key(), w)
+        return w
+
+    def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
         # used when this block is a step inside another block's branch
-        return F.conv2d(x, self.kernel(), None, stride, 0, dilation, self.groups)
+        return F.conv2d(x, self.kernel(), None, stride, padding, dilation, self.groups)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
@@ -378,11 +570,13 @@ class ReparamConv2d(nn.Module):
                 f"{type(self).__name__} expects input [N, {self.in_channels}, H, W], got {list(x.shape)}"
             )
         if self.mode == "online":
-            w, b = self.equivalent()
-            return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+            if self._closed_form and torch.is_grad_enabled():
+                return self._online_train_forward(x)
+            return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
         out = None
+        padded: dict[int, Tensor] = {}  # branches with the same receptive field share one padded input
         for br in self.branches.values():
-            y = br.run(x, self.stride[0], self.dilation[0])
+            y = br.run(x, self.stride[0], self.dilation[0], padded)
             out = y if out is None else out + y
         if self.bias is not None:
             out = out + self.bias.view(1, -1, 1, 1)
@@ -406,6 +600,54 @@ class ReparamConv2d(nn.Module):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}"
         )
+
+
+class _ClosedFormSqueeze(torch.autograd.Function):
+    """Squeeze with a hand-written backward: branch gradients come from dL/dW of the
+    squeezed kernel through closed-form vjps, so no intermediate kernel is stored."""
+
+    @staticmethod
+    def forward(ctx, block: ReparamConv2d, names: tuple[str, ...], *params: Tensor) -> Tensor:
+        ctx.block, ctx.names = block, names
+        ctx.save_for_backward(*params)
+        return block._squeeze_closed_form(names)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (None, None, *ctx.block._squeeze_vjp(grad, ctx.saved_tensors, ctx.names))
+
+
+class _RecomputedSqueezeConv(torch.autograd.Function):
+    """``conv(x, squeeze(params))`` that keeps only ``x`` for backward and rebuilds the kernel
+    there: a block then costs the memory of a plain conv. Honours autocast explicitly."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, block: ReparamConv2d, names: tuple[str, ...], bias: Tensor | None, *params: Tensor):
+        w = block._squeeze_closed_form(names)
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        xin = x.to(dtype)
+        with torch.autocast(device, enabled=False):
+            y = F.conv2d(xin, w.to(dtype), None if bias is None else bias.to(dtype),
+                         block.stride, block.padding, block.dilation, block.groups)
+        ctx.block, ctx.names, ctx.x_dtype, ctx.has_bias = block, names, x.dtype, bias is not None
+        ctx.save_for_backward(xin, *params)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        xin, *params = ctx.saved_tensors
+        block = ctx.block
+        w = block._squeeze_closed_form(ctx.names)
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad_y.to(xin.dtype), xin, w.to(xin.dtype), [block.out_channels] if ctx.has_bias else None,
+            list(block.stride), list(block.padding), list(block.dilation), False, [0, 0], block.groups,
+            [ctx.needs_input_grad[0], True, ctx.has_bias],
+        )
+        grads = block._squeeze_vjp(gw.to(w.dtype), params, ctx.names)
+        gx = None if gx is None else gx.to(ctx.x_dtype)
+        gb = gb.to(w.dtype) if ctx.has_bias else None
+        return (gx, None, None, gb, *grads)
 
 
 # --------------------------------------------------------------------------- branch declarations
@@ -499,6 +741,9 @@ class OREPAConv2d(ReparamConv2d):
         branch_norm: offline prototype: a BN ends each branch instead of a scale.
         dw_expand: channel expansion of the depthwise step of ``dw_pw`` (8).
         internal_channels: width of the 1x1 -> kxk intermediate (default as DBB).
+        recompute: online training keeps no squeezed kernel for backward and rebuilds
+            it there (``True``), keeps it (``False``), or ``"auto"``: rebuild when the
+            kernel is larger than the input the conv keeps anyway (small batches, deep layers).
     """
 
     def __init__(
@@ -519,6 +764,7 @@ class OREPAConv2d(ReparamConv2d):
         branch_norm: bool = False,
         dw_expand: int = 8,
         internal_channels: int | None = None,
+        recompute: bool | str = "auto",
     ):
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
         if branches is None:
@@ -537,7 +783,7 @@ class OREPAConv2d(ReparamConv2d):
             norm=branch_norm, dw_expand=dw_expand, internal_channels=internal_channels,
         )
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches=built, mode=mode)
+                         branches=built, mode=mode, recompute=recompute)
 
 
 class DBBConv2d(ReparamConv2d):

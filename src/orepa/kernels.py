@@ -26,6 +26,8 @@ __all__ = [
     "scale_channels",
     "expand_groups",
     "compose",
+    "compose_vjp",
+    "cheap_vjp_groups",
     "compose_affine",
     "bias_through",
     "add_parallel",
@@ -125,16 +127,23 @@ def expand_groups(weight: Tensor, groups: int, new_groups: int) -> Tensor:
     return full.reshape(c_out, ratio * cin_g, kh, kw)
 
 
-def _compose_same_groups(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
+def _compose_case(w1_shape, g1: int, w2_shape, g2: int) -> str:
+    """Which evaluation of the sequential rule applies (shared by compose and compose_vjp)."""
+    c1, c2 = w1_shape[0], w2_shape[0]
+    if tuple(w2_shape[-2:]) == (1, 1) and g1 % g2 == 0:
+        return "pointwise_after"  # dw(xE) -> pw, 1x1 -> 1x1: a batched matmul
+    if g1 == g2 and tuple(w1_shape[-2:]) == (1, 1):
+        return "pointwise_first"  # 1x1 -> kxk: a batched matmul
+    if g2 == c1 == c2 and g2 % g1 == 0:
+        # per-channel filter after a coarser conv (avg pool / frequency prior after 1x1)
+        return "depthwise_after_1x1" if tuple(w1_shape[-2:]) == (1, 1) else "depthwise_after"
+    return "same_groups" if g1 == g2 else "general"
+
+
+def _conv_compose(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
     """Full (true) convolution of kernels, per group: ``W[c2, c0] = sum_c1 W2[c2, c1] (*) W1[c1, c0]``."""
     c1, c0g, k1h, k1w = w1.shape
     c2, c1g, _, _ = w2.shape
-    if c1g * groups != c1:
-        raise ValueError(f"channel mismatch in composition: {c1} intermediate channels vs {c1g}x{groups}")
-    if k1h == 1 and k1w == 1:  # cheap, common case (1x1 first): a batched matmul
-        a = w2.reshape(groups, c2 // groups, c1g, *w2.shape[2:])
-        b = w1.reshape(groups, c1g, c0g)
-        return torch.einsum("gomhw,gmi->goihw", a, b).reshape(c2, c0g, *w2.shape[2:])
     # conv2d computes a cross-correlation; flipping W1 turns it into the true
     # convolution the sequential rule needs (a no-op only when W1 is 1x1).
     inp = w2.reshape(groups, c2 // groups, c1g, *w2.shape[2:]).transpose(0, 1).reshape(c2 // groups, c1, *w2.shape[2:])
@@ -144,40 +153,85 @@ def _compose_same_groups(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
     return out.reshape(c2 // groups, groups, c0g, kh, kw).transpose(0, 1).reshape(c2, c0g, kh, kw)
 
 
+def _pw_after_operands(w1: Tensor, g1: int, w2: Tensor, g2: int):
+    c1, c0g = w1.shape[:2]
+    r = g1 // g2  # each coarse group of W2 sees r fine groups of W1
+    a = w2.reshape(g2, w2.shape[0] // g2, r, c1 // g1)  # [G, o, fine group, m]
+    b = w1.reshape(g2, r, c1 // g1, c0g, *w1.shape[-2:])
+    return a, b
+
+
 def compose(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, int]:
     """Sequential rule: the kernel of ``conv(W2, g2)`` applied after ``conv(W1, g1)``.
 
     Both run with stride 1 and the same dilation; the result has spatial size
     ``k1 + k2 - 1`` and is to be applied with the outer layer's stride/dilation.
-    Cheap paths: pointwise W2 after a finer-grouped W1 (e.g. depthwise with
-    channel expansion -> pointwise, the dw-pw branch) and depthwise W2 after a
-    coarser W1 (avg pool / frequency filter after 1x1) avoid dense expansion.
+    Cheap paths (batched matmuls / broadcasts) cover the OREPA branches: pointwise
+    after a finer-grouped conv (dw with expansion -> pw), 1x1 -> kxk, and a
+    per-channel filter after 1x1; anything else is a grouped convolution of kernels.
     """
     c1 = w1.shape[0]
     if w2.shape[1] * g2 != c1:
         raise ValueError(f"cannot compose: first kernel gives {c1} channels, second expects {w2.shape[1] * g2}")
-    if g1 == g2:
-        return _compose_same_groups(w1, w2, g1), g1
-    c0g, k1h, k1w = w1.shape[1:]
+    case = _compose_case(w1.shape, g1, w2.shape, g2)
+    c0g = w1.shape[1]
     c2 = w2.shape[0]
-    if w2.shape[-2:] == (1, 1) and g1 % g2 == 0:
-        # each coarse group of W2 sees r = g1/g2 fine groups of W1
-        r = g1 // g2
-        a = w2.reshape(g2, c2 // g2, r, c1 // g1)  # [G, o, fine group, m]
-        b = w1.reshape(g2, r, c1 // g1, c0g, k1h, k1w)
+    if case == "pointwise_after":
+        a, b = _pw_after_operands(w1, g1, w2, g2)
         out = torch.einsum("gorm,grmihw->gorihw", a, b)
-        return out.reshape(c2, r * c0g, k1h, k1w), g2
-    if g2 == c1 == c2 and g2 % g1 == 0:
-        # depthwise W2: per output channel, spatially convolve its row of W1
-        if (k1h, k1w) == (1, 1):
-            return w1 * w2, g1
+        return out.reshape(c2, (g1 // g2) * c0g, *w1.shape[-2:]), g2
+    if case == "pointwise_first":
+        a = w2.reshape(g1, c2 // g1, c1 // g1, *w2.shape[2:])
+        b = w1.reshape(g1, c1 // g1, c0g)
+        return torch.einsum("gomhw,gmi->goihw", a, b).reshape(c2, c0g, *w2.shape[2:]), g1
+    if case == "depthwise_after_1x1":
+        return w1 * w2, g1
+    if case == "depthwise_after":
+        k1h, k1w = w1.shape[-2:]
         k2h, k2w = w2.shape[-2:]
         inp = w1.reshape(1, c1 * c0g, k1h, k1w)
         ker = w2.flip(-1, -2).repeat_interleave(c0g, dim=0)
         out = F.conv2d(F.pad(inp, (k2w - 1, k2w - 1, k2h - 1, k2h - 1)), ker, groups=c1 * c0g)
         return out.reshape(c1, c0g, *out.shape[-2:]), g1
+    if case == "same_groups":
+        return _conv_compose(w1, w2, g1), g1
     g = math.gcd(g1, g2)
-    return _compose_same_groups(expand_groups(w1, g1, g), expand_groups(w2, g2, g), g), g
+    return _conv_compose(expand_groups(w1, g1, g), expand_groups(w2, g2, g), g), g
+
+
+def cheap_vjp_groups(w1_shape, g1: int, w2_shape, g2: int) -> int | None:
+    """Groups of ``compose`` if :func:`compose_vjp` has a closed form for this pair, else None."""
+    case = _compose_case(w1_shape, g1, w2_shape, g2)
+    return {"pointwise_after": g2, "pointwise_first": g1, "depthwise_after_1x1": g1}.get(case)
+
+
+def compose_vjp(w1: Tensor, g1: int, w2: Tensor, g2: int, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """Gradients of ``<grad, compose(w1, g1, w2, g2)>`` w.r.t. ``w1`` and ``w2``, in closed form.
+
+    Needs only the operands (never the composed kernel), so a squeeze can keep
+    nothing for backward. Supports the cases of :func:`cheap_vjp_groups`.
+    """
+    case = _compose_case(w1.shape, g1, w2.shape, g2)
+    c1, c0g = w1.shape[:2]
+    c2 = w2.shape[0]
+    if case == "pointwise_after":
+        a, b = _pw_after_operands(w1, g1, w2, g2)
+        gr = grad.reshape(g2, c2 // g2, g1 // g2, c0g, *w1.shape[-2:])
+        da = torch.einsum("gorihw,grmihw->gorm", gr, b)
+        db = torch.einsum("gorihw,gorm->grmihw", gr, a)
+        return db.reshape(w1.shape), da.reshape(w2.shape)
+    if case == "pointwise_first":
+        a = w2.reshape(g1, c2 // g1, c1 // g1, *w2.shape[2:])
+        b = w1.reshape(g1, c1 // g1, c0g)
+        gr = grad.reshape(g1, c2 // g1, c0g, *w2.shape[2:])
+        da = torch.einsum("goihw,gmi->gomhw", gr, b)
+        db = torch.einsum("goihw,gomhw->gmi", gr, a)
+        return db.reshape(w1.shape), da.reshape(w2.shape)
+    if case == "depthwise_after_1x1":
+        dw1 = torch.einsum("oihw,ohw->oi", grad, w2[:, 0]).reshape(w1.shape)
+        dw2 = torch.einsum("oihw,oi->ohw", grad, w1[:, :, 0, 0]).unsqueeze(1)
+        return dw1, dw2
+    raise NotImplementedError(f"no closed-form vjp for the {case!r} composition")
 
 
 def bias_through(w: Tensor, groups: int, bias: Tensor) -> Tensor:

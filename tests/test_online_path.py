@@ -1,0 +1,152 @@
+"""The fast online training path equals the reference squeeze, value and gradient.
+
+Online blocks train through a closed-form squeeze (hand-written backward, no
+intermediate kernels kept), may rebuild the kernel in backward instead of
+keeping it, and may run a 1x1 -> kxk branch on the feature map when that is
+cheaper for the input (matrix-chain order). All of it must be invisible.
+"""
+import itertools
+
+import pytest
+import torch
+from conftest import tol_close
+from torch import nn
+
+import orepa
+from orepa import kernels as K
+from orepa.blocks import _ClosedFormSqueeze
+
+
+def _randomized(block):
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_()
+    return block
+
+
+def _grads(block, x, gy):
+    y = block(x)
+    return y, torch.autograd.grad(y, [x, *block.parameters()], gy)
+
+
+CASES = list(itertools.product([1, 3, 5], [1, 2], [1, 2, "dw"], [(4, 8), (32, 32)], ["auto", True, False]))
+
+
+@pytest.mark.parametrize("k,s,g,ch,recompute", CASES)
+def test_training_path_matches_offline_reference(k, s, g, ch, recompute):
+    ci, co = ch
+    groups = ci if g == "dw" else g
+    on = _randomized(orepa.OREPAConv2d(ci, co, k, s, groups=groups, recompute=recompute, bias=True).double())
+    off = orepa.OREPAConv2d(ci, co, k, s, groups=groups, mode="offline", bias=True).double()
+    off.load_state_dict(on.state_dict())
+    for n, h in [(1, 3), (4, 9)]:  # tiny inputs take the feature route for big blocks
+        x = torch.randn(n, ci, h, h, dtype=torch.double, requires_grad=True)
+        y_on, g_on = _grads(on, x, gy := torch.randn_like(off(x)))
+        y_off, g_off = _grads(off, x, gy)
+        tol_close(y_on, y_off, rel=1e-12)
+        for a, b in zip(g_on, g_off):
+            tol_close(a, b, rel=1e-10)
+
+
+def test_chain_order_choice_depends_on_input_size():
+    block = orepa.OREPAConv2d(64, 64, 3)
+    small = torch.randn(1, 64, 4, 4)
+    large = torch.randn(16, 64, 56, 56)
+    assert "1x1_kxk" in block._route(small, block._recompute(small))[1]
+    squeezed, on_features = block._route(large, block._recompute(large))
+    assert on_features == [] and set(squeezed) == set(block.branches)
+    assert block._recompute(small) and not block._recompute(large)
+
+
+def test_closed_form_squeeze_passes_gradcheck():
+    block = orepa.OREPAConv2d(4, 6, 3, groups=2).double()
+    _randomized(block)
+    names = tuple(block.branches)
+    params = list(block.parameters())
+    assert torch.autograd.gradcheck(lambda *ps: _ClosedFormSqueeze.apply(block, names, *ps), params)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [((8, 4, 1, 1), 1, (6, 8, 3, 3), 1), ((8, 2, 1, 1), 2, (6, 4, 5, 5), 2), ((32, 1, 3, 3), 4, (6, 16, 1, 1), 2),
+     ((6, 4, 1, 1), 2, (6, 1, 3, 3), 6), ((4, 4, 1, 1), 1, (8, 4, 1, 1), 1)],
+)
+def test_compose_vjp_matches_autograd(shapes):
+    s1, g1, s2, g2 = shapes
+    w1 = torch.randn(s1, dtype=torch.double, requires_grad=True)
+    w2 = torch.randn(s2, dtype=torch.double, requires_grad=True)
+    out, _ = K.compose(w1, g1, w2, g2)
+    grad = torch.randn_like(out)
+    ref = torch.autograd.grad(out, (w1, w2), grad)
+    got = K.compose_vjp(w1, g1, w2, g2, grad)
+    for a, b in zip(got, ref):
+        tol_close(a, b, rel=1e-12)
+
+
+def test_squeeze_keeps_no_intermediate_kernels():
+    """With recomputation the block keeps for backward only its input, like a plain conv."""
+    block = orepa.OREPAConv2d(32, 32, 3, recompute=True)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    kept = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            kept.append(t.shape)
+        return t
+
+    x = torch.randn(2, 32, 8, 8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    assert kept == [x.shape]
+
+
+def test_autocast_bfloat16_on_cpu():
+    block = orepa.OREPAConv2d(16, 16, 3, recompute=True)
+    ref = orepa.OREPAConv2d(16, 16, 3, recompute=False)
+    ref.load_state_dict(block.state_dict())
+    x = torch.randn(2, 16, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = block(x), ref(x)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    tol_close(y.float(), y_ref.float(), rel=2e-2)
+    y.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in block.parameters())
+
+
+def test_eval_kernel_cache_follows_parameter_updates():
+    block = orepa.OREPAConv2d(8, 8, 3).eval()
+    x = torch.randn(1, 8, 6, 6)
+    with torch.no_grad():
+        y1 = block(x)
+        assert block._kernel_cache is not None
+        w_cached = block._kernel_cache[1]
+        assert block(x) is not None and block._kernel_cache[1] is w_cached  # reused
+        block.branches["kxk"].conv.weight.add_(1.0)  # an optimizer step would do this
+        y2 = block(x)
+    assert block._kernel_cache[1] is not w_cached
+    tol_close(y2, orepa.reparameterize(block)(x))
+    assert (y1 - y2).abs().max() > 1e-3
+    block.train()
+    assert block._kernel_cache is None
+
+
+def test_resnet_training_is_unchanged_by_the_fast_path():
+    """One SGD step of an OREPA ResNet block stack equals the offline (no BN) reference."""
+    torch.manual_seed(0)
+    net = nn.Sequential(orepa.OREPAConv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
+                        orepa.OREPAConv2d(16, 16, 3, 2), nn.BatchNorm2d(16), nn.ReLU(),
+                        orepa.OREPAConv2d(16, 32, 1), nn.BatchNorm2d(32)).double()
+    ref = nn.Sequential(orepa.OREPAConv2d(3, 16, 3, mode="offline"), nn.BatchNorm2d(16), nn.ReLU(),
+                        orepa.OREPAConv2d(16, 16, 3, 2, mode="offline"), nn.BatchNorm2d(16), nn.ReLU(),
+                        orepa.OREPAConv2d(16, 32, 1, mode="offline"), nn.BatchNorm2d(32)).double()
+    ref.load_state_dict(net.state_dict())
+    x = torch.randn(4, 3, 12, 12, dtype=torch.double)
+    for model in (net, ref):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    for (n, a), b in zip(net.state_dict().items(), ref.state_dict().values()):
+        tol_close(a.double(), b.double(), rel=1e-9)
