@@ -309,7 +309,7 @@ class Branch(nn.Sequential):
             if isinstance(first, ConvStep):
                 out.append((first.weight, d_first))
         if scale is not None:
-            ds = torch.einsum("oihw,oihw->o", grad, last)
+            ds = torch.linalg.vecdot(grad.reshape(grad.shape[0], -1), last.reshape(last.shape[0], -1))
             out.append((scale.weight, ds if scale.mode == "vector" else ds.sum(0, keepdim=True)))
             grad = K.scale_channels(grad, scale.weight)
         if isinstance(ks[-1], ConvStep):
@@ -677,8 +677,12 @@ def _branch_steps(
         return {"conv": ConvStep(cin, cout, 1, groups), **inner(cout), "prior": FixedKernelStep("prior", cout, k)}
     if name in ("1x1_kxk", "1x1_1x1"):
         kk = k if name == "1x1_kxk" else 1
-        # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
-        mid = internal or (cin if groups < cout else 2 * cin)
+        if name == "1x1_1x1":
+            # a product of two 1x1s has rank <= min(C_in, C_out): a wider intermediate adds cost, not capacity
+            mid = internal or min(cin, cout)
+        else:
+            # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
+            mid = internal or (cin if groups < cout else 2 * cin)
         return {
             "conv1": ConvStep(cin, mid, 1, groups, init="identity"),
             **inner(mid),

@@ -76,10 +76,11 @@ def identity_init_1x1(out_channels: int, in_channels: int, groups: int = 1, *, d
         raise ValueError(f"channels {in_channels}->{out_channels} not divisible by groups={groups}")
     ci, co = in_channels // groups, out_channels // groups
     w = torch.zeros(out_channels, ci, 1, 1, dtype=dtype, device=device)
-    local = torch.arange(out_channels, device=device) % co
+    rows = torch.arange(out_channels, device=device)
+    local = rows % co
     hit = (local * ci) % co == 0
-    rows = torch.arange(out_channels, device=device)[hit]
-    w[rows, (local[hit] * ci) // co, 0, 0] = 1.0
+    # no boolean indexing, so this also builds on the meta device
+    w[rows, (local * ci) // co, 0, 0] = hit.to(w.dtype)
     return w
 
 

@@ -1,0 +1,363 @@
+"""Detection / segmentation with re-param backbones (orepa.detection).
+
+Small generated images (coloured rectangles with boxes and masks), ResNet-18 at
+width x0.25, a few SGD steps per model; then ``orepa.reparameterize`` of the
+whole detector / segmenter must give the same eval outputs.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tol_close
+from torch import nn
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.ops import box_iou
+
+import orepa
+from orepa import detection as D
+from orepa.blocks import ReparamConv2d, Scale
+from orepa.models import create_model
+
+TINY = dict(width_mult=0.25)  # ResNet-18 with 16..128 channels: fast on CPU
+SIZE = 128
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # on a loaded 2-core machine OpenMP with 2 threads is ~10-30x slower for these small convs
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def shapes_data(n=4, size=SIZE, seed=0):
+    """Images with two coloured rectangles each (class 1 red, class 2 blue), boxes and masks."""
+    g = torch.Generator().manual_seed(seed)
+    colors = torch.tensor([[0.9, 0.1, 0.1], [0.1, 0.2, 0.9]])
+    imgs, targets, masks = [], [], []
+    for _ in range(n):
+        img = 0.5 + 0.05 * torch.randn(3, size, size, generator=g)
+        mask = torch.zeros(size, size, dtype=torch.long)
+        boxes, labels = [], []
+        for _ in range(2):
+            c = int(torch.randint(0, 2, (1,), generator=g))
+            w, h = torch.randint(size // 5, size // 2, (2,), generator=g).tolist()
+            x0 = int(torch.randint(0, size - w, (1,), generator=g))
+            y0 = int(torch.randint(0, size - h, (1,), generator=g))
+            img[:, y0:y0 + h, x0:x0 + w] = colors[c].view(3, 1, 1)
+            mask[y0:y0 + h, x0:x0 + w] = c + 1
+            boxes.append([x0, y0, x0 + w, y0 + h])
+            labels.append(c + 1)
+        imgs.append(img.clamp(0, 1))
+        masks.append(mask)
+        targets.append({"boxes": torch.tensor(boxes, dtype=torch.float32), "labels": torch.tensor(labels)})
+    return imgs, targets, masks
+
+
+def train(model, step_loss, iters, lr):
+    opt = torch.optim.SGD(D.param_groups(model, lr, 1e-4), lr=lr, momentum=0.9)
+    model.train()
+    losses = []
+    for it in range(iters):
+        batch = [(2 * it) % 4, (2 * it + 1) % 4]
+        loss = step_loss(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first, f"loss did not decrease: {[round(v, 3) for v in losses]}"
+    return losses
+
+
+def assert_same_detections(a, b, k=10, iou=0.99, score_tol=1e-4):
+    """Every one of ``a``'s top-k detections is in ``b`` (same label, IoU > iou, same score).
+
+    Post-processing may reorder near-tied detections, so matches are searched, not indexed.
+    """
+    assert len(a["scores"]) > 0
+    for i in a["scores"].argsort(descending=True)[:k]:
+        ious = box_iou(a["boxes"][i:i + 1], b["boxes"])[0] if len(b["boxes"]) else torch.zeros(0)
+        ok = (b["labels"] == a["labels"][i]) & (ious > iou) & ((b["scores"] - a["scores"][i]).abs() < score_tol)
+        assert ok.any(), f"detection {a['boxes'][i].tolist()} / {a['scores'][i]:.4f} lost after reparameterize"
+
+
+def plain_convs_only(model):
+    assert not any(isinstance(m, (ReparamConv2d, orepa.AbsorbedNorm)) for m in model.modules())
+
+
+def detector_loss(model, batch, imgs, targets):
+    return sum(model([imgs[i] for i in batch], [targets[i] for i in batch]).values())
+
+
+# --------------------------------------------------------------------------- features
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+@pytest.mark.parametrize("method", D.METHODS)
+def test_features_report_channels_and_strides(name, method):
+    f = D.resnet_features(name, method, **TINY)
+    out = f(torch.randn(1, 3, 64, 64))
+    assert list(out) == ["c2", "c3", "c4", "c5"]
+    assert f.strides == D.STRIDES
+    for k, v in out.items():
+        assert v.shape[1] == f.channels[k] and v.shape[-1] == 64 // f.strides[k]
+    expansion = 4 if name == "resnet50" else 1
+    assert list(f.channels.values()) == [16 * expansion, 32 * expansion, 64 * expansion, 128 * expansion]
+    assert isinstance(f.conv1, orepa.OREPADeepStem) == (method == "orepa")
+
+
+@pytest.mark.parametrize("name,method", [("resnet18", "orepa"), ("resnet50", "dbb")])
+def test_dilated_features_and_deploy(name, method):
+    f = D.resnet_features(name, method, replace_stride_with_dilation=(False, True, True), **TINY)
+    assert f.strides == {"c2": 4, "c3": 8, "c4": 8, "c5": 8}
+    x = torch.randn(1, 3, 64, 64)
+    f.eval()
+    with torch.no_grad():
+        out = f(x)
+        assert out["c5"].shape[-1] == 8
+        deployed = orepa.reparameterize(f)
+        plain_convs_only(deployed)
+        for k, v in deployed(x).items():
+            tol_close(v, out[k])
+
+
+# --------------------------------------------------------------------------- train, then deploy
+
+
+def test_fasterrcnn_trains_and_deploys():
+    torch.manual_seed(0)
+    imgs, targets, _ = shapes_data()
+    model = D.fasterrcnn(
+        "resnet18", "orepa", num_classes=None, min_size=SIZE, max_size=SIZE, fpn_channels=32,
+        backbone_options=TINY, box_head=TwoMLPHead(32 * 7 * 7, 128), box_predictor=FastRCNNPredictor(128, 3),
+        rpn_pre_nms_top_n_train=300, rpn_post_nms_top_n_train=100, rpn_pre_nms_top_n_test=300,
+        rpn_post_nms_top_n_test=100, box_batch_size_per_image=64, box_score_thresh=0.0)
+    assert isinstance(model.backbone.body.conv1, orepa.OREPADeepStem)
+    train(model, lambda m, b: detector_loss(m, b, imgs, targets), iters=10, lr=0.02)
+    model.eval()
+    with torch.no_grad():
+        out = model(imgs[:1])[0]
+        deployed = orepa.reparameterize(model)
+        plain_convs_only(deployed)
+        assert_same_detections(out, deployed(imgs[:1])[0])
+        # the raw multi-scale features agree to float tolerance
+        x = model.transform(imgs[:1])[0].tensors
+        ref, dep = model.backbone(x), deployed.backbone(x)
+        for k in ref:
+            tol_close(dep[k], ref[k])
+        # deployed backbone = the zoo's base ResNet layout, key for key
+        base = D.resnet_features("resnet18", "base", **TINY)
+        base.load_state_dict(deployed.backbone.body.state_dict(), strict=True)
+        # BNs folded as well (fx cannot trace a detector: pairs by registration order)
+        fused = orepa.reparameterize(model, fuse_bn=True)
+        assert not any(isinstance(m, nn.BatchNorm2d) for m in fused.backbone.modules())
+        assert_same_detections(out, fused(imgs[:1])[0])
+
+
+def test_retinanet_trains_and_deploys():
+    torch.manual_seed(0)
+    imgs, targets, _ = shapes_data()
+    model = D.retinanet("resnet18", "orepa", num_classes=3, min_size=SIZE, max_size=SIZE, fpn_channels=32,
+                        backbone_options=TINY, score_thresh=0.0, topk_candidates=100)
+    assert list(model.backbone.body.channels.values()) == [32, 64, 128]
+    train(model, lambda m, b: detector_loss(m, b, imgs, targets), iters=10, lr=0.05)
+    model.eval()
+    with torch.no_grad():
+        deployed = orepa.reparameterize(model)
+        plain_convs_only(deployed)
+        x = model.transform(imgs[:1])[0].tensors
+        feats, dfeats = model.backbone(x), deployed.backbone(x)
+        for k in feats:
+            tol_close(dfeats[k], feats[k])
+        head, dhead = model.head(list(feats.values())), deployed.head(list(dfeats.values()))
+        for k in head:
+            tol_close(dhead[k], head[k])
+        assert_same_detections(model(imgs[:1])[0], deployed(imgs[:1])[0])
+
+
+def seg_loss(model, batch, imgs, masks):
+    out = model(torch.stack([imgs[i] for i in batch]))
+    y = torch.stack([masks[i] for i in batch])
+    return F.cross_entropy(out["out"], y) + 0.5 * F.cross_entropy(out["aux"], y)
+
+
+def test_deeplabv3_trains_and_deploys():
+    torch.manual_seed(0)
+    imgs, _, masks = shapes_data()
+    model = D.deeplabv3("resnet18", "orepa", num_classes=3, aux_loss=True, atrous_rates=(2, 4, 6),
+                        backbone_options=TINY)
+    assert model.backbone.strides == {"aux": 8, "out": 8}
+    train(model, lambda m, b: seg_loss(m, b, imgs, masks), iters=10, lr=0.02)
+    model.eval()
+    x = torch.stack(imgs[:2])
+    with torch.no_grad():
+        ref = model(x)
+        deployed = orepa.reparameterize(model)
+        plain_convs_only(deployed)
+        for k, v in deployed(x).items():
+            tol_close(v, ref[k])
+        tol_close(orepa.reparameterize(model, fuse_bn=True)(x)["out"], ref["out"])
+
+
+@pytest.mark.parametrize("builder,method", [(D.fcn, "dbb"), (D.pspnet, "orepa-offline"),
+                                            (D.deeplabv3plus, "orepa"), (D.deeplabv3plus, "dbb")])
+def test_other_segmenters_step_and_deploy(builder, method):
+    torch.manual_seed(0)
+    imgs, _, masks = shapes_data()
+    model = builder("resnet18", method, num_classes=3, aux_loss=True, output_stride=16, backbone_options=TINY)
+    opt = torch.optim.SGD(D.param_groups(model, 0.01), lr=0.01, momentum=0.9)
+    loss = seg_loss(model.train(), [0, 1], imgs, masks)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    model.eval()
+    x = torch.stack(imgs[:2])
+    with torch.no_grad():
+        ref = model(x)
+        assert ref["out"].shape == (2, 3, SIZE, SIZE)
+        deployed = orepa.reparameterize(model)
+        plain_convs_only(deployed)
+        for k, v in deployed(x).items():
+            tol_close(v, ref[k])
+
+
+# --------------------------------------------------------------------------- norm policy, freezing, groups
+
+
+def _bns(module):
+    return [m for m in module.modules() if isinstance(m, nn.BatchNorm2d)]
+
+
+@pytest.mark.parametrize("norm", ["eval", "frozen"])
+def test_norm_policy_keeps_statistics_and_deploys_exactly(norm):
+    torch.manual_seed(0)
+    imgs, targets, _ = shapes_data()
+    model = D.fasterrcnn("resnet18", "dbb", num_classes=3, min_size=SIZE, max_size=SIZE, fpn_channels=32,
+                         backbone_options=TINY, norm=norm, trainable_layers=5, box_score_thresh=0.0)
+    body = model.backbone.body
+    for bn in _bns(body):  # random statistics, so that an update would show
+        bn.running_mean.uniform_(-0.1, 0.1)
+        bn.running_var.uniform_(0.5, 2.0)
+    stats = [(bn.running_mean.clone(), bn.running_var.clone()) for bn in _bns(body)]
+    branch_bns = [m for blk in body.modules() if isinstance(blk, ReparamConv2d) for m in _bns(blk)]
+    assert branch_bns  # DBB keeps a BN in every branch: the policy covers them too
+    model.train()
+    assert model.training and not any(bn.training for bn in _bns(body))
+    assert all(p.requires_grad == (norm == "eval") for bn in _bns(body) for p in bn.parameters())
+    opt = torch.optim.SGD(D.param_groups(model, 0.01), lr=0.01)
+    for it in range(2):
+        loss = detector_loss(model, [2 * it, 2 * it + 1], imgs, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    for bn, (mean, var) in zip(_bns(body), stats):
+        assert torch.equal(bn.running_mean, mean) and torch.equal(bn.running_var, var)
+    model.eval()
+    with torch.no_grad():
+        x = model.transform(imgs[:1])[0].tensors
+        ref = model.backbone(x)
+        deployed = orepa.reparameterize(model)
+        for k, v in deployed.backbone(x).items():
+            tol_close(v, ref[k])
+
+
+def test_trainable_layers_and_paper_stem():
+    # torchvision semantics: 3 trainable stages = layer2..4; OREPA's deep stem stays trainable (paper)
+    f = D.resnet_features("resnet18", "orepa", trainable_layers=3, **TINY)
+    assert f.frozen_stages == ("layer1",)
+    assert all(p.requires_grad for p in f.conv1.parameters())
+    assert not any(p.requires_grad for p in f.layer1.parameters())
+    assert all(p.requires_grad for p in f.layer4.parameters())
+    f.train()
+    assert f.layer4[0].bn1.training and not f.layer1[0].bn1.training  # frozen stages keep their statistics
+    g = D.resnet_features("resnet18", "orepa", trainable_layers=3, train_stem=False, **TINY)
+    assert g.frozen_stages == ("stem", "layer1")
+    assert not any(p.requires_grad for p in g.conv1.parameters())
+    h = D.resnet_features("resnet18", "dbb", trainable_layers=3, **TINY)
+    assert h.frozen_stages == ("stem", "layer1")
+    plain_stem = D.resnet_features("resnet18", "orepa", trainable_layers=3, deep_stem=False, **TINY)
+    assert plain_stem.frozen_stages == ("stem", "layer1")  # torchvision semantics without a deep stem
+    assert D.resnet_features("resnet18", "base", trainable_layers=0, **TINY).frozen_stages == D.STAGES
+    with pytest.raises(ValueError, match="trainable_layers"):
+        D.resnet_features("resnet18", "base", trainable_layers=6, **TINY)
+    with pytest.raises(ValueError, match="norm"):
+        D.resnet_features("resnet18", "base", norm="sync", **TINY)
+
+
+def test_param_groups_stem_lr_and_no_decay():
+    model = D.fasterrcnn("resnet18", "orepa", num_classes=3, backbone_options=TINY, trainable_layers=3)
+    groups = D.param_groups(model, lr=0.02, weight_decay=1e-4, stem_lr_mult=0.1)
+    by_name = {g["name"]: g for g in groups}
+    assert set(by_name) == {"stem/decay", "stem/no_decay", "backbone/decay", "backbone/no_decay",
+                            "rest/decay", "rest/no_decay"}
+    assert by_name["stem/decay"]["lr"] == pytest.approx(0.002) and by_name["rest/decay"]["lr"] == 0.02
+    stem_ids = {id(p) for p in model.backbone.body.conv1.parameters()} | {
+        id(p) for p in model.backbone.body.bn1.parameters()}
+    assert {id(p) for g in groups if g["name"].startswith("stem/") for p in g["params"]} == stem_ids
+    # every trainable parameter exactly once, frozen ones (layer1) nowhere
+    listed = [id(p) for g in groups for p in g["params"]]
+    assert len(listed) == len(set(listed))
+    assert set(listed) == {id(p) for p in model.parameters() if p.requires_grad}
+    assert not set(listed) & {id(p) for p in model.backbone.body.layer1.parameters()}
+    # no decay on norms, biases and branch scales; decay on every kernel
+    no_decay = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert (id(p) in no_decay) == (p.ndim <= 1), name
+    scales = [m.weight for m in model.modules() if isinstance(m, Scale)]
+    assert scales and all(id(p) in no_decay for p in scales if p.requires_grad)
+    torch.optim.SGD(groups, lr=0.02, momentum=0.9)  # accepted as is
+
+
+# --------------------------------------------------------------------------- pretrained weights
+
+
+def _features_of(trunk, x):
+    h = trunk.maxpool(trunk.relu(trunk.bn1(trunk.conv1(x))))
+    return trunk.layer4(trunk.layer3(trunk.layer2(trunk.layer1(h))))
+
+
+def test_load_training_form_and_deployed_weights(tmp_path):
+    torch.manual_seed(0)
+    src = create_model("resnet18", "orepa", num_classes=10, **TINY)
+    for bn in _bns(src):
+        bn.running_mean.uniform_(-0.1, 0.1)
+        bn.running_var.uniform_(0.5, 2.0)
+    src.eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        ref = _features_of(src, x)
+    # training form, saved wrapped the way training scripts do (DataParallel prefix, extra entries)
+    path = tmp_path / "orepa_r18.pth"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in src.state_dict().items()}, "epoch": 3}, path)
+    f = D.resnet_features("resnet18", "orepa", weights=path, **TINY).eval()
+    assert f.norm == "frozen" and f.frozen_stages == ("layer1",)  # pretrained defaults, deep stem trainable
+    with torch.no_grad():
+        tol_close(f(x)["c5"], ref)
+    # training form into a base backbone: reparameterized on the way
+    trunk = D.build_trunk("resnet18", "base", **TINY)
+    assert D.load_backbone_weights(trunk, src.state_dict(), name="resnet18", method="base", **TINY) \
+        == "orepa (reparameterized)"
+    # deployed (vanilla layout) checkpoint into a base backbone
+    deployed = orepa.reparameterize(src).state_dict()
+    g = D.resnet_features("resnet18", "base", weights=deployed, **TINY).eval()
+    with torch.no_grad():
+        tol_close(_features_of(trunk.eval(), x), ref)
+        tol_close(g(x)["c5"], ref)
+
+
+def test_weight_mismatches_are_explained():
+    src = create_model("resnet18", "orepa", **TINY)
+    deployed = orepa.reparameterize(src.eval()).state_dict()
+    with pytest.raises(ValueError, match="deployed / vanilla.*method='base'"):
+        D.resnet_features("resnet18", "orepa", weights=deployed, **TINY)
+    with pytest.raises(ValueError, match="'orepa' training form"):
+        D.resnet_features("resnet18", "dbb", weights=src.state_dict(), **TINY)
+    with pytest.raises(ValueError, match="does not match resnet34"):
+        D.resnet_features("resnet34", "base", weights=deployed, **TINY)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        D.resnet_features("resnet18", "base", weights=deployed, width_mult=0.5)
+    with pytest.raises(ValueError, match="not a ResNet-family"):
+        D.resnet_features("repvgg_a0", "base")

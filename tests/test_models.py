@@ -1,0 +1,275 @@
+"""Model zoo: every (name, method) builds, trains, deploys exactly, and deploys to the vanilla layout."""
+import contextlib
+
+import pytest
+import torch
+import torchvision
+from conftest import tol_close
+from torch import nn
+
+import orepa
+import orepa.models as zoo
+
+ALL = [(n, m) for n in zoo.list_models() for m in zoo.list_methods(n)]
+TORCHVISION = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d"]
+# full eval-output equality after reparameterize: the small models, all methods, and a few big ones
+EXACT = {(n, m) for n, m in ALL if n in ("resnet18", "repvgg_a0")} | {
+    ("resnet50", "orepa"), ("resnet50", "dbb"), ("resnext50_32x4d", "orepa"), ("wide_resnet18_2", "orepa"),
+}
+SMALL = dict(num_classes=5, small_input=True, width_mult=0.25)  # same depth and branches, quarter width
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # these tests are dominated by per-op overhead; one thread avoids oversubscribing shared cores
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@contextlib.contextmanager
+def meta_device():
+    """Build on the meta device (shapes only, no memory, no init compute)."""
+    with torch.device("meta"):
+        yield
+
+
+def _move_bn_stats(model, x):
+    model.train()
+    with torch.no_grad():
+        for _ in range(2):
+            model(x + 0.1 * torch.randn_like(x))
+    model.eval()
+
+
+@pytest.mark.parametrize("name,method", ALL, ids=[f"{n}-{m}" for n, m in ALL])
+def test_builds_trains_and_reparameterizes(name, method):
+    model = zoo.create_model(name, method, **SMALL)
+    x = torch.randn(2, 3, 16, 16)
+    model.train()
+    y = model(x)
+    assert y.shape == (2, 5) and torch.isfinite(y).all()
+    y.square().mean().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient for {missing[:5]}"
+    n_blocks = sum(isinstance(m, orepa.ReparamConv2d) for m in model.modules())
+    assert (n_blocks == 0) == (method == "base")
+    if (name, method) not in EXACT:
+        return
+    torch.optim.SGD(model.parameters(), lr=0.05).step()  # move every parameter (scales init at 0 too)
+    _move_bn_stats(model, x)
+    with torch.no_grad():
+        y = model(x)
+        deployed = orepa.reparameterize(model)
+        assert not any(isinstance(m, (orepa.ReparamConv2d, orepa.AbsorbedNorm)) for m in deployed.modules())
+        base = zoo.create_model(name, "base", **SMALL)
+        base.load_state_dict(deployed.state_dict(), strict=True)
+        assert [(n, type(m)) for n, m in base.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
+        tol_close(base.eval()(x), y)
+        tol_close(orepa.reparameterize(model, fuse_bn=True)(x), y)
+
+
+@pytest.mark.parametrize("method", zoo.list_methods("resnet18"))
+@pytest.mark.parametrize("name", TORCHVISION)
+def test_deployed_loads_strictly_into_torchvision(name, method):
+    """Full size on the meta device: keys, shapes and module types of the deployed model are torchvision's."""
+    with meta_device():
+        model = zoo.create_model(name, method)
+        deployed = orepa.reparameterize(model.eval(), inplace=True)
+        tv = getattr(torchvision.models, name)()
+    tv.load_state_dict(deployed.state_dict(), strict=True)  # meta -> meta: checks keys and shapes
+    assert [(n, type(m).__name__) for n, m in tv.named_modules()] == [
+        (n, type(m).__name__) for n, m in deployed.named_modules()]
+
+
+def test_torchvision_checkpoint_loads_into_base_and_matches():
+    tv = torchvision.models.resnet18(num_classes=7).eval()
+    _move_bn_stats(tv, torch.randn(2, 3, 32, 32))
+    base = zoo.create_model("resnet18", "base", num_classes=7).eval()
+    base.load_state_dict(tv.state_dict(), strict=True)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(base(x), tv(x), rtol=0, atol=0)
+    # same names, types and shapes for the others (meta device: no weights needed)
+    with meta_device():
+        for name in TORCHVISION[1:]:
+            tvm = getattr(torchvision.models, name)()
+            zoo.create_model(name, "base").load_state_dict(tvm.state_dict(), strict=True)
+
+
+def test_wide_resnet18_is_resnet18_with_wider_stages():
+    for name, mult in (("wide_resnet18_1_5", 1.5), ("wide_resnet18_2", 2.0)):
+        with meta_device():
+            wide = zoo.create_model(name, "base")
+            ref = zoo.create_model("resnet18", "base", width_mult=mult)
+            deployed = orepa.reparameterize(zoo.create_model(name, "orepa").eval(), inplace=True) if mult == 2 else wide
+        shapes = {k: v.shape for k, v in wide.state_dict().items()}
+        assert shapes == {k: v.shape for k, v in ref.state_dict().items()}
+        assert shapes == {k: v.shape for k, v in deployed.state_dict().items()}
+        assert shapes["layer4.1.conv2.weight"][0] == int(512 * mult) and shapes["conv1.weight"][0] == int(64 * mult)
+
+
+def test_repvgg_widths_depths_and_params():
+    # RepVGG paper, Table 2: deployed params (M) of A0, A1, A2, B0, B1
+    expected = {"repvgg_a0": 8.30, "repvgg_a1": 12.78, "repvgg_a2": 25.49, "repvgg_b0": 14.33, "repvgg_b1": 51.82}
+    for name, mparams in expected.items():
+        with meta_device():
+            m = zoo.create_model(name, "base")
+        n = sum(p.numel() for p in m.parameters()) / 1e6
+        assert abs(n - mparams) < 0.03, (name, n)
+    m = zoo.create_model("repvgg_a0", "base", num_classes=3)
+    assert isinstance(zoo.create_model("repvgg_a0", num_classes=3).stage1[0].conv, orepa.OREPAVGGBlock)  # default method
+    assert isinstance(zoo.create_model("resnet18", num_classes=3).layer1[0].conv1, orepa.OREPAConv2d)
+    assert [len(getattr(m, f"stage{i}")) for i in range(1, 5)] == [2, 4, 14, 1]
+    assert m.stage0.conv.out_channels == 48 and m.stage4[0].conv.out_channels == 1280
+    assert m(torch.randn(1, 3, 64, 64)).shape == (1, 3)
+
+
+def test_small_input_and_in_chans():
+    m = zoo.create_model("resnet18", "orepa", num_classes=10, in_chans=1, small_input=True, width_mult=0.5)
+    assert isinstance(m.maxpool, nn.Identity) and isinstance(m.conv1, orepa.OREPAConv2d)
+    assert m.conv1.kernel_size == (3, 3) and m.conv1.stride == (1, 1) and m.conv1.in_channels == 1
+    assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    r = zoo.create_model("repvgg_a0", "orepa-vgg", num_classes=10, in_chans=1, small_input=True, width_mult=0.25)
+    assert r.forward_features(torch.randn(2, 1, 28, 28)).shape[-1] == 4  # 28 / 8 (rounded up)
+
+
+# --------------------------------------------------------------------------- components and ablations
+
+
+def _branches(block):
+    return set(block.branches)
+
+
+def test_orepa_resnet_components_by_default():
+    m = zoo.create_model("resnet50", "orepa", width_mult=0.25)
+    assert isinstance(m.conv1, orepa.OREPADeepStem) and isinstance(m.bn1, nn.BatchNorm2d)
+    assert _branches(m.layer1[0].conv2) == set(orepa.OREPA_BRANCHES)
+    assert _branches(m.layer1[0].conv1) == {"1x1", "1x1_1x1"}  # Rep-1x1 in bottlenecks
+    assert _branches(m.layer1[0].downsample[0]) == {"1x1", "1x1_1x1"}
+    assert isinstance(m.layer1[0].bn2, nn.BatchNorm2d)  # the post-addition norm stays
+    r18 = zoo.create_model("resnet18", "orepa", width_mult=0.25)
+    assert isinstance(r18.conv1, orepa.OREPADeepStem)
+    assert type(r18.layer2[0].downsample[0]) is nn.Conv2d  # Rep-1x1 is for bottlenecks only
+    dbb = zoo.create_model("resnet18", "dbb", width_mult=0.25)
+    assert type(dbb.conv1) is nn.Conv2d and isinstance(dbb.layer1[0].conv1, orepa.DBBConv2d)
+    assert isinstance(dbb.layer1[0].bn1, orepa.AbsorbedNorm)
+
+
+def test_component_presets_build_the_table_rows():
+    rows = {
+        "online-only": {"kxk", "1x1", "1x1_avg", "1x1_kxk"},
+        "freq-prior": {"kxk", "1x1", "1x1_avg", "1x1_kxk", "1x1_prior"},
+        "dw-sep": set(orepa.OREPA_BRANCHES),
+        "deep-stem": set(orepa.OREPA_BRANCHES),
+        "rep-1x1": set(orepa.OREPA_BRANCHES),
+    }
+    for preset, branches in rows.items():
+        for method in ("orepa", "orepa-offline") if preset in ("online-only", "rep-1x1") else ("orepa",):
+            m = zoo.create_model("resnet50", method, preset=preset, width_mult=0.25)
+            block = m.layer2[0].conv2
+            assert _branches(block) == branches, (preset, method)
+            assert block.mode == ("online" if method == "orepa" else "offline")
+            assert isinstance(m.conv1, orepa.OREPADeepStem) == (preset in ("deep-stem", "rep-1x1")), preset
+            assert isinstance(m.layer2[0].conv1, orepa.OREPAConv2d) == (preset == "rep-1x1"), preset
+            assert isinstance(m.layer2[0].downsample[0], orepa.OREPAConv2d) == (preset == "rep-1x1")
+    # the online-only block is the linearized DBB: DBB's branches with scales instead of BNs
+    dbb = zoo.create_model("resnet18", "dbb", width_mult=0.25).layer1[0].conv1
+    lin = zoo.create_model("resnet18", "orepa", preset="online-only", width_mult=0.25).layer1[0].conv1
+    assert _branches(dbb) == _branches(lin)
+    assert not any(isinstance(s, nn.BatchNorm2d) for s in lin.modules())
+    with pytest.raises(ValueError, match="bottleneck"):
+        zoo.create_model("resnet18", "orepa", preset="rep-1x1")
+    # explicit options override the preset
+    m = zoo.create_model("resnet18", "orepa", preset="online-only", deep_stem=True, width_mult=0.25)
+    assert isinstance(m.conv1, orepa.OREPADeepStem) and _branches(m.layer1[0].conv1) == rows["online-only"]
+
+
+def test_linearization_presets():
+    def scales(m):
+        return {s.mode for s in m.modules() if isinstance(s, orepa.Scale)}
+
+    kw = dict(width_mult=0.25, num_classes=4)
+    assert scales(zoo.create_model("resnet18", "orepa", preset="vector-scaling", **kw)) == {"vector"}
+    assert scales(zoo.create_model("resnet18", "orepa", preset="scalar-scaling", **kw)) == {"scalar"}
+    assert scales(zoo.create_model("resnet18", "orepa", preset="no-scaling", **kw)) == set()
+    m = zoo.create_model("resnet18", "orepa", preset="no-post-bn", **kw)
+    assert isinstance(m.bn1, nn.Identity) and isinstance(m.layer1[0].bn2, nn.Identity)
+    assert isinstance(m.layer2[0].downsample[1], nn.BatchNorm2d)  # plain 1x1 conv keeps its BN
+    x = torch.randn(2, 3, 32, 32)
+    m.eval()
+    with torch.no_grad():
+        y = m(x)
+        deployed = orepa.reparameterize(m)
+        tol_close(deployed(x), y)
+    with pytest.raises(RuntimeError):  # the one variant that is not vanilla-loadable
+        torchvision.models.resnet18(num_classes=4).load_state_dict(deployed.state_dict(), strict=True)
+    with pytest.raises(ValueError, match="components"):
+        zoo.create_model("resnet18", "orepa-offline", preset="scalar-scaling")
+    with pytest.raises(ValueError, match="post_bn"):
+        zoo.create_model("resnet18", "orepa-offline", post_bn=False)
+
+
+def test_repvgg_methods_structure():
+    kw = dict(width_mult=0.25, num_classes=4)
+    online = zoo.create_model("repvgg_a0", "repvgg-online", **kw)
+    assert _branches(online.stage1[0].conv) == {"kxk", "1x1"} and online.stage1[0].conv.mode == "online"
+    assert _branches(online.stage1[1].conv) == {"kxk", "1x1", "identity"}
+    assert isinstance(online.stage1[1].bn, nn.BatchNorm2d)
+    ovgg = zoo.create_model("repvgg_a0", "orepa-vgg", **kw)
+    blk = ovgg.stage1[1].conv
+    assert isinstance(blk, orepa.OREPAVGGBlock) and _branches(blk) == {"kxk", "1x1", "identity"}
+    assert _branches(blk.branches["kxk"].orepa) == {"kxk", "1x1_kxk", "1x1_avg", "1x1_prior", "dw_pw"}
+    off = zoo.create_model("repvgg_a0", "orepa-vgg-offline", **kw)
+    blk = off.stage1[1].conv
+    assert blk.mode == "offline" and _branches(blk) == set(orepa.OREPA_BRANCHES) | {"identity"}
+    assert all(br.has_norm for br in blk.branches.values())
+    assert _branches(off.stage1[0].conv) == set(orepa.OREPA_BRANCHES)
+    rep = zoo.create_model("repvgg_a0", "repvgg", **kw)
+    assert isinstance(rep.stage1[1].conv, orepa.RepVGGBlock) and isinstance(rep.stage1[1].bn, orepa.AbsorbedNorm)
+
+
+def test_invalid_names_methods_options():
+    with pytest.raises(ValueError, match="resnet18.*repvgg_a0"):
+        zoo.create_model("resnet19")
+    with pytest.raises(ValueError, match="orepa-offline"):
+        zoo.create_model("resnet18", "repvgg")
+    with pytest.raises(ValueError, match="repvgg-online"):
+        zoo.create_model("repvgg_a0", "dbb")
+    with pytest.raises(ValueError, match="accepted"):
+        zoo.create_model("resnet18", "base", scaling="scalar")
+    with pytest.raises(ValueError, match="online-only"):
+        zoo.create_model("resnet18", "orepa", preset="nope")
+    assert zoo.list_models("repvgg") == [n for n in zoo.list_models() if n.startswith("repvgg")]
+    assert len(ALL) == 8 * 4 + 5 * 5
+
+
+def test_flops_on_meta_equal_cpu():
+    """The model cards count FLOPs on the meta device: same count as on CPU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(device_ctx):
+        with device_ctx:
+            m = zoo.create_model("resnet18", "orepa", width_mult=0.25).eval()
+            x = torch.randn(1, 3, 32, 32)
+            with FlopCounterMode(display=False) as fc, torch.no_grad():
+                m(x)
+        return fc.get_total_flops()
+
+    assert flops(meta_device()) == flops(contextlib.nullcontext()) > 0
+
+
+@pytest.mark.parametrize("method,opts", [("orepa", {}), ("orepa-offline", dict(deep_stem=True))])
+def test_deep_stem_models_deploy_exactly(method, opts):
+    """The 7x7 stem (not small_input) as a linear deep stem, online and offline."""
+    model = zoo.create_model("resnet18", method, num_classes=5, width_mult=0.25, **opts)
+    assert isinstance(model.conv1, orepa.OREPADeepStem)
+    assert model.conv1.mode == ("online" if method == "orepa" else "offline")
+    x = torch.randn(2, 3, 32, 32)
+    _move_bn_stats(model, x)
+    with torch.no_grad():
+        y = model(x)
+        base = zoo.create_model("resnet18", "base", num_classes=5, width_mult=0.25)
+        base.load_state_dict(orepa.reparameterize(model).state_dict(), strict=True)
+        tol_close(base.eval()(x), y)

@@ -1,0 +1,73 @@
+"""timm registration of the model zoo: names, create_model pass-through, features_only."""
+import pytest
+import torch
+
+timm = pytest.importorskip("timm")
+
+import orepa  # noqa: E402
+import orepa.models as zoo  # noqa: E402
+from orepa.models import timm_registry  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_every_name_and_method_is_registered():
+    expected = {f"{m.replace('-', '_')}_{n}" for n in zoo.list_models() for m in zoo.list_methods(n)}
+    assert set(zoo.TIMM_REGISTERED) == expected and len(expected) == 57
+    assert expected <= set(timm.list_models())
+    assert {"orepa_resnet50", "dbb_resnet18", "base_resnet18", "orepa_offline_resnet50", "orepa_vgg_repvgg_a0",
+            "repvgg_online_repvgg_a0", "orepa_vgg_offline_repvgg_a0", "repvgg_repvgg_a0"} <= expected
+    assert timm_registry.timm_name("repvgg_a0", "orepa-vgg-offline") == "orepa_vgg_offline_repvgg_a0"
+    assert timm_registry.register() == zoo.TIMM_REGISTERED  # idempotent
+    assert timm.models.get_pretrained_cfg("orepa_resnet50").first_conv == "conv1"
+
+
+def test_create_model_passes_options_through():
+    m = timm.create_model("orepa_resnet18", num_classes=10, in_chans=1, small_input=True, width_mult=0.25,
+                          preset="online-only")
+    assert isinstance(m.layer1[0].conv1, orepa.OREPAConv2d)
+    assert set(m.layer1[0].conv1.branches) == {"kxk", "1x1", "1x1_avg", "1x1_kxk"}
+    assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    assert m.pretrained_cfg["classifier"] == "fc" and m.get_classifier() is m.fc
+    m.reset_classifier(0)
+    assert m(torch.randn(1, 1, 28, 28)).shape == (1, 128)
+    with pytest.raises(ValueError, match="pretrained"):
+        timm.create_model("orepa_resnet18", pretrained=True)
+    with pytest.raises(ValueError, match="accepted"):
+        timm.create_model("base_resnet18", drop_rate=0.1)
+
+
+@pytest.mark.parametrize("variant,chans,reductions", [
+    ("orepa_resnet50", [16, 64, 128, 256, 512], [2, 4, 8, 16, 32]),
+    ("dbb_resnet18", [16, 16, 32, 64, 128], [2, 4, 8, 16, 32]),
+    ("orepa_vgg_repvgg_a0", [12, 12, 24, 48, 320], [2, 4, 8, 16, 32]),
+])
+def test_features_only(variant, chans, reductions):
+    m = timm.create_model(variant, features_only=True, width_mult=0.25)
+    assert m.feature_info.channels() == chans and m.feature_info.reduction() == reductions
+    x = torch.randn(2, 3, 64, 64)
+    feats = m(x)
+    assert [f.shape[1] for f in feats] == chans
+    assert [64 // f.shape[-1] for f in feats] == reductions
+    sub = timm.create_model(variant, features_only=True, out_indices=(2, 4), width_mult=0.25)
+    assert [f.shape[1] for f in sub(x)] == [chans[2], chans[4]]
+
+
+def test_features_only_small_input_and_deployed_backbone():
+    m = timm.create_model("orepa_resnet18", features_only=True, small_input=True, width_mult=0.25, in_chans=1)
+    x = torch.randn(2, 1, 32, 32)
+    assert m.feature_info.reduction() == [1, 1, 2, 4, 8]
+    assert [f.shape[-1] for f in m(x)] == [32, 32, 16, 8, 4]
+    # the feature extractor reparameterizes like the classifier
+    m.eval()
+    with torch.no_grad():
+        ref = m(x)
+        deployed = orepa.reparameterize(m)
+        for a, b in zip(deployed(x), ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
