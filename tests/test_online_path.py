@@ -94,7 +94,8 @@ def test_squeeze_keeps_no_intermediate_kernels():
             kept.append(t.shape)
         return t
 
-    x = torch.randn(2, 32, 8, 8, requires_grad=True)
+    x = torch.randn(16, 32, 16, 16, requires_grad=True)
+    assert block._route(x, True)[1] == []  # every branch squeezed for this input
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
     assert kept == [x.shape]

@@ -215,7 +215,7 @@ class Scale(nn.Module):
         return self.weight, None
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight.view(1, -1, 1, 1)
+        return x * self.weight.view(1, -1, 1, 1).to(x.dtype)  # keeps autocast's dtype
 
     def extra_repr(self) -> str:
         return f"{self.mode}, size={self.weight.numel()}"
@@ -490,7 +490,8 @@ class ReparamConv2d(nn.Module):
 
         A 1x1 -> kxk branch costs ``C_out k^2 C_mid C_in`` MACs to compose whatever the
         batch; on the feature map it costs ``N H W`` times its kernels' sizes. Both give
-        the same function (no BN inside), so the cheaper one for this input is taken.
+        the same function (no BN inside), so the cheaper one for this input is taken
+        (small batches and deep layers run such branches on the feature map).
         """
         n, _, h, w = x.shape
         s = self.stride[0]
@@ -499,11 +500,15 @@ class ReparamConv2d(nn.Module):
         squeezed, on_features = [], []
         for name, br in self.branches.items():
             steps, _ = br._split()
-            if len(steps) == 2 and isinstance(steps[0], ConvStep) and steps[0].kernel_size == 1:
+            if len(steps) == 2 and isinstance(steps[0], ConvStep) and br._pad_step is not None:
                 a, b = steps
                 compose_macs = b.weight.numel() * a.weight[0].numel()
+                # kernel-space products contract over C_mid / groups; short contractions
+                # (dw x8 -> pw: 8, 1x1 -> per-channel filter: 1) run far below peak
+                contraction = a.out_channels // max(a.groups, b.groups)
+                compose_cost = compose_macs * 256 / min(256, contraction)
                 feature_macs = n * h * w * a.weight.numel() + n * ho * wo * b.weight.numel()
-                if 3 * feature_macs < kernel_passes * compose_macs:
+                if 3 * feature_macs < kernel_passes * compose_cost:
                     on_features.append(name)
                     continue
             squeezed.append(name)

@@ -13,7 +13,13 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("orepa.apps.demo", "convert a ResNet-18, train a few steps, reparameterize, compare"),
+    "demo": ("orepa.apps.demo", "Fashion-MNIST: train OREPA and base ResNets, reparameterize, compare (~10 min CPU)"),
+    "train": ("orepa.apps.train", "train a model with the paper's recipe (Fashion-MNIST by default; torchrun for DDP)"),
+    "eval": ("orepa.apps.evaluate", "top-1/top-5 of a training-form or deployed checkpoint"),
+    "reparam": ("orepa.apps.reparam", "turn a training checkpoint into a deployed (vanilla / BN-folded) one, verified"),
+    "bench": ("orepa.apps.bench", "training cost of re-param methods side by side (time, memory, FLOPs)"),
+    "analyze": ("orepa.apps.analyze", "branch similarity and branch norms of every re-param block (Fig. viz)"),
+    "export": ("orepa.apps.export", "deploy a zoo model (reparameterize + fold BN), export to ONNX / TorchScript, verify"),
 }
 
 

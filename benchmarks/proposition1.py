@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Proposition 1, checked: exact update comparison (float64) and the branch-similarity experiment.
+
+    python benchmarks/proposition1.py --out-dir bench_results/proposition1            # defaults below
+    python benchmarks/proposition1.py --steps 600 --width 16 --batch 64               # the docs/analysis.md run
+
+Writes ``proposition1.json`` (every number), ``similarity_curves.png`` (mean
+off-diagonal cosine of the branch kernels and of their accumulated updates over
+training, per scaling) and ``similarity_final.png`` (the final matrices).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from orepa.analysis.proposition1 import proposition1_table, similarity_experiment
+
+
+def plot(exp: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = exp["runs"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for s, r in runs.items():
+        h = r["history"]
+        axes[0].plot([p["step"] for p in h], [p["mean_cos"] for p in h], label=s)
+        axes[1].plot([p["step"] for p in h[1:]], [p["update_cos"] for p in h[1:]], label=s)
+        axes[2].plot([p["step"] for p in h[1:]], [p["loss"] for p in h[1:]], label=s)
+    axes[0].set_title("branch kernels: mean off-diagonal cosine", fontsize=9)
+    axes[1].set_title("branch updates K_j(t)-K_j(0): mean off-diagonal cosine", fontsize=9)
+    axes[2].set_title("training loss (batch)", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8, title="scaling", title_fontsize=8)
+    c = exp["config"]
+    fig.suptitle(f"TinyOREPANet width {c['width']}, {c['data']} ({c['n_train']} images), batch {c['batch']}, "
+                 f"lr {c['lr']}, seed {c['seed']}", fontsize=8)
+    fig.tight_layout()
+    curves = out / "similarity_curves.png"
+    fig.savefig(curves, dpi=120)
+    plt.close(fig)
+
+    blocks = list(next(iter(runs.values()))["final_cosine"])
+    fig, axes = plt.subplots(2 * len(runs), len(blocks), figsize=(3.0 * len(blocks), 2.9 * 2 * len(runs)),
+                             squeeze=False)
+    for i, (s, r) in enumerate(runs.items()):
+        names = r["branches"]
+        for row, (key, what) in enumerate((("final_cosine", "kernels"), ("final_update_cosine", "updates"))):
+            for j, b in enumerate(blocks):
+                ax = axes[2 * i + row][j]
+                m = r[key][b]
+                ax.imshow(m, vmin=-1, vmax=1, cmap="RdBu_r")
+                for a in range(len(m)):
+                    for bb in range(len(m)):
+                        ax.text(bb, a, f"{m[a][bb]:.2f}", ha="center", va="center", fontsize=5)
+                ax.set_xticks(range(len(names)), names, rotation=90, fontsize=5)
+                ax.set_yticks(range(len(names)), names, fontsize=5)
+                ax.set_title(f"{s}: {b} {what}", fontsize=7)
+    fig.tight_layout()
+    final = out / "similarity_final.png"
+    fig.savefig(final, dpi=110)
+    plt.close(fig)
+    return [curves, final]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default="bench_results/proposition1")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--width", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--n-train", type=int, default=4096)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--data", default="fashion-mnist", choices=["fashion-mnist", "synthetic"])
+    p.add_argument("--scalings", nargs="+", default=["none", "scalar", "vector"])
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    rows = proposition1_table(steps=20)
+    print("(a) end-to-end SGD update, multi-branch (3 branches) vs single conv-scale, float64")
+    print(f"{'scaling':<8}{'steps':>6}{'diff @ same lr':>16}{'diff @ kernel lr x M':>22}{'span residual':>15}")
+    for r in rows:
+        print(f"{r['scaling']:<8}{r['steps']:>6}{r['diff_same_lr']:>16.2e}{r['diff_kernel_lr_x_M']:>22.2e}"
+              f"{r['span_residual']:>15.2e}")
+
+    experiments = []
+    for seed in args.seeds:
+        exp = similarity_experiment(args.scalings, steps=args.steps, batch=args.batch, lr=args.lr, width=args.width,
+                                    n_train=args.n_train, data=args.data, seed=seed, log_every=max(args.steps // 20, 1),
+                                    log=print)
+        experiments.append(exp)
+    print("\n(b) mean off-diagonal cosine after training (kernels | accumulated updates), test accuracy")
+    print(f"{'seed':>4} " + "".join(f"{s:>30}" for s in args.scalings))
+    for exp in experiments:
+        cells = [f"{r['initial_mean_cos']:+.3f}->{r['final_mean_cos']:+.3f} | {r['final_update_cos']:+.3f} "
+                 f"{100 * r['test_accuracy']:4.1f}%" for r in exp["runs"].values()]
+        print(f"{exp['config']['seed']:>4} " + "".join(f"{c:>30}" for c in cells))
+    files = plot(experiments[0], out)
+    (out / "proposition1.json").write_text(json.dumps({"update_check": rows, "experiments": experiments}, indent=1))
+    print("wrote", out / "proposition1.json", *files)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

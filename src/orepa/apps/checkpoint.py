@@ -1,0 +1,229 @@
+"""Checkpoints: atomic writes, ``weights_only=True`` reads, clear errors.
+
+A checkpoint is a dict of tensors and primitive values only, so it loads with
+``torch.load(weights_only=True)`` (no code runs when reading it)::
+
+    format       "orepa-checkpoint"
+    version      1
+    form         "train" | "deploy" | "deploy-fused"
+    model_cfg    {"model", "method", "num_classes", "in_chans", "small_input", "width_mult", "options"}
+    model        state_dict of the model in that form
+    model_ema    state_dict of the EMA copy (optional)
+    optimizer, lr_scheduler, scaler     state_dicts (training form, optional)
+    epoch        the epoch in progress (== epochs done when step_in_epoch == 0)
+    step_in_epoch, global_step
+    rng          {"torch": uint8 tensor, "cuda": [uint8 tensors], "python": {...}, "numpy": {...}}
+    args         the command line as a dict
+    history      per-epoch metrics (list of dicts)
+    metrics      e.g. {"acc1": ..., "acc5": ...}
+
+Deployed checkpoints (``orepa reparam``) hold the vanilla-layout model's
+state_dict; ``eval`` recognises a bare state_dict too (e.g. a torchvision one).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .common import FORMS, UserError, build_model_form, describe_cfg
+
+FORMAT = "orepa-checkpoint"
+VERSION = 1
+
+
+# --------------------------------------------------------------------------- RNG state as tensors
+
+
+def rng_state() -> dict:
+    py_version, py_state, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": py_version, "state": torch.tensor(py_state, dtype=torch.int64), "gauss": py_gauss},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = {"kind": str(kind), "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "python" in state:
+        p = state["python"]
+        random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = list(state["cuda"])
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            n = state["numpy"]
+            np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["gauss"]))
+        except ImportError:
+            pass
+
+
+# --------------------------------------------------------------------------- args
+
+
+def plain(value):
+    """``value`` reduced to types ``weights_only`` loading accepts (dict/list/str/int/float/bool/None)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [plain(v) for v in value]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    return str(value)
+
+
+def args_dict(args) -> dict:
+    return {k: plain(v) for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
+    """``torch.save`` to a temporary file in the same directory, fsync, then ``os.replace``:
+    a reader (or a crash) never sees a half-written checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _is_state_dict(obj) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict:
+    """Read a checkpoint with ``weights_only=True``; a bare state_dict becomes ``{"model": sd}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+            raise UserError(
+                f"checkpoint {path} holds Python objects other than tensors and plain values, so it cannot be "
+                f"loaded safely with weights_only=True ({first[:200]}). Save model.state_dict() instead."
+            ) from None
+        raise UserError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({first[:200]})") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"checkpoint {path} is corrupt or truncated, or not a PyTorch checkpoint ({type(exc).__name__}: "
+            f"{msg[:200]})"
+        ) from None
+    if _is_state_dict(obj):
+        return {"model": obj}
+    if not isinstance(obj, dict) or "model" not in obj:
+        raise UserError(f"{path} is not an orepa checkpoint nor a state_dict (found {type(obj).__name__}"
+                        f"{' with keys ' + ', '.join(map(str, list(obj)[:6])) if isinstance(obj, dict) else ''})")
+    if obj.get("format", FORMAT) != FORMAT:
+        raise UserError(f"{path}: unknown checkpoint format {obj.get('format')!r}")
+    if int(obj.get("version", VERSION)) > VERSION:
+        raise UserError(f"{path}: checkpoint version {obj['version']} is newer than this orepa (reads {VERSION})")
+    return obj
+
+
+def _example(keys, n=3) -> str:
+    keys = list(keys)
+    return ", ".join(keys[:n]) + (", ..." if len(keys) > n else "")
+
+
+def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
+    """Empty if ``sd`` fits ``model`` exactly, else a short description of the differences."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [f"{k}: checkpoint {list(sd[k].shape)} vs model {list(own[k].shape)}"
+              for k in own if k in sd and isinstance(sd[k], torch.Tensor) and sd[k].shape != own[k].shape]
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing key(s) ({_example(missing)})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected key(s) ({_example(unexpected)})")
+    if shapes:
+        parts.append(f"{len(shapes)} shape mismatch(es) ({_example(shapes, 2)})")
+    return "; ".join(parts)
+
+
+def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str | None = None) -> None:
+    """Strict ``load_state_dict`` with an error naming both architectures when it does not fit."""
+    problem = state_dict_mismatch(model, sd)
+    if problem:
+        origin = f" (it was saved for {saved})" if saved else ""
+        raise UserError(f"checkpoint {path} does not fit the model built, {built}{origin}: {problem}")
+    model.load_state_dict(sd, strict=True)
+
+
+def cfg_mismatch(saved: dict, wanted: dict) -> list[str]:
+    keys = sorted(set(saved) | set(wanted))
+    return [f"{k}: checkpoint {saved.get(k)!r} vs requested {wanted.get(k)!r}" for k in keys
+            if saved.get(k) != wanted.get(k)]
+
+
+def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema: bool = False
+                          ) -> tuple[nn.Module, dict, str]:
+    """Build the model a checkpoint describes (training or deployed form) and load its weights.
+
+    ``cfg`` overrides the stored model_cfg (needed for a bare state_dict). Without a
+    stored ``form`` every form is tried and the one whose keys fit is used.
+    Returns ``(model in eval mode, cfg, form)``.
+    """
+    saved_cfg = ckpt.get("model_cfg")
+    cfg = cfg or saved_cfg
+    if cfg is None:
+        raise UserError(f"{path} is a bare state_dict: pass --model/--method/--num-classes/... to say what it is")
+    key = "model_ema" if use_ema else "model"
+    if use_ema and key not in ckpt:
+        raise UserError(f"{path} has no EMA weights (train with --model-ema)")
+    sd = ckpt[key]
+    saved_desc = describe_cfg(saved_cfg) if saved_cfg else None
+    form = ckpt.get("form")
+    if form is not None:
+        if form not in FORMS:
+            raise UserError(f"{path}: unknown model form {form!r}")
+        model = build_model_form(cfg, form)
+        load_model_state(model, sd, path=path, built=f"{describe_cfg(cfg)} [{form}]", saved=saved_desc)
+        return model.eval(), cfg, form
+    problems = []
+    for form in FORMS:
+        model = build_model_form(cfg, form)
+        problem = state_dict_mismatch(model, sd)
+        if not problem:
+            model.load_state_dict(sd, strict=True)
+            return model.eval(), cfg, form
+        problems.append(f"as {form}: {problem}")
+    raise UserError(f"checkpoint {path} fits no form of {describe_cfg(cfg)}: " + " | ".join(problems))

@@ -1,0 +1,373 @@
+"""Pieces shared by the ``train``, ``eval``, ``reparam`` and ``demo`` subcommands.
+
+* :class:`UserError`: a problem the user can fix (bad path, missing package,
+  wrong checkpoint); subcommands print its message and return exit code 2.
+* model building from a plain ``model_cfg`` dict (what checkpoints store), with
+  the model zoo (``orepa.models.create_model``) when it is installed and a
+  torchvision fallback otherwise;
+* distributed setup (torchrun environment, nccl on GPUs, gloo on CPU);
+* optimizer parameter groups implementing the paper's weight-decay rule;
+* small measurements (parameter counts, peak memory).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import random
+import resource
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import orepa
+
+
+class UserError(Exception):
+    """An error with a message meant for the user (no traceback)."""
+
+
+def fail(prog: str, exc: BaseException) -> int:
+    print(f"orepa {prog}: error: {exc}", file=sys.stderr, flush=True)
+    return 2
+
+
+# --------------------------------------------------------------------------- model building
+
+#: model_cfg keys and their defaults; ``options`` holds the zoo's block options
+MODEL_CFG_KEYS = ("model", "method", "num_classes", "in_chans", "small_input", "width_mult", "options")
+
+
+def _parse_value(text: str):
+    """``KEY=VALUE`` values: Python/JSON literals (``0.5``, ``true``, ``[\"kxk\", \"1x1\"]``) or a bare string."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        pass
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_block_options(items: Iterable[str] | None) -> dict:
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--block-opt expects KEY=VALUE, got {item!r}")
+        value = _parse_value(value)
+        out[key.strip().replace("-", "_")] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+DEFAULT_MODEL, DEFAULT_METHOD = "resnet18", "orepa"
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model flags. Unset ones (None) come from the checkpoint being resumed/evaluated, else the defaults."""
+    g = p.add_argument_group("model (orepa.models.create_model)")
+    g.add_argument("--model", default=None,
+                   help=f"architecture name (orepa.models.list_models()); default {DEFAULT_MODEL}")
+    g.add_argument("--method", default=None,
+                   help="re-param method: base, orepa, orepa-offline, dbb (ResNets); base, repvgg, orepa-vgg, ... "
+                        f"(RepVGG); default {DEFAULT_METHOD}")
+    g.add_argument("--width-mult", type=float, default=None,
+                   help="multiply every stage width (default 1.0; the Fashion-MNIST default model uses 1.0 too)")
+    g.add_argument("--small-input", dest="small_input", action="store_true", default=None,
+                   help="CIFAR-style stem (3x3 stride-1 conv, no max-pool); default: on for Fashion-MNIST")
+    g.add_argument("--no-small-input", dest="small_input", action="store_false")
+    g.add_argument("--num-classes", type=int, default=None, help="default: the dataset's")
+    g.add_argument("--in-chans", type=int, default=None, help="default: the dataset's (1 for Fashion-MNIST)")
+    # block options of the model zoo (passed as create_model(**options) only when given)
+    g.add_argument("--branches", default=None,
+                   help="comma-separated OREPA branches, e.g. kxk,1x1,1x1_avg (table 'components' ablations)")
+    g.add_argument("--scaling", choices=["vector", "scalar", "none"], default=None,
+                   help="branch scaling layers (table 'linearization')")
+    g.add_argument("--preset", default=None,
+                   help="an ablation preset of the zoo (orepa.models.ABLATIONS), e.g. online-only, freq-prior, "
+                        "dw-sep, scalar-scaling, no-scaling, no-post-bn")
+    g.add_argument("--freq-prior", dest="freq_prior", action="store_true", default=None,
+                   help="frequency-prior branch on")
+    g.add_argument("--no-freq-prior", dest="freq_prior", action="store_false")
+    g.add_argument("--dw-sep", dest="dw_sep", action="store_true", default=None,
+                   help="linear depthwise-separable branch on")
+    g.add_argument("--no-dw-sep", dest="dw_sep", action="store_false")
+    g.add_argument("--no-post-bn", dest="post_bn", action="store_false", default=None,
+                   help="drop the post-addition BN (table 'linearization': diverges)")
+    g.add_argument("--deep-stem", dest="deep_stem", action="store_true", default=None, help="linear deep stem on")
+    g.add_argument("--no-deep-stem", dest="deep_stem", action="store_false", help="linear deep stem off")
+    g.add_argument("--rep-1x1", dest="rep_1x1", action="store_true", default=None, help="Rep-1x1 on bottleneck 1x1s")
+    g.add_argument("--no-rep-1x1", dest="rep_1x1", action="store_false")
+    g.add_argument("--block-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other create_model option (repeatable), e.g. --block-opt post_bn=false")
+
+
+#: block-option flags copied into create_model(**options) when given
+BLOCK_FLAGS = ("preset", "scaling", "freq_prior", "dw_sep", "post_bn", "deep_stem", "rep_1x1")
+
+
+def block_options_from_args(args: argparse.Namespace) -> dict:
+    opts = {}
+    if getattr(args, "branches", None):
+        opts["branches"] = [b.strip() for b in args.branches.split(",") if b.strip()]
+    for key in BLOCK_FLAGS:
+        if getattr(args, key, None) is not None:
+            opts[key] = getattr(args, key)
+    opts.update(parse_block_options(getattr(args, "block_opt", None)))
+    return opts
+
+
+def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans: int, small_input: bool,
+                        saved: dict | None = None) -> dict:
+    """The model_cfg: flags given on the command line, else ``saved`` (a checkpoint's), else defaults."""
+    saved = saved or {}
+    defaults = {"model": DEFAULT_MODEL, "method": DEFAULT_METHOD, "num_classes": num_classes, "in_chans": in_chans,
+                "small_input": small_input, "width_mult": 1.0}
+    cfg = {}
+    for key, default in defaults.items():
+        value = getattr(args, key, None)
+        cfg[key] = value if value is not None else saved.get(key, default)
+    options = block_options_from_args(args)
+    cfg["options"] = options if options else dict(saved.get("options", {}))
+    cfg["num_classes"], cfg["in_chans"] = int(cfg["num_classes"]), int(cfg["in_chans"])
+    cfg["small_input"], cfg["width_mult"] = bool(cfg["small_input"]), float(cfg["width_mult"])
+    return cfg
+
+
+def describe_cfg(cfg: dict) -> str:
+    extra = "".join(f", {k}={v}" for k, v in sorted(cfg.get("options", {}).items()))
+    return (f"{cfg['model']}/{cfg['method']} (width x{cfg['width_mult']:g}, {cfg['in_chans']} input channel(s), "
+            f"{cfg['num_classes']} classes, small_input={cfg['small_input']}{extra})")
+
+
+def _zoo():
+    try:
+        from orepa import models as zoo
+    except ImportError:
+        return None
+    return zoo if hasattr(zoo, "create_model") else None
+
+
+def _torchvision_fallback(cfg: dict) -> nn.Module:
+    """Used only while the model zoo is not installed: torchvision ResNets + ``orepa.convert``."""
+    import torchvision
+
+    if cfg["width_mult"] != 1.0:
+        raise UserError("width_mult needs the model zoo (orepa.models), which is not installed")
+    try:
+        model = torchvision.models.get_model(cfg["model"], num_classes=cfg["num_classes"])
+    except ValueError as exc:
+        raise UserError(f"unknown model {cfg['model']!r}: {exc}") from None
+    if cfg["in_chans"] != 3 or cfg["small_input"]:
+        c = model.conv1
+        k, s = (3, 1) if cfg["small_input"] else (c.kernel_size[0], c.stride[0])
+        model.conv1 = nn.Conv2d(cfg["in_chans"], c.out_channels, k, s, k // 2, bias=False)
+        if cfg["small_input"]:
+            model.maxpool = nn.Identity()
+    if cfg["method"] != "base":
+        model = orepa.convert(model, cfg["method"], inplace=True, **cfg.get("options", {}))
+    return model
+
+
+def build_model(cfg: dict) -> nn.Module:
+    """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`)."""
+    zoo = _zoo()
+    if zoo is None:
+        return _torchvision_fallback(cfg)
+    if hasattr(zoo, "list_models") and cfg["model"] not in zoo.list_models():
+        raise UserError(f"unknown model {cfg['model']!r}; choose from {', '.join(zoo.list_models())}")
+    try:
+        return zoo.create_model(cfg["model"], method=cfg["method"], num_classes=cfg["num_classes"],
+                                in_chans=cfg["in_chans"], small_input=cfg["small_input"],
+                                width_mult=cfg["width_mult"], **cfg.get("options", {}))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
+
+
+#: deployed forms: "deploy" = vanilla layout (BNs kept), "deploy-fused" = BNs folded into the convs
+FORMS = ("train", "deploy", "deploy-fused")
+
+
+def deploy(model: nn.Module, form: str) -> nn.Module:
+    """The ``form`` of a training-form model (a copy; ``train`` returns the model itself)."""
+    if form == "train":
+        return model
+    was = model.training
+    model.eval()
+    out = orepa.reparameterize(model, fuse_bn=(form == "deploy-fused"))
+    model.train(was)
+    return out.eval()
+
+
+def build_model_form(cfg: dict, form: str) -> nn.Module:
+    """An (untrained) model with the module layout of ``form``, ready for ``load_state_dict``."""
+    if form not in FORMS:
+        raise UserError(f"unknown model form {form!r}; expected one of {FORMS}")
+    return deploy(build_model(cfg), form)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- weight decay
+
+
+@dataclass
+class ParamGroups:
+    decay: list
+    no_decay: list
+    scales: list
+
+    def torch_groups(self, weight_decay: float, scale_weight_decay: float) -> list[dict]:
+        groups = [{"params": self.decay, "weight_decay": weight_decay, "name": "decay"},
+                  {"params": self.no_decay, "weight_decay": 0.0, "name": "no_decay"},
+                  {"params": self.scales, "weight_decay": scale_weight_decay, "name": "branch_scales"}]
+        return [g for g in groups if g["params"]]
+
+
+_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
+
+
+def split_params(model: nn.Module) -> ParamGroups:
+    """Decay conv/linear weights; not BN parameters, biases, branch scaling vectors.
+
+    Fixed filters (avg-pool, frequency prior, identity kernels) are non-persistent
+    buffers, not parameters, so the optimizer never sees them. Classification is by
+    module type (norms, :class:`orepa.Scale`) and parameter name (``bias``), with
+    any other 1-D parameter treated like a bias.
+    """
+    decay, no_decay, scales, seen = [], [], [], set()
+    for _, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            if isinstance(module, orepa.Scale):
+                scales.append(p)
+            elif isinstance(module, _NORMS) or pname == "bias" or p.ndim <= 1:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    return ParamGroups(decay, no_decay, scales)
+
+
+# --------------------------------------------------------------------------- distributed / device
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_arg: str | None) -> tuple[DistInfo, torch.device]:
+    """Read torchrun's environment; init nccl (CUDA) or gloo (CPU). Returns (info, device)."""
+    want_cuda = (device_arg or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if want_cuda and not torch.cuda.is_available():
+        raise UserError(f"--device {device_arg} requested but CUDA is not available")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        info = DistInfo(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), True)
+        if want_cuda:
+            torch.cuda.set_device(info.local_rank)
+            device = torch.device("cuda", info.local_rank)
+        else:
+            device = torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if want_cuda else "gloo",
+                                    **({"device_id": device} if want_cuda else {}))
+        return info, device
+    if device_arg and device_arg not in ("cuda", "cpu"):
+        device = torch.device(device_arg)
+    else:
+        device = torch.device("cuda" if want_cuda else "cpu")
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return DistInfo(), device
+
+
+def cleanup_distributed(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+def peak_memory(device: torch.device) -> tuple[float, str]:
+    """(MiB, what was measured): CUDA max allocated on GPUs, process max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "torch.cuda.max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), "process max RSS"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP / torch.compile / AveragedModel wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
+def state_hash(state: dict) -> str:
+    """SHA-256 of a state_dict's keys, dtypes, shapes and raw bytes: equal iff bit-identical."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key]
+        if not isinstance(t, torch.Tensor):
+            h.update(f"{key}={t!r}".encode())
+            continue
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{key}:{t.dtype}:{list(state[key].shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice, usually one per core)")
+
+
+def apply_threads(args) -> None:
+    n = getattr(args, "threads", None)
+    if n:
+        torch.set_num_threads(max(1, n))
+
+
+def available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

@@ -1,0 +1,354 @@
+"""Datasets, transforms, samplers and loaders for ``orepa train`` / ``eval``.
+
+Two sources:
+
+* ``--data-path fashion-mnist`` (default): the Debian package
+  ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist/*.gz``), un-gzipped
+  once into ``<cache-dir>/FashionMNIST/raw/`` and read with torchvision's
+  ``FashionMNIST``. 1 channel, 28x28, 10 classes. Train transform: random 28x28
+  crop of the image zero-padded by 2, horizontal flip, normalisation; test: only
+  normalisation. The images stay tensors (no PIL), which keeps data loading
+  negligible next to the model on a CPU.
+* ``--data-path DIR``: an ImageNet-style ``ImageFolder`` tree ``DIR/train/<class>/*``
+  and ``DIR/val/<class>/*`` with the paper's pre-processing: RandomResizedCrop 224 +
+  flip + normalisation for training, resize 256 + centre crop 224 for validation.
+
+Determinism: the training sampler (a :class:`~torch.utils.data.DistributedSampler`,
+also with one process) shuffles with ``seed + epoch`` and yields ``(index, epoch)``;
+the dataset wrapper seeds the random augmentation of every sample from
+``(seed, epoch, index)``. The whole input pipeline is therefore a pure function of
+the seed, the epoch and the position in it, independent of the number of loader
+workers and of where a run was interrupted: ``--resume`` from a mid-epoch
+checkpoint skips the samples already seen and continues with the very same batches.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from .common import DistInfo, UserError
+
+FASHION_MNIST_FILES = (
+    "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
+)
+FASHION_MNIST_SOURCE = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+FASHION_MNIST_NAMES = ("fashion-mnist", "fashion_mnist", "fashionmnist", "fmnist")
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get("OREPA_CACHE"):
+        return Path(os.environ["OREPA_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orepa"
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default="fashion-mnist",
+                   help="'fashion-mnist' (default; Debian package dataset-fashion-mnist) or an ImageFolder root "
+                        "holding train/ and val/")
+    g.add_argument("--dataset", choices=["auto", "fashion-mnist", "imagefolder"], default="auto",
+                   help="how to read --data-path (auto: 'fashion-mnist' by name, else ImageFolder)")
+    g.add_argument("--cache-dir", default=None,
+                   help="where Fashion-MNIST is un-gzipped once (default $OREPA_CACHE or ~/.cache/orepa)")
+    g.add_argument("-j", "--workers", type=int, default=None,
+                   help="data loading processes per rank (default: 0 for Fashion-MNIST on CPU, else min(8, CPUs))")
+    g.add_argument("--train-subset", type=int, default=None, help="train on a fixed random subset of N images")
+    g.add_argument("--val-subset", type=int, default=None, help="evaluate on the first N validation images")
+    g.add_argument("--train-crop-size", type=int, default=224, help="ImageFolder: RandomResizedCrop size")
+    g.add_argument("--val-resize-size", type=int, default=256, help="ImageFolder: validation resize")
+    g.add_argument("--val-crop-size", type=int, default=224, help="ImageFolder: validation centre crop")
+    g.add_argument("--pad-crop", type=int, default=2, help="Fashion-MNIST: zero padding of the random crop")
+
+
+# --------------------------------------------------------------------------- Fashion-MNIST
+
+
+def prepare_fashion_mnist(cache_dir: str | os.PathLike | None = None, source: str | None = None) -> Path:
+    """Un-gzip the Debian package's files into ``cache_dir/FashionMNIST/raw`` (once); return ``cache_dir``.
+
+    Safe under concurrency (several ranks): each file is written to a temporary
+    name and renamed into place.
+    """
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    source = Path(source or os.environ.get("OREPA_FASHION_MNIST_DIR", FASHION_MNIST_SOURCE))
+    raw = root / "FashionMNIST" / "raw"
+    missing = [n for n in FASHION_MNIST_FILES if not (raw / n).is_file()]
+    if not missing:
+        return root
+    absent = [n for n in missing if not (source / f"{n}.gz").is_file()]
+    if absent:
+        raise UserError(
+            f"Fashion-MNIST not found: {source}/{absent[0]}.gz is missing. Install it with "
+            "`sudo apt-get install dataset-fashion-mnist` (or run scripts/setup.sh), set OREPA_FASHION_MNIST_DIR "
+            "to a directory holding the four *-ubyte.gz files, or pass --data-path DIR for an ImageFolder tree"
+        )
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in missing:
+        fd, tmp = tempfile.mkstemp(dir=raw, prefix=f".{name}.")
+        try:
+            with gzip.open(source / f"{name}.gz", "rb") as src, os.fdopen(fd, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(tmp, raw / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return root
+
+
+class PadCropFlip:
+    """Random crop of a zero-padded uint8 tensor image + horizontal flip (uses the torch RNG)."""
+
+    def __init__(self, size: int, padding: int, flip: bool = True):
+        self.size, self.padding, self.flip = size, padding, flip
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        p = self.padding
+        if p:
+            img = torch.nn.functional.pad(img, (p, p, p, p))
+        h, w = img.shape[-2:]
+        i = int(torch.randint(0, h - self.size + 1, ()))
+        j = int(torch.randint(0, w - self.size + 1, ()))
+        img = img[..., i:i + self.size, j:j + self.size]
+        if self.flip and torch.rand(()) < 0.5:
+            img = img.flip(-1)
+        return img
+
+
+class Normalize:
+    def __init__(self, mean, std):
+        self.mean = torch.tensor(mean).view(-1, 1, 1)
+        self.std = torch.tensor(std).view(-1, 1, 1)
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        return (img.float() / 255.0 - self.mean) / self.std
+
+
+class Compose:
+    def __init__(self, *fns):
+        self.fns = fns
+
+    def __call__(self, x):
+        for f in self.fns:
+            x = f(x)
+        return x
+
+
+class TensorImages(Dataset):
+    """uint8 images ``[N, H, W]`` or ``[N, C, H, W]`` + int labels, transformed per sample."""
+
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, transform, classes):
+        self.images = images if images.dim() == 4 else images.unsqueeze(1)
+        self.targets = targets.long()
+        self.transform, self.classes = transform, list(classes)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, i: int):
+        return self.transform(self.images[i]), int(self.targets[i])
+
+
+def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
+    from torchvision.datasets import FashionMNIST
+
+    root = prepare_fashion_mnist(cache_dir)
+    sets = []
+    for train in (True, False):
+        ds = FashionMNIST(str(root), train=train, download=False)
+        norm = Normalize(FASHION_MNIST_MEAN, FASHION_MNIST_STD)
+        tf = Compose(PadCropFlip(28, pad_crop), norm) if train else norm
+        sets.append(TensorImages(ds.data, ds.targets, tf, ds.classes))
+    return sets[0], sets[1]
+
+
+# --------------------------------------------------------------------------- ImageFolder
+
+
+def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_crop: int = 224, need_train: bool = True):
+    """``(train, val)`` ImageFolders with the paper's transforms; ``train`` is None unless ``need_train``
+    (scanning ImageNet's train/ takes a while, and eval/reparam do not need it)."""
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    root_p = Path(root)
+    missing = [d for d in (("train", "val") if need_train else ("val",)) if not (root_p / d).is_dir()]
+    if missing:
+        raise UserError(
+            f"--data-path {root}: expected an ImageFolder tree with {root}/train/<class>/*.jpg and "
+            f"{root}/val/<class>/*.jpg; missing: {', '.join(str(root_p / d) for d in missing)} "
+            "(or use --data-path fashion-mnist)"
+        )
+    norm = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+    train_tf = T.Compose([T.RandomResizedCrop(train_crop, antialias=True), T.RandomHorizontalFlip(),
+                          T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
+    val_tf = T.Compose([T.Resize(val_resize, antialias=True), T.CenterCrop(val_crop),
+                        T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
+    try:
+        train = datasets.ImageFolder(str(root_p / "train"), train_tf) if need_train else None
+        val = datasets.ImageFolder(str(root_p / "val"), val_tf)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise UserError(f"--data-path {root}: {exc}") from None
+    if train is not None and train.classes != val.classes:
+        raise UserError(f"--data-path {root}: train/ and val/ have different class folders "
+                        f"({len(train.classes)} vs {len(val.classes)})")
+    return train, val
+
+
+# --------------------------------------------------------------------------- deterministic sampling
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    h = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & (2**63 - 1)
+
+
+class SeededAugment(Dataset):
+    """Indexing with ``(index, epoch)`` runs the transform under a torch RNG seeded from
+    ``(seed, epoch, index)`` (the global CPU RNG is restored afterwards); a plain int
+    index runs it unseeded."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            index, epoch = key
+            state = torch.get_rng_state()
+            torch.default_generator.manual_seed(sample_seed(self.seed, epoch, index))
+            try:
+                return self.dataset[index]
+            finally:
+                torch.set_rng_state(state)
+        return self.dataset[key]
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler (also for one process) yielding ``(index, epoch)``, resumable mid-epoch.
+
+    ``set_start(n)`` skips this rank's first ``n`` samples of the current epoch
+    (reset to 0 by ``set_epoch``).
+    """
+
+    def __init__(self, dataset, *, num_replicas: int, rank: int, seed: int, shuffle: bool = True):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start = 0
+
+    def set_start(self, n: int) -> None:
+        self.start = n
+
+    def __iter__(self):
+        for i, index in enumerate(super().__iter__()):
+            if i >= self.start:
+                yield (index, self.epoch)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
+class ShardSampler(Sampler):
+    """Evaluation: rank r gets indices r, r + W, r + 2W, ... (no padding, so nothing is counted twice)."""
+
+    def __init__(self, n: int, num_replicas: int = 1, rank: int = 0):
+        self.n, self.num_replicas, self.rank = n, num_replicas, rank
+
+    def __iter__(self):
+        return iter(range(self.rank, self.n, self.num_replicas))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.n, self.num_replicas))
+
+
+# --------------------------------------------------------------------------- building it all
+
+
+@dataclass
+class Data:
+    name: str
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    in_chans: int
+    small_input: bool  # what the model should default to
+
+
+def resolve_kind(args) -> str:
+    kind = getattr(args, "dataset", "auto") or "auto"
+    if kind == "auto":
+        return "fashion-mnist" if str(args.data_path).lower() in FASHION_MNIST_NAMES else "imagefolder"
+    return kind
+
+
+def _subset(ds, n: int | None, seed: int | None):
+    if n is None or n >= len(ds):
+        return ds
+    if n <= 0:
+        raise UserError(f"subset size must be positive, got {n}")
+    if seed is None:
+        idx = list(range(n))
+    else:
+        idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n].sort().values.tolist()
+    sub = torch.utils.data.Subset(ds, idx)
+    sub.classes = getattr(ds, "classes", None)
+    return sub
+
+
+def build_data(args, *, need_train: bool = True) -> Data:
+    kind = resolve_kind(args)
+    if kind == "fashion-mnist":
+        train, val = fashion_mnist(getattr(args, "cache_dir", None), getattr(args, "pad_crop", 2))
+        in_chans, small = 1, True
+    else:
+        train, val = imagefolder(args.data_path, getattr(args, "train_crop_size", 224),
+                                 getattr(args, "val_resize_size", 256), getattr(args, "val_crop_size", 224),
+                                 need_train=need_train)
+        in_chans, small = 3, False
+    classes = val.classes
+    if need_train:
+        train = _subset(train, getattr(args, "train_subset", None), getattr(args, "seed", 0))
+        train = SeededAugment(train, getattr(args, "seed", 0))
+    val = _subset(val, getattr(args, "val_subset", None), None)
+    return Data(kind, train, val, len(classes), in_chans, small)
+
+
+def default_workers(args, device: torch.device) -> int:
+    if getattr(args, "workers", None) is not None:
+        return max(0, args.workers)
+    if resolve_kind(args) == "fashion-mnist" and device.type == "cpu":
+        return 0
+    return min(8, os.cpu_count() or 1)
+
+
+def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tuple[DataLoader, EpochSampler]:
+    sampler = EpochSampler(data.train, num_replicas=info.world_size, rank=info.rank, seed=args.seed)
+    if sampler.num_samples < args.batch_size:
+        raise UserError(f"each of the {info.world_size} process(es) gets {sampler.num_samples} training images, "
+                        f"fewer than one batch (-b {args.batch_size}); use a smaller batch or more data")
+    workers = default_workers(args, device)
+    loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
+                        pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0)
+    return loader, sampler
+
+
+def val_loader(data: Data, args, info: DistInfo, device: torch.device, batch_size: int | None = None) -> DataLoader:
+    sampler = ShardSampler(len(data.val), info.world_size, info.rank)
+    workers = default_workers(args, device)
+    return DataLoader(data.val, batch_size=batch_size or args.batch_size, sampler=sampler, num_workers=workers,
+                      pin_memory=device.type == "cuda")

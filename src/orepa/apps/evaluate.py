@@ -1,0 +1,189 @@
+"""``orepa eval``: top-1/top-5 of a checkpoint, in training form or deployed.
+
+The checkpoint says which form it holds (``form``: train / deploy / deploy-fused)
+and which model (``model_cfg``); the matching module layout is built before its
+weights load. A bare state_dict (e.g. torchvision's) is matched against every form
+of the model given with ``--model/--method/...``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import load_checkpoint, model_from_checkpoint
+from .common import (
+    BLOCK_FLAGS,
+    DistInfo,
+    UserError,
+    add_model_arguments,
+    add_threads_argument,
+    apply_threads,
+    cleanup_distributed,
+    count_params,
+    describe_cfg,
+    fail,
+    init_distributed,
+    model_cfg_from_args,
+    peak_memory,
+)
+from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
+
+
+def autocast_context(device: torch.device, enabled: bool, dtype: str = "auto"):
+    """bf16 on CPU, fp16 on CUDA (unless ``dtype`` says otherwise); a null context when disabled."""
+    if not enabled:
+        return contextlib.nullcontext()
+    if dtype == "auto":
+        dt = torch.float16 if device.type == "cuda" else torch.bfloat16
+    else:
+        dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    return torch.autocast(device_type=device.type, dtype=dt)
+
+
+def _progress(iterable, total, desc, enabled):
+    if not enabled:
+        return iterable
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True,
+                mininterval=0.5 if sys.stderr.isatty() else 30)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo | None = None, amp: bool = False,
+             amp_dtype: str = "auto", channels_last: bool = False, progress: bool = False, desc: str = "eval",
+             keep_outputs: bool = False) -> dict:
+    """Loss, top-1, top-5 (in %) over ``loader`` (summed over ranks when distributed).
+
+    With ``keep_outputs`` the float32 logits of this rank are returned too (``outputs``).
+    """
+    info = info or DistInfo()
+    model.eval()
+    crit = nn.CrossEntropyLoss(reduction="sum")
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct1, correct5, n
+    outputs = []
+    batches, t0 = 0, time.perf_counter()
+    it = _progress(loader, len(loader), desc, progress and info.is_main)
+    for images, target in it:
+        images = images.to(device, non_blocking=True)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        target = target.to(device, non_blocking=True)
+        with autocast_context(device, amp, amp_dtype):
+            out = model(images)
+        out = out.float()
+        k = min(5, out.shape[1])
+        top = out.topk(k, dim=1).indices
+        hit = top.eq(target[:, None])
+        sums += torch.stack([crit(out, target).double(), hit[:, 0].sum().double(), hit.any(1).sum().double(),
+                             torch.tensor(float(len(target)), dtype=torch.float64, device=device)])
+        if keep_outputs:
+            outputs.append(out.cpu())
+        batches += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    if info.distributed:
+        dist.all_reduce(sums)
+    loss, c1, c5, n = sums.tolist()
+    if n == 0:
+        raise UserError("the validation set is empty")
+    res = {"loss": loss / n, "acc1": 100.0 * c1 / n, "acc5": 100.0 * c5 / n, "n": int(n),
+           "time_per_batch_s": elapsed / max(batches, 1), "images_per_s": (n / info.world_size) / max(elapsed, 1e-9)}
+    if keep_outputs:
+        res["outputs"] = torch.cat(outputs) if outputs else torch.empty(0)
+    return res
+
+
+# --------------------------------------------------------------------------- the subcommand
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a training checkpoint (orepa train), a deployed one (orepa reparam) "
+                                      "or a bare state_dict (then give --model/--method/...)")
+    add_data_arguments(p)
+    # unset: the data the checkpoint was trained on
+    p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
+    add_model_arguments(p)
+    p.add_argument("-b", "--batch-size", type=int, default=256)
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--amp", action="store_true", help="autocast (bf16 on CPU, fp16 on CUDA)")
+    p.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
+    p.add_argument("--channels-last", action="store_true")
+    p.add_argument("--use-ema", action="store_true", help="evaluate the EMA weights of a training checkpoint")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    add_threads_argument(p)
+
+
+def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:
+    """Fill unset data flags with what the checkpoint was trained with (else Fashion-MNIST)."""
+    saved = ckpt.get("args") or {}
+    if args.data_path is None:
+        args.data_path = saved.get("data_path") or "fashion-mnist"
+        if args.dataset == "auto" and saved.get("dataset"):
+            args.dataset = saved["dataset"]
+        if args.cache_dir is None:
+            args.cache_dir = saved.get("cache_dir")
+    for key, default in (("val_resize_size", 256), ("val_crop_size", 224)):
+        if getattr(args, key, None) is None:
+            setattr(args, key, saved.get(key) or default)
+
+
+def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Module, dict, str]:
+    explicit = any(getattr(args, k, None) is not None
+                   for k in ("model", "method", "width_mult", "num_classes", "in_chans", "small_input", "branches",
+                             *BLOCK_FLAGS)) or args.block_opt
+    cfg = None
+    if explicit or "model_cfg" not in ckpt:
+        cfg = model_cfg_from_args(args, num_classes=data.num_classes, in_chans=data.in_chans,
+                                  small_input=data.small_input, saved=ckpt.get("model_cfg"))
+    return model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = DistInfo()
+    apply_threads(args)
+    try:
+        info, device = init_distributed(args.device)
+        ckpt = load_checkpoint(args.checkpoint)
+        data_args_from_checkpoint(args, ckpt)
+        data = build_data(args, need_train=False)
+        model, cfg, form = checkpoint_model(args, ckpt, data)
+        model.to(device)
+        if args.channels_last:
+            model.to(memory_format=torch.channels_last)
+        loader = val_loader(data, args, info, device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        res = evaluate(model, loader, device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
+                       channels_last=args.channels_last, progress=not args.no_progress)
+        mem, mem_kind = peak_memory(device)
+        res.update(checkpoint=str(args.checkpoint), form=form, model=describe_cfg(cfg), params=count_params(model),
+                   peak_memory_mib=mem, peak_memory_kind=mem_kind, dataset=data.name, ema=args.use_ema)
+        if info.is_main:
+            print(f"{args.checkpoint}: {describe_cfg(cfg)}, {form} form{' (EMA)' if args.use_ema else ''}, "
+                  f"{res['params']:,} params")
+            print(f"  {data.name} val: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}  "
+                  f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch, peak memory {mem:.0f} MiB "
+                  f"[{mem_kind}])")
+            if args.json:
+                Path(args.json).write_text(json.dumps(res, indent=2))
+        return 0
+    except UserError as exc:
+        return fail("eval", exc)
+    finally:
+        cleanup_distributed(info)
+
+
+__all__ = ["evaluate", "autocast_context", "add_arguments", "run", "FASHION_MNIST_NAMES"]

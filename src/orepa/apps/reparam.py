@@ -1,0 +1,136 @@
+"""``orepa reparam``: training checkpoint -> deployed checkpoint, verified.
+
+The deployed model is ``orepa.reparameterize(model)``: the vanilla layout (for the
+ResNet family, torchvision's module names and state_dict keys), or with
+``--fuse-bn`` every BN folded into its conv. Before writing it, the command runs
+the training-form and the deployed model on the validation set (or ``--val-subset``
+images of it) and checks that the logits agree to float32 tolerance
+(max |diff| <= ``--rtol`` x (1 + max |logit|)); it reports both accuracies and how
+many predictions differ. Exit code 1 if the outputs disagree.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .checkpoint import args_dict, load_checkpoint, save_checkpoint
+from .common import (
+    UserError,
+    add_threads_argument,
+    apply_threads,
+    count_params,
+    deploy,
+    describe_cfg,
+    fail,
+    init_distributed,
+)
+from .data import add_data_arguments, build_data, val_loader
+from .evaluate import checkpoint_model, data_args_from_checkpoint, evaluate
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a training checkpoint written by `orepa train`")
+    p.add_argument("-o", "--output", default=None,
+                   help="deployed checkpoint to write (default: <checkpoint dir>/deployed[-fused].pth)")
+    p.add_argument("--fuse-bn", action="store_true", help="also fold every BN into its conv (fastest inference)")
+    p.add_argument("--use-ema", action="store_true", help="deploy the EMA weights")
+    p.add_argument("--rtol", type=float, default=1e-4,
+                   help="verification tolerance: max|diff| <= rtol * (1 + max|logit|) (1e-4)")
+    p.add_argument("--no-verify", action="store_true", help="skip the verification on data")
+    add_data_arguments(p)
+    p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
+    p.add_argument("-b", "--batch-size", type=int, default=256)
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
+    p.add_argument("--seed", type=int, default=0)
+    add_threads_argument(p)
+    for key in ("model", "method", "width_mult", "num_classes", "in_chans", "small_input", "branches",
+                "preset", "scaling", "freq_prior", "dw_sep", "post_bn", "deep_stem", "rep_1x1"):
+        p.set_defaults(**{key: None})
+    p.set_defaults(block_opt=[])
+
+
+def verify(model, deployed, loader, device, rtol: float, progress: bool = False) -> dict:
+    """Both forms on the same data: accuracies, prediction disagreements, max logit difference."""
+    a = evaluate(model, loader, device, keep_outputs=True, progress=progress, desc="training form")
+    b = evaluate(deployed, loader, device, keep_outputs=True, progress=progress, desc="deployed")
+    ya, yb = a.pop("outputs"), b.pop("outputs")
+    diff = (ya - yb).abs().max().item() if len(ya) else 0.0
+    bound = rtol * (1.0 + ya.abs().max().item()) if len(ya) else 0.0
+    return {"n": a["n"], "train_form_acc1": a["acc1"], "deployed_acc1": b["acc1"],
+            "train_form_acc5": a["acc5"], "deployed_acc5": b["acc5"],
+            "predictions_differ": int((ya.argmax(1) != yb.argmax(1)).sum()), "max_abs_diff": diff,
+            "tolerance": bound, "outputs_match": diff <= bound, "accuracy_equal": a["acc1"] == b["acc1"],
+            "train_form_s_per_batch": a["time_per_batch_s"], "deployed_s_per_batch": b["time_per_batch_s"]}
+
+
+def reparam(args: argparse.Namespace) -> dict:
+    apply_threads(args)
+    info, device = init_distributed(args.device)
+    if info.distributed:
+        raise UserError("orepa reparam runs in one process (no torchrun)")
+    ckpt = load_checkpoint(args.checkpoint)
+    if ckpt.get("form", "train") != "train":
+        raise UserError(f"{args.checkpoint} is already deployed ({ckpt['form']})")
+    data_args_from_checkpoint(args, ckpt)
+    need_data = not args.no_verify
+    data = build_data(args, need_train=False) if need_data else None
+    if data is None:
+        cfg = ckpt.get("model_cfg")
+        if cfg is None:
+            raise UserError(f"{args.checkpoint} is a bare state_dict; reparam needs an orepa training checkpoint")
+        from .checkpoint import model_from_checkpoint
+
+        model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, use_ema=args.use_ema)
+    else:
+        model, cfg, form = checkpoint_model(args, ckpt, data)
+    if form != "train":
+        raise UserError(f"{args.checkpoint} holds deployed weights ({form}); nothing to reparameterize")
+    form_out = "deploy-fused" if args.fuse_bn else "deploy"
+    model.to(device).eval()
+    deployed = deploy(model, form_out).to(device).eval()
+    res = {"checkpoint": str(args.checkpoint), "model": describe_cfg(cfg), "form": form_out,
+           "params_train": count_params(model), "params_deployed": count_params(deployed)}
+    if need_data:
+        res.update(verify(model, deployed, val_loader(data, args, info, device), device, args.rtol,
+                          progress=not args.no_progress))
+    out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
+        "deployed-fused.pth" if args.fuse_bn else "deployed.pth")
+    if need_data and not res["outputs_match"]:
+        res["output"] = None
+        return res
+    save_checkpoint({
+        "format": "orepa-checkpoint", "version": 1, "form": form_out, "model_cfg": cfg,
+        "model": {k: v.detach().cpu() for k, v in deployed.state_dict().items()},
+        "source": str(args.checkpoint), "ema": bool(args.use_ema), "args": ckpt.get("args", {}),
+        "reparam_args": args_dict(args),
+        "metrics": {k: v for k, v in res.items() if isinstance(v, (int, float, bool))},
+    }, out)
+    res["output"] = str(out)
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        res = reparam(args)
+    except UserError as exc:
+        return fail("reparam", exc)
+    print(f"{res['checkpoint']}: {res['model']}")
+    print(f"  params {res['params_train']:,} (training form) -> {res['params_deployed']:,} ({res['form']})")
+    if "n" in res:
+        print(f"  verified on {res['n']} validation images: top-1 {res['train_form_acc1']:.2f}% (training form) vs "
+              f"{res['deployed_acc1']:.2f}% (deployed), {res['predictions_differ']} prediction(s) differ; "
+              f"max |logit diff| {res['max_abs_diff']:.2e} (tolerance {res['tolerance']:.2e})")
+    if res.get("output") is None:
+        print("orepa reparam: error: the deployed model's outputs differ from the training form's beyond the "
+              "tolerance; nothing written", flush=True)
+        return 1
+    print(f"  wrote {res['output']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+__all__ = ["add_arguments", "run", "reparam", "verify"]

@@ -1,0 +1,644 @@
+"""``orepa train``: the paper's ImageNet recipe, Fashion-MNIST by default, DDP under torchrun.
+
+Flags follow torchvision's reference classification script where they overlap.
+Defaults are the paper's ("Implementation Details"): SGD momentum 0.9, lr 0.1 per
+256 images (scaled linearly with the global batch), cosine over 120 epochs after 5
+linear warm-up epochs, weight decay 1e-4 on conv/linear weights only (none on BN
+parameters, biases and the branch scaling vectors; fixed filters are buffers).
+
+    orepa train                                   # OREPA ResNet-18 on Fashion-MNIST
+    orepa train --data-path /data/imagenet -b 64  # ImageNet-style ImageFolder
+    torchrun --nproc_per_node=4 -m orepa train --data-path /data/imagenet -b 64 --amp
+
+Run outputs (rank 0 only) in ``--output-dir``: ``checkpoint.pth`` (latest, written
+atomically; ``--resume`` it), ``log.jsonl`` / ``log.csv`` (one row per epoch),
+``curves.png``, ``summary.json`` and TensorBoard scalars when tensorboard is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .checkpoint import (
+    args_dict,
+    cfg_mismatch,
+    load_checkpoint,
+    load_model_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from .common import (
+    DistInfo,
+    UserError,
+    add_model_arguments,
+    add_threads_argument,
+    apply_threads,
+    build_model,
+    build_model_form,
+    cleanup_distributed,
+    count_params,
+    describe_cfg,
+    fail,
+    init_distributed,
+    model_cfg_from_args,
+    peak_memory,
+    seed_everything,
+    split_params,
+    state_hash,
+)
+from .data import add_data_arguments, build_data, train_loader, val_loader
+from .evaluate import autocast_context, evaluate
+from .logs import TensorBoard, plot_curves, write_history
+
+EXIT_NONFINITE = 3
+
+
+class NonFiniteLoss(Exception):
+    """The loss became NaN/inf; the message says where and which checkpoint is the last good one."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_data_arguments(p)
+    add_model_arguments(p)
+    g = p.add_argument_group("optimisation (defaults: the paper's recipe)")
+    g.add_argument("--epochs", type=int, default=120, help="total epochs (120)")
+    g.add_argument("-b", "--batch-size", type=int, default=64,
+                   help="images per process (64; the paper: global 256 = 4 GPUs x 64)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default: 0.1 x global batch / 256, the paper's rule)")
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4,
+                   help="weight decay of conv/linear weights (1e-4)")
+    g.add_argument("--norm-weight-decay", type=float, default=0.0,
+                   help="weight decay of BN parameters and biases (0: none, as in the paper)")
+    g.add_argument("--scale-weight-decay", type=float, default=0.0,
+                   help="weight decay of the OREPA branch scaling vectors (0: they play the branch BNs' role; "
+                        "see docs/training.md)")
+    g.add_argument("--lr-scheduler", default="cosineannealinglr",
+                   choices=["cosineannealinglr", "cosine", "steplr", "step", "constant"])
+    g.add_argument("--lr-warmup-epochs", type=float, default=5.0, help="linear warm-up epochs (5; fractions ok)")
+    g.add_argument("--lr-warmup-decay", type=float, default=0.01, help="warm-up starts at lr x this (0.01)")
+    g.add_argument("--lr-min", type=float, default=0.0, help="cosine floor")
+    g.add_argument("--lr-step-size", type=int, default=30, help="steplr: epochs per decay")
+    g.add_argument("--lr-gamma", type=float, default=0.1, help="steplr: decay factor")
+    g.add_argument("--label-smoothing", type=float, default=0.0)
+    g.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient norm (off)")
+    g = p.add_argument_group("speed and memory")
+    g.add_argument("--amp", action="store_true", help="mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
+    g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
+    g.add_argument("--channels-last", action="store_true", help="NHWC memory format")
+    g.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
+    g.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights")
+    g.add_argument("--model-ema-steps", type=int, default=32, help="EMA update every N steps (32)")
+    g.add_argument("--model-ema-decay", type=float, default=0.99998,
+                   help="EMA decay per step at batch 1 (adjusted like torchvision's reference script)")
+    g = p.add_argument_group("run")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available); under "
+                                                  "torchrun each process takes cuda:LOCAL_RANK")
+    g.add_argument("--seed", type=int, default=0, help="model init, data order and augmentation (0)")
+    add_threads_argument(g)
+    g.add_argument("--output-dir", default=None, help="default runs/<data>-<model>-<method>")
+    g.add_argument("--resume", default=None, help="continue from a training checkpoint (model, optimizer, "
+                                                  "scheduler, scaler, epoch, position in the epoch, RNG)")
+    g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
+    g.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: epoch ends only)")
+    g.add_argument("--keep-epoch-checkpoints", action="store_true", help="keep model_<epoch>.pth of every epoch")
+    g.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps in total, checkpointing (a budget; resume later)")
+    g.add_argument("--time-limit", type=float, default=None, metavar="MIN",
+                   help="stop (and checkpoint) after this many minutes; --resume continues exactly")
+    g.add_argument("--print-freq", type=int, default=10, help="progress-bar update every N steps")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs even if installed")
+    g.add_argument("--no-eval", action="store_true", help="skip the per-epoch evaluation")
+    g.add_argument("--quiet", action="store_true", help="no per-epoch lines (the summary is still printed)")
+
+
+# --------------------------------------------------------------------------- recipe pieces
+
+
+def make_criterion(args) -> nn.Module:
+    return nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
+
+
+def lr_factor_fn(args, iters_per_epoch: int):
+    """Multiplier of the peak lr after ``it`` optimizer steps: linear warm-up, then the schedule."""
+    warm = int(round(args.lr_warmup_epochs * iters_per_epoch))
+    total = args.epochs * iters_per_epoch
+    sched = {"cosine": "cosineannealinglr", "step": "steplr"}.get(args.lr_scheduler, args.lr_scheduler)
+    floor = (args.lr_min / args.lr) if args.lr else 0.0
+
+    def factor(it: int) -> float:
+        if it < warm:
+            return args.lr_warmup_decay + (1.0 - args.lr_warmup_decay) * it / warm
+        if sched == "constant":
+            return 1.0
+        if sched == "steplr":
+            return args.lr_gamma ** ((it - warm) // max(1, args.lr_step_size * iters_per_epoch))
+        t = min(1.0, (it - warm) / max(1, total - warm))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+    return factor
+
+
+def make_ema(model: nn.Module, args, info: DistInfo, device):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    # torchvision's reference: decay given per step at batch 1, adjusted for batch, world size and interval
+    adjust = info.world_size * args.batch_size * args.model_ema_steps / args.epochs
+    alpha = min(1.0, (1.0 - args.model_ema_decay) * adjust)
+    return AveragedModel(model, device=device, multi_avg_fn=get_ema_multi_avg_fn(1.0 - alpha), use_buffers=True)
+
+
+@dataclass
+class Progress:
+    epoch: int = 0            # epoch in progress (0-based); == epochs done when step_in_epoch == 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    history: list = field(default_factory=list)
+    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, images of the epoch so far
+
+
+def _sync_buffers(model: nn.Module, info: DistInfo) -> None:
+    """Give every rank rank 0's BN statistics (DDP syncs parameters, not the buffers' last update)."""
+    if info.distributed:
+        for b in model.buffers():
+            dist.broadcast(b, 0)
+
+
+def _atomic_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
+def _params_finite(model: nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Trainer:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self._last_progress = 0.0
+        self.info, self.device = init_distributed(args.device)
+        self.main = self.info.is_main
+        self.t_start = time.perf_counter()
+
+    def log(self, *msg) -> None:
+        if self.main:
+            print(*msg, flush=True)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        args, info, device = self.args, self.info, self.device
+        self.resume_ckpt = None
+        saved_cfg = None
+        if args.resume:
+            self.resume_ckpt = load_checkpoint(args.resume)
+            if self.resume_ckpt.get("form", "train") != "train" or "optimizer" not in self.resume_ckpt:
+                raise UserError(f"--resume {args.resume}: not a training checkpoint (it holds "
+                                f"{self.resume_ckpt.get('form', 'bare')} weights without optimizer state); "
+                                "use `orepa eval` for it, or resume from a checkpoint.pth written by `orepa train`")
+            saved_cfg = self.resume_ckpt.get("model_cfg")
+        self.data = build_data(args)
+        self.cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
+                                       small_input=self.data.small_input, saved=saved_cfg)
+        if saved_cfg is not None and saved_cfg != self.cfg:
+            raise UserError(f"--resume {args.resume} was trained as {describe_cfg(saved_cfg)}, but this command "
+                            f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(saved_cfg, self.cfg)) + ")")
+        if args.output_dir is None:
+            args.output_dir = f"runs/{self.data.name}-{self.cfg['model']}-{self.cfg['method']}"
+        self.out = Path(args.output_dir)
+        self.ckpt_path = self.out / "checkpoint.pth"
+        if self.main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.ckpt_path.exists() and not args.resume:
+                print(f"note: {self.ckpt_path} exists and will be overwritten (pass --resume {self.ckpt_path} to "
+                      "continue that run)", flush=True)
+
+        global_batch = args.batch_size * info.world_size
+        if args.lr is None:
+            args.lr = 0.1 * global_batch / 256
+        self.global_batch = global_batch
+
+        seed_everything(args.seed)  # same initial weights on every rank
+        model = build_model(self.cfg)
+        self.params_train = count_params(model)
+        self.params_deploy = count_params(build_model_form(self.cfg, "deploy"))
+        if args.sync_bn and info.distributed:
+            if device.type != "cuda":
+                raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm has no CPU implementation)")
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model.to(device)
+        if args.channels_last:
+            model.to(memory_format=torch.channels_last)
+        self.model = model  # the plain module: checkpoints, evaluation, EMA
+
+        groups = split_params(model).torch_groups(args.weight_decay, args.scale_weight_decay)
+        for g in groups:
+            if g["name"] == "no_decay":
+                g["weight_decay"] = args.norm_weight_decay
+        self.optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
+        self.loader, self.sampler = train_loader(self.data, args, info, device)
+        self.iters_per_epoch = len(self.loader)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
+        amp_fp16 = args.amp and device.type == "cuda" and args.amp_dtype in ("auto", "float16")
+        self.scaler = torch.amp.GradScaler("cuda", enabled=amp_fp16) if device.type == "cuda" else None
+        self.criterion = make_criterion(args)
+        self.ema = make_ema(model, args, info, device) if args.model_ema else None
+        self.val = None
+        if not args.no_eval:
+            self.val = val_loader(self.data, args, info, device, batch_size=max(args.batch_size, 256))
+
+        self.state = Progress()
+        if self.resume_ckpt is not None:
+            self._restore(self.resume_ckpt)
+        train_model = model
+        if info.distributed:
+            train_model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None)
+        if args.compile:
+            train_model = torch.compile(train_model)
+        self.train_model = train_model
+
+    def _restore(self, ckpt: dict) -> None:
+        args = self.args
+        load_model_state(self.model, ckpt["model"], path=args.resume, built=describe_cfg(self.cfg),
+                         saved=describe_cfg(ckpt["model_cfg"]) if ckpt.get("model_cfg") else None)
+        try:
+            self.optimizer.load_state_dict(ckpt["optimizer"])
+            self.scheduler.load_state_dict(ckpt["lr_scheduler"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise UserError(f"--resume {args.resume}: optimizer/scheduler state does not fit ({exc})") from None
+        if self.scaler is not None and ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        if self.ema is not None:
+            if "model_ema" in ckpt:
+                self.ema.module.load_state_dict(ckpt["model_ema"])
+                self.ema.n_averaged.copy_(ckpt.get("ema_n_averaged", self.ema.n_averaged))
+            else:
+                self.ema.module.load_state_dict(self.model.state_dict())
+                self.log(f"note: {args.resume} has no EMA weights; the EMA restarts from the resumed weights")
+        self.state = Progress(int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0)), int(ckpt.get("global_step", 0)),
+                              list(ckpt.get("history", [])),
+                              list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])) if self.main else [0.0, 0.0, 0.0])
+        if "rng" in ckpt:
+            set_rng_state(ckpt["rng"])
+        saved = ckpt.get("args") or {}
+        differ = [f"{k} {saved[k]!r} -> {getattr(args, k)!r}" for k in
+                  ("batch_size", "epochs", "lr", "seed", "train_subset", "weight_decay", "lr_warmup_epochs",
+                   "lr_scheduler", "amp")
+                  if k in saved and saved[k] != getattr(args, k)]
+        if saved.get("world_size") not in (None, self.info.world_size):
+            differ.append(f"world size {saved['world_size']} -> {self.info.world_size}")
+        if differ:
+            self.log("warning: resuming with different settings (" + ", ".join(differ) +
+                     "): the result will differ from an uninterrupted run")
+        self.log(f"resumed {args.resume}: epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}, "
+                 f"global step {self.state.global_step}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, reason: str) -> Path | None:
+        """Save (rank 0) the current position. Collective: every rank must call it at the same step."""
+        _sync_buffers(self.model, self.info)
+        if not _params_finite(self.model):
+            raise NonFiniteLoss(f"the weights became non-finite at global step {self.state.global_step} "
+                                f"({reason} checkpoint skipped)")
+        sums = torch.tensor(self.state.sums, dtype=torch.float64)
+        if self.info.distributed:
+            dist.all_reduce(sums)
+        if not self.main:
+            return None
+        s = self.state
+        ckpt = {
+            "format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": self.cfg,
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
+            "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
+            "epoch_sums": sums.tolist(), "history": s.history, "rng": rng_state(),
+            "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
+        }
+        if self.ema is not None:
+            ckpt["model_ema"] = self.ema.module.state_dict()
+            ckpt["ema_n_averaged"] = self.ema.n_averaged.detach().cpu()
+        if s.history:
+            ckpt["metrics"] = {k: v for k, v in s.history[-1].items() if k.startswith("val_")}
+        path = save_checkpoint(ckpt, self.ckpt_path)
+        if self.args.keep_epoch_checkpoints and reason == "epoch":
+            save_checkpoint(ckpt, self.out / f"model_{s.epoch}.pth")
+        return path
+
+    # ------------------------------------------------------------------ one epoch
+    def train_epoch(self) -> str | None:
+        """Train the rest of the current epoch; returns a stop reason or None."""
+        args, s, device, info = self.args, self.state, self.device, self.info
+        self.sampler.set_epoch(s.epoch)
+        self.sampler.set_start(s.step_in_epoch * args.batch_size)
+        self.train_model.train()
+        steps_left = len(self.loader)
+        bar = None
+        if self.main and not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.iters_per_epoch, initial=s.step_in_epoch, desc=f"epoch {s.epoch + 1}/{args.epochs}",
+                       dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 30)
+        acc = torch.zeros(3, dtype=torch.float64, device=device)  # this session's loss sum, correct, images
+        t0 = time.perf_counter()
+        stop = None
+        steps = 0
+        for images, target in self.loader:
+            images = images.to(device, non_blocking=True)
+            if args.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            target = target.to(device, non_blocking=True)
+            with autocast_context(device, args.amp, args.amp_dtype):
+                output = self.train_model(images)
+                loss = self.criterion(output, target)
+            flags = torch.stack([(~torch.isfinite(loss.detach())).float().to(torch.float64),
+                                 torch.tensor(float(self._time_up()), dtype=torch.float64, device=device)])
+            if info.distributed:
+                dist.all_reduce(flags)
+            if flags[0].item() > 0:
+                if bar is not None:
+                    bar.close()
+                raise NonFiniteLoss(f"loss is {loss.item()} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1} "
+                                    f"(global step {s.global_step + 1})" +
+                                    (" on some rank" if info.distributed else ""))
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None and self.scaler.is_enabled():
+                self.scaler.scale(loss).backward()
+                if args.clip_grad_norm:
+                    self.scaler.unscale_(self.optimizer)
+                    nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                loss.backward()
+                if args.clip_grad_norm:
+                    nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
+                self.optimizer.step()
+            self.scheduler.step()
+            if self.ema is not None and s.global_step % args.model_ema_steps == 0:
+                self.ema.update_parameters(self.model)
+                if s.epoch < args.lr_warmup_epochs:
+                    self.ema.n_averaged.fill_(0)  # torchvision: restart the average during warm-up
+            with torch.no_grad():
+                acc += torch.stack([loss.detach().double() * len(target),
+                                    output.detach().argmax(1).eq(target).sum().double(),
+                                    torch.tensor(float(len(target)), dtype=torch.float64, device=device)])
+            s.step_in_epoch += 1
+            s.global_step += 1
+            steps += 1
+            if bar is not None:
+                bar.update(1)
+                if steps % args.print_freq == 0 or steps == steps_left:
+                    m = self._running(acc, steps, t0)
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc1']:.1f}%", img_s=f"{m['images_per_s']:.0f}",
+                                    lr=f"{m['lr']:.3g}")
+            if self.main and time.perf_counter() - self._last_progress > 5.0:
+                self._write_progress(acc, steps, t0)
+            if args.save_every and s.global_step % args.save_every == 0 and s.step_in_epoch < self.iters_per_epoch:
+                self._flush_sums(acc)
+                self.checkpoint("step")
+            if args.max_steps is not None and s.global_step >= args.max_steps:
+                stop = f"--max-steps {args.max_steps} reached"
+            elif flags[1].item() > 0:
+                stop = f"--time-limit {args.time_limit:g} min reached"
+            if stop:
+                break
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.epoch_time = time.perf_counter() - t0
+        self.epoch_steps = steps
+        self.session_time += self.epoch_time
+        self.session_steps += steps
+        if bar is not None:
+            bar.close()
+        self._flush_sums(acc)
+        return stop
+
+    def _running(self, acc: torch.Tensor, steps: int, t0: float) -> dict:
+        """This rank's running loss/accuracy over the epoch so far, and the global throughput."""
+        loss_sum, c, n = (a + b for a, b in zip(self.state.sums, acc.tolist()))
+        el = time.perf_counter() - t0
+        return {"loss": loss_sum / max(n, 1), "acc1": 100 * c / max(n, 1),
+                "images_per_s": steps * self.global_batch / max(el, 1e-9), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _write_progress(self, acc: torch.Tensor, steps: int, t0: float) -> None:
+        """``progress.json``: where the run is, for monitoring (``watch cat``; the demo reads it)."""
+        s = self.state
+        row = {"epoch": s.epoch + 1, "epochs": self.args.epochs, "step": s.step_in_epoch,
+               "steps_per_epoch": self.iters_per_epoch, "global_step": s.global_step,
+               "total_steps": self.args.epochs * self.iters_per_epoch, **self._running(acc, steps, t0),
+               "elapsed_s": time.perf_counter() - self.t_start}
+        _atomic_json(self.out / "progress.json", row)
+        self._last_progress = time.perf_counter()
+
+    def _flush_sums(self, acc: torch.Tensor) -> None:
+        self.state.sums = [a + b for a, b in zip(self.state.sums, acc.tolist())]
+        acc.zero_()
+
+    def _time_up(self) -> bool:
+        return self.args.time_limit is not None and time.perf_counter() - self.t_start > 60 * self.args.time_limit
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        args, s, info = self.args, self.state, self.info
+        self.session_time, self.session_steps = 0.0, 0
+        self.log(f"orepa train: {describe_cfg(self.cfg)}")
+        self.log(f"  params: {self.params_train:,} training form, {self.params_deploy:,} deployed; "
+                 f"data: {self.data.name}, {len(self.data.train)} train / {len(self.data.val)} val images")
+        self.log(f"  {info.world_size} process(es) on {self.device}, global batch {self.global_batch}, "
+                 f"lr {args.lr:g} ({args.lr_scheduler}, {args.lr_warmup_epochs:g} warm-up epochs), "
+                 f"{self.iters_per_epoch} steps/epoch x {args.epochs} epochs, wd {args.weight_decay:g}"
+                 f"{', AMP' if args.amp else ''}{', channels_last' if args.channels_last else ''}"
+                 f"{', compiled' if args.compile else ''}{', EMA' if self.ema is not None else ''}; "
+                 f"output {self.out}")
+        tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        stop = None
+        last = {}
+        try:
+            while s.epoch < args.epochs:
+                if args.max_steps is not None and s.global_step >= args.max_steps:
+                    stop = f"--max-steps {args.max_steps} reached"
+                    break
+                stop = self.train_epoch()
+                if s.step_in_epoch >= self.iters_per_epoch:  # the epoch is complete (even if stopping now)
+                    last = self.end_epoch(tb)
+                elif stop:
+                    self.checkpoint("stop")
+                if stop and s.epoch >= args.epochs:
+                    stop = None  # the budget ran out exactly at the end: the run is complete
+                if stop:
+                    self.log(f"stopped: {stop}; continue with --resume {self.ckpt_path}")
+                    break
+        finally:
+            tb.close()
+        return self.summary(stop, last)
+
+    def end_epoch(self, tb: TensorBoard) -> dict:
+        args, s, info = self.args, self.state, self.info
+        sums = torch.tensor(s.sums, dtype=torch.float64)
+        if info.distributed:
+            dist.all_reduce(sums)
+        loss_sum, c, n = sums.tolist()
+        row = {"epoch": s.epoch + 1, "lr": self.optimizer.param_groups[0]["lr"],
+               "train_loss": loss_sum / max(n, 1), "train_acc1": 100 * c / max(n, 1),
+               "epoch_time_s": self.epoch_time, "time_per_batch_s": self.epoch_time / max(self.epoch_steps, 1),
+               "images_per_s": self.epoch_steps * self.global_batch / max(self.epoch_time, 1e-9)}
+        if self.epoch_steps < self.iters_per_epoch:
+            row["resumed_at_step"] = self.iters_per_epoch - self.epoch_steps
+        _sync_buffers(self.model, info)
+        if self.val is not None:
+            r = evaluate(self.model, self.val, self.device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
+                         channels_last=args.channels_last, progress=not args.no_progress, desc="eval")
+            row.update(val_loss=r["loss"], val_acc1=r["acc1"], val_acc5=r["acc5"])
+            if self.ema is not None:
+                r = evaluate(self.ema.module, self.val, self.device, info=info, amp=args.amp,
+                             amp_dtype=args.amp_dtype, channels_last=args.channels_last,
+                             progress=not args.no_progress, desc="eval EMA")
+                row.update(ema_val_acc1=r["acc1"], ema_val_acc5=r["acc5"])
+        s.history.append(row)
+        s.epoch += 1
+        s.step_in_epoch = 0
+        s.sums = [0.0, 0.0, 0.0]
+        self.checkpoint("epoch")
+        if self.main:
+            _atomic_json(self.out / "progress.json", {**row, "epochs": args.epochs, "step": 0,
+                                                      "steps_per_epoch": self.iters_per_epoch,
+                                                      "global_step": s.global_step,
+                                                      "total_steps": args.epochs * self.iters_per_epoch,
+                                                      "elapsed_s": time.perf_counter() - self.t_start})
+            write_history(self.out, s.history)
+            tb.epoch(row)
+            plot_curves(s.history, self.out / "curves.png", describe_cfg(self.cfg))
+            if not args.quiet:
+                val = (f"  val top-1 {row['val_acc1']:.2f}% top-5 {row['val_acc5']:.2f}%"
+                       if "val_acc1" in row else "")
+                ema = f"  EMA top-1 {row['ema_val_acc1']:.2f}%" if "ema_val_acc1" in row else ""
+                print(f"epoch {row['epoch']}/{args.epochs}: train loss {row['train_loss']:.4f} "
+                      f"acc {row['train_acc1']:.2f}%{val}{ema}  ({row['epoch_time_s']:.1f} s, "
+                      f"{row['time_per_batch_s'] * 1e3:.0f} ms/batch, {row['images_per_s']:.0f} img/s)", flush=True)
+        return row
+
+    def summary(self, stop: str | None, last: dict) -> dict:
+        info = self.info
+        _sync_buffers(self.model, info)
+        mine = state_hash(self.model.state_dict())
+        hashes = [mine]
+        if info.distributed:
+            hashes = [None] * info.world_size
+            dist.all_gather_object(hashes, mine)
+        mem, mem_kind = peak_memory(self.device)
+        out = {
+            "model": describe_cfg(self.cfg), "model_cfg": self.cfg, "dataset": self.data.name,
+            "epochs_done": self.state.epoch, "epochs": self.args.epochs, "global_step": self.state.global_step,
+            "stopped": stop, "train_time_s": self.session_time,
+            "time_per_batch_s": self.session_time / max(self.session_steps, 1),
+            "global_batch": self.global_batch, "world_size": info.world_size, "device": str(self.device),
+            "peak_memory_mib": mem, "peak_memory_kind": mem_kind,
+            "params_train": self.params_train, "params_deploy": self.params_deploy,
+            "checkpoint": str(self.ckpt_path), "output_dir": str(self.out),
+            "weights_sha256": mine, "ranks_in_sync": len(set(hashes)) == 1, "rank_weights_sha256": hashes,
+        }
+        for k in ("val_acc1", "val_acc5", "val_loss", "ema_val_acc1", "ema_val_acc5"):
+            if k in last:
+                out[k] = last[k]
+        if self.main:
+            (self.out / "summary.json").write_text(json.dumps(out, indent=2))
+            print_summary(out)
+        return out
+
+
+def print_summary(s: dict) -> None:
+    rows = [("model", s["model"]),
+            ("epochs", f"{s['epochs_done']}/{s['epochs']} ({s['global_step']} steps)"
+             + (f", stopped: {s['stopped']}" if s.get("stopped") else ""))]
+    if "val_acc1" in s:
+        rows.append(("val top-1 / top-5", f"{s['val_acc1']:.2f}% / {s['val_acc5']:.2f}%"))
+    if "ema_val_acc1" in s:
+        rows.append(("EMA val top-1 / top-5", f"{s['ema_val_acc1']:.2f}% / {s['ema_val_acc5']:.2f}%"))
+    rows += [("train time", f"{s['train_time_s']:.1f} s, {s['time_per_batch_s'] * 1e3:.1f} ms/batch "
+                            f"(global batch {s['global_batch']}, {s['world_size']} x {s['device']})"),
+             ("peak memory", f"{s['peak_memory_mib']:.0f} MiB ({s['peak_memory_kind']})"),
+             ("params", f"{s['params_train']:,} training form, {s['params_deploy']:,} deployed")]
+    if s["world_size"] > 1:
+        rows.append(("ranks in sync", "yes (bit-identical weights)" if s["ranks_in_sync"] else "NO"))
+    rows.append(("checkpoint", s["checkpoint"]))
+    w = max(len(k) for k, _ in rows)
+    print("summary:")
+    for k, v in rows:
+        print(f"  {k:<{w}}  {v}")
+
+
+def test_only(args: argparse.Namespace) -> dict:
+    """``--test-only``: evaluate the --resume checkpoint (any form)."""
+    from .evaluate import checkpoint_model, data_args_from_checkpoint
+
+    if not args.resume:
+        raise UserError("--test-only evaluates the checkpoint given with --resume")
+    info, device = init_distributed(args.device)
+    try:
+        ckpt = load_checkpoint(args.resume)
+        args.checkpoint, args.use_ema = args.resume, False
+        if args.data_path == "fashion-mnist" and (ckpt.get("args") or {}).get("data_path"):
+            args.data_path = None
+        data_args_from_checkpoint(args, ckpt)
+        data = build_data(args, need_train=False)
+        model, cfg, form = checkpoint_model(args, ckpt, data)
+        model.to(device)
+        r = evaluate(model, val_loader(data, args, info, device), device, info=info, amp=args.amp,
+                     amp_dtype=args.amp_dtype, progress=not args.no_progress)
+        if info.is_main:
+            print(f"{args.resume} ({describe_cfg(cfg)}, {form}): top-1 {r['acc1']:.2f}%  top-5 {r['acc5']:.2f}%  "
+                  f"loss {r['loss']:.4f} on {r['n']} {data.name} images")
+        return r
+    finally:
+        cleanup_distributed(info)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Run ``orepa train`` with parsed ``args``; returns the summary. Raises UserError / NonFiniteLoss."""
+    apply_threads(args)
+    if args.test_only:
+        return test_only(args)
+    trainer = Trainer(args)
+    try:
+        trainer.setup()
+        try:
+            return trainer.fit()
+        except NonFiniteLoss as exc:
+            last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
+            where = (f"the last good checkpoint is {last} (kept unchanged)" if last
+                     else "no checkpoint had been written yet")
+            raise NonFiniteLoss(f"{exc}: training stopped; {where}. Try a lower --lr, --clip-grad-norm, or no "
+                                "--amp, then --resume.") from None
+    finally:
+        cleanup_distributed(trainer.info)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        train(args)
+        return 0
+    except UserError as exc:
+        return fail("train", exc)
+    except NonFiniteLoss as exc:
+        print(f"orepa train: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE

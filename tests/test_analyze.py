@@ -1,0 +1,164 @@
+"""orepa analyze: branch similarity / norm statistics of re-param blocks, files, checkpoint handling."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import orepa
+from orepa.analysis import (
+    analyze_block,
+    branch_kernels,
+    channel_norms,
+    cosine_matrix,
+    find_blocks,
+    mean_off_diagonal,
+    normalized_sorted_norms,
+)
+from orepa.analysis.proposition1 import TinyOREPANet
+from orepa.apps import analyze as app
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("block", [
+    lambda: orepa.OREPAConv2d(4, 6, 3),
+    lambda: orepa.OREPAConv2d(4, 8, 3, groups=2),
+    lambda: orepa.OREPAConv2d(4, 6, 1),
+    lambda: orepa.OREPAConv2d(4, 6, 5, scaling="scalar"),
+    lambda: orepa.DBBConv2d(4, 6, 3),
+    lambda: orepa.RepVGGBlock(4, 4, 3),
+])
+def test_branch_kernels_add_up_to_the_squeezed_kernel(block):
+    b = block()
+    for m in b.modules():  # non-trivial BN statistics and scales
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+        if isinstance(m, orepa.Scale):
+            m.weight.data.uniform_(0.5, 1.5)
+    kern = branch_kernels(b)
+    assert list(kern) == list(b.branches)
+    w, _ = b.equivalent()
+    torch.testing.assert_close(sum(kern.values()), w.double(), rtol=1e-6, atol=1e-6)
+    r = analyze_block(b)
+    m, c = len(kern), b.out_channels
+    cos = torch.tensor(r["cosine"])
+    assert cos.shape == (m, m)
+    torch.testing.assert_close(cos, cos.T)
+    assert torch.allclose(cos.diagonal(), torch.ones(m, dtype=cos.dtype))
+    assert torch.tensor(r["channel_norms"]).shape == (m, c)
+    ns = torch.tensor(r["normalized_sorted_norms"])
+    assert ns.shape == (m, c)
+    assert torch.all(ns[:, :-1] >= ns[:, 1:])  # sorted per branch
+    assert ns.sum().item() == pytest.approx(c)  # per channel, the shares sum to 1
+    assert sum(r["mean_share"]) == pytest.approx(1.0)
+
+
+def test_cosine_and_norm_helpers():
+    a = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [0.0, 0.0]]).view(4, 1, 2, 1, 1)
+    cos = cosine_matrix(a)
+    assert cos[0, 2] == pytest.approx(1.0) and cos[0, 1] == pytest.approx(0.0)
+    assert cos[3].abs().sum() == 0  # an all-zero kernel is similar to nothing
+    assert mean_off_diagonal(torch.eye(3)) == 0.0
+    n = channel_norms(torch.ones(2, 3, 1, 1, 1))
+    assert n.shape == (2, 3)
+    assert normalized_sorted_norms(n).sum(0).tolist() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_analyze_in_memory_model_writes_files(tmp_path):
+    torch.manual_seed(0)
+    model = TinyOREPANet(width=4)
+    blocks = find_blocks(model)
+    assert [n for n, _ in blocks] == ["block1", "block2", "block3"]
+    res = app.analyze(model, tmp_path)
+    for key in ("json", "cosine", "norms", "summary"):
+        assert (tmp_path / res["files"][key].split("/")[-1]).stat().st_size > 0
+    data = json.loads((tmp_path / "analysis.json").read_text())
+    assert set(data["layers"]) == {"block1", "block2", "block3"}
+    b2 = data["layers"]["block2"]
+    assert len(b2["cosine"]) == 6 and len(b2["cosine"][0]) == 6
+    assert len(b2["channel_norms"]) == 6 and len(b2["channel_norms"][0]) == 8
+    assert data["summary"]["blocks"] == 3
+    with pytest.raises(ValueError, match="no re-param block"):
+        app.analyze(nn.Sequential(nn.Conv2d(1, 1, 3)))
+
+
+def _zoo_checkpoint(tmp_path, method="orepa", wrap=True):
+    from orepa.apps.bench import build_variant
+
+    torch.manual_seed(0)
+    model = build_variant("resnet18", method, 10, model_options={"width_mult": 0.125})
+    sd = model.state_dict()
+    path = tmp_path / f"{method}.pt"
+    torch.save({"model": sd, "epoch": 1} if wrap else {f"module.{k}": v for k, v in sd.items()}, path)
+    return model, path
+
+
+def test_cli_checkpoint(tmp_path, capsys):
+    from orepa.cli import main
+
+    model, path = _zoo_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    rc = main(["analyze", str(path), "-m", "resnet18", "--method", "orepa", "--option", "width_mult=0.125",
+               "--out-dir", str(out), "--no-plot"])
+    assert rc == 0
+    data = json.loads((out / "analysis.json").read_text())
+    assert len(data["layers"]) == len(find_blocks(model)) == 19  # 3 deep-stem 3x3 blocks + 16 3x3 convs
+    assert data["meta"]["source"] == str(path)
+    assert "19 blocks" in capsys.readouterr().out
+    # numbers come from the checkpoint's weights
+    name = "layer1.0.conv1"
+    expect = analyze_block(model.get_submodule(name))["cosine"]
+    torch.testing.assert_close(torch.tensor(data["layers"][name]["cosine"]), torch.tensor(expect))
+
+
+def test_checkpoint_mismatch_is_a_clear_error(tmp_path, capsys):
+    from orepa.cli import main
+
+    _, path = _zoo_checkpoint(tmp_path, wrap=False)  # DDP-style "module." keys are accepted
+    sd = app.load_state_dict(path)
+    assert not any(k.startswith("module.") for k in sd)
+    rc = main(["analyze", str(path), "-m", "resnet18", "--method", "dbb", "--option", "width_mult=0.125",
+               "--out-dir", str(tmp_path / "x"), "--no-plot"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "does not match --model resnet18 --method dbb" in err and "missing" in err
+    from orepa.apps.bench import build_variant
+
+    wrong_width = build_variant("resnet18", "orepa", 10, model_options={"width_mult": 0.25})
+    with pytest.raises(app.CheckpointMismatch, match="shape mismatches"):
+        app.check_and_load(wrong_width, sd, "wider model")
+    torch.save({"epoch": 3}, tmp_path / "bad.pt")
+    with pytest.raises(app.CheckpointMismatch, match="no state_dict"):
+        app.load_state_dict(tmp_path / "bad.pt")
+    assert main(["analyze", str(tmp_path / "missing.pt")]) == 2
+
+
+def test_checkpoint_with_model_cfg_needs_no_flags(tmp_path):
+    """`orepa train` checkpoints carry a model_cfg: analyze rebuilds the architecture from it."""
+    from orepa.apps.bench import build_variant
+    from orepa.cli import main
+
+    torch.manual_seed(0)
+    opts = {"width_mult": 0.125, "small_input": True, "scaling": "none"}
+    model = build_variant("resnet18", "orepa", 10, 1, model_options=opts)
+    cfg = {"model": "resnet18", "method": "orepa", "num_classes": 10, "in_chans": 1, "small_input": True,
+           "width_mult": 0.125, "options": {"scaling": "none"}}
+    ckpt = {"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
+            "model": model.state_dict(), "epoch": 0}
+    torch.save(ckpt, tmp_path / "ck.pth")
+    assert main(["analyze", str(tmp_path / "ck.pth"), "--out-dir", str(tmp_path / "o"), "--no-plot"]) == 0
+    data = json.loads((tmp_path / "o" / "analysis.json").read_text())
+    assert data["meta"]["options"] == opts
+    assert len(data["layers"]) == 17  # small-input 3x3 stem + 16 convs; no deep stem
+    assert all("scale" not in k for k in model.state_dict())  # scaling="none" really applied
+    torch.save({**ckpt, "form": "deploy"}, tmp_path / "dep.pth")
+    with pytest.raises(app.CheckpointMismatch, match="deployed"):
+        app.load_checkpoint(tmp_path / "dep.pth")

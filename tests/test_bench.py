@@ -1,0 +1,150 @@
+"""The training-cost harness (orepa bench) on tiny models: sane numbers, never wall-time asserts."""
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from orepa.apps import bench
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_net():
+    """7x7/2 stem (deep-stem target), two 3x3 conv-BN, a 1x1 bottleneck conv-BN, classifier."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+def _check_sane(result):
+    res, rat = result["results"], result["ratios"]
+    base = res["base"]
+    for name, r in res.items():
+        for k in ("step_ms", "saved_bytes", "saved_naive_bytes", "train_flops", "fwd_flops", "infer_ms",
+                  "peak_bytes", "train_params", "deploy_params", "deploy_flops"):
+            assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (name, k, r[k])
+        for k, v in rat[name].items():
+            assert v is not None and math.isfinite(v) and v > 0, (name, k, v)
+        assert r["train_flops"] > r["fwd_flops"]
+        assert r["saved_param_bytes"] <= r["saved_bytes"]
+        assert len(r["step_times_s"]) == result["config"]["reps"]
+        # the deployed form is the plain network, exactly
+        assert r["deploy_flops"] == base["deploy_flops"], name
+        assert r["deploy_params"] == base["deploy_params"], name
+        assert r["deploy_err"] < 1e-4, name
+    assert rat["base"]["step_ms"] == 1.0
+
+
+def test_run_benchmark_tiny(tmp_path):
+    result = bench.run_benchmark(tiny_net, ["base", "dbb", "orepa", "orepa-offline"], batch_size=2, image_size=16,
+                                 reps=2, warmup=1, num_classes=10, log=None)
+    _check_sane(result)
+    res = result["results"]
+    assert list(res) == ["base", "dbb", "orepa", "orepa-offline"]
+    for name in ("dbb", "orepa", "orepa-offline"):
+        assert res[name]["train_params"] > res["base"]["train_params"]
+        assert res[name]["saved_bytes"] > res["base"]["saved_bytes"]
+    # offline branches run every branch on the feature map: more FLOPs than the squeezed form's conv
+    assert res["orepa-offline"]["fwd_flops"] > res["base"]["fwd_flops"]
+    files = bench.save(result, tmp_path, "tiny")
+    assert all(f.exists() and f.stat().st_size > 0 for f in files)
+    back = json.loads((tmp_path / "tiny.json").read_text())
+    assert back["results"]["orepa"]["train_params"] == res["orepa"]["train_params"]
+    table = bench.format_table(result)
+    assert "orepa-offline" in table and "(1.00x)" in table
+
+
+def test_saved_bytes_counts_shared_storage_once():
+    class Square(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(12, 3)
+
+        def forward(self, x):
+            h = x * x  # mul saves both operands: the same tensor twice
+            return self.fc(h.flatten(1))
+
+    m = Square()
+    x = torch.randn(4, 3, 2, 2, requires_grad=True)
+    st, loss = bench.measure_saved(m, x, torch.tensor([0, 1, 2, 0]))
+    loss.backward()
+    xb = x.numel() * 4
+    assert st.naive_bytes >= st.unique_bytes + xb  # x counted twice naively, once uniquely
+    assert st.param_bytes >= m.fc.weight.numel() * 4  # the linear layer saves its weight
+    assert st.count >= 3
+
+
+def test_components_ladder_tiny(tmp_path):
+    methods = bench.component_variants(tiny_net)
+    assert methods == ["base", "dbb", "online", "+prior", "+dw", "+stem", "+rep1x1",
+                       "offline", "offline+prior", "offline+dw", "offline+stem", "offline+rep1x1"]
+    for m in methods:  # each builds and runs
+        net = bench.build_variant(tiny_net, m, 10)
+        assert net(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+    stem = bench.build_variant(tiny_net, "+stem", 10)[0]
+    assert type(stem).__name__ == "OREPADeepStem"
+    assert type(bench.build_variant(tiny_net, "offline+stem", 10)[0]).__name__ == "OREPADeepStem"
+    assert type(bench.build_variant(tiny_net, "dbb", 10)[0]) is nn.Conv2d  # the 7x7 stem stays plain
+    result = bench.run_benchmark(tiny_net, ["base", "online", "+dw", "offline", "offline+dw"], batch_size=2,
+                                 image_size=16, reps=1, warmup=1, num_classes=10, inference=False, log=None)
+    files = bench.save(result, tmp_path, "ladder")
+    assert (tmp_path / "ladder_budgets.png") in files
+
+
+def test_parse_spec_and_errors():
+    assert bench.parse_spec("orepa:scaling=scalar:branches=kxk/1x1:dw_expand=4") == (
+        "orepa", {"scaling": "scalar", "branches": ("kxk", "1x1"), "dw_expand": 4})
+    with pytest.raises(ValueError, match="unknown method"):
+        bench.build_variant(tiny_net, "nonsense", 10)
+    with pytest.raises(ValueError, match="key=value"):
+        bench.parse_spec("orepa:scalar")
+
+
+def test_cli_zoo_model(tmp_path, capsys):
+    from orepa.cli import main
+
+    rc = main(["bench", "-m", "resnet18", "--model-option", "width_mult=0.125", "--methods", "base,dbb,orepa",
+               "-b", "2", "--image-size", "32", "--reps", "1", "--warmup", "1", "--num-classes", "10",
+               "--no-inference", "--out-dir", str(tmp_path), "--tag", "cli", "--no-plot"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| orepa |" in out
+    result = json.loads((tmp_path / "cli.json").read_text())
+    assert result["config"]["model_options"] == {"width_mult": 0.125}
+    r = result["results"]
+    assert r["orepa"]["deploy_flops"] == r["base"]["deploy_flops"] == r["dbb"]["deploy_flops"]
+    assert r["orepa"]["deploy_params"] == r["base"]["deploy_params"]
+
+
+def test_cuda_code_path_with_stubbed_stats(monkeypatch):
+    """No GPU here: run the CUDA branch of the memory measurement with torch.cuda stats stubbed."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5000)
+
+    class FakeCuda:
+        type = "cuda"
+
+    net = bench.build_variant(tiny_net, "orepa", 10)
+    r = bench.Runner("orepa", net, torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9))
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+    r.step(x, y)
+    out = bench.measure_variant_costs(r, x, y, FakeCuda())
+    assert out["peak_step_bytes"] == 4000
+    assert out["peak_bytes"] == out["state_bytes"] + 4000
+    assert out["peak_source"] == "torch.cuda.max_memory_allocated"
+    assert "reset" in calls and "sync" in calls

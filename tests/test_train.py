@@ -1,0 +1,337 @@
+"""The training application: orepa train / eval / reparam / demo on tiny Fashion-MNIST subsets.
+
+Everything here is small on purpose (ResNet-18 at 1/16 width, 64 training images,
+batches of 16): the tests check behaviour (resume is exact, DDP ranks agree,
+deployed == training form, clear errors), not accuracy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import orepa
+from orepa.apps import checkpoint as ckpt_mod
+from orepa.apps import common, data, train
+from orepa.cli import main
+
+TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
+        "--lr-warmup-epochs", "0.5", "--no-progress", "--no-tensorboard", "--quiet"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models run fastest on one thread, and other processes share the CPU; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> str:
+    if not Path(data.FASHION_MNIST_SOURCE, "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip("dataset-fashion-mnist is not installed")
+    root = tmp_path_factory.mktemp("fmnist-cache")
+    data.prepare_fashion_mnist(root)
+    return str(root)
+
+
+def _train(cache, out, *extra) -> int:
+    return main(["train", *TINY, "--cache-dir", cache, "--output-dir", str(out), *extra])
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_missing_fashion_mnist_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("OREPA_FASHION_MNIST_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(common.UserError, match="apt-get install dataset-fashion-mnist"):
+        data.prepare_fashion_mnist(tmp_path / "cache")
+
+
+def test_fashion_mnist_is_ungzipped_once_and_read_by_torchvision(cache):
+    raw = Path(cache, "FashionMNIST", "raw")
+    assert sorted(p.name for p in raw.iterdir()) == sorted(data.FASHION_MNIST_FILES)
+    mtimes = [p.stat().st_mtime_ns for p in raw.iterdir()]
+    train_set, val_set = data.fashion_mnist(cache)
+    assert [p.stat().st_mtime_ns for p in raw.iterdir()] == mtimes  # not rewritten
+    assert len(train_set) == 60000 and len(val_set) == 10000 and len(train_set.classes) == 10
+    x, y = train_set[0]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32 and isinstance(y, int)
+
+
+def test_augmentation_is_a_function_of_seed_epoch_index_not_of_workers(cache):
+    ds = data.SeededAugment(data.fashion_mnist(cache)[0], seed=3)
+    sub = torch.utils.data.Subset(ds, range(40))
+
+    def batches(workers, start=0):
+        s = data.EpochSampler(range(40), num_replicas=1, rank=0, seed=3)
+        s.set_epoch(2)
+        s.set_start(start)
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=s, num_workers=workers)
+        return [x for x, _ in loader]
+
+    a, b = batches(0), batches(2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == 5
+    assert all(torch.equal(x, y) for x, y in zip(a[2:], batches(0, start=16)))  # mid-epoch resume
+    assert len(sub) == 40
+    torch.manual_seed(0)
+    before = torch.rand(3)
+    torch.manual_seed(0)
+    ds[(5, 1)]
+    assert torch.equal(torch.rand(3), before)  # the global RNG is left alone
+
+
+def _png_tree(root: Path, classes=("cat", "dog"), n_train=6, n_val=2, size=40):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for c in classes:
+            d = root / split / c
+            d.mkdir(parents=True)
+            for i in range(n):
+                arr = torch.randint(0, 255, (size, size + 8, 3), generator=g, dtype=torch.uint8).numpy()
+                Image.fromarray(arr).save(d / f"{i}.png")
+
+
+def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
+    root = tmp_path / "imgs"
+    _png_tree(root)
+    out = tmp_path / "run"
+    rc = main(["train", "--data-path", str(root), "--model", "resnet18", "--width-mult", "0.0625", "--epochs", "1",
+               "-b", "4", "--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32",
+               "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard", "-j", "0", "--output-dir", str(out)])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["dataset"] == "imagefolder" and s["model_cfg"]["in_chans"] == 3 and s["model_cfg"]["num_classes"] == 2
+    assert not s["model_cfg"]["small_input"] and "val_acc1" in s
+    # eval / reparam find the data and the transform sizes in the checkpoint
+    assert main(["eval", str(out / "checkpoint.pth"), "--no-progress", "-j", "0", "--json", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["acc1"] == pytest.approx(s["val_acc1"])
+    assert main(["reparam", str(out / "checkpoint.pth"), "--no-progress", "-j", "0"]) == 0
+    ds_train, ds_val = data.imagefolder(str(root), 32, 36, 32)
+    assert ds_train[0][0].shape == (3, 32, 32) and ds_val[0][0].shape == (3, 32, 32)
+    (root / "val").rename(root / "validation")
+    capsys.readouterr()
+    assert main(["train", "--data-path", str(root), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "expected an ImageFolder tree" in err and "val" in err
+
+
+# --------------------------------------------------------------------------- recipe
+
+
+def test_weight_decay_groups_follow_the_paper():
+    model = orepa.models.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625)
+    groups = common.split_params(model)
+    scales = {id(m.weight) for m in model.modules() if isinstance(m, orepa.Scale)}
+    bns = {id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()}
+    assert {id(p) for p in groups.scales} == scales and scales
+    assert bns <= {id(p) for p in groups.no_decay} and id(model.fc.bias) in {id(p) for p in groups.no_decay}
+    assert all(p.ndim >= 2 for p in groups.decay) and id(model.fc.weight) in {id(p) for p in groups.decay}
+    n = len(groups.decay) + len(groups.no_decay) + len(groups.scales)
+    assert n == len(list(model.parameters()))  # every parameter once; fixed filters are buffers, not here
+    opt_groups = groups.torch_groups(1e-4, 0.0)
+    assert {g["name"]: g["weight_decay"] for g in opt_groups} == {"decay": 1e-4, "no_decay": 0.0, "branch_scales": 0.0}
+
+
+def test_lr_schedule_warmup_then_cosine():
+    import argparse
+
+    a = argparse.Namespace(lr_warmup_epochs=2, epochs=10, lr_scheduler="cosineannealinglr", lr_min=0.0, lr=0.1,
+                           lr_warmup_decay=0.01, lr_gamma=0.1, lr_step_size=3)
+    f = train.lr_factor_fn(a, iters_per_epoch=10)
+    assert f(0) == pytest.approx(0.01) and f(10) == pytest.approx(0.505) and f(20) == pytest.approx(1.0)
+    assert f(60) == pytest.approx(0.5) and f(100) == pytest.approx(0.0, abs=1e-12)
+    assert all(f(i) >= f(i + 1) for i in range(20, 100))
+
+
+# --------------------------------------------------------------------------- train / eval / reparam
+
+
+def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(cache, out, "--method", "orepa", "--epochs", "2", "--model-ema", "--model-ema-steps", "1") == 0
+    for name in ("checkpoint.pth", "log.jsonl", "log.csv", "curves.png", "summary.json", "progress.json"):
+        assert (out / name).is_file(), name
+    hist = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in hist] == [1, 2] and all("val_acc1" in h and "ema_val_acc1" in h for h in hist)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["params_train"] > s["params_deploy"] > 0 and s["peak_memory_mib"] > 0 and s["time_per_batch_s"] > 0
+    assert "val_acc1" in s and "val_acc5" in s
+    ck = _load(out / "checkpoint.pth")  # weights_only: tensors and plain values only
+    assert ck["form"] == "train" and ck["epoch"] == 2 and ck["step_in_epoch"] == 0
+    assert ck["model_cfg"]["in_chans"] == 1 and ck["model_cfg"]["small_input"] is True
+
+    capsys.readouterr()
+    res = {}
+    for name, extra in (("train", []), ("ema", ["--use-ema"])):
+        assert main(["eval", str(out / "checkpoint.pth"), "--no-progress", "--val-subset", "32",
+                     "--json", str(tmp_path / f"{name}.json"), *extra]) == 0
+        res[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert res["train"]["form"] == "train" and res["train"]["acc1"] == pytest.approx(s["val_acc1"])
+
+    for fused in (False, True):
+        dep = tmp_path / ("fused.pth" if fused else "deployed.pth")
+        assert main(["reparam", str(out / "checkpoint.pth"), "-o", str(dep), "--val-subset", "32", "--no-progress",
+                     "--json", str(tmp_path / "rep.json"), *(["--fuse-bn"] if fused else [])]) == 0
+        rep = json.loads((tmp_path / "rep.json").read_text())
+        assert rep["outputs_match"] and rep["accuracy_equal"] and rep["predictions_differ"] == 0
+        assert rep["params_deployed"] < rep["params_train"]
+        assert main(["eval", str(dep), "--no-progress", "--val-subset", "32", "--json", str(tmp_path / "d.json")]) == 0
+        d = json.loads((tmp_path / "d.json").read_text())
+        assert d["form"] == ("deploy-fused" if fused else "deploy")
+        assert d["acc1"] == pytest.approx(res["train"]["acc1"]) and d["acc5"] == pytest.approx(res["train"]["acc5"])
+    # the deployed (vanilla-layout) weights load strictly into the base model of the zoo
+    base = orepa.models.create_model("resnet18", "base", num_classes=10, in_chans=1, small_input=True,
+                                     width_mult=0.0625)
+    base.load_state_dict(_load(tmp_path / "deployed.pth")["model"], strict=True)
+    # a bare state_dict is accepted too, given the model flags
+    torch.save(base.state_dict(), tmp_path / "bare.pth")
+    assert main(["eval", str(tmp_path / "bare.pth"), "--method", "base", "--width-mult", "0.0625", "--no-progress",
+                 "--val-subset", "32", "--json", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["acc1"] == pytest.approx(res["train"]["acc1"])
+    # torchvision-style --test-only
+    capsys.readouterr()
+    assert main(["train", "--test-only", "--resume", str(out / "checkpoint.pth"), "--val-subset", "32",
+                 "--no-progress"]) == 0
+    assert "top-1" in capsys.readouterr().out
+
+
+def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
+    args = ("--method", "orepa", "--epochs", "2", "--no-eval")  # 4 steps per epoch, 8 in all
+    assert _train(cache, tmp_path / "a", *args) == 0
+    b = tmp_path / "b"
+    assert _train(cache, b, *args, "--max-steps", "3") == 0          # killed mid-epoch 1
+    mid = _load(b / "checkpoint.pth")
+    assert (mid["epoch"], mid["step_in_epoch"], mid["global_step"]) == (0, 3, 3)
+    assert _train(cache, b, *args, "--max-steps", "6", "--resume", str(b / "checkpoint.pth")) == 0  # mid-epoch 2
+    assert _train(cache, b, *args, "--resume", str(b / "checkpoint.pth")) == 0
+    ca, cb = _load(tmp_path / "a" / "checkpoint.pth"), _load(b / "checkpoint.pth")
+    assert cb["global_step"] == ca["global_step"] == 8
+    for k, v in ca["model"].items():
+        assert torch.equal(v, cb["model"][k]), k
+    sa, sb = ca["optimizer"]["state"], cb["optimizer"]["state"]
+    assert all(torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"]) for i in sa)
+    assert ca["lr_scheduler"]["last_epoch"] == cb["lr_scheduler"]["last_epoch"]
+    assert [h["train_loss"] for h in ca["history"]] == pytest.approx([h["train_loss"] for h in cb["history"]])
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(cache, tmp_path, monkeypatch, capsys):
+    calls = {"n": 0}
+
+    class Poisoned(nn.CrossEntropyLoss):
+        def forward(self, x, y):
+            calls["n"] += 1
+            loss = super().forward(x, y)
+            return loss * float("nan") if calls["n"] == 6 else loss
+
+    monkeypatch.setattr(train, "make_criterion", lambda args: Poisoned())
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert _train(cache, out, "--epochs", "3", "--no-eval") == train.EXIT_NONFINITE
+    err = capsys.readouterr().err
+    assert "loss is nan" in err and "epoch 2, step 2" in err and "last good checkpoint" in err
+    ck = _load(out / "checkpoint.pth")
+    assert (ck["epoch"], ck["step_in_epoch"]) == (1, 0)  # end of epoch 1: the last good state
+    assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+def test_corrupt_and_foreign_checkpoints_give_clear_errors(cache, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(cache, out, "--method", "base", "--epochs", "1", "--no-eval") == 0
+    good = out / "checkpoint.pth"
+    truncated = tmp_path / "truncated.pth"
+    truncated.write_bytes(good.read_bytes()[:2000])
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"this is not a checkpoint" * 10)
+    pickled = tmp_path / "module.pth"
+    torch.save(nn.Linear(2, 2), pickled)  # a whole module: refused by weights_only
+    for path, msg in ((truncated, "corrupt or truncated"), (garbage, "corrupt"), (pickled, "weights_only"),
+                      (tmp_path / "missing.pth", "does not exist")):
+        capsys.readouterr()
+        assert main(["eval", str(path), "--no-progress", "--val-subset", "16"]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+    with pytest.raises(common.UserError, match="corrupt"):
+        ckpt_mod.load_checkpoint(truncated)
+    # another architecture
+    capsys.readouterr()
+    assert main(["eval", str(good), "--width-mult", "0.125", "--no-progress", "--val-subset", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit the model built" in err and "shape mismatch" in err
+    assert main(["eval", str(good), "--method", "orepa", "--no-progress", "--val-subset", "16"]) == 2
+    assert "does not fit" in capsys.readouterr().err
+    assert _train(cache, out, "--method", "orepa", "--epochs", "1", "--resume", str(good)) == 2
+    err = capsys.readouterr().err
+    assert "was trained as resnet18/base" in err and "method: checkpoint 'base' vs requested 'orepa'" in err
+
+
+def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "c.pth"
+    ckpt_mod.save_checkpoint({"model": {"w": torch.ones(2)}}, path)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError):
+        ckpt_mod.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
+    assert torch.equal(_load(path)["model"]["w"], torch.ones(2))  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pth"]      # no temp file left behind
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa",
+           "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
+           "--device", "cpu"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["world_size"] == 2 and s["global_batch"] == 32 and s["global_step"] == 2  # 64 images / (2 x 16)
+    assert len(s["rank_weights_sha256"]) == 2 and s["ranks_in_sync"]
+    assert s["rank_weights_sha256"][1] == common.state_hash(_load(out / "checkpoint.pth")["model"])
+    assert "val_acc1" in s
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        ["checkpoint.pth", "curves.png", "log.csv", "log.jsonl", "progress.json", "summary.json"])
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("cmd", ["train", "eval", "reparam", "demo"])
+def test_subcommand_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    assert "usage: orepa " + cmd in capsys.readouterr().out
+
+
+def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
+    rc = main(["demo", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "64", "-b", "16",
+               "--output-dir", str(tmp_path / "demo"), "--cache-dir", cache, "--no-progress", "--in-process"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "test top-1, deployed" in out and "params, training form" in out
+    res = json.loads((tmp_path / "demo" / "demo.json").read_text())["results"]
+    assert set(res) == {"base", "orepa"}
+    for r in res.values():
+        assert r["reparam"]["train_form_acc1"] == r["reparam"]["deployed_acc1"]
+        assert r["reparam"]["params_deployed"] == res["base"]["reparam"]["params_deployed"]
