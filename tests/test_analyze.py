@@ -133,7 +133,7 @@ def test_checkpoint_mismatch_is_a_clear_error(tmp_path, capsys):
     from orepa.apps.bench import build_variant
 
     wrong_width = build_variant("resnet18", "orepa", 10, model_options={"width_mult": 0.25})
-    with pytest.raises(app.CheckpointMismatch, match="shape mismatches"):
+    with pytest.raises(app.CheckpointMismatch, match="shape mismatch"):
         app.check_and_load(wrong_width, sd, "wider model")
     torch.save({"epoch": 3}, tmp_path / "bad.pt")
     with pytest.raises(app.CheckpointMismatch, match="no state_dict"):

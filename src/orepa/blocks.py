@@ -76,6 +76,11 @@ OREPA_BRANCHES: tuple[str, ...] = ("kxk", "1x1", "1x1_avg", "1x1_prior", "1x1_kx
 #: the Rep-1x1 block for 1x1 convs of bottlenecks
 REP_1X1_BRANCHES: tuple[str, ...] = ("1x1", "1x1_1x1")
 SCALINGS = ("vector", "scalar", "none")
+# Cost of one memory-bound pass over one kernel element, in multiply-adds of a matrix
+# product (CPU: ~0.6 ns per element and pass vs ~0.05 ns per MAC); used by the chain-order choice.
+_ELEMENT_PASS_MACS = 16
+# Largest N*H*W for which a 1x1 step on the feature map runs as one matrix product.
+_GEMM_1X1_MAX_PIXELS = 2048
 
 
 def _pair(v, name: str) -> tuple[int, int]:
@@ -161,6 +166,14 @@ class ConvStep(nn.Module):
         return self.weight
 
     def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
+        if self.kernel_size == 1 and self.groups == 1 and padding == 0:
+            xs = x[:, :, ::stride, ::stride] if stride > 1 else x
+            n, c, h, w = xs.shape
+            if n * h * w <= _GEMM_1X1_MAX_PIXELS:
+                # a 1x1 conv over few pixels (a branch on a small feature map) is one matrix
+                # product; CPU conv kernels are slower there (1 thread: the non-mkldnn path)
+                y = self.weight.view(self.out_channels, c) @ xs.transpose(0, 1).reshape(c, n * h * w)
+                return y.view(self.out_channels, n, h, w).transpose(0, 1).contiguous()
         return F.conv2d(x, self.weight, None, stride, padding, dilation, self.groups)
 
     def extra_repr(self) -> str:
@@ -297,22 +310,60 @@ class Branch(nn.Sequential):
             return last, scale is not None
         return K.compose(ks[0].kernel(), ks[0].groups, last, ks[1].groups)[0], True
 
+    def add_into(self, out: Tensor) -> None:
+        """``out += branch kernel`` in place (call without grad); no temporary for a
+        single kernel or a per-channel filter after a 1x1, the scale fused into the addition."""
+        ks, scale = self._split()
+        s = None if scale is None else scale.weight
+        if len(ks) == 1:
+            if s is None:
+                out.add_(ks[0].kernel())
+            else:
+                out.addcmul_(ks[0].kernel(), s.reshape(-1, 1, 1, 1))
+            return
+        K.compose_into(out, ks[0].kernel(), ks[0].groups, ks[1].kernel(), ks[1].groups, s)
+
     def kernel_vjp(self, grad: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """``(parameter, gradient)`` pairs of ``<grad, branch kernel>`` without stored intermediates."""
+        """``(parameter, gradient)`` pairs of ``<grad, branch kernel>`` without stored intermediates.
+
+        Fixed kernels get no gradient (none is computed).
+        """
         ks, scale = self._split()
         out = []
         last = ks[-1].kernel()
+        learn_last = isinstance(ks[-1], ConvStep)
         if len(ks) == 2:
-            first = ks[0]
+            first, second = ks
+            need_first = isinstance(first, ConvStep)
+            shared = isinstance(second, FixedKernelStep) and second.kind == "avg"
+            if scale is not None and K.compose_case(first.weight.shape, first.groups, second.weight.shape,
+                                                    second.groups) == "depthwise_after_1x1":
+                # a per-channel filter after a 1x1: the scale folds into the 1x1 (the small
+                # factor), so the filter's gradient is never needed for the scale's
+                w1 = first.kernel()
+                d_w1s, d_last = K.compose_vjp(K.scale_channels(w1, scale.weight), first.groups, last, second.groups,
+                                              grad, need_w2=learn_last, shared_filter=shared)
+                ds = K.rowdot(d_w1s, w1)
+                out.append((scale.weight, ds if scale.mode == "vector" else ds.sum(0, keepdim=True)))
+                if need_first:
+                    out.append((first.weight, K.scale_channels(d_w1s, scale.weight)))
+                if learn_last:
+                    out.append((second.weight, d_last))
+                return out
             last_s = last if scale is None else K.scale_channels(last, scale.weight)
-            d_first, grad = K.compose_vjp(first.kernel(), first.groups, last_s, ks[1].groups, grad)
-            if isinstance(first, ConvStep):
+            d_first, d_last = K.compose_vjp(
+                first.kernel(), first.groups, last_s, second.groups, grad,
+                need_w1=need_first, need_w2=learn_last or scale is not None, shared_filter=shared and scale is None,
+            )
+            if need_first:
                 out.append((first.weight, d_first))
+            grad = d_last
         if scale is not None:
-            ds = torch.linalg.vecdot(grad.reshape(grad.shape[0], -1), last.reshape(last.shape[0], -1))
+            ds = K.rowdot(grad, last)
             out.append((scale.weight, ds if scale.mode == "vector" else ds.sum(0, keepdim=True)))
-            grad = K.scale_channels(grad, scale.weight)
-        if isinstance(ks[-1], ConvStep):
+            if learn_last:
+                grad = K.scale_channels(grad, scale.weight)
+        if learn_last:
             out.append((ks[-1].weight, grad))
         return out
 
@@ -455,17 +506,27 @@ class ReparamConv2d(nn.Module):
     # ---- online path: closed-form squeeze, kernel recomputation, chain order
 
     def _squeeze_closed_form(self, names: Sequence[str]) -> Tensor:
-        """Sum of the named branches' kernels, built in place (call without grad)."""
+        """Sum of the named branches' kernels, accumulated in place (call without grad).
+
+        A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every
+        other branch is added into its centred window with its scale fused in.
+        """
         k = self.kernel_size[0]
-        out = None
+        names = list(names)
+        first = next((n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1),
+                     None)
+        if first is not None:
+            out, fresh = self.branches[first].kernel_closed_form()
+            out = out if fresh else out.clone()
+            names.remove(first)
+        else:
+            ref = next(iter(self.branches[names[0]]))
+            w = ref.kernel()
+            out = w.new_zeros(self.out_channels, self.in_channels // self.groups, k, k)
         for name in names:
-            w, fresh = self.branches[name].kernel_closed_form()
-            e = w.shape[-1]
-            if out is None:
-                out = K.pad_to(w, k) if e < k else (w if fresh else w.clone())
-            else:
-                o = (k - e) // 2
-                out[:, :, o:o + e, o:o + e] += w
+            br = self.branches[name]
+            o = (k - br.extent) // 2
+            br.add_into(out[:, :, o:o + br.extent, o:o + br.extent])
         return out
 
     def _squeeze_vjp(self, grad: Tensor, params: Sequence[Tensor], names: Sequence[str]) -> tuple[Tensor | None, ...]:
@@ -502,13 +563,18 @@ class ReparamConv2d(nn.Module):
             steps, _ = br._split()
             if len(steps) == 2 and isinstance(steps[0], ConvStep) and br._pad_step is not None:
                 a, b = steps
-                compose_macs = b.weight.numel() * a.weight[0].numel()
-                # kernel-space products contract over C_mid / groups; short contractions
-                # (dw x8 -> pw: 8, 1x1 -> per-channel filter: 1) run far below peak
-                contraction = a.out_channels // max(a.groups, b.groups)
-                compose_cost = compose_macs * 256 / min(256, contraction)
                 feature_macs = n * h * w * a.weight.numel() + n * ho * wo * b.weight.numel()
-                if 3 * feature_macs < kernel_passes * compose_cost:
+                if K.compose_case(a.weight.shape, a.groups, b.weight.shape, b.groups) == "depthwise_after_1x1":
+                    # a per-channel filter after a 1x1 is a broadcast product in kernel space: memory
+                    # bound, about _ELEMENT_PASS_MACS per element and pass (forward, backward, rebuild)
+                    out_numel = a.weight.numel() * b.weight[0].numel()
+                    compose_cost = out_numel * _ELEMENT_PASS_MACS * (kernel_passes - 1)
+                else:
+                    # a matrix product contracting over C_mid / groups; short contractions
+                    # (dw x8 -> pw: 8) run far below peak
+                    contraction = a.out_channels // max(a.groups, b.groups)
+                    compose_cost = kernel_passes * b.weight.numel() * a.weight[0].numel() * 256 / min(256, contraction)
+                if 3 * feature_macs < compose_cost:
                     on_features.append(name)
                     continue
             squeezed.append(name)

@@ -24,9 +24,12 @@ __all__ = [
     "freq_prior_kernel",
     "identity_init_1x1",
     "scale_channels",
+    "rowdot",
     "expand_groups",
     "compose",
     "compose_vjp",
+    "compose_into",
+    "compose_case",
     "cheap_vjp_groups",
     "compose_affine",
     "bias_through",
@@ -112,6 +115,12 @@ def scale_channels(weight: Tensor, scale: Tensor) -> Tensor:
     return weight * scale.reshape(-1, 1, 1, 1)
 
 
+def rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """Per-output-channel dot product ``sum(a[o] * b[o])`` without a full-size temporary."""
+    n = a.shape[0]
+    return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).reshape(n)
+
+
 def expand_groups(weight: Tensor, groups: int, new_groups: int) -> Tensor:
     """Re-express a grouped kernel with coarser ``new_groups`` (block-diagonal fill)."""
     if groups == new_groups:
@@ -128,7 +137,7 @@ def expand_groups(weight: Tensor, groups: int, new_groups: int) -> Tensor:
     return full.reshape(c_out, ratio * cin_g, kh, kw)
 
 
-def _compose_case(w1_shape, g1: int, w2_shape, g2: int) -> str:
+def compose_case(w1_shape, g1: int, w2_shape, g2: int) -> str:
     """Which evaluation of the sequential rule applies (shared by compose and compose_vjp)."""
     c1, c2 = w1_shape[0], w2_shape[0]
     if tuple(w2_shape[-2:]) == (1, 1) and g1 % g2 == 0:
@@ -174,7 +183,7 @@ def compose(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, int]:
     c1 = w1.shape[0]
     if w2.shape[1] * g2 != c1:
         raise ValueError(f"cannot compose: first kernel gives {c1} channels, second expects {w2.shape[1] * g2}")
-    case = _compose_case(w1.shape, g1, w2.shape, g2)
+    case = compose_case(w1.shape, g1, w2.shape, g2)
     c0g = w1.shape[1]
     c2 = w2.shape[0]
     if case == "pointwise_after":
@@ -202,37 +211,72 @@ def compose(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, int]:
 
 def cheap_vjp_groups(w1_shape, g1: int, w2_shape, g2: int) -> int | None:
     """Groups of ``compose`` if :func:`compose_vjp` has a closed form for this pair, else None."""
-    case = _compose_case(w1_shape, g1, w2_shape, g2)
+    case = compose_case(w1_shape, g1, w2_shape, g2)
     return {"pointwise_after": g2, "pointwise_first": g1, "depthwise_after_1x1": g1}.get(case)
 
 
-def compose_vjp(w1: Tensor, g1: int, w2: Tensor, g2: int, grad: Tensor) -> tuple[Tensor, Tensor]:
+def compose_vjp(
+    w1: Tensor, g1: int, w2: Tensor, g2: int, grad: Tensor, *, need_w1: bool = True, need_w2: bool = True,
+    shared_filter: bool = False,
+) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of ``<grad, compose(w1, g1, w2, g2)>`` w.r.t. ``w1`` and ``w2``, in closed form.
 
     Needs only the operands (never the composed kernel), so a squeeze can keep
-    nothing for backward. Supports the cases of :func:`cheap_vjp_groups`.
+    nothing for backward. Supports the cases of :func:`cheap_vjp_groups`. A gradient
+    that is not needed (a fixed kernel) is not computed and returned as None;
+    ``shared_filter`` says that a per-channel ``w2`` is the same for every channel
+    (average pooling), which turns its contraction into one matrix-vector product.
     """
-    case = _compose_case(w1.shape, g1, w2.shape, g2)
+    case = compose_case(w1.shape, g1, w2.shape, g2)
     c1, c0g = w1.shape[:2]
     c2 = w2.shape[0]
+    d1 = d2 = None
     if case == "pointwise_after":
         a, b = _pw_after_operands(w1, g1, w2, g2)
         gr = grad.reshape(g2, c2 // g2, g1 // g2, c0g, *w1.shape[-2:])
-        da = torch.einsum("gorihw,grmihw->gorm", gr, b)
-        db = torch.einsum("gorihw,gorm->grmihw", gr, a)
-        return db.reshape(w1.shape), da.reshape(w2.shape)
+        if need_w2:
+            d2 = torch.einsum("gorihw,grmihw->gorm", gr, b).reshape(w2.shape)
+        if need_w1:
+            d1 = torch.einsum("gorihw,gorm->grmihw", gr, a).reshape(w1.shape)
+        return d1, d2
     if case == "pointwise_first":
         a = w2.reshape(g1, c2 // g1, c1 // g1, *w2.shape[2:])
         b = w1.reshape(g1, c1 // g1, c0g)
         gr = grad.reshape(g1, c2 // g1, c0g, *w2.shape[2:])
-        da = torch.einsum("goihw,gmi->gomhw", gr, b)
-        db = torch.einsum("goihw,gomhw->gmi", gr, a)
-        return db.reshape(w1.shape), da.reshape(w2.shape)
+        if need_w2:
+            d2 = torch.einsum("goihw,gmi->gomhw", gr, b).reshape(w2.shape)
+        if need_w1:
+            d1 = torch.einsum("goihw,gomhw->gmi", gr, a).reshape(w1.shape)
+        return d1, d2
     if case == "depthwise_after_1x1":
-        dw1 = torch.einsum("oihw,ohw->oi", grad, w2[:, 0]).reshape(w1.shape)
-        dw2 = torch.einsum("oihw,oi->ohw", grad, w1[:, :, 0, 0]).unsqueeze(1)
-        return dw1, dw2
+        if need_w1:
+            taps = w2.shape[-1] * w2.shape[-2]
+            if shared_filter:
+                d1 = (grad.reshape(-1, taps) @ w2[0].reshape(taps)).reshape(w1.shape)
+            else:
+                d1 = torch.bmm(grad.reshape(c2, c0g, taps), w2.reshape(c2, taps, 1)).reshape(w1.shape)
+        if need_w2:
+            d2 = torch.einsum("oihw,oi->ohw", grad, w1[:, :, 0, 0]).unsqueeze(1)
+        return d1, d2
     raise NotImplementedError(f"no closed-form vjp for the {case!r} composition")
+
+
+def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor | None = None) -> None:
+    """``out += scale * compose(w1, g1, w2, g2)`` in place (``scale`` per output channel).
+
+    A per-channel filter after a 1x1 is a broadcast product: it is accumulated
+    without building the composed kernel. Other cases compose, then add with the
+    scale fused into the addition (one pass over ``out``).
+    """
+    if compose_case(w1.shape, g1, w2.shape, g2) == "depthwise_after_1x1":
+        w1s = w1 if scale is None else scale_channels(w1, scale)
+        out.addcmul_(w1s, w2)
+        return
+    composed = compose(w1, g1, w2, g2)[0]
+    if scale is None:
+        out.add_(composed)
+    else:
+        out.addcmul_(composed, scale.reshape(-1, 1, 1, 1))
 
 
 def bias_through(w: Tensor, groups: int, bias: Tensor) -> Tensor:

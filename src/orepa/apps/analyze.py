@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from orepa.analysis import analyze_model
+from orepa.apps.checkpoint import state_dict_mismatch
+from orepa.apps.logs import pyplot, save_figure
 
 
 class CheckpointMismatch(ValueError):
@@ -79,26 +81,15 @@ def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:
 def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str) -> nn.Module:
     """Strictly load ``sd`` into ``model``; a mismatch raises :class:`CheckpointMismatch` that lists it."""
     own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    shapes = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)]
-    if missing or unexpected or shapes:
-        def few(xs):
-            return ", ".join(xs[:5]) + (f", ... ({len(xs)} in all)" if len(xs) > 5 else "")
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} keys missing from the checkpoint ({few(missing)})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected keys ({few(unexpected)})")
-        if shapes:
-            parts.append(f"{len(shapes)} shape mismatches ({few(shapes)})")
+    problem = state_dict_mismatch(model, sd)
+    if problem:
+        unexpected = [k for k in sd if k not in own]
         hint = ""
         if any(".branches." in k for k in unexpected) and not any(".branches." in k for k in own):
             hint = " The checkpoint is in training form: pass the --method it was trained with."
         elif not any(".branches." in k for k in sd):
             hint = " The checkpoint has no re-param branches (deployed or base model?): nothing to analyse."
-        raise CheckpointMismatch(f"checkpoint does not match {what}: " + "; ".join(parts) + "." + hint)
+        raise CheckpointMismatch(f"checkpoint does not match {what}: {problem}.{hint}")
     model.load_state_dict(sd, strict=True)
     return model
 
@@ -120,10 +111,7 @@ def _short(name: str) -> str:
 
 
 def plot_cosine(result: dict, path: str | Path, ncols: int = 6) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layers = result["layers"]
     n = max(len(layers), 1)
@@ -150,17 +138,11 @@ def plot_cosine(result: dict, path: str | Path, ncols: int = 6) -> Path:
                      f"{v['mean_off_diagonal_cosine']:.3f}", fontsize=6)
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6, label="cosine similarity")
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_norms(result: dict, path: str | Path, ncols: int = 6) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layers = result["layers"]
     n = max(len(layers), 1)
@@ -182,17 +164,11 @@ def plot_norms(result: dict, path: str | Path, ncols: int = 6) -> Path:
     if handles:
         fig.legend(handles, labels, loc="upper right", fontsize=6)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_summary(result: dict, path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layers = result["layers"]
     names = [_short(n) for n in layers]
@@ -203,10 +179,7 @@ def plot_summary(result: dict, path: str | Path) -> Path:
     ax.set_ylabel("mean off-diagonal cosine")
     ax.axhline(0, color="k", lw=0.6)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 # --------------------------------------------------------------------------- API / CLI

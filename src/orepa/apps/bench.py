@@ -63,6 +63,7 @@ from torch import nn
 
 import orepa
 from orepa.blocks import OREPA_BRANCHES, OREPADeepStem
+from orepa.apps.logs import pyplot, save_figure
 
 ModelSpec = str | Callable[[], nn.Module]
 
@@ -609,10 +610,7 @@ def format_header(result: dict) -> str:
 
 def plot_ratios(result: dict, path: str | Path) -> Path:
     """Bar charts of the cost ratios to base, one panel per metric."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rat = result["ratios"]
     names = list(rat)
@@ -631,18 +629,12 @@ def plot_ratios(result: dict, path: str | Path) -> Path:
         ax.set_ylabel("x base")
     fig.suptitle(format_header(result), fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def plot_budgets(result: dict, path: str | Path) -> Path:
     """Fig. "budgets": memory and time as components are added, online vs offline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     res = result["results"]
     rungs = [r for r in LADDER if r in res]
@@ -672,10 +664,7 @@ def plot_budgets(result: dict, path: str | Path) -> Path:
         ax.legend(fontsize=7)
     fig.suptitle("cost as components are added: " + format_header(result), fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> list[Path]:

@@ -64,10 +64,7 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> Path | None
     if not history:
         return None
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         return None
     ep = [r["epoch"] for r in history]
@@ -92,9 +89,27 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> Path | None
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return save_figure(fig, path, dpi=110)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path, dpi: int = 110) -> Path:
+    """Write ``fig`` to ``path`` atomically (temp file + rename) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=dpi)
     plt.close(fig)
     os.replace(tmp, path)
     return path
