@@ -151,3 +151,49 @@ def test_resnet_training_is_unchanged_by_the_fast_path():
             opt.step()
     for (n, a), b in zip(net.state_dict().items(), ref.state_dict().values()):
         tol_close(a.double(), b.double(), rel=1e-9)
+
+
+COMPOSE_CASES = [((8, 4, 1, 1), 1, (6, 8, 3, 3), 1), ((32, 1, 3, 3), 4, (6, 16, 1, 1), 2),
+                 ((6, 4, 1, 1), 2, (6, 1, 3, 3), 6), ((4, 4, 1, 1), 1, (8, 4, 1, 1), 1)]
+
+
+@pytest.mark.parametrize("shapes", COMPOSE_CASES)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_compose_into_accumulates_the_scaled_composition(shapes, scaled):
+    s1, g1, s2, g2 = shapes
+    w1, w2 = torch.randn(s1, dtype=torch.double), torch.randn(s2, dtype=torch.double)
+    ref, _ = K.compose(w1, g1, w2, g2)
+    scale = torch.randn(ref.shape[0], dtype=torch.double) if scaled else None
+    out = torch.randn_like(ref)
+    expected = out + (ref if scale is None else K.scale_channels(ref, scale))
+    K.compose_into(out, w1, g1, w2, g2, scale)
+    tol_close(out, expected, rel=1e-12)
+
+
+def test_compose_vjp_skips_unneeded_and_shares_a_common_filter():
+    w1 = torch.randn(6, 4, 1, 1, dtype=torch.double, requires_grad=True)
+    avg = K.avg_pool_kernel(6, 3, dtype=torch.double)
+    out, _ = K.compose(w1, 1, avg, 6)
+    grad = torch.randn_like(out)
+    (ref,) = torch.autograd.grad(out, (w1,), grad)
+    for shared in (False, True):
+        d1, d2 = K.compose_vjp(w1, 1, avg, 6, grad, need_w2=False, shared_filter=shared)
+        assert d2 is None
+        tol_close(d1, ref, rel=1e-12)
+    assert K.compose_vjp(w1, 1, avg, 6, grad, need_w1=False)[0] is None
+    a, b = torch.randn(5, 7, dtype=torch.double), torch.randn(5, 7, dtype=torch.double)
+    tol_close(K.rowdot(a, b), (a * b).sum(1), rel=1e-12)
+
+
+@pytest.mark.parametrize("n,h,stride", [(2, 7, 1), (2, 8, 2), (1, 45, 1), (64, 56, 1)])
+def test_pointwise_step_on_small_maps_is_the_conv(n, h, stride):
+    """1x1 steps on few pixels run as one matrix product: same values and gradients."""
+    step = orepa.blocks.ConvStep(12, 10, 1).double()
+    x = torch.randn(n, 12, h, h, dtype=torch.double, requires_grad=True)
+    y = step.run(x, stride, 1)
+    ref = nn.functional.conv2d(x, step.weight, None, stride)
+    assert y.shape == ref.shape and y.is_contiguous()
+    tol_close(y, ref, rel=1e-12)
+    gy = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(y, (x, step.weight), gy), torch.autograd.grad(ref, (x, step.weight), gy)):
+        tol_close(a, b, rel=1e-12)

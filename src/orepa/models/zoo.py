@@ -50,7 +50,8 @@ _BLOCK_OPTS = ("branches", "freq_prior", "dw_sep", "dw_expand", "internal_channe
 _METHOD_OPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("resnet", "base"): (),
     ("resnet", "dbb"): ("internal_channels",),
-    ("resnet", "orepa"): ("preset", *_BLOCK_OPTS, "deep_stem", "rep_1x1", "scaling", "scale_init", "post_bn"),
+    ("resnet", "orepa"): ("preset", *_BLOCK_OPTS, "deep_stem", "rep_1x1", "scaling", "scale_init", "post_bn",
+                          "recompute"),
     ("resnet", "orepa-offline"): ("preset", *_BLOCK_OPTS, "deep_stem", "rep_1x1"),
     ("repvgg", "base"): (),
     ("repvgg", "repvgg"): (),
@@ -135,7 +136,7 @@ def _resnet_method(model: nn.Module, method: str, opts: dict, bottleneck: bool) 
     deep_stem = opts.get("deep_stem", online)
     inner = dict(branches=branches, **_block_opts(opts, "dw_expand", "internal_channels"))
     if online:
-        inner.update(scaling=scaling, **_block_opts(opts, "scale_init"))
+        inner.update(scaling=scaling, **_block_opts(opts, "scale_init", "recompute"))
     convert(model, method, inplace=True, exclude=keep_stem, rep_1x1=rep_1x1, **inner)
     if deep_stem and big_stem:
         c = model.conv1
@@ -199,7 +200,8 @@ def create_model(name: str, method: str | None = None, num_classes: int = 1000, 
         in_chans: input channels.
         options: ``small_input``, ``width_mult`` (all models); OREPA components and ablations
             (``preset``, ``freq_prior``, ``dw_sep``, ``deep_stem``, ``rep_1x1``, ``scaling``,
-            ``post_bn``, ``branches``, ``scale_init``, ``dw_expand``, ``internal_channels``);
+            ``post_bn``, ``branches``, ``scale_init``, ``dw_expand``, ``internal_channels``,
+            ``recompute`` (online blocks: ``"auto"``, True, False; a time/memory trade-off));
             see docs/models.md for which method takes which.
     Raises:
         ValueError: unknown name, method, option or preset (the message lists the valid ones).
