@@ -148,3 +148,20 @@ def test_cuda_code_path_with_stubbed_stats(monkeypatch):
     assert out["peak_bytes"] == out["state_bytes"] + 4000
     assert out["peak_source"] == "torch.cuda.max_memory_allocated"
     assert "reset" in calls and "sync" in calls
+
+
+def test_block_cost_script_reports_routes(tmp_path):
+    """benchmarks/block_cost.py runs and shows the chain-order choice per ResNet-18 shape."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_cost.py"
+    spec = importlib.util.spec_from_file_location("block_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "cost.json"
+    rows = mod.main(["-b", "1", "--reps", "1", "--threads", "1", "--force", "", "--json", str(out)])
+    assert len(rows) == len(mod.RESNET18_SHAPES) == len(json.loads(out.read_text())["rows"])
+    assert rows[0]["on_features"] == [] and not rows[0]["recompute"]  # 64 ch at 56x56: all in kernel space
+    assert "1x1_kxk" in rows[-1]["on_features"] and rows[-1]["recompute"]  # 512 ch at 7x7, one image
+    assert all(r["conv_ms"][0] > 0 and "(none)" in r["forced"] for r in rows)
