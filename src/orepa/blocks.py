@@ -18,7 +18,9 @@ The SAME declaration runs in one of two modes, fixed at construction:
   it equals the online block to float tolerance: the test of the squeeze.
 
 Offline branches pad their *input* once, by their own receptive field, and
-run every step unpadded; only the last kernel step is strided. That is the
+run every step unpadded; only the last kernel step is strided (a purely
+pointwise branch without BN subsamples its input first instead: the same
+function on fewer pixels). That is the
 exact feature-map counterpart of the squeezed kernel (an intermediate BN bias
 reaches the border as it does through the squeezed kernel), so deploying is
 exact without DBB's "BN-and-pad" special layer. (A stem built from 3x3 convs
@@ -274,6 +276,9 @@ class Branch(nn.Sequential):
             if not any(isinstance(st, nn.BatchNorm2d) for st in list(self)[:i]):
                 self._pad_step = i
         self._fast_groups = self._closed_form_groups()
+        # a pointwise branch (every kernel 1x1) without BN commutes with subsampling: a strided
+        # block may subsample its input first and run every step on the smaller map
+        self._subsample_first = self.extent == 1 and not self.has_norm
 
     def _closed_form_groups(self) -> int | None:
         """Groups of the branch kernel if its squeeze has a closed-form backward, else None.
@@ -402,6 +407,8 @@ class Branch(nn.Sequential):
         there instead is the same function and needs no padded copy of ``x``.
         ``padded`` shares padded inputs between branches of one block.
         """
+        if stride > 1 and self._subsample_first:
+            x, stride = x[:, :, ::stride, ::stride], 1
         p = (self.extent // 2) * dilation
         h = x
         if self._pad_step is None and p:
@@ -563,7 +570,8 @@ class ReparamConv2d(nn.Module):
             steps, _ = br._split()
             if len(steps) == 2 and isinstance(steps[0], ConvStep) and br._pad_step is not None:
                 a, b = steps
-                feature_macs = n * h * w * a.weight.numel() + n * ho * wo * b.weight.numel()
+                first_pixels = n * ho * wo if br._subsample_first else n * h * w
+                feature_macs = first_pixels * a.weight.numel() + n * ho * wo * b.weight.numel()
                 if K.compose_case(a.weight.shape, a.groups, b.weight.shape, b.groups) == "depthwise_after_1x1":
                     # a per-channel filter after a 1x1 is a broadcast product in kernel space: memory
                     # bound, about _ELEMENT_PASS_MACS per element and pass (forward, backward, rebuild)
