@@ -19,12 +19,7 @@ from orepa.analysis.proposition1 import TinyOREPANet
 from orepa.apps import analyze as app
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("block", [

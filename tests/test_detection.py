@@ -21,13 +21,7 @@ TINY = dict(width_mult=0.25)  # ResNet-18 with 16..128 channels: fast on CPU
 SIZE = 128
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # on a loaded 2-core machine OpenMP with 2 threads is ~10-30x slower for these small convs
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def shapes_data(n=4, size=SIZE, seed=0):

@@ -15,12 +15,7 @@ from orepa.apps.export import (  # noqa: E402
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _trained(name, method, **kw):

@@ -19,13 +19,7 @@ EXACT = {(n, m) for n, m in ALL if n in ("resnet18", "repvgg_a0")} | {
 SMALL = dict(num_classes=5, small_input=True, width_mult=0.25)  # same depth and branches, quarter width
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # these tests are dominated by per-op overhead; one thread avoids oversubscribing shared cores
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @contextlib.contextmanager

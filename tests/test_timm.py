@@ -9,12 +9,7 @@ import orepa.models as zoo  # noqa: E402
 from orepa.models import timm_registry  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_every_name_and_method_is_registered():

@@ -25,13 +25,7 @@ TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64",
         "--lr-warmup-epochs", "0.5", "--no-progress", "--no-tensorboard", "--quiet"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run fastest on one thread, and other processes share the CPU; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")
