@@ -302,18 +302,13 @@ class Branch(nn.Sequential):
             return steps[:-1], steps[-1]
         return steps, None
 
-    def kernel_closed_form(self) -> tuple[Tensor, bool]:
-        """Branch kernel with the scale folded into the last (smallest) factor; call without grad.
-
-        Returns the kernel and whether it is a fresh tensor (not a parameter itself).
-        """
+    def fresh_kernel(self) -> Tensor:
+        """A single-kernel branch's kernel as a new tensor, its scale folded in; call without grad."""
         ks, scale = self._split()
-        last = ks[-1].kernel()
-        if scale is not None:
-            last = K.scale_channels(last, scale.weight)
-        if len(ks) == 1:
-            return last, scale is not None
-        return K.compose(ks[0].kernel(), ks[0].groups, last, ks[1].groups)[0], True
+        if len(ks) != 1:
+            raise ValueError("fresh_kernel() is for branches of one kernel step; use add_into()")
+        w = ks[0].kernel()
+        return w.clone() if scale is None else K.scale_channels(w, scale.weight)
 
     def add_into(self, out: Tensor) -> None:
         """``out += branch kernel`` in place (call without grad); no temporary for a
@@ -523,13 +518,11 @@ class ReparamConv2d(nn.Module):
         first = next((n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1),
                      None)
         if first is not None:
-            out, fresh = self.branches[first].kernel_closed_form()
-            out = out if fresh else out.clone()
+            out = self.branches[first].fresh_kernel()
             names.remove(first)
         else:
-            ref = next(iter(self.branches[names[0]]))
-            w = ref.kernel()
-            out = w.new_zeros(self.out_channels, self.in_channels // self.groups, k, k)
+            ref = next(iter(self.branches[names[0]])).kernel()
+            out = ref.new_zeros(self.out_channels, self.in_channels // self.groups, k, k)
         for name in names:
             br = self.branches[name]
             o = (k - br.extent) // 2
