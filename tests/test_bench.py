@@ -145,6 +145,29 @@ def test_cuda_code_path_with_stubbed_stats(monkeypatch):
     assert "reset" in calls and "sync" in calls
 
 
+def test_cuda_graphs_need_cuda_and_steps_replay_the_captured_callable(monkeypatch):
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        bench.run_benchmark(tiny_net, ["base"], batch_size=2, image_size=16, device="cpu", reps=1, warmup=1,
+                            num_classes=10, cuda_graphs=True, log=None)
+    # no GPU here: a stand-in for make_graphed_callables that records its calls
+    replays = []
+
+    def fake_graph(model, args):
+        assert all(p.grad is not None for p in model.parameters())  # captured with allocated grads
+        return lambda x: replays.append(x.shape) or model(x)
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_graph)
+    net = bench.build_variant(tiny_net, "orepa", 10)
+    r = bench.Runner("orepa", net, torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9))
+    x, y = torch.randn(2, 3, 16, 16), torch.tensor([1, 2])
+    r.step(x, y)
+    r.capture(x)
+    grads = [p.grad for p in net.parameters()]
+    r.step(x, y)
+    assert replays == [x.shape]
+    assert all(p.grad is g for p, g in zip(net.parameters(), grads))  # zero_grad kept the captured tensors
+
+
 def test_block_cost_script_reports_routes(tmp_path):
     """benchmarks/block_cost.py runs and shows the chain-order choice per ResNet-18 shape."""
     import importlib.util

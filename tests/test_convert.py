@@ -1,4 +1,6 @@
 """convert / reparameterize on real architectures: vanilla layout and exact outputs."""
+import copy
+
 import pytest
 import torch
 import torchvision
@@ -176,3 +178,20 @@ def test_converted_model_trains_and_keeps_float64_and_device():
         d = orepa.reparameterize(model, fuse_bn=True)
         assert d.conv1.weight.dtype == torch.double
         tol_close(d(x), model(x), rel=1e-10)
+
+
+@pytest.mark.parametrize("method", ["orepa", "dbb", "orepa-offline"])
+def test_sync_batchnorm_model_deploys_like_the_batchnorm_one(method):
+    """--sync-bn trains a convert_sync_batchnorm copy; its BNs (per-branch ones of offline blocks too)
+    must still fold, and deploying it must give the plain model's function."""
+    model = orepa.convert(torchvision.models.resnet18(num_classes=10), method)
+    x = torch.randn(2, 3, 64, 64)
+    _move_bn_stats(model, x)
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(model)).eval()
+    assert any(isinstance(m, nn.SyncBatchNorm) for m in synced.modules())
+    with torch.no_grad():
+        y = model(x)
+        for fuse_bn in (False, True):
+            deployed = orepa.reparameterize(synced, fuse_bn=fuse_bn)
+            assert not any(isinstance(m, orepa.ReparamConv2d) for m in deployed.modules())
+            tol_close(deployed(x), y)

@@ -44,6 +44,9 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
+# BNs a branch or a conv may be folded with: SyncBatchNorm is what --sync-bn (convert_sync_batchnorm) leaves
+BATCH_NORMS = (nn.BatchNorm2d, nn.SyncBatchNorm)
+
 __all__ = [
     "ConvStep",
     "FixedKernelStep",
@@ -248,9 +251,9 @@ def _ksize(step: nn.Module) -> int:
 def _affine_of(step: nn.Module) -> tuple[Tensor, Tensor | None]:
     if isinstance(step, Scale):
         return step.affine()
-    if isinstance(step, nn.BatchNorm2d):
+    if isinstance(step, BATCH_NORMS):
         if step.running_mean is None:
-            raise ValueError("a BatchNorm2d without running statistics cannot be folded")
+            raise ValueError("a BatchNorm without running statistics cannot be folded")
         return K.bn_as_affine(step.running_mean, step.running_var, step.weight, step.bias, step.eps)
     raise TypeError(f"step {type(step).__name__} is neither a kernel nor a channel-affine step")
 
@@ -264,7 +267,7 @@ class Branch(nn.Sequential):
         if not kinds or not kinds[0]:
             raise ValueError("a branch must start with a kernel step")
         for s in self:
-            if not _is_kernel_step(s) and not isinstance(s, (Scale, nn.BatchNorm2d)):
+            if not _is_kernel_step(s) and not isinstance(s, (Scale, *BATCH_NORMS)):
                 raise TypeError(f"unsupported step {type(s).__name__} in a branch")
         self._last_kernel = max(i for i, k in enumerate(kinds) if k)
         # Zero padding may be applied at the only spatial kernel step (instead of padding the
@@ -273,7 +276,7 @@ class Branch(nn.Sequential):
         self._pad_step = None
         if len(spatial) <= 1:
             i = spatial[0] if spatial else self._last_kernel
-            if not any(isinstance(st, nn.BatchNorm2d) for st in list(self)[:i]):
+            if not any(isinstance(st, BATCH_NORMS) for st in list(self)[:i]):
                 self._pad_step = i
         self._fast_groups = self._closed_form_groups()
         # a pointwise branch (every kernel 1x1) without BN commutes with subsampling: a strided
@@ -374,7 +377,7 @@ class Branch(nn.Sequential):
 
     @property
     def has_norm(self) -> bool:
-        return any(isinstance(s, nn.BatchNorm2d) for s in self)
+        return any(isinstance(s, BATCH_NORMS) for s in self)
 
     def fuse(self) -> tuple[Tensor, Tensor | None, int]:
         """The branch as one affine kernel ``(weight, bias, groups)``; BNs use running stats."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import kernels as K
 from .blocks import (
+    BATCH_NORMS,
     AbsorbedNorm,
     DBBConv2d,
     OREPAConv2d,
@@ -119,7 +120,7 @@ def _is_conv(m: nn.Module) -> bool:
 
 
 def _foldable_bn(bn: nn.Module, conv: nn.Module) -> bool:
-    return (isinstance(bn, nn.BatchNorm2d) and bn.track_running_stats
+    return (isinstance(bn, BATCH_NORMS) and bn.track_running_stats
             and bn.num_features == conv.out_channels)
 
 
@@ -157,14 +158,14 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
             for a in args:
                 if isinstance(a, torch.Tensor):
                     consumed[id(a)] = consumed.get(id(a), 0) + 1
-            if isinstance(mod, nn.BatchNorm2d) and args and id(args[0]) in produced:
+            if isinstance(mod, BATCH_NORMS) and args and id(args[0]) in produced:
                 pairs.append((produced[id(args[0])], name))
             if _is_conv(mod):
                 produced[id(out)] = name
         return fn
 
     for name, m in model.named_modules():
-        if _is_conv(m) or isinstance(m, nn.BatchNorm2d):
+        if _is_conv(m) or isinstance(m, BATCH_NORMS):
             handles.append(m.register_forward_hook(hook(name)))
     was_training = model.training
     try:

@@ -6,6 +6,10 @@ thermal state, allocator warm-up) hits all of them alike. Per variant:
 
 * ``step_ms``: median train-step time (zero_grad + forward + cross-entropy +
   backward + SGD step) after warm-up; CUDA is synchronised around each step.
+  With ``cuda_graphs`` (``--cuda-graphs``) each model's forward and backward are
+  replayed as CUDA graphs (``torch.cuda.make_graphed_callables``; loss and SGD step
+  stay eager): an online block launches many small kernels to build its weight,
+  and on a fast GPU the host's launches, not the GPU, set its eager step time.
 * ``saved_bytes``: bytes of the tensors autograd saves for backward
   (``torch.autograd.graph.saved_tensors_hooks``), counting every storage once
   (views and shared tensors are not double counted); ``saved_naive_bytes`` is
@@ -63,6 +67,7 @@ from torch import nn
 
 import orepa
 from orepa.blocks import OREPA_BRANCHES, OREPADeepStem
+from orepa.apps.common import full_float32
 from orepa.apps.logs import pyplot, save_figure
 
 ModelSpec = str | Callable[[], nn.Module]
@@ -338,12 +343,19 @@ class Runner:
     name: str
     model: nn.Module
     opt: torch.optim.Optimizer
+    graphed: Callable | None = None  # the model's forward+backward as CUDA graphs (static input shape)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(x), y)
+        # a graphed backward accumulates into the .grad tensors it was captured with: keep them
+        self.opt.zero_grad(set_to_none=self.graphed is None)
+        loss = F.cross_entropy((self.graphed or self.model)(x), y)
         loss.backward()
         self.opt.step()
+
+    def capture(self, x: torch.Tensor) -> None:
+        """Capture forward and backward as CUDA graphs (after the eager warm-up and cost passes)."""
+        self.opt.zero_grad(set_to_none=False)
+        self.graphed = torch.cuda.make_graphed_callables(self.model, (x,))
 
 
 def _median_ms(ts: Sequence[float]) -> float:
@@ -412,11 +424,14 @@ def run_benchmark(
     inference: bool = True,
     profile_memory: bool = True,
     model_options: dict | None = None,
+    cuda_graphs: bool = False,
     log: Callable[[str], None] | None = print,
 ) -> dict:
     """Measure every variant of ``model`` side by side; returns a JSON-able dict."""
     log = log or (lambda s: None)
     device = torch.device(device)
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs a CUDA device (got {device})")
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     methods = list(dict.fromkeys(methods))
     if "base" not in methods:
@@ -446,6 +461,13 @@ def run_benchmark(
         log(f"costs {r.name}: saved {res[r.name]['saved_bytes'] / 2**20:.1f} MiB, "
             f"{res[r.name]['train_flops'] / 1e9:.2f} GFLOPs")
 
+    if cuda_graphs:
+        for r in runners:
+            r.capture(x)
+            r.step(x, y)  # first replay outside the timing
+        _sync(device)
+        log("captured forward+backward of every variant as CUDA graphs")
+
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     gc.collect()
     for rep in range(reps):
@@ -462,7 +484,7 @@ def run_benchmark(
 
     # deployed form: every variant reparameterized with BNs folded
     deployed: dict[str, nn.Module] = {}
-    with torch.no_grad():
+    with torch.no_grad(), full_float32():
         for r in runners:
             r.model.eval()
             ref = r.model(x)
@@ -493,7 +515,8 @@ def run_benchmark(
             "model": model if isinstance(model, str) else getattr(model, "__name__", "custom"),
             "methods": methods, "batch_size": batch_size, "image_size": image_size, "in_chans": in_chans,
             "num_classes": num_classes, "model_options": model_options or {}, "reps": reps, "warmup": warmup,
-            "lr": lr, "seed": seed, "dtype": "float32",
+            "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs,
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
         },
         "environment": {**environment(device), "loadavg_1m_start": load_start},
         "results": res,
@@ -605,7 +628,7 @@ def format_header(result: dict) -> str:
     code = f"; orepa {git['commit']}{'+modified' if git.get('modified') else ''}" if git.get("commit") else ""
     return (f"{c['model']}, batch {c['batch_size']}, {c['image_size']}x{c['image_size']}, {dev}, "
             f"{e['threads']} threads, torch {e['torch']}, median of {c['reps']} interleaved steps "
-            f"after {c['warmup']} warm-up; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
+            f"after {c['warmup']} warm-up{', forward+backward as CUDA graphs' if c.get('cuda_graphs') else ''}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
 
 
 def plot_ratios(result: dict, path: str | Path) -> Path:
@@ -707,6 +730,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-inference", action="store_true", help="skip deployed inference timing")
     p.add_argument("--no-memory-profile", action="store_true", help="CPU: skip the profiler peak-memory pass")
     p.add_argument("--cudnn-benchmark", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: time steps with forward+backward replayed as CUDA graphs (no host launch overhead)")
     p.add_argument("--out-dir", default="bench_results")
     p.add_argument("--tag", default=None, help="output file stem (default from the settings)")
     p.add_argument("--no-plot", action="store_true")
@@ -748,10 +773,11 @@ def run(args: argparse.Namespace) -> int:
         args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
         reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
         inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
+        cuda_graphs=args.cuda_graphs,
     )
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
-                       + ("_components" if args.components else ""))
+                       + ("_graphs" if args.cuda_graphs else "") + ("_components" if args.components else ""))
     print()
     print(format_header(result))
     print()

@@ -18,7 +18,8 @@ import os
 import random
 import resource
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -318,6 +319,18 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
     except ImportError:
         pass
+
+
+@contextmanager
+def full_float32() -> Iterator[None]:
+    """No TF32 inside: CUDA convs and matmuls default to TF32 (10-bit mantissa), whose rounding
+    (~1e-3 relative) would hide or fake a re-param mismatch; comparisons run in true float32."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def peak_memory(device: torch.device) -> tuple[float, str]:

@@ -23,6 +23,7 @@ from .common import (
     deploy,
     describe_cfg,
     fail,
+    full_float32,
     init_distributed,
 )
 from .data import add_data_arguments, build_data, val_loader
@@ -54,8 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def verify(model, deployed, loader, device, rtol: float, progress: bool = False) -> dict:
     """Both forms on the same data: accuracies, prediction disagreements, max logit difference."""
-    a = evaluate(model, loader, device, keep_outputs=True, progress=progress, desc="training form")
-    b = evaluate(deployed, loader, device, keep_outputs=True, progress=progress, desc="deployed")
+    with full_float32():
+        a = evaluate(model, loader, device, keep_outputs=True, progress=progress, desc="training form")
+        b = evaluate(deployed, loader, device, keep_outputs=True, progress=progress, desc="deployed")
     ya, yb = a.pop("outputs"), b.pop("outputs")
     diff = (ya - yb).abs().max().item() if len(ya) else 0.0
     bound = rtol * (1.0 + ya.abs().max().item()) if len(ya) else 0.0

@@ -205,6 +205,9 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         args, info, device = self.args, self.info, self.device
+        if device.type == "cuda":
+            # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
+            torch.backends.cudnn.benchmark = True
         self.resume_ckpt = None
         saved_cfg = None
         if args.resume:

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU checks of one lent-GPU session, in two phases (run from the repository root):
+#   benchmarks/gpu_session.sh probe      # ~3 min: nccl/fp16/SyncBN smoke run + reparam, cost tables at the
+#                                        #   paper's setting (ResNet-18 and ResNet-50, batch 64, 224x224)
+#   EPOCHS=N benchmarks/gpu_session.sh long   # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
+#                                        #   then reparam (verified) and the branch analysis of the trained model
+# Fashion-MNIST is read from $OREPA_FASHION_MNIST_DIR (default .gpu/fmnist: the Debian package's .gz files
+# copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
+# and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
+set -u -o pipefail
+phase=${1:?usage: gpu_session.sh probe|long}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
+R=${RESULTS:-/tmp/gpu}/$phase
+mkdir -p "$R"
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/$phase.tgz" -C "$R" . ; }
+trap pack EXIT
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+} 2>&1 | tee "$R/machine.txt"
+
+case $phase in
+probe)
+    # DDP with nccl, fp16 autocast + GradScaler, SyncBatchNorm, channels_last: one epoch on 12800 images
+    timeout 150 torchrun --nproc_per_node=1 -m orepa train --epochs 1 --train-subset 12800 -b 128 -j 8 \
+        --amp --sync-bn --channels-last --lr-warmup-epochs 0.2 --output-dir /tmp/smoke --no-progress \
+        2>&1 | tee "$R/smoke_train.log"
+    timeout 90 python3 -m orepa reparam /tmp/smoke/checkpoint.pth --fuse-bn --json "$R/smoke_reparam.json" \
+        --no-progress 2>&1 | tee "$R/smoke_reparam.log"
+    # the paper's cost setting: batch 64 per GPU, 224x224, fp32 train steps
+    for m in resnet18 resnet50; do
+        timeout 200 python3 -m orepa bench -m "$m" -b 64 --image-size 224 --device cuda --cudnn-benchmark \
+            --methods base orepa dbb --reps 30 --warmup 10 --out-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
+    done
+    ;;
+long)
+    epochs=${EPOCHS:?set EPOCHS}
+    # batch 256, lr 0.1: the paper's global batch and rate; fp32 (TF32) steps, since at 28x28 the OREPA step is
+    # bound by kernel launches and autocast only adds casts. --time-limit keeps room for reparam and analyze.
+    timeout "${TRAIN_TIMEOUT:-500}" python3 -m orepa train --epochs "$epochs" -b 256 --lr-warmup-epochs 1 -j 8 \
+        --time-limit "${TIME_LIMIT_MIN:-7.5}" --output-dir /tmp/long --no-progress 2>&1 | tee "$R/train.log"
+    for f in log.jsonl log.csv summary.json curves.png; do cp /tmp/long/$f "$R/" 2>/dev/null; done
+    timeout 90 python3 -m orepa reparam /tmp/long/checkpoint.pth --fuse-bn --json "$R/reparam.json" \
+        --no-progress 2>&1 | tee "$R/reparam.log"
+    timeout 90 python3 -m orepa analyze /tmp/long/checkpoint.pth --out-dir "$R/analyze" 2>&1 | tee "$R/analyze.log"
+    ;;
+*) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
