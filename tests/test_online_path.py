@@ -58,6 +58,23 @@ def test_chain_order_choice_depends_on_input_size():
     assert block._recompute(small) and not block._recompute(large)
 
 
+def test_chain_order_is_chosen_once_per_input_shape(monkeypatch):
+    """The choice depends on shapes only: cached per shape (host time per step), bounded."""
+    block = orepa.OREPAConv2d(64, 64, 3)
+    calls = []
+    choose = block._choose_route
+    monkeypatch.setattr(block, "_choose_route", lambda shape, r: calls.append(tuple(shape)) or choose(shape, r))
+    small, large = torch.randn(1, 64, 4, 4), torch.randn(16, 64, 56, 56)
+    first = block._route(small, True)
+    first[0].append("mutated by a caller")  # callers get copies
+    assert block._route(small, True) == choose(small.shape, True)
+    block._route(large, False)
+    assert calls == [tuple(small.shape), tuple(large.shape)]
+    for n in range(70):
+        block._route(torch.empty(n + 2, 64, 4, 4), True)
+    assert len(block._routes) <= 64
+
+
 def test_closed_form_squeeze_passes_gradcheck():
     block = orepa.OREPAConv2d(4, 6, 3, groups=2).double()
     _randomized(block)

@@ -270,6 +270,11 @@ class Branch(nn.Sequential):
             if not _is_kernel_step(s) and not isinstance(s, (Scale, *BATCH_NORMS)):
                 raise TypeError(f"unsupported step {type(s).__name__} in a branch")
         self._last_kernel = max(i for i, k in enumerate(kinds) if k)
+        # the structure is fixed from here on: cache what every forward asks (host time matters
+        # on GPUs, where an online block's step is bound by launching its many small ops)
+        self._kinds = tuple(kinds)
+        self._extent = 1 + sum(_ksize(s) - 1 for s, k in zip(self, kinds) if k)
+        self._scaled = isinstance(self[-1], Scale)
         # Zero padding may be applied at the only spatial kernel step (instead of padding the
         # input once) when nothing before it adds a shift: the same function, no padded copy.
         spatial = [i for i, st in enumerate(self) if _is_kernel_step(st) and _ksize(st) > 1]
@@ -300,8 +305,8 @@ class Branch(nn.Sequential):
         return K.cheap_vjp_groups(a.weight.shape, a.groups, b.weight.shape, b.groups)
 
     def _split(self) -> tuple[list[nn.Module], Scale | None]:
-        steps = list(self)
-        if isinstance(steps[-1], Scale):
+        steps = list(self._modules.values())
+        if self._scaled:
             return steps[:-1], steps[-1]
         return steps, None
 
@@ -373,7 +378,7 @@ class Branch(nn.Sequential):
     @property
     def extent(self) -> int:
         """Receptive field (kernel size) of the composed branch, before dilation."""
-        return 1 + sum(_ksize(s) - 1 for s in self if _is_kernel_step(s))
+        return self._extent
 
     @property
     def has_norm(self) -> bool:
@@ -416,8 +421,8 @@ class Branch(nn.Sequential):
                 h = F.pad(x, (p, p, p, p))
                 if padded is not None:
                     padded[p] = h
-        for i, step in enumerate(self):
-            if _is_kernel_step(step):
+        for i, (step, is_kernel) in enumerate(zip(self._modules.values(), self._kinds)):
+            if is_kernel:
                 h = step.run(h, stride if i == self._last_kernel else 1, dilation, p if i == self._pad_step else 0)
             else:
                 h = step(h)
@@ -479,6 +484,8 @@ class ReparamConv2d(nn.Module):
         # _ClosedFormSqueeze: nothing but parameters is kept for backward
         self._closed_form = mode == "online" and all(br._fast_groups == groups for br in self.branches.values())
         self._kernel_cache: tuple | None = None
+        self._routes: dict[tuple, tuple[list[str], list[str]]] = {}  # input shape -> chain-order choice
+        self._first_full: dict[tuple[str, ...], str | None] = {}  # branch set -> branch starting the sum
 
     @staticmethod
     def _last_kernel_index(br: Branch) -> int:
@@ -517,9 +524,12 @@ class ReparamConv2d(nn.Module):
         other branch is added into its centred window with its scale fused in.
         """
         k = self.kernel_size[0]
+        key = tuple(names)
+        if key not in self._first_full:
+            self._first_full[key] = next(
+                (n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1), None)
+        first = self._first_full[key]
         names = list(names)
-        first = next((n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1),
-                     None)
         if first is not None:
             out = self.branches[first].fresh_kernel()
             names.remove(first)
@@ -556,8 +566,18 @@ class ReparamConv2d(nn.Module):
         batch; on the feature map it costs ``N H W`` times its kernels' sizes. Both give
         the same function (no BN inside), so the cheaper one for this input is taken
         (small batches and deep layers run such branches on the feature map).
+        Depends on shapes only, so it is computed once per input shape.
         """
-        n, _, h, w = x.shape
+        key = (tuple(x.shape), recompute)
+        if key not in self._routes:
+            if len(self._routes) >= 64:  # many input sizes (detection): keep the cache bounded
+                self._routes.clear()
+            self._routes[key] = self._choose_route(x.shape, recompute)
+        squeezed, on_features = self._routes[key]
+        return list(squeezed), list(on_features)
+
+    def _choose_route(self, shape: torch.Size, recompute: bool) -> tuple[list[str], list[str]]:
+        n, _, h, w = shape
         s = self.stride[0]
         ho, wo = (h - 1) // s + 1, (w - 1) // s + 1
         kernel_passes = 4 if recompute else 3  # forward, 2 in backward, (+1 rebuild)
