@@ -350,5 +350,6 @@ def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tupl
 def val_loader(data: Data, args, info: DistInfo, device: torch.device, batch_size: int | None = None) -> DataLoader:
     sampler = ShardSampler(len(data.val), info.world_size, info.rank)
     workers = default_workers(args, device)
+    # persistent: the loader is built once per run and evaluated every epoch (no worker respawn)
     return DataLoader(data.val, batch_size=batch_size or args.batch_size, sampler=sampler, num_workers=workers,
-                      pin_memory=device.type == "cuda")
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0)
