@@ -2,7 +2,8 @@
 # The GPU checks of one lent-GPU session, in two phases (run from the repository root):
 #   benchmarks/gpu_session.sh probe      # ~3 min: nccl/fp16/SyncBN smoke run + reparam, cost tables at the
 #                                        #   paper's setting (ResNet-18 and ResNet-50, batch 64, 224x224)
-#   EPOCHS=N benchmarks/gpu_session.sh long   # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
+#   EPOCHS=N [TRAIN_EXTRA=--cuda-graphs] benchmarks/gpu_session.sh long
+#                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
 # Fashion-MNIST is read from $OREPA_FASHION_MNIST_DIR (default .gpu/fmnist: the Debian package's .gz files
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
@@ -38,7 +39,7 @@ long)
     epochs=${EPOCHS:?set EPOCHS}
     # batch 256, lr 0.1: the paper's global batch and rate; fp32 (TF32) steps, since at 28x28 the OREPA step is
     # bound by kernel launches and autocast only adds casts. --time-limit keeps room for reparam and analyze.
-    timeout "${TRAIN_TIMEOUT:-500}" python3 -m orepa train --epochs "$epochs" -b 256 --lr-warmup-epochs 1 -j 8 \
+    timeout "${TRAIN_TIMEOUT:-500}" python3 -m orepa train --epochs "$epochs" -b 256 --lr-warmup-epochs 1 -j 8 ${TRAIN_EXTRA:-} \
         --time-limit "${TIME_LIMIT_MIN:-7.5}" --output-dir /tmp/long --no-progress 2>&1 | tee "$R/train.log"
     for f in log.jsonl log.csv summary.json curves.png; do cp /tmp/long/$f "$R/" 2>/dev/null; done
     timeout 90 python3 -m orepa reparam /tmp/long/checkpoint.pth --fuse-bn --json "$R/reparam.json" \

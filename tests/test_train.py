@@ -329,3 +329,32 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     for r in res.values():
         assert r["reparam"]["train_form_acc1"] == r["reparam"]["deployed_acc1"]
         assert r["reparam"]["params_deployed"] == res["base"]["reparam"]["params_deployed"]
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_run(cache, tmp_path, capsys):
+    capsys.readouterr()
+    assert _train(cache, tmp_path / "run", "--epochs", "1", "--cuda-graphs") == 2
+    assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
+
+
+def test_graph_capture_puts_back_what_its_warm_up_touched(monkeypatch):
+    """No GPU here: a stand-in for make_graphed_callables that, like the real one, runs warm-up
+    forward+backward passes on the sample (moving BN statistics, accumulating gradients)."""
+    from orepa.models import create_model
+
+    model = create_model("resnet18", "orepa", num_classes=10, in_chans=1, small_input=True, width_mult=0.125).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sample = torch.randn(4, 1, 28, 28)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def fake_make_graphed_callables(m, args):
+        for _ in range(3):
+            m(*args).sum().backward()
+        return m
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    train.capture_cuda_graphs(model, sample, opt)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # running stats, num_batches_tracked
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)  # zeroed, kept allocated for the graph

@@ -36,15 +36,17 @@ from .common import (
 from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
 
 
-def autocast_context(device: torch.device, enabled: bool, dtype: str = "auto"):
-    """bf16 on CPU, fp16 on CUDA (unless ``dtype`` says otherwise); a null context when disabled."""
+def autocast_context(device: torch.device, enabled: bool, dtype: str = "auto", cache_enabled: bool = True):
+    """bf16 on CPU, fp16 on CUDA (unless ``dtype`` says otherwise); a null context when disabled.
+
+    ``cache_enabled=False`` for CUDA graphs: autocast's cast cache must not outlive a capture."""
     if not enabled:
         return contextlib.nullcontext()
     if dtype == "auto":
         dt = torch.float16 if device.type == "cuda" else torch.bfloat16
     else:
         dt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    return torch.autocast(device_type=device.type, dtype=dt)
+    return torch.autocast(device_type=device.type, dtype=dt, cache_enabled=cache_enabled)
 
 
 def _progress(iterable, total, desc, enabled):

@@ -98,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
     g.add_argument("--channels-last", action="store_true", help="NHWC memory format")
     g.add_argument("--compile", action="store_true", help="torch.compile the training model")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="replay forward+backward as CUDA graphs (one process, CUDA): an online block's eager step "
+                        "is bound by launching its many small kernels on fast GPUs")
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=int, default=32, help="EMA update every N steps (32)")
@@ -126,6 +129,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- recipe pieces
+
+
+def capture_cuda_graphs(model: nn.Module, sample: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``model``'s training forward and backward CUDA-graph replays (``make_graphed_callables``
+    replaces its ``forward``; in eval mode the eager forward runs). The capture's warm-up runs real
+    forward+backward passes on ``sample``: the buffers (BN statistics) and gradients they touch are
+    put back, so a run with graphs follows the eager run's trajectory and resumes the same way."""
+    saved = [b.detach().clone() for b in model.buffers()]
+    torch.cuda.make_graphed_callables(model, (sample,))
+    with torch.no_grad():
+        for b, v in zip(model.buffers(), saved):
+            b.copy_(v)
+    optimizer.zero_grad(set_to_none=False)
 
 
 def make_criterion(args) -> nn.Module:
@@ -208,6 +224,13 @@ class Trainer:
         if device.type == "cuda":
             # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
             torch.backends.cudnn.benchmark = True
+        if args.cuda_graphs:
+            why = ("needs a CUDA device" if device.type != "cuda" else
+                   "runs in one process (DDP's collectives are not captured here; run without torchrun)"
+                   if info.distributed else "and --compile exclude each other" if args.compile else None)
+            if why:
+                raise UserError(f"--cuda-graphs {why}")
+        self.graphs_captured = False
         self.resume_ckpt = None
         saved_cfg = None
         if args.resume:
@@ -368,7 +391,11 @@ class Trainer:
             if args.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             target = target.to(device, non_blocking=True)
-            with autocast_context(device, args.amp, args.amp_dtype):
+            if args.cuda_graphs and not self.graphs_captured:  # captured on the first batch (static shapes)
+                with autocast_context(device, args.amp, args.amp_dtype, cache_enabled=False):
+                    capture_cuda_graphs(self.model, images, self.optimizer)
+                self.graphs_captured = True
+            with autocast_context(device, args.amp, args.amp_dtype, cache_enabled=not args.cuda_graphs):
                 output = self.train_model(images)
                 loss = self.criterion(output, target)
             flags = torch.stack([(~torch.isfinite(loss.detach())).float().to(torch.float64),
@@ -381,7 +408,8 @@ class Trainer:
                 raise NonFiniteLoss(f"loss is {loss.item()} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1} "
                                     f"(global step {s.global_step + 1})" +
                                     (" on some rank" if info.distributed else ""))
-            self.optimizer.zero_grad(set_to_none=True)
+            # a graphed backward accumulates into the .grad tensors it was captured with: keep them
+            self.optimizer.zero_grad(set_to_none=not args.cuda_graphs)
             if self.scaler is not None and self.scaler.is_enabled():
                 self.scaler.scale(loss).backward()
                 if args.clip_grad_norm:
@@ -469,7 +497,8 @@ class Trainer:
                  f"lr {args.lr:g} ({args.lr_scheduler}, {args.lr_warmup_epochs:g} warm-up epochs), "
                  f"{self.iters_per_epoch} steps/epoch x {args.epochs} epochs, wd {args.weight_decay:g}"
                  f"{', AMP' if args.amp else ''}{', channels_last' if args.channels_last else ''}"
-                 f"{', compiled' if args.compile else ''}{', EMA' if self.ema is not None else ''}; "
+                 f"{', compiled' if args.compile else ''}{', CUDA graphs' if args.cuda_graphs else ''}"
+                 f"{', EMA' if self.ema is not None else ''}; "
                  f"output {self.out}")
         tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)
         if self.device.type == "cuda":
