@@ -214,3 +214,27 @@ def test_pointwise_step_on_small_maps_is_the_conv(n, h, stride):
     gy = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(y, (x, step.weight), gy), torch.autograd.grad(ref, (x, step.weight), gy)):
         tol_close(a, b, rel=1e-12)
+
+
+def test_block_step_dispatches_few_ops():
+    """Host cost guard: on a fast GPU an online block's eager step is bound by the host issuing
+    its small ops (docs/benchmarks.md, "GPU"), so their number is a measured property. One
+    64->64 3x3 OREPA block, every branch squeezed, forward + backward: 150 aten ops at the time
+    of writing (203 before the einsum-free compositions and the cached chain order)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    block = orepa.OREPAConv2d(64, 64, 3, padding=1, recompute=False)
+    x, gy = torch.randn(16, 64, 14, 14), torch.randn(16, 64, 14, 14)
+    assert block._route(x, False) == (list(block.branches), [])
+    block(x).backward(gy)
+    block.zero_grad(set_to_none=True)
+    with CountOps() as ops:
+        block(x).backward(gy)
+    assert ops.n <= 165

@@ -163,12 +163,39 @@ def _conv_compose(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
     return out.reshape(c2 // groups, groups, c0g, kh, kw).transpose(0, 1).reshape(c2, c0g, kh, kw)
 
 
-def _pw_after_operands(w1: Tensor, g1: int, w2: Tensor, g2: int):
+# The two batched-matmul cases are written as explicit bmm calls on views rather than einsum:
+# the same kernels, but a handful of host-side ops instead of einsum's ~20 (an online block's
+# eager step on a GPU is bound by the host issuing its small ops).
+
+
+def _pw_after_operands(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, Tensor]:
+    """``A [G*r, o, m]`` (a copy of W2) and ``B [G*r, m, i*k*k]`` (a view of W1), batched over
+    (coarse group G of W2, fine group r of W1 inside it); m = channels per fine group."""
     c1, c0g = w1.shape[:2]
     r = g1 // g2  # each coarse group of W2 sees r fine groups of W1
-    a = w2.reshape(g2, w2.shape[0] // g2, r, c1 // g1)  # [G, o, fine group, m]
-    b = w1.reshape(g2, r, c1 // g1, c0g, *w1.shape[-2:])
+    m = c1 // g1
+    a = w2.reshape(g2, w2.shape[0] // g2, r, m).transpose(1, 2).reshape(g2 * r, w2.shape[0] // g2, m)
+    b = w1.reshape(g2 * r, m, c0g * w1.shape[-2] * w1.shape[-1])
     return a, b
+
+
+def _pw_after_unbatch(t: Tensor, g2: int, c2: int, c0g: int, kh: int, kw: int) -> Tensor:
+    """``[G*r, o, i*k*k]`` -> the composed kernel ``[C2, r*i, kh, kw]`` (a view when i == 1)."""
+    r = t.shape[0] // g2
+    t = t.reshape(g2, r, c2 // g2, -1).transpose(1, 2).reshape(c2, r, c0g, kh * kw)
+    return t.reshape(c2, r * c0g, kh, kw)
+
+
+def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
+    """``A [G, o*k*k, m]`` (a copy of W2 with taps before channels) and ``B [G, m, i]`` (a view of W1)."""
+    c2, mg, kh, kw = w2.shape
+    a = w2.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3).reshape(g, (c2 // g) * kh * kw, mg)
+    return a, w1.reshape(g, mg, w1.shape[1])
+
+
+def _pw_first_unbatch(t: Tensor, c2: int, kh: int, kw: int) -> Tensor:
+    """``[G, o*k*k, i]`` -> ``[C2, i, kh, kw]`` as a strided view (no copy)."""
+    return t.reshape(c2, kh * kw, t.shape[-1]).transpose(1, 2).unflatten(2, (kh, kw))
 
 
 def compose(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, int]:
@@ -188,12 +215,10 @@ def compose(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, int]:
     c2 = w2.shape[0]
     if case == "pointwise_after":
         a, b = _pw_after_operands(w1, g1, w2, g2)
-        out = torch.einsum("gorm,grmihw->gorihw", a, b)
-        return out.reshape(c2, (g1 // g2) * c0g, *w1.shape[-2:]), g2
+        return _pw_after_unbatch(torch.bmm(a, b), g2, c2, c0g, *w1.shape[-2:]), g2
     if case == "pointwise_first":
-        a = w2.reshape(g1, c2 // g1, c1 // g1, *w2.shape[2:])
-        b = w1.reshape(g1, c1 // g1, c0g)
-        return torch.einsum("gomhw,gmi->goihw", a, b).reshape(c2, c0g, *w2.shape[2:]), g1
+        a, b = _pw_first_operands(w1, g1, w2)
+        return _pw_first_unbatch(torch.bmm(a, b), c2, *w2.shape[-2:]), g1
     if case == "depthwise_after_1x1":
         return w1 * w2, g1
     if case == "depthwise_after":
@@ -233,20 +258,25 @@ def compose_vjp(
     d1 = d2 = None
     if case == "pointwise_after":
         a, b = _pw_after_operands(w1, g1, w2, g2)
-        gr = grad.reshape(g2, c2 // g2, g1 // g2, c0g, *w1.shape[-2:])
+        r, o = g1 // g2, c2 // g2
+        # the gradient in the batched layout [G*r, o, i*k*k] (one copy)
+        gr = grad.reshape(g2, o, r, -1).transpose(1, 2).reshape(g2 * r, o, -1)
         if need_w2:
-            d2 = torch.einsum("gorihw,grmihw->gorm", gr, b).reshape(w2.shape)
+            d2 = torch.bmm(gr, b.transpose(1, 2)).reshape(g2, r, o, -1).transpose(1, 2).reshape(w2.shape)
         if need_w1:
-            d1 = torch.einsum("gorihw,gorm->grmihw", gr, a).reshape(w1.shape)
+            d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)
         return d1, d2
     if case == "pointwise_first":
-        a = w2.reshape(g1, c2 // g1, c1 // g1, *w2.shape[2:])
-        b = w1.reshape(g1, c1 // g1, c0g)
-        gr = grad.reshape(g1, c2 // g1, c0g, *w2.shape[2:])
+        kh, kw = w2.shape[-2:]
+        # the gradient with taps before channels [G, o*k*k, i] (one copy)
+        gr = grad.reshape(g1, c2 // g1, c0g, kh * kw).transpose(2, 3).reshape(g1, -1, c0g)
         if need_w2:
-            d2 = torch.einsum("goihw,gmi->gomhw", gr, b).reshape(w2.shape)
+            b = w1.reshape(g1, c1 // g1, c0g)
+            d2 = torch.bmm(gr, b.transpose(1, 2))  # [G, o*k*k, m]
+            d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape)
         if need_w1:
-            d1 = torch.einsum("goihw,gomhw->gmi", gr, a).reshape(w1.shape)
+            a, _ = _pw_first_operands(w1, g1, w2)
+            d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)  # [G, m, i]
         return d1, d2
     if case == "depthwise_after_1x1":
         if need_w1:
@@ -256,7 +286,7 @@ def compose_vjp(
             else:
                 d1 = torch.bmm(grad.reshape(c2, c0g, taps), w2.reshape(c2, taps, 1)).reshape(w1.shape)
         if need_w2:
-            d2 = torch.einsum("oihw,oi->ohw", grad, w1[:, :, 0, 0]).unsqueeze(1)
+            d2 = torch.bmm(w1.reshape(c2, 1, c0g), grad.reshape(c2, c0g, -1)).reshape(w2.shape[0], 1, *grad.shape[-2:])
         return d1, d2
     raise NotImplementedError(f"no closed-form vjp for the {case!r} composition")
 
