@@ -235,3 +235,16 @@ def test_more_bad_configurations():
         OREPAConv2d(4, 8, 3)(torch.randn(1, 3, 5, 5))
     with pytest.raises(ValueError, match="padding_mode"):
         orepa.check_conv_config(4, 8, 3, padding_mode="reflect")
+
+
+@pytest.mark.parametrize("model,method", [("resnet18", "orepa"), ("resnet50", "orepa"), ("resnet18", "dbb"),
+                                          ("resnet18", "orepa-offline")])
+def test_branch_param_list_is_parameters_in_order(model, method):
+    """The squeeze's fast parameter list must be parameters() exactly (gradients map by position)."""
+    from orepa.models import create_model
+
+    net = create_model(model, method, num_classes=10, width_mult=0.25)
+    branches = [m for m in net.modules() if isinstance(m, orepa.blocks.Branch)]
+    assert any(any(s._modules for s in b._modules.values()) for b in branches) == (method == "orepa")  # deep stem
+    for b in branches:
+        assert [id(p) for p in b.param_list()] == [id(p) for p in b.parameters()]

@@ -304,6 +304,17 @@ class Branch(nn.Sequential):
         a, b = steps
         return K.cheap_vjp_groups(a.weight.shape, a.groups, b.weight.shape, b.groups)
 
+    def param_list(self) -> list[Tensor]:
+        """The branch's parameters in ``parameters()`` order, read straight from its steps
+        (the generic recursive walk is a visible part of an online block's host time)."""
+        out = []
+        for step in self._modules.values():
+            if step._modules:  # a nested block (deep stem): the generic walk
+                out.extend(step.parameters())
+            else:
+                out.extend(p for p in step._parameters.values() if p is not None)
+        return out
+
     def _split(self) -> tuple[list[nn.Module], Scale | None]:
         steps = list(self._modules.values())
         if self._scaled:
@@ -609,7 +620,7 @@ class ReparamConv2d(nn.Module):
         squeezed, on_features = self._route(x, recompute)
         y = None
         if squeezed:
-            params = [p for name in squeezed for p in self.branches[name].parameters()]
+            params = [p for name in squeezed for p in self.branches[name].param_list()]
             if recompute:
                 y = _RecomputedSqueezeConv.apply(x, self, tuple(squeezed), self.bias, *params)
             else:
@@ -647,7 +658,7 @@ class ReparamConv2d(nn.Module):
         if not self._closed_form:
             w = self._fused_parts()[0]
         elif torch.is_grad_enabled():
-            params = [p for br in self.branches.values() for p in br.parameters()]
+            params = [p for br in self.branches.values() for p in br.param_list()]
             w = _ClosedFormSqueeze.apply(self, names, *params)
         else:
             w = self._squeeze_closed_form(names)
