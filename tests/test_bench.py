@@ -154,7 +154,9 @@ def test_cuda_graphs_need_cuda_and_steps_replay_the_captured_callable(monkeypatc
 
     def fake_graph(model, args):
         assert all(p.grad is not None for p in model.parameters())  # captured with allocated grads
-        return lambda x: replays.append(x.shape) or model(x)
+        eager = model.forward
+        model.forward = lambda x: replays.append(x.shape) or eager(x)  # as the real one: an instance attribute
+        return model
 
     monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_graph)
     net = bench.build_variant(tiny_net, "orepa", 10)
@@ -166,6 +168,10 @@ def test_cuda_graphs_need_cuda_and_steps_replay_the_captured_callable(monkeypatc
     r.step(x, y)
     assert replays == [x.shape]
     assert all(p.grad is g for p, g in zip(net.parameters(), grads))  # zero_grad kept the captured tensors
+    r.release()  # before deployment: a deep copy must not call back into the captured module
+    assert "forward" not in net.__dict__ and r.graphed is None
+    net(x)
+    assert replays == [x.shape]
 
 
 def test_block_cost_script_reports_routes(tmp_path):

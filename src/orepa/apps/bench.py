@@ -357,6 +357,13 @@ class Runner:
         self.opt.zero_grad(set_to_none=False)
         self.graphed = torch.cuda.make_graphed_callables(self.model, (x,))
 
+    def release(self) -> None:
+        """Back to the eager model. make_graphed_callables set ``model.forward`` to a closure over
+        this module; a deep copy (``orepa.reparameterize``) would keep calling the original."""
+        if self.graphed is not None:
+            self.model.__dict__.pop("forward", None)
+            self.graphed = None
+
 
 def _median_ms(ts: Sequence[float]) -> float:
     return 1e3 * statistics.median(ts)
@@ -481,6 +488,8 @@ def run_benchmark(
         log(f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} {1e3 * t[-1]:.0f} ms" for n, t in times.items()))
     for name, ts in times.items():
         res[name].update(step_ms=_median_ms(ts) if ts else None, step_times_s=ts)
+    for r in runners:
+        r.release()
 
     # deployed form: every variant reparameterized with BNs folded
     deployed: dict[str, nn.Module] = {}
