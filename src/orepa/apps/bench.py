@@ -635,9 +635,10 @@ def format_header(result: dict) -> str:
     dev = e.get("gpu", e["device"])
     git = e.get("git") or {}
     code = f"; orepa {git['commit']}{'+modified' if git.get('modified') else ''}" if git.get("commit") else ""
+    graphs = ", forward+backward as CUDA graphs" if c.get("cuda_graphs") else ""
     return (f"{c['model']}, batch {c['batch_size']}, {c['image_size']}x{c['image_size']}, {dev}, "
             f"{e['threads']} threads, torch {e['torch']}, median of {c['reps']} interleaved steps "
-            f"after {c['warmup']} warm-up{', forward+backward as CUDA graphs' if c.get('cuda_graphs') else ''}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
+            f"after {c['warmup']} warm-up{graphs}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
 
 
 def plot_ratios(result: dict, path: str | Path) -> Path:
