@@ -111,6 +111,16 @@ def test_compose_depthwise_expansion_then_pointwise(g):
     close(F.conv2d(F.pad(x, (1,) * 4), w, groups=g), run_seq(x, [(dw, cin), (pw, g)], 1))
 
 
+@pytest.mark.parametrize("w1_shape,g1,w2_shape,g2", [((8, 2, 3, 3), 4, (6, 4, 1, 1), 2),  # grouped -> pw, 2 in/group
+                                                      ((12, 3, 1, 1), 2, (8, 6, 3, 3), 2)])  # grouped 1x1 -> 3x3
+def test_compose_batched_matmul_cases_with_groups_equal_sequential_convs(w1_shape, g1, w2_shape, g2):
+    w1, w2 = torch.randn(w1_shape), torch.randn(w2_shape)
+    w, g = K.compose(w1, g1, w2, g2)
+    x = torch.randn(2, w1_shape[1] * g1, 8, 8)
+    p = (w.shape[-1] - 1) // 2
+    close(F.conv2d(F.pad(x, (p,) * 4), w, groups=g), run_seq(x, [(w1, g1), (w2, g2)], p))
+
+
 @pytest.mark.parametrize("k1", [1, 3])
 def test_compose_then_depthwise(k1):
     # 1x1 (or kxk) conv followed by a per-channel filter: the avg / prior branches
