@@ -67,7 +67,7 @@ from torch import nn
 
 import orepa
 from orepa.blocks import OREPA_BRANCHES, OREPADeepStem
-from orepa.apps.common import full_float32
+from orepa.apps.common import capture_cuda_graphs, full_float32, release_cuda_graphs
 from orepa.apps.logs import pyplot, save_figure
 
 ModelSpec = str | Callable[[], nn.Module]
@@ -343,26 +343,25 @@ class Runner:
     name: str
     model: nn.Module
     opt: torch.optim.Optimizer
-    graphed: Callable | None = None  # the model's forward+backward as CUDA graphs (static input shape)
+    graphed: bool = False  # forward+backward replayed as CUDA graphs (static input shape)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         # a graphed backward accumulates into the .grad tensors it was captured with: keep them
-        self.opt.zero_grad(set_to_none=self.graphed is None)
-        loss = F.cross_entropy((self.graphed or self.model)(x), y)
+        self.opt.zero_grad(set_to_none=not self.graphed)
+        loss = F.cross_entropy(self.model(x), y)
         loss.backward()
         self.opt.step()
 
     def capture(self, x: torch.Tensor) -> None:
         """Capture forward and backward as CUDA graphs (after the eager warm-up and cost passes)."""
-        self.opt.zero_grad(set_to_none=False)
-        self.graphed = torch.cuda.make_graphed_callables(self.model, (x,))
+        capture_cuda_graphs(self.model, x, self.opt)
+        self.graphed = True
 
     def release(self) -> None:
-        """Back to the eager model. make_graphed_callables set ``model.forward`` to a closure over
-        this module; a deep copy (``orepa.reparameterize``) would keep calling the original."""
-        if self.graphed is not None:
-            self.model.__dict__.pop("forward", None)
-            self.graphed = None
+        """Back to the eager model (before deployment deep-copies it)."""
+        if self.graphed:
+            release_cuda_graphs(self.model)
+            self.graphed = False
 
 
 def _median_ms(ts: Sequence[float]) -> float:

@@ -333,6 +333,26 @@ def full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def capture_cuda_graphs(model: nn.Module, sample: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``model``'s training forward and backward CUDA-graph replays (``make_graphed_callables``
+    replaces its ``forward``; in eval mode the eager forward runs). The capture's warm-up runs real
+    forward+backward passes on ``sample``: the buffers (BN statistics) and gradients they touch are
+    put back, so a run with graphs follows the eager run's trajectory and resumes the same way.
+    Undo with :func:`release_cuda_graphs` before deep-copying the model."""
+    saved = [b.detach().clone() for b in model.buffers()]
+    torch.cuda.make_graphed_callables(model, (sample,))
+    with torch.no_grad():
+        for b, v in zip(model.buffers(), saved):
+            b.copy_(v)
+    optimizer.zero_grad(set_to_none=False)
+
+
+def release_cuda_graphs(model: nn.Module) -> None:
+    """Back to the eager forward. ``make_graphed_callables`` set ``model.forward`` to a closure over
+    this module; a deep copy (``orepa.reparameterize``) would keep calling the original."""
+    model.__dict__.pop("forward", None)
+
+
 def peak_memory(device: torch.device) -> tuple[float, str]:
     """(MiB, what was measured): CUDA max allocated on GPUs, process max RSS on CPU."""
     if device.type == "cuda":

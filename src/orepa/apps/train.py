@@ -45,6 +45,7 @@ from .common import (
     apply_threads,
     build_model,
     build_model_form,
+    capture_cuda_graphs,
     cleanup_distributed,
     count_params,
     describe_cfg,
@@ -129,19 +130,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- recipe pieces
-
-
-def capture_cuda_graphs(model: nn.Module, sample: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
-    """Make ``model``'s training forward and backward CUDA-graph replays (``make_graphed_callables``
-    replaces its ``forward``; in eval mode the eager forward runs). The capture's warm-up runs real
-    forward+backward passes on ``sample``: the buffers (BN statistics) and gradients they touch are
-    put back, so a run with graphs follows the eager run's trajectory and resumes the same way."""
-    saved = [b.detach().clone() for b in model.buffers()]
-    torch.cuda.make_graphed_callables(model, (sample,))
-    with torch.no_grad():
-        for b, v in zip(model.buffers(), saved):
-            b.copy_(v)
-    optimizer.zero_grad(set_to_none=False)
 
 
 def make_criterion(args) -> nn.Module:
