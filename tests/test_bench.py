@@ -189,3 +189,35 @@ def test_block_cost_script_reports_routes(tmp_path):
     assert rows[0]["on_features"] == [] and not rows[0]["recompute"]  # 64 ch at 56x56: all in kernel space
     assert "1x1_kxk" in rows[-1]["on_features"] and rows[-1]["recompute"]  # 512 ch at 7x7, one image
     assert all(r["conv_ms"][0] > 0 and "(none)" in r["forced"] for r in rows)
+
+
+@pytest.mark.parametrize("groups,transposed", [(1, False), (8, False), (64, False), (8, True)])
+def test_flop_counter_counts_grouped_conv_backward_like_its_forward(groups, transposed):
+    """Each gradient of a conv costs its forward's MACs; torch's own formula multiplies the
+    grouped weight gradient by ``groups`` (our counter must not), and is kept for groups=1."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from orepa.apps.bench import flop_counter
+
+    conv_cls = torch.nn.ConvTranspose2d if transposed else torch.nn.Conv2d
+    conv = conv_cls(64, 128, 3, padding=1, groups=groups, bias=False)
+    x = torch.randn(2, 64, 9, 9, requires_grad=True)
+    with flop_counter() as fwd:
+        y = conv(x)
+    with flop_counter() as bwd:
+        y.sum().backward()
+    expected_fwd = 2 * 2 * 81 * 128 * (64 // groups) * 9  # 2 FLOPs per MAC
+    assert fwd.get_total_flops() == expected_fwd
+    assert bwd.get_total_flops() == 2 * expected_fwd  # grad input + grad weight
+    y = conv(x)
+    with FlopCounterMode(display=False) as torch_bwd:
+        y.sum().backward()
+    if groups == 1:
+        assert torch_bwd.get_total_flops() == bwd.get_total_flops()
+    elif not transposed:  # the overcount this counter corrects
+        assert torch_bwd.get_total_flops() == expected_fwd * (1 + groups)
+    x.grad = None
+    y = conv(x.detach())
+    with flop_counter() as no_input_grad:
+        y.sum().backward()
+    assert no_input_grad.get_total_flops() == expected_fwd  # the weight gradient only

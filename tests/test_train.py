@@ -141,6 +141,30 @@ def test_weight_decay_groups_follow_the_paper():
     assert {g["name"]: g["weight_decay"] for g in opt_groups} == {"decay": 1e-4, "no_decay": 0.0, "branch_scales": 0.0}
 
 
+def test_make_sgd_is_fused_where_possible_and_steps_like_plain_sgd():
+    """The fused optimizer kernel (torch >= 2.4 on CPU and CUDA) gives plain SGD's update, with
+    per-group hyper-parameters; a torch/device without one falls back to the default."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.LazyLinear(4))
+    model(torch.randn(2, 3, 6, 6))
+    twin = nn.Sequential(*[m for m in __import__("copy").deepcopy(model)])
+    hp = dict(lr=0.1, momentum=0.9, nesterov=True)
+    groups = lambda m: [{"params": list(m[0].parameters()) + list(m[3].parameters()), "weight_decay": 1e-3},  # noqa: E731
+                        {"params": list(m[1].parameters()), "weight_decay": 0.0}]
+    fused, plain = common.make_sgd(groups(model), **hp), torch.optim.SGD(groups(twin), **hp)
+    assert fused.defaults["fused"] is True  # this machine's torch has the CPU kernel
+    x = torch.randn(4, 3, 6, 6)
+    for _ in range(3):
+        for m, opt in ((model, fused), (twin, plain)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    on_meta = common.make_sgd([nn.Parameter(torch.zeros(3, device="meta"))], lr=0.1)
+    assert not on_meta.defaults["fused"]  # no fused kernel there: the default implementation
+
+
 def test_lr_schedule_warmup_then_cosine():
     import argparse
 

@@ -21,7 +21,8 @@ thermal state, allocator warm-up) hits all of them alike. Per variant:
   allocation events of ``torch.profiler`` (``profile_memory=True``), which count
   requested bytes and do not depend on the allocator's caching.
 * ``fwd_flops`` / ``train_flops``: ``torch.utils.flop_counter.FlopCounterMode``
-  over the forward and over forward + backward.
+  over the forward and over forward + backward, with the backward of grouped
+  convolutions counted correctly (:func:`flop_counter`).
 * ``train_params`` / ``deploy_params``, ``deploy_flops``, ``infer_ms``: the model
   in training form and after ``orepa.reparameterize(model, fuse_bn=True)``
   (median no-grad forward, interleaved as well), with ``deploy_err`` the
@@ -67,7 +68,7 @@ from torch import nn
 
 import orepa
 from orepa.blocks import OREPA_BRANCHES, OREPADeepStem
-from orepa.apps.common import capture_cuda_graphs, full_float32, release_cuda_graphs
+from orepa.apps.common import capture_cuda_graphs, full_float32, make_sgd, release_cuda_graphs
 from orepa.apps.logs import pyplot, save_figure
 
 ModelSpec = str | Callable[[], nn.Module]
@@ -368,23 +369,41 @@ def _median_ms(ts: Sequence[float]) -> float:
     return 1e3 * statistics.median(ts)
 
 
-def _flops_forward(model: nn.Module, x: torch.Tensor) -> int:
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                        _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """FLOPs of a convolution's backward: each requested gradient costs the MACs of the forward.
+
+    torch's own formula counts the weight gradient of a grouped convolution ``groups`` times
+    (it treats the transposed problem as one ungrouped conv): for OREPA's depthwise (x8) -> pw
+    branch run on the feature map that is thousands of times its real cost. Equal to torch's
+    formula for ungrouped convolutions.
+    """
+    from torch.utils.flop_counter import conv_flop_count
+
+    fwd = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), bool(transposed))
+    return fwd * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def flop_counter():
+    """``FlopCounterMode`` with the grouped-convolution backward counted correctly."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as fc:
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
+
+
+def _flops_forward(model: nn.Module, x: torch.Tensor) -> int:
+    with flop_counter() as fc:
         model(x)
     return int(fc.get_total_flops())
 
 
 def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory: bool = True) -> dict:
     """Saved bytes, FLOPs and peak memory of one variant (untimed passes)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     out: dict = {}
     r.opt.zero_grad(set_to_none=True)
-    with FlopCounterMode(display=False) as fwd:
+    with flop_counter() as fwd:
         st, loss = measure_saved(r.model, x, y)
-    with FlopCounterMode(display=False) as bwd:
+    with flop_counter() as bwd:
         loss.backward()
     del loss
     out.update(saved_bytes=st.unique_bytes, saved_naive_bytes=st.naive_bytes, saved_param_bytes=st.param_bytes,
@@ -451,7 +470,7 @@ def run_benchmark(
     for spec in methods:
         torch.manual_seed(seed)
         net = build_variant(model, spec, num_classes, in_chans, model_options).to(device).train()
-        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
+        opt = make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
         runners.append(Runner(spec, net, opt))
         res[spec] = {"train_params": _n_params(net)}
         log(f"built {spec}: {res[spec]['train_params']:,} params")

@@ -333,6 +333,26 @@ def full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
+def make_sgd(params, **kwargs) -> torch.optim.SGD:
+    """``torch.optim.SGD`` with the fused kernel where this torch has one for every parameter's
+    device and dtype (CPU and CUDA floating point since torch 2.4), else the default one.
+
+    Fused reads and writes each parameter, gradient and momentum buffer once per step instead
+    of once per elementwise op: a re-param model trains 2-4x the plain net's parameters, so its
+    optimizer step is a visible share of a step (ResNet-18 OREPA on 2 CPU threads: 62 -> 31 ms).
+    torch checks the devices only at the first step, hence the check here.
+    """
+    params = list(params)
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+        devices = set(_get_fused_kernels_supported_devices())
+    except ImportError:  # a torch without the helper: stay with the default implementation
+        devices = set()
+    fused = bool(tensors) and all(t.device.type in devices and t.is_floating_point() for t in tensors)
+    return torch.optim.SGD(params, fused=fused or None, **kwargs)
+
+
 def capture_cuda_graphs(model: nn.Module, sample: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
     """Make ``model``'s training forward and backward CUDA-graph replays (``make_graphed_callables``
     replaces its ``forward``; in eval mode the eager forward runs). The capture's warm-up runs real

@@ -51,6 +51,7 @@ from .common import (
     describe_cfg,
     fail,
     init_distributed,
+    make_sgd,
     model_cfg_from_args,
     peak_memory,
     seed_everything,
@@ -266,7 +267,7 @@ class Trainer:
         for g in groups:
             if g["name"] == "no_decay":
                 g["weight_decay"] = args.norm_weight_decay
-        self.optimizer = torch.optim.SGD(groups, lr=args.lr, momentum=args.momentum)
+        self.optimizer = make_sgd(groups, lr=args.lr, momentum=args.momentum)
         self.loader, self.sampler = train_loader(self.data, args, info, device)
         self.iters_per_epoch = len(self.loader)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
