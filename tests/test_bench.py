@@ -221,3 +221,20 @@ def test_flop_counter_counts_grouped_conv_backward_like_its_forward(groups, tran
     with flop_counter() as no_input_grad:
         y.sum().backward()
     assert no_input_grad.get_total_flops() == expected_fwd  # the weight gradient only
+
+
+def test_paired_step_ratio_cancels_slow_rounds():
+    """Round i of every variant ran back to back: the paired ratio is the median of per-round ratios."""
+    from orepa.apps.bench import format_table, ratios
+
+    res = {"base": {"step_times_s": [1.0, 3.0, 1.0, 1.1, 2.0]},  # rounds 2 and 5 ran on a slow machine
+           "orepa": {"step_times_s": [1.3, 3.9, 1.3, 1.43, 2.6]},
+           "short": {"step_times_s": [1.0]}}
+    for r in res.values():
+        r["step_ms"] = 1e3 * __import__("statistics").median(r["step_times_s"])
+    q = ratios(res)
+    assert q["orepa"]["step_paired"] == pytest.approx(1.3)
+    assert q["base"]["step_paired"] == 1.0
+    assert q["short"]["step_paired"] is None  # not one value per round: no pairing
+    table = format_table({"results": res, "ratios": q})
+    assert "(paired)" in table.splitlines()[0] and "| 1.30x |" in table

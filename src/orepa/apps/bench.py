@@ -10,6 +10,8 @@ thermal state, allocator warm-up) hits all of them alike. Per variant:
   replayed as CUDA graphs (``torch.cuda.make_graphed_callables``; loss and SGD step
   stay eager): an online block launches many small kernels to build its weight,
   and on a fast GPU the host's launches, not the GPU, set its eager step time.
+  The ratios also give ``step_paired``: the median over repetitions of the step
+  time over base's step in the same round (the steadiest time ratio).
 * ``saved_bytes``: bytes of the tensors autograd saves for backward
   (``torch.autograd.graph.saved_tensors_hooks``), counting every storage once
   (views and shared tensors are not double counted); ``saved_naive_bytes`` is
@@ -572,6 +574,11 @@ def ratios(res: dict[str, dict], base: str = "base") -> dict[str, dict]:
         for k in RATIO_KEYS:
             v, bv = r.get(k), b.get(k)
             out[name][k] = (v / bv) if (v is not None and bv) else None
+        # paired: the median over repetitions of (this variant's step / base's step in the same
+        # round); a slow phase of the machine hits both steps of a round, so it cancels
+        t, bt = r.get("step_times_s"), b.get("step_times_s")
+        out[name]["step_paired"] = (statistics.median(a / c for a, c in zip(t, bt))
+                                    if t and bt and len(t) == len(bt) else None)
     return out
 
 
@@ -623,7 +630,7 @@ def _rx(v) -> str:
 def format_table(result: dict) -> str:
     """A Markdown table: absolute values with ratios to base."""
     res, rat = result["results"], result["ratios"]
-    cols = ["method", "train step ms (median)", "(min)", "saved MiB (unique)", "saved excl. params", "saved MiB (naive)", "peak MiB",
+    cols = ["method", "train step ms (median)", "(min)", "(paired)", "saved MiB (unique)", "saved excl. params", "saved MiB (naive)", "peak MiB",
             "train GFLOPs",
             "train params M", "deploy params M", "deploy GFLOPs", "infer ms", "deploy err"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -633,6 +640,7 @@ def format_table(result: dict) -> str:
             n,
             _fmt(r.get("step_ms"), 1, 0) + _rx(q["step_ms"]),
             _fmt(r.get("step_min_ms"), 1, 0) + _rx(q["step_min_ms"]),
+            "n/a" if q.get("step_paired") is None else f"{q['step_paired']:.2f}x",
             _fmt(r.get("saved_bytes"), 2**20) + _rx(q["saved_bytes"]),
             _fmt(r.get("saved_act_bytes"), 2**20) + _rx(q["saved_act_bytes"]),
             _fmt(r.get("saved_naive_bytes"), 2**20) + _rx(q["saved_naive_bytes"]),
