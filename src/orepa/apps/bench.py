@@ -460,6 +460,7 @@ def run_benchmark(
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs needs a CUDA device (got {device})")
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    git_start = _git_state()  # the code this process loaded (files edited during a run do not count)
     methods = list(dict.fromkeys(methods))
     if "base" not in methods:
         methods.insert(0, "base")
@@ -547,7 +548,7 @@ def run_benchmark(
             "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
         },
-        "environment": {**environment(device), "loadavg_1m_start": load_start},
+        "environment": {**environment(device), "loadavg_1m_start": load_start, "git": git_start},
         "results": res,
     }
     result["ratios"] = ratios(res)
