@@ -1,6 +1,7 @@
 """The training-cost harness (orepa bench) on tiny models: sane numbers, never wall-time asserts."""
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -231,7 +232,7 @@ def test_paired_step_ratio_cancels_slow_rounds():
            "orepa": {"step_times_s": [1.3, 3.9, 1.3, 1.43, 2.6]},
            "short": {"step_times_s": [1.0]}}
     for r in res.values():
-        r["step_ms"] = 1e3 * __import__("statistics").median(r["step_times_s"])
+        r["step_ms"] = 1e3 * statistics.median(r["step_times_s"])
     q = ratios(res)
     assert q["orepa"]["step_paired"] == pytest.approx(1.3)
     assert q["base"]["step_paired"] == 1.0

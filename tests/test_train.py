@@ -6,6 +6,7 @@ deployed == training form, clear errors), not accuracy.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -147,7 +148,7 @@ def test_make_sgd_is_fused_where_possible_and_steps_like_plain_sgd():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.LazyLinear(4))
     model(torch.randn(2, 3, 6, 6))
-    twin = nn.Sequential(*[m for m in __import__("copy").deepcopy(model)])
+    twin = copy.deepcopy(model)
     hp = dict(lr=0.1, momentum=0.9, nesterov=True)
     groups = lambda m: [{"params": list(m[0].parameters()) + list(m[3].parameters()), "weight_decay": 1e-3},  # noqa: E731
                         {"params": list(m[1].parameters()), "weight_decay": 0.0}]
