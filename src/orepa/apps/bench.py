@@ -548,7 +548,7 @@ def run_benchmark(
             "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
         },
-        "environment": {**environment(device), "loadavg_1m_start": load_start, "git": git_start},
+        "environment": {**environment(device, git_start), "loadavg_1m_start": load_start},
         "results": res,
     }
     result["ratios"] = ratios(res)
@@ -583,7 +583,8 @@ def ratios(res: dict[str, dict], base: str = "base") -> dict[str, dict]:
     return out
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, git: dict | None) -> dict:
+    """Machine and software facts of a run; ``git`` is the checkout's state read when the run started."""
     env = {
         "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
         "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
@@ -595,7 +596,7 @@ def environment(device: torch.device) -> dict:
         env["loadavg_1m"] = os.getloadavg()[0]
     except OSError:
         pass
-    env["git"] = _git_state()
+    env["git"] = git
     return env
 
 
