@@ -9,7 +9,6 @@ from torch import nn
 
 from orepa.apps import bench
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -149,9 +149,12 @@ def test_make_sgd_is_fused_where_possible_and_steps_like_plain_sgd():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.LazyLinear(4))
     model(torch.randn(2, 3, 6, 6))
     twin = copy.deepcopy(model)
-    hp = dict(lr=0.1, momentum=0.9, nesterov=True)
-    groups = lambda m: [{"params": list(m[0].parameters()) + list(m[3].parameters()), "weight_decay": 1e-3},  # noqa: E731
-                        {"params": list(m[1].parameters()), "weight_decay": 0.0}]
+    hp = {"lr": 0.1, "momentum": 0.9, "nesterov": True}
+
+    def groups(m):
+        return [{"params": list(m[0].parameters()) + list(m[3].parameters()), "weight_decay": 1e-3},
+                {"params": list(m[1].parameters()), "weight_decay": 0.0}]
+
     fused, plain = common.make_sgd(groups(model), **hp), torch.optim.SGD(groups(twin), **hp)
     assert fused.defaults["fused"] is True  # this machine's torch has the CPU kernel
     x = torch.randn(4, 3, 6, 6)
