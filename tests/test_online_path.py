@@ -239,3 +239,26 @@ def test_block_step_dispatches_few_ops():
     with CountOps() as ops:
         block(x).backward(gy)
     assert ops.n <= 165
+
+
+@pytest.mark.parametrize("recompute,n", [(True, 16), (False, 16), ("auto", 1)])
+def test_torch_compile_traces_the_online_path(recompute, n):
+    """``torch.compile(model)`` must work on online blocks (it crashed on the recomputing
+    path, which saved an alias of its input) and must not recompile on the second call (the
+    chain-order caches filled by a traced call were guarded on). ``aot_eager`` traces and
+    partitions forward/backward as inductor would, without generating code."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    block = _randomized(orepa.OREPAConv2d(8, 8, 3, recompute=recompute))
+    x = torch.randn(n, 8, 3, 3, requires_grad=True)  # n=1: the 1x1 -> kxk branch runs on the feature map
+    gy = torch.randn(n, 8, 3, 3)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter)
+    for _ in range(2):
+        y, grads = _grads(compiled, x, gy)
+    y_ref, ref = _grads(block, x, gy)
+    tol_close(y, y_ref, rel=1e-5)
+    for a, b in zip(grads, ref):
+        tol_close(a, b, rel=1e-4)
+    assert counter.frame_count == 1

@@ -535,11 +535,7 @@ class ReparamConv2d(nn.Module):
         other branch is added into its centred window with its scale fused in.
         """
         k = self.kernel_size[0]
-        key = tuple(names)
-        if key not in self._first_full:
-            self._first_full[key] = next(
-                (n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1), None)
-        first = self._first_full[key]
+        first = self._first_full_branch(names)
         names = list(names)
         if first is not None:
             out = self.branches[first].fresh_kernel()
@@ -552,6 +548,19 @@ class ReparamConv2d(nn.Module):
             o = (k - br.extent) // 2
             br.add_into(out[:, :, o:o + br.extent, o:o + br.extent])
         return out
+
+    def _first_full_branch(self, names: Sequence[str]) -> str | None:
+        """The branch whose fresh kernel starts the sum (a full-size single kernel), cached per branch set."""
+        compiling = torch.compiler.is_compiling()  # filling a cache in a traced call would force a recompile
+        key = tuple(names)
+        if compiling or key not in self._first_full:
+            k = self.kernel_size[0]
+            first = next((n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1),
+                         None)
+            if compiling:
+                return first
+            self._first_full[key] = first
+        return self._first_full[key]
 
     def _squeeze_vjp(self, grad: Tensor, params: Sequence[Tensor], names: Sequence[str]) -> tuple[Tensor | None, ...]:
         k = self.kernel_size[0]
@@ -580,11 +589,14 @@ class ReparamConv2d(nn.Module):
         Depends on shapes only, so it is computed once per input shape.
         """
         key = (tuple(x.shape), recompute)
-        if key not in self._routes:
-            if len(self._routes) >= 64:  # many input sizes (detection): keep the cache bounded
-                self._routes.clear()
-            self._routes[key] = self._choose_route(x.shape, recompute)
-        squeezed, on_features = self._routes[key]
+        if torch.compiler.is_compiling():  # filling the cache in a traced call would force a recompile
+            squeezed, on_features = self._choose_route(x.shape, recompute)
+        else:
+            if key not in self._routes:
+                if len(self._routes) >= 64:  # many input sizes (detection): keep the cache bounded
+                    self._routes.clear()
+                self._routes[key] = self._choose_route(x.shape, recompute)
+            squeezed, on_features = self._routes[key]
         return list(squeezed), list(on_features)
 
     def _choose_route(self, shape: torch.Size, recompute: bool) -> tuple[list[str], list[str]]:
@@ -732,26 +744,27 @@ class _RecomputedSqueezeConv(torch.autograd.Function):
         w = block._squeeze_closed_form(names)
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        xin = x.to(dtype)
         with torch.autocast(device, enabled=False):
-            y = F.conv2d(xin, w.to(dtype), None if bias is None else bias.to(dtype),
+            y = F.conv2d(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype),
                          block.stride, block.padding, block.dilation, block.groups)
-        ctx.block, ctx.names, ctx.x_dtype, ctx.has_bias = block, names, x.dtype, bias is not None
-        ctx.save_for_backward(xin, *params)
+        ctx.block, ctx.names, ctx.conv_dtype, ctx.has_bias = block, names, dtype, bias is not None
+        # x itself is kept, not its autocast copy: the layer before usually keeps x anyway, so
+        # this adds no memory (and torch.compile cannot save an alias of an input made here)
+        ctx.save_for_backward(x, *params)
         return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        xin, *params = ctx.saved_tensors
-        block = ctx.block
+        x, *params = ctx.saved_tensors
+        block, dtype = ctx.block, ctx.conv_dtype
         w = block._squeeze_closed_form(ctx.names)
         gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad_y.to(xin.dtype), xin, w.to(xin.dtype), [block.out_channels] if ctx.has_bias else None,
+            grad_y.to(dtype), x.to(dtype), w.to(dtype), [block.out_channels] if ctx.has_bias else None,
             list(block.stride), list(block.padding), list(block.dilation), False, [0, 0], block.groups,
             [ctx.needs_input_grad[0], True, ctx.has_bias],
         )
         grads = block._squeeze_vjp(gw.to(w.dtype), params, ctx.names)
-        gx = None if gx is None else gx.to(ctx.x_dtype)
+        gx = None if gx is None else gx.to(x.dtype)
         gb = gb.to(w.dtype) if ctx.has_bias else None
         return (gx, None, None, gb, *grads)
 
