@@ -2,6 +2,7 @@
 # The GPU checks of one lent-GPU session, in two phases (run from the repository root):
 #   benchmarks/gpu_session.sh probe      # ~3 min: nccl/fp16/SyncBN smoke run + reparam, cost tables at the
 #                                        #   paper's setting (ResNet-18 and ResNet-50, batch 64, 224x224)
+#   benchmarks/gpu_session.sh compile    # ~8 min: the same cost tables with torch.compile'd train steps
 #   EPOCHS=N [TRAIN_EXTRA=--cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -9,7 +10,7 @@
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
 # and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh probe|long}
+phase=${1:?usage: gpu_session.sh probe|compile|long}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
@@ -33,6 +34,14 @@ probe)
     for m in resnet18 resnet50; do
         timeout 200 python3 -m orepa bench -m "$m" -b 64 --image-size 224 --device cuda --cudnn-benchmark \
             --methods base orepa dbb --reps 30 --warmup 10 --out-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
+    done
+    ;;
+compile)
+    # torch.compile (inductor) removes the host launches of the kernel construction, as CUDA graphs do, and
+    # fuses its element-wise passes; the variants compile one after another outside the timing
+    for m in resnet18 resnet50; do
+        timeout 290 python3 -m orepa bench -m "$m" -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
+            --methods base orepa dbb --reps 20 --warmup 3 --no-inference --out-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
     done
     ;;
 long)

@@ -238,3 +238,20 @@ def test_paired_step_ratio_cancels_slow_rounds():
     assert q["short"]["step_paired"] is None  # not one value per round: no pairing
     table = format_table({"results": res, "ratios": q})
     assert "(paired)" in table.splitlines()[0] and "| 1.30x |" in table
+
+
+def test_compiled_steps_are_timed_and_recorded():
+    """``--compile``: the timed steps go through torch.compile (``aot_eager`` here: traced and
+    partitioned like inductor, no code generation); costs and deployment use the eager model."""
+    with pytest.raises(ValueError, match="exclude each other"):
+        bench.run_benchmark(tiny_net, ["base"], batch_size=2, image_size=16, reps=1, warmup=1, num_classes=10,
+                            cuda_graphs=True, compile="aot_eager", log=None)
+    torch._dynamo.reset()
+    result = bench.run_benchmark(tiny_net, ["base", "orepa"], batch_size=2, image_size=16, reps=2, warmup=1,
+                                 num_classes=10, compile="aot_eager", log=None)
+    _check_sane(result)
+    assert result["config"]["compile"] == "aot_eager"
+    assert "torch.compile (aot_eager)" in bench.format_header(result)
+    for r in result["results"].values():
+        assert r["compile_s"] > 0 and len(r["step_times_s"]) == 2
+        assert r["deploy_err"] < 1e-4

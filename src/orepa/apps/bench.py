@@ -10,6 +10,9 @@ thermal state, allocator warm-up) hits all of them alike. Per variant:
   replayed as CUDA graphs (``torch.cuda.make_graphed_callables``; loss and SGD step
   stay eager): an online block launches many small kernels to build its weight,
   and on a fast GPU the host's launches, not the GPU, set its eager step time.
+  With ``compile`` (``--compile [BACKEND]``) the timed steps run ``torch.compile``'d
+  models (compiled after the cost passes, outside the timing), which fuses an online
+  block's kernel-space element-wise work and, on GPUs, removes most host launches.
   The ratios also give ``step_paired``: the median over repetitions of the step
   time over base's step in the same round (the steadiest time ratio).
 * ``saved_bytes``: bytes of the tensors autograd saves for backward
@@ -347,11 +350,12 @@ class Runner:
     model: nn.Module
     opt: torch.optim.Optimizer
     graphed: bool = False  # forward+backward replayed as CUDA graphs (static input shape)
+    compiled: nn.Module | None = None  # torch.compile'd model for the timed steps (same parameters)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         # a graphed backward accumulates into the .grad tensors it was captured with: keep them
         self.opt.zero_grad(set_to_none=not self.graphed)
-        loss = F.cross_entropy(self.model(x), y)
+        loss = F.cross_entropy((self.compiled or self.model)(x), y)
         loss.backward()
         self.opt.step()
 
@@ -360,8 +364,14 @@ class Runner:
         capture_cuda_graphs(self.model, x, self.opt)
         self.graphed = True
 
+    def compile(self, backend: str) -> None:
+        """Time steps through ``torch.compile(model)`` (cost passes measure the eager model:
+        the same arithmetic and saved tensors up to the compiler's recomputation choices)."""
+        self.compiled = torch.compile(self.model, backend=backend)
+
     def release(self) -> None:
         """Back to the eager model (before deployment deep-copies it)."""
+        self.compiled = None
         if self.graphed:
             release_cuda_graphs(self.model)
             self.graphed = False
@@ -452,11 +462,18 @@ def run_benchmark(
     profile_memory: bool = True,
     model_options: dict | None = None,
     cuda_graphs: bool = False,
+    compile: str | None = None,
     log: Callable[[str], None] | None = print,
 ) -> dict:
-    """Measure every variant of ``model`` side by side; returns a JSON-able dict."""
+    """Measure every variant of ``model`` side by side; returns a JSON-able dict.
+
+    ``compile``: a ``torch.compile`` backend (e.g. ``"inductor"``) for the timed steps.
+    """
     log = log or (lambda s: None)
     device = torch.device(device)
+    if cuda_graphs and compile:
+        raise ValueError("cuda_graphs and compile exclude each other (torch.compile's mode='reduce-overhead' "
+                         "is its own CUDA-graph path)")
     if cuda_graphs and device.type != "cuda":
         raise ValueError(f"cuda_graphs needs a CUDA device (got {device})")
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -495,6 +512,15 @@ def run_benchmark(
             r.step(x, y)  # first replay outside the timing
         _sync(device)
         log("captured forward+backward of every variant as CUDA graphs")
+    if compile:
+        for r in runners:
+            t0 = time.perf_counter()
+            r.compile(compile)
+            for _ in range(max(warmup, 1)):  # the first call compiles; warm the compiled code too
+                r.step(x, y)
+            _sync(device)
+            res[r.name]["compile_s"] = time.perf_counter() - t0
+            log(f"compiled {r.name} ({compile}): {res[r.name]['compile_s']:.0f} s")
 
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     gc.collect()
@@ -545,7 +571,7 @@ def run_benchmark(
             "model": model if isinstance(model, str) else getattr(model, "__name__", "custom"),
             "methods": methods, "batch_size": batch_size, "image_size": image_size, "in_chans": in_chans,
             "num_classes": num_classes, "model_options": model_options or {}, "reps": reps, "warmup": warmup,
-            "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs,
+            "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs, "compile": compile,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
         },
         "environment": {**environment(device, git_start), "loadavg_1m_start": load_start},
@@ -664,6 +690,7 @@ def format_header(result: dict) -> str:
     git = e.get("git") or {}
     code = f"; orepa {git['commit']}{'+modified' if git.get('modified') else ''}" if git.get("commit") else ""
     graphs = ", forward+backward as CUDA graphs" if c.get("cuda_graphs") else ""
+    graphs += f", torch.compile ({c['compile']})" if c.get("compile") else ""
     return (f"{c['model']}, batch {c['batch_size']}, {c['image_size']}x{c['image_size']}, {dev}, "
             f"{e['threads']} threads, torch {e['torch']}, median of {c['reps']} interleaved steps "
             f"after {c['warmup']} warm-up{graphs}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
@@ -770,6 +797,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cudnn-benchmark", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: time steps with forward+backward replayed as CUDA graphs (no host launch overhead)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="time steps of torch.compile'd models (default backend inductor; compiled outside the timing)")
     p.add_argument("--out-dir", default="bench_results")
     p.add_argument("--tag", default=None, help="output file stem (default from the settings)")
     p.add_argument("--no-plot", action="store_true")
@@ -811,11 +840,12 @@ def run(args: argparse.Namespace) -> int:
         args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
         reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
         inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=args.cuda_graphs, compile=args.compile,
     )
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
-                       + ("_graphs" if args.cuda_graphs else "") + ("_components" if args.components else ""))
+                       + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
+                       + ("_components" if args.components else ""))
     print()
     print(format_header(result))
     print()
