@@ -386,3 +386,24 @@ def test_graph_capture_puts_back_what_its_warm_up_touched(monkeypatch):
     assert all(torch.equal(before[k], after[k]) for k in before)  # running stats, num_batches_tracked
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and not g.any() for g in grads)  # zeroed, kept allocated for the graph
+
+
+def test_compiled_orepa_training_runs_and_saves_the_plain_model(cache, tmp_path, monkeypatch):
+    """``--compile`` on an OREPA model (torch.compile crashed on online blocks before session 5).
+    ``aot_eager`` stands in for inductor: the same tracing and forward/backward partition, no
+    C++ code generation (minutes on this machine)."""
+    compile_fn = torch.compile
+    used = []
+
+    def aot_eager_compile(model, **kwargs):
+        used.append(type(model).__name__)
+        return compile_fn(model, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", aot_eager_compile)
+    torch._dynamo.reset()
+    out = tmp_path / "run"
+    assert _train(cache, out, "--method", "orepa", "--epochs", "1", "--compile") == 0
+    assert used == ["ResNet"]
+    ck = _load(out / "checkpoint.pth")
+    assert not any(k.startswith("_orig_mod.") for k in ck["model"])  # the plain model is saved
+    assert main(["reparam", str(out / "checkpoint.pth"), "--no-progress", "-j", "0", "--val-subset", "16"]) == 0
