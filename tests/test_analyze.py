@@ -18,7 +18,6 @@ from orepa.analysis import (
 from orepa.analysis.proposition1 import TinyOREPANet
 from orepa.apps import analyze as app
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -14,7 +14,6 @@ from orepa.apps.export import (  # noqa: E402
     load_checkpoint,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from orepa import kernels as K
 
 
-
 @pytest.fixture(autouse=True)
 def float64_default():
     old = torch.get_default_dtype()

@@ -9,7 +9,6 @@ from orepa.analysis.proposition1 import (
     synthetic_data,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -8,7 +8,6 @@ import orepa  # noqa: E402
 import orepa.models as zoo  # noqa: E402
 from orepa.models import timm_registry  # noqa: E402
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

@@ -72,9 +72,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import orepa
-from orepa.blocks import OREPA_BRANCHES, OREPADeepStem
 from orepa.apps.common import capture_cuda_graphs, full_float32, make_sgd, release_cuda_graphs
 from orepa.apps.logs import pyplot, save_figure
+from orepa.blocks import OREPA_BRANCHES, OREPADeepStem
 
 ModelSpec = str | Callable[[], nn.Module]
 
