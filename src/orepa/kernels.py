@@ -120,7 +120,7 @@ def rowdot(a: Tensor, b: Tensor) -> Tensor:
 
     Contiguous operands: a batched matmul of 1-row matrices (no full-size temporary).
     Strided ones (slices of a kernel gradient): a product and a sum, since PyTorch's CPU
-    bmm copies every strided row separately (3-10x slower at 512 channels).
+    bmm copies every strided row separately (~2.5x slower for a 512-channel dw -> pw scale).
     """
     n = a.shape[0]
     if a.is_contiguous() and b.is_contiguous():
