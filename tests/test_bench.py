@@ -191,6 +191,35 @@ def test_block_cost_script_reports_routes(tmp_path):
     assert all(r["conv_ms"][0] > 0 and "(none)" in r["forced"] for r in rows)
 
 
+def test_profile_step_script_accounts_for_every_operator(tmp_path, capsys):
+    """benchmarks/profile_step.py: categories sum to the total, ops sorted by self time, the
+    online variant shows its kernel-space matrix products, and a bad method is refused."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
+    spec = importlib.util.spec_from_file_location("profile_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "prof.json"
+    mod.main(["-m", "resnet18", "-b", "2", "--image-size", "32", "--num-classes", "10", "--steps", "1",
+              "--warmup", "1", "--top", "3", "--json", str(out)])
+    assert set(json.loads(out.read_text())["results"]) == {"base", "orepa"}
+    assert "orepa: top operators" in capsys.readouterr().out
+    res = mod.profile_variants(tiny_net, ["base", "orepa"], batch_size=2, image_size=16, steps=1, warmup=1,
+                               num_classes=10)
+    for r in res.values():
+        assert r["total_ms"] == pytest.approx(sum(r["categories_ms"].values()))
+        ms = [o["ms"] for o in r["ops"]]
+        assert ms == sorted(ms, reverse=True) and all(o["op"].startswith("aten::") for o in r["ops"])
+    assert res["base"]["categories_ms"]["conv"] > 0
+    assert res["orepa"]["categories_ms"]["matmul"] > res["base"]["categories_ms"]["matmul"]
+    assert mod.category("aten::bmm") == "matmul" and mod.category("aten::view") == "views/alloc"
+    assert "| total |" in mod.format_report(res, top=3)
+    with pytest.raises(ValueError, match="unknown method"):
+        mod.profile_variants(tiny_net, ["base", "nope"], batch_size=2, image_size=16, num_classes=10)
+
+
 @pytest.mark.parametrize("groups,transposed", [(1, False), (8, False), (64, False), (8, True)])
 def test_flop_counter_counts_grouped_conv_backward_like_its_forward(groups, transposed):
     """Each gradient of a conv costs its forward's MACs; torch's own formula multiplies the

@@ -1,0 +1,150 @@
+"""Where a train step's time goes: ``torch.profiler`` self time per operator, per variant.
+
+Builds the variants as ``orepa bench`` does (same model zoo, options and fused SGD),
+warms them up, then profiles ``--steps`` train steps of each, interleaved, and prints
+
+* a category table (convolutions, matrix products, element-wise, copies and layout,
+  normalisation, optimizer, other) in ms per step with the difference to ``base``;
+* the top operators by self time for every non-base variant, with input shapes.
+
+Self CPU time is what the operators themselves spent (profiler overhead included, so the
+sum exceeds the wall time a little); on CUDA add ``--device cuda`` and read the CPU column as
+host time. This is the script behind docs/benchmarks.md "Where the time goes".
+
+    python benchmarks/profile_step.py -m resnet18 -b 16 --methods base orepa --threads 2 [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from orepa.apps.bench import Runner, build_variant, parse_spec
+from orepa.apps.common import make_sgd
+
+# operator name (without "aten::") -> category; anything else is "other"
+CATEGORIES = {
+    "conv": ("convolution", "convolution_backward", "mkldnn_convolution", "_convolution", "cudnn_convolution",
+             "conv2d", "_slow_conv2d_forward", "_slow_conv2d_backward"),
+    "matmul": ("mm", "bmm", "addmm", "baddbmm", "addmv", "addmv_", "addbmm", "matmul", "dot", "mv"),
+    "elementwise": ("mul", "mul_", "add", "add_", "addcmul_", "addcmul", "sub", "sub_", "div", "div_", "sum",
+                    "neg", "rsqrt", "clamp_min", "clamp_min_", "relu", "relu_", "threshold_backward", "where",
+                    "fill_", "zero_", "pow", "sqrt", "_log_softmax", "_log_softmax_backward_data",
+                    "nll_loss_forward", "nll_loss_backward"),
+    "copy/layout": ("copy_", "clone", "contiguous", "cat", "constant_pad_nd", "_to_copy", "index", "flip",
+                    "repeat_interleave", "index_put_", "slice_backward", "select_backward", "new_zeros", "zeros"),
+    "norm": ("native_batch_norm", "native_batch_norm_backward", "_batch_norm_impl_index",
+             "_batch_norm_impl_index_backward", "batch_norm", "cudnn_batch_norm", "cudnn_batch_norm_backward",
+             "_native_batch_norm_legit", "_native_batch_norm_legit_functional"),
+    "optimizer": ("_fused_sgd_", "_foreach_add_", "_foreach_mul_", "_foreach_add", "_foreach_mul",
+                  "_foreach_addcmul_", "_foreach_lerp_"),
+    # views and allocations move no data: their time is dispatch overhead (the host cost of many small ops)
+    "views/alloc": ("view", "reshape", "_reshape_alias", "_unsafe_view", "transpose", "t", "permute", "expand",
+                    "unsqueeze", "squeeze", "select", "slice", "narrow", "as_strided", "as_strided_", "alias",
+                    "unflatten", "flatten", "split", "detach", "empty", "empty_like", "empty_strided", "resize_"),
+    "pool": ("max_pool2d_with_indices", "max_pool2d_with_indices_backward", "avg_pool2d", "avg_pool2d_backward",
+             "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "mean"),
+}
+_CATEGORY_OF = {op: cat for cat, ops in CATEGORIES.items() for op in ops}
+ORDER = ("conv", "matmul", "elementwise", "copy/layout", "norm", "pool", "optimizer", "views/alloc", "other")
+
+
+def category(op_name: str) -> str:
+    return _CATEGORY_OF.get(op_name.removeprefix("aten::"), "other")
+
+
+def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, steps: int = 2, warmup: int = 2,
+                     num_classes: int = 1000, device: str = "cpu", model_options: dict | None = None) -> dict:
+    """Self time per ``(operator, input shapes)`` and per category, in ms per step, for every variant."""
+    device = torch.device(device)
+    torch.manual_seed(0)
+    x = torch.randn(batch_size, 3, image_size, image_size, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+    runners = []
+    for spec in methods:
+        parse_spec(spec)  # a clear error for a bad spec before anything is built
+        torch.manual_seed(0)
+        net = build_variant(model, spec, num_classes, 3, model_options).to(device).train()
+        runners.append(Runner(spec, net, make_sgd(net.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4)))
+    for _ in range(max(warmup, 1)):
+        for r in runners:
+            r.step(x, y)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ops: dict[str, dict[tuple, list]] = {r.name: defaultdict(lambda: [0.0, 0]) for r in runners}
+    for _ in range(steps):
+        for r in runners:  # interleaved, as orepa bench: load changes hit every variant alike
+            with profile(activities=activities, record_shapes=True) as prof:
+                r.step(x, y)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            for e in prof.key_averages(group_by_input_shape=True):
+                if not e.key.startswith("aten::"):
+                    continue  # autograd nodes and wrappers: their children are counted
+                acc = ops[r.name][(e.key, str(e.input_shapes))]
+                acc[0] += e.self_cpu_time_total / 1e3 / steps
+                acc[1] += e.count / steps
+    out = {}
+    for name, table in ops.items():
+        cats = dict.fromkeys(ORDER, 0.0)
+        for (op, _), (ms, _) in table.items():
+            cats[category(op)] += ms
+        top = sorted(((ms, n, op, shapes) for (op, shapes), (ms, n) in table.items()), reverse=True)
+        out[name] = {"categories_ms": cats, "total_ms": sum(cats.values()),
+                     "ops": [{"op": op, "shapes": shapes, "ms": ms, "calls": n} for ms, n, op, shapes in top]}
+    return out
+
+
+def format_report(result: dict, top: int = 20) -> str:
+    names = list(result)
+    base = result.get("base")
+    lines = ["| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for cat in ORDER + ("total",):
+        cells = []
+        for n in names:
+            v = result[n]["total_ms"] if cat == "total" else result[n]["categories_ms"][cat]
+            ref = None if base is None or n == "base" else (
+                base["total_ms"] if cat == "total" else base["categories_ms"][cat])
+            cells.append(f"{v:,.1f}" + ("" if ref is None else f" ({v - ref:+,.1f})"))
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    for n in names:
+        if n == "base" and len(names) > 1:
+            continue
+        lines += ["", f"{n}: top operators by self time (ms per step)", "",
+                  "| ms | calls | operator | input shapes |", "|---|---|---|---|"]
+        for o in result[n]["ops"][:top]:
+            lines.append(f"| {o['ms']:,.1f} | {o['calls']:g} | {o['op']} | {o['shapes'][:110]} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("-m", "--model", default="resnet18")
+    ap.add_argument("--methods", nargs="+", default=["base", "orepa"])
+    ap.add_argument("-b", "--batch-size", type=int, default=16)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--num-classes", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=2, help="profiled steps per variant (averaged)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = profile_variants(args.model, args.methods, batch_size=args.batch_size, image_size=args.image_size,
+                              steps=args.steps, warmup=args.warmup, num_classes=args.num_classes, device=args.device)
+    print(f"{args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.device}, "
+          f"{torch.get_num_threads()} threads, self time per train step (ms), mean of {args.steps} profiled steps\n")
+    print(format_report(result, args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": vars(args), "results": result}, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
