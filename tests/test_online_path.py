@@ -241,8 +241,8 @@ def test_block_step_dispatches_few_ops():
     assert ops.n <= 165
 
 
-@pytest.mark.parametrize("recompute,n", [(True, 16), (False, 16), ("auto", 1)])
-def test_torch_compile_traces_the_online_path(recompute, n):
+@pytest.mark.parametrize("recompute,n,hw", [(True, 16, 8), (False, 16, 8), ("auto", 1, 3)])
+def test_torch_compile_traces_the_online_path(recompute, n, hw):
     """``torch.compile(model)`` must work on online blocks (it crashed on the recomputing
     path, which saved an alias of its input) and must not recompile on the second call (the
     chain-order caches filled by a traced call were guarded on). ``aot_eager`` traces and
@@ -251,8 +251,10 @@ def test_torch_compile_traces_the_online_path(recompute, n):
 
     torch._dynamo.reset()
     block = _randomized(orepa.OREPAConv2d(8, 8, 3, recompute=recompute))
-    x = torch.randn(n, 8, 3, 3, requires_grad=True)  # n=1: the 1x1 -> kxk branch runs on the feature map
-    gy = torch.randn(n, 8, 3, 3)
+    x = torch.randn(n, 8, hw, hw, requires_grad=True)
+    gy = torch.randn(n, 8, hw, hw)
+    on_features = block._route(x, block._recompute(x))[1]
+    assert (on_features == []) if n > 1 else ("1x1_kxk" in on_features)  # all squeezed / some on the map
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, backend=counter)
     for _ in range(2):
