@@ -550,17 +550,10 @@ class ReparamConv2d(nn.Module):
         return out
 
     def _first_full_branch(self, names: Sequence[str]) -> str | None:
-        """The branch whose fresh kernel starts the sum (a full-size single kernel), cached per branch set."""
-        compiling = torch.compiler.is_compiling()  # filling a cache in a traced call would force a recompile
-        key = tuple(names)
-        if compiling or key not in self._first_full:
-            k = self.kernel_size[0]
-            first = next((n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1),
-                         None)
-            if compiling:
-                return first
-            self._first_full[key] = first
-        return self._first_full[key]
+        """The branch whose fresh kernel starts the sum (a full-size single kernel)."""
+        k = self.kernel_size[0]
+        return _memo(self._first_full, tuple(names), lambda: next(
+            (n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1), None))
 
     def _squeeze_vjp(self, grad: Tensor, params: Sequence[Tensor], names: Sequence[str]) -> tuple[Tensor | None, ...]:
         k = self.kernel_size[0]
@@ -588,15 +581,8 @@ class ReparamConv2d(nn.Module):
         (small batches and deep layers run such branches on the feature map).
         Depends on shapes only, so it is computed once per input shape.
         """
-        key = (tuple(x.shape), recompute)
-        if torch.compiler.is_compiling():  # filling the cache in a traced call would force a recompile
-            squeezed, on_features = self._choose_route(x.shape, recompute)
-        else:
-            if key not in self._routes:
-                if len(self._routes) >= 64:  # many input sizes (detection): keep the cache bounded
-                    self._routes.clear()
-                self._routes[key] = self._choose_route(x.shape, recompute)
-            squeezed, on_features = self._routes[key]
+        squeezed, on_features = _memo(self._routes, (tuple(x.shape), recompute),
+                                      lambda: self._choose_route(x.shape, recompute))
         return list(squeezed), list(on_features)
 
     def _choose_route(self, shape: torch.Size, recompute: bool) -> tuple[list[str], list[str]]:
@@ -718,6 +704,19 @@ class ReparamConv2d(nn.Module):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}"
         )
+
+
+def _memo(cache: dict, key, compute):
+    """``cache[key]``, computed on a miss. Bounded (many input sizes, e.g. detection, clear it
+    now and then), and bypassed inside a traced call: filling a cache there would make the
+    compiled graph guard on it and recompile on the next call."""
+    if torch.compiler.is_compiling():
+        return compute()
+    if key not in cache:
+        if len(cache) >= 64:
+            cache.clear()
+        cache[key] = compute()
+    return cache[key]
 
 
 class _ClosedFormSqueeze(torch.autograd.Function):
