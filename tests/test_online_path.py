@@ -267,32 +267,3 @@ def test_torch_compile_traces_the_online_path(recompute, n, hw):
         tol_close(a, b, rel=1e-4)
     assert counter.frame_count == 1
 
-
-def test_second_kernels_are_laid_out_for_their_products():
-    """dw -> pw's pw is stored output-channels-fastest and 1x1 -> kxk's kxk channels-last, so
-    their gradients arrive in the parameter's own layout (no copy when autograd accumulates);
-    values, init draws, checkpoints and deployment are unaffected by the layout."""
-    torch.manual_seed(3)
-    block = orepa.OREPAConv2d(8, 6, 3)
-    pw, kxk = block.branches["dw_pw"].pw.weight, block.branches["1x1_kxk"].conv2.weight
-    assert pw.stride()[:2] == (1, 6) and kxk.is_contiguous(memory_format=torch.channels_last)
-    assert not kxk.is_contiguous()
-    step = orepa.blocks.ConvStep(48, 6, 1)  # init draws the same values whatever the layout
-    step.weight.data = K.product_layout(step.weight.data, "pointwise_after")
-    torch.manual_seed(4)
-    step.reset_parameters()
-    torch.manual_seed(4)
-    assert torch.equal(step.weight, orepa.blocks.ConvStep(48, 6, 1).weight) and not step.weight.is_contiguous()
-
-    x = torch.randn(2, 8, 5, 5)
-    block(x).square().sum().backward()
-    for p in block.parameters():
-        assert p.grad.stride() == p.stride()
-
-    plain = orepa.OREPAConv2d(8, 6, 3)  # a checkpoint moves between layouts by value
-    plain.load_state_dict({k: v.contiguous() for k, v in block.state_dict().items()})
-    assert pw.stride() == plain.branches["dw_pw"].pw.weight.stride()
-    block.eval(), plain.eval()
-    with torch.no_grad():
-        tol_close(plain(x), block(x), rel=1e-6)
-        tol_close(block.to_conv()(x), block(x), rel=1e-5)

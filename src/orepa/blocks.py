@@ -159,13 +159,13 @@ class ConvStep(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # drawn into a contiguous tensor: the same values whatever the weight's memory layout
         if self.init == "identity":
-            w = K.pad_to(K.identity_init_1x1(self.out_channels, self.in_channels, self.groups), self.kernel_size)
+            with torch.no_grad():
+                self.weight.copy_(
+                    K.pad_to(K.identity_init_1x1(self.out_channels, self.in_channels, self.groups), self.kernel_size)
+                )
         else:  # nn.Conv2d's default
-            w = nn.init.kaiming_uniform_(torch.empty_like(self.weight, memory_format=torch.contiguous_format), a=math.sqrt(5))
-        with torch.no_grad():
-            self.weight.copy_(w)
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def kernel(self) -> Tensor:
         return self.weight
@@ -284,8 +284,6 @@ class Branch(nn.Sequential):
             if not any(isinstance(st, BATCH_NORMS) for st in list(self)[:i]):
                 self._pad_step = i
         self._fast_groups = self._closed_form_groups()
-        if self._fast_groups is not None:
-            self._lay_out_for_products()
         # a pointwise branch (every kernel 1x1) without BN commutes with subsampling: a strided
         # block may subsample its input first and run every step on the smaller map
         self._subsample_first = self.extent == 1 and not self.has_norm
@@ -305,14 +303,6 @@ class Branch(nn.Sequential):
             return steps[0].groups
         a, b = steps
         return K.cheap_vjp_groups(a.weight.shape, a.groups, b.weight.shape, b.groups)
-
-    def _lay_out_for_products(self) -> None:
-        """Give a learnable second kernel the memory layout its closed-form products use."""
-        ks = [s for s in self if not isinstance(s, Scale)]
-        if len(ks) == 2 and isinstance(ks[1], ConvStep):
-            a, b = ks
-            case = K.compose_case(a.weight.shape, a.groups, b.weight.shape, b.groups)
-            b.weight.data = K.product_layout(b.weight.data, case)
 
     def param_list(self) -> list[Tensor]:
         """The branch's parameters in ``parameters()`` order, read straight from its steps

@@ -29,7 +29,6 @@ __all__ = [
     "compose",
     "compose_vjp",
     "compose_into",
-    "product_layout",
     "compose_case",
     "cheap_vjp_groups",
     "compose_affine",
@@ -120,9 +119,8 @@ def rowdot(a: Tensor, b: Tensor) -> Tensor:
     """Per-output-channel dot product ``sum(a[o] * b[o])``.
 
     Contiguous operands: a batched matmul of 1-row matrices (no full-size temporary).
-    Strided ones (slices of a kernel gradient, kernels in :func:`product_layout`): a product
-    and a sum, since PyTorch's CPU bmm copies every strided row separately (~2.5x slower for
-    a 512-channel dw -> pw scale).
+    Strided ones (slices of a kernel gradient): a product and a sum, since PyTorch's CPU
+    bmm copies every strided row separately (~2.5x slower for a 512-channel dw -> pw scale).
     """
     n = a.shape[0]
     if a.is_contiguous() and b.is_contiguous():
@@ -157,29 +155,6 @@ def compose_case(w1_shape, g1: int, w2_shape, g2: int) -> str:
         # per-channel filter after a coarser conv (avg pool / frequency prior after 1x1)
         return "depthwise_after_1x1" if tuple(w1_shape[-2:]) == (1, 1) else "depthwise_after"
     return "same_groups" if g1 == g2 else "general"
-
-
-def product_layout(w2: Tensor, case: str) -> Tensor:
-    """The second kernel of a ``case`` composition laid out the way the closed-form products
-    read it and write its gradient (same values; other cases: unchanged).
-
-    * ``pointwise_after`` (dw -> pw, 1x1 -> 1x1): ``W2 [C2, C1, 1, 1]`` with output channels
-      fastest, the layout of the ``[C1, C2]`` product that gives its gradient;
-    * ``pointwise_first`` (1x1 -> kxk): ``W2 [C2, C1, k, k]`` channels-last, i.e. taps before
-      channels, the layout of the product's operand and of its gradient.
-
-    With the default layout every pass made a transposing copy of W2 or of its gradient,
-    autograd another to match the parameter's layout, and the per-channel scale's products
-    ran on mismatched strides (~110 ms of a 3 s ResNet-18 b16 step on 2 CPU cores).
-    """
-    if case == "pointwise_after":
-        c2, c1 = w2.shape[:2]
-        out = torch.empty(c1, c2, dtype=w2.dtype, device=w2.device).t().view(w2.shape)
-    elif case == "pointwise_first":
-        out = torch.empty_like(w2, memory_format=torch.channels_last)
-    else:
-        return w2
-    return out.copy_(w2)
 
 
 def _conv_compose(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
@@ -313,7 +288,9 @@ def compose_vjp(
             # dimension o is its output's contiguous one
             gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o)
             d2t = torch.bmm(w1.reshape(g2 * r, m, -1), gt)  # [G*r, m, o]
-            d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape)
+            # made contiguous: the scale's products and autograd's accumulation into the
+            # parameter then run on matching strides (instead of slower mixed-stride passes)
+            d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
         if need_w1:
             d1 = _pw_after_w1_grad(w2, grad, g2, r, m, o).reshape(w1.shape)
         return d1, d2
@@ -324,7 +301,7 @@ def compose_vjp(
         if need_w2:
             b = w1.reshape(g1, c1 // g1, c0g)
             d2 = torch.bmm(gr, b.transpose(1, 2))  # [G, o*k*k, m]
-            d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape)
+            d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape).contiguous()  # as above
         if need_w1:
             a, _ = _pw_first_operands(w1, g1, w2)
             d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)  # [G, m, i]
