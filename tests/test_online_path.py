@@ -266,4 +266,3 @@ def test_torch_compile_traces_the_online_path(recompute, n, hw):
     for a, b in zip(grads, ref):
         tol_close(a, b, rel=1e-4)
     assert counter.frame_count == 1
-

@@ -206,7 +206,8 @@ def _pw_first_unbatch(t: Tensor, c2: int, kh: int, kw: int) -> Tensor:
 
 
 def _pw_after_w1_grad(w2: Tensor, grad: Tensor, g2: int, r: int, m: int, o: int) -> Tensor:
-    """dL/dW1 of dW1(xE) -> pw: per fine group of W1, ``sum_o grad[o, i*k*k] W2[o, m]``, as ``[G*r, m, i*k*k]``.
+    """dL/dW1 when a pointwise W2 follows a finer-grouped W1 (dw x8 -> pw): per fine group of W1,
+    ``sum_o grad[o, i*k*k] W2[o, m]``, returned as ``[G*r, m, i*k*k]``.
 
     Both operands are read in place (strided views of the kernel gradient and of W2) and the fine
     groups are taken in pairs: one [2*i*k*k, o] @ [o, 2*m] product per pair, whose two
