@@ -22,8 +22,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from orepa.apps.bench import Runner, build_variant, parse_spec
-from orepa.apps.common import make_sgd
+from orepa.apps.bench import make_runner, parse_spec
 
 # operator name (without "aten::") -> category; anything else is "other"
 CATEGORIES = {
@@ -63,12 +62,10 @@ def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, 
     torch.manual_seed(0)
     x = torch.randn(batch_size, 3, image_size, image_size, device=device)
     y = torch.randint(0, num_classes, (batch_size,), device=device)
-    runners = []
     for spec in methods:
         parse_spec(spec)  # a clear error for a bad spec before anything is built
-        torch.manual_seed(0)
-        net = build_variant(model, spec, num_classes, 3, model_options).to(device).train()
-        runners.append(Runner(spec, net, make_sgd(net.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4)))
+    runners = [make_runner(model, spec, device=device, num_classes=num_classes, model_options=model_options)
+               for spec in methods]
     for _ in range(max(warmup, 1)):
         for r in runners:
             r.step(x, y)

@@ -445,6 +445,15 @@ def _n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000, in_chans: int = 3,
+                model_options: dict | None = None, lr: float = 1e-3, seed: int = 0) -> Runner:
+    """One variant built from ``seed``, in training mode, with the harness's optimizer
+    (fused SGD, momentum 0.9, weight decay 1e-4)."""
+    torch.manual_seed(seed)
+    net = build_variant(model, spec, num_classes, in_chans, model_options).to(device).train()
+    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4))
+
+
 def run_benchmark(
     model: ModelSpec,
     methods: Sequence[str],
@@ -488,11 +497,9 @@ def run_benchmark(
     runners: list[Runner] = []
     res: dict[str, dict] = {}
     for spec in methods:
-        torch.manual_seed(seed)
-        net = build_variant(model, spec, num_classes, in_chans, model_options).to(device).train()
-        opt = make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4)
-        runners.append(Runner(spec, net, opt))
-        res[spec] = {"train_params": _n_params(net)}
+        runners.append(make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
+                                   model_options=model_options, lr=lr, seed=seed))
+        res[spec] = {"train_params": _n_params(runners[-1].model)}
         log(f"built {spec}: {res[spec]['train_params']:,} params")
 
     log(f"warm-up: {warmup} step(s) per variant")
