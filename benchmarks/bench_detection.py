@@ -36,7 +36,7 @@ import time
 import torch
 
 import orepa
-from orepa import detection as D
+from orepa.apps import detection as D
 
 
 def shapes_batch(n: int, size: int, seed: int = 0):

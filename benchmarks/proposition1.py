@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from orepa.analysis.proposition1 import proposition1_table, similarity_experiment
+from orepa.analysis.proposition1 import proposition1_table
+from orepa.apps.proposition1 import similarity_experiment
 
 
 def plot(exp: dict, out: Path) -> list[Path]:

@@ -15,7 +15,7 @@ from orepa.analysis import (
     mean_off_diagonal,
     normalized_sorted_norms,
 )
-from orepa.analysis.proposition1 import TinyOREPANet
+from orepa.apps.proposition1 import TinyOREPANet
 from orepa.apps import analyze as app
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""Detection / segmentation with re-param backbones (orepa.detection).
+"""Detection / segmentation with re-param backbones (orepa.apps.detection).
 
 Small generated images (coloured rectangles with boxes and masks), ResNet-18 at
 width x0.25, a few SGD steps per model; then ``orepa.reparameterize`` of the
@@ -13,7 +13,7 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHe
 from torchvision.ops import box_iou
 
 import orepa
-from orepa import detection as D
+from orepa.apps import detection as D
 from orepa.blocks import ReparamConv2d, Scale
 from orepa.models import create_model
 
@@ -355,3 +355,14 @@ def test_weight_mismatches_are_explained():
         D.resnet_features("resnet18", "base", weights=deployed, width_mult=0.5)
     with pytest.raises(ValueError, match="not a ResNet-family"):
         D.resnet_features("repvgg_a0", "base")
+
+
+def test_old_module_path_is_the_same_module():
+    """``orepa.detection`` (the module's former home, used in mm* configs) is an alias, not a copy."""
+    import importlib
+    import sys
+
+    sys.modules.pop("orepa.detection", None)
+    with pytest.warns(DeprecationWarning, match="orepa.apps.detection"):
+        old = importlib.import_module("orepa.detection")
+    assert old is D and old.fasterrcnn is D.fasterrcnn

@@ -2,12 +2,8 @@
 import pytest
 import torch
 
-from orepa.analysis.proposition1 import (
-    MultiBranchConv,
-    check_update,
-    similarity_experiment,
-    synthetic_data,
-)
+from orepa.analysis.proposition1 import MultiBranchConv, check_update
+from orepa.apps.proposition1 import load_fashion_mnist, similarity_experiment, synthetic_data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,3 +65,17 @@ def test_no_scaling_keeps_branch_updates_more_similar():
 def test_synthetic_data_shapes():
     x, y = synthetic_data(20, seed=1)
     assert x.shape == (20, 1, 28, 28) and y.shape == (20,) and int(y.max()) < 10
+
+
+def test_fashion_mnist_comes_from_the_applications_reader(tmp_path, monkeypatch):
+    """The experiment reads the data set through apps/data.py (one reader, one cache, one error)."""
+    from orepa.apps.common import UserError
+
+    x, y = load_fashion_mnist(5, cache_dir=tmp_path)
+    assert x.shape == (5, 1, 28, 28) and x.dtype == torch.float32 and y.tolist() == [9, 0, 0, 3, 0]
+    assert abs(x.mean().item()) < 1.0  # normalised with the train mean / std
+    with pytest.raises(ValueError, match="synthetic"):
+        similarity_experiment(("none",), steps=1, data="mnist")
+    monkeypatch.setenv("OREPA_FASHION_MNIST_DIR", str(tmp_path / "absent"))
+    with pytest.raises(UserError, match="Fashion-MNIST not found"):  # an error, not a silent synthetic stand-in
+        load_fashion_mnist(5, cache_dir=tmp_path / "empty")

@@ -25,26 +25,19 @@ What holds exactly (checked here in float64, see :func:`check_update`):
    kernels, which leaves that span: no learning rate makes a single conv-scale
    layer follow it (eq. "nlsp" vs "sgdcn"; Condition 1 holds for random init).
 
-:func:`similarity_experiment` is the empirical side (Fig. "viz"): a tiny CNN of
-OREPA blocks trained with ``scaling="none"`` vs ``"vector"`` (and ``"scalar"``)
-and the mean off-diagonal cosine similarity between its branch kernels.
+The empirical side (Fig. "viz": a tiny CNN of OREPA blocks trained with and
+without scaling, and the similarity of its branches) is an application:
+:func:`orepa.apps.proposition1.similarity_experiment`.
 """
 from __future__ import annotations
 
-import gzip
 import math
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..blocks import OREPAConv2d
-from .branches import analyze_model, branch_kernels, cosine_matrix, find_blocks, mean_off_diagonal
-
-__all__ = ["MultiBranchConv", "ConvScale", "check_update", "proposition1_table", "TinyOREPANet",
-           "load_fashion_mnist", "synthetic_data", "similarity_experiment"]
+__all__ = ["MultiBranchConv", "ConvScale", "check_update", "proposition1_table"]
 
 SCALINGS = ("shared", "vector", "scalar", "none")
 
@@ -220,144 +213,3 @@ def proposition1_table(steps: int = 5, **kw) -> list[dict]:
         for n in (1, steps):
             rows.append(check_update(s, steps=n, **kw))
     return rows
-
-
-# --------------------------------------------------------------------------- the empirical side
-
-
-class TinyOREPANet(nn.Module):
-    """Plain 3x3 stem, three OREPA blocks (each + post BN + ReLU), global pool, linear."""
-
-    def __init__(self, in_chans: int = 1, num_classes: int = 10, width: int = 16, *, scaling: str = "vector",
-                 branches=None):
-        super().__init__()
-        w = width
-        opts = dict(scaling=scaling, branches=branches)
-        self.stem = nn.Sequential(nn.Conv2d(in_chans, w, 3, 2, 1, bias=False), nn.BatchNorm2d(w), nn.ReLU())
-        self.block1 = OREPAConv2d(w, w, 3, **opts)
-        self.bn1 = nn.BatchNorm2d(w)
-        self.block2 = OREPAConv2d(w, 2 * w, 3, 2, **opts)
-        self.bn2 = nn.BatchNorm2d(2 * w)
-        self.block3 = OREPAConv2d(2 * w, 2 * w, 3, **opts)
-        self.bn3 = nn.BatchNorm2d(2 * w)
-        self.fc = nn.Linear(2 * w, num_classes)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.stem(x)
-        x = F.relu(self.bn1(self.block1(x)))
-        x = F.relu(self.bn2(self.block2(x)))
-        x = F.relu(self.bn3(self.block3(x)))
-        return self.fc(x.mean((2, 3)))
-
-
-FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
-
-
-def _read_idx(path: Path) -> Tensor:
-    with gzip.open(path, "rb") as f:
-        data = f.read()
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).reshape(dims)
-
-
-def load_fashion_mnist(n: int | None = None, train: bool = True, root: str | Path = FASHION_MNIST
-                       ) -> tuple[Tensor, Tensor]:
-    """The first ``n`` Fashion-MNIST images ``[n, 1, 28, 28]`` (normalised) and labels, from the idx files."""
-    root = Path(root)
-    pre = "train" if train else "t10k"
-    x = _read_idx(root / f"{pre}-images-idx3-ubyte.gz")[:n]
-    y = _read_idx(root / f"{pre}-labels-idx1-ubyte.gz")[:n]
-    x = (x.float().div(255.0) - 0.2860) / 0.3530
-    return x.unsqueeze(1), y.long()
-
-
-def synthetic_data(n: int, seed: int = 0, num_classes: int = 10, size: int = 28) -> tuple[Tensor, Tensor]:
-    """Class-conditional smooth templates plus noise: a stand-in when Fashion-MNIST is absent."""
-    gen = torch.Generator().manual_seed(seed)
-    templates = F.avg_pool2d(torch.randn(num_classes, 1, size, size, generator=gen), 5, 1, 2) * 3
-    y = torch.randint(0, num_classes, (n,), generator=gen)
-    x = templates[y] + 0.5 * torch.randn(n, 1, size, size, generator=gen)
-    return x, y
-
-
-def _data(data: str, n_train: int, n_test: int, seed: int):
-    if data == "fashion-mnist" and (FASHION_MNIST / "train-images-idx3-ubyte.gz").exists():
-        return load_fashion_mnist(n_train), load_fashion_mnist(n_test, train=False), "fashion-mnist"
-    if data not in ("fashion-mnist", "synthetic"):
-        raise ValueError(f"data must be 'fashion-mnist' or 'synthetic', got {data!r}")
-    x, y = synthetic_data(n_train + n_test, seed)
-    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:]), "synthetic"
-
-
-def _mean_cos(model: nn.Module) -> tuple[float, dict[str, float]]:
-    res = analyze_model(model)
-    per = {n: v["mean_off_diagonal_cosine"] for n, v in res["layers"].items()}
-    return res["summary"]["mean_off_diagonal_cosine"], per
-
-
-def _kernels(model: nn.Module) -> dict[str, Tensor]:
-    return {n: torch.stack(list(branch_kernels(b).values())) for n, b in find_blocks(model)}
-
-
-def _update_cos(model: nn.Module, init: dict[str, Tensor]) -> tuple[float, dict[str, float], dict[str, list]]:
-    """Cosine similarity between the branches' accumulated updates ``K_j(t) - K_j(0)`` (each fused with its scale)."""
-    per, mats = {}, {}
-    for n, k in _kernels(model).items():
-        cos = cosine_matrix(k - init[n])
-        per[n], mats[n] = mean_off_diagonal(cos), cos.tolist()
-    return sum(per.values()) / len(per), per, mats
-
-
-def similarity_experiment(scalings=("none", "scalar", "vector"), *, steps: int = 150, batch: int = 64,
-                          lr: float = 0.05, width: int = 16, n_train: int = 4096, n_test: int = 1000,
-                          data: str = "fashion-mnist", seed: int = 0, log_every: int = 10, branches=None,
-                          log=None) -> dict:
-    """Train :class:`TinyOREPANet` once per scaling (same seed, same init of the branch kernels,
-    same batches; SGD momentum 0.9) and track the mean off-diagonal cosine similarity of the
-    branch kernels (each fused with its scale) over training."""
-    (xtr, ytr), (xte, yte), used = _data(data, n_train, n_test, seed)
-    out = {"config": dict(scalings=list(scalings), steps=steps, batch=batch, lr=lr, width=width,
-                          n_train=len(xtr), n_test=len(xte), data=used, seed=seed,
-                          branches=list(branches) if branches else None),
-           "runs": {}}
-    for s in scalings:
-        torch.manual_seed(seed)
-        model = TinyOREPANet(1, 10, width, scaling=s, branches=branches)
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        gen = torch.Generator().manual_seed(seed + 1)
-        mc, per = _mean_cos(model)
-        init = _kernels(model)
-        hist = [{"step": 0, "loss": None, "mean_cos": mc, "per_block": per, "update_cos": None}]
-        t0 = time.perf_counter()
-        model.train()
-        for step in range(1, steps + 1):
-            idx = torch.randint(0, len(xtr), (batch,), generator=gen)
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if step % log_every == 0 or step == steps:
-                mc, per = _mean_cos(model)
-                uc, uper, _ = _update_cos(model, init)
-                hist.append({"step": step, "loss": loss.item(), "mean_cos": mc, "per_block": per,
-                             "update_cos": uc, "update_per_block": uper})
-                if log:
-                    log(f"{s:>7} step {step:4d} loss {loss.item():.3f} mean cos {mc:.3f} update cos {uc:.3f}")
-        model.eval()
-        with torch.no_grad():
-            acc = (model(xte).argmax(1) == yte).float().mean().item()
-        final = analyze_model(model)
-        uc, _, umats = _update_cos(model, init)
-        out["runs"][s] = {
-            "final_update_cos": uc,
-            "final_update_cosine": umats,
-            "history": hist,
-            "initial_mean_cos": hist[0]["mean_cos"],
-            "final_mean_cos": hist[-1]["mean_cos"],
-            "test_accuracy": acc,
-            "seconds": time.perf_counter() - t0,
-            "final_cosine": {n: v["cosine"] for n, v in final["layers"].items()},
-            "branches": next(iter(final["layers"].values()))["branches"],
-        }
-    return out
