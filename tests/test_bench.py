@@ -174,6 +174,7 @@ def test_cuda_graphs_need_cuda_and_steps_replay_the_captured_callable(monkeypatc
     assert replays == [x.shape]
 
 
+@pytest.mark.slow
 def test_block_cost_script_reports_routes(tmp_path):
     """benchmarks/block_cost.py runs and shows the chain-order choice per ResNet-18 shape."""
     import importlib.util
@@ -191,6 +192,7 @@ def test_block_cost_script_reports_routes(tmp_path):
     assert all(r["conv_ms"][0] > 0 and "(none)" in r["forced"] for r in rows)
 
 
+@pytest.mark.slow
 def test_profile_step_script_accounts_for_every_operator(tmp_path, capsys):
     """benchmarks/profile_step.py: categories sum to the total, ops sorted by self time, the
     online variant shows its kernel-space matrix products, and a bad method is refused."""
@@ -269,6 +271,7 @@ def test_paired_step_ratio_cancels_slow_rounds():
     assert "(paired)" in table.splitlines()[0] and "| 1.30x |" in table
 
 
+@pytest.mark.slow
 def test_compiled_steps_are_timed_and_recorded():
     """``--compile``: the timed steps go through torch.compile (``aot_eager`` here: traced and
     partitioned like inductor, no code generation); costs and deployment use the eager model."""

@@ -180,6 +180,7 @@ def test_converted_model_trains_and_keeps_float64_and_device():
         tol_close(d(x), model(x), rel=1e-10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["orepa", "dbb", "orepa-offline"])
 def test_sync_batchnorm_model_deploys_like_the_batchnorm_one(method):
     """--sync-bn trains a convert_sync_batchnorm copy; its BNs (per-branch ones of offline blocks too)

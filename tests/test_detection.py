@@ -177,6 +177,7 @@ def seg_loss(model, batch, imgs, masks):
     return F.cross_entropy(out["out"], y) + 0.5 * F.cross_entropy(out["aux"], y)
 
 
+@pytest.mark.slow
 def test_deeplabv3_trains_and_deploys():
     torch.manual_seed(0)
     imgs, _, masks = shapes_data()
@@ -195,6 +196,7 @@ def test_deeplabv3_trains_and_deploys():
         tol_close(orepa.reparameterize(model, fuse_bn=True)(x)["out"], ref["out"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder,method", [(D.fcn, "dbb"), (D.pspnet, "orepa-offline"),
                                             (D.deeplabv3plus, "orepa"), (D.deeplabv3plus, "dbb")])
 def test_other_segmenters_step_and_deploy(builder, method):
@@ -224,6 +226,7 @@ def _bns(module):
     return [m for m in module.modules() if isinstance(m, nn.BatchNorm2d)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", ["eval", "frozen"])
 def test_norm_policy_keeps_statistics_and_deploys_exactly(norm):
     torch.manual_seed(0)

@@ -243,6 +243,7 @@ def test_block_step_dispatches_few_ops():
     assert ops.n <= 165
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute,n,hw", [(True, 16, 8), (False, 16, 8), ("auto", 1, 3)])
 def test_torch_compile_traces_the_online_path(recompute, n, hw):
     """``torch.compile(model)`` must work on online blocks (it crashed on the recomputing

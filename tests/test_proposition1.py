@@ -49,6 +49,7 @@ def test_multibranch_online_equals_offline():
         MultiBranchConv(w, "vector", torch.rand(4, dtype=torch.float64))
 
 
+@pytest.mark.slow
 def test_no_scaling_keeps_branch_updates_more_similar():
     """Trained side by side (same init, same batches), the branches' accumulated kernel updates are
     more alike without scaling layers than with vector scaling (mean off-diagonal cosine)."""

@@ -318,6 +318,7 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- distributed
 
 
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path):
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -388,6 +389,7 @@ def test_graph_capture_puts_back_what_its_warm_up_touched(monkeypatch):
     assert all(g is not None and not g.any() for g in grads)  # zeroed, kept allocated for the graph
 
 
+@pytest.mark.slow
 def test_compiled_orepa_training_runs_and_saves_the_plain_model(cache, tmp_path, monkeypatch):
     """``--compile`` on an OREPA model (torch.compile crashed on online blocks before session 5).
     ``aot_eager`` stands in for inductor: the same tracing and forward/backward partition, no
