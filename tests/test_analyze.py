@@ -15,8 +15,8 @@ from orepa.analysis import (
     mean_off_diagonal,
     normalized_sorted_norms,
 )
-from orepa.apps.proposition1 import TinyOREPANet
 from orepa.apps import analyze as app
+from orepa.apps.proposition1 import TinyOREPANet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
