@@ -1,6 +1,8 @@
-"""Analyses of trained re-param blocks (issue 5): branch similarity and norms, Proposition 1.
+"""Analyses of trained re-param blocks: branch similarity and norms (paper Fig. "viz"), and
+Proposition 1's exact update check (:mod:`orepa.analysis.proposition1`).
 
-Depends on torch and the core library only (plots live in ``orepa.apps.analyze``).
+Depends on torch and the core library only (plots live in ``orepa.apps.analyze``, the
+Proposition 1 experiment in ``orepa.apps.proposition1``).
 """
 from .branches import (
     analyze_block,
