@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Training-cost benchmark (issue 5): ``python benchmarks/bench_train.py [options]`` == ``orepa bench [options]``.
+"""Training-cost benchmark: ``python benchmarks/bench_train.py [options]`` == ``orepa bench [options]``.
 
 Examples (see docs/benchmarks.md for the recorded tables)::
 

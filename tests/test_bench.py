@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_net():
-    """7x7/2 stem (deep-stem target), two 3x3 conv-BN, a 1x1 bottleneck conv-BN, classifier."""
+    """A non-zoo network: 7x7/2 stem, two 3x3 conv-BN, a 1x1 conv-BN, classifier."""
     return nn.Sequential(
         nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
         nn.Conv2d(8, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
@@ -81,21 +81,55 @@ def test_saved_bytes_counts_shared_storage_once():
     assert st.count >= 3
 
 
-def test_components_ladder_tiny(tmp_path):
-    methods = bench.component_variants(tiny_net)
-    assert methods == ["base", "dbb", "online", "+prior", "+dw", "+stem", "+rep1x1",
-                       "offline", "offline+prior", "offline+dw", "offline+stem", "offline+rep1x1"]
-    for m in methods:  # each builds and runs
-        net = bench.build_variant(tiny_net, m, 10)
-        assert net(torch.randn(2, 3, 16, 16)).shape == (2, 10)
-    stem = bench.build_variant(tiny_net, "+stem", 10)[0]
-    assert type(stem).__name__ == "OREPADeepStem"
-    assert type(bench.build_variant(tiny_net, "offline+stem", 10)[0]).__name__ == "OREPADeepStem"
-    assert type(bench.build_variant(tiny_net, "dbb", 10)[0]) is nn.Conv2d  # the 7x7 stem stays plain
-    result = bench.run_benchmark(tiny_net, ["base", "online", "+dw", "offline", "offline+dw"], batch_size=2,
-                                 image_size=16, reps=1, warmup=1, num_classes=10, inference=False, log=None)
+TINY_ZOO = {"width_mult": 0.0625}  # ResNet widths 4..32 (x4 in bottlenecks): the zoo's networks, small
+
+
+def test_components_ladder_is_built_by_the_zoo(tmp_path):
+    from orepa.models import create_model
+
+    assert bench.component_variants("resnet50", 10, model_options=TINY_ZOO) == [
+        "base", "dbb", "online", "+prior", "+dw", "+stem", "+rep1x1",
+        "offline", "offline+prior", "offline+dw", "offline+stem", "offline+rep1x1"]
+    # ResNet-18 has no Rep-1x1 rung; with the small-input stem there is no 7x7 stem to replace either
+    methods = bench.component_variants("resnet18", 10, model_options=TINY_ZOO)
+    assert methods == ["base", "dbb", "online", "+prior", "+dw", "+stem",
+                       "offline", "offline+prior", "offline+dw", "offline+stem"]
+    assert "+stem" not in bench.component_variants("resnet18", 10, model_options={**TINY_ZOO, "small_input": True})
+    presets = {"online": "online-only", "+prior": "freq-prior", "+dw": "dw-sep", "+stem": "deep-stem"}
+    x = torch.randn(2, 3, 32, 32)
+    for m in methods:  # each rung is the zoo's preset, parameter for parameter
+        torch.manual_seed(0)
+        net = bench.build_variant("resnet18", m, 10, model_options=TINY_ZOO)
+        assert net(x).shape == (2, 10)
+        rung = m.removeprefix("offline") or "online"
+        if rung in presets:
+            torch.manual_seed(0)
+            ref = create_model("resnet18", "orepa-offline" if m.startswith("offline") else "orepa", num_classes=10,
+                               preset=presets[rung], **TINY_ZOO)
+            assert [(k, v.shape) for k, v in net.state_dict().items()] == \
+                [(k, v.shape) for k, v in ref.state_dict().items()], m
+    assert type(bench.build_variant("resnet18", "+stem", 10, model_options=TINY_ZOO).conv1).__name__ == \
+        "OREPADeepStem"
+    assert type(bench.build_variant("resnet18", "dbb", 10, model_options=TINY_ZOO).conv1) is nn.Conv2d
+    with pytest.raises(ValueError, match="ladder.*needs a model of the zoo"):
+        bench.build_variant(tiny_net, "+dw", 10)
+    with pytest.raises(ValueError, match="needs a model of the zoo"):
+        bench.component_variants("mobilenet_v2")
+    result = bench.run_benchmark("resnet18", ["base", "online", "+dw", "offline", "offline+dw"], batch_size=2,
+                                 image_size=32, reps=1, warmup=1, num_classes=10, inference=False,
+                                 model_options=TINY_ZOO, log=None)
     files = bench.save(result, tmp_path, "ladder")
     assert (tmp_path / "ladder_budgets.png") in files
+    res = result["results"]
+    assert res["offline+dw"]["saved_bytes"] > res["+dw"]["saved_bytes"]  # offline keeps every branch's maps
+
+
+def test_other_models_are_converted_as_they_are():
+    """A factory (or a torchvision name) goes through orepa.convert unchanged: every conv-BN pair
+    it supports, the 7x7 stem included, no zoo conventions added."""
+    net = bench.build_variant(tiny_net, "orepa", 10)
+    assert type(net[0]).__name__ == "OREPAConv2d" and net[0].kernel_size == (7, 7)
+    assert sum(p.numel() for p in net.parameters()) > sum(p.numel() for p in tiny_net().parameters())
 
 
 def test_parse_spec_and_errors():

@@ -1,0 +1,107 @@
+"""``orepa bench``: the training cost of re-param methods, measured side by side.
+
+Every variant of one architecture (:mod:`.variants`: methods, block options, the component
+ladder of Fig. "budgets") is built in ONE process; :mod:`.measure` times their train steps
+round-robin, so machine noise hits all of them alike, and counts what autograd saves for
+backward, peak memory, FLOPs and parameters, in training form and deployed; :mod:`.report`
+writes the table, the plots and the JSON. docs/benchmarks.md describes every column.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from .measure import Runner, environment, flop_counter, make_runner, measure_saved, measure_variant_costs, run_benchmark
+from .report import format_header, format_table, plot_budgets, plot_ratios, ratios, rerender, save
+from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_spec
+
+__all__ = [
+    "LADDER", "Runner", "add_arguments", "base_model", "build_variant", "component_variants", "environment",
+    "flop_counter", "format_header", "format_table", "in_zoo", "make_runner", "measure_saved",
+    "measure_variant_costs", "parse_spec", "plot_budgets", "plot_ratios", "ratios", "rerender", "run",
+    "run_benchmark", "save",
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default="resnet18", help="model name (model zoo or torchvision)")
+    p.add_argument("--methods", nargs="+", default=["base", "dbb", "orepa"],
+                   help="variants: base, orepa, orepa-offline, dbb, repvgg, orepa-vgg, ladder rungs "
+                        f"({', '.join(LADDER)}, offline, offline+prior, ...); options as name:key=value; "
+                        "comma-separated lists are accepted")
+    p.add_argument("--components", action="store_true",
+                   help="the component ladder of Fig. 'budgets' (base, dbb, each rung online and offline)")
+    p.add_argument("-b", "--batch-size", type=int, default=16)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--reps", type=int, default=5, help="timed steps per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="zoo model option for every variant, e.g. width_mult=0.5 or small_input=True (repeatable)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="SGD lr (momentum 0.9, wd 1e-4); cost does not depend on it, small keeps random-data steps finite")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-inference", action="store_true", help="skip deployed inference timing")
+    p.add_argument("--no-memory-profile", action="store_true", help="CPU: skip the profiler peak-memory pass")
+    p.add_argument("--cudnn-benchmark", action="store_true")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: time steps with forward+backward replayed as CUDA graphs (no host launch overhead)")
+    p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                   help="time steps of torch.compile'd models (default backend inductor; compiled outside the timing)")
+    p.add_argument("--out-dir", default="bench_results")
+    p.add_argument("--tag", default=None, help="output file stem (default from the settings)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="re-render the table and plots of a saved result (no measurement)")
+
+
+def _methods(args) -> list[str]:
+    out = []
+    for m in args.methods:
+        out += m.split(",") if ":" not in m else [m]
+    return [m for m in out if m]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.from_json:
+        result, files = rerender(args.from_json, plots=not args.no_plot)
+        print(format_header(result) + "\n\n" + format_table(result))
+        print("\nwrote " + ", ".join(str(f) for f in files))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
+    mopts = parse_spec("x:" + ":".join(args.model_option))[1] if args.model_option else {}
+    methods = component_variants(args.model, args.num_classes, 3, mopts) if args.components else _methods(args)
+    result = run_benchmark(
+        args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
+        reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
+        inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
+        cuda_graphs=args.cuda_graphs, compile=args.compile,
+    )
+    dev = "cuda" if str(device).startswith("cuda") else "cpu"
+    tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
+                       + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
+                       + ("_components" if args.components else ""))
+    print()
+    print(format_header(result))
+    print()
+    print(format_table(result))
+    files = save(result, args.out_dir, tag, plots=not args.no_plot)
+    print("\nwrote " + ", ".join(str(f) for f in files))
+    diverged = [n for n, r in result["results"].items() if not math.isfinite(r["deploy_err"])]
+    off = [n for n, r in result["results"].items() if math.isfinite(r["deploy_err"]) and r["deploy_err"] > 1e-3]
+    if diverged:
+        print(f"note: non-finite outputs for {diverged}: the random-data steps diverged (lower --lr); "
+              "costs are unaffected")
+    if off:
+        print(f"WARNING: deployed model differs from the training form for {off}")
+    return 0

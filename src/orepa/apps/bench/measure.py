@@ -1,0 +1,409 @@
+"""Measuring the training cost of benchmark variants, side by side.
+
+Every method (a *variant* of one architecture) is built in ONE process and the
+measurements interleave the methods round-robin, so machine noise (other jobs,
+thermal state, allocator warm-up) hits all of them alike. Per variant:
+
+* ``step_ms``: median train-step time (zero_grad + forward + cross-entropy +
+  backward + SGD step) after warm-up; CUDA is synchronised around each step.
+  With ``cuda_graphs`` (``--cuda-graphs``) each model's forward and backward are
+  replayed as CUDA graphs (``torch.cuda.make_graphed_callables``; loss and SGD step
+  stay eager): an online block launches many small kernels to build its weight,
+  and on a fast GPU the host's launches, not the GPU, set its eager step time.
+  With ``compile`` (``--compile [BACKEND]``) the timed steps run ``torch.compile``'d
+  models (compiled after the cost passes, outside the timing), which fuses an online
+  block's kernel-space element-wise work and, on GPUs, removes most host launches.
+  The ratios also give ``step_paired``: the median over repetitions of the step
+  time over base's step in the same round (the steadiest time ratio).
+* ``saved_bytes``: bytes of the tensors autograd saves for backward
+  (``torch.autograd.graph.saved_tensors_hooks``), counting every storage once
+  (views and shared tensors are not double counted); ``saved_naive_bytes`` is
+  the plain sum over saved tensors; ``saved_param_bytes`` the part that is
+  parameters/buffers (persistent anyway, not extra memory).
+* ``peak_bytes``: peak memory of one train step as if the model ran alone:
+  its parameters, buffers and optimizer state plus the peak allocated above
+  the start of the step. CUDA: ``torch.cuda.max_memory_allocated``; CPU: the
+  allocation events of ``torch.profiler`` (``profile_memory=True``), which count
+  requested bytes and do not depend on the allocator's caching.
+* ``fwd_flops`` / ``train_flops``: ``torch.utils.flop_counter.FlopCounterMode``
+  over the forward and over forward + backward, with the backward of grouped
+  convolutions counted correctly (:func:`flop_counter`).
+* ``train_params`` / ``deploy_params``, ``deploy_flops``, ``infer_ms``: the model
+  in training form and after ``orepa.reparameterize(model, fuse_bn=True)``
+  (median no-grad forward, interleaved as well), with ``deploy_err`` the
+  relative max error of the deployed model against the training form in eval.
+
+Variants are built by :mod:`orepa.apps.bench.variants`; tables and plots are
+:mod:`orepa.apps.bench.report`.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import orepa
+from orepa.apps.common import capture_cuda_graphs, count_params, full_float32, make_sgd, release_cuda_graphs
+
+from .report import ratios
+from .variants import ModelSpec, build_variant
+
+# --------------------------------------------------------------------------- measurements
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (str(t.device), s.data_ptr(), s.nbytes())
+
+
+@dataclass
+class SavedTensors:
+    """What autograd saved for backward during one forward."""
+
+    unique_bytes: int = 0
+    naive_bytes: int = 0
+    param_bytes: int = 0
+    count: int = 0
+    _keys: dict = field(default_factory=dict, repr=False)
+
+
+def measure_saved(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[SavedTensors, torch.Tensor]:
+    """Run forward + loss under ``saved_tensors_hooks``; returns the tally and the loss (graph alive)."""
+    st = SavedTensors()
+    owned = {_storage_key(t)[:2] for t in [*model.parameters(), *model.buffers()]}
+
+    def pack(t: torch.Tensor):
+        st.count += 1
+        st.naive_bytes += t.numel() * t.element_size()
+        try:
+            dev, ptr, nb = _storage_key(t)
+        except (RuntimeError, NotImplementedError):  # tensors without a storage
+            return t
+        if ptr and (dev, ptr) not in st._keys:
+            st._keys[(dev, ptr)] = nb
+            st.unique_bytes += nb
+            if (dev, ptr) in owned:
+                st.param_bytes += nb
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = F.cross_entropy(model(x), y)
+    st._keys.clear()
+    return st, loss
+
+
+def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Parameters, buffers and optimizer state: what a model holds between steps."""
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return _nbytes(model.parameters()) + _nbytes(model.buffers()) + _nbytes(state)
+
+
+def _cpu_peak_above_start(fn: Callable[[], None]) -> int:
+    """Peak bytes allocated above the start while ``fn`` runs (CPU, torch.profiler events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        if e.device_type() != torch.autograd.DeviceType.CPU:
+            continue
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+@dataclass
+class Runner:
+    """One variant with its optimizer, ready to take train steps on shared data."""
+
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    graphed: bool = False  # forward+backward replayed as CUDA graphs (static input shape)
+    compiled: nn.Module | None = None  # torch.compile'd model for the timed steps (same parameters)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        # a graphed backward accumulates into the .grad tensors it was captured with: keep them
+        self.opt.zero_grad(set_to_none=not self.graphed)
+        loss = F.cross_entropy((self.compiled or self.model)(x), y)
+        loss.backward()
+        self.opt.step()
+
+    def capture(self, x: torch.Tensor) -> None:
+        """Capture forward and backward as CUDA graphs (after the eager warm-up and cost passes)."""
+        capture_cuda_graphs(self.model, x, self.opt)
+        self.graphed = True
+
+    def compile(self, backend: str) -> None:
+        """Time steps through ``torch.compile(model)`` (cost passes measure the eager model:
+        the same arithmetic and saved tensors up to the compiler's recomputation choices)."""
+        self.compiled = torch.compile(self.model, backend=backend)
+
+    def release(self) -> None:
+        """Back to the eager model (before deployment deep-copies it)."""
+        self.compiled = None
+        if self.graphed:
+            release_cuda_graphs(self.model)
+            self.graphed = False
+
+
+def _median_ms(ts: Sequence[float]) -> float:
+    return 1e3 * statistics.median(ts)
+
+
+def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                        _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """FLOPs of a convolution's backward: each requested gradient costs the MACs of the forward.
+
+    torch's own formula counts the weight gradient of a grouped convolution ``groups`` times
+    (it treats the transposed problem as one ungrouped conv): for OREPA's depthwise (x8) -> pw
+    branch run on the feature map that is thousands of times its real cost. Equal to torch's
+    formula for ungrouped convolutions.
+    """
+    from torch.utils.flop_counter import conv_flop_count
+
+    fwd = conv_flop_count(list(x_shape), list(w_shape), list(grad_out_shape), bool(transposed))
+    return fwd * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
+
+
+def flop_counter():
+    """``FlopCounterMode`` with the grouped-convolution backward counted correctly."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
+
+
+def _flops_forward(model: nn.Module, x: torch.Tensor) -> int:
+    with flop_counter() as fc:
+        model(x)
+    return int(fc.get_total_flops())
+
+
+def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory: bool = True) -> dict:
+    """Saved bytes, FLOPs and peak memory of one variant (untimed passes)."""
+    out: dict = {}
+    r.opt.zero_grad(set_to_none=True)
+    with flop_counter() as fwd:
+        st, loss = measure_saved(r.model, x, y)
+    with flop_counter() as bwd:
+        loss.backward()
+    del loss
+    out.update(saved_bytes=st.unique_bytes, saved_naive_bytes=st.naive_bytes, saved_param_bytes=st.param_bytes,
+               saved_tensors=st.count, fwd_flops=int(fwd.get_total_flops()),
+               train_flops=int(fwd.get_total_flops() + bwd.get_total_flops()))
+    r.opt.zero_grad(set_to_none=True)
+    state = _state_bytes(r.model, r.opt)
+    if device.type == "cuda":
+        _sync(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        r.step(x, y)
+        _sync(device)
+        above = torch.cuda.max_memory_allocated(device) - start
+        out.update(peak_bytes=state + above, peak_step_bytes=above, peak_source="torch.cuda.max_memory_allocated")
+    elif profile_memory:
+        above = _cpu_peak_above_start(lambda: r.step(x, y))
+        out.update(peak_bytes=state + above, peak_step_bytes=above, peak_source="torch.profiler memory events")
+    else:
+        out.update(peak_bytes=None, peak_step_bytes=None, peak_source="n/a")
+    out["state_bytes"] = state
+    r.opt.zero_grad(set_to_none=True)
+    return out
+
+
+def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000, in_chans: int = 3,
+                model_options: dict | None = None, lr: float = 1e-3, seed: int = 0) -> Runner:
+    """One variant built from ``seed``, in training mode, with the harness's optimizer
+    (fused SGD, momentum 0.9, weight decay 1e-4)."""
+    torch.manual_seed(seed)
+    net = build_variant(model, spec, num_classes, in_chans, model_options).to(device).train()
+    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4))
+
+
+def run_benchmark(
+    model: ModelSpec,
+    methods: Sequence[str],
+    *,
+    batch_size: int = 16,
+    image_size: int = 224,
+    device: str | torch.device = "cpu",
+    reps: int = 5,
+    warmup: int = 2,
+    num_classes: int = 1000,
+    in_chans: int = 3,
+    lr: float = 1e-3,
+    seed: int = 0,
+    inference: bool = True,
+    profile_memory: bool = True,
+    model_options: dict | None = None,
+    cuda_graphs: bool = False,
+    compile: str | None = None,
+    log: Callable[[str], None] | None = print,
+) -> dict:
+    """Measure every variant of ``model`` side by side; returns a JSON-able dict.
+
+    ``compile``: a ``torch.compile`` backend (e.g. ``"inductor"``) for the timed steps.
+    """
+    log = log or (lambda s: None)
+    device = torch.device(device)
+    if cuda_graphs and compile:
+        raise ValueError("cuda_graphs and compile exclude each other (torch.compile's mode='reduce-overhead' "
+                         "is its own CUDA-graph path)")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs needs a CUDA device (got {device})")
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    git_start = _git_state()  # the code this process loaded (files edited during a run do not count)
+    methods = list(dict.fromkeys(methods))
+    if "base" not in methods:
+        methods.insert(0, "base")
+    torch.manual_seed(seed)
+    x = torch.randn(batch_size, in_chans, image_size, image_size, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+
+    runners: list[Runner] = []
+    res: dict[str, dict] = {}
+    for spec in methods:
+        runners.append(make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
+                                   model_options=model_options, lr=lr, seed=seed))
+        res[spec] = {"train_params": count_params(runners[-1].model)}
+        log(f"built {spec}: {res[spec]['train_params']:,} params")
+
+    log(f"warm-up: {warmup} step(s) per variant")
+    for _ in range(max(warmup, 1)):  # one step at least: the optimizer state exists before measuring
+        for r in runners:
+            r.step(x, y)
+    _sync(device)
+
+    for r in runners:
+        res[r.name].update(measure_variant_costs(r, x, y, device, profile_memory))
+        log(f"costs {r.name}: saved {res[r.name]['saved_bytes'] / 2**20:.1f} MiB, "
+            f"{res[r.name]['train_flops'] / 1e9:.2f} GFLOPs")
+
+    if cuda_graphs:
+        for r in runners:
+            r.capture(x)
+            r.step(x, y)  # first replay outside the timing
+        _sync(device)
+        log("captured forward+backward of every variant as CUDA graphs")
+    if compile:
+        for r in runners:
+            t0 = time.perf_counter()
+            r.compile(compile)
+            for _ in range(max(warmup, 1)):  # the first call compiles; warm the compiled code too
+                r.step(x, y)
+            _sync(device)
+            res[r.name]["compile_s"] = time.perf_counter() - t0
+            log(f"compiled {r.name} ({compile}): {res[r.name]['compile_s']:.0f} s")
+
+    times: dict[str, list[float]] = {r.name: [] for r in runners}
+    gc.collect()
+    for rep in range(reps):
+        order = runners[rep % len(runners):] + runners[:rep % len(runners)]  # round robin
+        for r in order:
+            _sync(device)
+            t0 = time.perf_counter()
+            r.step(x, y)
+            _sync(device)
+            times[r.name].append(time.perf_counter() - t0)
+        log(f"rep {rep + 1}/{reps}: " + ", ".join(f"{n} {1e3 * t[-1]:.0f} ms" for n, t in times.items()))
+    for name, ts in times.items():
+        res[name].update(step_ms=_median_ms(ts) if ts else None, step_times_s=ts)
+    for r in runners:
+        r.release()
+
+    # deployed form: every variant reparameterized with BNs folded
+    deployed: dict[str, nn.Module] = {}
+    with torch.no_grad(), full_float32():
+        for r in runners:
+            r.model.eval()
+            ref = r.model(x)
+            d = orepa.reparameterize(r.model, fuse_bn=True).eval()
+            err = (d(x) - ref).abs().max().item() / (1.0 + ref.abs().max().item())
+            deployed[r.name] = d
+            res[r.name].update(deploy_params=count_params(d), deploy_flops=_flops_forward(d, x), deploy_err=err)
+            r.model.train()
+    inf_times: dict[str, list[float]] = {n: [] for n in deployed}
+    if inference:
+        with torch.inference_mode():
+            for d in deployed.values():
+                d(x)
+            for rep in range(reps):
+                names = list(deployed)
+                names = names[rep % len(names):] + names[:rep % len(names)]
+                for n in names:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    deployed[n](x)
+                    _sync(device)
+                    inf_times[n].append(time.perf_counter() - t0)
+    for n, ts in inf_times.items():
+        res[n].update(infer_ms=_median_ms(ts) if ts else None, infer_times_s=ts)
+
+    result = {
+        "config": {
+            "model": model if isinstance(model, str) else getattr(model, "__name__", "custom"),
+            "methods": methods, "batch_size": batch_size, "image_size": image_size, "in_chans": in_chans,
+            "num_classes": num_classes, "model_options": model_options or {}, "reps": reps, "warmup": warmup,
+            "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs, "compile": compile,
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
+        },
+        "environment": {**environment(device, git_start), "loadavg_1m_start": load_start},
+        "results": res,
+    }
+    result["ratios"] = ratios(res)
+    return result
+
+
+def environment(device: torch.device, git: dict | None) -> dict:
+    """Machine and software facts of a run; ``git`` is the checkout's state read when the run started."""
+    env = {
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "device": str(device), "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        env["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    env["git"] = git
+    return env
+
+
+def _git_state() -> dict | None:
+    """Commit and modified files of the orepa checkout (tables depend on the core code's state)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[4]  # src/orepa/apps/bench/measure.py -> checkout
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=root, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "src/orepa"], check=False,
+                               cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if not commit:
+        return None
+    return {"commit": commit, "modified": [ln[3:] for ln in dirty if ln.strip()]}

@@ -1,0 +1,169 @@
+"""Tables, plots and result files of ``orepa bench`` (and re-rendering a saved result)."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from orepa.apps.logs import pyplot, save_figure
+
+from .variants import LADDER, offline_rung
+
+RATIO_KEYS = ("step_ms", "step_min_ms", "saved_bytes", "saved_act_bytes", "saved_naive_bytes", "peak_bytes",
+              "train_flops", "train_params", "deploy_params", "deploy_flops", "infer_ms", "infer_min_ms")
+
+
+def ratios(res: dict[str, dict], base: str = "base") -> dict[str, dict]:
+    """Ratios to ``base`` per variant and metric (plus the derived fields they need), and the paired
+    step ratio. Adds ``saved_act_bytes``, ``step_min_ms`` and ``infer_min_ms`` to ``res`` in place."""
+    for r in res.values():  # derived: saved for backward that is not a parameter/buffer storage
+        if r.get("saved_bytes") is not None and r.get("saved_param_bytes") is not None:
+            r["saved_act_bytes"] = r["saved_bytes"] - r["saved_param_bytes"]
+        # best of the repetitions: contention only ever adds time, so on a loaded machine the
+        # minimum is a steadier estimate than the median
+        for key, times in (("step_min_ms", "step_times_s"), ("infer_min_ms", "infer_times_s")):
+            if r.get(times):
+                r[key] = 1e3 * min(r[times])
+    out = {}
+    b = res[base]
+    for name, r in res.items():
+        out[name] = {}
+        for k in RATIO_KEYS:
+            v, bv = r.get(k), b.get(k)
+            out[name][k] = (v / bv) if (v is not None and bv) else None
+        # paired: the median over repetitions of (this variant's step / base's step in the same
+        # round); a slow phase of the machine hits both steps of a round, so it cancels
+        t, bt = r.get("step_times_s"), b.get("step_times_s")
+        out[name]["step_paired"] = (statistics.median(a / c for a, c in zip(t, bt))
+                                    if t and bt and len(t) == len(bt) else None)
+    return out
+
+
+def _fmt(v, scale=1.0, nd=1) -> str:
+    return "n/a" if v is None else f"{v / scale:,.{nd}f}"
+
+
+def _rx(v) -> str:
+    return "" if v is None else f" ({v:.2f}x)"
+
+
+def format_table(result: dict) -> str:
+    """A Markdown table: absolute values with ratios to base."""
+    res, rat = result["results"], result["ratios"]
+    cols = ["method", "train step ms (median)", "(min)", "(paired)", "saved MiB (unique)", "saved excl. params", "saved MiB (naive)", "peak MiB",
+            "train GFLOPs",
+            "train params M", "deploy params M", "deploy GFLOPs", "infer ms", "deploy err"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for n, r in res.items():
+        q = rat[n]
+        row = [
+            n,
+            _fmt(r.get("step_ms"), 1, 0) + _rx(q["step_ms"]),
+            _fmt(r.get("step_min_ms"), 1, 0) + _rx(q["step_min_ms"]),
+            "n/a" if q.get("step_paired") is None else f"{q['step_paired']:.2f}x",
+            _fmt(r.get("saved_bytes"), 2**20) + _rx(q["saved_bytes"]),
+            _fmt(r.get("saved_act_bytes"), 2**20) + _rx(q["saved_act_bytes"]),
+            _fmt(r.get("saved_naive_bytes"), 2**20) + _rx(q["saved_naive_bytes"]),
+            _fmt(r.get("peak_bytes"), 2**20, 0) + _rx(q["peak_bytes"]),
+            _fmt(r.get("train_flops"), 1e9, 2) + _rx(q["train_flops"]),
+            _fmt(r.get("train_params"), 1e6, 2) + _rx(q["train_params"]),
+            _fmt(r.get("deploy_params"), 1e6, 2),
+            _fmt(r.get("deploy_flops"), 1e9, 2) + _rx(q["deploy_flops"]),
+            _fmt(r.get("infer_ms"), 1, 0) + _rx(q["infer_ms"]),
+            "n/a" if r.get("deploy_err") is None else f"{r['deploy_err']:.1e}",
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def format_header(result: dict) -> str:
+    c, e = result["config"], result["environment"]
+    dev = e.get("gpu", e["device"])
+    git = e.get("git") or {}
+    code = f"; orepa {git['commit']}{'+modified' if git.get('modified') else ''}" if git.get("commit") else ""
+    graphs = ", forward+backward as CUDA graphs" if c.get("cuda_graphs") else ""
+    graphs += f", torch.compile ({c['compile']})" if c.get("compile") else ""
+    return (f"{c['model']}, batch {c['batch_size']}, {c['image_size']}x{c['image_size']}, {dev}, "
+            f"{e['threads']} threads, torch {e['torch']}, median of {c['reps']} interleaved steps "
+            f"after {c['warmup']} warm-up{graphs}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
+
+
+def plot_ratios(result: dict, path: str | Path) -> Path:
+    """Bar charts of the cost ratios to base, one panel per metric."""
+    plt = pyplot()
+
+    rat = result["ratios"]
+    names = list(rat)
+    metrics = [("step_ms", "train step time"), ("saved_bytes", "saved for backward"),
+               ("peak_bytes", "peak memory"), ("train_flops", "train FLOPs"), ("infer_ms", "deployed inference")]
+    metrics = [(k, t) for k, t in metrics if any(rat[n][k] is not None for n in names)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.6), squeeze=False)
+    for ax, (k, title) in zip(axes[0], metrics):
+        vals = [rat[n][k] or 0.0 for n in names]
+        bars = ax.bar(range(len(names)), vals, color=["0.6" if n == "base" else "C0" for n in names])
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        for b, v in zip(bars, vals):
+            ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("x base")
+    fig.suptitle(format_header(result), fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
+def plot_budgets(result: dict, path: str | Path) -> Path:
+    """Fig. "budgets": memory and time as components are added, online vs offline."""
+    plt = pyplot()
+
+    res = result["results"]
+    rungs = [r for r in LADDER if r in res]
+    off = {r: offline_rung(r) for r in rungs}
+    mem_key = "peak_bytes" if all(res[n].get("peak_bytes") for n in res) else "saved_bytes"
+    panels = [(mem_key, 2**20, "peak memory (MiB)" if mem_key == "peak_bytes" else "saved for backward (MiB)"),
+              ("saved_bytes", 2**20, "saved for backward (MiB)") if mem_key == "peak_bytes" else None,
+              ("step_ms", 1.0, "train step (ms)")]
+    panels = [p for p in panels if p]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    xs = range(len(rungs))
+    for ax, (k, s, label) in zip(axes[0], panels):
+        on = [(res[r].get(k) or 0) / s for r in rungs]
+        of = [(res[off[r]].get(k) or 0) / s if off[r] in res else 0.0 for r in rungs]
+        w = 0.38
+        b1 = ax.bar([i - w / 2 for i in xs], on, w, label="online (OREPA)", color="C0")
+        b2 = ax.bar([i + w / 2 for i in xs], of, w, label="offline (BN per branch)", color="C3")
+        for bars in (b1, b2):
+            for b in bars:
+                ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{b.get_height():.0f}", ha="center",
+                        va="bottom", fontsize=6)
+        ax.axhline((res["base"].get(k) or 0) / s, color="k", ls="--", lw=0.9, label="base")
+        if "dbb" in res:
+            ax.axhline((res["dbb"].get(k) or 0) / s, color="C1", ls=":", lw=1.2, label="DBB")
+        ax.set_xticks(list(xs), rungs)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.suptitle("cost as components are added: " + format_header(result), fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
+def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [out_dir / f"{tag}.json"]
+    files[0].write_text(json.dumps(result, indent=1))
+    (out_dir / f"{tag}.md").write_text(format_header(result) + "\n\n" + format_table(result) + "\n")
+    files.append(out_dir / f"{tag}.md")
+    if plots:
+        files.append(plot_ratios(result, out_dir / f"{tag}_ratios.png"))
+        if any(n in LADDER for n in result["results"]):
+            files.append(plot_budgets(result, out_dir / f"{tag}_budgets.png"))
+    return files
+
+
+def rerender(path: str | Path, plots: bool = True) -> tuple[dict, list[Path]]:
+    """Recompute ratios, table and plots of a saved result JSON (next to it)."""
+    path = Path(path)
+    result = json.loads(path.read_text())
+    result["ratios"] = ratios(result["results"])
+    return result, save(result, path.parent, path.stem, plots=plots)

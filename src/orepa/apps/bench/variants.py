@@ -1,0 +1,166 @@
+"""The variants of one architecture that ``orepa bench`` compares.
+
+A variant is ``METHOD[:key=value:...]``: ``base``, any method of the model zoo (``dbb``,
+``orepa``, ``orepa-offline``; ``repvgg``, ``orepa-vgg``, ... for the RepVGG family) with
+block options (``orepa:scaling=scalar``, ``orepa:preset=dw-sep``, ``orepa:branches=kxk/1x1``),
+or a rung of the component ladder of table "components" / Fig. "budgets":
+
+==============  ============================================================
+``online``      online OREPA blocks with DBB's branches (kxk, 1x1, 1x1-avg, 1x1-kxk)
+``+prior``      + 1x1 -> frequency prior filter
+``+dw``         + linear depthwise separable (all six branches)
+``+stem``       + linear deep stem (the 7x7 stem as stacked 3x3 OREPA blocks)
+``+rep1x1``     + Rep-1x1 on the 1x1 convs (= full OREPA; bottleneck nets only)
+``offline*``    the same rungs run offline with a BN per branch (the prototype of
+                Fig. "linearization"); the offline deep stem runs its three 3x3
+                convs on the feature map.
+==============  ============================================================
+
+Zoo names are built by :func:`orepa.models.create_model` (the ladder through its
+table-"components" presets), so a benchmark measures exactly the networks that
+``orepa train`` trains. Other names (torchvision) and factories are converted by
+:func:`orepa.convert` as they are; the ladder needs a zoo model.
+"""
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+
+from torch import nn
+
+import orepa
+from orepa.models import create_model, model_family
+
+ModelSpec = str | Callable[[], nn.Module]
+
+OFFLINE_PREFIX = "offline"
+#: ladder rung -> the model zoo's preset of table "components" (online: method "orepa", offline: "orepa-offline")
+LADDER: dict[str, str] = {"online": "online-only", "+prior": "freq-prior", "+dw": "dw-sep", "+stem": "deep-stem",
+                          "+rep1x1": "rep-1x1"}
+
+
+def in_zoo(model: ModelSpec) -> bool:
+    """True when ``model`` is a name the model zoo builds (else: a factory or a torchvision name)."""
+    if callable(model):
+        return False
+    try:
+        model_family(model)
+    except ValueError:
+        return False
+    return True
+
+
+def base_model(model: ModelSpec, num_classes: int = 1000, in_chans: int = 3, model_options: dict | None = None
+               ) -> nn.Module:
+    """The plain network: a factory's model, the zoo's ``base``, or a torchvision model."""
+    if callable(model):
+        return model()
+    if in_zoo(model):
+        return create_model(model, method="base", num_classes=num_classes, in_chans=in_chans, **(model_options or {}))
+    if model_options:
+        raise ValueError(f"model options {sorted(model_options)} need a model of the zoo; {model!r} is not one")
+    if in_chans != 3:
+        raise ValueError(f"in_chans != 3 needs a model of the zoo (orepa.models); {model!r} is not one")
+    import torchvision
+
+    try:
+        return torchvision.models.get_model(model, weights=None, num_classes=num_classes)
+    except ValueError as exc:
+        raise ValueError(f"unknown model {model!r}: {exc}") from None
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``"orepa:scaling=scalar:branches=kxk/1x1"`` -> ``("orepa", {...})``."""
+    name, *opts = spec.split(":")
+    options = {}
+    for o in opts:
+        if "=" not in o:
+            raise ValueError(f"bad option {o!r} in {spec!r}: expected key=value")
+        k, v = o.split("=", 1)
+        try:
+            val = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            val = tuple(v.split("/")) if "/" in v else v
+        options[k] = val
+    return name, options
+
+
+def offline_rung(rung: str) -> str:
+    """``"+dw"`` -> ``"offline+dw"``, ``"online"`` -> ``"offline"``."""
+    return OFFLINE_PREFIX + ("" if rung == "online" else rung)
+
+
+def ladder_rung(name: str) -> tuple[str, str] | None:
+    """``"offline+dw"`` -> ("orepa-offline", "+dw"), ``"online"`` -> ("orepa", "online"); None for other names."""
+    if name in LADDER:
+        return "orepa", name
+    if name.startswith(OFFLINE_PREFIX):
+        rung = name[len(OFFLINE_PREFIX):] or "online"
+        if rung in LADDER and offline_rung(rung) == name:
+            return "orepa-offline", rung
+    return None
+
+
+def known_variants() -> list[str]:
+    return ["base", *orepa.METHODS, *LADDER, *(offline_rung(r) for r in LADDER)]
+
+
+def build_variant(model: ModelSpec, spec: str, num_classes: int = 1000, in_chans: int = 3,
+                  model_options: dict | None = None) -> nn.Module:
+    """Build one benchmark variant (see the module docstring) in training mode.
+
+    ``model_options`` (zoo only, e.g. ``width_mult``, ``small_input``) go to every variant.
+    """
+    name, options = parse_spec(spec)
+    mopts = dict(model_options or {})
+    if name == "base":
+        if options:
+            raise ValueError("base takes no options")
+        return base_model(model, num_classes, in_chans, mopts).train()
+    zoo = in_zoo(model)
+    if mopts and not zoo:
+        raise ValueError(f"model options {sorted(mopts)} need a model of the zoo; {model!r} is not one")
+    rung = ladder_rung(name)
+    if rung is not None:
+        if not zoo:
+            raise ValueError(f"the component ladder ({name!r}) needs a model of the zoo (orepa.models); "
+                             f"{model!r} is not one")
+        method, step = rung
+        return create_model(model, method=method, num_classes=num_classes, in_chans=in_chans, preset=LADDER[step],
+                            **mopts, **options).train()
+    if zoo:
+        return create_model(model, method=name, num_classes=num_classes, in_chans=in_chans, **mopts,
+                            **options).train()
+    if name not in orepa.METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {known_variants()}")
+    return orepa.convert(base_model(model, num_classes, in_chans), name, **options).train()
+
+
+def _has_large_stem(model: nn.Module) -> bool:
+    """The first conv is a kxk (k >= 5) stem: what the linear deep stem replaces."""
+    conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return conv is not None and conv.kernel_size[0] >= 5
+
+
+def _has_rep_1x1_targets(model: nn.Module) -> bool:
+    """1x1 convs outside shortcut projections (bottlenecks): what Rep-1x1 converts."""
+    return any(type(m) is nn.Conv2d and m.kernel_size == (1, 1) and "downsample" not in name
+               for name, m in model.named_modules())
+
+
+def component_variants(model: str, num_classes: int = 1000, in_chans: int = 3,
+                       model_options: dict | None = None) -> list[str]:
+    """The ladder of Fig. "budgets" for a zoo model: base, dbb, then each rung online and offline.
+
+    ``+stem`` needs the standard 7x7 stem (not ``small_input``), ``+rep1x1`` a bottleneck net;
+    the ladder is cumulative, so it stops at the first rung the model does not have.
+    """
+    if not in_zoo(model):
+        raise ValueError(f"the component ladder needs a model of the zoo (orepa.models); {model!r} is not one")
+    net = base_model(model, num_classes, in_chans, model_options)
+    rungs = ["online", "+prior", "+dw"]
+    if _has_large_stem(net):
+        rungs.append("+stem")
+        if _has_rep_1x1_targets(net):
+            rungs.append("+rep1x1")
+    return ["base", "dbb", *rungs, *(offline_rung(r) for r in rungs)]
