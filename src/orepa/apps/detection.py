@@ -55,8 +55,9 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
-from ..blocks import OREPADeepStem, ReparamConv2d, Scale
+from ..blocks import OREPADeepStem, ReparamConv2d
 from ..convert import reparameterize
+from .common import split_params
 
 __all__ = [
     "METHODS", "NORM_MODES", "STAGES", "STRIDES",
@@ -647,9 +648,6 @@ def deeplabv3plus(backbone: str = "resnet50", method: str = "orepa", num_classes
 # --------------------------------------------------------------------------- optimizer groups
 
 
-_NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm, nn.InstanceNorm2d)
-
-
 def _stem_prefixes(model: nn.Module) -> list[str]:
     """Qualified names of every ResNet stem (conv1, bn1 of a module that also has layer1)."""
     out = []
@@ -668,20 +666,15 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
       ``lr * stem_lr_mult`` (paper: not frozen, lr x0.1);
     * other parameters of a module holding ``layer1`` (the backbone body) get
       ``lr * backbone_lr_mult``;
-    * norms (BN, GN, LN), biases and OREPA branch scales get ``norm_weight_decay``
-      (0 by default), everything else ``weight_decay``;
+    * norms (BN, GN, LN, ...), biases, OREPA branch scales and other 1-D parameters get
+      ``norm_weight_decay`` (0 by default), everything else ``weight_decay``: the split of
+      ``orepa train`` (:func:`orepa.apps.common.split_params`);
     * parameters with ``requires_grad=False`` (frozen stages) are left out.
 
     Returns a list of ``{"params", "lr", "weight_decay", "name"}`` dicts for
     ``torch.optim`` (empty groups dropped); ``group["name"]`` is e.g. ``"stem/no_decay"``.
     """
-    no_decay_ids: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, (*_NORMS, Scale)):
-            no_decay_ids.update(id(p) for p in m.parameters(recurse=False))
-    for name, p in model.named_parameters():
-        if name.rsplit(".", 1)[-1] == "bias":
-            no_decay_ids.add(id(p))
+    decayed = {id(p) for p in split_params(model).decay}
     stems = _stem_prefixes(model)
     bodies = [p[: -len("conv1.")] for p in stems if p.endswith("conv1.")]
     groups: dict[str, dict] = {}
@@ -694,7 +687,7 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
             part, mult = "backbone", backbone_lr_mult
         else:
             part, mult = "rest", 1.0
-        decay = id(p) not in no_decay_ids
+        decay = id(p) in decayed
         key = f"{part}/{'decay' if decay else 'no_decay'}"
         g = groups.setdefault(key, {"params": [], "lr": lr * mult,
                                     "weight_decay": weight_decay if decay else norm_weight_decay, "name": key})
