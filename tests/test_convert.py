@@ -164,6 +164,40 @@ def test_unsupported_convs_are_skipped_with_reason():
     assert "square" in report.skipped["4"] and "padding_mode" in report.skipped["6"]
 
 
+def test_unknown_branch_names_are_errors_not_skips():
+    """An unknown branch name is a mistake in the options: before, every 3x3 conv was skipped with
+    it as the reason and the result was a plain model labelled OREPA."""
+    for opts in ({"branches": ("kxk", "nope")}, {"scale_init": {"kxx": 0.5}}):
+        with pytest.raises(ValueError, match=r"unknown branch name\(s\) \['(nope|kxx)'\]; known: .*'1x1_avg'"):
+            orepa.convert(torchvision.models.resnet50(), **opts)
+        with pytest.raises(ValueError, match="unknown branch name"):  # the zoo, small-input stem (no deep stem)
+            orepa.models.create_model("resnet18", "orepa", small_input=True, width_mult=0.125, **opts)
+
+
+@pytest.mark.parametrize("layer,why", [
+    (nn.Conv2d(3, 4, 4, padding=1), "0: unsupported kernel_size 4"),
+    (nn.Conv1d(3, 4, 3, padding=1), "0: Conv1d: only plain nn.Conv2d layers are converted"),
+    (nn.ConvTranspose2d(3, 4, 3, padding=1), "0: ConvTranspose2d: only plain nn.Conv2d"),
+    (nn.Conv2d(3, 4, 3, padding=1), "0: not followed by a BatchNorm2d"),
+])
+def test_a_model_with_nothing_convertible_is_an_error(layer, why):
+    norm = nn.BatchNorm1d(4) if isinstance(layer, nn.Conv1d) else nn.BatchNorm2d(4)
+    model = nn.Sequential(layer, norm) if "followed" not in why else nn.Sequential(layer, nn.ReLU())
+    with pytest.raises(ValueError, match="found nothing to convert in Sequential: " + why):
+        orepa.convert(model)
+    with pytest.raises(ValueError, match="no nn.Conv2d followed by a BatchNorm2d"):
+        orepa.convert(nn.Sequential(nn.Linear(3, 3)))
+    # a model converted before (a second pass, as the zoo's RepVGG variants do) is not an error
+    once = orepa.convert(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)))
+    assert isinstance(orepa.convert(once)[0], orepa.OREPAConv2d)
+
+
+def test_other_conv_types_are_reported_beside_converted_ones():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ConvTranspose2d(4, 4, 2, 2))
+    _, report = orepa.convert(model, return_report=True)
+    assert report.converted == ["0"] and "ConvTranspose2d" in report.skipped["2"]
+
+
 def test_converted_model_trains_and_keeps_float64_and_device():
     model = orepa.convert(torchvision.models.resnet18(num_classes=3)).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

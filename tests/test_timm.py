@@ -1,6 +1,8 @@
-"""timm registration of the model zoo: names, create_model pass-through, features_only."""
+"""timm interop: registered names, create_model pass-through, features_only, reparameterize_model."""
 import pytest
 import torch
+from conftest import tol_close
+from torch import nn
 
 timm = pytest.importorskip("timm")
 
@@ -65,3 +67,48 @@ def test_features_only_small_input_and_deployed_backbone():
         deployed = orepa.reparameterize(m)
         for a, b in zip(deployed(x), ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_import_orepa_is_enough_for_the_zoo_and_the_timm_names():
+    assert orepa.create_model is zoo.create_model and orepa.list_models() == zoo.list_models()
+    assert "orepa_resnet18" in timm.list_models()
+
+
+def _zoo_models():
+    for name in zoo.list_models():
+        for method in zoo.list_methods(name):
+            yield name, method
+
+
+@pytest.mark.parametrize("name,method", list(_zoo_models()))
+def test_timm_reparameterize_model_deploys_every_zoo_model_exactly(name, method):
+    """timm's protocol: a child with ``fuse()`` is replaced by what it returns (before, Branch.fuse
+    returned a tuple and timm crashed on every re-param model)."""
+    from timm.utils import reparameterize_model
+
+    model = zoo.create_model(name, method, num_classes=5, small_input=True, width_mult=0.25)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        model.train()(x)  # BN statistics away from their init
+        model.eval()
+        ref = model(x)
+        deployed = reparameterize_model(model)
+        assert not any(isinstance(m, (orepa.ReparamConv2d, orepa.AbsorbedNorm)) for m in deployed.modules())
+        assert any(isinstance(m, orepa.ReparamConv2d) for m in model.modules()) == (method != "base")  # a copy
+        tol_close(deployed(x), ref)
+        tol_close(deployed(x), orepa.reparameterize(model)(x))
+
+
+@pytest.mark.parametrize("method", ["orepa", "dbb", "orepa-vgg"])
+def test_timm_reparameterize_model_deploys_a_converted_torchvision_model(method):
+    import torchvision
+    from timm.utils import reparameterize_model
+
+    model = orepa.convert(torchvision.models.resnet18(num_classes=4), method)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        model.train()(x)
+        model.eval()
+        deployed = reparameterize_model(model)
+        assert sum(isinstance(m, nn.Conv2d) for m in deployed.modules()) == 20
+        tol_close(deployed(x), model(x))

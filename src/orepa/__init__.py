@@ -4,7 +4,12 @@ Core library (depends on torch only):
 
 * :mod:`orepa.kernels` - kernel algebra (squeezing rules, BN folding),
 * :mod:`orepa.blocks`  - OREPA, Rep-1x1, deep stem, DBB, RepVGG, OREPA-VGG blocks,
-* :mod:`orepa.convert` - ``convert(model)`` / ``reparameterize(model)`` for any CNN.
+* :mod:`orepa.convert` - ``convert(model)`` / ``reparameterize(model)`` for any CNN,
+* :mod:`orepa.models`  - the model zoo: ``orepa.create_model(name, method)``, ``orepa.list_models()``
+  (also registered with timm when timm is importable).
+
+Every re-param block follows timm's re-parameterization protocol (``fuse()`` returns the
+deployed module), so ``timm.utils.reparameterize_model`` deploys these models too.
 """
 from . import kernels
 from .blocks import (
@@ -25,6 +30,7 @@ from .blocks import (
     check_conv_config,
 )
 from .convert import METHODS, ConversionReport, convert, find_conv_bn_pairs, fuse_conv_bn, make_block, reparameterize
+from .models import create_model, list_methods, list_models  # noqa: E402 - after the core it builds on
 
 __version__ = "0.1.0"
 
@@ -32,5 +38,5 @@ __all__ = [
     "kernels", "DEFAULT_SCALE_INIT", "OREPA_BRANCHES", "AbsorbedNorm", "Branch", "ConvStep", "DBBConv2d",
     "FixedKernelStep", "OREPAConv2d", "OREPADeepStem", "OREPAVGGBlock", "ReparamConv2d", "RepVGGBlock", "Scale",
     "build_branches", "check_conv_config", "METHODS", "ConversionReport", "convert", "find_conv_bn_pairs",
-    "fuse_conv_bn", "make_block", "reparameterize", "__version__",
+    "fuse_conv_bn", "make_block", "reparameterize", "create_model", "list_models", "list_methods", "__version__",
 ]

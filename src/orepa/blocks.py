@@ -395,8 +395,11 @@ class Branch(nn.Sequential):
     def has_norm(self) -> bool:
         return any(isinstance(s, BATCH_NORMS) for s in self)
 
-    def fuse(self) -> tuple[Tensor, Tensor | None, int]:
-        """The branch as one affine kernel ``(weight, bias, groups)``; BNs use running stats."""
+    def fused_kernel(self) -> tuple[Tensor, Tensor | None, int]:
+        """The branch as one affine kernel ``(weight, bias, groups)``; BNs use running stats.
+
+        (Not named ``fuse``: timm's ``reparameterize_model`` replaces any child that has a
+        ``fuse()`` by what it returns.)"""
         w = b = None
         g = 1
         for step in self:
@@ -509,7 +512,7 @@ class ReparamConv2d(nn.Module):
     def _fused_parts(self) -> tuple[Tensor, Tensor | None]:
         parts = []
         for br in self.branches.values():
-            w, b, g = br.fuse()
+            w, b, g = br.fused_kernel()
             if g != self.groups:
                 w = K.expand_groups(w, g, self.groups)
             parts.append((w, b))
@@ -698,6 +701,12 @@ class ReparamConv2d(nn.Module):
         if b is not None:
             conv.bias.copy_(b)
         return conv
+
+    def fuse(self) -> nn.Conv2d:
+        """timm's re-parameterization protocol (``timm.utils.reparameterize_model`` replaces a
+        child by its ``fuse()``): :meth:`to_conv`. The BN a block absorbed is carried in this
+        conv's bias; its :class:`AbsorbedNorm` placeholder fuses to an identity BatchNorm2d."""
+        return self.to_conv().train(self.training)
 
     def extra_repr(self) -> str:
         return (
@@ -1000,6 +1009,11 @@ class AbsorbedNorm(nn.Identity):
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
         self.token = token or uuid.uuid4().hex
+
+    def fuse(self) -> nn.BatchNorm2d:
+        """timm's protocol (see :meth:`ReparamConv2d.fuse`, whose conv carries this BN's affine):
+        a BatchNorm2d that is the identity in eval mode."""
+        return self.restore(None).train(self.training)
 
     def restore(self, shift: Tensor | None) -> nn.BatchNorm2d:
         """A BatchNorm2d whose eval output is ``x + shift``."""

@@ -25,6 +25,7 @@ from torch import nn
 from . import kernels as K
 from .blocks import (
     BATCH_NORMS,
+    DEFAULT_SCALE_INIT,
     AbsorbedNorm,
     DBBConv2d,
     OREPAConv2d,
@@ -64,6 +65,7 @@ def _conv_args(conv: nn.Conv2d) -> dict:
 def _orepa(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
     if conv.kernel_size == (1, 1) and not rep_1x1:
         raise ValueError("1x1 conv left plain (rep_1x1=False)")
+    _check_branch_names(opts.get("branches"), opts.get("scale_init"))
     if conv.kernel_size == (1, 1):
         opts = {k: v for k, v in opts.items() if k not in ("branches", "dw_expand")}
     return OREPAConv2d(**_conv_args(conv), **opts)
@@ -83,6 +85,15 @@ def _dbb(conv: nn.Conv2d, **opts) -> ReparamConv2d:
 
 def _repvgg(conv: nn.Conv2d, **opts) -> ReparamConv2d:
     return RepVGGBlock(**_conv_args(conv), **opts)
+
+
+def _check_branch_names(branches, scale_init=None) -> None:
+    """Unknown branch names are a mistake in the options, not a conv to skip: raise."""
+    if isinstance(branches, str):
+        raise ValueError(f"branches must be a sequence of branch names, got the string {branches!r}")
+    unknown = [b for b in (*(branches or ()), *(scale_init or ())) if b not in DEFAULT_SCALE_INIT]
+    if unknown:
+        raise ValueError(f"unknown branch name(s) {unknown}; known: {sorted(DEFAULT_SCALE_INIT)}")
 
 
 #: method name -> factory(conv, **options) -> block; a ValueError means "unsupported, skip"
@@ -239,18 +250,31 @@ def convert(
         return_report: also return a :class:`ConversionReport`.
         options: passed to the block (e.g. ``branches``, ``scaling``, ``scale_init``, ``rep_1x1``).
     Convs without a following BatchNorm2d are left alone: re-param blocks need a
-    norm after them (OREPA uses it as the post-addition norm).
+    norm after them (OREPA uses it as the post-addition norm). So are convs a
+    block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
+    and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d);
+    the report says why for each.
+
+    Raises:
+        ValueError: an unknown ``method`` or branch name (in ``branches`` /
+            ``scale_init``), or a model in which nothing was converted (no
+            supported conv -> BN pair, and no re-param block from an earlier
+            ``convert``): the message lists every conv and why it was skipped.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    _check_branch_names(options.get("branches"), options.get("scale_init"))
     if not inplace:
         model = copy.deepcopy(model)
     pairs, how = find_conv_bn_pairs(model, example_input)
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
+    had_blocks = any(isinstance(m, ReparamConv2d) for m in model.modules())
     for name, m in model.named_modules():
         if type(m) is nn.Conv2d and name not in paired:
             report.skipped[name] = "not followed by a BatchNorm2d it alone feeds"
+        elif isinstance(m, nn.modules.conv._ConvNd) and type(m) is not nn.Conv2d and not _inside_block(name, model):
+            report.skipped[name] = f"{type(m).__name__}: only plain nn.Conv2d layers are converted"
     for conv_name, bn_name in pairs:
         conv = model.get_submodule(conv_name)
         if not isinstance(conv, nn.Conv2d) or type(conv) is not nn.Conv2d:
@@ -269,7 +293,17 @@ def convert(
             _set_submodule(model, bn_name, absorbed)
         _set_submodule(model, conv_name, block)
         report.converted.append(conv_name)
+    if not report.converted and not had_blocks:
+        why = "; ".join(f"{n or type(model).__name__}: {r}" for n, r in report.skipped.items())
+        raise ValueError(f"convert(method={method!r}) found nothing to convert in {type(model).__name__}: "
+                         + (why or "it has no nn.Conv2d followed by a BatchNorm2d"))
     return (model, report) if return_report else model
+
+
+def _inside_block(name: str, model: nn.Module) -> bool:
+    """Whether module ``name`` lives inside a re-param block (its steps are not the model's convs)."""
+    parts = name.split(".")
+    return any(isinstance(model.get_submodule(".".join(parts[:i])), ReparamConv2d) for i in range(1, len(parts)))
 
 
 def _top_level_blocks(model: nn.Module) -> list[tuple[str, ReparamConv2d]]:

@@ -32,7 +32,7 @@ def branch_kernels(block: ReparamConv2d) -> dict[str, Tensor]:
     k = block.kernel_size[0]
     out = {}
     for name, br in block.branches.items():
-        w, _, g = br.fuse()
+        w, _, g = br.fused_kernel()
         if g != block.groups:
             w = K.expand_groups(w, g, block.groups)
         out[name] = K.pad_to(w, k).detach().to(torch.float64)
