@@ -16,6 +16,8 @@ from orepa.analysis import (
     normalized_sorted_norms,
 )
 from orepa.apps import analyze as app
+from orepa.apps.checkpoint import load_checkpoint
+from orepa.apps.common import UserError
 from orepa.apps.proposition1 import TinyOREPANet
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,7 +119,7 @@ def test_checkpoint_mismatch_is_a_clear_error(tmp_path, capsys):
     from orepa.cli import main
 
     _, path = _zoo_checkpoint(tmp_path, wrap=False)  # DDP-style "module." keys are accepted
-    sd = app.load_state_dict(path)
+    sd = load_checkpoint(path)["model"]
     assert not any(k.startswith("module.") for k in sd)
     rc = main(["analyze", str(path), "-m", "resnet18", "--method", "dbb", "--option", "width_mult=0.125",
                "--out-dir", str(tmp_path / "x"), "--no-plot"])
@@ -127,12 +129,29 @@ def test_checkpoint_mismatch_is_a_clear_error(tmp_path, capsys):
     from orepa.apps.bench import build_variant
 
     wrong_width = build_variant("resnet18", "orepa", 10, model_options={"width_mult": 0.25})
-    with pytest.raises(app.CheckpointMismatch, match="shape mismatch"):
+    with pytest.raises(UserError, match="shape mismatch"):
         app.check_and_load(wrong_width, sd, "wider model")
     torch.save({"epoch": 3}, tmp_path / "bad.pt")
-    with pytest.raises(app.CheckpointMismatch, match="no state_dict"):
-        app.load_state_dict(tmp_path / "bad.pt")
+    with pytest.raises(UserError, match="no state_dict"):
+        load_checkpoint(tmp_path / "bad.pt")
+    capsys.readouterr()
+    assert main(["analyze", str(tmp_path / "bad.pt")]) == 2
+    assert "holds no state_dict" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "missing.pt")]) == 2
+    # a base model's checkpoint has no branches: a one-line error, not a traceback
+    base = tmp_path / "base.pt"
+    torch.save(orepa.create_model("resnet18", "base", num_classes=10, width_mult=0.125).state_dict(), base)
+    capsys.readouterr()
+    assert main(["analyze", str(base), "--method", "base", "--model-option", "width_mult=0.125",
+                 "--output-dir", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no re-param block" in err and "Traceback" not in err, err
+    # a checkpoint of another format or a newer version is refused by the one loader
+    torch.save({"format": "other", "model": sd}, tmp_path / "fmt.pt")
+    torch.save({"format": "orepa-checkpoint", "version": 99, "model": sd}, tmp_path / "ver.pt")
+    for name, msg in (("fmt.pt", "unknown checkpoint format 'other'"), ("ver.pt", "version 99 is newer")):
+        assert main(["analyze", str(tmp_path / name), "--model-option", "width_mult=0.125"]) == 2
+        assert msg in capsys.readouterr().err
 
 
 def test_checkpoint_with_model_cfg_needs_no_flags(tmp_path):
@@ -154,5 +173,4 @@ def test_checkpoint_with_model_cfg_needs_no_flags(tmp_path):
     assert len(data["layers"]) == 17  # small-input 3x3 stem + 16 convs; no deep stem
     assert all("scale" not in k for k in model.state_dict())  # scaling="none" really applied
     torch.save({**ckpt, "form": "deploy"}, tmp_path / "dep.pth")
-    with pytest.raises(app.CheckpointMismatch, match="deployed"):
-        app.load_checkpoint(tmp_path / "dep.pth")
+    assert main(["analyze", str(tmp_path / "dep.pth"), "--output-dir", str(tmp_path / "o2")]) == 2

@@ -7,6 +7,7 @@ pytest.importorskip("onnx")
 
 import orepa.models as zoo  # noqa: E402
 from orepa import cli  # noqa: E402
+from orepa.apps.common import UserError  # noqa: E402
 from orepa.apps.export import (  # noqa: E402
     ExportVerificationError,
     export_onnx,
@@ -82,9 +83,46 @@ def test_cli_export_with_checkpoints(tmp_path, capsys):
     # a checkpoint of another model: a clear error, exit code 2
     bad = tmp_path / "bad.pt"
     torch.save(zoo.create_model("repvgg_a0", "base", num_classes=10, width_mult=0.25).state_dict(), bad)
+    capsys.readouterr()
     assert cli.main(args + ["--checkpoint", str(bad), "--output", str(tmp_path / "b.onnx")]) == 2
-    out = capsys.readouterr().out
-    assert "does not match resnet18 / orepa" in out and "missing" in out and "unexpected" in out
-    with pytest.raises(ValueError, match="not a state_dict"):
+    err = capsys.readouterr().err
+    assert "fits no form of resnet18/orepa" in err and "missing" in err and "unexpected" in err
+    assert err.count("\n") == 1 and not (tmp_path / "b.onnx").exists()
+    with pytest.raises(UserError, match="holds no state_dict"):
         torch.save({"epoch": 1}, tmp_path / "empty.pt")
         load_checkpoint("resnet18", "orepa", tmp_path / "empty.pt", **kw)
+
+
+def test_cli_export_errors_name_the_problem(tmp_path, capsys):
+    """An unreadable file is diagnosed as such (not as a missing --model); bad sizes exit 2."""
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x80\x02not a checkpoint" * 20)
+    cases = [
+        ([str(garbage)], "corrupt or not a PyTorch checkpoint"),
+        ([str(tmp_path / "missing.pt")], "does not exist"),
+        (["--model", "resnet18", "--input-size", "0"], "--input-size: must be a positive integer, got 0"),
+        ([], "give a checkpoint, or --model"),
+    ]
+    bare = tmp_path / "bare.pt"
+    torch.save(zoo.create_model("resnet18", "base", num_classes=10, width_mult=0.25).state_dict(), bare)
+    cases.append(([str(bare)], "bare state_dict: pass --model"))
+    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25", "-o",
+                   str(bare)], "is the input checkpoint"))
+    for argv, msg in cases:
+        capsys.readouterr()
+        assert cli.main(["export", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_cli_export_takes_the_input_size_and_model_from_the_checkpoint(tmp_path, capsys):
+    from orepa.apps.checkpoint import save_checkpoint
+
+    cfg = {"model": "resnet18", "method": "orepa", "num_classes": 10, "in_chans": 1, "small_input": True,
+           "width_mult": 0.125, "options": {}}
+    model = _trained("resnet18", "orepa", num_classes=10, in_chans=1, small_input=True, width_mult=0.125)
+    path = save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
+                            "model": model.state_dict(), "args": {"data_path": "fashion-mnist"}}, tmp_path / "c.pth")
+    assert cli.main(["export", str(path), "-o", str(tmp_path / "m.pt"), "--format", "torchscript",
+                     "--threads", "1", "--device", "cpu"]) == 0
+    assert "input [1, 1, 28, 28]" in capsys.readouterr().out

@@ -251,6 +251,70 @@ def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
     assert [h["train_loss"] for h in ca["history"]] == pytest.approx([h["train_loss"] for h in cb["history"]])
 
 
+def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
+    """--resume alone keeps the run's settings and directory; a given --lr / --epochs / --wd replaces
+    the saved one and rescales the schedule from the current step; what cannot apply is refused."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--wd", "5e-4") == 0  # 4 steps, lr 0.00625
+    ckpt = run / "checkpoint.pth"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--epochs", "3", "--lr", "0.05", "--wd", "1e-3", "--max-steps", "6",
+                 "--no-progress", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "overrides: epochs 1 -> 3, lr 0.00625 -> 0.05, weight_decay 0.0005 -> 0.001" in out
+    ck = _load(ckpt)  # the same directory: the run continued in place
+    assert ck["global_step"] == 6 and ck["args"]["lr"] == 0.05 and ck["args"]["train_subset"] == 64
+    import argparse
+
+    factor = train.lr_factor_fn(argparse.Namespace(**ck["args"]), iters_per_epoch=4)
+    groups = ck["optimizer"]["param_groups"]
+    assert all(g["lr"] == pytest.approx(0.05 * factor(6)) and g["initial_lr"] == 0.05 for g in groups)
+    assert {g["name"]: g["weight_decay"] for g in groups}["decay"] == 1e-3
+    assert ck["lr_scheduler"]["base_lrs"] == [0.05] * len(groups)
+    before = ckpt.read_bytes()
+    for argv, msg in ((["-b", "8"], "--batch-size 8 cannot apply to this run (it was started with 16"),
+                      (["--train-subset", "32"], "--train-subset 32 cannot apply"),
+                      (["--width-mult", "0.125"], "was trained as resnet18/orepa"),
+                      (["--epochs", "1"], "--epochs 1 is fewer than the 2 epoch(s) this run has begun")):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(ckpt), *argv, "--no-progress"]) == 2
+        assert msg in capsys.readouterr().err
+    assert ckpt.read_bytes() == before
+
+
+def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--method", "base") == 0
+    ckpt = run / "checkpoint.pth"
+    before = ckpt.read_bytes()
+    capsys.readouterr()
+    assert _train(cache, run, "--epochs", "1", "--no-eval") == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and f"--resume {ckpt}" in err and "--overwrite" in err
+    assert ckpt.read_bytes() == before
+    # reparam never writes over its input, nor over a training checkpoint without --overwrite
+    other = tmp_path / "other.pth"
+    other.write_bytes(before)
+    for out, msg in ((ckpt, "is the input checkpoint"), (other, "is not a deployed checkpoint (a train checkpoint)")):
+        assert main(["reparam", str(ckpt), "-o", str(out), "--no-verify"]) == 2
+        assert msg in capsys.readouterr().err
+    assert ckpt.read_bytes() == other.read_bytes() == before
+    assert main(["reparam", str(ckpt), "-o", str(other), "--no-verify", "--overwrite"]) == 0
+    assert _load(other)["form"] == "deploy"
+    assert main(["reparam", str(ckpt), "--no-verify"]) == 0 and main(["reparam", str(ckpt), "--no-verify"]) == 0
+    # --overwrite replaces the run (its old files go first)
+    (run / ".checkpoint.pth.x1y2.tmp").write_bytes(b"left by a killed write")
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0
+    assert _load(ckpt)["model_cfg"]["method"] == "orepa"
+    assert not list(run.glob(".*.tmp"))
+    # every file the run writes has the same permissions: 0666 minus the umask (not mkstemp's 0600)
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in run.iterdir() if p.is_file()}
+    assert set(modes) >= {"checkpoint.pth", "log.jsonl", "log.csv", "summary.json", "progress.json", "curves.png"}
+    assert set(modes.values()) == {0o666 & ~mask}, modes
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(cache, tmp_path, monkeypatch, capsys):
     calls = {"n": 0}
 
@@ -339,7 +403,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path):
 # --------------------------------------------------------------------------- CLI
 
 
-@pytest.mark.parametrize("cmd", ["train", "eval", "reparam", "demo"])
+@pytest.mark.parametrize("cmd", ["train", "eval", "reparam", "demo", "export", "analyze"])
 def test_subcommand_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])

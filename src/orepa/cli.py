@@ -4,6 +4,12 @@ Each subcommand lives in its own module under ``orepa.apps`` exposing
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only
 when their subcommand runs, so ``orepa --help`` stays fast and the core
 library never imports the applications.
+
+One error path: a bad flag value (argparse) or a :class:`orepa.apps.common.UserError`
+raised anywhere in a subcommand ends as one line ``orepa CMD: error: ...`` on stderr
+and exit code 2, without a traceback. ``args.given`` holds the destinations of the
+flags given explicitly on the command line (``train --resume`` keeps the others from
+the checkpoint).
 """
 from __future__ import annotations
 
@@ -23,9 +29,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``orepa CMD: error: MESSAGE (see orepa CMD --help)``, exit 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv_cmd: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="orepa", description="Online Convolutional Re-parameterization")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = Parser(prog="orepa", description="Online Convolutional Re-parameterization")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
         if name == argv_cmd:  # only the chosen subcommand's module is imported
@@ -33,15 +46,37 @@ def build_parser(argv_cmd: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def given_flags(argv: list[str], cmd: str) -> frozenset[str]:
+    """Destinations of the arguments present in ``argv`` (parsed again with every default suppressed)."""
+    parser = build_parser(cmd)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    for action in sub._actions:
+        action.default = argparse.SUPPRESS
+    sub._defaults.clear()
+    return frozenset(vars(parser.parse_args(argv))) - {"command"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(cmd if cmd in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # a bad argument (its one-line error is printed): the exit code; --help: exit
+        if exc.code in (0, None):
+            raise
+        return int(exc.code)
     if args.command is None:
         parser.print_help()
         return 0
-    return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+    args.given = given_flags(argv, args.command)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    from orepa.apps.common import UserError, fail
+
+    try:
+        return int(module.run(args) or 0)
+    except UserError as exc:
+        return fail(args.command, exc)
 
 
 if __name__ == "__main__":

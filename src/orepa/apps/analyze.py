@@ -1,13 +1,13 @@
 """``orepa analyze CHECKPOINT_OR_MODEL``: branch similarity (Fig. "viz") and branch norms (supp. Fig. "viz_norm").
 
-The checkpoint is a training-form state_dict (or a dict holding it under
-``"model"`` / ``"state_dict"``), loaded with ``torch.load(weights_only=True)``
-into the architecture given by ``--model`` / ``--method`` (and ``--option``).
-Without a checkpoint file, the argument is taken as a model name and the
-freshly initialised model is analysed. Writes ``analysis.json`` with every
-number, ``cosine.png`` (one heatmap per block), ``norms.png`` (sorted
-normalised branch norms per block) and ``summary.png`` (mean off-diagonal
-similarity per block) to ``--out-dir``.
+The checkpoint is read by :func:`orepa.apps.checkpoint.load_checkpoint` (an
+``orepa train`` checkpoint, or a training-form state_dict, bare or wrapped) and
+loaded into the zoo model its ``model_cfg`` describes, or the one the model flags
+(``--model`` / ``--method`` / ``--model-option`` ...) describe. Without a checkpoint
+file, the argument is taken as a model name and the freshly initialised model is
+analysed. Writes ``analysis.json`` with every number, ``cosine.png`` (one heatmap
+per block), ``norms.png`` (sorted normalised branch norms per block) and
+``summary.png`` (mean off-diagonal similarity per block) to ``--output-dir``.
 
 From Python: :func:`analyze` takes an in-memory model.
 """
@@ -22,52 +22,19 @@ import torch
 from torch import nn
 
 from orepa.analysis import analyze_model
-from orepa.apps.checkpoint import state_dict_mismatch
+from orepa.apps.checkpoint import atomic_write_text, load_checkpoint, state_dict_mismatch
+from orepa.apps.common import (
+    UserError,
+    add_model_arguments,
+    add_run_arguments,
+    apply_threads,
+    build_model,
+    describe_cfg,
+    init_distributed,
+    model_cfg_from_args,
+    model_flags_given,
+)
 from orepa.apps.logs import pyplot, save_figure
-
-
-class CheckpointMismatch(ValueError):
-    """The checkpoint's keys or shapes do not match the architecture it is loaded into."""
-
-
-def _unwrap(ckpt) -> dict:
-    if isinstance(ckpt, dict):
-        for key in ("model", "state_dict", "model_state_dict"):
-            if key in ckpt and isinstance(ckpt[key], dict):
-                return _unwrap(ckpt[key])
-        if ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
-            prefixes = ("module.", "_orig_mod.")
-            out = {}
-            for k, v in ckpt.items():
-                for p in prefixes:
-                    while k.startswith(p):
-                        k = k[len(p):]
-                out[k] = v
-            return out
-    raise CheckpointMismatch(
-        "the checkpoint holds no state_dict: expected a dict of tensors, or a dict with one under 'model'"
-    )
-
-
-def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """A state_dict from a checkpoint file (``torch.load(weights_only=True)``)."""
-    return load_checkpoint(path)[0]
-
-
-def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """``(state_dict, model_cfg or None)``; ``model_cfg`` is what ``orepa train`` checkpoints store
-    (model, method, num_classes, in_chans, small_input, width_mult, options)."""
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - unreadable or unsafe file
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise CheckpointMismatch(f"cannot read {path} with torch.load(weights_only=True): {first}") from None
-    cfg = ckpt.get("model_cfg") if isinstance(ckpt, dict) else None
-    form = ckpt.get("form") if isinstance(ckpt, dict) else None
-    if form not in (None, "train"):
-        raise CheckpointMismatch(f"{path} holds a deployed model (form {form!r}): its branches are gone; "
-                                 "analyse the training-form checkpoint")
-    return _unwrap(ckpt), (cfg if isinstance(cfg, dict) else None)
 
 
 def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:
@@ -79,7 +46,7 @@ def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:
 
 
 def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str) -> nn.Module:
-    """Strictly load ``sd`` into ``model``; a mismatch raises :class:`CheckpointMismatch` that lists it."""
+    """Strictly load ``sd`` into ``model``; a mismatch raises a :class:`UserError` that lists it."""
     own = model.state_dict()
     problem = state_dict_mismatch(model, sd)
     if problem:
@@ -89,18 +56,9 @@ def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str) -> 
             hint = " The checkpoint is in training form: pass the --method it was trained with."
         elif not any(".branches." in k for k in sd):
             hint = " The checkpoint has no re-param branches (deployed or base model?): nothing to analyse."
-        raise CheckpointMismatch(f"checkpoint does not match {what}: {problem}.{hint}")
+        raise UserError(f"checkpoint does not match {what}: {problem}.{hint}")
     model.load_state_dict(sd, strict=True)
     return model
-
-
-def build_model(model: str, method: str, num_classes: int, in_chans: int = 3, options: dict | None = None):
-    from orepa.apps.bench import build_variant, in_zoo
-
-    if in_zoo(model):  # options go to create_model as they are
-        return build_variant(model, method, num_classes, in_chans, model_options=options)
-    spec = method + "".join(f":{k}={v!r}" for k, v in (options or {}).items())
-    return build_variant(model, spec, num_classes, in_chans)
 
 
 # --------------------------------------------------------------------------- plots
@@ -202,67 +160,54 @@ def analyze(model: nn.Module, out_dir: str | Path | None = None, *, plots: bool 
             files["norms"] = plot_norms(result, out / "norms.png")
             files["summary"] = plot_summary(result, out / "summary.png")
         result["files"] = {k: str(v) for k, v in files.items()}
-        files["json"].write_text(json.dumps(result, indent=1))
+        atomic_write_text(files["json"], json.dumps(result, indent=1))
     return result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="training-form checkpoint (.pt/.pth), or a model name to analyse at init")
-    p.add_argument("-m", "--model", default=None,
-                   help="architecture (default: the checkpoint's model_cfg, else resnet18)")
-    p.add_argument("--method", default=None,
-                   help="re-param method the checkpoint was trained with (default: model_cfg, else orepa)")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="model/block option used in training, e.g. scaling=scalar, width_mult=0.5, "
-                        "small_input=True (repeatable; added to the checkpoint's model_cfg options)")
-    p.add_argument("--num-classes", type=int, default=None, help="default: model_cfg, the classifier's shape, 1000")
-    p.add_argument("--in-chans", type=int, default=None, help="default: model_cfg, else 3")
-    p.add_argument("--out-dir", default="analysis")
+    add_model_arguments(p)
+    add_run_arguments(p, seed=False)
+    p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="analysis",
+                   help="where analysis.json and the plots go (analysis; --out-dir: older spelling)")
     p.add_argument("--no-plot", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    try:
-        return _run(args)
-    except (CheckpointMismatch, FileNotFoundError) as exc:
-        print(f"orepa analyze: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
-    from orepa.apps.bench import parse_spec
-
-    options = parse_spec("x:" + ":".join(args.option))[1] if args.option else {}
+    apply_threads(args)
+    device = init_distributed(args.device)[1]
     target = Path(args.target)
-    method = args.method or "orepa"
     if target.is_file():
-        sd, cfg = load_checkpoint(target)
-        cfg = cfg or {}
-        model_name = args.model or cfg.get("model") or "resnet18"
-        method = args.method or cfg.get("method") or "orepa"
-        num_classes = args.num_classes or cfg.get("num_classes") or infer_num_classes(sd) or 1000
-        in_chans = args.in_chans or cfg.get("in_chans") or 3
-        saved_opts = dict(cfg.get("options") or {})
-        if cfg.get("small_input"):
-            saved_opts["small_input"] = True
-        if cfg.get("width_mult") is not None and float(cfg["width_mult"]) != 1.0:
-            saved_opts["width_mult"] = float(cfg["width_mult"])
-        options = {**saved_opts, **options}
-        what = (f"--model {model_name} --method {method} --num-classes {num_classes} --in-chans {in_chans}"
-                + "".join(f" --option {k}={v}" for k, v in options.items()))
-        model = build_model(model_name, method, num_classes, in_chans, options)
-        check_and_load(model, sd, what)
+        ckpt = load_checkpoint(target)
+        form = ckpt.get("form", "train")
+        if form != "train":
+            raise UserError(f"{target} holds a deployed model (form {form!r}): its branches are gone; "
+                            "analyse the training-form checkpoint")
+        sd = ckpt["model"]
+        if "model_cfg" in ckpt and not model_flags_given(args):
+            cfg = ckpt["model_cfg"]
+        else:
+            cfg = model_cfg_from_args(args, num_classes=infer_num_classes(sd) or 1000, in_chans=3, small_input=False,
+                                      saved=ckpt.get("model_cfg"))
+        model = check_and_load(build_model(cfg), sd, _flags(cfg))
         source = str(target)
     elif target.suffix in (".pt", ".pth", ".ckpt", ".bin") or "/" in args.target:
-        raise FileNotFoundError(f"no checkpoint file {args.target!r}")
+        raise UserError(f"no checkpoint file {args.target!r}")
     else:
-        model_name = args.model or args.target
-        model = build_model(model_name, method, args.num_classes or 1000, args.in_chans or 3, options)
-        source = f"{model_name} at initialisation (no checkpoint)"
-    meta = {"source": source, "model": model_name, "method": method, "options": options}
-    result = analyze(model.eval(), args.out_dir, plots=not args.no_plot, meta=meta)
+        if args.model is None:
+            args = argparse.Namespace(**{**vars(args), "model": args.target})
+        cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)
+        model = build_model(cfg)
+        source = f"{cfg['model']} at initialisation (no checkpoint)"
+    options = {**cfg.get("options", {}), **{k: cfg[k] for k in ("small_input", "width_mult") if cfg.get(k)}}
+    if options.get("width_mult") == 1.0:
+        del options["width_mult"]
+    meta = {"source": source, "model": cfg["model"], "method": cfg["method"], "options": options}
+    try:
+        result = analyze(model.to(device).eval(), args.output_dir, plots=not args.no_plot, meta=meta)
+    except ValueError as exc:  # no block to analyse
+        raise UserError(f"{source}: {describe_cfg(cfg)}: {exc}, so there is nothing to analyse (a base "
+                        "model?); analyse one trained with --method orepa, dbb, ...") from None
     print(f"{source}: {result['summary']['blocks']} blocks, mean off-diagonal cosine "
           f"{result['summary']['mean_off_diagonal_cosine']:.3f}")
     print(f"{'block':<44}{'branches':>9}{'mean cos':>10}  mean share per branch")
@@ -271,3 +216,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{_short(name):<44}{len(v['branches']):>9}{v['mean_off_diagonal_cosine']:>10.3f}  {shares}")
     print("wrote " + ", ".join(result.get("files", {}).values()))
     return 0
+
+
+def _flags(cfg: dict) -> str:
+    return (f"--model {cfg['model']} --method {cfg['method']} --num-classes {cfg['num_classes']} "
+            f"--in-chans {cfg['in_chans']}" + (" --small-input" if cfg["small_input"] else "")
+            + (f" --width-mult {cfg['width_mult']:g}" if cfg["width_mult"] != 1.0 else "")
+            + "".join(f" --model-option {k}={v}" for k, v in cfg.get("options", {}).items()))

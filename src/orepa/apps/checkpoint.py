@@ -18,13 +18,21 @@ A checkpoint is a dict of tensors and primitive values only, so it loads with
     metrics      e.g. {"acc1": ..., "acc5": ...}
 
 Deployed checkpoints (``orepa reparam``) hold the vanilla-layout model's
-state_dict; ``eval`` recognises a bare state_dict too (e.g. a torchvision one).
+state_dict. :func:`load_checkpoint` is the one reader every subcommand uses: it also
+takes a bare state_dict (e.g. a torchvision one) or one wrapped as ``{"state_dict": ...}``
+/ ``{"model_state_dict": ...}``, strips DDP / torch.compile prefixes (``module.``,
+``_orig_mod.``), and checks ``format`` / ``version``.
+
+Writes are atomic (temporary file, fsync, rename) with the permissions of any other
+file the process creates (0666 minus the umask); temporary files that a killed write
+left behind (``.<name>.*.tmp``) are removed by the next write of that file.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import random
+import re
 import tempfile
 from pathlib import Path
 
@@ -102,17 +110,45 @@ def args_dict(args) -> dict:
 # --------------------------------------------------------------------------- save / load
 
 
-def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
-    """``torch.save`` to a temporary file in the same directory, fsync, then ``os.replace``:
-    a reader (or a crash) never sees a half-written checkpoint."""
+def _umask() -> int:
+    try:  # Linux: read it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def remove_stale_tmp(path: str | os.PathLike) -> list[Path]:
+    """Delete the ``.<name>.*.tmp`` files an interrupted atomic write of ``path`` left behind."""
+    path = Path(path)
+    stale = list(path.parent.glob(f".{glob_escape(path.name)}.*.tmp")) if path.parent.is_dir() else []
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def atomic_write(path: str | os.PathLike, write) -> Path:
+    """Write ``path`` atomically: ``write(binary file)`` into a temporary file in the same
+    directory, fsync, ``os.replace``. A reader (or a crash) never sees a half-written file;
+    the file gets the usual permissions (0666 minus the umask, not mkstemp's 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -120,25 +156,64 @@ def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
     return path
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
+    """``torch.save`` through :func:`atomic_write`."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
 def _is_state_dict(obj) -> bool:
     return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
 
 
+#: where other tools keep the state_dict inside a checkpoint dict (orepa's own: "model")
+STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")
+#: key prefixes of wrappers: DistributedDataParallel, torch.compile
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def strip_prefixes(sd: dict) -> dict:
+    out = {}
+    for k, v in sd.items():
+        stripped = True
+        while stripped:
+            stripped = False
+            for p in WRAPPER_PREFIXES:
+                if k.startswith(p):
+                    k, stripped = k[len(p):], True
+        out[k] = v
+    return out
+
+
+def _unpickling_error(path: Path, exc: Exception) -> UserError:
+    text = str(exc)
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if found:
+        return UserError(
+            f"checkpoint {path} holds Python objects ({found.group(1)}), not only tensors and plain values: "
+            "reading it would run code from the file, so it is refused (torch.load(weights_only=True)). "
+            "If you trust the file, load it with torch.load(..., weights_only=False) and save only its tensors "
+            "(e.g. model.state_dict())")
+    return UserError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint (it does not unpickle as one)")
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Read a checkpoint with ``weights_only=True``; a bare state_dict becomes ``{"model": sd}``."""
+    """Read a checkpoint with ``weights_only=True`` (no code in the file runs).
+
+    Returns a dict whose ``"model"`` is a state_dict without wrapper prefixes: an orepa
+    checkpoint as saved, or ``{"model": sd}`` for a bare / wrapped state_dict of another tool.
+    Raises :class:`UserError` naming what is wrong with the file.
+    """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist")
+        raise UserError(f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
-            raise UserError(
-                f"checkpoint {path} holds Python objects other than tensors and plain values, so it cannot be "
-                f"loaded safely with weights_only=True ({first[:200]}). Save model.state_dict() instead."
-            ) from None
-        raise UserError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint ({first[:200]})") from None
+        raise _unpickling_error(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
@@ -146,15 +221,26 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
             f"{msg[:200]})"
         ) from None
     if _is_state_dict(obj):
-        return {"model": obj}
-    if not isinstance(obj, dict) or "model" not in obj:
-        raise UserError(f"{path} is not an orepa checkpoint nor a state_dict (found {type(obj).__name__}"
-                        f"{' with keys ' + ', '.join(map(str, list(obj)[:6])) if isinstance(obj, dict) else ''})")
+        return {"model": strip_prefixes(obj)}
+    if not isinstance(obj, dict):
+        raise UserError(f"{path} is not an orepa checkpoint nor a state_dict (it holds a {type(obj).__name__})")
     if obj.get("format", FORMAT) != FORMAT:
-        raise UserError(f"{path}: unknown checkpoint format {obj.get('format')!r}")
-    if int(obj.get("version", VERSION)) > VERSION:
-        raise UserError(f"{path}: checkpoint version {obj['version']} is newer than this orepa (reads {VERSION})")
-    return obj
+        raise UserError(f"{path}: unknown checkpoint format {obj.get('format')!r} (this orepa reads {FORMAT!r})")
+    try:
+        version = int(obj.get("version", VERSION))
+    except (TypeError, ValueError):
+        raise UserError(f"{path}: unreadable checkpoint version {obj.get('version')!r}") from None
+    if version > VERSION:
+        raise UserError(f"{path}: checkpoint version {version} is newer than this orepa (reads {VERSION})")
+    key = next((k for k in STATE_DICT_KEYS if _is_state_dict(obj.get(k))), None)
+    if key is None:
+        raise UserError(f"{path} holds no state_dict: expected a dict of tensors, or one under "
+                        f"{' / '.join(map(repr, STATE_DICT_KEYS))} (found keys {', '.join(map(str, list(obj)[:6]))})")
+    out = dict(obj)
+    out["model"] = strip_prefixes(obj[key])
+    if "model_ema" in out and _is_state_dict(out["model_ema"]):
+        out["model_ema"] = strip_prefixes(out["model_ema"])
+    return out
 
 
 def _example(keys, n=3) -> str:

@@ -1,7 +1,11 @@
-"""Pieces shared by the ``train``, ``eval``, ``reparam`` and ``demo`` subcommands.
+"""Pieces shared by the subcommands.
 
 * :class:`UserError`: a problem the user can fix (bad path, missing package,
-  wrong checkpoint); subcommands print its message and return exit code 2.
+  wrong checkpoint, bad value); ``orepa`` prints ``orepa CMD: error: MESSAGE`` on
+  stderr (one line, no traceback) and exits with code 2 (:func:`fail`).
+* argument types that reject bad numbers at parse time (:func:`positive_int`, ...),
+  the flags every computing subcommand shares (:func:`add_run_arguments`) and the
+  model flags (:func:`add_model_arguments`, one ``KEY=VALUE`` parser);
 * model building from a plain ``model_cfg`` dict (what checkpoints store), with
   the model zoo (``orepa.models.create_model``) when it is installed and a
   torchvision fallback otherwise;
@@ -34,8 +38,48 @@ class UserError(Exception):
 
 
 def fail(prog: str, exc: BaseException) -> int:
-    print(f"orepa {prog}: error: {exc}", file=sys.stderr, flush=True)
+    """Print ``exc`` as one ``error:`` line on stderr; return exit code 2."""
+    msg = str(exc).strip()
+    if "\nOriginal Traceback" in msg:  # re-raised from a DataLoader worker: keep the original message
+        last = msg.splitlines()[-1]
+        msg = last.split(": ", 1)[1] if last.startswith(f"{type(exc).__name__}: ") else last
+    msg = " ".join(msg.split())
+    print(f"orepa {prog}: error: {msg}", file=sys.stderr, flush=True)
     return 2
+
+
+# --------------------------------------------------------------------------- argument types
+
+
+def _number(kind, low: float, strict: bool, what: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > low if strict else value >= low) or value != value or value in (float("inf"),):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+positive_int = _number(int, 0, True, "a positive integer")
+nonneg_int = _number(int, 0, False, "an integer >= 0")
+positive_float = _number(float, 0.0, True, "a positive number")
+nonneg_float = _number(float, 0.0, False, "a number >= 0")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
+    """``--device``, ``--threads`` (and ``--seed``): every subcommand that computes takes them."""
+    g = p.add_argument_group("run")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available); under "
+                                                  "torchrun each process takes cuda:LOCAL_RANK")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="torch intra-op threads (default: torch's choice, usually one per core)")
+    if seed:
+        g.add_argument("--seed", type=nonneg_int, default=0, help="random seed (0)")
 
 
 # --------------------------------------------------------------------------- model building
@@ -61,15 +105,17 @@ def _parse_value(text: str):
         return text
 
 
-def parse_block_options(items: Iterable[str] | None) -> dict:
+def parse_key_values(items: Iterable[str] | None, flag: str = "--model-option") -> dict:
+    """The one ``KEY=VALUE`` parser: values as :func:`_parse_value` reads them, ``-`` in keys -> ``_``."""
     out = {}
     for item in items or ():
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UserError(f"--block-opt expects KEY=VALUE, got {item!r}")
+        if not sep or not key.strip():
+            raise UserError(f"{flag} expects KEY=VALUE, got {item!r}")
         value = _parse_value(value)
         out[key.strip().replace("-", "_")] = list(value) if isinstance(value, tuple) else value
     return out
+
 
 
 DEFAULT_MODEL, DEFAULT_METHOD = "resnet18", "orepa"
@@ -78,18 +124,19 @@ DEFAULT_MODEL, DEFAULT_METHOD = "resnet18", "orepa"
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Model flags. Unset ones (None) come from the checkpoint being resumed/evaluated, else the defaults."""
     g = p.add_argument_group("model (orepa.models.create_model)")
-    g.add_argument("--model", default=None,
+    g.add_argument("-m", "--model", default=None,
                    help=f"architecture name (orepa.models.list_models()); default {DEFAULT_MODEL}")
     g.add_argument("--method", default=None,
                    help="re-param method: base, orepa, orepa-offline, dbb (ResNets); base, repvgg, orepa-vgg, ... "
                         f"(RepVGG); default {DEFAULT_METHOD}")
-    g.add_argument("--width-mult", type=float, default=None,
+    g.add_argument("--width-mult", type=positive_float, default=None,
                    help="multiply every stage width (default 1.0; the Fashion-MNIST default model uses 1.0 too)")
     g.add_argument("--small-input", dest="small_input", action="store_true", default=None,
                    help="CIFAR-style stem (3x3 stride-1 conv, no max-pool); default: on for Fashion-MNIST")
     g.add_argument("--no-small-input", dest="small_input", action="store_false")
-    g.add_argument("--num-classes", type=int, default=None, help="default: the dataset's")
-    g.add_argument("--in-chans", type=int, default=None, help="default: the dataset's (1 for Fashion-MNIST)")
+    g.add_argument("--num-classes", type=positive_int, default=None, help="default: the dataset's")
+    g.add_argument("--in-chans", type=positive_int, default=None,
+                   help="default: the dataset's (1 for Fashion-MNIST)")
     # block options of the model zoo (passed as create_model(**options) only when given)
     g.add_argument("--branches", default=None,
                    help="comma-separated OREPA branches, e.g. kxk,1x1,1x1_avg (table 'components' ablations)")
@@ -110,8 +157,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-deep-stem", dest="deep_stem", action="store_false", help="linear deep stem off")
     g.add_argument("--rep-1x1", dest="rep_1x1", action="store_true", default=None, help="Rep-1x1 on bottleneck 1x1s")
     g.add_argument("--no-rep-1x1", dest="rep_1x1", action="store_false")
-    g.add_argument("--block-opt", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other create_model option (repeatable), e.g. --block-opt post_bn=false")
+    g.add_argument("--model-option", "--block-opt", "--option", dest="model_option", action="append", default=[],
+                   metavar="KEY=VALUE", help="any other create_model option (repeatable), e.g. --model-option "
+                                             "post_bn=false (--block-opt, --option: older spellings)")
 
 
 #: block-option flags copied into create_model(**options) when given
@@ -125,7 +173,7 @@ def block_options_from_args(args: argparse.Namespace) -> dict:
     for key in BLOCK_FLAGS:
         if getattr(args, key, None) is not None:
             opts[key] = getattr(args, key)
-    opts.update(parse_block_options(getattr(args, "block_opt", None)))
+    opts.update(parse_key_values(getattr(args, "model_option", None)))
     return opts
 
 
@@ -140,10 +188,22 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
         value = getattr(args, key, None)
         cfg[key] = value if value is not None else saved.get(key, default)
     options = block_options_from_args(args)
-    cfg["options"] = options if options else dict(saved.get("options", {}))
+    for key in defaults:  # e.g. --model-option width_mult=0.5: a model_cfg key, not a block option
+        if key in options and getattr(args, key, None) is None:
+            cfg[key] = options.pop(key)
+    cfg["options"] = options if options or block_flags_given(args) else dict(saved.get("options", {}))
     cfg["num_classes"], cfg["in_chans"] = int(cfg["num_classes"]), int(cfg["in_chans"])
     cfg["small_input"], cfg["width_mult"] = bool(cfg["small_input"]), float(cfg["width_mult"])
     return cfg
+
+
+def block_flags_given(args: argparse.Namespace) -> bool:
+    return bool(block_options_from_args(args))
+
+
+def model_flags_given(args: argparse.Namespace) -> bool:
+    """Whether any model flag was given (else a checkpoint's model_cfg is used as it is)."""
+    return any(getattr(args, k, None) is not None for k in MODEL_CFG_KEYS[:-1]) or block_flags_given(args)
 
 
 def describe_cfg(cfg: dict) -> str:
@@ -406,11 +466,6 @@ def state_hash(state: dict) -> str:
         h.update(f"{key}:{t.dtype}:{list(state[key].shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice, usually one per core)")
 
 
 def apply_threads(args) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from .common import DistInfo, UserError
+from .common import DistInfo, UserError, nonneg_int, positive_int
 
 FASHION_MNIST_FILES = (
     "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
@@ -61,14 +61,15 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="how to read --data-path (auto: 'fashion-mnist' by name, else ImageFolder)")
     g.add_argument("--cache-dir", default=None,
                    help="where Fashion-MNIST is un-gzipped once (default $OREPA_CACHE or ~/.cache/orepa)")
-    g.add_argument("-j", "--workers", type=int, default=None,
+    g.add_argument("-j", "--workers", type=nonneg_int, default=None,
                    help="data loading processes per rank (default: 0 for Fashion-MNIST on CPU, else min(8, CPUs))")
-    g.add_argument("--train-subset", type=int, default=None, help="train on a fixed random subset of N images")
-    g.add_argument("--val-subset", type=int, default=None, help="evaluate on the first N validation images")
-    g.add_argument("--train-crop-size", type=int, default=224, help="ImageFolder: RandomResizedCrop size")
-    g.add_argument("--val-resize-size", type=int, default=256, help="ImageFolder: validation resize")
-    g.add_argument("--val-crop-size", type=int, default=224, help="ImageFolder: validation centre crop")
-    g.add_argument("--pad-crop", type=int, default=2, help="Fashion-MNIST: zero padding of the random crop")
+    g.add_argument("--train-subset", type=positive_int, default=None,
+                   help="train on a fixed random subset of N images")
+    g.add_argument("--val-subset", type=positive_int, default=None, help="evaluate on the first N validation images")
+    g.add_argument("--train-crop-size", type=positive_int, default=224, help="ImageFolder: RandomResizedCrop size")
+    g.add_argument("--val-resize-size", type=positive_int, default=256, help="ImageFolder: validation resize")
+    g.add_argument("--val-crop-size", type=positive_int, default=224, help="ImageFolder: validation centre crop")
+    g.add_argument("--pad-crop", type=nonneg_int, default=2, help="Fashion-MNIST: zero padding of the random crop")
 
 
 # --------------------------------------------------------------------------- Fashion-MNIST
@@ -195,14 +196,27 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
     val_tf = T.Compose([T.Resize(val_resize, antialias=True), T.CenterCrop(val_crop),
                         T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
     try:
-        train = datasets.ImageFolder(str(root_p / "train"), train_tf) if need_train else None
-        val = datasets.ImageFolder(str(root_p / "val"), val_tf)
+        train = datasets.ImageFolder(str(root_p / "train"), train_tf, loader=load_image) if need_train else None
+        val = datasets.ImageFolder(str(root_p / "val"), val_tf, loader=load_image)
     except (FileNotFoundError, RuntimeError) as exc:
         raise UserError(f"--data-path {root}: {exc}") from None
     if train is not None and train.classes != val.classes:
         raise UserError(f"--data-path {root}: train/ and val/ have different class folders "
                         f"({len(train.classes)} vs {len(val.classes)})")
     return train, val
+
+
+def load_image(path: str):
+    """An RGB PIL image; an unreadable file is a :class:`UserError` naming it (not a worker traceback)."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as exc:  # PIL.UnidentifiedImageError is an OSError
+        raise UserError(f"cannot read image {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]} "
+                        "(remove or replace the file)") from None
 
 
 # --------------------------------------------------------------------------- deterministic sampling

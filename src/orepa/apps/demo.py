@@ -27,24 +27,29 @@ import threading
 import time
 from pathlib import Path
 
-from .common import UserError, available_cpus, fail
+from .common import available_cpus, nonneg_float, positive_float, positive_int
 from .data import prepare_fashion_mnist
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="base,orepa", help="methods to compare (base,orepa)")
     p.add_argument("--model", default="resnet18")
-    p.add_argument("--width-mult", type=float, default=0.125, help="stage width multiplier (0.125: 8-16-32-64)")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--train-subset", type=int, default=None, help="train on N images (default: all 60,000)")
-    p.add_argument("--val-subset", type=int, default=None, help="test on N images (default: all 10,000)")
-    p.add_argument("-b", "--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=None, help="default: 0.1 x batch / 256 (the paper's rule)")
-    p.add_argument("--lr-warmup-epochs", type=float, default=0.1)
+    p.add_argument("--width-mult", type=positive_float, default=0.125,
+                   help="stage width multiplier (0.125: 8-16-32-64)")
+    p.add_argument("--epochs", type=positive_int, default=1)
+    p.add_argument("--train-subset", type=positive_int, default=None, help="train on N images (default: all 60,000)")
+    p.add_argument("--val-subset", type=positive_int, default=None, help="test on N images (default: all 10,000)")
+    p.add_argument("-b", "--batch-size", type=positive_int, default=128)
+    p.add_argument("--lr", type=positive_float, default=None, help="default: 0.1 x batch / 256 (the paper's rule)")
+    p.add_argument("--lr-warmup-epochs", type=nonneg_float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=None,
-                   help="pipelines run at once (default: min(#methods, #CPUs)); each gets #CPUs/jobs threads")
-    p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help="pipelines run at once (default: min(#methods, #CPUs)); each gets --threads/jobs threads")
+    p.add_argument("--device", default=None, help="passed to train and reparam (default: cuda if available)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads of all pipelines together (default: the CPUs available)")
+    p.add_argument("--output-dir", default="runs/demo",
+                   help="where the runs go (runs/demo); a previous demo there is replaced")
     p.add_argument("--cache-dir", default=None, help="Fashion-MNIST cache (default ~/.cache/orepa)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--in-process", action="store_true",
@@ -54,12 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _commands(args, method: str, out: Path, threads: int) -> list[list[str]]:
     orepa = [sys.executable, "-m", "orepa"]
     common = ["--threads", str(threads), "--seed", str(args.seed), "--no-progress"]
+    if args.device:
+        common += ["--device", args.device]
     if args.cache_dir:
         common += ["--cache-dir", args.cache_dir]
     train = [*orepa, "train", "--model", args.model, "--method", method, "--width-mult", f"{args.width_mult:g}",
              "--epochs", str(args.epochs), "-b", str(args.batch_size),
              "--lr-warmup-epochs", f"{args.lr_warmup_epochs:g}", "--no-eval", "--no-tensorboard",
-             "--output-dir", str(out), *common]
+             "--output-dir", str(out), "--overwrite", *common]
     if args.lr is not None:
         train += ["--lr", f"{args.lr:g}"]
     if args.train_subset:
@@ -137,12 +144,9 @@ def _watch(pipes: list[_Pipeline], show: bool) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        prepare_fashion_mnist(args.cache_dir)  # fails early, with the install hint, if the package is missing
-    except UserError as exc:
-        return fail("demo", exc)
+    prepare_fashion_mnist(args.cache_dir)  # fails early, with the install hint, if the package is missing
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    cpus = available_cpus()
+    cpus = args.threads or available_cpus()
     jobs = 1 if args.in_process else args.jobs or max(1, min(len(methods), cpus))
     threads = max(1, cpus // jobs)
     root = Path(args.output_dir)

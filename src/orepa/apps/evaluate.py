@@ -11,27 +11,26 @@ import argparse
 import contextlib
 import json
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import load_checkpoint, model_from_checkpoint
+from .checkpoint import atomic_write_text, load_checkpoint, model_from_checkpoint
 from .common import (
-    BLOCK_FLAGS,
     DistInfo,
     UserError,
     add_model_arguments,
-    add_threads_argument,
+    add_run_arguments,
     apply_threads,
     cleanup_distributed,
     count_params,
     describe_cfg,
-    fail,
     init_distributed,
     model_cfg_from_args,
+    model_flags_given,
     peak_memory,
+    positive_int,
 )
 from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
 
@@ -116,16 +115,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # unset: the data the checkpoint was trained on
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
     add_model_arguments(p)
-    p.add_argument("-b", "--batch-size", type=int, default=256)
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    add_run_arguments(p)
+    p.add_argument("-b", "--batch-size", type=positive_int, default=256)
     p.add_argument("--amp", action="store_true", help="autocast (bf16 on CPU, fp16 on CUDA)")
     p.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--use-ema", action="store_true", help="evaluate the EMA weights of a training checkpoint")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
-    p.add_argument("--seed", type=int, default=0)
-    add_threads_argument(p)
 
 
 def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:
@@ -143,19 +140,25 @@ def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:
 
 
 def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Module, dict, str]:
-    explicit = any(getattr(args, k, None) is not None
-                   for k in ("model", "method", "width_mult", "num_classes", "in_chans", "small_input", "branches",
-                             *BLOCK_FLAGS)) or args.block_opt
+    """The checkpoint's model (its model_cfg, or the model flags given), checked against ``data``."""
     cfg = None
-    if explicit or "model_cfg" not in ckpt:
+    if model_flags_given(args) or "model_cfg" not in ckpt:
         cfg = model_cfg_from_args(args, num_classes=data.num_classes, in_chans=data.in_chans,
                                   small_input=data.small_input, saved=ckpt.get("model_cfg"))
-    return model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
+    model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
+    if cfg["in_chans"] != data.in_chans:
+        raise UserError(f"{args.checkpoint} takes {cfg['in_chans']}-channel images but {data.name} has "
+                        f"{data.in_chans} channel(s); pass the --data-path it was trained on")
+    if cfg["num_classes"] < data.num_classes:
+        raise UserError(f"{args.checkpoint} predicts {cfg['num_classes']} classes but {data.name} has "
+                        f"{data.num_classes}; pass the --data-path it was trained on")
+    return model, cfg, form
 
 
 def run(args: argparse.Namespace) -> int:
     info = DistInfo()
     apply_threads(args)
+    args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     try:
         info, device = init_distributed(args.device)
         ckpt = load_checkpoint(args.checkpoint)
@@ -180,10 +183,8 @@ def run(args: argparse.Namespace) -> int:
                   f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch, peak memory {mem:.0f} MiB "
                   f"[{mem_kind}])")
             if args.json:
-                Path(args.json).write_text(json.dumps(res, indent=2))
+                atomic_write_text(args.json, json.dumps(res, indent=2))
         return 0
-    except UserError as exc:
-        return fail("eval", exc)
     finally:
         cleanup_distributed(info)
 

@@ -21,7 +21,7 @@ the test-suite's reparameterization bound is 1e-5 in the same form). A failed ch
 from __future__ import annotations
 
 import argparse
-import ast
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +29,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import orepa
+from . import checkpoint as ckpt_io
+from .common import (
+    UserError,
+    add_model_arguments,
+    add_run_arguments,
+    apply_threads,
+    build_model,
+    count_params,
+    describe_cfg,
+    init_distributed,
+    model_cfg_from_args,
+    model_flags_given,
+    positive_float,
+    positive_int,
+)
+from .common import deploy as deploy_form
 
 __all__ = ["deploy", "export_onnx", "export_torchscript", "load_checkpoint", "ExportReport",
            "ExportVerificationError", "add_arguments", "run"]
@@ -62,19 +77,15 @@ class ExportReport:
         return "\n".join(lines)
 
 
-def _nparams(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
-
-
 @torch.no_grad()
 def deploy(model: nn.Module) -> nn.Module:
     """The inference form: eval mode, every re-param block a conv, every BN folded (a copy)."""
-    model.eval()
-    return orepa.reparameterize(model, fuse_bn=True).eval()
+    return deploy_form(model.eval(), "deploy-fused")
 
 
 def _check(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) -> None:
-    err = (y.float() - ref.float()).abs().max().item()
+    y, ref = y.float().cpu(), ref.float().cpu()
+    err = (y - ref).abs().max().item()
     bound = report.atol * (1 + ref.abs().max().item())
     report.errors[name], report.bounds[name] = err, bound
     if not err <= bound:  # also catches NaN
@@ -82,9 +93,13 @@ def _check(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) 
                                       f"(= {report.atol:g} * (1 + max|y|)) for {report.path}")
 
 
-def _example(input_shape, seed: int = 0) -> torch.Tensor:
+def _example(input_shape, seed: int = 0, device=None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*input_shape, generator=g)
+    return torch.randn(*input_shape, generator=g).to(device)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters(), torch.empty(0)).device
 
 
 @torch.no_grad()
@@ -104,8 +119,8 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     model.eval()
     deployed = deploy(model)
-    x = _example(input_shape)
-    report = ExportReport(path, "onnx", tuple(input_shape), _nparams(model), _nparams(deployed), atol=atol)
+    x = _example(input_shape, device=_device(model))
+    report = ExportReport(path, "onnx", tuple(input_shape), count_params(model), count_params(deployed), atol=atol)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
@@ -124,9 +139,9 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
         y_train, y_dep = model(x), deployed(x)
         _check(report, "deployed vs training form", y_dep, y_train)
         sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1)] if dynamic_batch else [])
+        xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
         for i, xi in enumerate(xs):
-            y_ort = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: xi.numpy()})[0])
+            y_ort = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0])
             _check(report, f"onnxruntime vs pytorch (batch {xi.shape[0]})", y_ort, deployed(xi) if i else y_dep)
         report.verified = True
     return report
@@ -140,8 +155,9 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     model.eval()
     deployed = deploy(model)
-    x = _example(input_shape)
-    report = ExportReport(path, "torchscript", tuple(input_shape), _nparams(model), _nparams(deployed), atol=atol)
+    x = _example(input_shape, device=_device(model))
+    report = ExportReport(path, "torchscript", tuple(input_shape), count_params(model), count_params(deployed),
+                          atol=atol)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*deprecated.*")
@@ -158,150 +174,92 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
 
 # --------------------------------------------------------------------------- checkpoints
 
-
-def _unwrap_state_dict(obj) -> dict:
-    if isinstance(obj, dict):
-        for key in ("state_dict", "model", "model_state_dict", "model_ema"):
-            inner = obj.get(key)
-            if isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
-                obj = inner
-                break
-    if not (isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values())):
-        raise ValueError("the checkpoint is not a state_dict (nor a dict holding one under "
-                         "'state_dict' / 'model' / 'model_state_dict')")
-    out = {}
-    for k, v in obj.items():
-        for prefix in ("module.", "_orig_mod."):  # DDP / torch.compile wrappers
-            if k.startswith(prefix):
-                k = k[len(prefix):]
-        out[k] = v
-    return out
-
-
-def _mismatch(model: nn.Module, sd: dict) -> str:
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    shapes = [f"{k} {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-              if k in sd and sd[k].shape != v.shape]
-    parts = []
-    for what, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
-        if items:
-            parts.append(f"{len(items)} {what} (e.g. {', '.join(items[:3])})")
-    return "; ".join(parts) or "no key/shape difference"
+#: labels of the model forms a checkpoint may hold
+FORM_NAMES = {"train": "training form", "deploy": "deployed form", "deploy-fused": "deployed form, BN folded"}
 
 
 def load_checkpoint(name: str, method: str, path, **create_kwargs) -> tuple[nn.Module, str]:
     """Build ``create_model(name, method, **create_kwargs)`` and load a checkpoint into it.
 
-    The checkpoint (``torch.load(weights_only=True)``) may be the training form's
-    state_dict, the deployed form's (``reparameterize(model)``: the base layout) or the
-    BN-folded deployed form's (``reparameterize(model, fuse_bn=True)``), optionally
-    wrapped in ``{"state_dict" | "model": ...}`` and with ``module.`` prefixes.
-    Returns ``(model, form)``; raises ValueError naming the differences if nothing matches.
+    The checkpoint (read by :func:`orepa.apps.checkpoint.load_checkpoint`: ``weights_only``,
+    wrappers and ``module.`` prefixes removed) may hold the training form's state_dict, the
+    deployed form's (``reparameterize(model)``: the base layout) or the BN-folded deployed
+    form's. Returns ``(model, form label)``; raises :class:`UserError` naming the differences
+    if no form fits.
     """
-    from orepa.models import create_model
+    common = {k: create_kwargs.pop(k) for k in ("num_classes", "in_chans", "small_input", "width_mult")
+              if k in create_kwargs}
+    cfg = {"model": name, "method": method, "num_classes": int(common.get("num_classes", 1000)),
+           "in_chans": int(common.get("in_chans", 3)), "small_input": bool(common.get("small_input", False)),
+           "width_mult": float(common.get("width_mult", 1.0)), "options": dict(create_kwargs)}
+    ckpt = ckpt_io.load_checkpoint(path)
+    model, _, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg)
+    return model, FORM_NAMES[form]
 
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle of non-tensor objects, missing file, ...
-        raise ValueError(f"cannot load checkpoint {path} with torch.load(weights_only=True): {exc}") from exc
-    sd = _unwrap_state_dict(obj)
-    candidates = [("training form", lambda: create_model(name, method, **create_kwargs))]
-    if method != "base":
-        candidates.append(("deployed form", lambda: create_model(name, "base", **create_kwargs)))
-    candidates.append(("deployed form, BN folded",
-                       lambda: orepa.reparameterize(create_model(name, "base", **create_kwargs).eval(), fuse_bn=True)))
-    why = []
-    for form, build in candidates:
-        model = build()
-        own = model.state_dict()
-        if set(own) == set(sd) and all(own[k].shape == sd[k].shape for k in own):
-            model.load_state_dict(sd, strict=True)
-            return model, form
-        why.append(f"{form}: {_mismatch(model, sd)}")
-    raise ValueError(f"checkpoint {path} does not match {name} / {method} "
-                     f"(options {create_kwargs}):\n  " + "\n  ".join(why))
+
+def input_size_of(ckpt: dict) -> int | None:
+    """The image size a checkpoint's training run used (28 for Fashion-MNIST), if it says."""
+    saved = ckpt.get("args") or {}
+    if not saved:
+        return None
+    from .data import FASHION_MNIST_NAMES
+
+    if str(saved.get("data_path", "fashion-mnist")).lower() in FASHION_MNIST_NAMES or saved.get("dataset") == \
+            "fashion-mnist":
+        return 28
+    return int(saved.get("val_crop_size") or 224)
 
 
 # --------------------------------------------------------------------------- CLI
 
 
-def _parse_option(text: str) -> tuple[str, object]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"--option expects key=value, got {text!r}")
-    key, value = text.split("=", 1)
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="zoo model name (orepa.models.list_models()); default: the checkpoint's model_cfg")
-    p.add_argument("--method", default=None,
-                   help="re-param method the checkpoint was trained with (default: the checkpoint's, else base)")
-    p.add_argument("--checkpoint", default=None,
-                   help="state_dict (training form, deployed form, or deployed with BN folded), bare or inside an "
-                        "orepa checkpoint; default: random init")
-    p.add_argument("--num-classes", type=int, default=None, help="default: the checkpoint's, else 1000")
-    p.add_argument("--in-chans", type=int, default=None, help="default: the checkpoint's, else 3")
-    p.add_argument("--input-size", type=int, default=224, help="height = width of the example input")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--small-input", dest="small_input", action="store_true", default=None,
-                   help="CIFAR-style stem (as the model was trained); default: the checkpoint's, else off")
-    p.add_argument("--width-mult", type=float, default=None, help="default: the checkpoint's, else 1.0")
-    p.add_argument("--option", action="append", type=_parse_option, default=[], metavar="KEY=VALUE",
-                   help="further create_model option, e.g. --option preset=online-only (repeatable)")
-    p.add_argument("--output", default=None, help="output file (default: {model}_{method}.onnx / .pt)")
+    p.add_argument("checkpoint", nargs="?", default=None,
+                   help="an orepa checkpoint or a state_dict (training form, deployed form, or deployed with BN "
+                        "folded), bare or wrapped; default: a randomly initialised --model")
+    p.add_argument("--checkpoint", dest="checkpoint_opt", default=None, metavar="CHECKPOINT",
+                   help=argparse.SUPPRESS)  # the older spelling of the positional argument
+    add_model_arguments(p)
+    add_run_arguments(p, seed=False)
+    p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}.onnx / .pt)")
+    p.add_argument("--input-size", type=positive_int, default=None,
+                   help="height = width of the example input (default: the checkpoint's training size, "
+                        "28 for Fashion-MNIST; else 224)")
+    p.add_argument("-b", "--batch-size", type=positive_int, default=1)
     p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx")
-    p.add_argument("--opset", type=int, default=17)
+    p.add_argument("--opset", type=positive_int, default=17)
     p.add_argument("--dynamo", action="store_true", help="ONNX: use the torch.export-based exporter")
-    p.add_argument("--atol", type=float, default=1e-4, help="verification bound: atol * (1 + max|y|)")
+    p.add_argument("--atol", type=positive_float, default=1e-4, help="verification bound: atol * (1 + max|y|)")
     p.add_argument("--no-verify", action="store_true")
 
 
-def _saved_cfg(path) -> dict:
-    """``model_cfg`` of an orepa checkpoint (apps.checkpoint format), else {}."""
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:
-        return {}
-    cfg = obj.get("model_cfg") if isinstance(obj, dict) else None
-    return dict(cfg) if isinstance(cfg, dict) else {}
-
-
 def run(args: argparse.Namespace) -> int:
-    from orepa.models import create_model
-
-    saved = _saved_cfg(args.checkpoint) if args.checkpoint else {}
-    name = args.model or saved.get("model")
-    if name is None:
-        print("error: --model is required (the checkpoint has no model_cfg)")
-        return 2
-    method = args.method or saved.get("method", "base")
-    kwargs = dict(saved.get("options") or {}) if name == saved.get("model") else {}
-    kwargs.update(dict(args.option))
-    for key, default in (("num_classes", 1000), ("in_chans", 3), ("small_input", False), ("width_mult", 1.0)):
-        value = getattr(args, key)
-        if value is not None:
-            kwargs[key] = value
-        elif key not in kwargs:
-            kwargs[key] = saved.get(key, default)
-    try:
-        if args.checkpoint:
-            model, form = load_checkpoint(name, method, args.checkpoint, **kwargs)
-            print(f"loaded {args.checkpoint} as the {form} of {name} / {method}")
-        else:
-            model = create_model(name, method, **kwargs)
-            print(f"no --checkpoint: exporting a randomly initialised {name} / {method}")
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
-    shape = (args.batch_size, kwargs["in_chans"], args.input_size, args.input_size)
-    suffix = ".onnx" if args.format == "onnx" else ".pt"
-    out = args.output or f"{name}_{method}{suffix}"
+    apply_threads(args)
+    device = init_distributed(args.device)[1]
+    path = args.checkpoint or args.checkpoint_opt
+    ckpt = ckpt_io.load_checkpoint(path) if path else {}
+    if path:
+        cfg = None
+        if model_flags_given(args) or "model_cfg" not in ckpt:
+            if args.model is None and "model_cfg" not in ckpt:
+                raise UserError(f"{path} is a bare state_dict: pass --model (and --method, --num-classes, "
+                                "--in-chans, ... as it was trained) to say what it holds")
+            cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False,
+                                      saved=ckpt.get("model_cfg"))
+        model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg)
+        print(f"loaded {path} as the {FORM_NAMES[form]} of {describe_cfg(cfg)}")
+    else:
+        if args.model is None:
+            raise UserError("give a checkpoint, or --model for a randomly initialised zoo model")
+        cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)
+        model = build_model(cfg)
+        print(f"no checkpoint: exporting a randomly initialised {describe_cfg(cfg)}")
+    size = args.input_size or input_size_of(ckpt) or 224
+    shape = (args.batch_size, cfg["in_chans"], size, size)
+    out = Path(args.output or f"{cfg['model']}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
+    if path and out.resolve() == Path(path).resolve():
+        raise UserError(f"--output {out} is the input checkpoint; export never writes over its input")
+    model.to(device)
     try:
         if args.format == "onnx":
             report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.atol,
@@ -309,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             report = export_torchscript(model, out, shape, verify=not args.no_verify, atol=args.atol)
     except ExportVerificationError as exc:
-        print(f"error: verification failed: {exc}")
+        print(f"orepa export: error: verification failed: {exc}", file=sys.stderr, flush=True)
         return 1
     print(report)
     return 0

@@ -8,16 +8,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+from .checkpoint import atomic_write
+from .checkpoint import atomic_write_text as _atomic_write
 
 
 def write_history(out_dir: Path, history: list[dict]) -> None:
@@ -106,10 +100,8 @@ def save_figure(fig, path, dpi: int = 110) -> Path:
     """Write ``fig`` to ``path`` atomically (temp file + rename) and close it."""
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=dpi)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    fmt = Path(path).suffix.lstrip(".") or None
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, dpi=dpi, format=fmt))
+    finally:
+        plt.close(fig)

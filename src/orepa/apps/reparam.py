@@ -7,24 +7,29 @@ the training-form and the deployed model on the validation set (or ``--val-subse
 images of it) and checks that the logits agree to float32 tolerance
 (max |diff| <= ``--rtol`` x (1 + max |logit|)); it reports both accuracies and how
 many predictions differ. Exit code 1 if the outputs disagree.
+
+It never writes over its input, nor replaces a file that is not a deployed checkpoint
+(e.g. a training checkpoint) unless ``--overwrite`` is given.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
-from .checkpoint import args_dict, load_checkpoint, save_checkpoint
+from .checkpoint import args_dict, atomic_write_text, load_checkpoint, model_from_checkpoint, save_checkpoint
 from .common import (
     UserError,
-    add_threads_argument,
+    add_run_arguments,
     apply_threads,
     count_params,
     deploy,
     describe_cfg,
-    fail,
     full_float32,
     init_distributed,
+    positive_float,
+    positive_int,
 )
 from .data import add_data_arguments, build_data, val_loader
 from .evaluate import checkpoint_model, data_args_from_checkpoint, evaluate
@@ -34,23 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a training checkpoint written by `orepa train`")
     p.add_argument("-o", "--output", default=None,
                    help="deployed checkpoint to write (default: <checkpoint dir>/deployed[-fused].pth)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output even when it is not a deployed checkpoint (never the input)")
     p.add_argument("--fuse-bn", action="store_true", help="also fold every BN into its conv (fastest inference)")
     p.add_argument("--use-ema", action="store_true", help="deploy the EMA weights")
-    p.add_argument("--rtol", type=float, default=1e-4,
+    p.add_argument("--rtol", type=positive_float, default=1e-4,
                    help="verification tolerance: max|diff| <= rtol * (1 + max|logit|) (1e-4)")
     p.add_argument("--no-verify", action="store_true", help="skip the verification on data")
     add_data_arguments(p)
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
-    p.add_argument("-b", "--batch-size", type=int, default=256)
-    p.add_argument("--device", default=None)
+    p.add_argument("-b", "--batch-size", type=positive_int, default=256)
+    add_run_arguments(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
-    p.add_argument("--seed", type=int, default=0)
-    add_threads_argument(p)
-    for key in ("model", "method", "width_mult", "num_classes", "in_chans", "small_input", "branches",
-                "preset", "scaling", "freq_prior", "dw_sep", "post_bn", "deep_stem", "rep_1x1"):
-        p.set_defaults(**{key: None})
-    p.set_defaults(block_opt=[])
 
 
 def verify(model, deployed, loader, device, rtol: float, progress: bool = False) -> dict:
@@ -68,11 +69,30 @@ def verify(model, deployed, loader, device, rtol: float, progress: bool = False)
             "train_form_s_per_batch": a["time_per_batch_s"], "deployed_s_per_batch": b["time_per_batch_s"]}
 
 
+def _check_output(out: Path, args) -> None:
+    if out.resolve() == Path(args.checkpoint).resolve():
+        raise UserError(f"--output {out} is the input checkpoint; reparam never writes over its input "
+                        "(choose another --output)")
+    if out.exists() and not args.overwrite:
+        try:
+            form = load_checkpoint(out).get("form")
+        except UserError:
+            form = None
+        if form not in ("deploy", "deploy-fused"):
+            raise UserError(f"--output {out} exists and is not a deployed checkpoint "
+                            f"({'a ' + form + ' checkpoint' if form else 'not an orepa checkpoint'}); "
+                            "pass --overwrite to replace it, or choose another --output")
+
+
 def reparam(args: argparse.Namespace) -> dict:
     apply_threads(args)
+    args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     info, device = init_distributed(args.device)
     if info.distributed:
         raise UserError("orepa reparam runs in one process (no torchrun)")
+    out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
+        "deployed-fused.pth" if args.fuse_bn else "deployed.pth")
+    _check_output(out, args)
     ckpt = load_checkpoint(args.checkpoint)
     if ckpt.get("form", "train") != "train":
         raise UserError(f"{args.checkpoint} is already deployed ({ckpt['form']})")
@@ -83,8 +103,6 @@ def reparam(args: argparse.Namespace) -> dict:
         cfg = ckpt.get("model_cfg")
         if cfg is None:
             raise UserError(f"{args.checkpoint} is a bare state_dict; reparam needs an orepa training checkpoint")
-        from .checkpoint import model_from_checkpoint
-
         model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, use_ema=args.use_ema)
     else:
         model, cfg, form = checkpoint_model(args, ckpt, data)
@@ -98,8 +116,6 @@ def reparam(args: argparse.Namespace) -> dict:
     if need_data:
         res.update(verify(model, deployed, val_loader(data, args, info, device), device, args.rtol,
                           progress=not args.no_progress))
-    out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
-        "deployed-fused.pth" if args.fuse_bn else "deployed.pth")
     if need_data and not res["outputs_match"]:
         res["output"] = None
         return res
@@ -115,10 +131,7 @@ def reparam(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        res = reparam(args)
-    except UserError as exc:
-        return fail("reparam", exc)
+    res = reparam(args)
     print(f"{res['checkpoint']}: {res['model']}")
     print(f"  params {res['params_train']:,} (training form) -> {res['params_deployed']:,} ({res['form']})")
     if "n" in res:
@@ -127,11 +140,11 @@ def run(args: argparse.Namespace) -> int:
               f"max |logit diff| {res['max_abs_diff']:.2e} (tolerance {res['tolerance']:.2e})")
     if res.get("output") is None:
         print("orepa reparam: error: the deployed model's outputs differ from the training form's beyond the "
-              "tolerance; nothing written", flush=True)
+              "tolerance; nothing written", file=sys.stderr, flush=True)
         return 1
     print(f"  wrote {res['output']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+        atomic_write_text(args.json, json.dumps(res, indent=2))
     return 0
 
 

@@ -13,12 +13,26 @@ parameters, biases and the branch scaling vectors; fixed filters are buffers).
 Run outputs (rank 0 only) in ``--output-dir``: ``checkpoint.pth`` (latest, written
 atomically; ``--resume`` it), ``log.jsonl`` / ``log.csv`` (one row per epoch),
 ``curves.png``, ``summary.json`` and TensorBoard scalars when tensorboard is installed.
+A directory that holds a run is not trained into again without ``--resume`` (continue
+it) or ``--overwrite`` (replace it).
+
+Resume: ``orepa train --resume DIR/checkpoint.pth`` alone continues that run in DIR with
+the settings it was started with (all but the per-session ones: budgets, device, threads,
+workers, output verbosity). Flags given explicitly override the saved settings, are
+printed as overrides and take effect: a new ``--lr`` (or ``--epochs``, warm-up, ...)
+rescales the schedule from the current step, ``--wd`` / ``--momentum`` replace the
+optimizer's. Overrides that cannot apply are refused: another model, other data, another
+batch size (the position in the run is counted in its steps), fewer epochs than done.
+
+Divergence: a non-finite loss stops the run, and no checkpoint is written unless every
+parameter, buffer (BN statistics), optimizer state and EMA tensor is finite, so the
+kept checkpoint is the last good state; resume it with a lower ``--lr``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +44,7 @@ from torch import nn
 
 from .checkpoint import (
     args_dict,
+    atomic_write_text,
     cfg_mismatch,
     load_checkpoint,
     load_model_state,
@@ -41,7 +56,7 @@ from .common import (
     DistInfo,
     UserError,
     add_model_arguments,
-    add_threads_argument,
+    add_run_arguments,
     apply_threads,
     build_model,
     build_model_form,
@@ -53,7 +68,11 @@ from .common import (
     init_distributed,
     make_sgd,
     model_cfg_from_args,
+    nonneg_float,
+    nonneg_int,
     peak_memory,
+    positive_float,
+    positive_int,
     seed_everything,
     split_params,
     state_hash,
@@ -73,28 +92,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_arguments(p)
     add_model_arguments(p)
     g = p.add_argument_group("optimisation (defaults: the paper's recipe)")
-    g.add_argument("--epochs", type=int, default=120, help="total epochs (120)")
-    g.add_argument("-b", "--batch-size", type=int, default=64,
+    g.add_argument("--epochs", type=positive_int, default=120, help="total epochs (120)")
+    g.add_argument("-b", "--batch-size", type=positive_int, default=64,
                    help="images per process (64; the paper: global 256 = 4 GPUs x 64)")
-    g.add_argument("--lr", type=float, default=None,
+    g.add_argument("--lr", type=positive_float, default=None,
                    help="peak learning rate (default: 0.1 x global batch / 256, the paper's rule)")
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=float, default=1e-4,
+    g.add_argument("--momentum", type=nonneg_float, default=0.9)
+    g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=nonneg_float, default=1e-4,
                    help="weight decay of conv/linear weights (1e-4)")
-    g.add_argument("--norm-weight-decay", type=float, default=0.0,
+    g.add_argument("--norm-weight-decay", type=nonneg_float, default=0.0,
                    help="weight decay of BN parameters and biases (0: none, as in the paper)")
-    g.add_argument("--scale-weight-decay", type=float, default=0.0,
+    g.add_argument("--scale-weight-decay", type=nonneg_float, default=0.0,
                    help="weight decay of the OREPA branch scaling vectors (0: they play the branch BNs' role; "
                         "see docs/training.md)")
     g.add_argument("--lr-scheduler", default="cosineannealinglr",
                    choices=["cosineannealinglr", "cosine", "steplr", "step", "constant"])
-    g.add_argument("--lr-warmup-epochs", type=float, default=5.0, help="linear warm-up epochs (5; fractions ok)")
-    g.add_argument("--lr-warmup-decay", type=float, default=0.01, help="warm-up starts at lr x this (0.01)")
-    g.add_argument("--lr-min", type=float, default=0.0, help="cosine floor")
-    g.add_argument("--lr-step-size", type=int, default=30, help="steplr: epochs per decay")
-    g.add_argument("--lr-gamma", type=float, default=0.1, help="steplr: decay factor")
-    g.add_argument("--label-smoothing", type=float, default=0.0)
-    g.add_argument("--clip-grad-norm", type=float, default=None, help="clip the gradient norm (off)")
+    g.add_argument("--lr-warmup-epochs", type=nonneg_float, default=5.0,
+                   help="linear warm-up epochs (5; fractions ok)")
+    g.add_argument("--lr-warmup-decay", type=nonneg_float, default=0.01, help="warm-up starts at lr x this (0.01)")
+    g.add_argument("--lr-min", type=nonneg_float, default=0.0, help="cosine floor")
+    g.add_argument("--lr-step-size", type=positive_int, default=30, help="steplr: epochs per decay")
+    g.add_argument("--lr-gamma", type=positive_float, default=0.1, help="steplr: decay factor")
+    g.add_argument("--label-smoothing", type=nonneg_float, default=0.0)
+    g.add_argument("--clip-grad-norm", type=positive_float, default=None, help="clip the gradient norm (off)")
     g = p.add_argument_group("speed and memory")
     g.add_argument("--amp", action="store_true", help="mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
     g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
@@ -105,25 +125,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "is bound by launching its many small kernels on fast GPUs")
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights")
-    g.add_argument("--model-ema-steps", type=int, default=32, help="EMA update every N steps (32)")
-    g.add_argument("--model-ema-decay", type=float, default=0.99998,
+    g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
+    g.add_argument("--model-ema-decay", type=nonneg_float, default=0.99998,
                    help="EMA decay per step at batch 1 (adjusted like torchvision's reference script)")
-    g = p.add_argument_group("run")
-    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available); under "
-                                                  "torchrun each process takes cuda:LOCAL_RANK")
-    g.add_argument("--seed", type=int, default=0, help="model init, data order and augmentation (0)")
-    add_threads_argument(g)
-    g.add_argument("--output-dir", default=None, help="default runs/<data>-<model>-<method>")
-    g.add_argument("--resume", default=None, help="continue from a training checkpoint (model, optimizer, "
-                                                  "scheduler, scaler, epoch, position in the epoch, RNG)")
+    add_run_arguments(p)
+    g = p.add_argument_group("outputs, checkpoints and budgets")
+    g.add_argument("--output-dir", default=None,
+                   help="default runs/<data>-<model>-<method>; with --resume: the checkpoint's directory")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run an --output-dir already holds (default: refuse)")
+    g.add_argument("--resume", default=None,
+                   help="continue the run of a training checkpoint (model, optimizer, scheduler, scaler, epoch, "
+                        "position in the epoch, RNG) with its settings; flags given override them")
     g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
-    g.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: epoch ends only)")
+    g.add_argument("--save-every", type=nonneg_int, default=0,
+                   help="also checkpoint every N steps (0: epoch ends only)")
     g.add_argument("--keep-epoch-checkpoints", action="store_true", help="keep model_<epoch>.pth of every epoch")
-    g.add_argument("--max-steps", type=int, default=None,
+    g.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many optimizer steps in total, checkpointing (a budget; resume later)")
-    g.add_argument("--time-limit", type=float, default=None, metavar="MIN",
+    g.add_argument("--time-limit", type=positive_float, default=None, metavar="MIN",
                    help="stop (and checkpoint) after this many minutes; --resume continues exactly")
-    g.add_argument("--print-freq", type=int, default=10, help="progress-bar update every N steps")
+    g.add_argument("--print-freq", type=positive_int, default=10, help="progress-bar update every N steps")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs even if installed")
     g.add_argument("--no-eval", action="store_true", help="skip the per-epoch evaluation")
@@ -183,13 +205,75 @@ def _sync_buffers(model: nn.Module, info: DistInfo) -> None:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(path)
+    import json
+
+    atomic_write_text(path, json.dumps(obj))
 
 
-def _params_finite(model: nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema=None) -> str | None:
+    """Name of the first parameter, buffer, optimizer-state or EMA tensor holding NaN/inf, else None."""
+    named = [(f"parameter {n}", t) for n, t in model.named_parameters()]
+    named += [(f"buffer {n}", t) for n, t in model.named_buffers()]
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, st in optimizer.state.items():
+            named += [(f"optimizer {k} of {names.get(id(p), '?')}", v) for k, v in st.items()
+                      if isinstance(v, torch.Tensor)]
+    if ema is not None:
+        named += [(f"EMA {n}", t) for n, t in ema.module.state_dict().items()]
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+#: flags of one session, never taken from the checkpoint on --resume
+SESSION_FLAGS = frozenset({"resume", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
+                           "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
+                           "given", "command"})
+#: settings a resumed run cannot change: the position in the run is counted in their units
+FIXED_ON_RESUME = ("batch_size", "data_path", "dataset", "train_subset")
+#: flags files in a run directory that mark it as holding a run
+RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
+
+
+def _given(args: argparse.Namespace) -> frozenset[str]:
+    """Flags given explicitly: ``args.given`` (set by ``orepa``), else those that differ from the defaults."""
+    if getattr(args, "given", None) is not None:
+        return frozenset(args.given)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    defaults = vars(p.parse_args([]))
+    return frozenset(k for k, v in vars(args).items() if k in defaults and defaults[k] != v)
+
+
+def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespace, list[str]]:
+    """This command's settings on ``--resume``: the checkpoint's run settings, except the flags given
+    explicitly (overrides) and the per-session ones. Returns ``(settings, override descriptions)``."""
+    given = _given(args)
+    saved = ckpt.get("args") or {}
+    out = argparse.Namespace(**vars(args))
+    overrides = []
+    for key, value in saved.items():
+        if key in SESSION_FLAGS or not hasattr(args, key):
+            continue
+        if key in given:
+            if value != getattr(args, key):
+                if key in FIXED_ON_RESUME:
+                    raise UserError(
+                        f"--resume {args.resume}: --{key.replace('_', '-')} {getattr(args, key)} cannot apply to "
+                        f"this run (it was started with {value!r}; the position in the run is counted in its "
+                        "steps and data); start a new run with another --output-dir instead")
+                overrides.append(f"{key} {value!r} -> {getattr(args, key)!r}")
+        else:
+            setattr(out, key, value)
+    if "output_dir" not in given:
+        out.output_dir = str(Path(args.resume).parent)
+    done = int(ckpt.get("epoch", 0)) + (int(ckpt.get("step_in_epoch", 0)) > 0)  # begun epochs
+    if out.epochs < done:
+        raise UserError(f"--resume {args.resume}: --epochs {out.epochs} is fewer than the {done} epoch(s) this run "
+                        "has begun")
+    return out, overrides
 
 
 # --------------------------------------------------------------------------- the run
@@ -197,7 +281,7 @@ def _params_finite(model: nn.Module) -> bool:
 
 class Trainer:
     def __init__(self, args: argparse.Namespace):
-        self.args = args
+        self.args = argparse.Namespace(**vars(args))  # resume and defaults fill this copy, not the caller's
         self._last_progress = 0.0
         self.info, self.device = init_distributed(args.device)
         self.main = self.info.is_main
@@ -221,6 +305,7 @@ class Trainer:
                 raise UserError(f"--cuda-graphs {why}")
         self.graphs_captured = False
         self.resume_ckpt = None
+        self.overrides: list[str] = []
         saved_cfg = None
         if args.resume:
             self.resume_ckpt = load_checkpoint(args.resume)
@@ -229,6 +314,8 @@ class Trainer:
                                 f"{self.resume_ckpt.get('form', 'bare')} weights without optimizer state); "
                                 "use `orepa eval` for it, or resume from a checkpoint.pth written by `orepa train`")
             saved_cfg = self.resume_ckpt.get("model_cfg")
+            self.args, self.overrides = resumed_args(args, self.resume_ckpt)
+            args = self.args
         self.data = build_data(args)
         self.cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
                                        small_input=self.data.small_input, saved=saved_cfg)
@@ -239,11 +326,9 @@ class Trainer:
             args.output_dir = f"runs/{self.data.name}-{self.cfg['model']}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
         self.ckpt_path = self.out / "checkpoint.pth"
+        self._check_output_dir()
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
-            if self.ckpt_path.exists() and not args.resume:
-                print(f"note: {self.ckpt_path} exists and will be overwritten (pass --resume {self.ckpt_path} to "
-                      "continue that run)", flush=True)
 
         global_batch = args.batch_size * info.world_size
         if args.lr is None:
@@ -290,15 +375,45 @@ class Trainer:
             train_model = torch.compile(train_model)
         self.train_model = train_model
 
+    def _check_output_dir(self) -> None:
+        """Refuse to train into a directory holding another run unless --overwrite (then clear its files)."""
+        args = self.args
+        found = [n for n in RUN_FILES if (self.out / n).exists()] + sorted(p.name for p in self.out.glob("model_*.pth"))
+        if not found:
+            return
+        if args.resume and Path(args.resume).resolve().parent == self.out.resolve():
+            return  # continuing the run that lives here
+        if not args.overwrite:
+            what = f"a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
+            hint = f"continue it with --resume {self.ckpt_path}, " if (self.out / "checkpoint.pth").exists() else ""
+            raise UserError(f"--output-dir {self.out} already holds {what}; {hint}replace it with --overwrite, "
+                            "or choose another --output-dir")
+        if self.main:
+            for name in found:
+                (self.out / name).unlink(missing_ok=True)
+            shutil.rmtree(self.out / "tb", ignore_errors=True)
+            self.log(f"note: --overwrite: removed the previous run's {', '.join(found)} from {self.out}")
+
     def _restore(self, ckpt: dict) -> None:
         args = self.args
         load_model_state(self.model, ckpt["model"], path=args.resume, built=describe_cfg(self.cfg),
                          saved=describe_cfg(ckpt["model_cfg"]) if ckpt.get("model_cfg") else None)
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+                 for g in self.optimizer.param_groups]
         try:
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.scheduler.load_state_dict(ckpt["lr_scheduler"])
         except (ValueError, KeyError, RuntimeError) as exc:
             raise UserError(f"--resume {args.resume}: optimizer/scheduler state does not fit ({exc})") from None
+        # this command's settings take effect (unchanged ones give back exactly the saved values):
+        # weight decay and momentum per group, and the schedule of --lr/--epochs/warm-up at this step
+        factor = lr_factor_fn(args, self.iters_per_epoch)
+        step = self.scheduler.last_epoch
+        for g, h in zip(self.optimizer.param_groups, hyper):
+            g.update(h)
+            g["initial_lr"], g["lr"] = args.lr, args.lr * factor(step)
+        self.scheduler.base_lrs = [args.lr] * len(self.optimizer.param_groups)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         if self.scaler is not None and ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         if self.ema is not None:
@@ -314,25 +429,23 @@ class Trainer:
         if "rng" in ckpt:
             set_rng_state(ckpt["rng"])
         saved = ckpt.get("args") or {}
-        differ = [f"{k} {saved[k]!r} -> {getattr(args, k)!r}" for k in
-                  ("batch_size", "epochs", "lr", "seed", "train_subset", "weight_decay", "lr_warmup_epochs",
-                   "lr_scheduler", "amp")
-                  if k in saved and saved[k] != getattr(args, k)]
         if saved.get("world_size") not in (None, self.info.world_size):
-            differ.append(f"world size {saved['world_size']} -> {self.info.world_size}")
-        if differ:
-            self.log("warning: resuming with different settings (" + ", ".join(differ) +
-                     "): the result will differ from an uninterrupted run")
+            self.overrides.append(f"world size {saved['world_size']} -> {self.info.world_size}")
         self.log(f"resumed {args.resume}: epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}, "
-                 f"global step {self.state.global_step}")
+                 f"global step {self.state.global_step}, with its settings; "
+                 + (f"overrides: {', '.join(self.overrides)}" if self.overrides else "no overrides"))
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, reason: str) -> Path | None:
         """Save (rank 0) the current position. Collective: every rank must call it at the same step."""
         _sync_buffers(self.model, self.info)
-        if not _params_finite(self.model):
-            raise NonFiniteLoss(f"the weights became non-finite at global step {self.state.global_step} "
-                                f"({reason} checkpoint skipped)")
+        bad = first_nonfinite(self.model, self.optimizer, self.ema)
+        flag = torch.tensor([float(bad is not None)], device=self.device)
+        if self.info.distributed:
+            dist.all_reduce(flag)
+        if flag.item() > 0:
+            raise NonFiniteLoss(f"{bad or 'a tensor on another rank'} became non-finite by global step "
+                                f"{self.state.global_step} ({reason} checkpoint not written)")
         sums = torch.tensor(self.state.sums, dtype=torch.float64)
         if self.info.distributed:
             dist.all_reduce(sums)
@@ -575,14 +688,16 @@ class Trainer:
             "global_batch": self.global_batch, "world_size": info.world_size, "device": str(self.device),
             "peak_memory_mib": mem, "peak_memory_kind": mem_kind,
             "params_train": self.params_train, "params_deploy": self.params_deploy,
-            "checkpoint": str(self.ckpt_path), "output_dir": str(self.out),
+            "checkpoint": str(self.ckpt_path) if self.ckpt_path.exists() else None, "output_dir": str(self.out),
             "weights_sha256": mine, "ranks_in_sync": len(set(hashes)) == 1, "rank_weights_sha256": hashes,
         }
         for k in ("val_acc1", "val_acc5", "val_loss", "ema_val_acc1", "ema_val_acc5"):
             if k in last:
                 out[k] = last[k]
         if self.main:
-            (self.out / "summary.json").write_text(json.dumps(out, indent=2))
+            import json
+
+            atomic_write_text(self.out / "summary.json", json.dumps(out, indent=2))
             print_summary(out)
         return out
 
@@ -601,7 +716,7 @@ def print_summary(s: dict) -> None:
              ("params", f"{s['params_train']:,} training form, {s['params_deploy']:,} deployed")]
     if s["world_size"] > 1:
         rows.append(("ranks in sync", "yes (bit-identical weights)" if s["ranks_in_sync"] else "NO"))
-    rows.append(("checkpoint", s["checkpoint"]))
+    rows.append(("checkpoint", s["checkpoint"] or "none written"))
     w = max(len(k) for k, _ in rows)
     print("summary:")
     for k, v in rows:
@@ -614,6 +729,7 @@ def test_only(args: argparse.Namespace) -> dict:
 
     if not args.resume:
         raise UserError("--test-only evaluates the checkpoint given with --resume")
+    args = argparse.Namespace(**vars(args))
     info, device = init_distributed(args.device)
     try:
         ckpt = load_checkpoint(args.resume)
@@ -646,10 +762,12 @@ def train(args: argparse.Namespace) -> dict:
             return trainer.fit()
         except NonFiniteLoss as exc:
             last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
-            where = (f"the last good checkpoint is {last} (kept unchanged)" if last
-                     else "no checkpoint had been written yet")
-            raise NonFiniteLoss(f"{exc}: training stopped; {where}. Try a lower --lr, --clip-grad-norm, or no "
-                                "--amp, then --resume.") from None
+            lower = f"{trainer.args.lr / 10:g}"
+            where = (f"the last good checkpoint is {last} (kept unchanged, finite); continue it with e.g. "
+                     f"--resume {last} --lr {lower} (or --clip-grad-norm, or without --amp)" if last
+                     else f"no checkpoint had been written yet; start again with e.g. --lr {lower} or "
+                          "--clip-grad-norm")
+            raise NonFiniteLoss(f"{exc}: training stopped; {where}") from None
     finally:
         cleanup_distributed(trainer.info)
 
@@ -658,8 +776,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         train(args)
         return 0
-    except UserError as exc:
-        return fail("train", exc)
     except NonFiniteLoss as exc:
-        print(f"orepa train: error: {exc}", file=sys.stderr, flush=True)
+        fail("train", exc)
         return EXIT_NONFINITE

@@ -1,0 +1,234 @@
+"""Fault injection: kill -9 during training and during a checkpoint write, hostile pickles,
+bad inputs, divergence. Tiny Fashion-MNIST runs (ResNet-18 at 1/16 width, 64 images,
+batches of 16: 4 steps per epoch), one torch thread, so two runs are bit-identical.
+
+(timm's ``reparameterize_model`` on every zoo model is in test_timm.py.)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from orepa.apps import data, train
+from orepa.cli import main
+
+TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
+        "--lr-warmup-epochs", "0.5", "--no-progress", "--no-tensorboard", "--quiet", "--threads", "1", "--no-eval"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    if not Path(data.FASHION_MNIST_SOURCE, "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip("dataset-fashion-mnist is not installed")
+    root = tmp_path_factory.mktemp("fmnist-cache")
+    data.prepare_fashion_mnist(root)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def reference(cache, tmp_path_factory) -> dict:
+    """An uninterrupted 2-epoch run (8 steps)."""
+    out = tmp_path_factory.mktemp("reference")
+    assert main(["train", *TINY, "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+    return _load(out / "checkpoint.pth")
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _assert_same_run(a: dict, b: dict) -> None:
+    assert a["global_step"] == b["global_step"] and a["epoch"] == b["epoch"]
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"]) for i in sa)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert a["lr_scheduler"] == b["lr_scheduler"]
+
+
+def _env() -> dict:
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def test_kill_9_during_training_then_resume_is_bit_identical(cache, reference, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "orepa", "train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache,
+           "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpt = out / "checkpoint.pth"
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ckpt.exists() and _load(ckpt)["global_step"] >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed: " + proc.stderr.read().decode()[-2000:]
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = _load(ckpt)["global_step"]
+    assert 2 <= killed_at < 8
+    # --resume alone: same directory, same settings
+    assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet", "--threads", "1"]) == 0
+    _assert_same_run(reference, _load(ckpt))
+
+
+KILL_ON_THIRD_SAVE = """
+import os, signal, sys, torch
+calls = {"n": 0}
+real_save = torch.save
+def save(obj, f, *a, **k):
+    calls["n"] += 1
+    if calls["n"] == 3:          # the third checkpoint: half of it on disk, then kill -9
+        f.write(b"PK\\x03\\x04 half a checkpoint")
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *a, **k)
+torch.save = save
+from orepa.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(cache, reference, tmp_path):
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache, "--output-dir", str(out)]
+    proc = subprocess.run([sys.executable, "-c", KILL_ON_THIRD_SAVE, *argv], env=_env(), capture_output=True,
+                          timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    ckpt = out / "checkpoint.pth"
+    assert _load(ckpt)["global_step"] == 2  # the second save, intact
+    stale = list(out.glob(".checkpoint.pth.*.tmp"))
+    assert len(stale) == 1 and stale[0].read_bytes().startswith(b"PK")
+    assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet", "--threads", "1"]) == 0
+    assert not list(out.glob(".*.tmp"))  # the next write of that file removed the leftover
+    _assert_same_run(reference, _load(ckpt))
+
+
+class Hostile:
+    """Unpickling this runs code: ``exec`` writes a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
+
+
+@pytest.mark.parametrize("argv", [["eval", "{}"], ["reparam", "{}"], ["train", "--resume", "{}", "--epochs", "1"],
+                                  ["export", "{}"], ["analyze", "{}"]])
+def test_a_hostile_pickle_never_runs(tmp_path, capsys, argv):
+    marker = tmp_path / "marker"
+    path = tmp_path / "evil.pth"
+    torch.save({"model": {"w": torch.zeros(1)}, "payload": Hostile(marker)}, path)
+    with pytest.raises(Exception):  # noqa: B017 - the unsafe load that would run it, for contrast
+        torch.load(path, weights_only=True)
+    assert not marker.exists()
+    capsys.readouterr()
+    assert main([a.replace("{}", str(path)) for a in argv] + ["--output-dir", str(tmp_path / "o")] * (
+        argv[0] in ("train", "analyze"))) == 2
+    err = capsys.readouterr().err
+    assert "holds Python objects (exec)" in err and "run code" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not marker.exists()
+
+
+def _png_tree(root: Path, corrupt: bool = False):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            d = root / split / c
+            d.mkdir(parents=True)
+            for i in range(4):
+                arr = torch.randint(0, 255, (36, 36, 3), generator=g, dtype=torch.uint8).numpy()
+                Image.fromarray(arr).save(d / f"{i}.png")
+    if corrupt:
+        (root / "train" / "dog" / "2.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+
+
+def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run), "--method",
+                 "base"]) == 0
+    ckpt = run / "checkpoint.pth"
+    rgb = tmp_path / "rgb.pth"
+    torch.save(train.build_model({"model": "resnet18", "method": "base", "num_classes": 10, "in_chans": 3,
+                                  "small_input": True, "width_mult": 0.0625, "options": {}}).state_dict(), rgb)
+    imgs = tmp_path / "imgs"
+    _png_tree(imgs, corrupt=True)
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(os.urandom(4096))
+    new = ["train", *TINY, "--cache-dir", cache]
+    cases = [
+        (["train", "-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
+        (["train", "-b", "-4"], "argument -b/--batch-size: must be a positive integer, got -4"),
+        (["train", "--lr", "-0.1"], "argument --lr: must be a positive number, got -0.1"),
+        (["train", "--epochs", "0"], "argument --epochs: must be a positive integer, got 0"),
+        (["export", "--model", "resnet18", "--input-size", "0"], "argument --input-size: must be a positive integer"),
+        ([*new, "--branches", "kxk,nope", "--output-dir", str(tmp_path / "b")], "unknown branch name(s) ['nope']"),
+        (["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "4",
+          "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress", "-j", "0",
+          "--no-tensorboard", "--output-dir", str(tmp_path / "c")], "cannot read image " + str(imgs / "train" / "dog")),
+        (["analyze", str(ckpt)], "has no re-param block"),
+        (["eval", str(rgb), "--method", "base", "--width-mult", "0.0625", "--in-chans", "3", "--val-subset", "16",
+          "--no-progress", "--cache-dir", cache], "takes 3-channel images but fashion-mnist has 1 channel"),
+        (["eval", str(garbage)], "is corrupt or not a PyTorch checkpoint"),
+        (["export", str(garbage)], "is corrupt or not a PyTorch checkpoint"),
+        (["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run)], "already holds a run"),
+        (["reparam", str(ckpt), "-o", str(ckpt)], "is the input checkpoint"),
+    ]
+    before = ckpt.read_bytes()
+    for argv, msg in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    assert ckpt.read_bytes() == before  # nothing replaced
+    # the same through a real process: exit status 2, one line on stderr
+    proc = subprocess.run([sys.executable, "-m", "orepa", "train", "-b", "-4"], env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "batch-size" in proc.stderr
+
+
+def test_divergence_keeps_a_finite_checkpoint(cache, tmp_path, capsys):
+    """lr 1e3: the BN running variances overflow before the loss does. Nothing non-finite is ever
+    saved (parameters, buffers, optimizer state are checked before every write)."""
+    out = tmp_path / "run"
+    capsys.readouterr()
+    rc = main(["train", *TINY, "--epochs", "2", "--lr", "1e3", "--lr-warmup-epochs", "0", "--save-every", "1",
+               "--cache-dir", cache, "--output-dir", str(out)])
+    assert rc == train.EXIT_NONFINITE
+    err = capsys.readouterr().err
+    assert "became non-finite" in err and "the last good checkpoint is" in err and "--lr 100" in err
+    ck = _load(out / "checkpoint.pth")
+    tensors = [*ck["model"].values(), *(t for st in ck["optimizer"]["state"].values() for t in st.values())]
+    assert all(torch.isfinite(t).all() for t in tensors if t.is_floating_point())
+    assert ck["global_step"] >= 1
+
+
+def test_the_guard_names_a_non_finite_buffer_and_optimizer_state():
+    from torch import nn
+
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 1, 5, 5)).sum().backward()
+    opt.step()
+    assert train.first_nonfinite(model, opt) is None
+    opt.state[model[0].weight]["momentum_buffer"][0] = float("inf")
+    assert train.first_nonfinite(model, opt) == "optimizer momentum_buffer of 0.weight"
+    model[1].running_var[1] = float("nan")
+    assert train.first_nonfinite(model, opt) == "buffer 1.running_var"
