@@ -6,9 +6,8 @@
 * argument types that reject bad numbers at parse time (:func:`positive_int`, ...),
   the flags every computing subcommand shares (:func:`add_run_arguments`) and the
   model flags (:func:`add_model_arguments`, one ``KEY=VALUE`` parser);
-* model building from a plain ``model_cfg`` dict (what checkpoints store), with
-  the model zoo (``orepa.models.create_model``) when it is installed and a
-  torchvision fallback otherwise;
+* model building from a plain ``model_cfg`` dict (what checkpoints store) with the
+  model zoo (``orepa.models.create_model``);
 * distributed setup (torchrun environment, nccl on GPUs, gloo on CPU);
 * optimizer parameter groups implementing the paper's weight-decay rule;
 * small measurements (parameter counts, peak memory).
@@ -212,41 +211,11 @@ def describe_cfg(cfg: dict) -> str:
             f"{cfg['num_classes']} classes, small_input={cfg['small_input']}{extra})")
 
 
-def _zoo():
-    try:
-        from orepa import models as zoo
-    except ImportError:
-        return None
-    return zoo if hasattr(zoo, "create_model") else None
-
-
-def _torchvision_fallback(cfg: dict) -> nn.Module:
-    """Used only while the model zoo is not installed: torchvision ResNets + ``orepa.convert``."""
-    import torchvision
-
-    if cfg["width_mult"] != 1.0:
-        raise UserError("width_mult needs the model zoo (orepa.models), which is not installed")
-    try:
-        model = torchvision.models.get_model(cfg["model"], num_classes=cfg["num_classes"])
-    except ValueError as exc:
-        raise UserError(f"unknown model {cfg['model']!r}: {exc}") from None
-    if cfg["in_chans"] != 3 or cfg["small_input"]:
-        c = model.conv1
-        k, s = (3, 1) if cfg["small_input"] else (c.kernel_size[0], c.stride[0])
-        model.conv1 = nn.Conv2d(cfg["in_chans"], c.out_channels, k, s, k // 2, bias=False)
-        if cfg["small_input"]:
-            model.maxpool = nn.Identity()
-    if cfg["method"] != "base":
-        model = orepa.convert(model, cfg["method"], inplace=True, **cfg.get("options", {}))
-    return model
-
-
 def build_model(cfg: dict) -> nn.Module:
-    """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`)."""
-    zoo = _zoo()
-    if zoo is None:
-        return _torchvision_fallback(cfg)
-    if hasattr(zoo, "list_models") and cfg["model"] not in zoo.list_models():
+    """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`), from the zoo."""
+    from orepa import models as zoo
+
+    if cfg["model"] not in zoo.list_models():
         raise UserError(f"unknown model {cfg['model']!r}; choose from {', '.join(zoo.list_models())}")
     try:
         return zoo.create_model(cfg["model"], method=cfg["method"], num_classes=cfg["num_classes"],
@@ -439,17 +408,6 @@ def peak_memory(device: torch.device) -> tuple[float, str]:
         return torch.cuda.max_memory_allocated(device) / 2**20, "torch.cuda.max_memory_allocated"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return (rss / 2**20 if sys.platform == "darwin" else rss / 2**10), "process max RSS"
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain module under DDP / torch.compile / AveragedModel wrappers."""
-    while True:
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        else:
-            return model
 
 
 def state_hash(state: dict) -> str:
