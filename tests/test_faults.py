@@ -61,6 +61,7 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
+@pytest.mark.slow
 def test_kill_9_during_training_then_resume_is_bit_identical(cache, reference, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "orepa", "train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache,
@@ -102,6 +103,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(cache, reference, tmp_path):
     out = tmp_path / "run"
     argv = ["train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache, "--output-dir", str(out)]
@@ -181,7 +183,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["export", "--model", "resnet18", "--input-size", "0"], "argument --input-size: must be a positive integer"),
         ([*new, "--branches", "kxk,nope", "--output-dir", str(tmp_path / "b")], "unknown branch name(s) ['nope']"),
         (["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "4",
-          "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress", "-j", "0",
+          "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress", "-j", "1",
           "--no-tensorboard", "--output-dir", str(tmp_path / "c")], "cannot read image " + str(imgs / "train" / "dog")),
         (["analyze", str(ckpt)], "has no re-param block"),
         (["eval", str(rgb), "--method", "base", "--width-mult", "0.0625", "--in-chans", "3", "--val-subset", "16",

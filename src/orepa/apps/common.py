@@ -41,7 +41,8 @@ def fail(prog: str, exc: BaseException) -> int:
     msg = str(exc).strip()
     if "\nOriginal Traceback" in msg:  # re-raised from a DataLoader worker: keep the original message
         last = msg.splitlines()[-1]
-        msg = last.split(": ", 1)[1] if last.startswith(f"{type(exc).__name__}: ") else last
+        head, sep, rest = last.partition(": ")
+        msg = rest if sep and head.split(".")[-1] == type(exc).__name__ else last
     msg = " ".join(msg.split())
     print(f"orepa {prog}: error: {msg}", file=sys.stderr, flush=True)
     return 2
