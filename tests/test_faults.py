@@ -62,6 +62,7 @@ def _env() -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # a subprocess
 def test_kill_9_during_training_then_resume_is_bit_identical(cache, reference, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "orepa", "train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache,
@@ -104,6 +105,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # a subprocess
 def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(cache, reference, tmp_path):
     out = tmp_path / "run"
     argv = ["train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache, "--output-dir", str(out)]
