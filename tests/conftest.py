@@ -1,19 +1,26 @@
 import pytest
 import torch
 
-#: architectures whose parametrized test cases belong to the full suite only (``-m "not slow"`` skips them):
-#: the fast subset keeps every test, on the small networks (resnet18, resnet34, repvgg_a0, mobilenet_v2, ...)
-LARGE_ARCHITECTURES = frozenset({
+#: architectures whose parametrized test cases run in the full suite only (``-m "not slow"`` skips them):
+#: the large or deep networks; the fast subset keeps every test on the small ones (resnet18, resnet34, repvgg_a0)
+SLOW_ARCHITECTURES = frozenset({
     "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "wide_resnet50_2", "wide_resnet18_1_5", "wide_resnet18_2",
-    "vgg11_bn", "repvgg_a1", "repvgg_a2", "repvgg_b0", "repvgg_b1",
+    "vgg11_bn", "mobilenet_v2", "repvgg_a1", "repvgg_a2", "repvgg_b0", "repvgg_b1",
 })
 
 
+def pytest_configure(config):
+    """One torch intra-op thread for the whole suite: the tests run tiny models, dominated by per-op
+    overhead, and a second OpenMP thread only adds barriers; on shared cores (other jobs) two threads
+    made tests several times slower. Tests that need more set it themselves."""
+    torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark a parametrized case ``slow`` when one of its parameters names a large architecture."""
+    """Mark a parametrized case ``slow`` when one of its parameters names one of SLOW_ARCHITECTURES."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if any(isinstance(v, str) and v in LARGE_ARCHITECTURES for v in params.values()):
+        if any(isinstance(v, str) and v in SLOW_ARCHITECTURES for v in params.values()):
             item.add_marker(pytest.mark.slow)
 
 
@@ -24,9 +31,9 @@ def _seed():
 
 @pytest.fixture
 def one_thread():
-    """One torch thread, restored afterwards: these tests are dominated by per-op overhead on
-    tiny models, and extra threads only oversubscribe shared cores. Modules opt in with
-    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    """One torch thread around a test, and the thread count restored afterwards, so that a test
+    that changes it (e.g. ``orepa train --threads N`` in process) cannot leak into the next one.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

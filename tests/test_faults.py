@@ -164,6 +164,7 @@ def _png_tree(root: Path, corrupt: bool = False):
         (root / "train" / "dog" / "2.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
 
 
+@pytest.mark.slow
 def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run), "--method",

@@ -411,6 +411,7 @@ def test_subcommand_help(cmd, capsys):
     assert "usage: orepa " + cmd in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     rc = main(["demo", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "64", "-b", "16",
                "--output-dir", str(tmp_path / "demo"), "--cache-dir", cache, "--no-progress", "--in-process"])
