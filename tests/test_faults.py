@@ -61,7 +61,6 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # a subprocess
 def test_kill_9_during_training_then_resume_is_bit_identical(cache, reference, tmp_path):
     out = tmp_path / "run"
@@ -104,7 +103,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # a subprocess
 def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(cache, reference, tmp_path):
     out = tmp_path / "run"
