@@ -33,7 +33,7 @@ probe)
     # the paper's cost setting: batch 64 per GPU, 224x224, fp32 train steps
     for m in resnet18 resnet50; do
         timeout 200 python3 -m orepa bench -m "$m" -b 64 --image-size 224 --device cuda --cudnn-benchmark \
-            --methods base orepa dbb --reps 30 --warmup 10 --out-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
+            --methods base orepa dbb --reps 30 --warmup 10 --output-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
     done
     ;;
 compile)
@@ -41,7 +41,7 @@ compile)
     # fuses its element-wise passes; the variants compile one after another outside the timing
     for m in resnet18 resnet50; do
         timeout 290 python3 -m orepa bench -m "$m" -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
-            --methods base orepa dbb --reps 20 --warmup 3 --no-inference --out-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
+            --methods base orepa dbb --reps 20 --warmup 3 --no-inference --output-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
     done
     ;;
 long)
@@ -53,7 +53,7 @@ long)
     for f in log.jsonl log.csv summary.json curves.png; do cp /tmp/long/$f "$R/" 2>/dev/null; done
     timeout 90 python3 -m orepa reparam /tmp/long/checkpoint.pth --fuse-bn --json "$R/reparam.json" \
         --no-progress 2>&1 | tee "$R/reparam.log"
-    timeout 90 python3 -m orepa analyze /tmp/long/checkpoint.pth --out-dir "$R/analyze" 2>&1 | tee "$R/analyze.log"
+    timeout 90 python3 -m orepa analyze /tmp/long/checkpoint.pth --output-dir "$R/analyze" 2>&1 | tee "$R/analyze.log"
     ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Proposition 1, checked: exact update comparison (float64) and the branch-similarity experiment.
 
-    python benchmarks/proposition1.py --out-dir bench_results/proposition1            # defaults below
-    python benchmarks/proposition1.py --steps 600 --width 16 --batch 64               # the docs/analysis.md run
+    python benchmarks/proposition1.py --output-dir bench_results/proposition1         # defaults below
+    python benchmarks/proposition1.py --steps 300 --width 8 --batch 32 --seeds 0 1 2 # the docs/analysis.md run
 
 Writes ``proposition1.json`` (every number), ``similarity_curves.png`` (mean
 off-diagonal cosine of the branch kernels and of their accumulated updates over
@@ -72,7 +72,7 @@ def plot(exp: dict, out: Path) -> list[Path]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out-dir", default="bench_results/proposition1")
+    p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="bench_results/proposition1")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--width", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    out = Path(args.out_dir)
+    out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     rows = proposition1_table(steps=20)

@@ -142,7 +142,7 @@ def test_cli_zoo_model(tmp_path, capsys):
 
     rc = main(["bench", "-m", "resnet18", "--model-option", "width_mult=0.125", "--methods", "base,dbb,orepa",
                "-b", "2", "--image-size", "32", "--reps", "1", "--warmup", "1", "--num-classes", "10",
-               "--no-inference", "--out-dir", str(tmp_path), "--tag", "cli", "--no-plot"])
+               "--no-inference", "--output-dir", str(tmp_path), "--tag", "cli", "--no-plot"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "| orepa |" in out

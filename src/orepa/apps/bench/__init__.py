@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA: time steps with forward+backward replayed as CUDA graphs (no host launch overhead)")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="time steps of torch.compile'd models (default backend inductor; compiled outside the timing)")
-    p.add_argument("--out-dir", default="bench_results")
+    p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="bench_results",
+                   help="where TAG.json, TAG.md and the plots go (--out-dir: older spelling)")
     p.add_argument("--tag", default=None, help="output file stem (default from the settings)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", default=None, metavar="FILE",
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_header(result))
     print()
     print(format_table(result))
-    files = save(result, args.out_dir, tag, plots=not args.no_plot)
+    files = save(result, args.output_dir, tag, plots=not args.no_plot)
     print("\nwrote " + ", ".join(str(f) for f in files))
     diverged = [n for n, r in result["results"].items() if not math.isfinite(r["deploy_err"])]
     off = [n for n, r in result["results"].items() if math.isfinite(r["deploy_err"]) and r["deploy_err"] > 1e-3]
