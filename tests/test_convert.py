@@ -32,15 +32,18 @@ def test_torchvision_roundtrip_loads_strictly_and_matches(arch, method):
     assert n_blocks >= len(report.converted)
     x = torch.randn(2, 3, 64, 64)
     _move_bn_stats(model, x)
+    # compared in float64: random nets with two batches of BN statistics can be badly conditioned
+    # (mobilenet_v2 with the published init: its own float32 error is ~1e-4), which is not what is tested
+    model, x = model.double(), x.double()
     with torch.no_grad():
         y = model(x)
         deployed = orepa.reparameterize(model)
-        fresh = getattr(torchvision.models, arch)(num_classes=10)
+        fresh = getattr(torchvision.models, arch)(num_classes=10).double()
         fresh.load_state_dict(deployed.state_dict(), strict=True)
         fresh.eval()
         assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
-        tol_close(fresh(x), y)
-        tol_close(orepa.reparameterize(model, fuse_bn=True)(x), y)
+        tol_close(fresh(x), y, rel=1e-9)
+        tol_close(orepa.reparameterize(model, fuse_bn=True)(x), y, rel=1e-9)
 
 
 def test_orepa_converts_every_conv_bn_pair_of_resnet50_and_keeps_bns():

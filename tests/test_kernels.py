@@ -71,7 +71,7 @@ def test_avg_pool_kernel_equals_avg_pool(k):
 def test_freq_prior_formula_any_odd_k(k, c):
     w = K.freq_prior_kernel(c, k)
     assert w.shape == (c, 1, k, k)
-    half = c // 2
+    half = c / 2  # the paper's real half: half-integer frequencies for odd c
     for ch in range(c):
         for h in range(k):
             for v in range(k):
@@ -81,8 +81,9 @@ def test_freq_prior_formula_any_odd_k(k, c):
                     ref = math.cos((ch - half + 1) * (v + 0.5) * math.pi / k)
                 assert abs(w[ch, 0, h, v].item() - ref) < 1e-12
     # first half varies along rows only, second half along columns only
-    assert torch.allclose(w[:half], w[:half, :, :, :1].expand_as(w[:half]))
-    assert torch.allclose(w[half:], w[half:, :, :1, :].expand_as(w[half:]))
+    first = math.ceil(half)  # channels c < C / 2
+    assert torch.allclose(w[:first], w[:first, :, :, :1].expand_as(w[:first]))
+    assert torch.allclose(w[first:], w[first:, :, :1, :].expand_as(w[first:]))
 
 
 @pytest.mark.parametrize(

@@ -66,7 +66,7 @@ def test_features_only_small_input_and_deployed_backbone():
         ref = m(x)
         deployed = orepa.reparameterize(m)
         for a, b in zip(deployed(x), ref, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            tol_close(a, b)  # relative to the feature scale: fresh BN statistics leave it unnormalised
 
 
 def test_import_orepa_is_enough_for_the_zoo_and_the_timm_names():

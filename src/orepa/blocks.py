@@ -61,11 +61,14 @@ __all__ = [
     "AbsorbedNorm",
     "OREPA_BRANCHES",
     "DEFAULT_SCALE_INIT",
+    "INIT_SCHEMES",
     "check_conv_config",
 ]
 
-# Supplement, "Initialization of branch-wise scaling layers". Rep-1x1's second
-# branch and RepVGG's identity are not listed there: 0.5 and 1.0 are our choice.
+# Supplement, "Initialization of branch-wise scaling layers". The paper's public code starts the
+# 1x1-avg scale at 0.25; the supplement's 0.5 is the default here (pass scale_init={"1x1_avg": 0.25}
+# for the code's value). Rep-1x1's second branch (0.5) and RepVGG's identity (1.0) are not listed
+# in the supplement: 0.5 is the public code's value, 1.0 our choice.
 DEFAULT_SCALE_INIT: dict[str, float] = {
     "1x1": 1.0,
     "kxk": 0.25,
@@ -81,6 +84,15 @@ OREPA_BRANCHES: tuple[str, ...] = ("kxk", "1x1", "1x1_avg", "1x1_prior", "1x1_kx
 #: the Rep-1x1 block for 1x1 convs of bottlenecks
 REP_1X1_BRANCHES: tuple[str, ...] = ("1x1", "1x1_1x1")
 SCALINGS = ("vector", "scalar", "none")
+#: nn.Conv2d's default ``kaiming_uniform_`` slope: the weights of every offline baseline (DBB, RepVGG)
+TORCH_INIT_A = math.sqrt(5)
+#: initialisation schemes of the online blocks (``OREPAConv2d(init=...)``):
+#: ``"reference"`` - as the published models were trained (the paper's public code): random branch
+#: weights ``kaiming_uniform_(a=0)`` in kxk blocks, ``a=1`` in Rep-1x1 and OREPA-VGG blocks; Rep-1x1's
+#: identity on its square factor; a widening first factor of 1x1->kxk a repeated identity.
+#: ``"torch"`` - nn.Conv2d's default ``a=sqrt(5)`` everywhere, Rep-1x1's identity on its first factor
+#: (spread when it narrows). A number ``a`` is the reference scheme with that slope.
+INIT_SCHEMES = ("reference", "torch")
 # Cost of one memory-bound pass over one kernel element, in multiply-adds of a matrix
 # product (CPU: ~0.6 ns per element and pass vs ~0.05 ns per MAC); used by the chain-order choice.
 _ELEMENT_PASS_MACS = 16
@@ -149,23 +161,33 @@ def check_conv_config(
 
 
 class ConvStep(nn.Module):
-    """A learnable convolution inside a branch (no bias, no padding of its own)."""
+    """A learnable convolution inside a branch (no bias, no padding of its own).
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, groups: int = 1, init: str = "kaiming"):
+    ``init``: ``"kaiming"`` (``kaiming_uniform_`` with negative slope ``a``; nn.Conv2d's
+    default is ``a = sqrt(5)``), ``"identity"`` (a "spread" identity when the step widens,
+    see :func:`orepa.kernels.identity_init_1x1`) or ``"identity-tiled"`` (the identity
+    repeated, as the paper's public code lays it out, :func:`orepa.kernels.tiled_identity_1x1`).
+    """
+
+    INITS = ("kaiming", "identity", "identity-tiled")
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, groups: int = 1, init: str = "kaiming",
+                 a: float = TORCH_INIT_A):
         super().__init__()
+        if init not in self.INITS:
+            raise ValueError(f"unknown init {init!r} for a conv step; expected one of {self.INITS}")
         self.in_channels, self.out_channels, self.kernel_size, self.groups = in_channels, out_channels, kernel_size, groups
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, kernel_size, kernel_size))
-        self.init = init
+        self.init, self.a = init, float(a)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.init == "identity":
-            with torch.no_grad():
-                self.weight.copy_(
-                    K.pad_to(K.identity_init_1x1(self.out_channels, self.in_channels, self.groups), self.kernel_size)
-                )
-        else:  # nn.Conv2d's default
-            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.init == "kaiming":
+            nn.init.kaiming_uniform_(self.weight, a=self.a)
+            return
+        identity = K.identity_init_1x1 if self.init == "identity" else K.tiled_identity_1x1
+        with torch.no_grad():
+            self.weight.copy_(K.pad_to(identity(self.out_channels, self.in_channels, self.groups), self.kernel_size))
 
     def kernel(self) -> Tensor:
         return self.weight
@@ -182,14 +204,17 @@ class ConvStep(nn.Module):
         return F.conv2d(x, self.weight, None, stride, padding, dilation, self.groups)
 
     def extra_repr(self) -> str:
-        return f"{self.in_channels}, {self.out_channels}, k={self.kernel_size}, groups={self.groups}, init={self.init}"
+        init = f"kaiming(a={self.a:g})" if self.init == "kaiming" else self.init
+        return f"{self.in_channels}, {self.out_channels}, k={self.kernel_size}, groups={self.groups}, init={init}"
 
 
 class FixedKernelStep(nn.Module):
     """A fixed (not trained) kernel: identity, average pool or frequency prior.
 
     The kernel is a non-persistent buffer: it is a function of the shape only,
-    so checkpoints stay free of it and cannot disagree with the code.
+    so checkpoints stay free of it and cannot disagree with the code. It is built in
+    the default dtype and cast with the module (float32 constants in a model made
+    in float32 and moved to float64, as in the paper's code).
     """
 
     KINDS = ("identity", "avg", "prior")
@@ -199,13 +224,15 @@ class FixedKernelStep(nn.Module):
         if kind not in self.KINDS:
             raise ValueError(f"unknown fixed kernel {kind!r}, expected one of {self.KINDS}")
         self.kind, self.in_channels, self.out_channels, self.kernel_size = kind, channels, channels, kernel_size
-        if kind == "identity":
-            self.groups = groups or 1
-            w = K.identity_kernel(channels, self.groups, kernel_size)
-        else:  # pooling and filtering act per channel
-            self.groups = channels
-            w = K.avg_pool_kernel(channels, kernel_size) if kind == "avg" else K.freq_prior_kernel(channels, kernel_size)
-        self.register_buffer("weight", w, persistent=False)
+        self.groups = (groups or 1) if kind == "identity" else channels  # pooling and filtering act per channel
+        self.register_buffer("weight", self._build(torch.get_default_dtype(), None), persistent=False)
+
+    def _build(self, dtype: torch.dtype, device) -> Tensor:
+        c, k = self.out_channels, self.kernel_size
+        if self.kind == "identity":
+            return K.identity_kernel(c, self.groups, k, dtype=dtype, device=device)
+        make = K.avg_pool_kernel if self.kind == "avg" else K.freq_prior_kernel
+        return make(c, k, dtype=dtype, device=device)
 
     def kernel(self) -> Tensor:
         return self.weight
@@ -790,33 +817,49 @@ def _tail(name: str, channels: int, scaling: str, scale_init: Mapping[str, float
 
 
 def _branch_steps(
-    name: str, cin: int, cout: int, k: int, groups: int, *, inner_norm: bool, dw_expand: int, internal: int | None
+    name: str, cin: int, cout: int, k: int, groups: int, *, inner_norm: bool, dw_expand: int, internal: int | None,
+    init_a: float = TORCH_INIT_A, reference_init: bool = False,
 ) -> dict:
-    """The linear steps of a named branch (its tail excluded)."""
+    """The linear steps of a named branch (its tail excluded).
+
+    ``init_a`` is the ``kaiming_uniform_`` slope of the random weights; ``reference_init`` places
+    identity factors as the published models do (see :data:`INIT_SCHEMES`).
+    """
     inner = (lambda c: {"bn0": nn.BatchNorm2d(c)}) if inner_norm else (lambda c: {})
+
+    def conv(ci: int, co: int, kk: int, g: int, init: str = "kaiming") -> ConvStep:
+        return ConvStep(ci, co, kk, g, init=init, a=init_a)
+
     if name == "kxk":
-        return {"conv": ConvStep(cin, cout, k, groups)}
+        return {"conv": conv(cin, cout, k, groups)}
     if name == "1x1":
-        return {"conv": ConvStep(cin, cout, 1, groups)}
+        return {"conv": conv(cin, cout, 1, groups)}
     if name == "1x1_avg":
-        return {"conv": ConvStep(cin, cout, 1, groups), **inner(cout), "pool": FixedKernelStep("avg", cout, k)}
+        return {"conv": conv(cin, cout, 1, groups), **inner(cout), "pool": FixedKernelStep("avg", cout, k)}
     if name == "1x1_prior":
-        return {"conv": ConvStep(cin, cout, 1, groups), **inner(cout), "prior": FixedKernelStep("prior", cout, k)}
-    if name in ("1x1_kxk", "1x1_1x1"):
-        kk = k if name == "1x1_kxk" else 1
-        if name == "1x1_1x1":
-            # a product of two 1x1s has rank <= min(C_in, C_out): a wider intermediate adds cost, not capacity
-            mid = internal or min(cin, cout)
-        else:
-            # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
-            mid = internal or (cin if groups < cout else 2 * cin)
+        return {"conv": conv(cin, cout, 1, groups), **inner(cout), "prior": FixedKernelStep("prior", cout, k)}
+    if name == "1x1_1x1":
+        # a product of two 1x1s has rank <= min(C_in, C_out): a wider intermediate adds cost, not capacity
+        mid = internal or min(cin, cout)
+        first_id = not reference_init or mid != min(cin, cout) or cout > cin
+        # the published Rep-1x1 puts the identity on its square factor: the first when the block widens,
+        # else the second, so a narrowing block (a bottleneck's conv1, 256 -> 64) sees every input at init
         return {
-            "conv1": ConvStep(cin, mid, 1, groups, init="identity"),
+            "conv1": conv(cin, mid, 1, groups, "identity" if first_id else "kaiming"),
             **inner(mid),
-            "conv2": ConvStep(mid, cout, kk, groups),
+            "conv2": conv(mid, cout, 1, groups, "kaiming" if first_id else "identity"),
+        }
+    if name == "1x1_kxk":
+        # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
+        mid = internal or (cin if groups < cout else 2 * cin)
+        return {
+            "conv1": conv(cin, mid, 1, groups, "identity-tiled" if reference_init else "identity"),
+            **inner(mid),
+            "conv2": conv(mid, cout, k, groups),
         }
     if name == "dw_pw":
-        return {"dw": ConvStep(cin, cin * dw_expand, k, cin), **inner(cin * dw_expand), "pw": ConvStep(cin * dw_expand, cout, 1, groups)}
+        return {"dw": conv(cin, cin * dw_expand, k, cin), **inner(cin * dw_expand),
+                "pw": conv(cin * dw_expand, cout, 1, groups)}
     if name == "identity":
         if cin != cout:
             raise ValueError(f"identity branch needs in_channels == out_channels, got {cin} != {cout}")
@@ -837,8 +880,13 @@ def build_branches(
     inner_norm: bool = False,
     dw_expand: int = 8,
     internal_channels: int | None = None,
+    init_a: float = TORCH_INIT_A,
+    reference_init: bool = False,
 ) -> dict[str, Branch]:
-    """Declare named branches; ``norm`` puts a BN at the end instead of a scale."""
+    """Declare named branches; ``norm`` puts a BN at the end instead of a scale.
+
+    ``init_a`` / ``reference_init``: how the random and identity factors start (see :func:`_branch_steps`).
+    """
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     init = {**DEFAULT_SCALE_INIT, **(scale_init or {})}
@@ -849,7 +897,8 @@ def build_branches(
     for name in names:
         steps = _branch_steps(
             name, in_channels, out_channels, kernel_size, groups,
-            inner_norm=inner_norm, dw_expand=dw_expand, internal=internal_channels,
+            inner_norm=inner_norm, dw_expand=dw_expand, internal=internal_channels, init_a=init_a,
+            reference_init=reference_init,
         )
         out[name] = Branch({**steps, **_tail(name, out_channels, scaling, init, norm)})
     return out
@@ -871,7 +920,10 @@ class OREPAConv2d(ReparamConv2d):
         mode: ``"online"`` (squeeze every forward) or ``"offline"`` (run branches).
         branch_norm: offline prototype: a BN ends each branch instead of a scale.
         dw_expand: channel expansion of the depthwise step of ``dw_pw`` (8).
-        internal_channels: width of the 1x1 -> kxk intermediate (default as DBB).
+        internal_channels: width of the 1x1 -> kxk intermediate; default as the paper's code:
+            ``in_channels`` for ``groups <= 4``, else ``2 * in_channels`` (ResNeXt, depthwise convs).
+        init: ``"reference"`` (default: as the published models were trained), ``"torch"``
+            (nn.Conv2d's default) or a ``kaiming_uniform_`` slope; see :data:`INIT_SCHEMES`.
         recompute: online training keeps no squeezed kernel for backward and rebuilds
             it there (``True``), keeps it (``False``), or ``"auto"``: rebuild when the
             kernel is larger than the input the conv keeps anyway (small batches, deep layers).
@@ -895,9 +947,13 @@ class OREPAConv2d(ReparamConv2d):
         branch_norm: bool = False,
         dw_expand: int = 8,
         internal_channels: int | None = None,
+        init: str | float = "reference",
         recompute: bool | str = "auto",
     ):
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
+        init_a, reference_init = _resolve_init(init, k)
+        if internal_channels is None and k > 1:
+            internal_channels = in_channels if groups <= 4 else 2 * in_channels
         if branches is None:
             branches = REP_1X1_BRANCHES if k == 1 else OREPA_BRANCHES
         branches = tuple(branches)
@@ -911,10 +967,22 @@ class OREPAConv2d(ReparamConv2d):
             raise ValueError("branch_norm=True (a BN per branch) needs mode='offline'")
         built = build_branches(
             branches, in_channels, out_channels, k, groups, scaling=scaling, scale_init=scale_init,
-            norm=branch_norm, dw_expand=dw_expand, internal_channels=internal_channels,
+            norm=branch_norm, dw_expand=dw_expand, internal_channels=internal_channels, init_a=init_a,
+            reference_init=reference_init,
         )
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          branches=built, mode=mode, recompute=recompute)
+
+
+def _resolve_init(init: str | float, k: int) -> tuple[float, bool]:
+    """``(kaiming slope a, reference identity layout)`` of an init scheme for a kxk (k > 1) or 1x1 block."""
+    if init == "reference":
+        return (1.0 if k == 1 else 0.0), True
+    if init == "torch":
+        return TORCH_INIT_A, False
+    if isinstance(init, (int, float)) and not isinstance(init, bool) and init >= 0:
+        return float(init), True
+    raise ValueError(f"init must be one of {INIT_SCHEMES} or a non-negative kaiming slope, got {init!r}")
 
 
 class DBBConv2d(ReparamConv2d):
@@ -952,15 +1020,19 @@ class OREPAVGGBlock(ReparamConv2d):
     """OREPA-VGG: a RepVGG block whose kxk branch is an online OREPA block (+BN).
 
     The identity and 1x1 branches keep their BNs and run offline (supp. "Limitations").
-    ``orepa_options`` go to the inner :class:`OREPAConv2d`.
+    ``orepa_options`` go to the inner :class:`OREPAConv2d`; as in the paper's code, its random
+    weights start with ``kaiming_uniform_(a=1)`` under ``init="reference"`` and its 1x1 -> kxk
+    intermediate is ``2 * in_channels`` wide only when ``groups == out_channels``.
     """
 
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
-                 bias=False, **orepa_options):
+                 bias=False, init: str | float = "reference", **orepa_options):
         k, s, _, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
         if k == 1:
             raise ValueError("OREPA-VGG needs kernel_size >= 3")
-        inner = OREPAConv2d(in_channels, out_channels, k, 1, None, d, groups, **orepa_options)
+        orepa_options.setdefault("internal_channels", in_channels if groups < out_channels else 2 * in_channels)
+        inner = OREPAConv2d(in_channels, out_channels, k, 1, None, d, groups,
+                            init=1.0 if init == "reference" else init, **orepa_options)
         if inner.mode != "online" or inner.has_norm:
             raise ValueError("the kxk branch of OREPA-VGG must be an online OREPA block")
         built = {"kxk": Branch({"orepa": inner, "bn": nn.BatchNorm2d(out_channels)})}

@@ -23,6 +23,7 @@ __all__ = [
     "avg_pool_kernel",
     "freq_prior_kernel",
     "identity_init_1x1",
+    "tiled_identity_1x1",
     "scale_channels",
     "rowdot",
     "expand_groups",
@@ -87,6 +88,18 @@ def identity_init_1x1(out_channels: int, in_channels: int, groups: int = 1, *, d
     return w
 
 
+def tiled_identity_1x1(out_channels: int, in_channels: int, groups: int = 1, *, dtype=None, device=None) -> Tensor:
+    """Identity-initialised 1x1 kernel as the paper's public code lays it out: output ``o``
+    reads input ``o mod (C_in / groups)`` of its group, so a factor wider than its input
+    repeats the identity (it is the identity when ``C_out == C_in``)."""
+    if in_channels % groups or out_channels % groups:
+        raise ValueError(f"channels {in_channels}->{out_channels} not divisible by groups={groups}")
+    w = torch.zeros(out_channels, in_channels // groups, 1, 1, dtype=dtype, device=device)
+    rows = torch.arange(out_channels, device=device)
+    w[rows, rows % (in_channels // groups), 0, 0] = 1.0
+    return w
+
+
 def avg_pool_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tensor:
     """Depthwise ``[C, 1, k, k]`` kernel of a kxk average pool with zero padding counted."""
     return torch.full((channels, 1, k, k), 1.0 / (k * k), dtype=dtype, device=device)
@@ -95,11 +108,13 @@ def avg_pool_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tensor
 def freq_prior_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tensor:
     """Depthwise ``[C, 1, k, k]`` frequency prior filter for any k (supp. Table).
 
-    ``W[c, h, w] = cos((c + 1)(h + 0.5) pi / k)`` for ``c < C // 2`` and
-    ``cos((c - C // 2 + 1)(w + 0.5) pi / k)`` otherwise: DCT-like bases along
+    ``W[c, h, w] = cos((c + 1)(h + 0.5) pi / k)`` for ``c < C / 2`` and
+    ``cos((c - C / 2 + 1)(w + 0.5) pi / k)`` otherwise: DCT-like bases along
     rows for the first half of the channels and along columns for the second.
+    ``C / 2`` is the real half, as in the paper and its public code: for an odd
+    ``C`` the second half's frequencies are half-integers.
     """
-    half = channels // 2
+    half = channels / 2
     c = torch.arange(channels, dtype=torch.float64).view(-1, 1, 1)
     pos = torch.arange(k, dtype=torch.float64) + 0.5
     h = pos.view(1, -1, 1).expand(channels, k, k)

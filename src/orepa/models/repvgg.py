@@ -18,6 +18,8 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
+from .resnet import _explicit_widths
+
 __all__ = ["ConvBNReLU", "RepVGG", "REPVGG_CONFIGS", "build_repvgg"]
 
 
@@ -40,14 +42,17 @@ class RepVGG(nn.Module):
     """
 
     def __init__(self, depths=(2, 4, 14, 1), width_multipliers=(0.75, 2.5), num_classes: int = 1000,
-                 in_chans: int = 3, *, small_input: bool = False, width_mult: float = 1.0):
+                 in_chans: int = 3, *, small_input: bool = False, width_mult: float = 1.0, widths=None,
+                 stem_width: int | None = None):
         super().__init__()
         a, b = (float(m) * float(width_mult) for m in width_multipliers)
         if a <= 0 or b <= 0:
             raise ValueError(f"width multipliers must be positive, got {(a, b)}")
-        widths = [max(1, int(round(64 * a))), max(1, int(round(128 * a))), max(1, int(round(256 * a))),
-                  max(1, int(round(512 * b)))]
-        stem = min(64, max(1, int(round(64 * a))))
+        widths = list(_explicit_widths(widths) or (max(1, int(round(64 * a))), max(1, int(round(128 * a))),
+                                                   max(1, int(round(256 * a))), max(1, int(round(512 * b)))))
+        stem = int(stem_width) if stem_width is not None else min(64, max(1, int(round(64 * a))))
+        if stem < 1:
+            raise ValueError(f"stem_width must be positive, got {stem_width!r}")
         self.num_classes, self.in_chans, self.small_input = num_classes, in_chans, small_input
         self.stage0 = ConvBNReLU(in_chans, stem, 1 if small_input else 2)
         cin = stem
@@ -101,7 +106,9 @@ REPVGG_CONFIGS: dict[str, tuple] = {
 
 
 def build_repvgg(name: str, num_classes: int = 1000, in_chans: int = 3, *, width_mult: float = 1.0,
-                 small_input: bool = False) -> RepVGG:
-    """The plain (base) RepVGG model ``name``; ``width_mult`` multiplies both ``a`` and ``b``."""
+                 widths=None, stem_width: int | None = None, small_input: bool = False) -> RepVGG:
+    """The plain (base) RepVGG model ``name``; ``width_mult`` multiplies both ``a`` and ``b``;
+    ``widths`` (stage1..4) and ``stem_width`` (stage0) set the widths explicitly instead."""
     depths, ab = REPVGG_CONFIGS[name]
-    return RepVGG(depths, ab, num_classes, in_chans, small_input=small_input, width_mult=width_mult)
+    return RepVGG(depths, ab, num_classes, in_chans, small_input=small_input, width_mult=width_mult,
+                  widths=widths, stem_width=stem_width)

@@ -188,13 +188,29 @@ RESNET_CONFIGS: dict[str, tuple] = {
 
 
 def build_resnet(name: str, num_classes: int = 1000, in_chans: int = 3, *, width_mult: float = 1.0,
-                 small_input: bool = False, zero_init_residual: bool = False) -> ResNet:
-    """The plain (base) ResNet-family model ``name``; ``width_mult`` multiplies the name's own width."""
+                 widths=None, stem_width: int | None = None, small_input: bool = False,
+                 zero_init_residual: bool = False) -> ResNet:
+    """The plain (base) ResNet-family model ``name``; ``width_mult`` multiplies the name's own width.
+
+    ``widths`` (the four stage widths, ``planes``) and ``stem_width`` set widths explicitly instead
+    (e.g. the ``int(64 * w)`` widths of the paper's code, which rounding ``width_mult`` may miss).
+    """
     block, layers, groups, wpg, mult = RESNET_CONFIGS[name]
     mult = mult * float(width_mult)
     if mult <= 0:
         raise ValueError(f"width_mult must be positive, got {width_mult!r}")
-    widths = tuple(max(1, int(round(w * mult))) for w in (64, 128, 256, 512))
-    stem = max(1, int(round(64 * mult)))
+    widths = _explicit_widths(widths) or tuple(max(1, int(round(w * mult))) for w in (64, 128, 256, 512))
+    stem = int(stem_width) if stem_width is not None else max(1, int(round(64 * mult)))
+    if stem < 1:
+        raise ValueError(f"stem_width must be positive, got {stem_width!r}")
     return ResNet(block, layers, num_classes, in_chans, widths=widths, stem_width=stem, groups=groups,
                   width_per_group=wpg, small_input=small_input, zero_init_residual=zero_init_residual)
+
+
+def _explicit_widths(widths) -> tuple[int, ...] | None:
+    """Four positive stage widths, or None when not given."""
+    if widths is None:
+        return None
+    if isinstance(widths, (str, bytes)) or len(widths) != 4 or not all(int(w) == w and w >= 1 for w in widths):
+        raise ValueError(f"widths must be four positive ints (one per stage), got {widths!r}")
+    return tuple(int(w) for w in widths)

@@ -45,8 +45,9 @@ ABLATIONS: dict[str, dict[str, Any]] = {
                        options=dict(post_bn=False)),
 }
 
-_COMMON = {"resnet": ("small_input", "width_mult", "zero_init_residual"), "repvgg": ("small_input", "width_mult")}
-_BLOCK_OPTS = ("branches", "freq_prior", "dw_sep", "dw_expand", "internal_channels")
+_COMMON = {"resnet": ("small_input", "width_mult", "widths", "stem_width", "zero_init_residual"),
+           "repvgg": ("small_input", "width_mult", "widths", "stem_width")}
+_BLOCK_OPTS = ("branches", "freq_prior", "dw_sep", "dw_expand", "internal_channels", "init")
 _METHOD_OPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("resnet", "base"): (),
     ("resnet", "dbb"): ("internal_channels",),
@@ -56,7 +57,7 @@ _METHOD_OPTS: dict[tuple[str, str], tuple[str, ...]] = {
     ("repvgg", "base"): (),
     ("repvgg", "repvgg"): (),
     ("repvgg", "orepa-vgg"): (*_BLOCK_OPTS, "scaling", "scale_init"),
-    ("repvgg", "repvgg-online"): ("scaling", "scale_init"),
+    ("repvgg", "repvgg-online"): ("scaling", "scale_init", "init"),
     ("repvgg", "orepa-vgg-offline"): _BLOCK_OPTS,
 }
 
@@ -134,7 +135,7 @@ def _resnet_method(model: nn.Module, method: str, opts: dict, bottleneck: bool) 
     branches = _branch_list(opts.get("freq_prior", True), opts.get("dw_sep", True), opts.get("branches"))
     rep_1x1 = opts.get("rep_1x1", bottleneck)
     deep_stem = opts.get("deep_stem", online)
-    inner = dict(branches=branches, **_block_opts(opts, "dw_expand", "internal_channels"))
+    inner = dict(branches=branches, **_block_opts(opts, "dw_expand", "internal_channels", "init"))
     if online:
         inner.update(scaling=scaling, **_block_opts(opts, "scale_init", "recompute"))
     convert(model, method, inplace=True, exclude=keep_stem, rep_1x1=rep_1x1, **inner)
@@ -165,7 +166,7 @@ def _repvgg_method(model: nn.Module, method: str, opts: dict) -> nn.Module:
     if opts.get("branches") is not None and ("freq_prior" in opts or "dw_sep" in opts):
         raise ValueError("pass either branches=... or freq_prior/dw_sep, not both")
     fp, dw = opts.get("freq_prior", True), opts.get("dw_sep", True)
-    extra = _block_opts(opts, "dw_expand", "internal_channels", "scaling", "scale_init")
+    extra = _block_opts(opts, "dw_expand", "internal_channels", "scaling", "scale_init", "init")
     if method == "orepa-vgg":
         # supp. table "ra0res": the 1x1 and identity branches stay explicit (with BN); the online
         # 3x3 block holds the 3x3 and the 1x1-3x3, 1x1-avg, 1x1-prior and dw-pw branches
@@ -198,7 +199,10 @@ def create_model(name: str, method: str | None = None, num_classes: int = 1000, 
             ``orepa-vgg-offline``.
         num_classes: classifier outputs (0: no classifier, the pooled features).
         in_chans: input channels.
-        options: ``small_input``, ``width_mult`` (all models); OREPA components and ablations
+        options: ``small_input``, ``width_mult``, ``widths`` (the four stage widths) and ``stem_width``
+            (all models; explicit widths override ``width_mult``); ``init`` (online blocks:
+            ``"reference"``, the published scheme (default), or ``"torch"``, nn.Conv2d's default);
+            OREPA components and ablations
             (``preset``, ``freq_prior``, ``dw_sep``, ``deep_stem``, ``rep_1x1``, ``scaling``,
             ``post_bn``, ``branches``, ``scale_init``, ``dw_expand``, ``internal_channels``,
             ``recompute`` (online blocks: ``"auto"``, True, False; a time/memory trade-off));
