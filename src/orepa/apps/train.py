@@ -31,6 +31,7 @@ kept checkpoint is the last good state; resume it with a lower ``--lr``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import sys
@@ -116,15 +117,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label-smoothing", type=nonneg_float, default=0.0)
     g.add_argument("--clip-grad-norm", type=positive_float, default=None, help="clip the gradient norm (off)")
     g = p.add_argument_group("speed and memory")
-    g.add_argument("--amp", action="store_true", help="mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
+    g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False, help="mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
     g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
-    g.add_argument("--channels-last", action="store_true", help="NHWC memory format")
-    g.add_argument("--compile", action="store_true", help="torch.compile the training model")
-    g.add_argument("--cuda-graphs", action="store_true",
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False, help="NHWC memory format")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the training model")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
                    help="replay forward+backward as CUDA graphs (one process, CUDA): an online block's eager step "
                         "is bound by launching its many small kernels on fast GPUs")
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
-    g.add_argument("--model-ema", action="store_true", help="keep an exponential moving average of the weights")
+    g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
     g.add_argument("--model-ema-decay", type=nonneg_float, default=0.99998,
                    help="EMA decay per step at batch 1 (adjusted like torchvision's reference script)")
@@ -205,8 +206,6 @@ def _sync_buffers(model: nn.Module, info: DistInfo) -> None:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    import json
-
     atomic_write_text(path, json.dumps(obj))
 
 
@@ -233,7 +232,7 @@ SESSION_FLAGS = frozenset({"resume", "test_only", "max_steps", "time_limit", "de
                            "given", "command"})
 #: settings a resumed run cannot change: the position in the run is counted in their units
 FIXED_ON_RESUME = ("batch_size", "data_path", "dataset", "train_subset")
-#: flags files in a run directory that mark it as holding a run
+#: files that mark a directory as holding a run
 RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
 
 
@@ -695,8 +694,6 @@ class Trainer:
             if k in last:
                 out[k] = last[k]
         if self.main:
-            import json
-
             atomic_write_text(self.out / "summary.json", json.dumps(out, indent=2))
             print_summary(out)
         return out
