@@ -5,7 +5,8 @@ Core library (depends on torch only):
 * :mod:`orepa.kernels` - kernel algebra (squeezing rules, BN folding),
 * :mod:`orepa.blocks`  - OREPA, Rep-1x1, deep stem, DBB, RepVGG, OREPA-VGG blocks,
 * :mod:`orepa.convert` - ``convert(model)`` / ``reparameterize(model)`` for any CNN,
-* :mod:`orepa.models`  - the model zoo: ``orepa.create_model(name, method)``, ``orepa.list_models()``
+* :mod:`orepa.models`  - the model zoo: ``orepa.create_model(name, method)``, ``orepa.list_models()``,
+  ``orepa.import_reference(path)`` for checkpoints trained with the paper's public code
   (also registered with timm when timm is importable).
 
 Every re-param block follows timm's re-parameterization protocol (``fuse()`` returns the
@@ -30,7 +31,7 @@ from .blocks import (
     check_conv_config,
 )
 from .convert import METHODS, ConversionReport, convert, find_conv_bn_pairs, fuse_conv_bn, make_block, reparameterize
-from .models import create_model, list_methods, list_models  # noqa: E402 - after the core it builds on
+from .models import create_model, import_reference, list_methods, list_models  # noqa: E402 - after the core
 
 __version__ = "0.1.0"
 
@@ -38,5 +39,6 @@ __all__ = [
     "kernels", "DEFAULT_SCALE_INIT", "OREPA_BRANCHES", "AbsorbedNorm", "Branch", "ConvStep", "DBBConv2d",
     "FixedKernelStep", "OREPAConv2d", "OREPADeepStem", "OREPAVGGBlock", "ReparamConv2d", "RepVGGBlock", "Scale",
     "build_branches", "check_conv_config", "METHODS", "ConversionReport", "convert", "find_conv_bn_pairs",
-    "fuse_conv_bn", "make_block", "reparameterize", "create_model", "list_models", "list_methods", "__version__",
+    "fuse_conv_bn", "make_block", "reparameterize", "create_model", "list_models", "list_methods",
+    "import_reference", "__version__",
 ]

@@ -1,0 +1,104 @@
+"""``orepa import-reference``: a checkpoint of the paper's public code -> an orepa checkpoint.
+
+    orepa import-reference ref/checkpoint.pth.tar -o r50.pth                  # training form
+    orepa train --resume r50.pth --data-path /data/imagenet --epochs 20 ...   # fine-tune it
+    orepa import-reference ref/checkpoint.pth.tar -o r50-deploy.pth --deploy  # torchvision layout
+
+The architecture (family, depth, widths, block kinds) is read off the checkpoint's keys
+and shapes (:func:`orepa.import_reference`). The training-form checkpoint holds the
+model and its ``model_cfg`` but no optimizer state: ``orepa train --resume`` starts a
+fine-tuning run from it (fresh optimizer and schedule, the settings of that command).
+``--deploy`` writes the deployed model (vanilla layout; ``--fuse-bn`` folds the BNs),
+which ``orepa eval`` and ``orepa export`` read. Before writing, the written form is
+checked against the imported training form on a random batch.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .checkpoint import FORMAT, VERSION, args_dict, model_from_checkpoint, save_checkpoint
+from .common import UserError, add_run_arguments, apply_threads, count_params, deploy, describe_cfg, fail
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="state_dict or {'state_dict': ...} saved by the paper's code (any "
+                                      "'module.' prefix)")
+    p.add_argument("-o", "--output", required=True, help="orepa checkpoint to write")
+    p.add_argument("--deploy", action="store_true", help="write the deployed model (vanilla layout) instead of "
+                                                          "the training form")
+    p.add_argument("--fuse-bn", action="store_true", help="with --deploy: also fold every BN into its conv")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--rtol", type=float, default=1e-4,
+                   help="check tolerance: max|diff| <= rtol * (1 + max|logit|) on a random batch (1e-4)")
+    add_run_arguments(p)
+
+
+def _model_cfg(model) -> dict:
+    """The zoo's ``orepa_config`` as a checkpoint's model_cfg."""
+    oc = dict(model.orepa_config)
+    cfg = {"model": oc.pop("name"), "method": oc.pop("method"), "num_classes": oc.pop("num_classes"),
+           "in_chans": oc.pop("in_chans"), "small_input": bool(oc.pop("small_input", False)),
+           "width_mult": float(oc.pop("width_mult", 1.0))}
+    cfg["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in oc.items()}
+    return cfg
+
+
+def import_checkpoint(args: argparse.Namespace) -> dict:
+    apply_threads(args)
+    src, out = Path(args.checkpoint), Path(args.output)
+    if args.fuse_bn and not args.deploy:
+        raise UserError("--fuse-bn needs --deploy (a training-form checkpoint keeps its BNs)")
+    if not src.is_file():
+        raise UserError(f"reference checkpoint {src} does not exist")
+    if out.resolve() == src.resolve():
+        raise UserError(f"--output {out} is the input checkpoint; choose another --output")
+    if out.exists() and not args.overwrite:
+        raise UserError(f"--output {out} exists; pass --overwrite to replace it, or choose another --output")
+    import orepa
+
+    torch.manual_seed(args.seed)
+    try:
+        model = orepa.import_reference(src)
+    except ValueError as exc:
+        raise UserError(f"{src}: {exc}") from None
+    model.eval()
+    cfg = _model_cfg(model)
+    form = ("deploy-fused" if args.fuse_bn else "deploy") if args.deploy else "train"
+    written = deploy(model, form)
+    ckpt = {"format": FORMAT, "version": VERSION, "form": form, "model_cfg": cfg,
+            "model": {k: v.detach().cpu() for k, v in written.state_dict().items()},
+            "epoch": 0, "step_in_epoch": 0, "global_step": 0, "source": str(src), "imported_from": "reference",
+            "import_args": args_dict(args)}
+    # what is written must read back through the one checkpoint loader and compute the imported model
+    reread, _, _ = model_from_checkpoint(ckpt, out, use_ema=False)
+    x = torch.randn(2, cfg["in_chans"], 64, 64)
+    with torch.no_grad():
+        ref, got = model(x), reread(x)
+    diff = (ref - got).abs().max().item()
+    bound = args.rtol * (1 + ref.abs().max().item())
+    if not diff <= bound:
+        raise UserError(f"the {form} form computes other logits than the imported model (max |diff| {diff:.2e} > "
+                        f"{bound:.2e}); nothing written")
+    save_checkpoint(ckpt, out)
+    return {"source": str(src), "model": describe_cfg(cfg), "form": form, "output": str(out),
+            "params_train": count_params(model), "params_written": count_params(written), "max_abs_diff": diff}
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        res = import_checkpoint(args)
+    except UserError as exc:
+        return fail("import-reference", exc)
+    print(f"{res['source']}: {res['model']}")
+    print(f"  {res['form']} form, {res['params_written']:,} parameters (training form {res['params_train']:,}); "
+          f"checked on a random batch: max |logit diff| {res['max_abs_diff']:.1e}")
+    print(f"  wrote {res['output']}")
+    if res["form"] == "train":
+        print(f"  fine-tune: orepa train --resume {res['output']} --data-path DATA ...")
+    return 0
+
+
+__all__ = ["add_arguments", "run", "import_checkpoint"]

@@ -1,0 +1,451 @@
+"""Checkpoints trained with the paper's public code, imported into this project's models.
+
+:func:`import_reference` reads a state_dict in the layout of the paper's reference
+implementation (``stage0..stage4`` + ``linear``; blocks ``OREPA``, ``OREPA_1x1``,
+``OREPA_LargeConv``, ``DBB``, ``ConvBN``, ``RepVGGBlock_OREPA``, ``RepVGGBlock``), reads the
+architecture off its keys and shapes, and returns the zoo model in training form holding
+those weights, computing the function the reference computes:
+
+* ResNet family (BasicBlock / Bottleneck, the depths of ResNet-18/34/50/101/152 and
+  ResNeXt-50 32x4d, any widths): method ``orepa`` (kxk OREPA blocks, Rep-1x1 on 1x1 convs,
+  linear deep stem, each where the checkpoint has it), ``dbb`` or ``base``;
+* RepVGG family (A and B depths, any widths, no grouped layers): ``orepa-vgg`` or ``repvgg``.
+
+Two facts of the reference shape the mapping. Its 1x1 -> kxk first factor is a learnable
+delta on a fixed identity (``idconv1 + id_tensor``); here the factor itself is the
+parameter, so the sum is stored. Its deep stem composes the three 3x3 kernels with
+PyTorch's cross-correlation, ``K = T(conv2d(conv2d(T(K0), K1), K2))``, which is the true
+composition of ``K0``, ``flip(K1)``, ``flip(K2)``: the second and later 3x3 blocks are
+imported spatially flipped (kxk, the second factor of 1x1 -> kxk and the depthwise
+kernels flipped; the symmetric average filter as is; the frequency prior's flip is a
+sign per channel, moved into that branch's scale), so the squeezed 7x7 kernel is the
+reference's. Everything is computed in float64 and cast to ``dtype`` at the end.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .. import kernels as K
+from ..blocks import DBBConv2d, OREPAConv2d, OREPADeepStem, OREPAVGGBlock, RepVGGBlock
+from .repvgg import REPVGG_CONFIGS, build_repvgg
+from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck
+from .zoo import create_model
+
+__all__ = ["import_reference", "read_reference_state_dict"]
+
+#: row of each OREPA branch in the reference's scaling ``vector`` (kxk block / OREPA-VGG's 3x3 block)
+_OREPA_ROWS = {"kxk": 0, "1x1_avg": 1, "1x1_prior": 2, "1x1_kxk": 3, "1x1": 4, "dw_pw": 5}
+_OREPA_VGG_ROWS = {"kxk": 0, "1x1_avg": 1, "1x1_prior": 2, "1x1_kxk": 3, "dw_pw": 4}
+_BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+
+
+def read_reference_state_dict(src) -> dict[str, Tensor]:
+    """The reference state_dict of ``src``: a path, a bare state_dict, or the training script's
+    ``{"state_dict": ..., "optimizer": ...}``; ``module.`` prefixes (DataParallel / DDP) removed.
+    Files load with ``weights_only=True``: no code in them runs."""
+    if isinstance(src, (str, os.PathLike)):
+        try:
+            src = torch.load(src, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise ValueError(f"reference checkpoint {os.fspath(src)} does not exist") from None
+        except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"cannot read reference checkpoint {os.fspath(src)} with weights_only=True: "
+                             f"{type(exc).__name__}: {first[:300]}") from None
+    if isinstance(src, Mapping) and isinstance(src.get("state_dict"), Mapping):
+        src = src["state_dict"]
+    if not isinstance(src, Mapping) or not src or not all(isinstance(v, Tensor) for v in src.values()):
+        found = f"a dict with keys {list(src)[:8]}" if isinstance(src, Mapping) else type(src).__name__
+        raise ValueError(f"not a reference checkpoint: expected a state_dict or {{'state_dict': ...}}, got {found}")
+    return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in src.items()}
+
+
+class _Reader:
+    """float64 views of one reference module's entries; remembers which keys were read."""
+
+    def __init__(self, sd: Mapping[str, Tensor], consumed: set[str], prefix: str = ""):
+        self.sd, self.consumed, self.prefix = sd, consumed, prefix
+
+    def sub(self, name: str) -> _Reader:
+        return _Reader(self.sd, self.consumed, f"{self.prefix}{name}.")
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self.sd
+
+    def __call__(self, name: str) -> Tensor:
+        key = self.prefix + name
+        if key not in self.sd:
+            raise ValueError(f"reference checkpoint lacks {key!r}")
+        self.consumed.add(key)
+        t = self.sd[key]
+        return t.to(torch.float64) if t.is_floating_point() else t.clone()
+
+    def bn(self, name: str, into: str) -> dict[str, Tensor]:
+        r = self.sub(name)
+        return {f"{into}.{k}": r(k) for k in _BN_KEYS if k != "num_batches_tracked" or r.has(k)}
+
+
+def _site_kind(sd: Mapping[str, Tensor], prefix: str) -> str | None:
+    """Which reference module sits at ``prefix`` (``stage1.0.conv1``, ``stage2.3``, ...)."""
+    p = prefix + "."
+    if p + "weight0.weight_orepa_origin" in sd:
+        return "deep_stem"
+    if p + "weight0" in sd:
+        return "deep_stem_base"  # OREPA_LargeConvBase: not what the reference's models build
+    for key, kind in (("weight_orepa_origin", "orepa"), ("weight_or1x1_origin", "rep_1x1"),
+                      ("dbb_origin.conv.weight", "dbb"), ("rbr_dense.weight_rbr_origin", "orepa_vgg"),
+                      ("rbr_dense.conv.weight", "repvgg"), ("conv.weight", "conv_bn")):
+        if p + key in sd:
+            return kind
+    return None
+
+
+def _out_in(sd: Mapping[str, Tensor], prefix: str) -> tuple[int, int]:
+    """(output channels, input channels per group) of the conv at ``prefix``."""
+    key = {"deep_stem": None, "orepa": "weight_orepa_origin", "rep_1x1": "weight_or1x1_origin",
+           "dbb": "dbb_origin.conv.weight", "orepa_vgg": "rbr_dense.weight_rbr_origin",
+           "repvgg": "rbr_dense.conv.weight", "conv_bn": "conv.weight"}.get(_site_kind(sd, prefix), "")
+    if key is None:  # deep stem: first block's inputs, last block's outputs
+        n = _count(sd, rf"{re.escape(prefix)}\.weight(\d+)\.")
+        return sd[f"{prefix}.weight{n - 1}.weight_orepa_origin"].shape[0], \
+            sd[f"{prefix}.weight0.weight_orepa_origin"].shape[1]
+    if not key:
+        raise ValueError(f"unknown module layout at {prefix!r} (keys: {_keys_under(sd, prefix)})")
+    w = sd[f"{prefix}.{key}"]
+    return w.shape[0], w.shape[1]
+
+
+def _count(sd: Mapping[str, Tensor], pattern: str) -> int:
+    """Number of distinct integers captured by ``pattern`` at the start of keys (blocks of a stage)."""
+    rx = re.compile(pattern)
+    found = {int(m.group(1)) for k in sd if (m := rx.match(k))}
+    if found and found != set(range(len(found))):
+        raise ValueError(f"reference blocks matching {pattern!r} are not numbered 0..n-1: {sorted(found)}")
+    return len(found)
+
+
+def _keys_under(sd: Mapping[str, Tensor], prefix: str, n: int = 6) -> str:
+    keys = [k for k in sd if k.startswith(prefix)]
+    return ", ".join(keys[:n]) + (", ..." if len(keys) > n else "") if keys else "none"
+
+
+# --------------------------------------------------------------------------- per-module mappings
+
+
+def _orepa(r: _Reader, into: str, block: OREPAConv2d, rows: Mapping[str, int], flip: bool = False,
+           prefix: str = "weight_orepa_") -> dict[str, Tensor]:
+    """An OREPA kxk block (its BN excluded); ``flip``: spatially flipped, see the module docstring."""
+    vec = r("vector")
+    k, cout = block.kernel_size[0], block.out_channels
+    names = set(block.branches)
+    if names != set(rows):
+        raise ValueError(f"{r.prefix}: the reference block has branches {sorted(rows)}, the model built "
+                         f"here {sorted(names)}")
+    if vec.shape[0] < len(rows):
+        raise ValueError(f"{r.prefix}vector has {vec.shape[0]} rows, expected {len(rows)}")
+    mirror = (lambda w: torch.flip(w, (2, 3))) if flip else (lambda w: w)
+    _check_fixed(r, prefix + "avg_avg", torch.full((k, k), 1.0 / (k * k), dtype=torch.float64))
+    prior = K.freq_prior_kernel(cout, k, dtype=torch.float64)[:, 0]
+    _check_fixed(r, prefix + "prior", prior)
+    if r.has(prefix + "1x1_kxk_idconv1"):
+        first = r(prefix + "1x1_kxk_idconv1")
+        identity = r("id_tensor") if r.has("id_tensor") else K.tiled_identity_1x1(
+            first.shape[0], first.shape[1] * block.groups, block.groups, dtype=torch.float64)
+        first = first + identity
+    else:
+        first = r(prefix + "1x1_kxk_conv1")
+    b = f"{into}branches."
+    out = {
+        f"{b}kxk.conv.weight": mirror(r(prefix + "origin")),
+        f"{b}1x1_avg.conv.weight": r(prefix + "avg_conv"),
+        f"{b}1x1_prior.conv.weight": r(prefix + "pfir_conv"),
+        f"{b}1x1_kxk.conv1.weight": first,
+        f"{b}1x1_kxk.conv2.weight": mirror(r(prefix + "1x1_kxk_conv2")),
+        f"{b}dw_pw.dw.weight": mirror(r(prefix + "gconv_dw")),
+        f"{b}dw_pw.pw.weight": _pw_rows(r(prefix + "gconv_pw"), block.groups),
+    }
+    if "1x1" in rows:
+        out[f"{b}1x1.conv.weight"] = r(prefix + "1x1")
+    for name, row in rows.items():
+        out[f"{b}{name}.scale.weight"] = vec[row]
+    if flip:
+        _flip_prior_branch(out, f"{b}", prior, r.prefix)
+    return out
+
+
+def _flip_prior_branch(out: dict[str, Tensor], b: str, prior: Tensor, where: str) -> None:
+    """Make the prior branch compute ``pfir (x) flip(prior)`` with the fixed, unflipped prior.
+
+    For an even channel count every channel's flipped filter is +-itself (integer frequencies):
+    the sign goes into the branch's scale. Otherwise (half-integer frequencies) the difference
+    ``flip(prior) - prior`` is a kxk kernel and goes into the kxk branch, divided by its scale.
+    """
+    flipped = torch.flip(prior, (1, 2))
+    sign = torch.sign((flipped * prior).sum((1, 2)))
+    if torch.allclose(flipped, sign.view(-1, 1, 1) * prior, rtol=0, atol=1e-14):
+        out[f"{b}1x1_prior.scale.weight"] = out[f"{b}1x1_prior.scale.weight"] * sign
+        return
+    s_prior, s_kxk = out[f"{b}1x1_prior.scale.weight"], out[f"{b}kxk.scale.weight"]
+    if (s_kxk == 0).any() and (s_prior[s_kxk == 0] != 0).any():
+        raise ValueError(f"{where}: the flipped frequency prior needs the kxk branch, whose scale is 0 "
+                         f"on some channels: this deep-stem block cannot be imported exactly")
+    ratio = torch.where(s_kxk == 0, torch.zeros_like(s_kxk), s_prior / s_kxk)
+    pfir = out[f"{b}1x1_prior.conv.weight"][:, :, 0, 0]  # [out, in]
+    out[f"{b}kxk.conv.weight"] = out[f"{b}kxk.conv.weight"] + ratio.view(-1, 1, 1, 1) * \
+        pfir[:, :, None, None] * (flipped - prior)[:, None]
+
+
+def _pw_rows(pw: Tensor, groups: int) -> Tensor:
+    """The reference's grouped dw -> pw composition reads its pointwise rows as ``[out / g, g]``:
+    output ``c * (out / g) + j`` of group ``c`` uses row ``j * g + c``. Reordered to plain rows."""
+    if groups == 1:
+        return pw
+    o = pw.shape[0]
+    return pw.reshape(o // groups, groups, *pw.shape[1:]).transpose(0, 1).reshape(pw.shape)
+
+
+def _check_fixed(r: _Reader, name: str, expected: Tensor) -> None:
+    """A fixed filter stored by the reference must equal the one computed here."""
+    if r.has(name):
+        stored = r(name)
+        if stored.shape != expected.shape or not torch.allclose(stored, expected, atol=1e-6):
+            raise ValueError(f"{r.prefix}{name} differs from the filter this project computes for that shape "
+                             f"(max difference {(stored - expected).abs().max().item() if stored.shape == expected.shape else 'shape'})")
+
+
+def _rep_1x1(r: _Reader, into: str) -> dict[str, Tensor]:
+    vec = r("vector")
+    return {
+        f"{into}branches.1x1.conv.weight": r("weight_or1x1_origin"),
+        f"{into}branches.1x1.scale.weight": vec[0],
+        f"{into}branches.1x1_1x1.conv1.weight": r("weight_or1x1_l2i_conv1"),
+        f"{into}branches.1x1_1x1.conv2.weight": r("weight_or1x1_l2i_conv2"),
+        f"{into}branches.1x1_1x1.scale.weight": vec[1],
+    }
+
+
+def _deep_stem(r: _Reader, into: str, stem: OREPADeepStem) -> dict[str, Tensor]:
+    out = {}
+    for i, layer in enumerate(stem.branches["stem"]):
+        out.update(_orepa(r.sub(f"weight{i}"), f"{into}branches.stem.layer{i}.", layer, _OREPA_ROWS, flip=i > 0))
+    return out
+
+
+def _dbb(r: _Reader, into: str, block: DBBConv2d) -> dict[str, Tensor]:
+    b = f"{into}branches."
+    if not r.has("dbb_avg.conv.weight") or not r.has("dbb_1x1.conv.weight"):
+        raise ValueError(f"{r.prefix}: a DBB block without its 1x1 branches (groups == out_channels) "
+                         f"is not supported")
+    kxk = r.sub("dbb_1x1_kxk")
+    if kxk.has("idconv1.weight"):
+        w = kxk("idconv1.weight")
+        first = w + K.tiled_identity_1x1(w.shape[0], w.shape[0], w.shape[0] // w.shape[1], dtype=torch.float64)
+    else:
+        first = kxk("conv1.weight")
+    # the reference pools with F.avg_pool2d (an exact 1/k^2 in float64); the pool kernel here holds the
+    # float32 constant, as the reference's OREPA blocks do. The ratio moves into the BN after the pool.
+    k = block.kernel_size[0]
+    ratio = (1.0 / (k * k)) / block.branches["1x1_avg"].pool.weight.flatten()[0].item()
+    avg_bn = r.bn("dbb_avg.avgbn", f"{b}1x1_avg.bn")
+    avg_bn[f"{b}1x1_avg.bn.running_mean"] = avg_bn[f"{b}1x1_avg.bn.running_mean"] / ratio
+    avg_bn[f"{b}1x1_avg.bn.weight"] = avg_bn[f"{b}1x1_avg.bn.weight"] * ratio
+    return {
+        f"{b}kxk.conv.weight": r("dbb_origin.conv.weight"), **r.bn("dbb_origin.bn", f"{b}kxk.bn"),
+        f"{b}1x1.conv.weight": r("dbb_1x1.conv.weight"), **r.bn("dbb_1x1.bn", f"{b}1x1.bn"),
+        f"{b}1x1_avg.conv.weight": r("dbb_avg.conv.weight"), **r.bn("dbb_avg.bn.bn", f"{b}1x1_avg.bn0"),
+        **avg_bn,
+        f"{b}1x1_kxk.conv1.weight": first, **kxk.bn("bn1.bn", f"{b}1x1_kxk.bn0"),
+        f"{b}1x1_kxk.conv2.weight": kxk("conv2.weight"), **kxk.bn("bn2", f"{b}1x1_kxk.bn"),
+    }
+
+
+def _vgg_side_branches(r: _Reader, into: str) -> dict[str, Tensor]:
+    """The 1x1 + BN and identity BN branches of a RepVGG-style block."""
+    b = f"{into}branches."
+    out = {f"{b}1x1.conv.weight": r("rbr_1x1.conv.weight"), **r.bn("rbr_1x1.bn", f"{b}1x1.bn")}
+    if r.has("rbr_identity.weight"):
+        out.update(r.bn("rbr_identity", f"{b}identity.bn"))
+    return out
+
+
+def _orepa_vgg(r: _Reader, into: str, block: OREPAVGGBlock) -> dict[str, Tensor]:
+    dense = r.sub("rbr_dense")
+    out = _orepa(dense, f"{into}branches.kxk.orepa.", block.branches["kxk"][0], _OREPA_VGG_ROWS,
+                 prefix="weight_rbr_")
+    # a 6th row exists when in == out and stride == 1, but the reference's weight_gen never reads it
+    return {**out, **dense.bn("bn", f"{into}branches.kxk.bn"), **_vgg_side_branches(r, into)}
+
+
+def _repvgg(r: _Reader, into: str) -> dict[str, Tensor]:
+    b = f"{into}branches."
+    return {f"{b}kxk.conv.weight": r("rbr_dense.conv.weight"), **r.bn("rbr_dense.bn", f"{b}kxk.bn"),
+            **_vgg_side_branches(r, into)}
+
+
+# which module type of this project each reference module becomes
+_EXPECTED = {"orepa": OREPAConv2d, "rep_1x1": OREPAConv2d, "deep_stem": OREPADeepStem, "dbb": DBBConv2d,
+             "orepa_vgg": OREPAVGGBlock, "repvgg": RepVGGBlock, "conv_bn": nn.Conv2d}
+
+
+def _map_site(sd, consumed, ref: str, model: nn.Module, conv_name: str, bn_name: str) -> dict[str, Tensor]:
+    kind = _site_kind(sd, ref)
+    if kind is None or kind not in _EXPECTED:
+        raise ValueError(f"unknown module layout at {ref!r} (keys: {_keys_under(sd, ref + '.')})")
+    module = model.get_submodule(conv_name)
+    fits = type(module) is _EXPECTED[kind]
+    if fits and kind in ("orepa", "rep_1x1", "deep_stem"):  # online blocks; Rep-1x1 is the 1x1 one
+        fits = module.mode == "online" and (kind == "rep_1x1") == (module.kernel_size[0] == 1)
+    if not fits:
+        raise ValueError(f"{ref} is a reference {kind} module but the model built here has "
+                         f"{type(module).__name__} at {conv_name}")
+    r = _Reader(sd, consumed, ref + ".")
+    into = conv_name + "."
+    if kind == "conv_bn":
+        return {f"{into}weight": r("conv.weight"), **r.bn("bn", bn_name)}
+    if kind == "orepa":
+        return {**_orepa(r, into, module, _OREPA_ROWS), **r.bn("bn", bn_name)}
+    if kind == "rep_1x1":
+        return {**_rep_1x1(r, into), **r.bn("bn", bn_name)}
+    if kind == "deep_stem":
+        return {**_deep_stem(r, into, module), **r.bn("bn", bn_name)}
+    if kind == "dbb":
+        return _dbb(r, into, module)
+    if kind == "orepa_vgg":
+        return _orepa_vgg(r, into, module)
+    return _repvgg(r, into)
+
+
+# --------------------------------------------------------------------------- architectures
+
+
+def _resnet(sd: Mapping[str, Tensor]) -> tuple[str, str, dict, list[tuple[str, str, str]], str]:
+    layers = [_count(sd, rf"stage{i}\.(\d+)\.") for i in range(1, 5)]
+    if not all(layers):
+        raise ValueError(f"reference ResNet without blocks in some stage (blocks per stage {layers})")
+    bottleneck = any(k.startswith("stage1.0.conv3.") for k in sd)
+    block = Bottleneck if bottleneck else BasicBlock
+    spatial = "conv2" if bottleneck else "conv1"
+    width_in = [_out_in(sd, f"stage{i}.0.conv1")[0] for i in range(1, 5)]
+    d_out, d_in = _out_in(sd, f"stage1.0.{spatial}")
+    groups = width_in[0] // d_in if bottleneck else 1
+    planes = [_out_in(sd, f"stage{i}.0.{'conv3' if bottleneck else 'conv2'}")[0] // block.expansion
+              for i in range(1, 5)]
+    names = [n for n, (b, ls, g, _, _) in RESNET_CONFIGS.items() if b is block and ls == layers and g == groups]
+    if not names:
+        raise ValueError(f"reference ResNet with {block.__name__} blocks {layers}, groups {groups} matches no zoo "
+                         f"model; known: {sorted(RESNET_CONFIGS)}")
+    name = names[0]
+    _, _, _, wpg, _ = RESNET_CONFIGS[name]
+    if bottleneck and [int(p * wpg / 64) * groups for p in planes] != width_in:
+        raise ValueError(f"reference bottleneck widths {width_in} do not follow planes {planes} with "
+                         f"{groups} groups of width {wpg}")
+    stem_kind = _site_kind(sd, "stage0.conv1")
+    method = {"orepa": "orepa", "dbb": "dbb", "conv_bn": "base"}.get(_site_kind(sd, f"stage1.0.{spatial}"))
+    if method is None or stem_kind not in ("deep_stem", "conv_bn"):
+        raise ValueError(f"unsupported reference ResNet: stem {stem_kind}, 3x3 blocks "
+                         f"{_site_kind(sd, f'stage1.0.{spatial}')} (keys: {_keys_under(sd, 'stage0.')})")
+    stem_out, in_chans = _out_in(sd, "stage0.conv1")
+    options: dict = {"widths": planes, "stem_width": stem_out}
+    sites = [("stage0.conv1", "conv1", "bn1")]
+    for i, n in enumerate(layers, 1):
+        for j in range(n):
+            convs = ("conv1", "conv2", "conv3") if bottleneck else ("conv1", "conv2")
+            sites += [(f"stage{i}.{j}.{c}", f"layer{i}.{j}.{c}", f"layer{i}.{j}.bn{c[-1]}") for c in convs]
+            if any(k.startswith(f"stage{i}.{j}.shortcut.") for k in sd):
+                sites.append((f"stage{i}.{j}.shortcut", f"layer{i}.{j}.downsample.0", f"layer{i}.{j}.downsample.1"))
+    if method == "orepa":
+        options["deep_stem"] = stem_kind == "deep_stem"
+        options["rep_1x1"] = any(_site_kind(sd, ref) == "rep_1x1" for ref, _, _ in sites)
+    return name, method, {"in_chans": in_chans, **options}, sites, "fc"
+
+
+def _repvgg_arch(sd: Mapping[str, Tensor]) -> tuple[str, str, dict, list[tuple[str, str, str]], str]:
+    depths = tuple(_count(sd, rf"stage{i}\.(\d+)\.") for i in range(1, 5))
+    kind = _site_kind(sd, "stage0")
+    method = {"orepa_vgg": "orepa-vgg", "repvgg": "repvgg"}.get(kind)
+    if method is None:
+        raise ValueError(f"unsupported reference RepVGG block {kind} (keys: {_keys_under(sd, 'stage0.')})")
+    sites = [("stage0", "stage0.conv", "stage0.bn")]
+    sites += [(f"stage{i}.{j}", f"stage{i}.{j}.conv", f"stage{i}.{j}.bn") for i in range(1, 5)
+              for j in range(depths[i - 1])]
+    cin = None
+    for ref, _, _ in sites:
+        out, per_group = _out_in(sd, ref)
+        if cin is not None and per_group != cin:
+            raise ValueError(f"{ref} is a grouped conv ({cin} inputs, {per_group} per group): grouped RepVGG "
+                             f"(g2/g4 variants) is not in the zoo")
+        cin = out
+    widths = [_out_in(sd, f"stage{i}.0")[0] for i in range(1, 5)]
+    stem_out, in_chans = _out_in(sd, "stage0")
+    names = [n for n, (d, _) in REPVGG_CONFIGS.items() if tuple(d) == depths]
+    if not names:
+        raise ValueError(f"reference RepVGG with depths {list(depths)} matches no zoo model; known: "
+                         f"{ {n: list(d) for n, (d, _) in REPVGG_CONFIGS.items()} }")
+    # the name whose own widths these are, else the first of that depth with explicit widths
+    name = next((n for n in names if [m.out_channels for m in _stage_heads(build_repvgg(n))] == [stem_out, *widths]),
+                names[0])
+    return name, method, {"in_chans": in_chans, "widths": widths, "stem_width": stem_out}, sites, "linear"
+
+
+def _stage_heads(model: nn.Module) -> list[nn.Conv2d]:
+    return [model.stage0.conv] + [getattr(model, f"stage{i}")[0].conv for i in range(1, 5)]
+
+
+def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """This project's model in training form holding the weights of a reference checkpoint.
+
+    Args:
+        src: a path or a state_dict in the layout of the paper's public code (also the
+            training script's ``{"state_dict": ...}``, keys prefixed ``module.`` or not).
+        dtype: of the returned model's parameters (the mapping is computed in float64).
+    Returns:
+        ``create_model(...)`` of the matching zoo model and method (in train mode, as
+        ``create_model`` returns it; ``model.orepa_config`` says how to rebuild it) with every
+        parameter and BN statistic set. ``orepa.reparameterize`` deploys it.
+    Raises:
+        ValueError: unreadable file, a layout that is not the reference's (the message lists the
+            keys that did not match), or a module this project cannot hold exactly.
+    """
+    sd = read_reference_state_dict(src)
+    if any(k.startswith("stage0.conv1.") for k in sd):
+        name, method, options, sites, head = _resnet(sd)
+    elif any(k.startswith("stage0.rbr_") for k in sd):
+        name, method, options, sites, head = _repvgg_arch(sd)
+    else:
+        raise ValueError("not a checkpoint of the paper's ResNet or RepVGG models (expected keys under "
+                         f"'stage0.conv1.' or 'stage0.rbr_'); first keys: {', '.join(list(sd)[:8])}")
+    if "linear.weight" not in sd:
+        raise ValueError("reference checkpoint has no classifier 'linear.weight'")
+    num_classes = sd["linear.weight"].shape[0]
+    model = create_model(name, method, num_classes=num_classes, **options).to(torch.float64)
+    consumed: set[str] = set()
+    ours: dict[str, Tensor] = {}
+    for ref, conv_name, bn_name in sites:
+        ours.update(_map_site(sd, consumed, ref, model, conv_name, bn_name))
+    head_r = _Reader(sd, consumed, "linear.")
+    ours.update({f"{head}.weight": head_r("weight"), f"{head}.bias": head_r("bias")})
+    unused = [k for k in sd if k not in consumed and not _ignorable(k)]
+    if unused:
+        raise ValueError(f"{len(unused)} reference key(s) match nothing in {name}/{method}: "
+                         f"{', '.join(unused[:10])}{', ...' if len(unused) > 10 else ''}")
+    own = model.state_dict()
+    missing = [k for k in own if k not in ours]
+    wrong = [f"{k}: reference {list(v.shape)} vs model {list(own[k].shape)}" for k, v in ours.items()
+             if k in own and v.shape != own[k].shape]
+    extra = [k for k in ours if k not in own]
+    if missing or wrong or extra:
+        raise ValueError(f"reference checkpoint does not fit {name}/{method} {options}: "
+                         f"missing {missing[:5]}, shape mismatches {wrong[:5]}, unplaced {extra[:5]}")
+    model.load_state_dict(ours, strict=True)
+    return model.to(dtype)
+
+
+def _ignorable(key: str) -> bool:
+    # the unused 6th scaling row of OREPA-VGG blocks is read with the vector; fixed buffers are checked
+    return key.endswith(("weight_orepa_avg_avg", "weight_rbr_avg_avg", "weight_orepa_prior", "weight_rbr_prior",
+                         "id_tensor"))

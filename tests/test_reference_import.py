@@ -1,0 +1,199 @@
+"""``orepa.import_reference``: checkpoints of the paper's public code, imported exactly.
+
+The fixtures (made with the authors' code, ``../shared/fixtures/reference``) must give the
+reference's float64 output to relative 1e-9, in training form and deployed. Architectures
+no fixture covers (other depths, odd widths, groups, DBB bottlenecks, RepVGG-B) are checked
+against :mod:`reference_layout`, an evaluator of the reference layout that does not use
+orepa and that reproduces the fixtures itself.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from reference_layout import make_repvgg, make_resnet, repvgg_forward, resnet_forward
+
+import orepa
+import orepa.models
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "reference"
+FILES = sorted(FIXTURES.glob("*.pt")) if FIXTURES.is_dir() else []
+needs_fixtures = pytest.mark.skipif(not FILES, reason=f"reference fixtures not found in {FIXTURES} "
+                                    "(../shared/fixtures/reference is provided outside this repository)")
+X = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def check_import(sd_or_path, expected: torch.Tensor, x: torch.Tensor, tol: float = 1e-9) -> torch.nn.Module:
+    model = orepa.import_reference(sd_or_path, dtype=torch.float64).eval()
+    with torch.no_grad():
+        assert rel(model(x), expected) < tol
+        deployed = orepa.reparameterize(model, fuse_bn=True)
+        assert not any(isinstance(m, orepa.ReparamConv2d) for m in deployed.modules())
+        assert rel(deployed(x), expected) < tol
+        vanilla = orepa.reparameterize(model)  # the zoo's base layout, key for key
+        base = orepa.models.create_model(model.orepa_config["name"], "base",
+                                         num_classes=model.orepa_config["num_classes"],
+                                         widths=model.orepa_config["widths"],
+                                         stem_width=model.orepa_config["stem_width"]).double().eval()
+        base.load_state_dict(vanilla.state_dict(), strict=True)
+        assert rel(base(x), expected) < tol
+    return model
+
+
+@pytest.mark.slow
+@needs_fixtures
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_fixture_imports_exactly(path):
+    fx = torch.load(path, weights_only=True)
+    x, expected = fx["input"].double(), fx["output_float64"]
+    model = check_import(path, expected, x)
+    method = {"OREPA": "orepa", "OREPA_VGG": "orepa-vgg", "DBB": "dbb"}[fx["impl"]]
+    assert model.orepa_config["method"] == method
+    # float32, as users load it: the reference's own float32 output to float32 precision
+    model32 = orepa.import_reference(path).eval()
+    assert next(model32.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        assert rel(model32(fx["input"]).double(), fx["output"].double()) < 1e-4
+
+
+@needs_fixtures
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_independent_evaluator_reproduces_the_fixtures(path):
+    """The evaluator used below as the reference is itself right on what the authors' code computed."""
+    fx = torch.load(path, weights_only=True)
+    forward = repvgg_forward if fx["impl"] == "OREPA_VGG" else resnet_forward
+    assert rel(forward(fx["state_dict"], fx["input"]), fx["output_float64"]) < 1e-12
+
+
+CASES = {  # name: (random reference checkpoint, the zoo model and method it must import as)
+    # ResNet-34 depth at the reference's int(64 * 0.15) widths: odd stem (deep-stem prior flip is no sign flip)
+    "resnet34_orepa_w0.15": (lambda: make_resnet("orepa", [3, 4, 6, 3], [9, 19, 38, 76], seed=1),
+                             "resnet34", "orepa"),
+    "resnet101_orepa_tiny": (lambda: make_resnet("orepa", [3, 4, 23, 3], [4, 8, 16, 32], bottleneck=True, seed=2),
+                             "resnet101", "orepa"),
+    "resnext50_32x4d_orepa": (lambda: make_resnet("orepa", [3, 4, 6, 3], [16, 32, 64, 128], bottleneck=True,
+                                                  groups=32, width_per_group=4, stem=8, seed=3),
+                              "resnext50_32x4d", "orepa"),
+    "resnet50_dbb_tiny": (lambda: make_resnet("dbb", [3, 4, 6, 3], [4, 8, 16, 32], bottleneck=True, seed=4),
+                          "resnet50", "dbb"),
+    "resnet34_dbb_odd": (lambda: make_resnet("dbb", [3, 4, 6, 3], [5, 11, 19, 38], seed=5), "resnet34", "dbb"),
+    "resnet18_base": (lambda: make_resnet("base", [2, 2, 2, 2], [8, 16, 32, 64], seed=6), "resnet18", "base"),
+    "repvgg_b0_orepa_vgg": (lambda: make_repvgg([4, 6, 16, 1], [8, 16, 32, 80], 8, seed=7), "repvgg_b0",
+                            "orepa-vgg"),
+    "repvgg_a_repvgg_odd": (lambda: make_repvgg([2, 4, 14, 1], [9, 19, 37, 73], 9, orepa=False, seed=8),
+                            "repvgg_a0", "repvgg"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_other_architectures_import_exactly(case):
+    make, name, method = CASES[case]
+    sd = make()
+    forward = repvgg_forward if "repvgg" in case else resnet_forward
+    model = check_import(sd, forward(sd, X), X)
+    assert (model.orepa_config["name"], model.orepa_config["method"]) == (name, method)
+
+
+def test_training_script_wrapping_and_module_prefix(tmp_path):
+    sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=9)
+    wrapped = {"epoch": 3, "arch": "ResNet-18", "best_acc1": torch.tensor(1.0),
+               "state_dict": {f"module.{k}": v for k, v in sd.items()}, "optimizer": {"state": {}, "param_groups": []}}
+    path = tmp_path / "checkpoint.pth.tar"
+    torch.save(wrapped, path)
+    a = orepa.import_reference(sd, dtype=torch.float64).eval()
+    b = orepa.import_reference(path, dtype=torch.float64).eval()
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+
+
+def test_imported_model_trains_like_the_zoo_model():
+    """The import is a training-form model: its online path gives the same gradients as its offline twin."""
+    sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=10)
+    model = orepa.import_reference(sd, dtype=torch.float64).train()
+    loss = model(X).logsumexp(1).sum()
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_unknown_layouts_are_refused_with_the_keys():
+    with pytest.raises(ValueError, match="first keys: features.0.weight"):
+        orepa.import_reference({"features.0.weight": torch.zeros(8, 3, 3, 3)})
+    sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=11)
+    sd["stage1.0.conv1.weight_orepa_extra"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="stage1.0.conv1.weight_orepa_extra"):
+        orepa.import_reference(sd)
+    del sd["stage1.0.conv1.weight_orepa_extra"]
+    del sd["stage2.1.conv2.weight_orepa_gconv_pw"]
+    with pytest.raises(ValueError, match="stage2.1.conv2.weight_orepa_gconv_pw"):
+        orepa.import_reference(sd)
+    with pytest.raises(ValueError, match="not a reference checkpoint"):
+        orepa.import_reference({"state_dict": {}})
+    with pytest.raises(ValueError, match="does not exist"):
+        orepa.import_reference("/nonexistent/ckpt.pth")
+
+
+def test_hostile_pickle_is_not_run(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (exec, ("open(%r, 'w').write('ran')" % str(tmp_path / "ran"),))
+
+    path = tmp_path / "evil.pth"
+    torch.save({"state_dict": {"x": Boom()}}, path)
+    with pytest.raises(ValueError, match="weights_only=True"):
+        orepa.import_reference(path)
+    assert not (tmp_path / "ran").exists()
+
+
+# --------------------------------------------------------------------------- orepa import-reference
+
+
+def test_cli_writes_training_and_deployed_checkpoints(tmp_path, capsys):
+    from orepa.apps.checkpoint import load_checkpoint, model_from_checkpoint
+    from orepa.cli import main
+
+    sd = make_resnet("orepa", [3, 4, 6, 3], [4, 8, 16, 32], bottleneck=True, seed=12)
+    src = tmp_path / "ref.pth.tar"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in sd.items()}, "epoch": 120}, src)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = orepa.import_reference(src).eval()(x)
+    assert main(["import-reference", str(src), "-o", str(tmp_path / "train.pth")]) == 0
+    ckpt = load_checkpoint(tmp_path / "train.pth")
+    assert ckpt["form"] == "train" and ckpt["model_cfg"]["model"] == "resnet50" and "optimizer" not in ckpt
+    model, cfg, form = model_from_checkpoint(ckpt, tmp_path / "train.pth")
+    assert form == "train" and cfg["options"]["widths"] == [4, 8, 16, 32]
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    assert main(["import-reference", str(src), "-o", str(tmp_path / "dep.pth"), "--deploy", "--fuse-bn"]) == 0
+    dep = load_checkpoint(tmp_path / "dep.pth")
+    model, _, form = model_from_checkpoint(dep, tmp_path / "dep.pth")
+    assert form == "deploy-fused" and not any(isinstance(m, orepa.ReparamConv2d) for m in model.modules())
+    with torch.no_grad():
+        assert (model(x) - expected).abs().max() <= 1e-4 * (1 + expected.abs().max())
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("case", ["exists", "same", "missing", "garbage", "fuse_without_deploy"])
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
+    from orepa.cli import main
+
+    src = tmp_path / "ref.pth"
+    torch.save(make_resnet("base", [2, 2, 2, 2], [4, 8, 16, 32], seed=13), src)
+    out = tmp_path / "out.pth"
+    out.write_bytes(b"keep me")
+    argv = {"exists": [str(src), "-o", str(out)],
+            "same": [str(src), "-o", str(src), "--overwrite"],
+            "missing": [str(tmp_path / "nope.pth"), "-o", str(tmp_path / "new.pth")],
+            "garbage": [str(out), "-o", str(tmp_path / "new.pth")],
+            "fuse_without_deploy": [str(src), "-o", str(tmp_path / "new.pth"), "--fuse-bn"]}[case]
+    capsys.readouterr()
+    assert main(["import-reference", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("orepa import-reference: error: ")
+    assert out.read_bytes() == b"keep me" and not (tmp_path / "new.pth").exists()
