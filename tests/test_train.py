@@ -303,10 +303,19 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys):
     assert _load(other)["form"] == "deploy"
     assert main(["reparam", str(ckpt), "--no-verify"]) == 0 and main(["reparam", str(ckpt), "--no-verify"]) == 0
     # --overwrite replaces the run (its old files go first)
-    (run / ".checkpoint.pth.x1y2.tmp").write_bytes(b"left by a killed write")
+    # a killed write's temporary file goes at the next write; a running writer's (or another host's) stays
+    host = ckpt_mod._host()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = run / f".checkpoint.pth.{host}-{int(gone.stdout)}.x1y2.tmp"
+    live = run / f".checkpoint.pth.{host}-{os.getpid()}.a1b2.tmp"
+    remote = run / ".checkpoint.pth.elsewhere-1.c3d4.tmp"
+    for p in (dead, live, remote):
+        p.write_bytes(b"partial")
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0
     assert _load(ckpt)["model_cfg"]["method"] == "orepa"
-    assert not list(run.glob(".*.tmp"))
+    assert not dead.exists() and live.exists() and remote.exists()
+    live.unlink()
+    remote.unlink()
     # every file the run writes has the same permissions: 0666 minus the umask (not mkstemp's 0600)
     mask = os.umask(0)
     os.umask(mask)

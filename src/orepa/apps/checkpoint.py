@@ -25,7 +25,8 @@ takes a bare state_dict (e.g. a torchvision one) or one wrapped as ``{"state_dic
 
 Writes are atomic (temporary file, fsync, rename) with the permissions of any other
 file the process creates (0666 minus the umask); temporary files that a killed write
-left behind (``.<name>.*.tmp``) are removed by the next write of that file.
+left behind (``.<name>.<host>-<pid>.*.tmp``, whose process is gone) are removed by the
+next write of that file.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import os
 import pickle
 import random
 import re
+import socket
 import tempfile
 from pathlib import Path
 
@@ -122,12 +124,40 @@ def _umask() -> int:
     return mask
 
 
+def _host() -> str:
+    return socket.gethostname().replace(".", "_")
+
+
+def _writer_tag() -> str:
+    return f"{_host()}-{os.getpid()}"
+
+
+def _dead(tag: str) -> bool:
+    """Whether the writer ``host-pid`` of a temporary file is a process of this host that is gone."""
+    host, _, pid = tag.rpartition("-")
+    if host != _host() or not pid.isdigit():
+        return False  # another machine's (a shared file system) or an unknown writer: leave it
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by someone else
+        return False
+    return False
+
+
 def remove_stale_tmp(path: str | os.PathLike) -> list[Path]:
-    """Delete the ``.<name>.*.tmp`` files an interrupted atomic write of ``path`` left behind."""
+    """Delete the ``.<name>.<host>-<pid>.*.tmp`` files that interrupted atomic writes of ``path`` left
+    behind: those whose writing process (on this host) no longer runs; a concurrent writer's stays."""
     path = Path(path)
-    stale = list(path.parent.glob(f".{glob_escape(path.name)}.*.tmp")) if path.parent.is_dir() else []
-    for p in stale:
-        p.unlink(missing_ok=True)
+    if not path.parent.is_dir():
+        return []
+    stale = []
+    for p in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
+        tag = p.name[len(path.name) + 2:].split(".", 1)[0]
+        if _dead(tag):
+            p.unlink(missing_ok=True)
+            stale.append(p)
     return stale
 
 
@@ -142,7 +172,7 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
