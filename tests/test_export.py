@@ -58,6 +58,9 @@ def test_torchscript_and_verification_failure(tmp_path):
     assert loaded(torch.randn(3, 1, 28, 28)).shape == (3, 10)
     with pytest.raises(ExportVerificationError):
         export_torchscript(model, tmp_path / "m2.pt", (2, 1, 28, 28), atol=-1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]  # a failed check writes nothing
+    # a TorchScript archive is not a checkpoint (torch.load would hand it to torch.jit.load)
+    assert cli.main(["eval", str(tmp_path / "m.pt")]) == 2
 
 
 def test_cli_export_with_checkpoints(tmp_path, capsys):
@@ -108,11 +111,16 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
     cases.append(([str(bare)], "bare state_dict: pass --model"))
     cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25", "-o",
                    str(bare)], "is the input checkpoint"))
+    other = tmp_path / "other.pt"
+    other.write_bytes(bare.read_bytes())
+    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25", "-o",
+                   str(other)], "holds a checkpoint; pass --overwrite"))
     for argv, msg in cases:
         capsys.readouterr()
         assert cli.main(["export", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert other.read_bytes() == bare.read_bytes()
 
 
 def test_cli_export_takes_the_input_size_and_model_from_the_checkpoint(tmp_path, capsys):

@@ -36,6 +36,9 @@ import random
 import re
 import socket
 import tempfile
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -186,6 +189,23 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
     return path
 
 
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """For writers that want a file name (ONNX, TorchScript): a temporary path beside ``path``; when
+    the block ends normally it replaces ``path`` (usual permissions), after an exception it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda f: f.write(text.encode()))
 
@@ -218,6 +238,14 @@ def strip_prefixes(sd: dict) -> dict:
     return out
 
 
+def _is_torchscript(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/constants.pkl") or "/code/" in n for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def _unpickling_error(path: Path, exc: Exception) -> UserError:
     text = str(exc)
     found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
@@ -240,6 +268,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
+    if _is_torchscript(path):  # torch.load would hand it to torch.jit.load
+        raise UserError(f"{path} is a TorchScript archive (a compiled program), not a checkpoint; "
+                        "load it with torch.jit.load")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

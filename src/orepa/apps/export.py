@@ -16,7 +16,8 @@ export the deployed model, and (``verify=True``) check on a random input that
 
 each to ``max|y - y_ref| <= atol * (1 + max|y_ref|)`` (default ``atol=1e-4`` in float32;
 the test-suite's reparameterization bound is 1e-5 in the same form). A failed check raises
-:class:`ExportVerificationError`.
+:class:`ExportVerificationError` and writes nothing: the file is written to a temporary
+name, checked there and only then renamed into place.
 """
 from __future__ import annotations
 
@@ -115,12 +116,17 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
         atol: the bound is ``atol * (1 + max|y_ref|)`` on the max abs error.
         dynamo: use the torch.export-based exporter (slower); default the TorchScript-based one.
     """
-    path = str(path)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     model.eval()
     deployed = deploy(model)
     x = _example(input_shape, device=_device(model))
-    report = ExportReport(path, "onnx", tuple(input_shape), count_params(model), count_params(deployed), atol=atol)
+    report = ExportReport(str(path), "onnx", tuple(input_shape), count_params(model), count_params(deployed),
+                          atol=atol)
+    with ckpt_io.atomic_path(path) as tmp:
+        _export_onnx(model, deployed, str(tmp), x, input_shape, report, opset, verify, dynamic_batch, dynamo)
+    return report
+
+
+def _export_onnx(model, deployed, path: str, x, input_shape, report, opset, verify, dynamic_batch, dynamo) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
@@ -144,27 +150,24 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
             y_ort = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0])
             _check(report, f"onnxruntime vs pytorch (batch {xi.shape[0]})", y_ort, deployed(xi) if i else y_dep)
         report.verified = True
-    return report
 
 
 @torch.no_grad()
 def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, verify: bool = True,
                        atol: float = 1e-4) -> ExportReport:
     """Deploy ``model``, ``torch.jit.trace`` it and save it at ``path``; verify the reloaded module."""
-    path = str(path)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
     model.eval()
     deployed = deploy(model)
     x = _example(input_shape, device=_device(model))
-    report = ExportReport(path, "torchscript", tuple(input_shape), count_params(model), count_params(deployed),
+    report = ExportReport(str(path), "torchscript", tuple(input_shape), count_params(model), count_params(deployed),
                           atol=atol)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), ckpt_io.atomic_path(path) as tmp:
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*deprecated.*")
         traced = torch.jit.trace(deployed, x)
-        torch.jit.save(traced, path)
+        torch.jit.save(traced, str(tmp))
         if verify:
-            loaded = torch.jit.load(path)
+            loaded = torch.jit.load(str(tmp))
             y_train, y_dep = model(x), deployed(x)
             _check(report, "deployed vs training form", y_dep, y_train)
             _check(report, "torchscript vs pytorch", loaded(x), y_dep)
@@ -222,6 +225,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_run_arguments(p, seed=False)
     p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}.onnx / .pt)")
+    p.add_argument("--overwrite", action="store_true", help="replace --output even when it holds a checkpoint")
     p.add_argument("--input-size", type=positive_int, default=None,
                    help="height = width of the example input (default: the checkpoint's training size, "
                         "28 for Fashion-MNIST; else 224)")
@@ -231,6 +235,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamo", action="store_true", help="ONNX: use the torch.export-based exporter")
     p.add_argument("--atol", type=positive_float, default=1e-4, help="verification bound: atol * (1 + max|y|)")
     p.add_argument("--no-verify", action="store_true")
+
+
+def _is_checkpoint(path: Path) -> bool:
+    try:
+        ckpt_io.load_checkpoint(path)
+    except UserError:
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -259,6 +271,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output or f"{cfg['model']}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
     if path and out.resolve() == Path(path).resolve():
         raise UserError(f"--output {out} is the input checkpoint; export never writes over its input")
+    if out.exists() and not args.overwrite and _is_checkpoint(out):
+        raise UserError(f"--output {out} holds a checkpoint; pass --overwrite to replace it, or choose another "
+                        "--output")
     model.to(device)
     try:
         if args.format == "onnx":
