@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from .checkpoint import atomic_write_text
 from .common import available_cpus, nonneg_float, positive_float, positive_int
 from .data import prepare_fashion_mnist
 
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         rows[p.method] = (s, r, p.t1 - p.t0)
     print_table(rows, wall, args)
     results = {m: {"summary": s, "reparam": r, "pipeline_s": t} for m, (s, r, t) in rows.items()}
-    (root / "demo.json").write_text(json.dumps({"wall_s": wall, "results": results}, indent=2))
+    atomic_write_text(root / "demo.json", json.dumps({"wall_s": wall, "results": results}, indent=2))
     ok = all(r["outputs_match"] and r["accuracy_equal"] for _, r, _ in rows.values())
     print(f"\ndeployed accuracy == training-form accuracy for every model: {'yes' if ok else 'NO'}; "
           f"total {wall / 60:.1f} min. Results in {root}/ (demo.json, <method>/log.csv, curves.png, "
