@@ -99,6 +99,21 @@ def test_timm_reparameterize_model_deploys_every_zoo_model_exactly(name, method)
         tol_close(deployed(x), orepa.reparameterize(model)(x))
 
 
+@pytest.mark.parametrize("method", ["orepa", "orepa-offline"])
+def test_timm_reparameterize_model_deploys_the_deep_stem(method):
+    from timm.utils import reparameterize_model
+
+    model = zoo.create_model("resnet18", method, num_classes=5, width_mult=0.25)  # 7x7 stem -> OREPADeepStem
+    assert isinstance(model.conv1, orepa.OREPADeepStem)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        model.train()(x)
+        model.eval()
+        deployed = reparameterize_model(model)
+        assert type(deployed.conv1) is nn.Conv2d and deployed.conv1.kernel_size == (7, 7)
+        tol_close(deployed(x), model(x))
+
+
 @pytest.mark.parametrize("method", ["orepa", "dbb", "orepa-vgg"])
 def test_timm_reparameterize_model_deploys_a_converted_torchvision_model(method):
     import torchvision
