@@ -103,7 +103,7 @@ def test_timm_reparameterize_model_deploys_every_zoo_model_exactly(name, method)
 def test_timm_reparameterize_model_deploys_the_deep_stem(method):
     from timm.utils import reparameterize_model
 
-    model = zoo.create_model("resnet18", method, num_classes=5, width_mult=0.25)  # 7x7 stem -> OREPADeepStem
+    model = zoo.create_model("resnet18", method, num_classes=5, width_mult=0.25, deep_stem=True)  # 7x7 stem
     assert isinstance(model.conv1, orepa.OREPADeepStem)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
