@@ -267,3 +267,36 @@ def test_deep_stem_models_deploy_exactly(method, opts):
         base = zoo.create_model("resnet18", "base", num_classes=5, width_mult=0.25)
         base.load_state_dict(orepa.reparameterize(model).state_dict(), strict=True)
         tol_close(base.eval()(x), y)
+
+
+def test_a_new_family_is_one_registration():
+    """register_family is the whole of adding a family: create_model, list_models, list_methods and the
+    deployment to the family's plain layout follow from it."""
+    from orepa.models import zoo as registry
+
+    class Tiny(nn.Sequential):
+        def __init__(self, num_classes, in_chans, width=8):
+            super().__init__(nn.Conv2d(in_chans, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes))
+
+    family = registry.Family(
+        name="tiny", configs={"tiny_test": None}, build=lambda name, num_classes, in_chans, width=8: Tiny(
+            num_classes, in_chans, width), methods=("base", "orepa"), default_method="orepa",
+        common_options=("width",), method_options={"orepa": ("init",)},
+        apply_method=lambda model, method, opts, name: orepa.convert(model, method, inplace=True, **opts),
+        first_conv="0", classifier="5")
+    try:
+        registry.register_family(family)
+        assert "tiny_test" in registry.list_models("orepa") and registry.list_methods("tiny_test") == ["base", "orepa"]
+        model = registry.create_model("tiny_test", num_classes=3, width=4, init="torch")
+        assert isinstance(model[0], orepa.OREPAConv2d) and model.orepa_config["width"] == 4
+        plain = registry.create_model("tiny_test", "base", num_classes=3, width=4)
+        plain.load_state_dict(orepa.reparameterize(model.eval()).state_dict(), strict=True)
+        with pytest.raises(ValueError, match="not accepted"):
+            registry.create_model("tiny_test", "base", preset="dw-sep")
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register_family(registry.Family(**{**family.__dict__, "name": "tiny2"}))
+    finally:
+        registry._FAMILIES.pop("tiny", None)
+        registry.FAMILY_METHODS.pop("tiny", None)
+    assert "tiny_test" not in registry.list_models()

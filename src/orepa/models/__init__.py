@@ -11,10 +11,21 @@ timm when timm is installed (see :mod:`orepa.models.timm_registry`).
 from .reference import import_reference, read_reference_state_dict
 from .repvgg import REPVGG_CONFIGS, ConvBNReLU, RepVGG, build_repvgg
 from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck, ResNet, build_resnet
-from .zoo import ABLATIONS, FAMILY_METHODS, create_model, list_methods, list_models, model_family
+from .zoo import (
+    ABLATIONS,
+    FAMILY_METHODS,
+    Family,
+    create_model,
+    family_of,
+    list_methods,
+    list_models,
+    model_family,
+    register_family,
+)
 
 __all__ = [
     "create_model", "list_models", "list_methods", "model_family", "ABLATIONS", "FAMILY_METHODS",
+    "Family", "register_family", "family_of",
     "import_reference", "read_reference_state_dict",
     "ResNet", "BasicBlock", "Bottleneck", "RESNET_CONFIGS", "build_resnet",
     "RepVGG", "ConvBNReLU", "REPVGG_CONFIGS", "build_repvgg", "TIMM_REGISTERED",

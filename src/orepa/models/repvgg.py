@@ -18,7 +18,10 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
+from ..blocks import OREPA_BRANCHES
+from ..convert import convert
 from .resnet import _explicit_widths
+from .zoo import BLOCK_OPTS, Family, block_opts, branch_list, check_branch_options, register_family
 
 __all__ = ["ConvBNReLU", "RepVGG", "REPVGG_CONFIGS", "build_repvgg"]
 
@@ -112,3 +115,47 @@ def build_repvgg(name: str, num_classes: int = 1000, in_chans: int = 3, *, width
     depths, ab = REPVGG_CONFIGS[name]
     return RepVGG(depths, ab, num_classes, in_chans, small_input=small_input, width_mult=width_mult,
                   widths=widths, stem_width=stem_width)
+
+
+# --------------------------------------------------------------------------- the zoo family and its methods
+
+REPVGG_METHODS: tuple[str, ...] = ("base", "repvgg", "orepa-vgg", "repvgg-online", "orepa-vgg-offline")
+_METHOD_OPTS = {
+    "orepa-vgg": (*BLOCK_OPTS, "scaling", "scale_init"),
+    "repvgg-online": ("scaling", "scale_init", "init"),
+    "orepa-vgg-offline": BLOCK_OPTS,
+}
+
+
+def _identity_ok(name: str, conv: nn.Conv2d) -> bool:
+    return conv.in_channels == conv.out_channels and conv.stride == (1, 1) and conv.groups == 1
+
+
+def _apply_method(model: nn.Module, method: str, opts: dict, name: str) -> nn.Module:
+    if method == "repvgg":
+        return convert(model, "repvgg", inplace=True)
+    check_branch_options(opts)
+    fp, dw = opts.get("freq_prior", True), opts.get("dw_sep", True)
+    extra = block_opts(opts, "dw_expand", "internal_channels", "scaling", "scale_init", "init")
+    if method == "orepa-vgg":
+        # supp. table "ra0res": the 1x1 and identity branches stay explicit (with BN); the online
+        # 3x3 block holds the 3x3 and the 1x1-3x3, 1x1-avg, 1x1-prior and dw-pw branches
+        inner_base = tuple(b for b in OREPA_BRANCHES if b != "1x1")
+        return convert(model, "orepa-vgg", inplace=True,
+                       branches=branch_list(fp, dw, opts.get("branches"), inner_base), **extra)
+    if method == "repvgg-online":
+        core, conv_method = ("kxk", "1x1"), "orepa"
+    else:  # orepa-vgg-offline: every branch explicit, each with its BN
+        core, conv_method = branch_list(fp, dw, opts.get("branches")), "orepa-offline"
+    core = tuple(b for b in core if b != "identity")
+    # identity branch where shapes allow (in == out, stride 1): two passes of the one convert
+    convert(model, conv_method, inplace=True, exclude=lambda n, c: not _identity_ok(n, c),
+            branches=(*core, "identity"), **extra)
+    return convert(model, conv_method, inplace=True, branches=core, **extra)
+
+
+register_family(Family(
+    name="repvgg", configs=REPVGG_CONFIGS, build=build_repvgg, methods=REPVGG_METHODS, default_method="orepa-vgg",
+    common_options=("small_input", "width_mult", "widths", "stem_width"), method_options=_METHOD_OPTS,
+    apply_method=_apply_method, first_conv="stage0.conv", classifier="linear",
+))

@@ -10,10 +10,18 @@ Extras beyond torchvision (they change shapes, not names): ``in_chans``,
 ``width_mult`` (multiplies the stem and all stage widths, the supplement's
 WideResNet-18), ``small_input`` (CIFAR-style stem: 3x3/1 conv, no max-pool),
 ``num_classes=0`` (``fc`` is an ``nn.Identity``: pooled features).
+
+The bottom of the file registers the family with the zoo: the model names and how the
+methods ``dbb``, ``orepa`` (with its ablation presets) and ``orepa-offline`` turn the plain
+network into its training form.
 """
 from __future__ import annotations
 
 from torch import Tensor, nn
+
+from ..blocks import OREPADeepStem, ReparamConv2d
+from ..convert import convert, find_conv_bn_pairs
+from .zoo import ABLATIONS, BLOCK_OPTS, Family, block_opts, branch_list, check_branch_options, register_family
 
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "RESNET_CONFIGS", "build_resnet"]
 
@@ -214,3 +222,78 @@ def _explicit_widths(widths) -> tuple[int, ...] | None:
     if isinstance(widths, (str, bytes)) or len(widths) != 4 or not all(int(w) == w and w >= 1 for w in widths):
         raise ValueError(f"widths must be four positive ints (one per stage), got {widths!r}")
     return tuple(int(w) for w in widths)
+
+
+# --------------------------------------------------------------------------- the zoo family and its methods
+
+RESNET_METHODS: tuple[str, ...] = ("base", "dbb", "orepa", "orepa-offline")
+_OREPA_OPTS = ("preset", *BLOCK_OPTS, "deep_stem", "rep_1x1")
+_METHOD_OPTS = {
+    "dbb": ("internal_channels",),
+    "orepa": (*_OREPA_OPTS, "scaling", "scale_init", "post_bn", "recompute"),
+    "orepa-offline": _OREPA_OPTS,
+}
+
+
+def _apply_preset(name: str, method: str, options: dict) -> dict:
+    bottleneck = RESNET_CONFIGS[name][0] is Bottleneck
+    preset = options.pop("preset", None)
+    if preset is None:
+        return options
+    if preset not in ABLATIONS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(ABLATIONS)}")
+    spec = ABLATIONS[preset]
+    if method == "orepa-offline" and spec["table"] != "components":
+        raise ValueError(f"preset {preset!r} is a linearization of the online block; "
+                         f"method 'orepa-offline' supports the 'components' presets only")
+    if preset == "rep-1x1" and not bottleneck:
+        raise ValueError("preset 'rep-1x1' is for bottleneck ResNets (the paper has no such row for "
+                         "ResNet-18); pass rep_1x1=True to convert the downsample 1x1 convs anyway")
+    return {**spec["options"], **options}
+
+
+def _apply_method(model: nn.Module, method: str, opts: dict, name: str) -> nn.Module:
+    bottleneck = RESNET_CONFIGS[name][0] is Bottleneck
+    # the 7x7 stem conv stays plain unless the deep stem replaces it (as the reference code does for
+    # k >= 7); the 3x3 stem of small_input models is converted like every other 3x3 conv
+    big_stem = model.conv1.kernel_size[0] >= 7
+    keep_stem = (lambda name, conv: name == "conv1") if big_stem else None
+    if method == "dbb":
+        return convert(model, "dbb", inplace=True, exclude=keep_stem, **block_opts(opts, "internal_channels"))
+
+    online = method == "orepa"
+    scaling = opts.get("scaling", "vector")
+    post_bn = opts.get("post_bn", True)
+    if not post_bn and not online:
+        raise ValueError("post_bn=False is only defined for method 'orepa'")
+    check_branch_options(opts)
+    branches = branch_list(opts.get("freq_prior", True), opts.get("dw_sep", True), opts.get("branches"))
+    rep_1x1 = opts.get("rep_1x1", bottleneck)
+    deep_stem = opts.get("deep_stem", online)
+    inner = dict(branches=branches, **block_opts(opts, "dw_expand", "internal_channels", "init"))
+    if online:
+        inner.update(scaling=scaling, **block_opts(opts, "scale_init", "recompute"))
+    convert(model, method, inplace=True, exclude=keep_stem, rep_1x1=rep_1x1, **inner)
+    if deep_stem and big_stem:
+        c = model.conv1
+        stem_inner = dict(inner)
+        if not online:  # the stacked 3x3 kernels are linear (scaled), run on the feature map
+            stem_inner.update(scaling="vector")
+        model.conv1 = OREPADeepStem(c.in_channels, c.out_channels, c.kernel_size[0], c.stride[0],
+                                    mode="online" if online else "offline", **stem_inner
+                                    ).to(device=c.weight.device, dtype=c.weight.dtype)
+    if not post_bn:
+        for conv_name, bn_name in find_conv_bn_pairs(model)[0]:
+            block = model.get_submodule(conv_name)
+            if isinstance(block, ReparamConv2d) and block.mode == "online":
+                parent, _, attr = bn_name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, attr, nn.Identity())
+    return model
+
+
+register_family(Family(
+    name="resnet", configs=RESNET_CONFIGS, build=build_resnet, methods=RESNET_METHODS, default_method="orepa",
+    common_options=("small_input", "width_mult", "widths", "stem_width", "zero_init_residual"),
+    method_options=_METHOD_OPTS, apply_method=_apply_method, expand_options=_apply_preset,
+    first_conv="conv1", classifier="fc",
+))

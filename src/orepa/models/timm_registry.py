@@ -19,7 +19,7 @@ import sys
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
-from .zoo import FAMILY_METHODS, create_model, list_models, model_family
+from .zoo import create_model, family_of, list_methods, list_models
 
 __all__ = ["register", "timm_name", "TIMM_NAMES"]
 
@@ -34,11 +34,11 @@ def timm_name(name: str, method: str) -> str:
 
 
 def _cfg(name: str) -> dict:
-    resnet = model_family(name) == "resnet"
+    family = family_of(name)
     return dict(
         url="", num_classes=1000, input_size=(3, 224, 224), pool_size=(7, 7), crop_pct=0.875,
         interpolation="bilinear", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
-        first_conv="conv1" if resnet else "stage0.conv", classifier="fc" if resnet else "linear",
+        first_conv=family.first_conv, classifier=family.classifier,
     )
 
 
@@ -63,7 +63,7 @@ def register() -> list[str]:
     """Register every (name, method) with timm once; returns the timm names (idempotent)."""
     if TIMM_NAMES:
         return list(TIMM_NAMES)
-    pairs = [(n, m) for n in list_models() for m in FAMILY_METHODS[model_family(n)]]
+    pairs = [(n, m) for n in list_models() for m in list_methods(n)]
     default_cfgs.update(generate_default_cfgs({timm_name(n, m): _cfg(n) for n, m in pairs}))
     mod = sys.modules[__name__]
     for n, m in pairs:

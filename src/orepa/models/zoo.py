@@ -1,27 +1,107 @@
-"""``create_model(name, method, ...)``: the paper's networks and every ablation variant.
+"""``create_model(name, method, ...)``: the paper's networks and every ablation variant, by name.
 
 One mechanism: build the plain (base) network, then apply the method with
 :func:`orepa.convert` (plus :class:`orepa.OREPADeepStem` in place of the 7x7
 stem conv for OREPA). :func:`orepa.reparameterize` of any model built here
 (``post_bn=False`` excepted) has the base model's layout, state_dict key for key.
+
+Model families register themselves with :func:`register_family`: a family's file
+(``resnet.py``, ``repvgg.py``) holds its plain architecture, its model names and how
+each of its methods turns the plain network into the training form, so a new family
+is one file. :func:`create_model`, :func:`list_models`, the timm names and the
+reference-checkpoint importer read the registry.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from ..blocks import OREPA_BRANCHES, OREPADeepStem, ReparamConv2d
-from ..convert import convert, find_conv_bn_pairs
-from .repvgg import REPVGG_CONFIGS, build_repvgg
-from .resnet import RESNET_CONFIGS, Bottleneck, build_resnet
+from ..blocks import OREPA_BRANCHES
 
-__all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "FAMILY_METHODS", "model_family"]
+__all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "FAMILY_METHODS", "model_family",
+           "Family", "register_family", "family_of"]
 
-RESNET_METHODS: tuple[str, ...] = ("base", "dbb", "orepa", "orepa-offline")
-REPVGG_METHODS: tuple[str, ...] = ("base", "repvgg", "orepa-vgg", "repvgg-online", "orepa-vgg-offline")
-FAMILY_METHODS: dict[str, tuple[str, ...]] = {"resnet": RESNET_METHODS, "repvgg": REPVGG_METHODS}
+
+@dataclass(frozen=True)
+class Family:
+    """A model family of the zoo.
+
+    Attributes:
+        name: the family's name (``"resnet"``).
+        configs: model name -> the family's configuration of it (its keys are the model names).
+        build: ``build(name, num_classes, in_chans, **common_options)`` -> the plain (base) model.
+        methods: the methods ``create_model`` accepts; ``"base"`` is the plain model.
+        default_method: the paper's model of the family (``create_model(name)``).
+        common_options: options of every method (widths, stem, ...), passed to ``build``.
+        method_options: method -> the further options it accepts, passed to ``apply_method``.
+        apply_method: ``apply_method(plain_model, method, options, name)`` -> the training form.
+        expand_options: ``expand_options(name, method, options)`` -> options (e.g. presets expanded).
+        first_conv, classifier: module names (timm's pretrained-config fields).
+    """
+
+    name: str
+    configs: Mapping[str, Any]
+    build: Callable[..., nn.Module]
+    methods: tuple[str, ...]
+    default_method: str
+    common_options: tuple[str, ...]
+    method_options: Mapping[str, tuple[str, ...]]
+    apply_method: Callable[[nn.Module, str, dict, str], nn.Module]
+    first_conv: str
+    classifier: str
+    expand_options: Callable[[str, str, dict], dict] = field(default=lambda name, method, options: options)
+
+
+_FAMILIES: dict[str, Family] = {}  # registration order is list_models()'s order
+#: family name -> its methods (kept in step with the registry)
+FAMILY_METHODS: dict[str, tuple[str, ...]] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to the zoo (its model names must be new)."""
+    taken = {n for f in _FAMILIES.values() if f.name != family.name for n in f.configs} & set(family.configs)
+    if taken:
+        raise ValueError(f"model names {sorted(taken)} are already registered by another family")
+    if "base" not in family.methods or family.default_method not in family.methods:
+        raise ValueError(f"family {family.name!r}: methods must include 'base' and the default method")
+    _FAMILIES[family.name] = family
+    FAMILY_METHODS[family.name] = tuple(family.methods)
+    return family
+
+
+def family_of(name: str) -> Family:
+    for family in _FAMILIES.values():
+        if name in family.configs:
+            return family
+    raise ValueError(f"unknown model {name!r}; choose from {list_models()}")
+
+
+def model_family(name: str) -> str:
+    return family_of(name).name
+
+
+def list_models(method: str | None = None) -> list[str]:
+    """Model names (in a fixed order); with ``method``, only those that support it."""
+    return [n for f in _FAMILIES.values() if method is None or method in f.methods for n in f.configs]
+
+
+def list_methods(name: str) -> list[str]:
+    """The methods ``create_model(name, method)`` accepts."""
+    return list(family_of(name).methods)
+
+
+def _check_options(family: Family, method: str, options: Mapping[str, Any]) -> None:
+    allowed = (*family.common_options, *family.method_options.get(method, ()))
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"option(s) {unknown} not accepted by {family.name} method {method!r}; "
+                         f"accepted: {sorted(allowed)}")
+
+
+# --------------------------------------------------------------------------- shared by the families
 
 #: Named ablation presets (method "orepa"; the component rows also with "orepa-offline").
 #: Each maps to create_model options; explicit options override a preset's.
@@ -45,147 +125,24 @@ ABLATIONS: dict[str, dict[str, Any]] = {
                        options=dict(post_bn=False)),
 }
 
-_COMMON = {"resnet": ("small_input", "width_mult", "widths", "stem_width", "zero_init_residual"),
-           "repvgg": ("small_input", "width_mult", "widths", "stem_width")}
-_BLOCK_OPTS = ("branches", "freq_prior", "dw_sep", "dw_expand", "internal_channels", "init")
-_METHOD_OPTS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("resnet", "base"): (),
-    ("resnet", "dbb"): ("internal_channels",),
-    ("resnet", "orepa"): ("preset", *_BLOCK_OPTS, "deep_stem", "rep_1x1", "scaling", "scale_init", "post_bn",
-                          "recompute"),
-    ("resnet", "orepa-offline"): ("preset", *_BLOCK_OPTS, "deep_stem", "rep_1x1"),
-    ("repvgg", "base"): (),
-    ("repvgg", "repvgg"): (),
-    ("repvgg", "orepa-vgg"): (*_BLOCK_OPTS, "scaling", "scale_init"),
-    ("repvgg", "repvgg-online"): ("scaling", "scale_init", "init"),
-    ("repvgg", "orepa-vgg-offline"): _BLOCK_OPTS,
-}
+#: options of the OREPA block declarations, shared by the families' OREPA methods
+BLOCK_OPTS = ("branches", "freq_prior", "dw_sep", "dw_expand", "internal_channels", "init")
 
 
-def model_family(name: str) -> str:
-    if name in RESNET_CONFIGS:
-        return "resnet"
-    if name in REPVGG_CONFIGS:
-        return "repvgg"
-    raise ValueError(f"unknown model {name!r}; choose from {list_models()}")
-
-
-def list_models(method: str | None = None) -> list[str]:
-    """Model names (in a fixed order); with ``method``, only those that support it."""
-    names = [*RESNET_CONFIGS, *REPVGG_CONFIGS]
-    if method is None:
-        return names
-    return [n for n in names if method in FAMILY_METHODS[model_family(n)]]
-
-
-def list_methods(name: str) -> list[str]:
-    """The methods ``create_model(name, method)`` accepts."""
-    return list(FAMILY_METHODS[model_family(name)])
-
-
-def _check_options(family: str, method: str, options: Mapping[str, Any]) -> None:
-    allowed = (*_COMMON[family], *_METHOD_OPTS[(family, method)])
-    unknown = sorted(set(options) - set(allowed))
-    if unknown:
-        raise ValueError(f"option(s) {unknown} not accepted by {family} method {method!r}; "
-                         f"accepted: {sorted(allowed)}")
-
-
-def _branch_list(freq_prior: bool, dw_sep: bool, branches, base=OREPA_BRANCHES) -> tuple[str, ...]:
+def branch_list(freq_prior: bool, dw_sep: bool, branches, base=OREPA_BRANCHES) -> tuple[str, ...]:
     if branches is not None:
         return tuple(branches)
     return tuple(b for b in base if (b != "1x1_prior" or freq_prior) and (b != "dw_pw" or dw_sep))
 
 
-def _block_opts(opts: dict, *keys: str) -> dict:
+def block_opts(opts: dict, *keys: str) -> dict:
     return {k: opts[k] for k in keys if opts.get(k) is not None}
 
 
-def _apply_preset(method: str, options: dict, bottleneck: bool) -> dict:
-    preset = options.pop("preset", None)
-    if preset is None:
-        return options
-    if preset not in ABLATIONS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(ABLATIONS)}")
-    spec = ABLATIONS[preset]
-    if method == "orepa-offline" and spec["table"] != "components":
-        raise ValueError(f"preset {preset!r} is a linearization of the online block; "
-                         f"method 'orepa-offline' supports the 'components' presets only")
-    if preset == "rep-1x1" and not bottleneck:
-        raise ValueError("preset 'rep-1x1' is for bottleneck ResNets (the paper has no such row for "
-                         "ResNet-18); pass rep_1x1=True to convert the downsample 1x1 convs anyway")
-    return {**spec["options"], **options}
 
-
-def _resnet_method(model: nn.Module, method: str, opts: dict, bottleneck: bool) -> nn.Module:
-    # the 7x7 stem conv stays plain unless the deep stem replaces it (as the reference code does for
-    # k >= 7); the 3x3 stem of small_input models is converted like every other 3x3 conv
-    big_stem = model.conv1.kernel_size[0] >= 7
-    keep_stem = (lambda name, conv: name == "conv1") if big_stem else None
-    if method == "dbb":
-        return convert(model, "dbb", inplace=True, exclude=keep_stem, **_block_opts(opts, "internal_channels"))
-
-    online = method == "orepa"
-    scaling = opts.get("scaling", "vector")
-    post_bn = opts.get("post_bn", True)
-    if not post_bn and not online:
-        raise ValueError("post_bn=False is only defined for method 'orepa'")
+def check_branch_options(opts: Mapping[str, Any]) -> None:
     if opts.get("branches") is not None and ("freq_prior" in opts or "dw_sep" in opts):
         raise ValueError("pass either branches=... or freq_prior/dw_sep, not both")
-    branches = _branch_list(opts.get("freq_prior", True), opts.get("dw_sep", True), opts.get("branches"))
-    rep_1x1 = opts.get("rep_1x1", bottleneck)
-    deep_stem = opts.get("deep_stem", online)
-    inner = dict(branches=branches, **_block_opts(opts, "dw_expand", "internal_channels", "init"))
-    if online:
-        inner.update(scaling=scaling, **_block_opts(opts, "scale_init", "recompute"))
-    convert(model, method, inplace=True, exclude=keep_stem, rep_1x1=rep_1x1, **inner)
-    if deep_stem and big_stem:
-        c = model.conv1
-        stem_inner = dict(inner)
-        if not online:  # the stacked 3x3 kernels are linear (scaled), run on the feature map
-            stem_inner.update(scaling="vector")
-        model.conv1 = OREPADeepStem(c.in_channels, c.out_channels, c.kernel_size[0], c.stride[0],
-                                    mode="online" if online else "offline", **stem_inner
-                                    ).to(device=c.weight.device, dtype=c.weight.dtype)
-    if not post_bn:
-        for conv_name, bn_name in find_conv_bn_pairs(model)[0]:
-            block = model.get_submodule(conv_name)
-            if isinstance(block, ReparamConv2d) and block.mode == "online":
-                parent, _, attr = bn_name.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, attr, nn.Identity())
-    return model
-
-
-def _identity_ok(name: str, conv: nn.Conv2d) -> bool:
-    return conv.in_channels == conv.out_channels and conv.stride == (1, 1) and conv.groups == 1
-
-
-def _repvgg_method(model: nn.Module, method: str, opts: dict) -> nn.Module:
-    if method == "repvgg":
-        return convert(model, "repvgg", inplace=True)
-    if opts.get("branches") is not None and ("freq_prior" in opts or "dw_sep" in opts):
-        raise ValueError("pass either branches=... or freq_prior/dw_sep, not both")
-    fp, dw = opts.get("freq_prior", True), opts.get("dw_sep", True)
-    extra = _block_opts(opts, "dw_expand", "internal_channels", "scaling", "scale_init", "init")
-    if method == "orepa-vgg":
-        # supp. table "ra0res": the 1x1 and identity branches stay explicit (with BN); the online
-        # 3x3 block holds the 3x3 and the 1x1-3x3, 1x1-avg, 1x1-prior and dw-pw branches
-        inner_base = tuple(b for b in OREPA_BRANCHES if b != "1x1")
-        return convert(model, "orepa-vgg", inplace=True,
-                       branches=_branch_list(fp, dw, opts.get("branches"), inner_base), **extra)
-    if method == "repvgg-online":
-        core, conv_method = ("kxk", "1x1"), "orepa"
-    else:  # orepa-vgg-offline: every branch explicit, each with its BN
-        core, conv_method = _branch_list(fp, dw, opts.get("branches")), "orepa-offline"
-    core = tuple(b for b in core if b != "identity")
-    # identity branch where shapes allow (in == out, stride 1): two passes of the one convert
-    convert(model, conv_method, inplace=True, exclude=lambda n, c: not _identity_ok(n, c),
-            branches=(*core, "identity"), **extra)
-    return convert(model, conv_method, inplace=True, branches=core, **extra)
-
-
-#: the method ``create_model`` uses when none is given: the paper's model of each family
-DEFAULT_METHOD = {"resnet": "orepa", "repvgg": "orepa-vgg"}
 
 
 def create_model(name: str, method: str | None = None, num_classes: int = 1000, in_chans: int = 3,
@@ -210,25 +167,18 @@ def create_model(name: str, method: str | None = None, num_classes: int = 1000, 
     Raises:
         ValueError: unknown name, method, option or preset (the message lists the valid ones).
     """
-    family = model_family(name)
-    method = DEFAULT_METHOD[family] if method is None else method
-    if method not in FAMILY_METHODS[family]:
-        raise ValueError(f"unknown method {method!r} for {name}; choose from {list(FAMILY_METHODS[family])}")
+    family = family_of(name)
+    method = family.default_method if method is None else method
+    if method not in family.methods:
+        raise ValueError(f"unknown method {method!r} for {name}; choose from {list(family.methods)}")
     options = dict(options)
     _check_options(family, method, options)
-    if family == "resnet":
-        bottleneck = RESNET_CONFIGS[name][0] is Bottleneck
-        options = _apply_preset(method, options, bottleneck)
-        _check_options(family, method, options)
-        common = {k: options.pop(k) for k in _COMMON[family] if k in options}
-        model = build_resnet(name, num_classes, in_chans, **common)
-        if method != "base":
-            model = _resnet_method(model, method, options, bottleneck)
-    else:
-        common = {k: options.pop(k) for k in _COMMON[family] if k in options}
-        model = build_repvgg(name, num_classes, in_chans, **common)
-        if method != "base":
-            model = _repvgg_method(model, method, options)
+    options = family.expand_options(name, method, options)
+    _check_options(family, method, options)
+    common = {k: options.pop(k) for k in family.common_options if k in options}
+    model = family.build(name, num_classes, in_chans, **common)
+    if method != "base":
+        model = family.apply_method(model, method, options, name)
     model.orepa_config = dict(name=name, method=method, num_classes=num_classes, in_chans=in_chans,
                               **common, **options)
     return model
