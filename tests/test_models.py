@@ -1,5 +1,6 @@
 """Model zoo: every (name, method) builds, trains, deploys exactly, and deploys to the vanilla layout."""
 import contextlib
+import importlib.util
 
 import pytest
 import torch
@@ -294,9 +295,21 @@ def test_a_new_family_is_one_registration():
         plain.load_state_dict(orepa.reparameterize(model.eval()).state_dict(), strict=True)
         with pytest.raises(ValueError, match="not accepted"):
             registry.create_model("tiny_test", "base", preset="dw-sep")
+        if importlib.util.find_spec("timm"):  # a second register() adds the new family's timm names only
+            import timm
+
+            from orepa.models import timm_registry
+
+            assert set(timm_registry.register()) - set(zoo.TIMM_REGISTERED) == {"base_tiny_test", "orepa_tiny_test"}
+            assert isinstance(timm.create_model("orepa_tiny_test", num_classes=3, width=4)[0], orepa.OREPAConv2d)
         with pytest.raises(ValueError, match="already registered"):
             registry.register_family(registry.Family(**{**family.__dict__, "name": "tiny2"}))
     finally:
         registry._FAMILIES.pop("tiny", None)
         registry.FAMILY_METHODS.pop("tiny", None)
+        if importlib.util.find_spec("timm"):  # timm itself keeps the two names; orepa's list forgets them
+            from orepa.models import timm_registry
+
+            for name in ("base_tiny_test", "orepa_tiny_test"):
+                timm_registry.TIMM_NAMES.pop(name, None)
     assert "tiny_test" not in registry.list_models()

@@ -60,10 +60,11 @@ def _entry(variant: str, name: str, method: str):
 
 
 def register() -> list[str]:
-    """Register every (name, method) with timm once; returns the timm names (idempotent)."""
-    if TIMM_NAMES:
+    """Register every (name, method) of the zoo with timm; returns the timm names. Idempotent: a
+    second call registers only what is new (a family registered after ``orepa.models`` was imported)."""
+    pairs = [(n, m) for n in list_models() for m in list_methods(n) if timm_name(n, m) not in TIMM_NAMES]
+    if not pairs:
         return list(TIMM_NAMES)
-    pairs = [(n, m) for n in list_models() for m in list_methods(n)]
     default_cfgs.update(generate_default_cfgs({timm_name(n, m): _cfg(n) for n, m in pairs}))
     mod = sys.modules[__name__]
     for n, m in pairs:
