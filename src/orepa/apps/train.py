@@ -306,8 +306,16 @@ class Trainer:
         self.resume_ckpt = None
         self.overrides: list[str] = []
         saved_cfg = None
+        self.start_weights = None
         if args.resume:
             self.resume_ckpt = load_checkpoint(args.resume)
+        if self.resume_ckpt is not None and self.resume_ckpt.get("imported_from") and \
+                self.resume_ckpt.get("form") == "train" and "optimizer" not in self.resume_ckpt:
+            # a starting point written by `orepa import-reference`: its model and weights, this command's
+            # settings, a fresh optimizer and schedule (fine-tuning), not the continuation of a run
+            self.start_weights, self.resume_ckpt = self.resume_ckpt, None
+            saved_cfg = self.start_weights.get("model_cfg")
+        elif args.resume:
             if self.resume_ckpt.get("form", "train") != "train" or "optimizer" not in self.resume_ckpt:
                 raise UserError(f"--resume {args.resume}: not a training checkpoint (it holds "
                                 f"{self.resume_ckpt.get('form', 'bare')} weights without optimizer state); "
@@ -336,6 +344,11 @@ class Trainer:
 
         seed_everything(args.seed)  # same initial weights on every rank
         model = build_model(self.cfg)
+        if self.start_weights is not None:
+            load_model_state(model, self.start_weights["model"], path=args.resume, built=describe_cfg(self.cfg),
+                             saved=describe_cfg(saved_cfg) if saved_cfg else None)
+            self.log(f"starting from the weights of {args.resume} (imported from {self.start_weights.get('source')}): "
+                     "fresh optimizer and schedule, this command's settings")
         self.params_train = count_params(model)
         self.params_deploy = count_params(build_model_form(self.cfg, "deploy"))
         if args.sync_bn and info.distributed:
