@@ -27,7 +27,7 @@ def _check_sane(result):
     res, rat = result["results"], result["ratios"]
     base = res["base"]
     for name, r in res.items():
-        for k in ("step_ms", "saved_bytes", "saved_naive_bytes", "train_flops", "fwd_flops", "infer_ms",
+        for k in ("step_ms", "aten_ops", "saved_bytes", "saved_naive_bytes", "train_flops", "fwd_flops", "infer_ms",
                   "peak_bytes", "train_params", "deploy_params", "deploy_flops"):
             assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (name, k, r[k])
         for k, v in rat[name].items():
@@ -317,3 +317,18 @@ def test_compiled_steps_are_timed_and_recorded():
     for r in result["results"].values():
         assert r["compile_s"] > 0 and len(r["step_times_s"]) == 2
         assert r["deploy_err"] < 1e-4
+
+
+def test_aten_ops_per_step_counted_and_guarded():
+    """The host cost of an eager step: aten operators dispatched, base vs online OREPA (ResNet-18,
+    batch 8, 64x64). Deterministic; the bound guards against regressions (the goal is <= 2x)."""
+    from orepa.apps.bench.measure import count_aten_ops, make_runner
+
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+    ops = {}
+    for spec in ("base", "orepa"):
+        r = make_runner("resnet18", spec, device=torch.device("cpu"), num_classes=10)
+        r.step(x, y)  # first step fills the per-shape route memo
+        ops[spec] = count_aten_ops(lambda r=r: r.step(x, y))
+    assert 250 <= ops["base"] <= 400
+    assert ops["orepa"] <= 12 * ops["base"], ops

@@ -15,6 +15,9 @@ thermal state, allocator warm-up) hits all of them alike. Per variant:
   block's kernel-space element-wise work and, on GPUs, removes most host launches.
   The ratios also give ``step_paired``: the median over repetitions of the step
   time over base's step in the same round (the steadiest time ratio).
+* ``aten_ops``: aten operators one train step dispatches (counted with a
+  ``TorchDispatchMode``; deterministic on any machine). On a fast GPU each costs the
+  host ~10-20 us, so this, not FLOPs, bounds an eager online block's step time there.
 * ``saved_bytes``: bytes of the tensors autograd saves for backward
   (``torch.autograd.graph.saved_tensors_hooks``), counting every storage once
   (views and shared tensors are not double counted); ``saved_naive_bytes`` is
@@ -50,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import orepa
 from orepa.apps.common import capture_cuda_graphs, count_params, full_float32, make_sgd, release_cuda_graphs
@@ -194,6 +198,23 @@ def flop_counter():
     return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
 
 
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_aten_ops(fn: Callable[[], object]) -> int:
+    """Number of aten operators ``fn()`` dispatches (views and in-place ops included)."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
 def _flops_forward(model: nn.Module, x: torch.Tensor) -> int:
     with flop_counter() as fc:
         model(x)
@@ -213,6 +234,7 @@ def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory:
                saved_tensors=st.count, fwd_flops=int(fwd.get_total_flops()),
                train_flops=int(fwd.get_total_flops() + bwd.get_total_flops()))
     r.opt.zero_grad(set_to_none=True)
+    out["aten_ops"] = count_aten_ops(lambda: r.step(x, y))
     state = _state_bytes(r.model, r.opt)
     if device.type == "cuda":
         _sync(device)
