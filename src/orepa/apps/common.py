@@ -191,19 +191,15 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
     for key in defaults:  # e.g. --model-option width_mult=0.5: a model_cfg key, not a block option
         if key in options and getattr(args, key, None) is None:
             cfg[key] = options.pop(key)
-    cfg["options"] = options if options or block_flags_given(args) else dict(saved.get("options", {}))
+    cfg["options"] = options if options else dict(saved.get("options", {}))
     cfg["num_classes"], cfg["in_chans"] = int(cfg["num_classes"]), int(cfg["in_chans"])
     cfg["small_input"], cfg["width_mult"] = bool(cfg["small_input"]), float(cfg["width_mult"])
     return cfg
 
 
-def block_flags_given(args: argparse.Namespace) -> bool:
-    return bool(block_options_from_args(args))
-
-
 def model_flags_given(args: argparse.Namespace) -> bool:
     """Whether any model flag was given (else a checkpoint's model_cfg is used as it is)."""
-    return any(getattr(args, k, None) is not None for k in MODEL_CFG_KEYS[:-1]) or block_flags_given(args)
+    return any(getattr(args, k, None) is not None for k in MODEL_CFG_KEYS[:-1]) or bool(block_options_from_args(args))
 
 
 def describe_cfg(cfg: dict) -> str:
