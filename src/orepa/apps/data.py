@@ -28,13 +28,13 @@ import gzip
 import hashlib
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from .checkpoint import atomic_write
 from .common import DistInfo, UserError, nonneg_int, positive_int
 
 FASHION_MNIST_FILES = (
@@ -94,16 +94,9 @@ def prepare_fashion_mnist(cache_dir: str | os.PathLike | None = None, source: st
             "`sudo apt-get install dataset-fashion-mnist` (or run scripts/setup.sh), set OREPA_FASHION_MNIST_DIR "
             "to a directory holding the four *-ubyte.gz files, or pass --data-path DIR for an ImageFolder tree"
         )
-    raw.mkdir(parents=True, exist_ok=True)
     for name in missing:
-        fd, tmp = tempfile.mkstemp(dir=raw, prefix=f".{name}.")
-        try:
-            with gzip.open(source / f"{name}.gz", "rb") as src, os.fdopen(fd, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            os.replace(tmp, raw / name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with gzip.open(source / f"{name}.gz", "rb") as src:
+            atomic_write(raw / name, lambda dst: shutil.copyfileobj(src, dst))
     return root
 
 
