@@ -90,6 +90,11 @@ class _Reader:
         return {f"{into}.{k}": r(k) for k in _BN_KEYS if k != "num_batches_tracked" or r.has(k)}
 
 
+#: reference module kind -> its main conv weight (key under the module's prefix); first match wins
+_MAIN_WEIGHT = {"orepa": "weight_orepa_origin", "rep_1x1": "weight_or1x1_origin", "dbb": "dbb_origin.conv.weight",
+                "orepa_vgg": "rbr_dense.weight_rbr_origin", "repvgg": "rbr_dense.conv.weight", "conv_bn": "conv.weight"}
+
+
 def _site_kind(sd: Mapping[str, Tensor], prefix: str) -> str | None:
     """Which reference module sits at ``prefix`` (``stage1.0.conv1``, ``stage2.3``, ...)."""
     p = prefix + "."
@@ -97,26 +102,20 @@ def _site_kind(sd: Mapping[str, Tensor], prefix: str) -> str | None:
         return "deep_stem"
     if p + "weight0" in sd:
         return "deep_stem_base"  # OREPA_LargeConvBase: not what the reference's models build
-    for key, kind in (("weight_orepa_origin", "orepa"), ("weight_or1x1_origin", "rep_1x1"),
-                      ("dbb_origin.conv.weight", "dbb"), ("rbr_dense.weight_rbr_origin", "orepa_vgg"),
-                      ("rbr_dense.conv.weight", "repvgg"), ("conv.weight", "conv_bn")):
-        if p + key in sd:
-            return kind
-    return None
+    return next((kind for kind, key in _MAIN_WEIGHT.items() if p + key in sd), None)
 
 
 def _out_in(sd: Mapping[str, Tensor], prefix: str) -> tuple[int, int]:
     """(output channels, input channels per group) of the conv at ``prefix``."""
-    key = {"deep_stem": None, "orepa": "weight_orepa_origin", "rep_1x1": "weight_or1x1_origin",
-           "dbb": "dbb_origin.conv.weight", "orepa_vgg": "rbr_dense.weight_rbr_origin",
-           "repvgg": "rbr_dense.conv.weight", "conv_bn": "conv.weight"}.get(_site_kind(sd, prefix), "")
-    if key is None:  # deep stem: first block's inputs, last block's outputs
+    kind = _site_kind(sd, prefix)
+    if kind == "deep_stem":  # first block's inputs, last block's outputs
         n = _count(sd, rf"{re.escape(prefix)}\.weight(\d+)\.")
         return sd[f"{prefix}.weight{n - 1}.weight_orepa_origin"].shape[0], \
             sd[f"{prefix}.weight0.weight_orepa_origin"].shape[1]
-    if not key:
-        raise ValueError(f"unknown module layout at {prefix!r} (keys: {_keys_under(sd, prefix)})")
-    w = sd[f"{prefix}.{key}"]
+    if kind not in _MAIN_WEIGHT:
+        raise ValueError(f"unknown or unsupported module layout at {prefix!r} ({kind or 'no known weight'}; "
+                         f"keys: {_keys_under(sd, prefix + '.')})")
+    w = sd[f"{prefix}.{_MAIN_WEIGHT[kind]}"]
     return w.shape[0], w.shape[1]
 
 
@@ -294,8 +293,9 @@ _EXPECTED = {"orepa": OREPAConv2d, "rep_1x1": OREPAConv2d, "deep_stem": OREPADee
 
 def _map_site(sd, consumed, ref: str, model: nn.Module, conv_name: str, bn_name: str) -> dict[str, Tensor]:
     kind = _site_kind(sd, ref)
-    if kind is None or kind not in _EXPECTED:
-        raise ValueError(f"unknown module layout at {ref!r} (keys: {_keys_under(sd, ref + '.')})")
+    if kind not in _EXPECTED:
+        raise ValueError(f"unknown or unsupported module layout at {ref!r} ({kind or 'no known weight'}; "
+                         f"keys: {_keys_under(sd, ref + '.')})")
     module = model.get_submodule(conv_name)
     fits = type(module) is _EXPECTED[kind]
     if fits and kind in ("orepa", "rep_1x1", "deep_stem"):  # online blocks; Rep-1x1 is the 1x1 one
