@@ -465,7 +465,7 @@ def test_graph_capture_puts_back_what_its_warm_up_touched(monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_orepa_training_runs_and_saves_the_plain_model(cache, tmp_path, monkeypatch):
-    """``--compile`` on an OREPA model (torch.compile crashed on online blocks before session 5).
+    """``--compile`` on an OREPA model (dynamo once crashed on the online blocks' saved aliases).
     ``aot_eager`` stands in for inductor: the same tracing and forward/backward partition, no
     C++ code generation (minutes on this machine)."""
     compile_fn = torch.compile

@@ -226,9 +226,9 @@ def _pw_after_w1_grad(w2: Tensor, grad: Tensor, g2: int, r: int, m: int, o: int)
 
     Both operands are read in place (strided views of the kernel gradient and of W2) and the fine
     groups are taken in pairs: one [2*i*k*k, o] @ [o, 2*m] product per pair, whose two
-    off-diagonal blocks are discarded. PyTorch's CPU bmm runs the unpaired 8-deep products
-    4-5x slower on such views (512-ch. dw x8 -> pw: 19 -> 4 ms; contiguous copies cost more
-    than they save); the discarded blocks cost 2x of a small product.
+    off-diagonal blocks are discarded. PyTorch's CPU bmm runs unpaired 8-deep products several
+    times slower on such strided views, and contiguous copies cost more than they save; the
+    discarded blocks cost 2x of a small product.
     """
     b = 2 if r % 2 == 0 else 1  # fine groups per product
     nb = r // b
