@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,3 +48,15 @@ def tol_close(y, ref, rel=1e-5):
     bound = rel * (1 + ref.abs().max().item())
     assert err <= bound, f"max abs error {err:.3e} > {bound:.3e}"
     return err
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> str:
+    """Fashion-MNIST un-gzipped once per test session (the training tests' data)."""
+    from orepa.apps import data
+
+    if not Path(data.FASHION_MNIST_SOURCE, "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip("dataset-fashion-mnist is not installed")
+    root = tmp_path_factory.mktemp("fmnist-cache")
+    data.prepare_fashion_mnist(root)
+    return str(root)

@@ -16,22 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from orepa.apps import data, train
+from orepa.apps import train
 from orepa.cli import main
 
 TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
         "--lr-warmup-epochs", "0.5", "--no-progress", "--no-tensorboard", "--quiet", "--threads", "1", "--no-eval"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> str:
-    if not Path(data.FASHION_MNIST_SOURCE, "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip("dataset-fashion-mnist is not installed")
-    root = tmp_path_factory.mktemp("fmnist-cache")
-    data.prepare_fashion_mnist(root)
-    return str(root)
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,6 @@ TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64",
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="session")
-def cache(tmp_path_factory) -> str:
-    if not Path(data.FASHION_MNIST_SOURCE, "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip("dataset-fashion-mnist is not installed")
-    root = tmp_path_factory.mktemp("fmnist-cache")
-    data.prepare_fashion_mnist(root)
-    return str(root)
-
-
 def _train(cache, out, *extra) -> int:
     return main(["train", *TINY, "--cache-dir", cache, "--output-dir", str(out), *extra])
 
