@@ -306,7 +306,6 @@ def test_a_new_family_is_one_registration():
             registry.register_family(registry.Family(**{**family.__dict__, "name": "tiny2"}))
     finally:
         registry._FAMILIES.pop("tiny", None)
-        registry.FAMILY_METHODS.pop("tiny", None)
         if importlib.util.find_spec("timm"):  # timm itself keeps the two names; orepa's list forgets them
             from orepa.models import timm_registry
 

@@ -13,7 +13,6 @@ from .repvgg import REPVGG_CONFIGS, ConvBNReLU, RepVGG, build_repvgg
 from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck, ResNet, build_resnet
 from .zoo import (
     ABLATIONS,
-    FAMILY_METHODS,
     Family,
     create_model,
     family_of,
@@ -24,7 +23,7 @@ from .zoo import (
 )
 
 __all__ = [
-    "create_model", "list_models", "list_methods", "model_family", "ABLATIONS", "FAMILY_METHODS",
+    "create_model", "list_models", "list_methods", "model_family", "ABLATIONS",
     "Family", "register_family", "family_of",
     "import_reference", "read_reference_state_dict",
     "ResNet", "BasicBlock", "Bottleneck", "RESNET_CONFIGS", "build_resnet",

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..blocks import OREPA_BRANCHES
 
-__all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "FAMILY_METHODS", "model_family",
+__all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "model_family",
            "Family", "register_family", "family_of"]
 
 
@@ -56,8 +56,6 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {}  # registration order is list_models()'s order
-#: family name -> its methods (kept in step with the registry)
-FAMILY_METHODS: dict[str, tuple[str, ...]] = {}
 
 
 def register_family(family: Family) -> Family:
@@ -68,7 +66,6 @@ def register_family(family: Family) -> Family:
     if "base" not in family.methods or family.default_method not in family.methods:
         raise ValueError(f"family {family.name!r}: methods must include 'base' and the default method")
     _FAMILIES[family.name] = family
-    FAMILY_METHODS[family.name] = tuple(family.methods)
     return family
 
 
