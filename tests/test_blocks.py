@@ -248,3 +248,33 @@ def test_branch_param_list_is_parameters_in_order(model, method):
     assert any(any(s._modules for s in b._modules.values()) for b in branches) == (method == "orepa")  # deep stem
     for b in branches:
         assert [id(p) for p in b.param_list()] == [id(p) for p in b.parameters()]
+
+
+def test_a_new_branch_type_is_one_registration():
+    """register_branch is the whole of adding a branch type: blocks, convert, the zoo and the CLI take it."""
+    import argparse
+
+    from orepa.apps.common import add_model_arguments, block_options_from_args
+
+    new = orepa.BranchType("kxk_twin_test", lambda cin, cout, k, g, c: {"conv": c.conv(cin, cout, k, g)}, 0.1,
+                           switch="twin_test", help="a second kxk conv")
+    try:
+        orepa.register_branch(new)
+        with pytest.raises(ValueError, match="already registered"):
+            orepa.register_branch(new)
+        block = orepa.OREPAConv2d(6, 8, 3, branches=(*orepa.OREPA_BRANCHES, "kxk_twin_test")).double()
+        assert block.branches["kxk_twin_test"].scale.weight[0].item() == pytest.approx(0.1)
+        x = torch.randn(2, 6, 9, 9, dtype=torch.float64)
+        with torch.no_grad():
+            tol_close(orepa.reparameterize(block.eval())(x), block(x), rel=1e-12)
+        model = orepa.create_model("resnet18", "orepa", num_classes=3, width_mult=0.125,
+                                   branches=["kxk", "kxk_twin_test"], deep_stem=False)
+        assert set(model.layer1[0].conv1.branches) == {"kxk", "kxk_twin_test"}
+        assert orepa.create_model("resnet18", "orepa", num_classes=3, width_mult=0.125, twin_test=False)
+        p = argparse.ArgumentParser()
+        add_model_arguments(p)
+        assert block_options_from_args(p.parse_args(["--no-twin-test"]))["twin_test"] is False
+    finally:
+        orepa.BRANCH_TYPES.pop("kxk_twin_test", None)
+    with pytest.raises(ValueError, match="unknown branch"):
+        orepa.OREPAConv2d(6, 8, 3, branches=("kxk", "kxk_twin_test"))

@@ -14,10 +14,12 @@ deployed module), so ``timm.utils.reparameterize_model`` deploys these models to
 """
 from . import kernels
 from .blocks import (
+    BRANCH_TYPES,
     DEFAULT_SCALE_INIT,
     OREPA_BRANCHES,
     AbsorbedNorm,
     Branch,
+    BranchType,
     ConvStep,
     DBBConv2d,
     FixedKernelStep,
@@ -29,6 +31,7 @@ from .blocks import (
     Scale,
     build_branches,
     check_conv_config,
+    register_branch,
 )
 from .convert import METHODS, ConversionReport, convert, find_conv_bn_pairs, fuse_conv_bn, make_block, reparameterize
 from .models import create_model, import_reference, list_methods, list_models  # noqa: E402 - after the core
@@ -36,7 +39,7 @@ from .models import create_model, import_reference, list_methods, list_models  #
 __version__ = "0.1.0"
 
 __all__ = [
-    "kernels", "DEFAULT_SCALE_INIT", "OREPA_BRANCHES", "AbsorbedNorm", "Branch", "ConvStep", "DBBConv2d",
+    "kernels", "BRANCH_TYPES", "BranchType", "register_branch", "DEFAULT_SCALE_INIT", "OREPA_BRANCHES", "AbsorbedNorm", "Branch", "ConvStep", "DBBConv2d",
     "FixedKernelStep", "OREPAConv2d", "OREPADeepStem", "OREPAVGGBlock", "ReparamConv2d", "RepVGGBlock", "Scale",
     "build_branches", "check_conv_config", "METHODS", "ConversionReport", "convert", "find_conv_bn_pairs",
     "fuse_conv_bn", "make_block", "reparameterize", "create_model", "list_models", "list_methods",

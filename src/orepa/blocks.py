@@ -36,7 +36,8 @@ import itertools
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -62,23 +63,15 @@ __all__ = [
     "OREPA_BRANCHES",
     "DEFAULT_SCALE_INIT",
     "INIT_SCHEMES",
+    "BRANCH_TYPES",
+    "BranchType",
+    "StepConfig",
+    "register_branch",
     "check_conv_config",
 ]
 
-# Supplement, "Initialization of branch-wise scaling layers". The paper's public code starts the
-# 1x1-avg scale at 0.25; the supplement's 0.5 is the default here (pass scale_init={"1x1_avg": 0.25}
-# for the code's value). Rep-1x1's second branch (0.5) and RepVGG's identity (1.0) are not listed
-# in the supplement: 0.5 is the public code's value, 1.0 our choice.
-DEFAULT_SCALE_INIT: dict[str, float] = {
-    "1x1": 1.0,
-    "kxk": 0.25,
-    "1x1_kxk": 0.5,
-    "1x1_avg": 0.5,
-    "1x1_prior": 0.0,
-    "dw_pw": 0.5,
-    "1x1_1x1": 0.5,
-    "identity": 1.0,
-}
+#: branch name -> its scale's initial value (:data:`BRANCH_TYPES`' ``scale_init``; a live view)
+DEFAULT_SCALE_INIT: Mapping[str, float]  # defined with the branch registry below
 #: the six branches of the OREPA kxk block (Fig. "blocks")
 OREPA_BRANCHES: tuple[str, ...] = ("kxk", "1x1", "1x1_avg", "1x1_prior", "1x1_kxk", "dw_pw")
 #: the Rep-1x1 block for 1x1 convs of bottlenecks
@@ -816,55 +809,133 @@ def _tail(name: str, channels: int, scaling: str, scale_init: Mapping[str, float
     return {"scale": Scale(channels, scale_init.get(name, 1.0), scaling)}
 
 
-def _branch_steps(
-    name: str, cin: int, cout: int, k: int, groups: int, *, inner_norm: bool, dw_expand: int, internal: int | None,
-    init_a: float = TORCH_INIT_A, reference_init: bool = False,
-) -> dict:
-    """The linear steps of a named branch (its tail excluded).
+@dataclass(frozen=True)
+class StepConfig:
+    """What a branch's steps depend on beyond the block's shape."""
 
-    ``init_a`` is the ``kaiming_uniform_`` slope of the random weights; ``reference_init`` places
-    identity factors as the published models do (see :data:`INIT_SCHEMES`).
+    inner_norm: bool = False  # a BN after every kernel step but the last (DBB)
+    dw_expand: int = 8  # channel expansion of a depthwise step
+    internal: int | None = None  # width of a two-step branch's intermediate (None: the branch's default)
+    init_a: float = TORCH_INIT_A  # kaiming_uniform_ slope of the random weights
+    reference_init: bool = False  # identity factors placed as the published models place them (INIT_SCHEMES)
+
+    def conv(self, cin: int, cout: int, k: int, groups: int, init: str = "kaiming") -> ConvStep:
+        return ConvStep(cin, cout, k, groups, init=init, a=self.init_a)
+
+    def norm(self, channels: int) -> dict:
+        return {"bn0": nn.BatchNorm2d(channels)} if self.inner_norm else {}
+
+
+@dataclass(frozen=True)
+class BranchType:
+    """One kind of branch: its linear steps, where its scale starts, and the switch that leaves it out.
+
+    ``steps(cin, cout, k, groups, cfg)`` returns the steps (its tail, a scale or BN, is added by
+    :func:`build_branches`). ``switch`` names a ``create_model`` option and CLI flag
+    (``--<switch>`` / ``--no-<switch>``) that removes this branch from the OREPA blocks when False.
     """
-    inner = (lambda c: {"bn0": nn.BatchNorm2d(c)}) if inner_norm else (lambda c: {})
 
-    def conv(ci: int, co: int, kk: int, g: int, init: str = "kaiming") -> ConvStep:
-        return ConvStep(ci, co, kk, g, init=init, a=init_a)
+    name: str
+    steps: Callable[[int, int, int, int, StepConfig], dict]
+    scale_init: float
+    switch: str | None = None
+    help: str = ""
 
-    if name == "kxk":
-        return {"conv": conv(cin, cout, k, groups)}
-    if name == "1x1":
-        return {"conv": conv(cin, cout, 1, groups)}
-    if name == "1x1_avg":
-        return {"conv": conv(cin, cout, 1, groups), **inner(cout), "pool": FixedKernelStep("avg", cout, k)}
-    if name == "1x1_prior":
-        return {"conv": conv(cin, cout, 1, groups), **inner(cout), "prior": FixedKernelStep("prior", cout, k)}
-    if name == "1x1_1x1":
-        # a product of two 1x1s has rank <= min(C_in, C_out): a wider intermediate adds cost, not capacity
-        mid = internal or min(cin, cout)
-        first_id = not reference_init or mid != min(cin, cout) or cout > cin
-        # the published Rep-1x1 puts the identity on its square factor: the first when the block widens,
-        # else the second, so a narrowing block (a bottleneck's conv1, 256 -> 64) sees every input at init
-        return {
-            "conv1": conv(cin, mid, 1, groups, "identity" if first_id else "kaiming"),
-            **inner(mid),
-            "conv2": conv(mid, cout, 1, groups, "kaiming" if first_id else "identity"),
-        }
-    if name == "1x1_kxk":
-        # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
-        mid = internal or (cin if groups < cout else 2 * cin)
-        return {
-            "conv1": conv(cin, mid, 1, groups, "identity-tiled" if reference_init else "identity"),
-            **inner(mid),
-            "conv2": conv(mid, cout, k, groups),
-        }
-    if name == "dw_pw":
-        return {"dw": conv(cin, cin * dw_expand, k, cin), **inner(cin * dw_expand),
-                "pw": conv(cin * dw_expand, cout, 1, groups)}
-    if name == "identity":
-        if cin != cout:
-            raise ValueError(f"identity branch needs in_channels == out_channels, got {cin} != {cout}")
-        return {"id": FixedKernelStep("identity", cout, 1, groups)}
-    raise ValueError(f"unknown branch {name!r}; known: {sorted(DEFAULT_SCALE_INIT)}")
+
+#: every branch a block can declare, by name: :func:`register_branch` adds one
+BRANCH_TYPES: dict[str, BranchType] = {}
+
+
+def register_branch(branch: BranchType) -> BranchType:
+    """Make a branch type available to every block, ``convert``, the zoo (``branches=``, its switch) and the CLI."""
+    if branch.name in BRANCH_TYPES:
+        raise ValueError(f"branch {branch.name!r} is already registered")
+    BRANCH_TYPES[branch.name] = branch
+    return branch
+
+
+class _ScaleInits(Mapping):
+    def __getitem__(self, name: str) -> float:
+        return BRANCH_TYPES[name].scale_init
+
+    def __iter__(self):
+        return iter(BRANCH_TYPES)
+
+    def __len__(self) -> int:
+        return len(BRANCH_TYPES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+DEFAULT_SCALE_INIT = _ScaleInits()
+
+
+def _kxk(cin, cout, k, groups, c: StepConfig) -> dict:
+    return {"conv": c.conv(cin, cout, k, groups)}
+
+
+def _1x1(cin, cout, k, groups, c: StepConfig) -> dict:
+    return {"conv": c.conv(cin, cout, 1, groups)}
+
+
+def _1x1_avg(cin, cout, k, groups, c: StepConfig) -> dict:
+    return {"conv": c.conv(cin, cout, 1, groups), **c.norm(cout), "pool": FixedKernelStep("avg", cout, k)}
+
+
+def _1x1_prior(cin, cout, k, groups, c: StepConfig) -> dict:
+    return {"conv": c.conv(cin, cout, 1, groups), **c.norm(cout), "prior": FixedKernelStep("prior", cout, k)}
+
+
+def _1x1_kxk(cin, cout, k, groups, c: StepConfig) -> dict:
+    # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
+    mid = c.internal or (cin if groups < cout else 2 * cin)
+    return {
+        "conv1": c.conv(cin, mid, 1, groups, "identity-tiled" if c.reference_init else "identity"),
+        **c.norm(mid),
+        "conv2": c.conv(mid, cout, k, groups),
+    }
+
+
+def _1x1_1x1(cin, cout, k, groups, c: StepConfig) -> dict:
+    # a product of two 1x1s has rank <= min(C_in, C_out): a wider intermediate adds cost, not capacity
+    mid = c.internal or min(cin, cout)
+    # the published Rep-1x1 puts the identity on its square factor: the first when the block widens,
+    # else the second, so a narrowing block (a bottleneck's conv1, 256 -> 64) sees every input at init
+    first_id = not c.reference_init or mid != min(cin, cout) or cout > cin
+    return {
+        "conv1": c.conv(cin, mid, 1, groups, "identity" if first_id else "kaiming"),
+        **c.norm(mid),
+        "conv2": c.conv(mid, cout, 1, groups, "kaiming" if first_id else "identity"),
+    }
+
+
+def _dw_pw(cin, cout, k, groups, c: StepConfig) -> dict:
+    return {"dw": c.conv(cin, cin * c.dw_expand, k, cin), **c.norm(cin * c.dw_expand),
+            "pw": c.conv(cin * c.dw_expand, cout, 1, groups)}
+
+
+def _identity(cin, cout, k, groups, c: StepConfig) -> dict:
+    if cin != cout:
+        raise ValueError(f"identity branch needs in_channels == out_channels, got {cin} != {cout}")
+    return {"id": FixedKernelStep("identity", cout, 1, groups)}
+
+
+# Scale values: supplement, "Initialization of branch-wise scaling layers". The paper's public code
+# starts the 1x1-avg scale at 0.25; the supplement's 0.5 is the default here (pass
+# scale_init={"1x1_avg": 0.25} for the code's value). Rep-1x1's second branch (0.5) and RepVGG's
+# identity (1.0) are not listed in the supplement: 0.5 is the public code's value, 1.0 our choice.
+for _branch in (
+    BranchType("kxk", _kxk, 0.25, help="the kxk conv"),
+    BranchType("1x1", _1x1, 1.0, help="a 1x1 conv"),
+    BranchType("1x1_avg", _1x1_avg, 0.5, help="1x1 conv -> kxk average pool"),
+    BranchType("1x1_prior", _1x1_prior, 0.0, switch="freq_prior", help="1x1 conv -> fixed frequency-prior filter"),
+    BranchType("1x1_kxk", _1x1_kxk, 0.5, help="identity-initialised 1x1 conv -> kxk conv"),
+    BranchType("dw_pw", _dw_pw, 0.5, switch="dw_sep", help="linear depthwise-separable: depthwise kxk (x8) -> 1x1"),
+    BranchType("1x1_1x1", _1x1_1x1, 0.5, help="Rep-1x1's 1x1 -> 1x1"),
+    BranchType("identity", _identity, 1.0, help="the identity (RepVGG)"),
+):
+    register_branch(_branch)
 
 
 def build_branches(
@@ -883,23 +954,21 @@ def build_branches(
     init_a: float = TORCH_INIT_A,
     reference_init: bool = False,
 ) -> dict[str, Branch]:
-    """Declare named branches; ``norm`` puts a BN at the end instead of a scale.
+    """Declare named branches (:data:`BRANCH_TYPES`); ``norm`` puts a BN at the end instead of a scale.
 
-    ``init_a`` / ``reference_init``: how the random and identity factors start (see :func:`_branch_steps`).
+    ``init_a`` / ``reference_init``: how the random and identity factors start (:class:`StepConfig`).
     """
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-    init = {**DEFAULT_SCALE_INIT, **(scale_init or {})}
-    unknown = set(scale_init or {}) - set(DEFAULT_SCALE_INIT)
+    names = tuple(names)
+    unknown = sorted(set(names) - set(BRANCH_TYPES)) + sorted(set(scale_init or {}) - set(BRANCH_TYPES))
     if unknown:
-        raise ValueError(f"scale_init names unknown branches {sorted(unknown)}")
+        raise ValueError(f"unknown branches {unknown}; known: {sorted(BRANCH_TYPES)}")
+    init = {**DEFAULT_SCALE_INIT, **(scale_init or {})}
+    cfg = StepConfig(inner_norm, dw_expand, internal_channels, init_a, reference_init)
     out = {}
     for name in names:
-        steps = _branch_steps(
-            name, in_channels, out_channels, kernel_size, groups,
-            inner_norm=inner_norm, dw_expand=dw_expand, internal=internal_channels, init_a=init_a,
-            reference_init=reference_init,
-        )
+        steps = BRANCH_TYPES[name].steps(in_channels, out_channels, kernel_size, groups, cfg)
         out[name] = Branch({**steps, **_tail(name, out_channels, scaling, init, norm)})
     return out
 

@@ -145,12 +145,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", default=None,
                    help="an ablation preset of the zoo (orepa.models.ABLATIONS), e.g. online-only, freq-prior, "
                         "dw-sep, scalar-scaling, no-scaling, no-post-bn")
-    g.add_argument("--freq-prior", dest="freq_prior", action="store_true", default=None,
-                   help="frequency-prior branch on")
-    g.add_argument("--no-freq-prior", dest="freq_prior", action="store_false")
-    g.add_argument("--dw-sep", dest="dw_sep", action="store_true", default=None,
-                   help="linear depthwise-separable branch on")
-    g.add_argument("--no-dw-sep", dest="dw_sep", action="store_false")
+    for t in orepa.BRANCH_TYPES.values():  # each optional branch type's switch (--freq-prior, --dw-sep, ...)
+        if t.switch:
+            flag = t.switch.replace("_", "-")
+            g.add_argument(f"--{flag}", dest=t.switch, action="store_true", default=None, help=f"{t.help} branch on")
+            g.add_argument(f"--no-{flag}", dest=t.switch, action="store_false")
     g.add_argument("--no-post-bn", dest="post_bn", action="store_false", default=None,
                    help="drop the post-addition BN (table 'linearization': diverges)")
     g.add_argument("--deep-stem", dest="deep_stem", action="store_true", default=None, help="linear deep stem on")
@@ -162,15 +161,17 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                                              "post_bn=false (--block-opt, --option: older spellings)")
 
 
-#: block-option flags copied into create_model(**options) when given
-BLOCK_FLAGS = ("preset", "scaling", "freq_prior", "dw_sep", "post_bn", "deep_stem", "rep_1x1")
+#: block-option flags copied into create_model(**options) when given (and every branch switch)
+BLOCK_FLAGS = ("preset", "scaling", "post_bn", "deep_stem", "rep_1x1")
 
 
 def block_options_from_args(args: argparse.Namespace) -> dict:
     opts = {}
     if getattr(args, "branches", None):
         opts["branches"] = [b.strip() for b in args.branches.split(",") if b.strip()]
-    for key in BLOCK_FLAGS:
+    from orepa.models.zoo import branch_switches
+
+    for key in (*BLOCK_FLAGS, *branch_switches()):
         if getattr(args, key, None) is not None:
             opts[key] = getattr(args, key)
     opts.update(parse_key_values(getattr(args, "model_option", None)))

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ..blocks import OREPA_BRANCHES
 from ..convert import convert
 from .resnet import _explicit_widths
-from .zoo import BLOCK_OPTS, Family, block_opts, branch_list, check_branch_options, register_family
+from .zoo import BLOCK_OPTS, Family, block_opts, branch_list, register_family
 
 __all__ = ["ConvBNReLU", "RepVGG", "REPVGG_CONFIGS", "build_repvgg"]
 
@@ -134,19 +134,17 @@ def _identity_ok(name: str, conv: nn.Conv2d) -> bool:
 def _apply_method(model: nn.Module, method: str, opts: dict, name: str) -> nn.Module:
     if method == "repvgg":
         return convert(model, "repvgg", inplace=True)
-    check_branch_options(opts)
-    fp, dw = opts.get("freq_prior", True), opts.get("dw_sep", True)
     extra = block_opts(opts, "dw_expand", "internal_channels", "scaling", "scale_init", "init")
     if method == "orepa-vgg":
         # supp. table "ra0res": the 1x1 and identity branches stay explicit (with BN); the online
         # 3x3 block holds the 3x3 and the 1x1-3x3, 1x1-avg, 1x1-prior and dw-pw branches
         inner_base = tuple(b for b in OREPA_BRANCHES if b != "1x1")
         return convert(model, "orepa-vgg", inplace=True,
-                       branches=branch_list(fp, dw, opts.get("branches"), inner_base), **extra)
+                       branches=branch_list(opts, inner_base), **extra)
     if method == "repvgg-online":
         core, conv_method = ("kxk", "1x1"), "orepa"
     else:  # orepa-vgg-offline: every branch explicit, each with its BN
-        core, conv_method = branch_list(fp, dw, opts.get("branches")), "orepa-offline"
+        core, conv_method = branch_list(opts), "orepa-offline"
     core = tuple(b for b in core if b != "identity")
     # identity branch where shapes allow (in == out, stride 1): two passes of the one convert
     convert(model, conv_method, inplace=True, exclude=lambda n, c: not _identity_ok(n, c),

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ..blocks import OREPADeepStem, ReparamConv2d
 from ..convert import convert, find_conv_bn_pairs
-from .zoo import ABLATIONS, BLOCK_OPTS, Family, block_opts, branch_list, check_branch_options, register_family
+from .zoo import ABLATIONS, BLOCK_OPTS, Family, block_opts, branch_list, register_family
 
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "RESNET_CONFIGS", "build_resnet"]
 
@@ -266,8 +266,7 @@ def _apply_method(model: nn.Module, method: str, opts: dict, name: str) -> nn.Mo
     post_bn = opts.get("post_bn", True)
     if not post_bn and not online:
         raise ValueError("post_bn=False is only defined for method 'orepa'")
-    check_branch_options(opts)
-    branches = branch_list(opts.get("freq_prior", True), opts.get("dw_sep", True), opts.get("branches"))
+    branches = branch_list(opts)
     rep_1x1 = opts.get("rep_1x1", bottleneck)
     deep_stem = opts.get("deep_stem", online)
     inner = dict(branches=branches, **block_opts(opts, "dw_expand", "internal_channels", "init"))

@@ -13,13 +13,13 @@ reference-checkpoint importer read the registry.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from ..blocks import OREPA_BRANCHES
+from ..blocks import BRANCH_TYPES, OREPA_BRANCHES
 
 __all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "model_family",
            "Family", "register_family", "family_of"]
@@ -92,6 +92,8 @@ def list_methods(name: str) -> list[str]:
 
 def _check_options(family: Family, method: str, options: Mapping[str, Any]) -> None:
     allowed = (*family.common_options, *family.method_options.get(method, ()))
+    if "branches" in allowed:
+        allowed = (*allowed, *branch_switches())
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"option(s) {unknown} not accepted by {family.name} method {method!r}; "
@@ -122,24 +124,28 @@ ABLATIONS: dict[str, dict[str, Any]] = {
                        options=dict(post_bn=False)),
 }
 
-#: options of the OREPA block declarations, shared by the families' OREPA methods
-BLOCK_OPTS = ("branches", "freq_prior", "dw_sep", "dw_expand", "internal_channels", "init")
+#: options of the OREPA block declarations, shared by the families' OREPA methods; a method that takes
+#: ``branches`` also takes the on/off switch of every registered branch type (``freq_prior``, ``dw_sep``)
+BLOCK_OPTS = ("branches", "dw_expand", "internal_channels", "init")
 
 
-def branch_list(freq_prior: bool, dw_sep: bool, branches, base=OREPA_BRANCHES) -> tuple[str, ...]:
-    if branches is not None:
-        return tuple(branches)
-    return tuple(b for b in base if (b != "1x1_prior" or freq_prior) and (b != "dw_pw" or dw_sep))
+def branch_switches() -> tuple[str, ...]:
+    """The options that turn optional branches off (``orepa.blocks.BranchType.switch``)."""
+    return tuple(t.switch for t in BRANCH_TYPES.values() if t.switch)
+
+
+def branch_list(opts: Mapping[str, Any], base: Sequence[str] = OREPA_BRANCHES) -> tuple[str, ...]:
+    """The branches ``opts`` asks for: ``branches=`` as given, else ``base`` less those whose switch is False."""
+    switches = [k for k in branch_switches() if k in opts]
+    if opts.get("branches") is not None:
+        if switches:
+            raise ValueError(f"pass either branches=... or {'/'.join(switches)}, not both")
+        return tuple(opts["branches"])
+    return tuple(b for b in base if not BRANCH_TYPES[b].switch or opts.get(BRANCH_TYPES[b].switch, True))
 
 
 def block_opts(opts: dict, *keys: str) -> dict:
     return {k: opts[k] for k in keys if opts.get(k) is not None}
-
-
-
-def check_branch_options(opts: Mapping[str, Any]) -> None:
-    if opts.get("branches") is not None and ("freq_prior" in opts or "dw_sep" in opts):
-        raise ValueError("pass either branches=... or freq_prior/dw_sep, not both")
 
 
 def create_model(name: str, method: str | None = None, num_classes: int = 1000, in_chans: int = 3,
