@@ -223,6 +223,16 @@ def build_model(cfg: dict) -> nn.Module:
         raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
 
 
+def model_cfg_of(model: nn.Module) -> dict:
+    """The model_cfg that :func:`build_model` turns back into ``model`` (a zoo model: its ``orepa_config``)."""
+    oc = dict(model.orepa_config)
+    cfg = {"model": oc.pop("name"), "method": oc.pop("method"), "num_classes": oc.pop("num_classes"),
+           "in_chans": oc.pop("in_chans"), "small_input": bool(oc.pop("small_input", False)),
+           "width_mult": float(oc.pop("width_mult", 1.0))}
+    cfg["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in oc.items()}
+    return cfg
+
+
 #: deployed forms: "deploy" = vanilla layout (BNs kept), "deploy-fused" = BNs folded into the convs
 FORMS = ("train", "deploy", "deploy-fused")
 

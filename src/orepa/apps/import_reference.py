@@ -20,7 +20,16 @@ from pathlib import Path
 import torch
 
 from .checkpoint import FORMAT, VERSION, args_dict, model_from_checkpoint, save_checkpoint
-from .common import UserError, add_run_arguments, apply_threads, count_params, deploy, describe_cfg, fail
+from .common import (
+    UserError,
+    add_run_arguments,
+    apply_threads,
+    count_params,
+    deploy,
+    describe_cfg,
+    fail,
+    model_cfg_of,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,16 +43,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=float, default=1e-4,
                    help="check tolerance: max|diff| <= rtol * (1 + max|logit|) on a random batch (1e-4)")
     add_run_arguments(p)
-
-
-def _model_cfg(model) -> dict:
-    """The zoo's ``orepa_config`` as a checkpoint's model_cfg."""
-    oc = dict(model.orepa_config)
-    cfg = {"model": oc.pop("name"), "method": oc.pop("method"), "num_classes": oc.pop("num_classes"),
-           "in_chans": oc.pop("in_chans"), "small_input": bool(oc.pop("small_input", False)),
-           "width_mult": float(oc.pop("width_mult", 1.0))}
-    cfg["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in oc.items()}
-    return cfg
 
 
 def import_checkpoint(args: argparse.Namespace) -> dict:
@@ -65,7 +64,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     except ValueError as exc:
         raise UserError(f"{src}: {exc}") from None
     model.eval()
-    cfg = _model_cfg(model)
+    cfg = model_cfg_of(model)
     form = ("deploy-fused" if args.fuse_bn else "deploy") if args.deploy else "train"
     written = deploy(model, form)
     ckpt = {"format": FORMAT, "version": VERSION, "form": form, "model_cfg": cfg,
