@@ -3,6 +3,11 @@
 #   benchmarks/gpu_session.sh probe      # ~3 min: nccl/fp16/SyncBN smoke run + reparam, cost tables at the
 #                                        #   paper's setting (ResNet-18 and ResNet-50, batch 64, 224x224)
 #   benchmarks/gpu_session.sh compile    # ~8 min: the same cost tables with torch.compile'd train steps
+#   benchmarks/gpu_session.sh steps      # ~6 min: the step modes. tests/test_cuda.py (CUDA-graph steps vs eager
+#                                        #   steps, grouped vs per-block kernels), the accuracy check (ResNet-18,
+#                                        #   Fashion-MNIST, 1 epoch on 25,600 images at batch 256: eager vs the
+#                                        #   default mode), and eager / CUDA-graph step times of base, OREPA and DBB
+#                                        #   (ResNet-18 and ResNet-50 at batch 64, ResNet-18 at batch 8; 224x224)
 #   EPOCHS=N [TRAIN_EXTRA=--cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -10,7 +15,7 @@
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
 # and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh probe|compile|long}
+phase=${1:?usage: gpu_session.sh probe|compile|steps|long}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
@@ -43,6 +48,31 @@ compile)
         timeout 290 python3 -m orepa bench -m "$m" -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
             --methods base orepa dbb --reps 20 --warmup 3 --no-inference --output-dir "$R/bench" 2>&1 | tee "$R/bench_$m.log"
     done
+    ;;
+steps)
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-not compile}" 2>&1 \
+        | tee "$R/test_cuda.log"
+    # the accuracy check: the same seed and data, eager vs the default mode (CUDA graphs where they run)
+    for run in "orepa eager --no-cuda-graphs" "orepa default" "base default"; do
+        set -- $run
+        timeout 120 python3 -m orepa train --method "$1" --epochs 1 --train-subset 25600 -b 256 -j 8 --seed 0 \
+            --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --output-dir "/tmp/acc_$1_$2" ${3:-} 2>&1 \
+            | tail -4 | tee "$R/acc_$1_$2.log"
+        cp "/tmp/acc_$1_$2/summary.json" "$R/acc_$1_$2.json" 2>/dev/null
+    done
+    # step times, the settings: fp32 (TF32 convs), cudnn.benchmark, SGD momentum, steps interleaved
+    for setting in "resnet18 64" "resnet50 64" "resnet18 8"; do
+        set -- $setting
+        for graphs in "" "--cuda-graphs"; do
+            timeout 150 python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
+                --methods base orepa dbb --reps 25 --warmup 5 --no-inference $graphs --output-dir "$R/bench" \
+                --no-plot 2>&1 | tail -12 | tee -a "$R/bench.log"
+        done
+    done
+    # the grouped kernel builder's share: the per-block route on the same GPU
+    timeout 120 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark \
+        --methods base orepa --reps 25 --warmup 5 --no-inference --kernel-builder per-block --output-dir "$R/bench" \
+        --no-plot 2>&1 | tail -10 | tee -a "$R/bench.log"
     ;;
 long)
     epochs=${EPOCHS:?set EPOCHS}

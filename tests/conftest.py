@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,9 @@ def cache(tmp_path_factory) -> str:
     """Fashion-MNIST un-gzipped once per test session (the training tests' data)."""
     from orepa.apps import data
 
-    if not Path(data.FASHION_MNIST_SOURCE, "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip("dataset-fashion-mnist is not installed")
+    source = os.environ.get("OREPA_FASHION_MNIST_DIR", data.FASHION_MNIST_SOURCE)  # as data.prepare_fashion_mnist
+    if not Path(source, "train-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"dataset-fashion-mnist is not installed (no {source}/train-images-idx3-ubyte.gz)")
     root = tmp_path_factory.mktemp("fmnist-cache")
     data.prepare_fashion_mnist(root)
     return str(root)

@@ -450,8 +450,32 @@ def test_graph_capture_puts_back_what_its_warm_up_touched(monkeypatch):
     train.capture_cuda_graphs(model, sample, opt)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # running stats, num_batches_tracked
-    grads = [p.grad for p in model.parameters()]
-    assert all(g is not None and not g.any() for g in grads)  # zeroed, kept allocated for the graph
+    assert all(p.grad is None for p in model.parameters())  # a kept .grad would alias the graph's buffer
+
+
+def test_a_kept_grad_would_double_a_graphed_backward():
+    """Why graphed steps clear gradients to None: a graphed backward returns its static buffer,
+    autograd adopts it as ``.grad``, and a zeroed (kept) ``.grad`` then has the next replay's
+    gradient added to itself. A Function returning a persistent buffer, as the graphed one does."""
+    buf = torch.zeros(3)
+
+    class Replayed(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, p):
+            return p * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            buf.copy_(g * 2)  # the "replay" writes the static gradient buffer
+            return buf.detach()
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for set_to_none, want in ((False, 4.0), (True, 2.0)):
+        for _ in range(2):
+            opt.zero_grad(set_to_none=set_to_none)
+            Replayed.apply(p).sum().backward()
+        assert p.grad.tolist() == [want] * 3
 
 
 @pytest.mark.slow

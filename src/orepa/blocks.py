@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import engine as E
 from . import kernels as K
 
 # BNs a branch or a conv may be folded with: SyncBatchNorm is what --sync-bn (convert_sync_batchnorm) leaves
@@ -341,71 +342,6 @@ class Branch(nn.Sequential):
             return steps[:-1], steps[-1]
         return steps, None
 
-    def fresh_kernel(self) -> Tensor:
-        """A single-kernel branch's kernel as a new tensor, its scale folded in; call without grad."""
-        ks, scale = self._split()
-        if len(ks) != 1:
-            raise ValueError("fresh_kernel() is for branches of one kernel step; use add_into()")
-        w = ks[0].kernel()
-        return w.clone() if scale is None else K.scale_channels(w, scale.weight)
-
-    def add_into(self, out: Tensor) -> None:
-        """``out += branch kernel`` in place (call without grad); no temporary for a
-        single kernel or a per-channel filter after a 1x1, the scale fused into the addition."""
-        ks, scale = self._split()
-        s = None if scale is None else scale.weight
-        if len(ks) == 1:
-            if s is None:
-                out.add_(ks[0].kernel())
-            else:
-                out.addcmul_(ks[0].kernel(), s.reshape(-1, 1, 1, 1))
-            return
-        K.compose_into(out, ks[0].kernel(), ks[0].groups, ks[1].kernel(), ks[1].groups, s)
-
-    def kernel_vjp(self, grad: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """``(parameter, gradient)`` pairs of ``<grad, branch kernel>`` without stored intermediates.
-
-        Fixed kernels get no gradient (none is computed).
-        """
-        ks, scale = self._split()
-        out = []
-        last = ks[-1].kernel()
-        learn_last = isinstance(ks[-1], ConvStep)
-        if len(ks) == 2:
-            first, second = ks
-            need_first = isinstance(first, ConvStep)
-            shared = isinstance(second, FixedKernelStep) and second.kind == "avg"
-            if scale is not None and K.compose_case(first.weight.shape, first.groups, second.weight.shape,
-                                                    second.groups) == "depthwise_after_1x1":
-                # a per-channel filter after a 1x1: the scale folds into the 1x1 (the small
-                # factor), so the filter's gradient is never needed for the scale's
-                w1 = first.kernel()
-                d_w1s, d_last = K.compose_vjp(K.scale_channels(w1, scale.weight), first.groups, last, second.groups,
-                                              grad, need_w2=learn_last, shared_filter=shared)
-                ds = K.rowdot(d_w1s, w1)
-                out.append((scale.weight, ds if scale.mode == "vector" else ds.sum(0, keepdim=True)))
-                if need_first:
-                    out.append((first.weight, K.scale_channels(d_w1s, scale.weight)))
-                if learn_last:
-                    out.append((second.weight, d_last))
-                return out
-            last_s = last if scale is None else K.scale_channels(last, scale.weight)
-            d_first, d_last = K.compose_vjp(
-                first.kernel(), first.groups, last_s, second.groups, grad,
-                need_w1=need_first, need_w2=learn_last or scale is not None, shared_filter=shared and scale is None,
-            )
-            if need_first:
-                out.append((first.weight, d_first))
-            grad = d_last
-        if scale is not None:
-            ds = K.rowdot(grad, last)
-            out.append((scale.weight, ds if scale.mode == "vector" else ds.sum(0, keepdim=True)))
-            if learn_last:
-                grad = K.scale_channels(grad, scale.weight)
-        if learn_last:
-            out.append((ks[-1].weight, grad))
-        return out
-
     @property
     def extent(self) -> int:
         """Receptive field (kernel size) of the composed branch, before dilation."""
@@ -515,11 +451,14 @@ class ReparamConv2d(nn.Module):
         # token pairing this block with the BatchNorm it replaced (see AbsorbedNorm)
         self.absorbed_token: str | None = None
         # online blocks whose branches all have closed-form backwards squeeze through
-        # _ClosedFormSqueeze: nothing but parameters is kept for backward
+        # engine.SqueezeFunction: nothing but parameters is kept for backward
         self._closed_form = mode == "online" and all(br._fast_groups == groups for br in self.branches.values())
         self._kernel_cache: tuple | None = None
         self._routes: dict[tuple, tuple[list[str], list[str]]] = {}  # input shape -> chain-order choice
         self._first_full: dict[tuple[str, ...], str | None] = {}  # branch set -> branch starting the sum
+        # blocks of this one's construction signature that build their kernels together
+        # (engine.group_kernels); a plain attribute, so no state_dict key and no submodule
+        self._kernel_group: E.KernelGroup | None = None
 
     @staticmethod
     def _last_kernel_index(br: Branch) -> int:
@@ -551,42 +490,14 @@ class ReparamConv2d(nn.Module):
 
     # ---- online path: closed-form squeeze, kernel recomputation, chain order
 
-    def _squeeze_closed_form(self, names: Sequence[str]) -> Tensor:
-        """Sum of the named branches' kernels, accumulated in place (call without grad).
-
-        A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every
-        other branch is added into its centred window with its scale fused in.
-        """
-        k = self.kernel_size[0]
-        first = self._first_full_branch(names)
-        names = list(names)
-        if first is not None:
-            out = self.branches[first].fresh_kernel()
-            names.remove(first)
-        else:
-            ref = next(iter(self.branches[names[0]])).kernel()
-            out = ref.new_zeros(self.out_channels, self.in_channels // self.groups, k, k)
-        for name in names:
-            br = self.branches[name]
-            o = (k - br.extent) // 2
-            br.add_into(out[:, :, o:o + br.extent, o:o + br.extent])
-        return out
-
     def _first_full_branch(self, names: Sequence[str]) -> str | None:
         """The branch whose fresh kernel starts the sum (a full-size single kernel)."""
         k = self.kernel_size[0]
-        return _memo(self._first_full, tuple(names), lambda: next(
+        return E.memo(self._first_full, tuple(names), lambda: next(
             (n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1), None))
 
-    def _squeeze_vjp(self, grad: Tensor, params: Sequence[Tensor], names: Sequence[str]) -> tuple[Tensor | None, ...]:
-        k = self.kernel_size[0]
-        grads: dict[int, Tensor] = {}
-        for name in names:
-            br = self.branches[name]
-            o = (k - br.extent) // 2
-            for p, g in br.kernel_vjp(grad[:, :, o:o + br.extent, o:o + br.extent]):
-                grads[id(p)] = g if id(p) not in grads else grads[id(p)] + g
-        return tuple(grads.get(id(p)) for p in params)
+    def _any_param(self) -> Tensor:
+        return next(iter(next(iter(self.branches.values())).param_list()))
 
     def _recompute(self, x: Tensor) -> bool:
         """Rebuild the kernel in backward instead of keeping it (auto: when it outweighs the input)."""
@@ -604,7 +515,7 @@ class ReparamConv2d(nn.Module):
         (small batches and deep layers run such branches on the feature map).
         Depends on shapes only, so it is computed once per input shape.
         """
-        squeezed, on_features = _memo(self._routes, (tuple(x.shape), recompute),
+        squeezed, on_features = E.memo(self._routes, (tuple(x.shape), recompute),
                                       lambda: self._choose_route(x.shape, recompute))
         return list(squeezed), list(on_features)
 
@@ -641,11 +552,11 @@ class ReparamConv2d(nn.Module):
         squeezed, on_features = self._route(x, recompute)
         y = None
         if squeezed:
-            params = [p for name in squeezed for p in self.branches[name].param_list()]
+            params = E.squeeze_params((self,), squeezed)
             if recompute:
-                y = _RecomputedSqueezeConv.apply(x, self, tuple(squeezed), self.bias, *params)
+                y = E.RecomputedSqueezeConv.apply(x, self, tuple(squeezed), self.bias, *params)
             else:
-                w = _ClosedFormSqueeze.apply(self, tuple(squeezed), *params)
+                w = E.SqueezeFunction.apply((self,), tuple(squeezed), *params)
                 y = F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
         for name in on_features:
             z = self.branches[name].run(x, self.stride[0], self.dilation[0])
@@ -679,10 +590,13 @@ class ReparamConv2d(nn.Module):
         if not self._closed_form:
             w = self._fused_parts()[0]
         elif torch.is_grad_enabled():
-            params = [p for br in self.branches.values() for p in br.param_list()]
-            w = _ClosedFormSqueeze.apply(self, names, *params)
+            group = self._kernel_group
+            if group is not None and group.active(self.bias if self.bias is not None else self._any_param()):
+                w = group.kernel_of(self)
+            else:
+                w = E.SqueezeFunction.apply((self,), names, *E.squeeze_params((self,), names))
         else:
-            w = self._squeeze_closed_form(names)
+            w = E.squeeze((self,), names)
         if cacheable:
             self._kernel_cache = (self._cache_key(), w)
         return w
@@ -698,6 +612,11 @@ class ReparamConv2d(nn.Module):
             )
         if self.mode == "online":
             if self._closed_form and torch.is_grad_enabled():
+                group = self._kernel_group
+                if group is not None and group.active(x):
+                    # the kernel space on a GPU: launches, not FLOPs, decide (see orepa.engine)
+                    return F.conv2d(x, group.kernel_of(self), self.bias, self.stride, self.padding, self.dilation,
+                                    self.groups)
                 return self._online_train_forward(x)
             return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
         out = None
@@ -733,68 +652,6 @@ class ReparamConv2d(nn.Module):
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}"
         )
-
-
-def _memo(cache: dict, key, compute):
-    """``cache[key]``, computed on a miss. Bounded (many input sizes, e.g. detection, clear it
-    now and then), and bypassed inside a traced call: filling a cache there would make the
-    compiled graph guard on it and recompile on the next call."""
-    if torch.compiler.is_compiling():
-        return compute()
-    if key not in cache:
-        if len(cache) >= 64:
-            cache.clear()
-        cache[key] = compute()
-    return cache[key]
-
-
-class _ClosedFormSqueeze(torch.autograd.Function):
-    """Squeeze with a hand-written backward: branch gradients come from dL/dW of the
-    squeezed kernel through closed-form vjps, so no intermediate kernel is stored."""
-
-    @staticmethod
-    def forward(ctx, block: ReparamConv2d, names: tuple[str, ...], *params: Tensor) -> Tensor:
-        ctx.block, ctx.names = block, names
-        ctx.save_for_backward(*params)
-        return block._squeeze_closed_form(names)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return (None, None, *ctx.block._squeeze_vjp(grad, ctx.saved_tensors, ctx.names))
-
-
-class _RecomputedSqueezeConv(torch.autograd.Function):
-    """``conv(x, squeeze(params))`` that keeps only ``x`` for backward and rebuilds the kernel
-    there: a block then costs the memory of a plain conv. Honours autocast explicitly."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, block: ReparamConv2d, names: tuple[str, ...], bias: Tensor | None, *params: Tensor):
-        w = block._squeeze_closed_form(names)
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        with torch.autocast(device, enabled=False):
-            y = F.conv2d(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype),
-                         block.stride, block.padding, block.dilation, block.groups)
-        ctx.block, ctx.names, ctx.conv_dtype, ctx.has_bias = block, names, dtype, bias is not None
-        # x itself is kept, not its autocast copy: the layer before usually keeps x anyway, so
-        # this adds no memory (and torch.compile cannot save an alias of an input made here)
-        ctx.save_for_backward(x, *params)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y: Tensor):
-        x, *params = ctx.saved_tensors
-        block, dtype = ctx.block, ctx.conv_dtype
-        w = block._squeeze_closed_form(ctx.names)
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad_y.to(dtype), x.to(dtype), w.to(dtype), [block.out_channels] if ctx.has_bias else None,
-            list(block.stride), list(block.padding), list(block.dilation), False, [0, 0], block.groups,
-            [ctx.needs_input_grad[0], True, ctx.has_bias],
-        )
-        grads = block._squeeze_vjp(gw.to(w.dtype), params, ctx.names)
-        gx = None if gx is None else gx.to(x.dtype)
-        gb = gb.to(w.dtype) if ctx.has_bias else None
-        return (gx, None, None, gb, *grads)
 
 
 # --------------------------------------------------------------------------- branch declarations

@@ -34,6 +34,7 @@ from .blocks import (
     RepVGGBlock,
     check_conv_config,
 )
+from .engine import group_kernels
 
 __all__ = ["convert", "reparameterize", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport", "METHODS", "make_block"]
 
@@ -297,6 +298,7 @@ def convert(
         why = "; ".join(f"{n or type(model).__name__}: {r}" for n, r in report.skipped.items())
         raise ValueError(f"convert(method={method!r}) found nothing to convert in {type(model).__name__}: "
                          + (why or "it has no nn.Conv2d followed by a BatchNorm2d"))
+    group_kernels(model)  # online blocks of one signature build their kernels together on GPUs
     return (model, report) if return_report else model
 
 

@@ -395,13 +395,18 @@ def capture_cuda_graphs(model: nn.Module, sample: torch.Tensor, optimizer: torch
     replaces its ``forward``; in eval mode the eager forward runs). The capture's warm-up runs real
     forward+backward passes on ``sample``: the buffers (BN statistics) and gradients they touch are
     put back, so a run with graphs follows the eager run's trajectory and resumes the same way.
-    Undo with :func:`release_cuda_graphs` before deep-copying the model."""
+    Undo with :func:`release_cuda_graphs` before deep-copying the model.
+
+    Every step must then clear gradients with ``zero_grad(set_to_none=True)``: the graphed backward
+    returns its static gradient buffers, and autograd adopts such a buffer as ``.grad`` when
+    ``.grad`` is None. A kept ``.grad`` IS that buffer, which the next replay overwrites and
+    autograd then adds to itself: every gradient doubled from the second step on."""
     saved = [b.detach().clone() for b in model.buffers()]
     torch.cuda.make_graphed_callables(model, (sample,))
     with torch.no_grad():
         for b, v in zip(model.buffers(), saved):
             b.copy_(v)
-    optimizer.zero_grad(set_to_none=False)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def release_cuda_graphs(model: nn.Module) -> None:

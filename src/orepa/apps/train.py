@@ -121,9 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False, help="NHWC memory format")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the training model")
-    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-                   help="replay forward+backward as CUDA graphs (one process, CUDA): an online block's eager step "
-                        "is bound by launching its many small kernels on fast GPUs")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay forward+backward as CUDA graphs: an online block's eager step is bound by launching "
+                        "its many small kernels on fast GPUs. Default: on where it can run (one process on a CUDA "
+                        "device, without --compile), with a one-line note where it cannot; --no-cuda-graphs: eager")
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
@@ -296,12 +297,15 @@ class Trainer:
         if device.type == "cuda":
             # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
             torch.backends.cudnn.benchmark = True
-        if args.cuda_graphs:
-            why = ("needs a CUDA device" if device.type != "cuda" else
-                   "runs in one process (DDP's collectives are not captured here; run without torchrun)"
-                   if info.distributed else "and --compile exclude each other" if args.compile else None)
-            if why:
-                raise UserError(f"--cuda-graphs {why}")
+        why = ("needs a CUDA device" if device.type != "cuda" else
+               "runs in one process (DDP's collectives are not captured here; run without torchrun)"
+               if info.distributed else "and --compile exclude each other" if args.compile else None)
+        if args.cuda_graphs is None:  # the default: the fastest exact mode where it can run
+            args.cuda_graphs = why is None
+            if why is not None and device.type == "cuda":
+                self.log(f"orepa train: eager steps, not CUDA graphs (CUDA graphs {why})")
+        elif args.cuda_graphs and why:
+            raise UserError(f"--cuda-graphs {why}")
         self.graphs_captured = False
         self.resume_ckpt = None
         self.overrides: list[str] = []
@@ -522,8 +526,9 @@ class Trainer:
                 raise NonFiniteLoss(f"loss is {loss.item()} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1} "
                                     f"(global step {s.global_step + 1})" +
                                     (" on some rank" if info.distributed else ""))
-            # a graphed backward accumulates into the .grad tensors it was captured with: keep them
-            self.optimizer.zero_grad(set_to_none=not args.cuda_graphs)
+            # None, never zeros: with CUDA graphs a kept .grad aliases the graph's gradient buffer
+            # and would be doubled (see capture_cuda_graphs)
+            self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None and self.scaler.is_enabled():
                 self.scaler.scale(loss).backward()
                 if args.clip_grad_norm:

@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from ..blocks import BRANCH_TYPES, OREPA_BRANCHES
+from ..engine import group_kernels
 
 __all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "model_family",
            "Family", "register_family", "family_of"]
@@ -182,6 +183,7 @@ def create_model(name: str, method: str | None = None, num_classes: int = 1000, 
     model = family.build(name, num_classes, in_chans, **common)
     if method != "base":
         model = family.apply_method(model, method, options, name)
+        group_kernels(model)  # online blocks of one signature build their kernels together on GPUs
     model.orepa_config = dict(name=name, method=method, num_classes=num_classes, in_chans=in_chans,
                               **common, **options)
     return model

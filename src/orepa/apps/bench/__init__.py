@@ -13,7 +13,17 @@ import math
 
 import torch
 
-from .measure import Runner, environment, flop_counter, make_runner, measure_saved, measure_variant_costs, run_benchmark
+from orepa.engine import POLICIES as KERNEL_BUILDERS
+
+from .measure import (
+    Runner,
+    environment,
+    flop_counter,
+    make_runner,
+    measure_saved,
+    measure_variant_costs,
+    run_benchmark,
+)
 from .report import format_header, format_table, plot_budgets, plot_ratios, ratios, rerender, save
 from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_spec
 
@@ -50,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cudnn-benchmark", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: time steps with forward+backward replayed as CUDA graphs (no host launch overhead)")
+    p.add_argument("--kernel-builder", choices=KERNEL_BUILDERS, default="auto",
+                   help="how online blocks build their kernels (orepa.engine.group_kernels): auto groups blocks of "
+                        "one signature on CUDA; grouped does so on any device (the GPU route, e.g. to count its "
+                        "operators on a CPU); per-block never")
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="time steps of torch.compile'd models (default backend inductor; compiled outside the timing)")
     p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="bench_results",
@@ -86,11 +100,12 @@ def run(args: argparse.Namespace) -> int:
         args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
         reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
         inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
-        cuda_graphs=args.cuda_graphs, compile=args.compile,
+        cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder,
     )
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
                        + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
+                       + ("" if args.kernel_builder == "auto" else "_" + args.kernel_builder)
                        + ("_components" if args.components else ""))
     print()
     print(format_header(result))

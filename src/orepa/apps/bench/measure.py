@@ -57,6 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import orepa
 from orepa.apps.common import capture_cuda_graphs, count_params, full_float32, make_sgd, release_cuda_graphs
+from orepa.engine import group_kernels
 
 from .report import ratios
 from .variants import ModelSpec, build_variant
@@ -148,8 +149,7 @@ class Runner:
     compiled: nn.Module | None = None  # torch.compile'd model for the timed steps (same parameters)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        # a graphed backward accumulates into the .grad tensors it was captured with: keep them
-        self.opt.zero_grad(set_to_none=not self.graphed)
+        self.opt.zero_grad(set_to_none=True)  # see capture_cuda_graphs: never zeros under graphs
         loss = F.cross_entropy((self.compiled or self.model)(x), y)
         loss.backward()
         self.opt.step()
@@ -255,11 +255,14 @@ def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory:
 
 
 def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000, in_chans: int = 3,
-                model_options: dict | None = None, lr: float = 1e-3, seed: int = 0) -> Runner:
+                model_options: dict | None = None, lr: float = 1e-3, seed: int = 0,
+                kernel_builder: str = "auto") -> Runner:
     """One variant built from ``seed``, in training mode, with the harness's optimizer
-    (fused SGD, momentum 0.9, weight decay 1e-4)."""
+    (fused SGD, momentum 0.9, weight decay 1e-4). ``kernel_builder``: the policy of
+    :func:`orepa.engine.group_kernels` ("grouped" runs the GPU route anywhere)."""
     torch.manual_seed(seed)
     net = build_variant(model, spec, num_classes, in_chans, model_options).to(device).train()
+    group_kernels(net, kernel_builder)
     return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4))
 
 
@@ -281,6 +284,7 @@ def run_benchmark(
     model_options: dict | None = None,
     cuda_graphs: bool = False,
     compile: str | None = None,
+    kernel_builder: str = "auto",
     log: Callable[[str], None] | None = print,
 ) -> dict:
     """Measure every variant of ``model`` side by side; returns a JSON-able dict.
@@ -307,7 +311,7 @@ def run_benchmark(
     res: dict[str, dict] = {}
     for spec in methods:
         runners.append(make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
-                                   model_options=model_options, lr=lr, seed=seed))
+                                   model_options=model_options, lr=lr, seed=seed, kernel_builder=kernel_builder))
         res[spec] = {"train_params": count_params(runners[-1].model)}
         log(f"built {spec}: {res[spec]['train_params']:,} params")
 
@@ -388,6 +392,7 @@ def run_benchmark(
             "methods": methods, "batch_size": batch_size, "image_size": image_size, "in_chans": in_chans,
             "num_classes": num_classes, "model_options": model_options or {}, "reps": reps, "warmup": warmup,
             "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs, "compile": compile,
+            "kernel_builder": kernel_builder,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
         },
         "environment": {**environment(device, git_start), "loadavg_1m_start": load_start},

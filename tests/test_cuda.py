@@ -1,0 +1,74 @@
+"""Checks that need a real CUDA device (skipped without one): the fast training modes follow eager
+training, and the grouped kernel builder matches the per-block one on the GPU.
+
+Run on a GPU machine with Fashion-MNIST at $OREPA_FASHION_MNIST_DIR (benchmarks/gpu_session.sh does)::
+
+    python -m pytest tests/test_cuda.py -v
+"""
+import json
+
+import pytest
+import torch
+
+from orepa import engine
+from orepa.apps.common import full_float32
+from orepa.cli import main
+from orepa.models import create_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# 8 steps of a quarter-width OREPA ResNet-18 (every online block type incl. the deep stem); lr without
+# warm-up so the steps move the weights; momentum carries a wrong gradient into every later step
+RUN = ["--model", "resnet18", "--method", "orepa", "--width-mult", "0.25", "--train-subset", "512",
+       "--val-subset", "256", "-b", "64", "--epochs", "1", "--lr", "0.2", "--lr-warmup-epochs", "0",
+       "--lr-scheduler", "constant", "-j", "0", "--no-progress", "--no-tensorboard", "--seed", "0",
+       "--device", "cuda"]
+
+
+def _run(cache, out, *extra):
+    assert main(["train", *RUN, "--cache-dir", cache, "--output-dir", str(out), *extra]) == 0
+    ckpt = torch.load(out / "checkpoint.pth", map_location="cpu", weights_only=True)
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    return ckpt["model"], rows[-1]
+
+
+@pytest.mark.parametrize("mode", ["--cuda-graphs", "--compile"])
+def test_fast_mode_steps_follow_eager_steps(mode, cache, tmp_path):
+    """Weights, BN statistics and loss after 8 steps of a fast mode equal eager steps' to float noise
+    (cuDNN's atomics, TF32): measured on the weights' *updates*, which a doubled or dropped gradient
+    changes by O(1), while noise changes them by ~1e-3."""
+    start, _ = _run(cache, tmp_path / "start", "--no-cuda-graphs", "--lr", "1e-12")  # the initial weights
+    eager, eager_row = _run(cache, tmp_path / "eager", "--no-cuda-graphs")
+    fast, fast_row = _run(cache, tmp_path / "fast", mode, *(["--no-cuda-graphs"] if mode == "--compile" else []))
+    assert eager.keys() == fast.keys()
+    weights = [k for k in eager if k.endswith("weight") and eager[k].dtype.is_floating_point]
+    du = torch.cat([(fast[k] - eager[k]).flatten() for k in weights])
+    upd = torch.cat([(eager[k] - start[k]).flatten() for k in weights])
+    assert upd.norm() > 0
+    assert (du.norm() / upd.norm()).item() < 0.02, f"{mode}: updates differ by {(du.norm() / upd.norm()).item():.3g}"
+    for k in eager:
+        if "running_" in k:
+            torch.testing.assert_close(fast[k], eager[k], rtol=2e-2, atol=2e-3, msg=f"{mode}: {k}")
+    assert fast_row["train_loss"] == pytest.approx(eager_row["train_loss"], rel=2e-3)
+
+
+def test_grouped_kernels_equal_per_block_kernels_on_the_gpu():
+    """On CUDA the default policy groups; its forward and every gradient equal the per-block route's."""
+    torch.manual_seed(0)
+    with full_float32():
+        models = []
+        for policy in ("auto", "per-block"):
+            torch.manual_seed(0)
+            m = create_model("resnet50", "orepa", num_classes=10, width_mult=0.25).cuda().double()
+            engine.group_kernels(m, policy)
+            models.append(m)
+        assert engine.kernel_groups(models[0])[0].active(torch.zeros(1, device="cuda"))
+        x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.float64)
+        outs = []
+        for m in models:
+            y = m(x)
+            y.square().sum().backward()
+            outs.append(y)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-9, atol=1e-9)
+        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-9, msg=name)

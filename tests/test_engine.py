@@ -1,0 +1,136 @@
+"""The network-level kernel builder (orepa.engine.group_kernels): blocks of one signature build
+their kernels together and give the per-block route's numbers, state and behaviour."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import orepa
+from orepa import engine
+from orepa.blocks import OREPAConv2d
+
+
+def _pair(name="resnet18", **opts):
+    torch.manual_seed(0)
+    ref = orepa.create_model(name, "orepa", num_classes=10, width_mult=0.125, **opts).double()
+    grouped = copy.deepcopy(ref)
+    engine.group_kernels(ref, "per-block")
+    engine.group_kernels(grouped, "grouped")
+    return ref, grouped
+
+
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)).square().sum().backward()
+    return y, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_grouped_forward_and_gradients_equal_per_block(name):
+    ref, grouped = _pair(name)
+    groups = engine.kernel_groups(grouped)
+    assert max(len(g) for g in groups) >= 2
+    # train-mode BNs over few values amplify rounding: 4 images of 64x64 leave 16 values at the last stage
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    y0, g0 = _grads(ref, x)
+    y1, g1 = _grads(grouped, x)
+    torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-10, msg=k)
+
+
+def test_squeeze_function_of_a_group_passes_gradcheck():
+    torch.manual_seed(0)
+    blocks = [OREPAConv2d(3, 4, 3).double() for _ in range(3)]
+    names = blocks[0].names if hasattr(blocks[0], "names") else tuple(blocks[0].branches)
+    params = engine.squeeze_params(blocks, names)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.1)  # off the identity/constant initialisation
+    fn = lambda *ps: engine.SqueezeFunction.apply(tuple(blocks), names, *ps)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, params)
+    # each output is that block's own kernel
+    for blk, w in zip(blocks, fn(*params)):
+        torch.testing.assert_close(w, blk.equivalent()[0])
+
+
+def test_grouping_keeps_state_dict_conversion_and_deployment():
+    torch.manual_seed(0)
+    plain = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    keys = list(plain.state_dict())
+    engine.group_kernels(plain, "grouped")
+    assert list(plain.state_dict()) == keys  # the groups are plain attributes: no key, no submodule
+    assert not any(isinstance(m, engine.KernelGroup) for m in plain.modules())
+    deployed = orepa.reparameterize(plain.eval())
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(deployed(x), plain(x), rtol=1e-4, atol=1e-4)
+    assert not any(isinstance(m, orepa.ReparamConv2d) for m in deployed.modules())
+
+
+def test_convert_and_the_zoo_group_their_blocks():
+    torchvision = pytest.importorskip("torchvision")
+    net = orepa.convert(torchvision.models.resnet18(num_classes=10))
+    sizes = sorted(len(g) for g in engine.kernel_groups(net))
+    assert sum(sizes) == sum(isinstance(m, orepa.ReparamConv2d) and m._closed_form for m in net.modules())
+    assert max(sizes) >= 3
+    zoo = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    assert engine.kernel_groups(zoo) and all(g.policy == "auto" for g in engine.kernel_groups(zoo))
+    # "auto" groups on CUDA only: a CPU tensor keeps each block's own (FLOP-chosen) route
+    assert not engine.kernel_groups(zoo)[0].active(torch.zeros(1))
+
+
+def test_a_kernel_is_handed_out_once_and_only_while_its_parameters_are_unchanged():
+    torch.manual_seed(0)
+    a, b = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 4, 3).double()
+    net = nn.Sequential(a, nn.BatchNorm2d(4), b).double()
+    (group,) = engine.group_kernels(net, "grouped")
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    net(x)  # a built both kernels and took its own, b took the other
+    assert not group._pending
+    a(x)  # a alone: builds again, b's fresh kernel waits
+    assert list(group._pending) == [id(b)]
+    with torch.no_grad():
+        b.branches["kxk"].conv.weight.add_(1.0)  # changed after its kernel was built
+    w = group.kernel_of(b)
+    torch.testing.assert_close(w, b.equivalent()[0])  # rebuilt, not the stale pending one
+    # copies drop pending kernels (they hold an autograd graph) and keep their own groups
+    a(x)
+    twin = copy.deepcopy(net)
+    assert not twin[0]._kernel_group._pending and twin[0]._kernel_group.blocks == (twin[0], twin[2])
+
+
+def test_a_block_used_twice_in_one_forward_gets_both_gradients():
+    torch.manual_seed(0)
+    shared, other = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 4, 3).double()
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    grads = []
+    for policy in ("per-block", "grouped"):
+        net = nn.Sequential(shared, other)
+        engine.group_kernels(net, policy)
+        shared.zero_grad(set_to_none=True)
+        other.zero_grad(set_to_none=True)
+        shared(other(shared(x))).sum().backward()
+        grads.append([p.grad.clone() for p in (*shared.parameters(), *other.parameters())])
+    for g0, g1 in zip(*grads):
+        torch.testing.assert_close(g1, g0)
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="policy must be one of"):
+        engine.group_kernels(nn.Sequential(OREPAConv2d(4, 4, 3)), "fast")
+
+
+def test_grouping_cuts_the_dispatched_operators_of_a_train_step():
+    from orepa.apps.bench.measure import count_aten_ops, make_runner
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 10, (4,))
+    counts = {}
+    for policy in ("per-block", "grouped"):
+        r = make_runner("resnet18", "orepa", device=torch.device("cpu"), num_classes=10, kernel_builder=policy)
+        r.step(x, y)
+        counts[policy] = count_aten_ops(lambda r=r: r.step(x, y))
+    assert counts["grouped"] < 0.65 * counts["per-block"], counts
