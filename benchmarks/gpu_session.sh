@@ -52,13 +52,15 @@ compile)
 steps)
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-not compile}" 2>&1 \
         | tee "$R/test_cuda.log"
+    pack  # after each stage: a run cut off by its time limit still returns what it measured
     # the accuracy check: the same seed and data, eager vs the default mode (CUDA graphs where they run)
     for run in "orepa eager --no-cuda-graphs" "orepa default" "base default"; do
         set -- $run
         timeout 120 python3 -m orepa train --method "$1" --epochs 1 --train-subset 25600 -b 256 -j 8 --seed 0 \
             --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --output-dir "/tmp/acc_$1_$2" ${3:-} 2>&1 \
-            | tail -4 | tee "$R/acc_$1_$2.log"
+            | tail -8 | tee "$R/acc_$1_$2.log"
         cp "/tmp/acc_$1_$2/summary.json" "$R/acc_$1_$2.json" 2>/dev/null
+        pack
     done
     # step times, the settings: fp32 (TF32 convs), cudnn.benchmark, SGD momentum, steps interleaved
     for setting in "resnet18 64" "resnet50 64" "resnet18 8"; do
@@ -67,6 +69,7 @@ steps)
             timeout 150 python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
                 --methods base orepa dbb --reps 25 --warmup 5 --no-inference $graphs --output-dir "$R/bench" \
                 --no-plot 2>&1 | tail -12 | tee -a "$R/bench.log"
+            pack
         done
     done
     # the grouped kernel builder's share: the per-block route on the same GPU
