@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
 mkdir -p "$R"
-pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/$phase.tgz" -C "$R" . ; }
+pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/$phase.part" -C "$R" . && mv "$OUT/$phase.part" "$OUT/$phase.tgz"; }
 trap pack EXIT
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
