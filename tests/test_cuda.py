@@ -17,10 +17,12 @@ from orepa.models import create_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-# 8 steps of a quarter-width OREPA ResNet-18 (every online block type incl. the deep stem); lr without
-# warm-up so the steps move the weights; momentum carries a wrong gradient into every later step
+# 8 steps of a quarter-width OREPA ResNet-18 (every online block type incl. the deep stem); momentum
+# carries a wrong gradient into every later step. A small constant lr: these first steps amplify float
+# noise at large rates (2 vs 1 CPU threads alone move lr 0.2's updates by 49%, lr 0.02's by 17%,
+# lr 1e-3's by 0.9%), while a doubled or dropped gradient moves them by O(1) at any rate.
 RUN = ["--model", "resnet18", "--method", "orepa", "--width-mult", "0.25", "--train-subset", "512",
-       "--val-subset", "256", "-b", "64", "--epochs", "1", "--lr", "0.2", "--lr-warmup-epochs", "0",
+       "--val-subset", "256", "-b", "64", "--epochs", "1", "--lr", "1e-3", "--lr-warmup-epochs", "0",
        "--lr-scheduler", "constant", "-j", "0", "--no-progress", "--no-tensorboard", "--seed", "0",
        "--device", "cuda"]
 
@@ -35,8 +37,8 @@ def _run(cache, out, *extra):
 @pytest.mark.parametrize("mode", ["--cuda-graphs", "--compile"])
 def test_fast_mode_steps_follow_eager_steps(mode, cache, tmp_path):
     """Weights, BN statistics and loss after 8 steps of a fast mode equal eager steps' to float noise
-    (cuDNN's atomics, TF32): measured on the weights' *updates*, which a doubled or dropped gradient
-    changes by O(1), while noise changes them by ~1e-3."""
+    (cuDNN's atomics and algorithm choice, TF32): measured on the weights' *updates*, which a doubled
+    or dropped gradient changes by O(1) (the --cuda-graphs defect: 0.8), noise by ~1e-2."""
     start, _ = _run(cache, tmp_path / "start", "--no-cuda-graphs", "--lr", "1e-12")  # the initial weights
     eager, eager_row = _run(cache, tmp_path / "eager", "--no-cuda-graphs")
     fast, fast_row = _run(cache, tmp_path / "fast", mode, *(["--no-cuda-graphs"] if mode == "--compile" else []))
@@ -45,7 +47,7 @@ def test_fast_mode_steps_follow_eager_steps(mode, cache, tmp_path):
     du = torch.cat([(fast[k] - eager[k]).flatten() for k in weights])
     upd = torch.cat([(eager[k] - start[k]).flatten() for k in weights])
     assert upd.norm() > 0
-    assert (du.norm() / upd.norm()).item() < 0.02, f"{mode}: updates differ by {(du.norm() / upd.norm()).item():.3g}"
+    assert (du.norm() / upd.norm()).item() < 0.1, f"{mode}: updates differ by {(du.norm() / upd.norm()).item():.3g}"
     for k in eager:
         if "running_" in k:
             torch.testing.assert_close(fast[k], eager[k], rtol=2e-2, atol=2e-3, msg=f"{mode}: {k}")
