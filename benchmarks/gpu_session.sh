@@ -8,6 +8,8 @@
 #                                        #   Fashion-MNIST, 1 epoch on 25,600 images at batch 256: eager vs the
 #                                        #   default mode), and eager / CUDA-graph step times of base, OREPA and DBB
 #                                        #   (ResNet-18 and ResNet-50 at batch 64, ResNet-18 at batch 8; 224x224)
+#   benchmarks/gpu_session.sh modes      # ~5 min: the tests and step times of "steps" without the accuracy
+#                                        #   check, plus torch.compile'd steps of base and OREPA (ResNet-18 b64)
 #   EPOCHS=N [TRAIN_EXTRA=--cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -15,7 +17,7 @@
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
 # and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh probe|compile|steps|long}
+phase=${1:?usage: gpu_session.sh probe|compile|steps|modes|long}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
@@ -76,6 +78,25 @@ steps)
     timeout 120 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark \
         --methods base orepa --reps 25 --warmup 5 --no-inference --kernel-builder per-block --output-dir "$R/bench" \
         --no-plot 2>&1 | tail -10 | tee -a "$R/bench.log"
+    ;;
+modes)
+    # the step modes side by side after a change: the real-device tests, eager and CUDA-graph steps of
+    # base / OREPA / DBB at the settings, and torch.compile'd steps of base and OREPA (ResNet-18 b64)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not compile" 2>&1 | tail -15 \
+        | tee "$R/test_cuda.log"
+    pack
+    for setting in "resnet18 64" "resnet50 64" "resnet18 8"; do
+        set -- $setting
+        for graphs in "" "--cuda-graphs"; do
+            timeout 120 python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
+                --methods base orepa dbb --reps 25 --warmup 5 --no-inference $graphs --output-dir "$R/bench" \
+                --no-plot 2>&1 | tail -6 | tee -a "$R/bench.log"
+            pack
+        done
+    done
+    timeout 200 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
+        --methods base orepa --reps 20 --warmup 3 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -6 \
+        | tee -a "$R/bench.log"
     ;;
 long)
     epochs=${EPOCHS:?set EPOCHS}

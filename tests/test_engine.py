@@ -45,12 +45,12 @@ def test_grouped_forward_and_gradients_equal_per_block(name):
 def test_squeeze_function_of_a_group_passes_gradcheck():
     torch.manual_seed(0)
     blocks = [OREPAConv2d(3, 4, 3).double() for _ in range(3)]
-    names = blocks[0].names if hasattr(blocks[0], "names") else tuple(blocks[0].branches)
-    params = engine.squeeze_params(blocks, names)
+    plan = engine.Plan(blocks, tuple(blocks[0].branches))
+    params = plan.params()
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn_like(p) * 0.1)  # off the identity/constant initialisation
-    fn = lambda *ps: engine.SqueezeFunction.apply(tuple(blocks), names, *ps)  # noqa: E731
+    fn = lambda *ps: engine.SqueezeFunction.apply(plan, *ps)  # noqa: E731
     assert torch.autograd.gradcheck(fn, params)
     # each output is that block's own kernel
     for blk, w in zip(blocks, fn(*params)):
@@ -91,7 +91,7 @@ def test_a_kernel_is_handed_out_once_and_only_while_its_parameters_are_unchanged
     net(x)  # a built both kernels and took its own, b took the other
     assert not group._pending
     a(x)  # a alone: builds again, b's fresh kernel waits
-    assert list(group._pending) == [id(b)]
+    assert list(group._pending) == [1]  # b's index
     with torch.no_grad():
         b.branches["kxk"].conv.weight.add_(1.0)  # changed after its kernel was built
     w = group.kernel_of(b)

@@ -14,7 +14,7 @@ from torch import nn
 
 import orepa
 from orepa import kernels as K
-from orepa.engine import SqueezeFunction
+from orepa.engine import SqueezeFunction, plan_of
 
 
 def _randomized(block):
@@ -80,7 +80,7 @@ def test_closed_form_squeeze_passes_gradcheck():
     _randomized(block)
     names = tuple(block.branches)
     params = list(block.parameters())
-    assert torch.autograd.gradcheck(lambda *ps: SqueezeFunction.apply((block,), names, *ps), params)
+    assert torch.autograd.gradcheck(lambda *ps: SqueezeFunction.apply(plan_of(block, names), *ps), params)
 
 
 @pytest.mark.parametrize(

@@ -459,6 +459,7 @@ class ReparamConv2d(nn.Module):
         # blocks of this one's construction signature that build their kernels together
         # (engine.group_kernels); a plain attribute, so no state_dict key and no submodule
         self._kernel_group: E.KernelGroup | None = None
+        self._plans: dict[tuple[str, ...], E.Plan] = {}  # branch set -> what squeezing it reads
 
     @staticmethod
     def _last_kernel_index(br: Branch) -> int:
@@ -552,11 +553,11 @@ class ReparamConv2d(nn.Module):
         squeezed, on_features = self._route(x, recompute)
         y = None
         if squeezed:
-            params = E.squeeze_params((self,), squeezed)
+            plan = E.plan_of(self, squeezed)
             if recompute:
-                y = E.RecomputedSqueezeConv.apply(x, self, tuple(squeezed), self.bias, *params)
+                y = E.RecomputedSqueezeConv.apply(x, self, tuple(squeezed), self.bias, *plan.params())
             else:
-                w = E.SqueezeFunction.apply((self,), tuple(squeezed), *params)
+                w = E.SqueezeFunction.apply(plan, *plan.params())
                 y = F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
         for name in on_features:
             z = self.branches[name].run(x, self.stride[0], self.dilation[0])
@@ -594,7 +595,8 @@ class ReparamConv2d(nn.Module):
             if group is not None and group.active(self.bias if self.bias is not None else self._any_param()):
                 w = group.kernel_of(self)
             else:
-                w = E.SqueezeFunction.apply((self,), names, *E.squeeze_params((self,), names))
+                plan = E.plan_of(self, names)
+                w = E.SqueezeFunction.apply(plan, *plan.params())
         else:
             w = E.squeeze((self,), names)
         if cacheable:
