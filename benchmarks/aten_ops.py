@@ -3,7 +3,9 @@
 Each dispatched operator costs the host ~10-20 us on a GPU, so this count bounds an eager
 online block's step time there, on any machine. Counted with a ``TorchDispatchMode`` over one
 train step (zero_grad + forward + cross-entropy + backward + fused SGD) after one warm-up step,
-224x224 inputs (``orepa bench`` reports the same count in its "aten ops / step" column)::
+224x224 inputs (``orepa bench`` reports the same count in its "aten ops / step" column). OREPA is
+counted on both routes of ``orepa.engine``: "grouped" (blocks of one signature build their kernels
+together: what runs on a GPU) and "per-block" (each block its own FLOP-chosen route: a CPU)::
 
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json
 """
@@ -16,11 +18,12 @@ from orepa.apps.bench.measure import count_aten_ops, make_runner
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
     x, y = torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
-    for spec in ("base", "dbb", "orepa"):
-        r = make_runner(model, spec, device=torch.device("cpu"))
+    for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa", "per-block")):
+        key = f"{model} b{b} {spec}" + ("" if spec != "orepa" else f" {builder}")
+        r = make_runner(model, spec, device=torch.device("cpu"), kernel_builder=builder)
         r.step(x, y)
-        out[f"{model} b{b} {spec}"] = count_aten_ops(lambda r=r: r.step(x, y))
-        ratio = out[f"{model} b{b} {spec}"] / out[f"{model} b{b} base"]
-        print(f"{model} batch {b} {spec:6} {out[f'{model} b{b} {spec}']:6d} ops ({ratio:.2f}x base)", flush=True)
+        out[key] = count_aten_ops(lambda r=r: r.step(x, y))
+        ratio = out[key] / out[f"{model} b{b} base"]
+        print(f"{key:32} {out[key]:6d} ops ({ratio:.2f}x base)", flush=True)
 with open("benchmarks/results/aten_ops.json", "w") as f:
     json.dump(out, f, indent=1)

@@ -1,6 +1,7 @@
 """The network-level kernel builder (orepa.engine.group_kernels): blocks of one signature build
 their kernels together and give the per-block route's numbers, state and behaviour."""
 import copy
+import json
 
 import pytest
 import torch
@@ -134,3 +135,18 @@ def test_grouping_cuts_the_dispatched_operators_of_a_train_step():
         r.step(x, y)
         counts[policy] = count_aten_ops(lambda r=r: r.step(x, y))
     assert counts["grouped"] < 0.65 * counts["per-block"], counts
+
+
+def test_train_takes_the_kernel_builder_and_both_routes_train_alike(cache, tmp_path):
+    from orepa.cli import main
+
+    tiny = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32",
+            "-b", "16", "--epochs", "1", "-j", "0", "--no-progress", "--no-tensorboard", "--quiet",
+            "--device", "cpu", "--cache-dir", cache]
+    rows = {}
+    for policy in ("grouped", "per-block"):
+        out = tmp_path / policy
+        assert main(["train", *tiny, "--kernel-builder", policy, "--output-dir", str(out)]) == 0
+        rows[policy] = json.loads((out / "log.jsonl").read_text().splitlines()[-1])
+    assert rows["grouped"]["train_loss"] == pytest.approx(rows["per-block"]["train_loss"], rel=1e-4)
+    assert main(["train", *tiny, "--kernel-builder", "fastest", "--output-dir", str(tmp_path / "bad")]) == 2

@@ -82,6 +82,16 @@ def add_run_arguments(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
         g.add_argument("--seed", type=nonneg_int, default=0, help="random seed (0)")
 
 
+def add_kernel_builder_argument(g) -> None:
+    """``--kernel-builder``: how online blocks build their kernels (:func:`orepa.engine.group_kernels`)."""
+    from orepa.engine import POLICIES
+
+    g.add_argument("--kernel-builder", choices=POLICIES, default="auto",
+                   help="how online blocks build their kernels in training: auto (blocks of one signature together "
+                        "on CUDA, where launches cost more than FLOPs; each block its own FLOP-chosen route on a "
+                        "CPU), grouped (together on any device), per-block (never together: less peak memory)")
+
+
 # --------------------------------------------------------------------------- model building
 
 #: model_cfg keys and their defaults; ``options`` holds the zoo's block options

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..engine import group_kernels
 from .checkpoint import (
     args_dict,
     atomic_write_text,
@@ -56,6 +57,7 @@ from .checkpoint import (
 from .common import (
     DistInfo,
     UserError,
+    add_kernel_builder_argument,
     add_model_arguments,
     add_run_arguments,
     apply_threads,
@@ -125,6 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay forward+backward as CUDA graphs: an online block's eager step is bound by launching "
                         "its many small kernels on fast GPUs. Default: on where it can run (one process on a CUDA "
                         "device, without --compile), with a one-line note where it cannot; --no-cuda-graphs: eager")
+    add_kernel_builder_argument(g)
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
@@ -348,6 +351,7 @@ class Trainer:
 
         seed_everything(args.seed)  # same initial weights on every rank
         model = build_model(self.cfg)
+        group_kernels(model, args.kernel_builder)
         if self.start_weights is not None:
             load_model_state(model, self.start_weights["model"], path=args.resume, built=describe_cfg(self.cfg),
                              saved=describe_cfg(saved_cfg) if saved_cfg else None)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from orepa.engine import POLICIES as KERNEL_BUILDERS
+from orepa.apps.common import add_kernel_builder_argument
 
 from .measure import (
     Runner,
@@ -60,10 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cudnn-benchmark", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: time steps with forward+backward replayed as CUDA graphs (no host launch overhead)")
-    p.add_argument("--kernel-builder", choices=KERNEL_BUILDERS, default="auto",
-                   help="how online blocks build their kernels (orepa.engine.group_kernels): auto groups blocks of "
-                        "one signature on CUDA; grouped does so on any device (the GPU route, e.g. to count its "
-                        "operators on a CPU); per-block never")
+    add_kernel_builder_argument(p)  # grouped: the GPU route on any device, e.g. to count its operators on a CPU
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="time steps of torch.compile'd models (default backend inductor; compiled outside the timing)")
     p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="bench_results",

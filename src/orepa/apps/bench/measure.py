@@ -150,7 +150,9 @@ class Runner:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=True)  # see capture_cuda_graphs: never zeros under graphs
-        loss = F.cross_entropy((self.compiled or self.model)(x), y)
+        # not `compiled or model`: torch.compile's wrapper defines __len__ (raising for non-sequences)
+        model = self.compiled if self.compiled is not None else self.model
+        loss = F.cross_entropy(model(x), y)
         loss.backward()
         self.opt.step()
 
