@@ -10,7 +10,7 @@
 #                                        #   (ResNet-18 and ResNet-50 at batch 64, ResNet-18 at batch 8; 224x224)
 #   benchmarks/gpu_session.sh modes      # ~5 min: the tests and step times of "steps" without the accuracy
 #                                        #   check, plus torch.compile'd steps of base and OREPA (ResNet-18 b64)
-#   EPOCHS=N [TRAIN_EXTRA=--cuda-graphs] benchmarks/gpu_session.sh long
+#   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
 # Fashion-MNIST is read from $OREPA_FASHION_MNIST_DIR (default .gpu/fmnist: the Debian package's .gz files
