@@ -383,12 +383,16 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path):
+@pytest.mark.parametrize("builder", ["per-block", "grouped"])
+def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, builder):
+    """Both kernel-builder routes under DDP; grouped is what torchrun on GPUs runs (no CUDA graphs
+    there): a group's backward makes all its blocks' gradients ready at once, which DDP's buckets
+    must take as they come."""
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa",
            "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
-           "--device", "cpu"]
+           "--device", "cpu", "--kernel-builder", builder]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())

@@ -307,11 +307,13 @@ class RecomputedSqueezeConv(torch.autograd.Function):
 class KernelGroup:
     """Online blocks of one construction signature whose kernels are built together (or one block).
 
-    The first block of the group that asks in a training forward builds every block's kernel
-    (one :class:`SqueezeFunction` over the group); the others take theirs. A kernel is handed out
-    once and only while its block's parameters are unchanged (their version counters), so a block
-    called twice, a forward that stopped halfway or a parameter changed in between rebuilds
-    instead of reusing a stale kernel or a graph already freed by backward.
+    A group builds every block's kernel at once (one :class:`SqueezeFunction`); its blocks take
+    theirs. A kernel is handed out once and only while its block's parameters are unchanged (their
+    version counters), so a block called twice, a forward that stopped halfway or a parameter
+    changed in between rebuilds instead of reusing a stale kernel or a graph already freed by
+    backward. The first miss of a training forward also builds the kernels of every other group
+    of the network (``peers``) that holds none: the whole network's kernels are built while few
+    activations are alive, so the construction's temporaries do not add to the step's peak.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], policy: str = "auto"):
@@ -323,6 +325,7 @@ class KernelGroup:
         self.plan = Plan(self.blocks, self.names)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._pending: dict[int, tuple[tuple, Tensor]] = {}
+        self.peers: list[KernelGroup] = [self]  # the groups of one network (group_kernels sets them)
 
     def __getstate__(self):  # copies and pickles drop kernels that hold an autograd graph
         return {**self.__dict__, "_pending": {}, "_index": None}
@@ -342,20 +345,25 @@ class KernelGroup:
 
     def kernel_of(self, block: nn.Module) -> Tensor:
         i = self._index[id(block)]
-        plan = self.plan
         entry = self._pending.pop(i, None)
-        if entry is not None and entry[0] == plan.versions(i):
+        if entry is not None and entry[0] == self.plan.versions(i):
             return entry[1]
+        self._build()
+        for group in self.peers:
+            if group is not self and not group._pending and group.active(group.plan.params()[0]):
+                group._build()
+        return self._pending.pop(i)[1]
+
+    def _build(self) -> None:
+        plan = self.plan
         params = plan.params()
         ref = params[0]
-        if any(p.device != ref.device or p.dtype != ref.dtype for p in params):
-            one = plan_of(block, self.names)
-            return SqueezeFunction.apply(one, *one.params())
-        kernels = SqueezeFunction.apply(plan, *params)
-        if plan.n == 1:
-            return kernels
-        self._pending = {j: (plan.versions(j), w) for j, w in enumerate(kernels) if j != i}
-        return kernels[i]
+        if all(p.device == ref.device and p.dtype == ref.dtype for p in params):
+            kernels = SqueezeFunction.apply(plan, *params)
+            kernels = (kernels,) if plan.n == 1 else kernels
+        else:  # blocks on several devices or dtypes: each its own
+            kernels = [SqueezeFunction.apply(one, *one.params()) for one in (plan_of(b, self.names) for b in plan.blocks)]
+        self._pending = {j: (plan.versions(j), w) for j, w in enumerate(kernels)}
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -397,6 +405,8 @@ def group_kernels(root: nn.Module, policy: str = "auto") -> list[KernelGroup]:
         for blk in blocks:
             blk._kernel_group = group
         groups.append(group)
+    for group in groups:
+        group.peers = groups
     return groups
 
 
