@@ -17,6 +17,7 @@ import time
 import torch
 from torch import nn
 
+from orepa import engine
 from orepa.blocks import OREPAConv2d
 
 RESNET18_SHAPES = [(64, 64, 1, 56), (64, 128, 2, 56), (128, 128, 1, 28), (128, 256, 2, 28),
@@ -55,16 +56,17 @@ def main(argv=None) -> list[dict]:
             y = m(x)
             y.backward(torch.ones_like(y))
 
-        recompute = block._recompute(x)
+        recompute = engine.needs_recompute(block, x)
         row = {"shape": f"{cin}->{cout} s{stride} {size}x{size}", "conv_ms": _time(lambda: step(conv), args.reps),
-               "orepa_ms": _time(lambda: step(block), args.reps), "on_features": block._route(x, recompute)[1],
+               "orepa_ms": _time(lambda: step(block), args.reps),
+               "on_features": engine.route(block, x, recompute)[1],
                "recompute": recompute, "forced": {}}
         for spec in args.force:
             feat = [n for n in spec.split(",") if n]
             squeezed = [n for n in block.branches if n not in feat]
-            block._route = lambda x, r, s=squeezed, f=feat: (s, f)  # instance override, timing only
+            block._routes[(tuple(x.shape), recompute)] = (squeezed, feat)  # the route memo, pre-filled
             row["forced"][spec or "(none)"] = _time(lambda: step(block), args.reps)
-            del block._route
+            block._routes.clear()
         rows.append(row)
         forced = "  ".join(f"[{k}] {v[0]:.1f}" for k, v in row["forced"].items())
         print(f"{row['shape']:>22}: conv {row['conv_ms'][0]:6.1f} ms  orepa {row['orepa_ms'][0]:6.1f} ms "

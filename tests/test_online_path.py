@@ -13,6 +13,7 @@ from conftest import tol_close
 from torch import nn
 
 import orepa
+from orepa import engine
 from orepa import kernels as K
 from orepa.engine import SqueezeFunction, plan_of
 
@@ -52,26 +53,26 @@ def test_chain_order_choice_depends_on_input_size():
     block = orepa.OREPAConv2d(64, 64, 3)
     small = torch.randn(1, 64, 4, 4)
     large = torch.randn(16, 64, 56, 56)
-    assert "1x1_kxk" in block._route(small, block._recompute(small))[1]
-    squeezed, on_features = block._route(large, block._recompute(large))
+    assert "1x1_kxk" in engine.route(block, small, engine.needs_recompute(block, small))[1]
+    squeezed, on_features = engine.route(block, large, engine.needs_recompute(block, large))
     assert on_features == [] and set(squeezed) == set(block.branches)
-    assert block._recompute(small) and not block._recompute(large)
+    assert engine.needs_recompute(block, small) and not engine.needs_recompute(block, large)
 
 
 def test_chain_order_is_chosen_once_per_input_shape(monkeypatch):
     """The choice depends on shapes only: cached per shape (host time per step), bounded."""
     block = orepa.OREPAConv2d(64, 64, 3)
     calls = []
-    choose = block._choose_route
-    monkeypatch.setattr(block, "_choose_route", lambda shape, r: calls.append(tuple(shape)) or choose(shape, r))
+    choose = engine.choose_route
+    monkeypatch.setattr(engine, "choose_route", lambda b, shape, r: calls.append(tuple(shape)) or choose(b, shape, r))
     small, large = torch.randn(1, 64, 4, 4), torch.randn(16, 64, 56, 56)
-    first = block._route(small, True)
+    first = engine.route(block, small, True)
     first[0].append("mutated by a caller")  # callers get copies
-    assert block._route(small, True) == choose(small.shape, True)
-    block._route(large, False)
+    assert engine.route(block, small, True) == choose(block, small.shape, True)
+    engine.route(block, large, False)
     assert calls == [tuple(small.shape), tuple(large.shape)]
     for n in range(70):
-        block._route(torch.empty(n + 2, 64, 4, 4), True)
+        engine.route(block, torch.empty(n + 2, 64, 4, 4), True)
     assert len(block._routes) <= 64
 
 
@@ -115,7 +116,7 @@ def test_squeeze_keeps_no_intermediate_kernels():
         return t
 
     x = torch.randn(16, 32, 16, 16, requires_grad=True)
-    assert block._route(x, True)[1] == []  # every branch squeezed for this input
+    assert engine.route(block, x, True)[1] == []  # every branch squeezed for this input
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         block(x)
     assert kept == [x.shape]
@@ -235,7 +236,7 @@ def test_block_step_dispatches_few_ops():
 
     block = orepa.OREPAConv2d(64, 64, 3, padding=1, recompute=False)
     x, gy = torch.randn(16, 64, 14, 14), torch.randn(16, 64, 14, 14)
-    assert block._route(x, False) == (list(block.branches), [])
+    assert engine.route(block, x, False) == (list(block.branches), [])
     block(x).backward(gy)
     block.zero_grad(set_to_none=True)
     with CountOps() as ops:
@@ -256,7 +257,7 @@ def test_torch_compile_traces_the_online_path(recompute, n, hw):
     block = _randomized(orepa.OREPAConv2d(8, 8, 3, recompute=recompute))
     x = torch.randn(n, 8, hw, hw, requires_grad=True)
     gy = torch.randn(n, 8, hw, hw)
-    on_features = block._route(x, block._recompute(x))[1]
+    on_features = engine.route(block, x, engine.needs_recompute(block, x))[1]
     assert (on_features == []) if n > 1 else ("1x1_kxk" in on_features)  # all squeezed / some on the map
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(block, backend=counter)

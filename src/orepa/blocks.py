@@ -87,9 +87,6 @@ TORCH_INIT_A = math.sqrt(5)
 #: ``"torch"`` - nn.Conv2d's default ``a=sqrt(5)`` everywhere, Rep-1x1's identity on its first factor
 #: (spread when it narrows). A number ``a`` is the reference scheme with that slope.
 INIT_SCHEMES = ("reference", "torch")
-# Cost of one memory-bound pass over one kernel element, in multiply-adds of a matrix
-# product (CPU: ~0.6 ns per element and pass vs ~0.05 ns per MAC); used by the chain-order choice.
-_ELEMENT_PASS_MACS = 16
 # Largest N*H*W for which a 1x1 step on the feature map runs as one matrix product.
 _GEMM_1X1_MAX_PIXELS = 2048
 
@@ -454,7 +451,7 @@ class ReparamConv2d(nn.Module):
         # engine.SqueezeFunction: nothing but parameters is kept for backward
         self._closed_form = mode == "online" and all(br._fast_groups == groups for br in self.branches.values())
         self._kernel_cache: tuple | None = None
-        self._routes: dict[tuple, tuple[list[str], list[str]]] = {}  # input shape -> chain-order choice
+        self._routes: dict[tuple, tuple[list[str], list[str]]] = {}  # input shape -> route (engine.route)
         self._first_full: dict[tuple[str, ...], str | None] = {}  # branch set -> branch starting the sum
         # blocks of this one's construction signature that build their kernels together
         # (engine.group_kernels); a plain attribute, so no state_dict key and no submodule
@@ -497,75 +494,6 @@ class ReparamConv2d(nn.Module):
         return E.memo(self._first_full, tuple(names), lambda: next(
             (n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1), None))
 
-    def _any_param(self) -> Tensor:
-        return next(iter(next(iter(self.branches.values())).param_list()))
-
-    def _recompute(self, x: Tensor) -> bool:
-        """Rebuild the kernel in backward instead of keeping it (auto: when it outweighs the input)."""
-        if self.recompute != "auto":
-            return bool(self.recompute)
-        w_numel = self.out_channels * (self.in_channels // self.groups) * self.kernel_size[0] ** 2
-        return w_numel > x.numel()
-
-    def _route(self, x: Tensor, recompute: bool) -> tuple[list[str], list[str]]:
-        """Matrix-chain order per branch: squeeze it in kernel space, or run it on the feature map.
-
-        A 1x1 -> kxk branch costs ``C_out k^2 C_mid C_in`` MACs to compose whatever the
-        batch; on the feature map it costs ``N H W`` times its kernels' sizes. Both give
-        the same function (no BN inside), so the cheaper one for this input is taken
-        (small batches and deep layers run such branches on the feature map).
-        Depends on shapes only, so it is computed once per input shape.
-        """
-        squeezed, on_features = E.memo(self._routes, (tuple(x.shape), recompute),
-                                      lambda: self._choose_route(x.shape, recompute))
-        return list(squeezed), list(on_features)
-
-    def _choose_route(self, shape: torch.Size, recompute: bool) -> tuple[list[str], list[str]]:
-        n, _, h, w = shape
-        s = self.stride[0]
-        ho, wo = (h - 1) // s + 1, (w - 1) // s + 1
-        kernel_passes = 4 if recompute else 3  # forward, 2 in backward, (+1 rebuild)
-        squeezed, on_features = [], []
-        for name, br in self.branches.items():
-            steps, _ = br._split()
-            if len(steps) == 2 and isinstance(steps[0], ConvStep) and br._pad_step is not None:
-                a, b = steps
-                first_pixels = n * ho * wo if br._subsample_first else n * h * w
-                feature_macs = first_pixels * a.weight.numel() + n * ho * wo * b.weight.numel()
-                if K.compose_case(a.weight.shape, a.groups, b.weight.shape, b.groups) == "depthwise_after_1x1":
-                    # a per-channel filter after a 1x1 is a broadcast product in kernel space: memory
-                    # bound, about _ELEMENT_PASS_MACS per element and pass (forward, backward, rebuild)
-                    out_numel = a.weight.numel() * b.weight[0].numel()
-                    compose_cost = out_numel * _ELEMENT_PASS_MACS * (kernel_passes - 1)
-                else:
-                    # a matrix product contracting over C_mid / groups; short contractions
-                    # (dw x8 -> pw: 8) run far below peak
-                    contraction = a.out_channels // max(a.groups, b.groups)
-                    compose_cost = kernel_passes * b.weight.numel() * a.weight[0].numel() * 256 / min(256, contraction)
-                if 3 * feature_macs < compose_cost:
-                    on_features.append(name)
-                    continue
-            squeezed.append(name)
-        return squeezed, on_features
-
-    def _online_train_forward(self, x: Tensor) -> Tensor:
-        recompute = self._recompute(x)
-        squeezed, on_features = self._route(x, recompute)
-        y = None
-        if squeezed:
-            plan = E.plan_of(self, squeezed)
-            if recompute:
-                y = E.RecomputedSqueezeConv.apply(x, self, tuple(squeezed), self.bias, *plan.params())
-            else:
-                w = E.SqueezeFunction.apply(plan, *plan.params())
-                y = F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
-        for name in on_features:
-            z = self.branches[name].run(x, self.stride[0], self.dilation[0])
-            y = z if y is None else y + z
-        if not squeezed and self.bias is not None:
-            y = y + self.bias.view(1, -1, 1, 1)
-        return y
-
     def _cache_key(self) -> tuple:
         return tuple((t.data_ptr(), t._version) for t in itertools.chain(self.parameters(), self.buffers()))
 
@@ -591,12 +519,7 @@ class ReparamConv2d(nn.Module):
         if not self._closed_form:
             w = self._fused_parts()[0]
         elif torch.is_grad_enabled():
-            group = self._kernel_group
-            if group is not None and group.active(self.bias if self.bias is not None else self._any_param()):
-                w = group.kernel_of(self)
-            else:
-                plan = E.plan_of(self, names)
-                w = E.SqueezeFunction.apply(plan, *plan.params())
+            w = E.train_kernel(self)
         else:
             w = E.squeeze((self,), names)
         if cacheable:
@@ -614,12 +537,7 @@ class ReparamConv2d(nn.Module):
             )
         if self.mode == "online":
             if self._closed_form and torch.is_grad_enabled():
-                group = self._kernel_group
-                if group is not None and group.active(x):
-                    # the kernel space on a GPU: launches, not FLOPs, decide (see orepa.engine)
-                    return F.conv2d(x, group.kernel_of(self), self.bias, self.stride, self.padding, self.dilation,
-                                    self.groups)
-                return self._online_train_forward(x)
+                return E.train_forward(self, x)  # the engine picks the route
             return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
         out = None
         padded: dict[int, Tensor] = {}  # branches with the same receptive field share one padded input

@@ -6,6 +6,8 @@
 * the closed-form squeeze (:class:`Plan`: ``squeeze`` and its backward ``vjp``): branch
   kernels summed in place, gradients through closed-form vjps, nothing but the operands kept;
 * the autograd Functions around them (:class:`SqueezeFunction`, :class:`RecomputedSqueezeConv`);
+* each block's own route in training (:func:`train_forward`): per branch kernel space or the
+  feature map, whichever costs fewer FLOPs for the input (:func:`route`), and kernel recomputation;
 * the network-level kernel builder (:func:`group_kernels`): blocks of one construction signature
   form a :class:`KernelGroup`, whose kernels are built together once per forward.
 
@@ -32,7 +34,8 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["POLICIES", "KernelGroup", "Plan", "group_kernels", "kernel_groups", "plan_of", "squeeze"]
+__all__ = ["POLICIES", "KernelGroup", "Plan", "choose_route", "group_kernels", "kernel_groups", "needs_recompute",
+           "plan_of", "route", "squeeze", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block")
@@ -299,6 +302,105 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         gx = None if gx is None else gx.to(x.dtype)
         gb = gb.to(w.dtype) if ctx.has_bias else None
         return (gx, None, None, gb, *grads)
+
+
+# --------------------------------------------------------------------------- routes of one block
+
+# Cost of one memory-bound pass over one kernel element, in multiply-adds of a matrix
+# product (CPU: ~0.6 ns per element and pass vs ~0.05 ns per MAC); used by the chain-order choice.
+_ELEMENT_PASS_MACS = 16
+
+
+def train_forward(block: nn.Module, x: Tensor) -> Tensor:
+    """A training (grad-enabled) forward of an online block with closed-form branches.
+
+    In a :class:`KernelGroup` that is active for ``x``'s device (a GPU by default): the group's
+    kernel, a plain conv. Otherwise each block takes its own route: per branch the cheaper
+    matrix-chain order for this input (:func:`route`), the squeezed part optionally rebuilt in
+    backward instead of kept (:func:`needs_recompute`).
+    """
+    group = block._kernel_group
+    if group is not None and group.active(x):
+        # the kernel space on a GPU: launches, not FLOPs, decide
+        return F.conv2d(x, group.kernel_of(block), block.bias, block.stride, block.padding, block.dilation,
+                        block.groups)
+    recompute = needs_recompute(block, x)
+    squeezed, on_features = route(block, x, recompute)
+    y = None
+    if squeezed:
+        plan = plan_of(block, squeezed)
+        if recompute:
+            y = RecomputedSqueezeConv.apply(x, block, tuple(squeezed), block.bias, *plan.params())
+        else:
+            w = SqueezeFunction.apply(plan, *plan.params())
+            y = F.conv2d(x, w, block.bias, block.stride, block.padding, block.dilation, block.groups)
+    for name in on_features:
+        z = block.branches[name].run(x, block.stride[0], block.dilation[0])
+        y = z if y is None else y + z
+    if not squeezed and block.bias is not None:
+        y = y + block.bias.view(1, -1, 1, 1)
+    return y
+
+
+def train_kernel(block: nn.Module) -> Tensor:
+    """The squeezed kernel of a closed-form online block with autograd (a block nested as a step)."""
+    group = block._kernel_group
+    names = tuple(block.branches)
+    plan = plan_of(block, names)
+    if group is not None and group.active(plan.params()[0]):
+        return group.kernel_of(block)
+    return SqueezeFunction.apply(plan, *plan.params())
+
+
+def needs_recompute(block: nn.Module, x: Tensor) -> bool:
+    """Rebuild the kernel in backward instead of keeping it (auto: when it outweighs the input)."""
+    if block.recompute != "auto":
+        return bool(block.recompute)
+    w_numel = block.out_channels * (block.in_channels // block.groups) * block.kernel_size[0] ** 2
+    return w_numel > x.numel()
+
+
+def route(block: nn.Module, x: Tensor, recompute: bool) -> tuple[list[str], list[str]]:
+    """Matrix-chain order per branch: ``(squeezed in kernel space, run on the feature map)``.
+
+    A 1x1 -> kxk branch costs ``C_out k^2 C_mid C_in`` MACs to compose whatever the batch; on the
+    feature map it costs ``N H W`` times its kernels' sizes. Both give the same function (no BN
+    inside), so the cheaper one for this input is taken (small batches and deep layers run such
+    branches on the feature map). Depends on shapes only, so it is computed once per input shape
+    (``block._routes``).
+    """
+    squeezed, on_features = memo(block._routes, (tuple(x.shape), recompute),
+                                 lambda: choose_route(block, x.shape, recompute))
+    return list(squeezed), list(on_features)
+
+
+def choose_route(block: nn.Module, shape: torch.Size, recompute: bool) -> tuple[list[str], list[str]]:
+    n, _, h, w = shape
+    s = block.stride[0]
+    ho, wo = (h - 1) // s + 1, (w - 1) // s + 1
+    kernel_passes = 4 if recompute else 3  # forward, 2 in backward, (+1 rebuild)
+    squeezed, on_features = [], []
+    for name, br in block.branches.items():
+        steps, _ = br._split()
+        if len(steps) == 2 and isinstance(getattr(steps[0], "weight", None), nn.Parameter) and br._pad_step is not None:
+            a, b = steps
+            first_pixels = n * ho * wo if br._subsample_first else n * h * w
+            feature_macs = first_pixels * a.weight.numel() + n * ho * wo * b.weight.numel()
+            if K.compose_case(a.weight.shape, a.groups, b.weight.shape, b.groups) == "depthwise_after_1x1":
+                # a per-channel filter after a 1x1 is a broadcast product in kernel space: memory
+                # bound, about _ELEMENT_PASS_MACS per element and pass (forward, backward, rebuild)
+                out_numel = a.weight.numel() * b.weight[0].numel()
+                compose_cost = out_numel * _ELEMENT_PASS_MACS * (kernel_passes - 1)
+            else:
+                # a matrix product contracting over C_mid / groups; short contractions
+                # (dw x8 -> pw: 8) run far below peak
+                contraction = a.out_channels // max(a.groups, b.groups)
+                compose_cost = kernel_passes * b.weight.numel() * a.weight[0].numel() * 256 / min(256, contraction)
+            if 3 * feature_macs < compose_cost:
+                on_features.append(name)
+                continue
+        squeezed.append(name)
+    return squeezed, on_features
 
 
 # --------------------------------------------------------------------------- network-level builder
