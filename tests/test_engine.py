@@ -150,3 +150,51 @@ def test_train_takes_the_kernel_builder_and_both_routes_train_alike(cache, tmp_p
         rows[policy] = json.loads((out / "log.jsonl").read_text().splitlines()[-1])
     assert rows["grouped"]["train_loss"] == pytest.approx(rows["per-block"]["train_loss"], rel=1e-4)
     assert main(["train", *tiny, "--kernel-builder", "fastest", "--output-dir", str(tmp_path / "bad")]) == 2
+
+
+def test_the_first_block_of_a_forward_builds_every_group_and_checkpointed_blocks_their_own():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    a, b = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 8, 3).double()
+    c = OREPAConv2d(8, 8, 3).double()
+    net = nn.Sequential(a, b, c)
+    groups = engine.group_kernels(net, "grouped")
+    assert len(groups) == 3 and all(g.peers == groups for g in groups)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    a(x)  # a's miss builds b's and c's kernels too
+    assert [sorted(g._pending) for g in groups] == [[], [0], [0]]
+    net(x)  # b and c take theirs; a, whose kernel was taken, builds its group only
+    assert not any(g._pending for g in groups)
+    # in a checkpointed region each block builds its own kernel (the region's recomputation must
+    # save what its first pass saved); its group stops building ahead and drops what it held
+    y = checkpoint(lambda t: c(b(t)), a(x), use_reentrant=False)
+    y.sum().backward()
+    assert not any(g._pending for g in groups) and [g.prebuild for g in groups] == [True, False, False]
+    a(x)
+    assert [sorted(g._pending) for g in groups] == [[], [], []]
+    ref = copy.deepcopy(net)
+    engine.group_kernels(ref, "per-block")
+    x2 = x.detach().requires_grad_()
+    ref[2](ref[1](ref[0](x2))).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_regions_of_one_group_give_the_per_block_gradients(reentrant):
+    """One group spanning a plain block and a checkpointed region: the region's blocks build their
+    own kernels (a reentrant checkpoint's own backward must not run the group's shared node, which
+    the plain block still needs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[OREPAConv2d(4, 4, 3) for _ in range(3)]).double()
+    ref = copy.deepcopy(net)
+    engine.group_kernels(net, "grouped")
+    engine.group_kernels(ref, "per-block")
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    for m in (net, ref):
+        checkpoint(lambda t, m=m: m[2](m[1](t)), m[0](x), use_reentrant=reentrant).sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -311,6 +311,27 @@ class RecomputedSqueezeConv(torch.autograd.Function):
 _ELEMENT_PASS_MACS = 16
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass or under saved-tensor hooks: activation
+    checkpointing (its recomputation must save exactly what its first pass saved; a reentrant
+    one runs its own backward, which must not reach a group's shared node) or offloading. There
+    each block builds its own kernel in its own forward."""
+    if torch._C._current_graph_task_id() != -1:
+        return True
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+def _grouped(block: nn.Module, ref: Tensor) -> KernelGroup | None:
+    group = block._kernel_group
+    if group is None or not group.active(ref):
+        return None
+    if _recomputing():
+        group.decline()
+        return None
+    return group
+
+
 def train_forward(block: nn.Module, x: Tensor) -> Tensor:
     """A training (grad-enabled) forward of an online block with closed-form branches.
 
@@ -319,8 +340,8 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
     matrix-chain order for this input (:func:`route`), the squeezed part optionally rebuilt in
     backward instead of kept (:func:`needs_recompute`).
     """
-    group = block._kernel_group
-    if group is not None and group.active(x):
+    group = _grouped(block, x)
+    if group is not None:
         # the kernel space on a GPU: launches, not FLOPs, decide
         return F.conv2d(x, group.kernel_of(block), block.bias, block.stride, block.padding, block.dilation,
                         block.groups)
@@ -344,10 +365,10 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
 
 def train_kernel(block: nn.Module) -> Tensor:
     """The squeezed kernel of a closed-form online block with autograd (a block nested as a step)."""
-    group = block._kernel_group
     names = tuple(block.branches)
     plan = plan_of(block, names)
-    if group is not None and group.active(plan.params()[0]):
+    group = _grouped(block, plan.params()[0])
+    if group is not None:
         return group.kernel_of(block)
     return SqueezeFunction.apply(plan, *plan.params())
 
@@ -428,6 +449,7 @@ class KernelGroup:
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._pending: dict[int, tuple[tuple, Tensor]] = {}
         self.peers: list[KernelGroup] = [self]  # the groups of one network (group_kernels sets them)
+        self.prebuild = True  # built by a peer's first miss; off once a block declined a kernel
 
     def __getstate__(self):  # copies and pickles drop kernels that hold an autograd graph
         return {**self.__dict__, "_pending": {}, "_index": None}
@@ -452,9 +474,15 @@ class KernelGroup:
             return entry[1]
         self._build()
         for group in self.peers:
-            if group is not self and not group._pending and group.active(group.plan.params()[0]):
+            if group is not self and group.prebuild and not group._pending and group.active(group.plan.params()[0]):
                 group._build()
         return self._pending.pop(i)[1]
+
+    def decline(self) -> None:
+        """A block of this group builds its own kernel (inside a checkpointed region): building
+        this group's kernels ahead would only hold memory."""
+        self.prebuild = False
+        self._pending = {}
 
     def _build(self) -> None:
         plan = self.plan
