@@ -9,7 +9,8 @@
 * each block's own route in training (:func:`train_forward`): per branch kernel space or the
   feature map, whichever costs fewer FLOPs for the input (:func:`route`), and kernel recomputation;
 * the network-level kernel builder (:func:`group_kernels`): blocks of one construction signature
-  form a :class:`KernelGroup`, whose kernels are built together once per forward.
+  form a :class:`KernelGroup`, whose kernels are built together once per forward, every group's
+  at the forward's first online block.
 
 Grouping rests on one identity: ``B`` blocks of the same signature, their operands concatenated
 along the output channels and their groups multiplied by ``B``, are ONE block whose kernel is the
@@ -19,13 +20,13 @@ written for a list of blocks and a single block is the case ``B = 1``: one mecha
 Why group: on a GPU an eager online step is bound by the host issuing hundreds of tiny
 kernel-construction ops (~10-20 us each), not by their FLOPs; a group builds ``B`` kernels with
 the ops of one. On a CPU the FLOPs decide, and each block's own route (feature map vs kernel
-space, kernel recomputation; see ``ReparamConv2d._route``) is kept. The policy says which:
+space, kernel recomputation; :func:`route`) is kept. The policy says which:
 ``"auto"`` groups where the block's tensors are on a CUDA device, ``"grouped"`` everywhere,
 ``"per-block"`` nowhere.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -108,19 +109,14 @@ class Plan:
 
     def params(self) -> list[Tensor]:
         """The parameters read, in ``parameters()`` order per block: the order of :meth:`vjp`'s gradients."""
-        out = []
-        for b in range(self.n):
-            for br in self.branches:
-                out.extend(_weight(st[b]) for st, learn in zip(br.steps, br.learnable) if learn)
-                if br.scales is not None:
-                    out.append(br.scales[b]._parameters["weight"])
-        return out
+        return [p for b in range(self.n) for p in self.params_of(b)]
 
     def versions(self, b: int) -> tuple:
         """Version counters of block ``b``'s parameters (they change with every in-place update)."""
         return tuple(p._version for p in self.params_of(b))
 
     def params_of(self, b: int) -> list[Tensor]:
+        """Block ``b``'s parameters: per branch its learnable kernel steps, then its scale."""
         out = []
         for br in self.branches:
             out.extend(_weight(st[b]) for st, learn in zip(br.steps, br.learnable) if learn)
@@ -550,5 +546,3 @@ def kernel_groups(root: nn.Module) -> list[KernelGroup]:
     return list(seen.values())
 
 
-def block_count(groups: Iterable[KernelGroup]) -> int:
-    return sum(len(g) for g in groups)
