@@ -10,7 +10,8 @@ a dict of :class:`Branch` es, each a sequence of *steps*:
 The SAME declaration runs in one of two modes, fixed at construction:
 
 * ``online``: every forward squeezes all branches into one kernel with
-  :mod:`orepa.kernels` and runs a single convolution (OREPA). Branches may
+  :mod:`orepa.kernels` and runs a single convolution (OREPA); in training :mod:`orepa.engine`
+  executes it (closed-form backward, routes, blocks of one signature built together). Branches may
   hold scales but no BN; the block is meant to be followed by a BatchNorm2d,
   the post-addition norm (without it the paper's training diverges).
 * ``offline``: every branch runs on the feature map and the outputs are summed
@@ -486,7 +487,7 @@ class ReparamConv2d(nn.Module):
             b = self.bias if b is None else b + self.bias
         return w, b
 
-    # ---- online path: closed-form squeeze, kernel recomputation, chain order
+    # ---- online path (executed by orepa.engine: squeeze, routes, recomputation, grouping)
 
     def _first_full_branch(self, names: Sequence[str]) -> str | None:
         """The branch whose fresh kernel starts the sum (a full-size single kernel)."""
