@@ -111,6 +111,10 @@ class Plan:
         """The parameters read, in ``parameters()`` order per block: the order of :meth:`vjp`'s gradients."""
         return [p for b in range(self.n) for p in self.params_of(b)]
 
+    def ref(self) -> Tensor:
+        """A parameter of the first block: where (device) and how (dtype) the plan computes."""
+        return self.params_of(0)[0]
+
     def versions(self, b: int) -> tuple:
         """Version counters of block ``b``'s parameters (they change with every in-place update)."""
         return tuple(p._version for p in self.params_of(b))
@@ -137,14 +141,14 @@ class Plan:
             out.append(([Operand(*a) for a in zip(ts, br.groups, br.learnable, br.shared)], s))
         return out
 
-    def squeeze(self, ops=None) -> Tensor:
+    def squeeze(self) -> Tensor:
         """Summed kernels of the named branches of the blocks, concatenated along the output
         channels: ``[B * C_out, C_in / groups, k, k]``. Call without grad.
 
         A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every other branch
         is added into its centred window with its scale fused in.
         """
-        ops = ops or self.operands()
+        ops = self.operands()
         out = None
         for br, (ks, s) in zip(self.branches, ops):
             if br.name == self.first:
@@ -159,9 +163,9 @@ class Plan:
                 _add_into(out[:, :, lo:hi, lo:hi], ks, s)
         return out
 
-    def vjp(self, grad: Tensor, ops=None) -> list[Tensor]:
+    def vjp(self, grad: Tensor) -> list[Tensor]:
         """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order."""
-        ops = ops or self.operands()
+        ops = self.operands()
         n = self.n
         per_branch = []
         for br, (ks, s) in zip(self.branches, ops):
@@ -361,9 +365,8 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
 
 def train_kernel(block: nn.Module) -> Tensor:
     """The squeezed kernel of a closed-form online block with autograd (a block nested as a step)."""
-    names = tuple(block.branches)
-    plan = plan_of(block, names)
-    group = _grouped(block, plan.params()[0])
+    plan = plan_of(block, tuple(block.branches))
+    group = _grouped(block, plan.ref())
     if group is not None:
         return group.kernel_of(block)
     return SqueezeFunction.apply(plan, *plan.params())
@@ -470,7 +473,7 @@ class KernelGroup:
             return entry[1]
         self._build()
         for group in self.peers:
-            if group is not self and group.prebuild and not group._pending and group.active(group.plan.params()[0]):
+            if group is not self and group.prebuild and not group._pending and group.active(group.plan.ref()):
                 group._build()
         return self._pending.pop(i)[1]
 
@@ -488,8 +491,10 @@ class KernelGroup:
             kernels = SqueezeFunction.apply(plan, *params)
             kernels = (kernels,) if plan.n == 1 else kernels
         else:  # blocks on several devices or dtypes: each its own
-            kernels = [SqueezeFunction.apply(one, *one.params()) for one in (plan_of(b, self.names) for b in plan.blocks)]
-        self._pending = {j: (plan.versions(j), w) for j, w in enumerate(kernels)}
+            kernels = [SqueezeFunction.apply(one, *one.params())
+                       for one in (plan_of(b, self.names) for b in plan.blocks)]
+        m = len(params) // plan.n  # params are block-major: block j's are params[j*m:(j+1)*m]
+        self._pending = {j: (tuple(p._version for p in params[j * m:(j + 1) * m]), w) for j, w in enumerate(kernels)}
 
 
 def _signature(block: nn.Module) -> tuple:
