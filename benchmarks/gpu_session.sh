@@ -22,6 +22,26 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
 mkdir -p "$R"
+# tests/test_cuda.py without the compile comparison (minutes of compilation); $1: its time limit
+cuda_tests() {
+    timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-not compile}" 2>&1 \
+        | tail -15 | tee "$R/test_cuda.log"
+    pack  # after each stage: a run cut off by its time limit still returns what it measured
+}
+# eager and CUDA-graph step times of base / OREPA / DBB at the settings: fp32 (TF32 convs),
+# cudnn.benchmark, SGD momentum, steps interleaved; $1: the time limit of each bench
+step_times() {
+    local setting graphs
+    for setting in "resnet18 64" "resnet50 64" "resnet18 8"; do
+        set -- "$1" $setting
+        for graphs in "" "--cuda-graphs"; do
+            timeout "$1" python3 -m orepa bench -m "$2" -b "$3" --image-size 224 --device cuda --cudnn-benchmark \
+                --methods base orepa dbb --reps 25 --warmup 5 --no-inference $graphs --output-dir "$R/bench" \
+                --no-plot 2>&1 | tail -6 | tee -a "$R/bench.log"
+            pack
+        done
+    done
+}
 pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/$phase.part" -C "$R" . && mv "$OUT/$phase.part" "$OUT/$phase.tgz"; }
 trap pack EXIT
 
@@ -52,9 +72,7 @@ compile)
     done
     ;;
 steps)
-    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-not compile}" 2>&1 \
-        | tee "$R/test_cuda.log"
-    pack  # after each stage: a run cut off by its time limit still returns what it measured
+    cuda_tests 240
     # the accuracy check: the same seed and data, eager vs the default mode (CUDA graphs where they run)
     for run in "orepa eager --no-cuda-graphs" "orepa default" "base default"; do
         set -- $run
@@ -64,16 +82,7 @@ steps)
         cp "/tmp/acc_$1_$2/summary.json" "$R/acc_$1_$2.json" 2>/dev/null
         pack
     done
-    # step times, the settings: fp32 (TF32 convs), cudnn.benchmark, SGD momentum, steps interleaved
-    for setting in "resnet18 64" "resnet50 64" "resnet18 8"; do
-        set -- $setting
-        for graphs in "" "--cuda-graphs"; do
-            timeout 150 python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
-                --methods base orepa dbb --reps 25 --warmup 5 --no-inference $graphs --output-dir "$R/bench" \
-                --no-plot 2>&1 | tail -12 | tee -a "$R/bench.log"
-            pack
-        done
-    done
+    step_times 150
     # the grouped kernel builder's share: the per-block route on the same GPU
     timeout 120 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark \
         --methods base orepa --reps 25 --warmup 5 --no-inference --kernel-builder per-block --output-dir "$R/bench" \
@@ -82,18 +91,8 @@ steps)
 modes)
     # the step modes side by side after a change: the real-device tests, eager and CUDA-graph steps of
     # base / OREPA / DBB at the settings, and torch.compile'd steps of base and OREPA (ResNet-18 b64)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "not compile" 2>&1 | tail -15 \
-        | tee "$R/test_cuda.log"
-    pack
-    for setting in "resnet18 64" "resnet50 64" "resnet18 8"; do
-        set -- $setting
-        for graphs in "" "--cuda-graphs"; do
-            timeout 120 python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
-                --methods base orepa dbb --reps 25 --warmup 5 --no-inference $graphs --output-dir "$R/bench" \
-                --no-plot 2>&1 | tail -6 | tee -a "$R/bench.log"
-            pack
-        done
-    done
+    cuda_tests 150
+    step_times 120
     timeout 200 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
         --methods base orepa --reps 20 --warmup 3 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -6 \
         | tee -a "$R/bench.log"
