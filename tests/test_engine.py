@@ -51,7 +51,7 @@ def test_squeeze_function_of_a_group_passes_gradcheck():
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn_like(p) * 0.1)  # off the identity/constant initialisation
-    fn = lambda *ps: engine.SqueezeFunction.apply(plan, *ps)  # noqa: E731
+    fn = lambda *ps: engine.SqueezeFunction.apply(plan, None, *ps)  # noqa: E731
     assert torch.autograd.gradcheck(fn, params)
     # each output is that block's own kernel
     for blk, w in zip(blocks, fn(*params)):
@@ -198,3 +198,83 @@ def test_checkpointed_regions_of_one_group_give_the_per_block_gradients(reentran
         checkpoint(lambda t, m=m: m[2](m[1](t)), m[0](x), use_reentrant=reentrant).sum().backward()
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def _storages(group):
+    """Per role, the distinct storages the group's blocks' tensors live in."""
+    roles = [group.plan.tensors_of(b) for b in range(len(group))]
+    return [{t.untyped_storage().data_ptr() for t in ts} for ts in zip(*roles)]
+
+
+def test_a_group_keeps_its_blocks_tensors_in_one_storage_and_trains_as_the_per_block_route():
+    """A group's first build stacks its blocks' operands into one tensor per role, of which the
+    parameters become views: later builds concatenate nothing, the optimizer's in-place updates
+    reach them, and state_dict, parameter identities and values are those of the per-block route."""
+    ref, grouped = _pair()
+    group = max(engine.kernel_groups(grouped), key=len)
+    names_before = {n: id(p) for n, p in grouped.named_parameters()}
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ref, grouped)]
+    for _ in range(3):
+        for m, opt in zip((ref, grouped), opts):
+            opt.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            opt.step()
+    assert all(len(s) == 1 for s in _storages(group))  # every role: one storage for all its blocks
+    assert {n: id(p) for n, p in grouped.named_parameters()} == names_before
+    sd0, sd1 = ref.state_dict(), grouped.state_dict()
+    assert sd0.keys() == sd1.keys()
+    for k in sd0:  # train-mode BNs over 2 images amplify the routes' rounding (float64: ~1e-8 here)
+        torch.testing.assert_close(sd1[k], sd0[k], rtol=1e-6, atol=1e-7, msg=k)
+    # the views' addresses are checked each build: nothing is concatenated again
+    from orepa.apps.bench.measure import count_aten_ops
+    kept = [s.data_ptr() for s in group._storage]
+    count_aten_ops(lambda: grouped(x))
+    assert [s.data_ptr() for s in group._storage] == kept
+
+
+@pytest.mark.parametrize("change", ["to", "load_assign", "replace", "deepcopy"])
+def test_a_group_remakes_its_storage_when_its_tensors_move(change):
+    ref, grouped = _pair()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    grouped(x)  # the storage is made
+    if change == "to":
+        grouped.float().double()  # new tensors for every parameter and buffer
+    elif change == "load_assign":
+        grouped.load_state_dict({k: v.clone() for k, v in ref.state_dict().items()}, assign=True)
+    elif change == "replace":
+        blk = next(m for m in grouped.modules() if isinstance(m, OREPAConv2d) and m._kernel_group
+                   and len(m._kernel_group) > 1)
+        w = blk.branches["kxk"].conv.weight
+        blk.branches["kxk"].conv.weight = nn.Parameter(w.detach() * 2)
+        ref_blk = dict(ref.named_modules())[next(n for n, m in grouped.named_modules() if m is blk)]
+        with torch.no_grad():
+            ref_blk.branches["kxk"].conv.weight.mul_(2)
+    elif change == "deepcopy":
+        twin = copy.deepcopy(grouped)
+        assert all(g._storage is None for g in engine.kernel_groups(twin))
+        twin(x)
+        for g0, g1 in zip(engine.kernel_groups(grouped), engine.kernel_groups(twin)):
+            if len(g0) > 1:  # the copy's storage is its own
+                assert {s.untyped_storage().data_ptr() for s in g0._storage}.isdisjoint(
+                    s.untyped_storage().data_ptr() for s in g1._storage)
+        grouped = twin
+    y0, g0 = _grads(ref, x)
+    y1, g1 = _grads(grouped, x)
+    torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-10, msg=k)
+    assert all(len(s) == 1 for g in engine.kernel_groups(grouped) for s in _storages(g))
+
+
+def test_a_grouped_models_state_dict_saves_and_loads_as_separate_tensors(tmp_path):
+    ref, grouped = _pair()
+    grouped(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    sd = grouped.state_dict()
+    torch.save(sd, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    st = pytest.importorskip("safetensors.torch", reason="safetensors is not installed")
+    st.save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "m.safetensors"))
+    back = st.load_file(str(tmp_path / "m.safetensors"))
+    assert all(torch.equal(back[k], sd[k]) for k in sd)

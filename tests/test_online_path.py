@@ -81,7 +81,7 @@ def test_closed_form_squeeze_passes_gradcheck():
     _randomized(block)
     names = tuple(block.branches)
     params = list(block.parameters())
-    assert torch.autograd.gradcheck(lambda *ps: SqueezeFunction.apply(plan_of(block, names), *ps), params)
+    assert torch.autograd.gradcheck(lambda *ps: SqueezeFunction.apply(plan_of(block, names), None, *ps), params)
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ space, kernel recomputation; :func:`route`) is kept. The policy says which:
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -111,6 +112,16 @@ class Plan:
         """The parameters read, in ``parameters()`` order per block: the order of :meth:`vjp`'s gradients."""
         return [p for b in range(self.n) for p in self.params_of(b)]
 
+    def tensors_of(self, b: int) -> list[Tensor]:
+        """Block ``b``'s operand tensors, one per *role*: per branch every kernel step's weight
+        (learnable or fixed), then its scale. :meth:`params_of` is the learnable subset, in order."""
+        out = []
+        for br in self.branches:
+            out.extend(_weight(st[b]) for st in br.steps)
+            if br.scales is not None:
+                out.append(br.scales[b]._parameters["weight"])
+        return out
+
     def ref(self) -> Tensor:
         """A parameter of the first block: where (device) and how (dtype) the plan computes."""
         return self.params_of(0)[0]
@@ -128,27 +139,37 @@ class Plan:
                 out.append(br.scales[b]._parameters["weight"])
         return out
 
-    def operands(self) -> list[tuple[list[Operand], Tensor | None]]:
-        """Per branch: its kernel steps and scale over the blocks, concatenated along dim 0."""
+    def operands(self, stacked: Sequence[Tensor] | None = None) -> list[tuple[list[Operand], Tensor | None]]:
+        """Per branch: its kernel steps and scale over the blocks, concatenated along dim 0.
+
+        ``stacked``: those concatenations already made, one per role (:meth:`tensors_of`'s order;
+        a :class:`KernelGroup`'s storage, of which the blocks' tensors are views)."""
         one = self.n == 1
+        roles = iter(stacked) if stacked is not None else None
         out = []
         for br in self.branches:
-            ts = [_weight(st[0]) if one else torch.cat([_weight(m) for m in st]) for st in br.steps]
+            if roles is not None:
+                ts = [next(roles) for _ in br.steps]
+            else:
+                ts = [_weight(st[0]) if one else torch.cat([_weight(m) for m in st]) for st in br.steps]
             s = None
             if br.scales is not None:
-                s = br.scales[0]._parameters["weight"] if one else torch.cat(
-                    [m._parameters["weight"] for m in br.scales])
+                if roles is not None:
+                    s = next(roles)
+                else:
+                    s = br.scales[0]._parameters["weight"] if one else torch.cat(
+                        [m._parameters["weight"] for m in br.scales])
             out.append(([Operand(*a) for a in zip(ts, br.groups, br.learnable, br.shared)], s))
         return out
 
-    def squeeze(self) -> Tensor:
+    def squeeze(self, stacked: Sequence[Tensor] | None = None) -> Tensor:
         """Summed kernels of the named branches of the blocks, concatenated along the output
         channels: ``[B * C_out, C_in / groups, k, k]``. Call without grad.
 
         A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every other branch
         is added into its centred window with its scale fused in.
         """
-        ops = self.operands()
+        ops = self.operands(stacked)
         out = None
         for br, (ks, s) in zip(self.branches, ops):
             if br.name == self.first:
@@ -159,18 +180,21 @@ class Plan:
             out = ops[0][0][0].kernel.new_zeros(self.n * o, i, k, k)
         for br, (ks, s) in zip(self.branches, ops):
             if br.name != self.first:
-                lo, hi = br.window
-                _add_into(out[:, :, lo:hi, lo:hi], ks, s)
+                _add_into(self._window(out, br), ks, s)
         return out
 
-    def vjp(self, grad: Tensor) -> list[Tensor]:
+    def _window(self, kernel: Tensor, br: _Branch) -> Tensor:
+        """The branch's centred window of a kernel (no view op when it is the whole kernel)."""
+        lo, hi = br.window
+        return kernel if hi - lo == self.kernel_shape[-1] else kernel[:, :, lo:hi, lo:hi]
+
+    def vjp(self, grad: Tensor, stacked: Sequence[Tensor] | None = None) -> list[Tensor]:
         """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order."""
-        ops = self.operands()
+        ops = self.operands(stacked)
         n = self.n
         per_branch = []
         for br, (ks, s) in zip(self.branches, ops):
-            lo, hi = br.window
-            grads = _kernel_vjp(ks, s, br.scalar, grad[:, :, lo:hi, lo:hi])
+            grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br))
             # learnable operands in the branch's parameters() order: its conv steps, then its scale
             per_branch.append([(g.split(g.shape[0] // n) if n > 1 else (g,)) for g in grads if g is not None])
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
@@ -188,7 +212,7 @@ def _add_into(out: Tensor, ks: list[Operand], s: Tensor | None) -> None:
         if s is None:
             out.add_(ks[0].kernel)
         else:
-            out.addcmul_(ks[0].kernel, s.reshape(-1, 1, 1, 1))
+            out.addcmul_(ks[0].kernel, K.channel_column(s))
         return
     K.compose_into(out, ks[0].kernel, ks[0].groups, ks[1].kernel, ks[1].groups, s)
 
@@ -250,9 +274,9 @@ class SqueezeFunction(torch.autograd.Function):
     but the operands is kept (for one block, the parameters themselves)."""
 
     @staticmethod
-    def forward(ctx, plan: Plan, *params: Tensor):
-        w = plan.squeeze()
-        ctx.plan = plan
+    def forward(ctx, plan: Plan, stacked: Sequence[Tensor] | None, *params: Tensor):
+        w = plan.squeeze(stacked)
+        ctx.plan, ctx.stacked = plan, stacked
         # the parameters are kept (no memory) and the group's operands concatenated again in
         # backward: keeping the concatenations instead saves ~16 ops per group but holds a copy of
         # every online parameter through the step (measured on an H100, ResNet-18 at batch 64:
@@ -266,7 +290,7 @@ class SqueezeFunction(torch.autograd.Function):
         ref = ctx.saved_tensors[0]
         grad = grads[0] if plan.n == 1 else torch.cat(
             [g if g is not None else ref.new_zeros(plan.kernel_shape) for g in grads])
-        return (None, *plan.vjp(grad))
+        return (None, None, *plan.vjp(grad, ctx.stacked))
 
 
 class RecomputedSqueezeConv(torch.autograd.Function):
@@ -353,7 +377,7 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
         if recompute:
             y = RecomputedSqueezeConv.apply(x, block, tuple(squeezed), block.bias, *plan.params())
         else:
-            w = SqueezeFunction.apply(plan, *plan.params())
+            w = SqueezeFunction.apply(plan, None, *plan.params())
             y = F.conv2d(x, w, block.bias, block.stride, block.padding, block.dilation, block.groups)
     for name in on_features:
         z = block.branches[name].run(x, block.stride[0], block.dilation[0])
@@ -369,7 +393,7 @@ def train_kernel(block: nn.Module) -> Tensor:
     group = _grouped(block, plan.ref())
     if group is not None:
         return group.kernel_of(block)
-    return SqueezeFunction.apply(plan, *plan.params())
+    return SqueezeFunction.apply(plan, None, *plan.params())
 
 
 def needs_recompute(block: nn.Module, x: Tensor) -> bool:
@@ -449,9 +473,16 @@ class KernelGroup:
         self._pending: dict[int, tuple[tuple, Tensor]] = {}
         self.peers: list[KernelGroup] = [self]  # the groups of one network (group_kernels sets them)
         self.prebuild = True  # built by a peer's first miss; off once a block declined a kernel
+        # per role (Plan.tensors_of), which of its tensors are parameters; and the storage the
+        # blocks' tensors are views of (made at the first build, see _stacked) with their addresses
+        self._learnable = [isinstance(t, nn.Parameter) for t in self.plan.tensors_of(0)]
+        self._storage: list[Tensor] | None = None
+        self._addresses: tuple[int, ...] = ()
 
-    def __getstate__(self):  # copies and pickles drop kernels that hold an autograd graph
-        return {**self.__dict__, "_pending": {}, "_index": None}
+    def __getstate__(self):
+        # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
+        # tensors are remade into storage of their own at its first build
+        return {**self.__dict__, "_pending": {}, "_index": None, "_storage": None, "_addresses": ()}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -485,16 +516,49 @@ class KernelGroup:
 
     def _build(self) -> None:
         plan = self.plan
-        params = plan.params()
-        ref = params[0]
-        if all(p.device == ref.device and p.dtype == ref.dtype for p in params):
-            kernels = SqueezeFunction.apply(plan, *params)
+        tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]  # block-major, every role
+        params = [t for t, learnable in zip(tensors, itertools.cycle(self._learnable)) if learnable]
+        ref = tensors[0]
+        if all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
+            stacked = self._stacked(tensors)
+            kernels = SqueezeFunction.apply(plan, stacked, *params)
             kernels = (kernels,) if plan.n == 1 else kernels
         else:  # blocks on several devices or dtypes: each its own
-            kernels = [SqueezeFunction.apply(one, *one.params())
+            kernels = [SqueezeFunction.apply(one, None, *one.params())
                        for one in (plan_of(b, self.names) for b in plan.blocks)]
         m = len(params) // plan.n  # params are block-major: block j's are params[j*m:(j+1)*m]
         self._pending = {j: (tuple(p._version for p in params[j * m:(j + 1) * m]), w) for j, w in enumerate(kernels)}
+
+    def _stacked(self, tensors: list[Tensor]) -> list[Tensor] | None:
+        """Per role, the blocks' tensors as one tensor concatenated along dim 0, of which they are
+        views: the group's *storage*, made once, so no build concatenates its operands again.
+
+        The parameters stay the blocks' own ``nn.Parameter`` s (state_dict, optimizer, DDP and
+        ``convert`` see nothing new); only their ``.data`` points into the storage. Whatever breaks
+        that (``.to()``, ``load_state_dict(assign=True)``, a replaced parameter) is seen here by
+        the tensors' addresses and the storage is made again from their values. Inside a CUDA graph
+        capture it is not remade (a captured concatenation reads the tensors as they are at replay)
+        and None is returned: the operands are concatenated as without storage.
+        """
+        if self._storage is not None and self._storage[0].device == tensors[0].device and all(
+                t.data_ptr() == ptr for t, ptr in zip(tensors, self._addresses)):
+            return self._storage
+        n = self.plan.n
+        if n > 1 and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        roles = len(tensors) // n
+        with torch.no_grad():
+            if n == 1:  # one block: its own tensors are the storage
+                storage = [t.detach() for t in tensors]
+            else:
+                storage = [torch.cat([t.detach() for t in tensors[r::roles]]) for r in range(roles)]
+                for r, stack in enumerate(storage):
+                    for t, view in zip(tensors[r::roles], stack.split(tensors[r].shape[0])):
+                        t.data = view
+        # scales kept as [B * C_out, 1, 1, 1] views: they broadcast over kernels with no view op per use
+        self._storage = [K.channel_column(s) if s.dim() == 1 else s for s in storage]
+        self._addresses = tuple(t.data_ptr() for t in tensors)
+        return self._storage
 
 
 def _signature(block: nn.Module) -> tuple:

@@ -24,6 +24,7 @@ __all__ = [
     "freq_prior_kernel",
     "identity_init_1x1",
     "tiled_identity_1x1",
+    "channel_column",
     "scale_channels",
     "rowdot",
     "expand_groups",
@@ -125,9 +126,16 @@ def freq_prior_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tens
     return out.unsqueeze(1).to(dtype=dtype or torch.get_default_dtype(), device=device)
 
 
+def channel_column(scale: Tensor) -> Tensor:
+    """A per-output-channel vector ``[C]`` as ``[C, 1, 1, 1]``, broadcasting over a kernel (a
+    scale already in that shape is returned as is: no view op)."""
+    return scale if scale.dim() == 4 else scale.reshape(-1, 1, 1, 1)
+
+
 def scale_channels(weight: Tensor, scale: Tensor) -> Tensor:
-    """Per-output-channel scaling layer folded into a kernel (scalar broadcasts)."""
-    return weight * scale.reshape(-1, 1, 1, 1)
+    """Per-output-channel scaling layer folded into a kernel (scalar broadcasts); ``scale`` is
+    ``[C]`` or already ``[C, 1, 1, 1]``."""
+    return weight * channel_column(scale)
 
 
 def rowdot(a: Tensor, b: Tensor) -> Tensor:
@@ -350,7 +358,7 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
     if scale is None:
         out.add_(composed)
     else:
-        out.addcmul_(composed, scale.reshape(-1, 1, 1, 1))
+        out.addcmul_(composed, channel_column(scale))
 
 
 def bias_through(w: Tensor, groups: int, bias: Tensor) -> Tensor:
