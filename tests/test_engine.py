@@ -83,6 +83,28 @@ def test_convert_and_the_zoo_group_their_blocks():
     assert not engine.kernel_groups(zoo)[0].active(torch.zeros(1))
 
 
+@pytest.mark.parametrize("branches,groups", [(None, 1), (None, 2), (("1x1", "1x1_avg"), 4)])
+def test_a_groups_storage_and_filter_family_pass_gradcheck(branches, groups):
+    """Through a group's storage (the parameters are views of it) and its filter family (1x1,
+    1x1-avg, 1x1-prior as one product): numerical gradients equal the closed-form vjp."""
+    torch.manual_seed(0)
+    net = nn.Sequential(*[OREPAConv2d(8, 8, 3, groups=groups, branches=branches) for _ in range(2)]).double()
+    (group,) = engine.group_kernels(net, "grouped")
+    plan = group.plan
+    assert len(plan.family) >= 2
+    params = plan.params()
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn_like(p) * 0.1)
+    storage = group._stacked([t for b in range(plan.n) for t in plan.tensors_of(b)])
+    assert storage.family is not None
+    # gradcheck perturbs the parameters in place: the storage sees it (they are its views)
+    fn = lambda *ps: engine.SqueezeFunction.apply(plan, storage, *ps)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, params)
+    for blk, w in zip(net, fn(*params)):
+        torch.testing.assert_close(w, blk.equivalent()[0])
+
+
 def test_a_kernel_is_handed_out_once_and_only_while_its_parameters_are_unchanged():
     torch.manual_seed(0)
     a, b = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 4, 3).double()
@@ -228,9 +250,9 @@ def test_a_group_keeps_its_blocks_tensors_in_one_storage_and_trains_as_the_per_b
         torch.testing.assert_close(sd1[k], sd0[k], rtol=1e-6, atol=1e-7, msg=k)
     # the views' addresses are checked each build: nothing is concatenated again
     from orepa.apps.bench.measure import count_aten_ops
-    kept = [s.data_ptr() for s in group._storage]
+    kept = [s.data_ptr() for s in group._storage.roles]
     count_aten_ops(lambda: grouped(x))
-    assert [s.data_ptr() for s in group._storage] == kept
+    assert [s.data_ptr() for s in group._storage.roles] == kept
 
 
 @pytest.mark.parametrize("change", ["to", "load_assign", "replace", "deepcopy"])
@@ -256,8 +278,8 @@ def test_a_group_remakes_its_storage_when_its_tensors_move(change):
         twin(x)
         for g0, g1 in zip(engine.kernel_groups(grouped), engine.kernel_groups(twin)):
             if len(g0) > 1:  # the copy's storage is its own
-                assert {s.untyped_storage().data_ptr() for s in g0._storage}.isdisjoint(
-                    s.untyped_storage().data_ptr() for s in g1._storage)
+                assert {s.untyped_storage().data_ptr() for s in g0._storage.roles}.isdisjoint(
+                    s.untyped_storage().data_ptr() for s in g1._storage.roles)
         grouped = twin
     y0, g0 = _grads(ref, x)
     y1, g1 = _grads(grouped, x)

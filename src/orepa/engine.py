@@ -85,6 +85,24 @@ class _Branch(NamedTuple):
     window: tuple[int, int]  # the branch kernel's centred window [lo, hi) in the k x k kernel
 
 
+class Family(NamedTuple):
+    """The *filter family* of a group's storage: branches that are a learnable 1x1 and a fixed
+    per-channel filter (none for a bare 1x1: its centre tap), scaled per channel: 1x1, 1x1-avg and
+    1x1-prior in OREPA's block. Their kernels sum to one batched product, ``sum_j s_j W_j F_j``."""
+
+    weights: Tensor  # [J, B * C_out, C_in / groups]: the members' 1x1 weights in one storage
+    scales: Tensor  # [J, B * C_out, 1]
+    filters: Tensor  # [B * C_out, J, k * k]: member j's filter per output channel
+
+
+class Storage(NamedTuple):
+    """A group's operands made once (:meth:`KernelGroup._stacked`): per role (:meth:`Plan.tensors_of`)
+    the blocks' tensors concatenated along dim 0, which they are views of, and the filter family."""
+
+    roles: list[Tensor]
+    family: Family | None
+
+
 class Plan:
     """What squeezing the named branches of ``blocks`` (one signature) reads, worked out once:
     the steps of every block per branch, their groups, which are learnable, the centred windows."""
@@ -107,6 +125,24 @@ class Plan:
                 tuple(isinstance(_weight(st), nn.Parameter) for st in steps0),
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
                 scale0 is not None and scale0.mode == "scalar", ((k - e) // 2, (k - e) // 2 + e)))
+        # per filter-family member (see Family): its roles (1x1 weight, fixed filter or None, scale)
+        members, role = [], 0
+        for br in self.branches:
+            if self._in_family(br, blk):
+                members.append((role, role + 1 if len(br.steps) == 2 else None, role + len(br.steps)))
+            role += len(br.steps) + (br.scales is not None)
+        self.family = tuple(members) if len(members) >= 2 else ()
+        self._family_branches = frozenset(i for i, br in enumerate(self.branches)
+                                          if self.family and self._in_family(br, blk))
+
+    def _in_family(self, br: _Branch, blk: nn.Module) -> bool:
+        if br.name == self.first or br.scales is None or br.scalar or not br.learnable[0]:
+            return False
+        conv = br.steps[0][0]
+        if _weight(conv).shape[-1] != 1 or conv.groups != blk.groups:
+            return False
+        return len(br.steps) == 1 or (len(br.steps) == 2 and not br.learnable[1]
+                                      and br.steps[1][0].groups == blk.out_channels)
 
     def params(self) -> list[Tensor]:
         """The parameters read, in ``parameters()`` order per block: the order of :meth:`vjp`'s gradients."""
@@ -139,13 +175,12 @@ class Plan:
                 out.append(br.scales[b]._parameters["weight"])
         return out
 
-    def operands(self, stacked: Sequence[Tensor] | None = None) -> list[tuple[list[Operand], Tensor | None]]:
+    def operands(self, stacked: Storage | None = None) -> list[tuple[list[Operand], Tensor | None]]:
         """Per branch: its kernel steps and scale over the blocks, concatenated along dim 0.
 
-        ``stacked``: those concatenations already made, one per role (:meth:`tensors_of`'s order;
-        a :class:`KernelGroup`'s storage, of which the blocks' tensors are views)."""
+        ``stacked``: those concatenations already made (a :class:`KernelGroup`'s storage)."""
         one = self.n == 1
-        roles = iter(stacked) if stacked is not None else None
+        roles = iter(stacked.roles) if stacked is not None else None
         out = []
         for br in self.branches:
             if roles is not None:
@@ -162,14 +197,17 @@ class Plan:
             out.append(([Operand(*a) for a in zip(ts, br.groups, br.learnable, br.shared)], s))
         return out
 
-    def squeeze(self, stacked: Sequence[Tensor] | None = None) -> Tensor:
+    def squeeze(self, stacked: Storage | None = None) -> Tensor:
         """Summed kernels of the named branches of the blocks, concatenated along the output
         channels: ``[B * C_out, C_in / groups, k, k]``. Call without grad.
 
         A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every other branch
-        is added into its centred window with its scale fused in.
+        is added into its centred window with its scale fused in (a storage's filter family: all
+        its members in one batched product).
         """
         ops = self.operands(stacked)
+        family = stacked.family if stacked is not None else None
+        skip = self._family_branches if family is not None else frozenset()
         out = None
         for br, (ks, s) in zip(self.branches, ops):
             if br.name == self.first:
@@ -178,9 +216,13 @@ class Plan:
         if out is None:
             o, i, k, _ = self.kernel_shape
             out = ops[0][0][0].kernel.new_zeros(self.n * o, i, k, k)
-        for br, (ks, s) in zip(self.branches, ops):
-            if br.name != self.first:
+        for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
+            if br.name != self.first and i not in skip:
                 _add_into(self._window(out, br), ks, s)
+        if family is not None:
+            # out += sum_j (s_j W_j) F_j: per output channel [C_in/g, J] @ [J, k*k]
+            out.view(out.shape[0], out.shape[1], -1).baddbmm_((family.weights * family.scales).permute(1, 2, 0),
+                                                              family.filters)
         return out
 
     def _window(self, kernel: Tensor, br: _Branch) -> Tensor:
@@ -188,16 +230,31 @@ class Plan:
         lo, hi = br.window
         return kernel if hi - lo == self.kernel_shape[-1] else kernel[:, :, lo:hi, lo:hi]
 
-    def vjp(self, grad: Tensor, stacked: Sequence[Tensor] | None = None) -> list[Tensor]:
+    def vjp(self, grad: Tensor, stacked: Storage | None = None) -> list[Tensor]:
         """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order."""
         ops = self.operands(stacked)
         n = self.n
+        family = stacked.family if stacked is not None else None
+        members = iter(_family_vjp(family, grad) if family is not None else ())
         per_branch = []
-        for br, (ks, s) in zip(self.branches, ops):
-            grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br))
+        for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
+            if family is not None and i in self._family_branches:
+                grads = next(members)
+            else:
+                grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br))
             # learnable operands in the branch's parameters() order: its conv steps, then its scale
             per_branch.append([(g.split(g.shape[0] // n) if n > 1 else (g,)) for g in grads if g is not None])
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
+
+
+def _family_vjp(family: Family, grad: Tensor) -> list[list[Tensor]]:
+    """Per family member, the gradients of its 1x1 weight and its scale."""
+    rows, width = grad.shape[:2]
+    d = torch.bmm(grad.reshape(rows, width, -1), family.filters.transpose(1, 2)).permute(2, 0, 1)  # [J, rows, w]
+    # the weights' gradients made contiguous (autograd then takes them as they are, without a copy)
+    d_w = torch.mul(d, family.scales, out=torch.empty_like(family.weights))
+    d_s = (d * family.weights).sum(-1)
+    return [list(pair) for pair in zip(d_w.view(*d_w.shape, 1, 1).unbind(0), d_s.unbind(0))]
 
 
 def _fresh_kernel(ks: list[Operand], s: Tensor | None) -> Tensor:
@@ -274,7 +331,7 @@ class SqueezeFunction(torch.autograd.Function):
     but the operands is kept (for one block, the parameters themselves)."""
 
     @staticmethod
-    def forward(ctx, plan: Plan, stacked: Sequence[Tensor] | None, *params: Tensor):
+    def forward(ctx, plan: Plan, stacked: Storage | None, *params: Tensor):
         w = plan.squeeze(stacked)
         ctx.plan, ctx.stacked = plan, stacked
         # the parameters are kept (no memory) and the group's operands concatenated again in
@@ -476,7 +533,7 @@ class KernelGroup:
         # per role (Plan.tensors_of), which of its tensors are parameters; and the storage the
         # blocks' tensors are views of (made at the first build, see _stacked) with their addresses
         self._learnable = [isinstance(t, nn.Parameter) for t in self.plan.tensors_of(0)]
-        self._storage: list[Tensor] | None = None
+        self._storage: Storage | None = None
         self._addresses: tuple[int, ...] = ()
 
     def __getstate__(self):
@@ -529,7 +586,7 @@ class KernelGroup:
         m = len(params) // plan.n  # params are block-major: block j's are params[j*m:(j+1)*m]
         self._pending = {j: (tuple(p._version for p in params[j * m:(j + 1) * m]), w) for j, w in enumerate(kernels)}
 
-    def _stacked(self, tensors: list[Tensor]) -> list[Tensor] | None:
+    def _stacked(self, tensors: list[Tensor]) -> Storage | None:
         """Per role, the blocks' tensors as one tensor concatenated along dim 0, of which they are
         views: the group's *storage*, made once, so no build concatenates its operands again.
 
@@ -540,23 +597,50 @@ class KernelGroup:
         capture it is not remade (a captured concatenation reads the tensors as they are at replay)
         and None is returned: the operands are concatenated as without storage.
         """
-        if self._storage is not None and self._storage[0].device == tensors[0].device and all(
+        if self._storage is not None and self._storage.roles[0].device == tensors[0].device and all(
                 t.data_ptr() == ptr for t, ptr in zip(tensors, self._addresses)):
             return self._storage
-        n = self.plan.n
-        if n > 1 and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        plan = self.plan
+        n = plan.n
+        if (n > 1 or plan.family) and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
             return None
         roles = len(tensors) // n
+        per_role = [tensors[r::roles] for r in range(roles)]
         with torch.no_grad():
-            if n == 1:  # one block: its own tensors are the storage
-                storage = [t.detach() for t in tensors]
-            else:
-                storage = [torch.cat([t.detach() for t in tensors[r::roles]]) for r in range(roles)]
-                for r, stack in enumerate(storage):
-                    for t, view in zip(tensors[r::roles], stack.split(tensors[r].shape[0])):
+            # the filter family's 1x1 weights and scales share one storage each: one product for all
+            placed: dict[int, Tensor] = {}
+            if plan.family:
+                w0 = per_role[plan.family[0][0]][0]
+                rows, j = n * w0.shape[0], len(plan.family)
+                weights, scales = w0.new_empty(j, rows, *w0.shape[1:]), w0.new_empty(j, rows)
+                for i, (w_role, _, s_role) in enumerate(plan.family):
+                    placed[w_role], placed[s_role] = weights[i], scales[i]
+            storage = []
+            for r, ts in enumerate(per_role):
+                if r in placed:
+                    stack = torch.cat([t.detach() for t in ts], out=placed[r])
+                elif n == 1:  # one block: its own tensors are the storage
+                    stack = ts[0].detach()
+                else:
+                    stack = torch.cat([t.detach() for t in ts])
+                if n > 1 or r in placed:
+                    for t, view in zip(ts, stack.split(ts[0].shape[0])):
                         t.data = view
+                storage.append(stack)
+            family = None
+            if plan.family:
+                k = plan.kernel_shape[-1]
+                filters = w0.new_zeros(rows, j, k, k)
+                for i, (_, f_role, _) in enumerate(plan.family):
+                    if f_role is None:  # a bare 1x1: the centre tap
+                        filters[:, i, k // 2, k // 2] = 1
+                    else:
+                        e = storage[f_role].shape[-1]
+                        lo = (k - e) // 2
+                        filters[:, i, lo:lo + e, lo:lo + e] = storage[f_role][:, 0]
+                family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, k * k))
         # scales kept as [B * C_out, 1, 1, 1] views: they broadcast over kernels with no view op per use
-        self._storage = [K.channel_column(s) if s.dim() == 1 else s for s in storage]
+        self._storage = Storage([K.channel_column(s) if s.dim() == 1 else s for s in storage], family)
         self._addresses = tuple(t.data_ptr() for t in tensors)
         return self._storage
 
