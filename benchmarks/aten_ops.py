@@ -1,7 +1,9 @@
 """aten operators dispatched by one eager train step: base, DBB and OREPA ResNets at the paper's setting.
 
 Each dispatched operator costs the host ~10-20 us on a GPU, so this count bounds an eager
-online block's step time there, on any machine. Counted with a ``TorchDispatchMode`` over one
+online block's step time there, on any machine. The second count, kernels, leaves out views,
+aliases and allocations: the operators that launch a GPU kernel, which a CUDA-graph replay
+still runs one after another. Counted with a ``TorchDispatchMode`` over one
 train step (zero_grad + forward + cross-entropy + backward + fused SGD) after one warm-up step,
 224x224 inputs (``orepa bench`` reports the same count in its "aten ops / step" column). OREPA is
 counted on both routes of ``orepa.engine``: "grouped" (blocks of one signature build their kernels
@@ -13,7 +15,7 @@ import json
 
 import torch
 
-from orepa.apps.bench.measure import count_aten_ops, make_runner
+from orepa.apps.bench.measure import count_ops, make_runner
 
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
@@ -22,8 +24,10 @@ for model, b in (("resnet18", 64), ("resnet50", 32)):
         key = f"{model} b{b} {spec}" + ("" if spec != "orepa" else f" {builder}")
         r = make_runner(model, spec, device=torch.device("cpu"), kernel_builder=builder)
         r.step(x, y)
-        out[key] = count_aten_ops(lambda r=r: r.step(x, y))
-        ratio = out[key] / out[f"{model} b{b} base"]
-        print(f"{key:32} {out[key]:6d} ops ({ratio:.2f}x base)", flush=True)
+        ops, kernels = count_ops(lambda r=r: r.step(x, y))
+        out[key], out[f"{key} kernels"] = ops, kernels
+        base = f"{model} b{b} base"
+        print(f"{key:32} {ops:6d} ops ({ops / out[base]:.2f}x base), {kernels:5d} kernels "
+              f"({kernels / out[base + ' kernels']:.2f}x)", flush=True)
 with open("benchmarks/results/aten_ops.json", "w") as f:
     json.dump(out, f, indent=1)

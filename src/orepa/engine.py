@@ -107,9 +107,11 @@ class Plan:
     """What squeezing the named branches of ``blocks`` (one signature) reads, worked out once:
     the steps of every block per branch, their groups, which are learnable, the centred windows."""
 
-    def __init__(self, blocks: Sequence[nn.Module], names: Sequence[str]):
+    def __init__(self, blocks: Sequence[nn.Module], names: Sequence[str], launch_bound: bool = False):
         blk = blocks[0]
         self.blocks, self.names, self.n = tuple(blocks), tuple(names), len(blocks)
+        # a group's plan (what a GPU runs): the fewest operators where they and the CPU's FLOPs disagree
+        self.launch_bound = launch_bound
         k = blk.kernel_size[0]
         self.kernel_shape = (blk.out_channels, blk.in_channels // blk.groups, k, k)
         self.first = blk._first_full_branch(self.names)
@@ -241,7 +243,7 @@ class Plan:
             if family is not None and i in self._family_branches:
                 grads = next(members)
             else:
-                grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br))
+                grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound)
             # learnable operands in the branch's parameters() order: its conv steps, then its scale
             per_branch.append([(g.split(g.shape[0] // n) if n > 1 else (g,)) for g in grads if g is not None])
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
@@ -274,7 +276,8 @@ def _add_into(out: Tensor, ks: list[Operand], s: Tensor | None) -> None:
     K.compose_into(out, ks[0].kernel, ks[0].groups, ks[1].kernel, ks[1].groups, s)
 
 
-def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor) -> list[Tensor | None]:
+def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
+                launch_bound: bool = False) -> list[Tensor | None]:
     """Gradients of ``<grad, branch kernel>`` for ``[*steps, scale]`` (None: fixed or absent)."""
     n = len(ks)
     out: list[Tensor | None] = [None] * (n + 1)
@@ -291,7 +294,7 @@ def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor)
             # so the filter's gradient is never needed for the scale's
             w1 = first.kernel
             d_w1s, d_last = K.compose_vjp(K.scale_channels(w1, s), first.groups, last.kernel, last.groups, grad,
-                                          need_w2=last.learnable, shared_filter=last.shared)
+                                          need_w2=last.learnable, shared_filter=last.shared, launch_bound=launch_bound)
             out[2] = scale_grad(K.rowdot(d_w1s, w1))
             if first.learnable:
                 out[0] = K.scale_channels(d_w1s, s)
@@ -301,7 +304,7 @@ def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor)
         last_s = last.kernel if s is None else K.scale_channels(last.kernel, s)
         d_first, d_last = K.compose_vjp(first.kernel, first.groups, last_s, last.groups, grad,
                                         need_w1=first.learnable, need_w2=last.learnable or s is not None,
-                                        shared_filter=last.shared and s is None)
+                                        shared_filter=last.shared and s is None, launch_bound=launch_bound)
         out[0] = d_first if first.learnable else None
         grad = d_last
     if s is not None:
@@ -525,7 +528,7 @@ class KernelGroup:
         self.blocks = tuple(blocks)
         self.names = tuple(self.blocks[0].branches)
         self.policy = policy
-        self.plan = Plan(self.blocks, self.names)
+        self.plan = Plan(self.blocks, self.names, launch_bound=True)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._pending: dict[int, tuple[tuple, Tensor]] = {}
         self.peers: list[KernelGroup] = [self]  # the groups of one network (group_kernels sets them)

@@ -291,7 +291,7 @@ def cheap_vjp_groups(w1_shape, g1: int, w2_shape, g2: int) -> int | None:
 
 def compose_vjp(
     w1: Tensor, g1: int, w2: Tensor, g2: int, grad: Tensor, *, need_w1: bool = True, need_w2: bool = True,
-    shared_filter: bool = False,
+    shared_filter: bool = False, launch_bound: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of ``<grad, compose(w1, g1, w2, g2)>`` w.r.t. ``w1`` and ``w2``, in closed form.
 
@@ -300,6 +300,8 @@ def compose_vjp(
     that is not needed (a fixed kernel) is not computed and returned as None;
     ``shared_filter`` says that a per-channel ``w2`` is the same for every channel
     (average pooling), which turns its contraction into one matrix-vector product.
+    ``launch_bound``: fewest operators (a GPU's eager step is bound by issuing them) rather
+    than the CPU's fastest evaluation where the two differ.
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
     c1, c0g = w1.shape[:2]
@@ -307,15 +309,18 @@ def compose_vjp(
     d1 = d2 = None
     if case == "pointwise_after":
         r, o, m = g1 // g2, c2 // g2, c1 // g1
+        # the gradient as [G*r, i*k*k, o] (a strided view when G == 1): the product's long
+        # dimension o is its output's contiguous one
+        gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o) if need_w2 or launch_bound else None
         if need_w2:
-            # the gradient as [G*r, i*k*k, o] (a strided view when G == 1): the product's long
-            # dimension o is its output's contiguous one
-            gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o)
             d2t = torch.bmm(w1.reshape(g2 * r, m, -1), gt)  # [G*r, m, o]
             # made contiguous: the scale's products and autograd's accumulation into the
             # parameter then run on matching strides (instead of slower mixed-stride passes)
             d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
-        if need_w1:
+        if need_w1 and launch_bound:  # one product per fine group: [m, o] @ [o, i*k*k]
+            a = w2.reshape(g2, o, r, m).permute(0, 2, 3, 1).reshape(g2 * r, m, o)
+            d1 = torch.bmm(a, gt.transpose(1, 2)).reshape(w1.shape)
+        elif need_w1:
             d1 = _pw_after_w1_grad(w2, grad, g2, r, m, o).reshape(w1.shape)
         return d1, d2
     if case == "pointwise_first":
@@ -350,9 +355,18 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
     without building the composed kernel. Other cases compose, then add with the
     scale fused into the addition (one pass over ``out``).
     """
-    if compose_case(w1.shape, g1, w2.shape, g2) == "depthwise_after_1x1":
+    case = compose_case(w1.shape, g1, w2.shape, g2)
+    if case == "depthwise_after_1x1":
         w1s = w1 if scale is None else scale_channels(w1, scale)
         out.addcmul_(w1s, w2)
+        return
+    if case == "pointwise_after" and scale is not None and scale.numel() == out.shape[0] and out.is_contiguous() \
+            and tuple(out.shape[-2:]) == tuple(w1.shape[-2:]):
+        # the product's [G*r, o, i*k*k] read in place as out's [G, o, r, i*k*k]: no reordered copy
+        a, b = _pw_after_operands(w1, g1, w2, g2)
+        t = torch.bmm(a, b)
+        r, o = g1 // g2, w2.shape[0] // g2
+        out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2), scale.view(g2, o, 1, 1))
         return
     composed = compose(w1, g1, w2, g2)[0]
     if scale is None:

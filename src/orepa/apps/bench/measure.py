@@ -200,21 +200,35 @@ def flop_counter():
     return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
 
 
+# operators that neither compute nor copy (no kernel launch on a GPU) without being views in their schema
+_NO_KERNEL = frozenset(("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                        "_record_function_enter_new", "_record_function_exit"))
+
+
 class _OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
+            self.kernels += 1
         return func(*args, **(kwargs or {}))
 
 
 def count_aten_ops(fn: Callable[[], object]) -> int:
     """Number of aten operators ``fn()`` dispatches (views and in-place ops included)."""
+    return count_ops(fn)[0]
+
+
+def count_ops(fn: Callable[[], object]) -> tuple[int, int]:
+    """``(dispatched, kernels)``: the aten operators ``fn()`` dispatches, and those of them that
+    compute or copy (a kernel launch each on a GPU; views, aliases and allocations launch none)."""
     with _OpCounter() as counter:
         fn()
-    return counter.count
+    return counter.count, counter.kernels
 
 
 def _flops_forward(model: nn.Module, x: torch.Tensor) -> int:
