@@ -16,6 +16,9 @@ Grouping rests on one identity: ``B`` blocks of the same signature, their operan
 along the output channels and their groups multiplied by ``B``, are ONE block whose kernel is the
 concatenation of theirs (each composition is block-diagonal in the blocks). A :class:`Plan` is
 written for a list of blocks and a single block is the case ``B = 1``: one mechanism either way.
+A group makes those concatenations once, as its :class:`Storage`, and its blocks' tensors become
+views of it; there the branches that are a 1x1 and a fixed per-channel filter (a :class:`Family`)
+share one batched product.
 
 Why group: on a GPU an eager online step is bound by the host issuing hundreds of tiny
 kernel-construction ops (~10-20 us each), not by their FLOPs; a group builds ``B`` kernels with

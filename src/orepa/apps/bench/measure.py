@@ -218,11 +218,6 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_aten_ops(fn: Callable[[], object]) -> int:
-    """Number of aten operators ``fn()`` dispatches (views and in-place ops included)."""
-    return count_ops(fn)[0]
-
-
 def count_ops(fn: Callable[[], object]) -> tuple[int, int]:
     """``(dispatched, kernels)``: the aten operators ``fn()`` dispatches, and those of them that
     compute or copy (a kernel launch each on a GPU; views, aliases and allocations launch none)."""
@@ -250,7 +245,7 @@ def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory:
                saved_tensors=st.count, fwd_flops=int(fwd.get_total_flops()),
                train_flops=int(fwd.get_total_flops() + bwd.get_total_flops()))
     r.opt.zero_grad(set_to_none=True)
-    out["aten_ops"] = count_aten_ops(lambda: r.step(x, y))
+    out["aten_ops"], out["aten_kernels"] = count_ops(lambda: r.step(x, y))
     state = _state_bytes(r.model, r.opt)
     if device.type == "cuda":
         _sync(device)

@@ -9,7 +9,7 @@ from orepa.apps.logs import pyplot, save_figure
 
 from .variants import LADDER, offline_rung
 
-RATIO_KEYS = ("step_ms", "step_min_ms", "aten_ops", "saved_bytes", "saved_act_bytes", "saved_naive_bytes", "peak_bytes",
+RATIO_KEYS = ("step_ms", "step_min_ms", "aten_ops", "aten_kernels", "saved_bytes", "saved_act_bytes", "saved_naive_bytes", "peak_bytes",
               "train_flops", "train_params", "deploy_params", "deploy_flops", "infer_ms", "infer_min_ms")
 
 
@@ -50,7 +50,7 @@ def _rx(v) -> str:
 def format_table(result: dict) -> str:
     """A Markdown table: absolute values with ratios to base."""
     res, rat = result["results"], result["ratios"]
-    cols = ["method", "train step ms (median)", "(min)", "(paired)", "aten ops / step", "saved MiB (unique)", "saved excl. params", "saved MiB (naive)", "peak MiB",
+    cols = ["method", "train step ms (median)", "(min)", "(paired)", "aten ops / step", "of them kernels", "saved MiB (unique)", "saved excl. params", "saved MiB (naive)", "peak MiB",
             "train GFLOPs",
             "train params M", "deploy params M", "deploy GFLOPs", "infer ms", "deploy err"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -62,6 +62,7 @@ def format_table(result: dict) -> str:
             _fmt(r.get("step_min_ms"), 1, 0) + _rx(q["step_min_ms"]),
             "n/a" if q.get("step_paired") is None else f"{q['step_paired']:.2f}x",
             _fmt(r.get("aten_ops"), 1, 0) + _rx(q["aten_ops"]),
+            _fmt(r.get("aten_kernels"), 1, 0) + _rx(q.get("aten_kernels")),
             _fmt(r.get("saved_bytes"), 2**20) + _rx(q["saved_bytes"]),
             _fmt(r.get("saved_act_bytes"), 2**20) + _rx(q["saved_act_bytes"]),
             _fmt(r.get("saved_naive_bytes"), 2**20) + _rx(q["saved_naive_bytes"]),
