@@ -8,8 +8,9 @@
 #                                        #   Fashion-MNIST, 1 epoch on 25,600 images at batch 256: eager vs the
 #                                        #   default mode), and eager / CUDA-graph step times of base, OREPA and DBB
 #                                        #   (ResNet-18 and ResNet-50 at batch 64, ResNet-18 at batch 8; 224x224)
-#   benchmarks/gpu_session.sh modes      # ~5 min: the tests and step times of "steps" without the accuracy
-#                                        #   check, plus torch.compile'd steps of base and OREPA (ResNet-18 b64)
+#   benchmarks/gpu_session.sh modes      # ~6 min: the tests and step times of "steps" without the accuracy
+#                                        #   check, a short default-mode run with --amp --channels-last --model-ema,
+#                                        #   plus torch.compile'd steps of base and OREPA (ResNet-18 b64)
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -92,6 +93,13 @@ modes)
     # the step modes side by side after a change: the real-device tests, eager and CUDA-graph steps of
     # base / OREPA / DBB at the settings, and torch.compile'd steps of base and OREPA (ResNet-18 b64)
     cuda_tests 150
+    # the default mode (CUDA graphs) with the options that change what the capture sees: fp16 autocast,
+    # channels_last, an EMA of the weights; one short epoch, then its deployment checked
+    timeout 90 python3 -m orepa train --epochs 1 --train-subset 5120 -b 256 -j 8 --amp --channels-last --model-ema \
+        --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --output-dir /tmp/opts 2>&1 | tail -6 | tee "$R/opts_train.log"
+    timeout 60 python3 -m orepa reparam /tmp/opts/checkpoint.pth --fuse-bn --json "$R/opts_reparam.json" \
+        --no-progress 2>&1 | tail -3 | tee "$R/opts_reparam.log"
+    pack
     step_times 120
     timeout 200 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
         --methods base orepa --reps 20 --warmup 3 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -6 \
