@@ -299,3 +299,21 @@ def test_a_grouped_models_state_dict_saves_and_loads_as_separate_tensors(tmp_pat
     st.save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "m.safetensors"))
     back = st.load_file(str(tmp_path / "m.safetensors"))
     assert all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_tensors_a_group_does_not_own_are_never_repointed():
+    """functional_call swaps in the caller's tensors: the group concatenates them per build (the
+    per-block numbers) and leaves their memory where it was."""
+    from torch.func import functional_call
+
+    ref, grouped = _pair()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    grouped(x)  # the storage is made from the group's own parameters
+    theirs = {n: (p.detach() * 1.5).requires_grad_() for n, p in grouped.named_parameters()}
+    where = {n: t.data_ptr() for n, t in theirs.items()}
+    y1 = functional_call(grouped, theirs, (x,))
+    y0 = functional_call(ref, {n: t.detach().clone().requires_grad_() for n, t in theirs.items()}, (x,))
+    torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
+    y1.square().sum().backward()
+    assert all(t.grad is not None for t in theirs.values())
+    assert {n: t.data_ptr() for n, t in theirs.items()} == where

@@ -600,8 +600,9 @@ class KernelGroup:
         ``convert`` see nothing new); only their ``.data`` points into the storage. Whatever breaks
         that (``.to()``, ``load_state_dict(assign=True)``, a replaced parameter) is seen here by
         the tensors' addresses and the storage is made again from their values. Inside a CUDA graph
-        capture it is not remade (a captured concatenation reads the tensors as they are at replay)
-        and None is returned: the operands are concatenated as without storage.
+        capture it is not remade (a captured concatenation reads the tensors as they are at replay),
+        nor for tensors that are not the blocks' own parameters and buffers: None is returned, and
+        the operands are concatenated as without storage.
         """
         if self._storage is not None and self._storage.roles[0].device == tensors[0].device and all(
                 t.data_ptr() == ptr for t, ptr in zip(tensors, self._addresses)):
@@ -609,6 +610,10 @@ class KernelGroup:
         plan = self.plan
         n = plan.n
         if (n > 1 or plan.family) and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        if not all(isinstance(t, nn.Parameter) or (t.is_leaf and not t.requires_grad) for t in tensors):
+            # tensors the blocks do not own (functional_call, FSDP's views of its flat parameter):
+            # never re-pointed, concatenated per build instead
             return None
         roles = len(tensors) // n
         per_role = [tensors[r::roles] for r in range(roles)]
