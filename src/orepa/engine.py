@@ -130,6 +130,7 @@ class Plan:
                 tuple(isinstance(_weight(st), nn.Parameter) for st in steps0),
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
                 scale0 is not None and scale0.mode == "scalar", ((k - e) // 2, (k - e) // 2 + e)))
+        self._find_slots()
         # per filter-family member (see Family): its roles (1x1 weight, fixed filter or None, scale)
         members, role = [], 0
         for br in self.branches:
@@ -156,29 +157,40 @@ class Plan:
     def tensors_of(self, b: int) -> list[Tensor]:
         """Block ``b``'s operand tensors, one per *role*: per branch every kernel step's weight
         (learnable or fixed), then its scale. :meth:`params_of` is the learnable subset, in order."""
-        out = []
-        for br in self.branches:
-            out.extend(_weight(st[b]) for st in br.steps)
-            if br.scales is not None:
-                out.append(br.scales[b]._parameters["weight"])
-        return out
+        return [d[k] for d, k in self._slots[b]]
 
     def ref(self) -> Tensor:
         """A parameter of the first block: where (device) and how (dtype) the plan computes."""
-        return self.params_of(0)[0]
+        d, k = self._param_slots[0][0]
+        return d[k]
 
     def versions(self, b: int) -> tuple:
         """Version counters of block ``b``'s parameters (they change with every in-place update)."""
-        return tuple(p._version for p in self.params_of(b))
+        return tuple(d[k]._version for d, k in self._param_slots[b])
 
     def params_of(self, b: int) -> list[Tensor]:
         """Block ``b``'s parameters: per branch its learnable kernel steps, then its scale."""
-        out = []
-        for br in self.branches:
-            out.extend(_weight(st[b]) for st, learn in zip(br.steps, br.learnable) if learn)
-            if br.scales is not None:
-                out.append(br.scales[b]._parameters["weight"])
-        return out
+        return [d[k] for d, k in self._param_slots[b]]
+
+    def _find_slots(self) -> None:
+        """Where each block's operand tensors live, as (the module's tensor dict, key) per role:
+        gathering them is then a list of dict lookups (an eager GPU step is bound by host time).
+        Read at every gathering, so a parameter assigned anew is the one read."""
+        self._slots, self._param_slots = [], []
+        for b in range(self.n):
+            slots, params = [], []
+            for br in self.branches:
+                for st, learnable in zip(br.steps, br.learnable):
+                    m = st[b]
+                    slot = (m._parameters, "weight") if learnable else (m._buffers, "weight")
+                    slots.append(slot)
+                    if learnable:
+                        params.append(slot)
+                if br.scales is not None:
+                    slots.append((br.scales[b]._parameters, "weight"))
+                    params.append(slots[-1])
+            self._slots.append(slots)
+            self._param_slots.append(params)
 
     def operands(self, stacked: Storage | None = None) -> list[tuple[list[Operand], Tensor | None]]:
         """Per branch: its kernel steps and scale over the blocks, concatenated along dim 0.
