@@ -30,6 +30,7 @@ space, kernel recomputation; :func:`route`) is kept. The policy says which:
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -71,6 +72,9 @@ class Operand(NamedTuple):
     shared: bool  # a fixed per-channel filter equal for every channel (average pooling)
 
 
+_version = operator.attrgetter("_version")  # a tensor's in-place update counter
+
+
 def _weight(step: nn.Module) -> Tensor:
     # straight from the module's dicts: the generic attribute lookup is a visible share of host time
     w = step._parameters.get("weight")
@@ -100,10 +104,12 @@ class Family(NamedTuple):
 
 class Storage(NamedTuple):
     """A group's operands made once (:meth:`KernelGroup._stacked`): per role (:meth:`Plan.tensors_of`)
-    the blocks' tensors concatenated along dim 0, which they are views of, and the filter family."""
+    the blocks' tensors concatenated along dim 0, which they are views of, and the filter family;
+    ``operands``: the roles as :meth:`Plan.operands` hands them to the squeeze."""
 
     roles: list[Tensor]
     family: Family | None
+    operands: list[tuple[list[Operand], Tensor | None]] | None = None
 
 
 class Plan:
@@ -166,7 +172,7 @@ class Plan:
 
     def versions(self, b: int) -> tuple:
         """Version counters of block ``b``'s parameters (they change with every in-place update)."""
-        return tuple(d[k]._version for d, k in self._param_slots[b])
+        return tuple(_version(d[k]) for d, k in self._param_slots[b])
 
     def params_of(self, b: int) -> list[Tensor]:
         """Block ``b``'s parameters: per branch its learnable kernel steps, then its scale."""
@@ -222,7 +228,7 @@ class Plan:
         is added into its centred window with its scale fused in (a storage's filter family: all
         its members in one batched product).
         """
-        ops = self.operands(stacked)
+        ops = stacked.operands if stacked is not None else self.operands()
         family = stacked.family if stacked is not None else None
         skip = self._family_branches if family is not None else frozenset()
         out = None
@@ -249,7 +255,7 @@ class Plan:
 
     def vjp(self, grad: Tensor, stacked: Storage | None = None) -> list[Tensor]:
         """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order."""
-        ops = self.operands(stacked)
+        ops = stacked.operands if stacked is not None else self.operands()
         n = self.n
         family = stacked.family if stacked is not None else None
         members = iter(_family_vjp(family, grad) if family is not None else ())
@@ -603,7 +609,7 @@ class KernelGroup:
             kernels = [SqueezeFunction.apply(one, None, *one.params())
                        for one in (plan_of(b, self.names) for b in plan.blocks)]
         m = len(params) // plan.n  # params are block-major: block j's are params[j*m:(j+1)*m]
-        self._pending = {j: (tuple(p._version for p in params[j * m:(j + 1) * m]), w) for j, w in enumerate(kernels)}
+        self._pending = {j: (tuple(map(_version, params[j * m:(j + 1) * m])), w) for j, w in enumerate(kernels)}
 
     def _stacked(self, tensors: list[Tensor]) -> Storage | None:
         """Per role, the blocks' tensors as one tensor concatenated along dim 0, of which they are
@@ -664,7 +670,8 @@ class KernelGroup:
                         filters[:, i, lo:lo + e, lo:lo + e] = storage[f_role][:, 0]
                 family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, k * k))
         # scales kept as [B * C_out, 1, 1, 1] views: they broadcast over kernels with no view op per use
-        self._storage = Storage([K.channel_column(s) if s.dim() == 1 else s for s in storage], family)
+        made = Storage([K.channel_column(s) if s.dim() == 1 else s for s in storage], family)
+        self._storage = made._replace(operands=plan.operands(made))
         self._addresses = tuple(t.data_ptr() for t in tensors)
         return self._storage
 
