@@ -43,6 +43,35 @@ def test_grouped_forward_and_gradients_equal_per_block(name):
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-10, msg=k)
 
 
+_ZOO_ONLINE = [(n, m) for n in orepa.list_models() if not n.endswith(("101", "152"))
+               for m in orepa.list_methods(n) if m in ("orepa", "orepa-vgg")]
+
+
+@pytest.mark.parametrize("name,method", _ZOO_ONLINE)
+def test_the_grouped_route_gives_the_per_block_numbers_across_the_zoo(name, method):
+    """Every zoo model with online blocks (nested ones too: deep stems, OREPA-VGG), twice: the
+    first step makes the groups' storage, the second reads it. Eval-mode BNs keep float64 exact."""
+    torch.manual_seed(0)
+    width = 0.25 if name.startswith("resnext") else 0.125  # a ResNeXt group keeps >= 1 channel
+    ref = orepa.create_model(name, method, num_classes=10, width_mult=width).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # off the identity/constant initialisation
+    grouped = copy.deepcopy(ref)
+    engine.group_kernels(ref, "per-block")
+    engine.group_kernels(grouped, "grouped")
+    ref.eval(), grouped.eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    for _ in range(2):
+        y0, g0 = _grads(ref, x)
+        y1, g1 = _grads(grouped, x)
+        # float64 rounding, relative to each tensor's scale (these untrained nets reach 1e4-1e6)
+        torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-12 * y0.abs().max().item())
+        for k in g0:
+            torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-12 * g0[k].abs().max().item(), msg=k)
+    assert any(g.plan.family for g in engine.kernel_groups(grouped))
+
+
 def test_squeeze_function_of_a_group_passes_gradcheck():
     torch.manual_seed(0)
     blocks = [OREPAConv2d(3, 4, 3).double() for _ in range(3)]
