@@ -18,8 +18,8 @@ thermal state, allocator warm-up) hits all of them alike. Per variant:
 * ``aten_ops``: aten operators one train step dispatches (counted with a
   ``TorchDispatchMode``; deterministic on any machine). On a fast GPU each costs the
   host ~10-20 us, so this, not FLOPs, bounds an eager online block's step time there.
-* ``saved_bytes``: bytes of the tensors autograd saves for backward
-  (``torch.autograd.graph.saved_tensors_hooks``), counting every storage once
+* ``saved_bytes``: bytes of the tensors autograd saves for backward (read off the
+  graph's nodes after the forward), counting every storage once
   (views and shared tensors are not double counted); ``saved_naive_bytes`` is
   the plain sum over saved tensors; ``saved_param_bytes`` the part that is
   parameters/buffers (persistent anyway, not extra memory).
@@ -46,7 +46,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,28 +91,52 @@ class SavedTensors:
 
 
 def measure_saved(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[SavedTensors, torch.Tensor]:
-    """Run forward + loss under ``saved_tensors_hooks``; returns the tally and the loss (graph alive)."""
+    """Run forward + loss and tally what the graph keeps for backward; returns the tally and the
+    loss (graph alive).
+
+    The saved tensors are read off the graph's nodes, not caught with ``saved_tensors_hooks``:
+    under such hooks (checkpointing, offloading) online blocks take the per-block route
+    (``orepa.engine``), so hooks would measure that route whatever the model runs. (A graph with
+    checkpointed regions would recompute them when read: not for such models.)"""
     st = SavedTensors()
     owned = {_storage_key(t)[:2] for t in [*model.parameters(), *model.buffers()]}
-
-    def pack(t: torch.Tensor):
+    loss = F.cross_entropy(model(x), y)
+    for t in _saved_in_graph(loss.grad_fn):
         st.count += 1
         st.naive_bytes += t.numel() * t.element_size()
         try:
             dev, ptr, nb = _storage_key(t)
         except (RuntimeError, NotImplementedError):  # tensors without a storage
-            return t
+            continue
         if ptr and (dev, ptr) not in st._keys:
             st._keys[(dev, ptr)] = nb
             st.unique_bytes += nb
             if (dev, ptr) in owned:
                 st.param_bytes += nb
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = F.cross_entropy(model(x), y)
     st._keys.clear()
     return st, loss
+
+
+def _saved_in_graph(root) -> Iterator[torch.Tensor]:
+    """Every tensor the autograd graph under ``root`` keeps for backward: each node's ``_saved_*``
+    values, and a custom Function's ``saved_tensors``."""
+    seen, todo = set(), [root]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):
+            yield from fn.saved_tensors
+        else:
+            for name in dir(fn):
+                if name.startswith("_saved_"):
+                    v = getattr(fn, name)
+                    if torch.is_tensor(v):
+                        yield v
+                    elif isinstance(v, (tuple, list)):
+                        yield from (t for t in v if torch.is_tensor(t))
+        todo.extend(f for f, _ in fn.next_functions)
 
 
 def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
