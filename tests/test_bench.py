@@ -81,6 +81,31 @@ def test_saved_bytes_counts_shared_storage_once():
     assert st.count >= 3
 
 
+def test_saved_tensors_are_read_off_the_graph_and_leave_the_route_alone():
+    """measure_saved reads what the graph keeps (the figures saved_tensors_hooks would give) without
+    installing hooks: under hooks online blocks take the per-block route and groups stop building
+    ahead, so the grouped route would be mismeasured."""
+    from orepa import create_model
+    from orepa.engine import group_kernels, kernel_groups
+
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
+    base = create_model("resnet18", "base", num_classes=10, width_mult=0.125)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        torch.nn.functional.cross_entropy(base(x), y)
+    st, _ = bench.measure_saved(base, x, y)
+    assert st.count == len(seen) and st.naive_bytes == sum(t.numel() * t.element_size() for t in seen)
+    online = create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    group_kernels(online, "grouped")
+    st_grouped, loss = bench.measure_saved(online, x, y)
+    loss.backward()
+    assert all(g.prebuild for g in kernel_groups(online))
+    group_kernels(online, "per-block")
+    st_block, _ = bench.measure_saved(online, x, y)
+    assert st_grouped.unique_bytes != st_block.unique_bytes  # each route measured as it runs
+
+
 TINY_ZOO = {"width_mult": 0.0625}  # ResNet widths 4..32 (x4 in bottlenecks): the zoo's networks, small
 
 
