@@ -16,9 +16,8 @@ weights (the cost does not depend on them) with BN statistics calibrated on the
 batch, so that frozen statistics do not make the network blow up. Per variant:
 
 * ``step_s``: median train step (zero_grad + forward + losses + backward + SGD step);
-* ``saved_MB``: bytes autograd saves for backward during one forward
-  (``torch.autograd.graph.saved_tensors_hooks``), every storage counted once,
-  parameters excluded; on CUDA also ``peak_MB`` (``torch.cuda.max_memory_allocated``);
+* ``saved_MB``: bytes autograd keeps for backward after one forward (read off the graph,
+  ``orepa.apps.bench.tally_saved``), every storage counted once, parameters excluded; on CUDA also ``peak_MB`` (``torch.cuda.max_memory_allocated``);
 * ``train_params`` / ``deploy_params`` and ``deploy_err``: backbone features of
   ``orepa.reparameterize(model)`` against the training form in eval (relative max error).
 
@@ -37,6 +36,7 @@ import torch
 
 import orepa
 from orepa.apps import detection as D
+from orepa.apps.bench import tally_saved
 
 
 def shapes_batch(n: int, size: int, seed: int = 0):
@@ -56,22 +56,8 @@ def shapes_batch(n: int, size: int, seed: int = 0):
 
 
 def saved_bytes(model, imgs, targets) -> int:
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        try:
-            s = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return t
-        if s.data_ptr() and s.data_ptr() not in owned:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = sum(model(imgs, targets).values())
-    del loss
-    return sum(seen.values())
+    st = tally_saved(model, sum(model(imgs, targets).values()))
+    return st.unique_bytes - st.param_bytes
 
 
 @torch.no_grad()

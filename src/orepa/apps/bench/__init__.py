@@ -23,13 +23,14 @@ from .measure import (
     measure_saved,
     measure_variant_costs,
     run_benchmark,
+    tally_saved,
 )
 from .report import format_header, format_table, plot_budgets, plot_ratios, ratios, rerender, save
 from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_spec
 
 __all__ = [
     "LADDER", "Runner", "add_arguments", "base_model", "build_variant", "component_variants", "environment",
-    "flop_counter", "format_header", "format_table", "in_zoo", "make_runner", "measure_saved",
+    "flop_counter", "format_header", "format_table", "in_zoo", "make_runner", "measure_saved", "tally_saved",
     "measure_variant_costs", "parse_spec", "plot_budgets", "plot_ratios", "ratios", "rerender", "run",
     "run_benchmark", "save",
 ]

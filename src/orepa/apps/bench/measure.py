@@ -98,9 +98,14 @@ def measure_saved(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[S
     under such hooks (checkpointing, offloading) online blocks take the per-block route
     (``orepa.engine``), so hooks would measure that route whatever the model runs. (A graph with
     checkpointed regions would recompute them when read: not for such models.)"""
+    loss = F.cross_entropy(model(x), y)
+    return tally_saved(model, loss), loss
+
+
+def tally_saved(model: nn.Module, loss: torch.Tensor) -> SavedTensors:
+    """What the autograd graph under ``loss`` keeps for backward (see :func:`measure_saved`)."""
     st = SavedTensors()
     owned = {_storage_key(t)[:2] for t in [*model.parameters(), *model.buffers()]}
-    loss = F.cross_entropy(model(x), y)
     for t in _saved_in_graph(loss.grad_fn):
         st.count += 1
         st.naive_bytes += t.numel() * t.element_size()
@@ -114,7 +119,7 @@ def measure_saved(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[S
             if (dev, ptr) in owned:
                 st.param_bytes += nb
     st._keys.clear()
-    return st, loss
+    return st
 
 
 def _saved_in_graph(root) -> Iterator[torch.Tensor]:
