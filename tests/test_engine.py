@@ -303,6 +303,10 @@ def test_a_group_remakes_its_storage_when_its_tensors_move(change):
     elif change == "deepcopy":
         twin = copy.deepcopy(grouped)
         assert all(g._storage is None for g in engine.kernel_groups(twin))
+        for g in engine.kernel_groups(twin):  # the copy's plans read the copy's parameters
+            for b, blk in enumerate(g.plan.blocks):
+                own = {id(p) for p in blk.parameters()}
+                assert all(id(t) in own for t in g.plan.params_of(b))
         twin(x)
         for g0, g1 in zip(engine.kernel_groups(grouped), engine.kernel_groups(twin)):
             if len(g0) > 1:  # the copy's storage is its own
