@@ -216,11 +216,15 @@ def _pw_after_unbatch(t: Tensor, g2: int, c2: int, c0g: int, kh: int, kw: int) -
     return t.reshape(c2, r * c0g, kh, kw)
 
 
-def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
-    """``A [G, o*k*k, m]`` (a copy of W2 with taps before channels) and ``B [G, m, i]`` (a view of W1)."""
+def _taps_first(w2: Tensor, g: int) -> Tensor:
+    """``A [G, o*k*k, m]``: a copy of W2 with its taps before its channels."""
     c2, mg, kh, kw = w2.shape
-    a = w2.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3).reshape(g, (c2 // g) * kh * kw, mg)
-    return a, w1.reshape(g, mg, w1.shape[1])
+    return w2.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3).reshape(g, (c2 // g) * kh * kw, mg)
+
+
+def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
+    """``A [G, o*k*k, m]`` (:func:`_taps_first`) and ``B [G, m, i]`` (a view of W1)."""
+    return _taps_first(w2, g), w1.reshape(g, w2.shape[1], w1.shape[1])
 
 
 def _pw_first_unbatch(t: Tensor, c2: int, kh: int, kw: int) -> Tensor:
@@ -332,7 +336,7 @@ def compose_vjp(
             d2 = torch.bmm(gr, b.transpose(1, 2))  # [G, o*k*k, m]
             d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape).contiguous()  # as above
         if need_w1:
-            a, _ = _pw_first_operands(w1, g1, w2)
+            a = _taps_first(w2, g1)
             d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)  # [G, m, i]
         return d1, d2
     if case == "depthwise_after_1x1":
