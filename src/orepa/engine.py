@@ -109,7 +109,7 @@ class Storage(NamedTuple):
 
     roles: list[Tensor]
     family: Family | None
-    operands: list[tuple[list[Operand], Tensor | None]] | None = None
+    operands: list[tuple[list[Operand], Tensor | None]]
 
 
 class Plan:
@@ -138,14 +138,15 @@ class Plan:
                 scale0 is not None and scale0.mode == "scalar", ((k - e) // 2, (k - e) // 2 + e)))
         self._find_slots()
         # per filter-family member (see Family): its roles (1x1 weight, fixed filter or None, scale)
-        members, role = [], 0
-        for br in self.branches:
+        members, indices, role = [], [], 0
+        for i, br in enumerate(self.branches):
             if self._in_family(br, blk):
                 members.append((role, role + 1 if len(br.steps) == 2 else None, role + len(br.steps)))
+                indices.append(i)
             role += len(br.steps) + (br.scales is not None)
-        self.family = tuple(members) if len(members) >= 2 else ()
-        self._family_branches = frozenset(i for i, br in enumerate(self.branches)
-                                          if self.family and self._in_family(br, blk))
+        family = len(members) >= 2
+        self.family = tuple(members) if family else ()
+        self._family_branches = frozenset(indices if family else ())
 
     def _in_family(self, br: _Branch, blk: nn.Module) -> bool:
         if br.name == self.first or br.scales is None or br.scalar or not br.learnable[0]:
@@ -182,28 +183,26 @@ class Plan:
         """Where each block's operand tensors live, as (the module's tensor dict, key) per role:
         gathering them is then a list of dict lookups (an eager GPU step is bound by host time).
         Read at every gathering, so a parameter assigned anew is the one read."""
+        # per role, whether it is a parameter (the rest are fixed kernels, buffers)
+        self.learnable_roles = tuple(r for br in self.branches
+                                     for r in (*br.learnable, *((True,) if br.scales is not None else ())))
         self._slots, self._param_slots = [], []
         for b in range(self.n):
-            slots, params = [], []
+            slots = []
             for br in self.branches:
-                for st, learnable in zip(br.steps, br.learnable):
-                    m = st[b]
-                    slot = (m._parameters, "weight") if learnable else (m._buffers, "weight")
-                    slots.append(slot)
-                    if learnable:
-                        params.append(slot)
+                slots.extend((st[b]._parameters if learnable else st[b]._buffers, "weight")
+                             for st, learnable in zip(br.steps, br.learnable))
                 if br.scales is not None:
                     slots.append((br.scales[b]._parameters, "weight"))
-                    params.append(slots[-1])
             self._slots.append(slots)
-            self._param_slots.append(params)
+            self._param_slots.append([slot for slot, p in zip(slots, self.learnable_roles) if p])
 
-    def operands(self, stacked: Storage | None = None) -> list[tuple[list[Operand], Tensor | None]]:
+    def operands(self, stacked: Sequence[Tensor] | None = None) -> list[tuple[list[Operand], Tensor | None]]:
         """Per branch: its kernel steps and scale over the blocks, concatenated along dim 0.
 
-        ``stacked``: those concatenations already made (a :class:`KernelGroup`'s storage)."""
+        ``stacked``: those concatenations already made, one per role (a :class:`Storage`'s roles)."""
         one = self.n == 1
-        roles = iter(stacked.roles) if stacked is not None else None
+        roles = iter(stacked) if stacked is not None else None
         out = []
         for br in self.branches:
             if roles is not None:
@@ -555,9 +554,8 @@ class KernelGroup:
         self._pending: dict[int, tuple[tuple, Tensor]] = {}
         self.peers: list[KernelGroup] = [self]  # the groups of one network (group_kernels sets them)
         self.prebuild = True  # built by a peer's first miss; off once a block declined a kernel
-        # per role (Plan.tensors_of), which of its tensors are parameters; and the storage the
-        # blocks' tensors are views of (made at the first build, see _stacked) with their addresses
-        self._learnable = [isinstance(t, nn.Parameter) for t in self.plan.tensors_of(0)]
+        # the storage the blocks' tensors are views of (made at the first build, see _stacked)
+        # and the tensors' addresses then
         self._storage: Storage | None = None
         self._addresses: tuple[int, ...] = ()
 
@@ -599,10 +597,11 @@ class KernelGroup:
     def _build(self) -> None:
         plan = self.plan
         tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]  # block-major, every role
-        params = [t for t, learnable in zip(tensors, itertools.cycle(self._learnable)) if learnable]
+        params = [t for t, learnable in zip(tensors, itertools.cycle(plan.learnable_roles)) if learnable]
         ref = tensors[0]
-        if all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
-            stacked = self._stacked(tensors)
+        held = self._holds(tensors)  # the common case: nothing moved since the storage was made
+        if held or all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
+            stacked = self._storage if held else self._stacked(tensors)
             kernels = SqueezeFunction.apply(plan, stacked, *params)
             kernels = (kernels,) if plan.n == 1 else kernels
         else:  # blocks on several devices or dtypes: each its own
@@ -611,21 +610,24 @@ class KernelGroup:
         m = len(params) // plan.n  # params are block-major: block j's are params[j*m:(j+1)*m]
         self._pending = {j: (tuple(map(_version, params[j * m:(j + 1) * m])), w) for j, w in enumerate(kernels)}
 
+    def _holds(self, tensors: list[Tensor]) -> bool:
+        """Whether ``tensors`` are still the views of this group's storage (one device and dtype)."""
+        return self._storage is not None and self._storage.roles[0].device == tensors[0].device and all(
+            t.data_ptr() == ptr for t, ptr in zip(tensors, self._addresses))
+
     def _stacked(self, tensors: list[Tensor]) -> Storage | None:
-        """Per role, the blocks' tensors as one tensor concatenated along dim 0, of which they are
-        views: the group's *storage*, made once, so no build concatenates its operands again.
+        """Make the group's *storage*: per role, the blocks' tensors as one tensor concatenated
+        along dim 0, of which they become views, so later builds concatenate nothing (:meth:`_build`
+        reuses it while :meth:`_holds` says the tensors are still its views).
 
         The parameters stay the blocks' own ``nn.Parameter`` s (state_dict, optimizer, DDP and
         ``convert`` see nothing new); only their ``.data`` points into the storage. Whatever breaks
-        that (``.to()``, ``load_state_dict(assign=True)``, a replaced parameter) is seen here by
-        the tensors' addresses and the storage is made again from their values. Inside a CUDA graph
+        that (``.to()``, ``load_state_dict(assign=True)``, a replaced parameter) shows in the
+        tensors' addresses and the storage is made again from their values. Inside a CUDA graph
         capture it is not remade (a captured concatenation reads the tensors as they are at replay),
         nor for tensors that are not the blocks' own parameters and buffers: None is returned, and
         the operands are concatenated as without storage.
         """
-        if self._storage is not None and self._storage.roles[0].device == tensors[0].device and all(
-                t.data_ptr() == ptr for t, ptr in zip(tensors, self._addresses)):
-            return self._storage
         plan = self.plan
         n = plan.n
         if (n > 1 or plan.family) and tensors[0].is_cuda and torch.cuda.is_current_stream_capturing():
@@ -670,8 +672,8 @@ class KernelGroup:
                         filters[:, i, lo:lo + e, lo:lo + e] = storage[f_role][:, 0]
                 family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, k * k))
         # scales kept as [B * C_out, 1, 1, 1] views: they broadcast over kernels with no view op per use
-        made = Storage([K.channel_column(s) if s.dim() == 1 else s for s in storage], family)
-        self._storage = made._replace(operands=plan.operands(made))
+        roles = [K.channel_column(s) if s.dim() == 1 else s for s in storage]
+        self._storage = Storage(roles, family, plan.operands(roles))
         self._addresses = tuple(t.data_ptr() for t in tensors)
         return self._storage
 
