@@ -17,7 +17,8 @@ batch, so that frozen statistics do not make the network blow up. Per variant:
 
 * ``step_s``: median train step (zero_grad + forward + losses + backward + SGD step);
 * ``saved_MB``: bytes autograd keeps for backward after one forward (read off the graph,
-  ``orepa.apps.bench.tally_saved``), every storage counted once, parameters excluded; on CUDA also ``peak_MB`` (``torch.cuda.max_memory_allocated``);
+  ``orepa.apps.bench.tally_saved``), every storage counted once, parameters excluded; on CUDA
+  also ``peak_MB`` (``torch.cuda.max_memory_allocated``);
 * ``train_params`` / ``deploy_params`` and ``deploy_err``: backbone features of
   ``orepa.reparameterize(model)`` against the training form in eval (relative max error).
 
