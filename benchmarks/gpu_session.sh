@@ -8,9 +8,10 @@
 #                                        #   Fashion-MNIST, 1 epoch on 25,600 images at batch 256: eager vs the
 #                                        #   default mode), and eager / CUDA-graph step times of base, OREPA and DBB
 #                                        #   (ResNet-18 and ResNet-50 at batch 64, ResNet-18 at batch 8; 224x224)
-#   benchmarks/gpu_session.sh modes      # ~6 min: the tests and step times of "steps" without the accuracy
+#   benchmarks/gpu_session.sh modes      # ~7 min: the tests and step times of "steps" without the accuracy
 #                                        #   check, a short default-mode run with --amp --channels-last --model-ema,
-#                                        #   plus torch.compile'd steps of base and OREPA (ResNet-18 b64)
+#                                        #   torch.compile'd steps of base and OREPA (ResNet-18 b64), and the GPU
+#                                        #   time per operator of an eager base / OREPA step (ResNet-18 b64)
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -101,6 +102,10 @@ modes)
         --no-progress 2>&1 | tail -3 | tee "$R/opts_reparam.log"
     pack
     step_times 120
+    # where the GPU time of OREPA's kernel construction goes (what a CUDA-graph replay still runs)
+    timeout 90 python3 benchmarks/profile_step.py -m resnet18 -b 64 --device cuda --methods base orepa --steps 3 \
+        --top 30 --json "$R/profile_resnet18_b64_cuda.json" > "$R/profile_resnet18_b64_cuda.txt" 2>&1
+    pack
     timeout 200 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
         --methods base orepa --reps 20 --warmup 3 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -6 \
         | tee -a "$R/bench.log"

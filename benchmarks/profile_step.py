@@ -8,8 +8,9 @@ warms them up, then profiles ``--steps`` train steps of each, interleaved, and p
 * the top operators by self time for every non-base variant, with input shapes.
 
 Self CPU time is what the operators themselves spent (profiler overhead included, so the
-sum exceeds the wall time a little); on CUDA add ``--device cuda`` and read the CPU column as
-host time. This is the script behind docs/benchmarks.md "Where the time goes".
+sum exceeds the wall time a little). With ``--device cuda`` that is host time, and a second
+report gives the GPU time of each operator's kernels (what a CUDA-graph replay still spends).
+This is the script behind docs/benchmarks.md "Where the time goes".
 
     python benchmarks/profile_step.py -m resnet18 -b 16 --methods base orepa --threads 2 [--json out.json]
 """
@@ -57,7 +58,8 @@ def category(op_name: str) -> str:
 
 def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, steps: int = 2, warmup: int = 2,
                      num_classes: int = 1000, device: str = "cpu", model_options: dict | None = None) -> dict:
-    """Self time per ``(operator, input shapes)`` and per category, in ms per step, for every variant."""
+    """Self time per ``(operator, input shapes)`` and per category, in ms per step, for every variant:
+    ``result[variant]`` the host's (CPU) time; on CUDA also ``result[variant]["device"]``, the GPU's."""
     device = torch.device(device)
     torch.manual_seed(0)
     x = torch.randn(batch_size, 3, image_size, image_size, device=device)
@@ -70,7 +72,8 @@ def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, 
         for r in runners:
             r.step(x, y)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    ops: dict[str, dict[tuple, list]] = {r.name: defaultdict(lambda: [0.0, 0]) for r in runners}
+    on_gpu = device.type == "cuda"
+    ops: dict[str, dict[tuple, list]] = {r.name: defaultdict(lambda: [0.0, 0, 0.0]) for r in runners}
     for _ in range(steps):
         for r in runners:  # interleaved, as orepa bench: load changes hit every variant alike
             with profile(activities=activities, record_shapes=True) as prof:
@@ -83,15 +86,24 @@ def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, 
                 acc = ops[r.name][(e.key, str(e.input_shapes))]
                 acc[0] += e.self_cpu_time_total / 1e3 / steps
                 acc[1] += e.count / steps
+                if on_gpu:  # the name changed in torch 2.4 (self_cuda_time_total before)
+                    acc[2] += getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) / 1e3 / steps
     out = {}
     for name, table in ops.items():
-        cats = dict.fromkeys(ORDER, 0.0)
-        for (op, _), (ms, _) in table.items():
-            cats[category(op)] += ms
-        top = sorted(((ms, n, op, shapes) for (op, shapes), (ms, n) in table.items()), reverse=True)
-        out[name] = {"categories_ms": cats, "total_ms": sum(cats.values()),
-                     "ops": [{"op": op, "shapes": shapes, "ms": ms, "calls": n} for ms, n, op, shapes in top]}
+        out[name] = _summary({k: (ms, n) for k, (ms, n, _) in table.items()})
+        if on_gpu:
+            out[name]["device"] = _summary({k: (ms, n) for k, (_, n, ms) in table.items()})
     return out
+
+
+def _summary(table: dict[tuple, tuple[float, float]]) -> dict:
+    """Per category and per operator (costliest first) from ``{(op, shapes): (ms, calls)}``."""
+    cats = dict.fromkeys(ORDER, 0.0)
+    for (op, _), (ms, _) in table.items():
+        cats[category(op)] += ms
+    top = sorted(((ms, n, op, shapes) for (op, shapes), (ms, n) in table.items()), reverse=True)
+    return {"categories_ms": cats, "total_ms": sum(cats.values()),
+            "ops": [{"op": op, "shapes": shapes, "ms": ms, "calls": n} for ms, n, op, shapes in top]}
 
 
 def format_report(result: dict, top: int = 20) -> str:
@@ -137,8 +149,15 @@ def main(argv=None) -> dict:
     print(f"{args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.device}, "
           f"{torch.get_num_threads()} threads, self time per train step (ms), mean of {args.steps} profiled steps\n")
     print(format_report(result, args.top))
+    if any("device" in r for r in result.values()):
+        print("\nGPU time of the operators' kernels per train step (ms)\n")
+        print(format_report({n: r["device"] for n, r in result.items()}, args.top))
     if args.json:  # the 200 costliest operators per variant (the categories count all of them)
-        saved = {n: {**r, "ops": r["ops"][:200], "ops_total": len(r["ops"])} for n, r in result.items()}
+        def trimmed(r: dict) -> dict:
+            return {**r, "ops": r["ops"][:200], "ops_total": len(r["ops"])}
+
+        saved = {n: {**trimmed(r), **({"device": trimmed(r["device"])} if "device" in r else {})}
+                 for n, r in result.items()}
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "results": saved}, f, indent=1)
     return result

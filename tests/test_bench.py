@@ -270,6 +270,7 @@ def test_profile_step_script_accounts_for_every_operator(tmp_path, capsys):
         assert ms == sorted(ms, reverse=True) and all(o["op"].startswith("aten::") for o in r["ops"])
     assert res["base"]["categories_ms"]["conv"] > 0
     assert res["orepa"]["categories_ms"]["matmul"] > res["base"]["categories_ms"]["matmul"]
+    assert all("device" not in r for r in res.values())  # GPU time only on a GPU
     assert mod.category("aten::bmm") == "matmul" and mod.category("aten::view") == "views/alloc"
     assert "| total |" in mod.format_report(res, top=3)
     with pytest.raises(ValueError, match="unknown method"):

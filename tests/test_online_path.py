@@ -64,7 +64,8 @@ def test_chain_order_is_chosen_once_per_input_shape(monkeypatch):
     block = orepa.OREPAConv2d(64, 64, 3)
     calls = []
     choose = engine.choose_route
-    monkeypatch.setattr(engine, "choose_route", lambda b, shape, r: calls.append(tuple(shape)) or choose(b, shape, r))
+    monkeypatch.setattr(engine, "choose_route",
+                        lambda b, shape, r, lb=False: calls.append(tuple(shape)) or choose(b, shape, r, lb))
     small, large = torch.randn(1, 64, 4, 4), torch.randn(16, 64, 56, 56)
     first = engine.route(block, small, True)
     first[0].append("mutated by a caller")  # callers get copies
@@ -99,9 +100,19 @@ def test_compose_vjp_matches_autograd(shapes):
     out, _ = K.compose(w1, g1, w2, g2)
     grad = torch.randn_like(out)
     ref = torch.autograd.grad(out, (w1, w2), grad)
-    got = K.compose_vjp(w1, g1, w2, g2, grad)
-    for a, b in zip(got, ref):
-        tol_close(a, b, rel=1e-12)
+    for launch_bound in (False, True):
+        got = K.compose_vjp(w1, g1, w2, g2, grad, launch_bound=launch_bound)
+        for a, b in zip(got, ref):
+            tol_close(a, b, rel=1e-12)
+    # with a per-output-channel (and a scalar) scale on W2: the gradients of W1 and of the scaled W2
+    for scale in (torch.rand(s2[0], dtype=torch.double) + 0.5, torch.tensor([0.7], dtype=torch.double)):
+        w2s = K.scale_channels(w2.detach(), scale).requires_grad_()
+        out, _ = K.compose(w1, g1, w2s, g2)
+        ref = torch.autograd.grad(out, (w1, w2s), grad)
+        for launch_bound in (False, True):
+            got = K.compose_vjp(w1, g1, w2.detach(), g2, grad, launch_bound=launch_bound, scale=scale)
+            for a, b in zip(got, ref):
+                tol_close(a, b, rel=1e-12)
 
 
 def test_squeeze_keeps_no_intermediate_kernels():
@@ -242,6 +253,31 @@ def test_block_step_dispatches_few_ops():
     with CountOps() as ops:
         block(x).backward(gy)
     assert ops.n <= 165
+
+
+def test_a_launch_bound_device_squeezes_every_branch_and_keeps_the_kernel(monkeypatch):
+    """On a GPU a block's own route (per-block policy, a checkpointed region, a compiled model) is
+    the group's, block by block: every branch in kernel space, the kernel kept, the plan with the
+    fewest operators. Here on a CPU standing in for one; it computes what the CPU's route does."""
+    block = _randomized(orepa.OREPAConv2d(8, 8, 3, padding=1, dw_expand=2)).double()
+    x = torch.randn(1, 8, 3, 3, dtype=torch.double, requires_grad=True)  # small: on the map, rebuilt
+    gy = torch.randn(1, 8, 3, 3, dtype=torch.double)
+    assert engine.needs_recompute(block, x) and engine.route(block, x, True)[1]
+    y_cpu, ref = _grads(block, x, gy)
+    monkeypatch.setattr(engine, "_launch_bound", lambda t: True)
+    assert not engine.needs_recompute(block, x)
+    assert engine.route(block, x, False) == (list(block.branches), [])
+    assert engine.choose_route(block, x.shape, False, launch_bound=True) == (list(block.branches), [])
+    built = []
+    plan_of = engine.plan_of
+    monkeypatch.setattr(engine, "plan_of", lambda b, names, lb=False: built.append(lb) or plan_of(b, names, lb))
+    y, grads = _grads(block, x, gy)
+    assert built and all(built)
+    tol_close(y, y_cpu, rel=1e-12)
+    for a, b in zip(grads, ref):
+        tol_close(a, b, rel=1e-12)
+    block.recompute = True  # asked for explicitly: still rebuilt in backward
+    assert engine.needs_recompute(block, x)
 
 
 @pytest.mark.slow

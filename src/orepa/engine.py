@@ -321,10 +321,11 @@ def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
             if last.learnable:
                 out[1] = d_last
             return out
-        last_s = last.kernel if s is None else K.scale_channels(last.kernel, s)
-        d_first, d_last = K.compose_vjp(first.kernel, first.groups, last_s, last.groups, grad,
+        # d_last: the gradient of the scaled second kernel (the scaling fused into its reordering)
+        d_first, d_last = K.compose_vjp(first.kernel, first.groups, last.kernel, last.groups, grad,
                                         need_w1=first.learnable, need_w2=last.learnable or s is not None,
-                                        shared_filter=last.shared and s is None, launch_bound=launch_bound)
+                                        shared_filter=last.shared and s is None, launch_bound=launch_bound,
+                                        scale=s)
         out[0] = d_first if first.learnable else None
         grad = d_last
     if s is not None:
@@ -336,9 +337,9 @@ def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
     return out
 
 
-def plan_of(block: nn.Module, names: Sequence[str]) -> Plan:
-    """The (cached) plan of one block's named branches."""
-    return memo(block._plans, tuple(names), lambda: Plan((block,), names))
+def plan_of(block: nn.Module, names: Sequence[str], launch_bound: bool = False) -> Plan:
+    """The (cached) plan of one block's named branches (``launch_bound``: see :class:`Plan`)."""
+    return memo(block._plans, (tuple(names), launch_bound), lambda: Plan((block,), names, launch_bound))
 
 
 def squeeze(blocks: Sequence[nn.Module], names: Sequence[str]) -> Tensor:
@@ -380,7 +381,7 @@ class RecomputedSqueezeConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, block: nn.Module, names: tuple[str, ...], bias: Tensor | None, *params: Tensor):
-        w = plan_of(block, names).squeeze()
+        w = plan_of(block, names, _launch_bound(x)).squeeze()
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
@@ -396,7 +397,7 @@ class RecomputedSqueezeConv(torch.autograd.Function):
     def backward(ctx, grad_y: Tensor):
         x, *params = ctx.saved_tensors
         block, dtype = ctx.block, ctx.conv_dtype
-        plan = plan_of(block, ctx.names)
+        plan = plan_of(block, ctx.names, _launch_bound(x))
         w = plan.squeeze()
         gx, gw, gb = torch.ops.aten.convolution_backward(
             grad_y.to(dtype), x.to(dtype), w.to(dtype), [block.out_channels] if ctx.has_bias else None,
@@ -414,6 +415,12 @@ class RecomputedSqueezeConv(torch.autograd.Function):
 # Cost of one memory-bound pass over one kernel element, in multiply-adds of a matrix
 # product (CPU: ~0.6 ns per element and pass vs ~0.05 ns per MAC); used by the chain-order choice.
 _ELEMENT_PASS_MACS = 16
+
+
+def _launch_bound(t: Tensor) -> bool:
+    """Whether ``t``'s device runs an eager step at the pace its host issues operators (a GPU:
+    launches decide how a kernel is built) rather than at that of their FLOPs (a CPU)."""
+    return t.is_cuda
 
 
 def _recomputing() -> bool:
@@ -443,7 +450,8 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
     In a :class:`KernelGroup` that is active for ``x``'s device (a GPU by default): the group's
     kernel, a plain conv. Otherwise each block takes its own route: per branch the cheaper
     matrix-chain order for this input (:func:`route`), the squeezed part optionally rebuilt in
-    backward instead of kept (:func:`needs_recompute`).
+    backward instead of kept (:func:`needs_recompute`). On a GPU (per-block policy, a checkpointed
+    region, a torch.compile'd model) that route is the group's, block by block: launches decide.
     """
     group = _grouped(block, x)
     if group is not None:
@@ -454,7 +462,7 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
     squeezed, on_features = route(block, x, recompute)
     y = None
     if squeezed:
-        plan = plan_of(block, squeezed)
+        plan = plan_of(block, squeezed, _launch_bound(x))
         if recompute:
             y = RecomputedSqueezeConv.apply(x, block, tuple(squeezed), block.bias, *plan.params())
         else:
@@ -471,16 +479,23 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
 def train_kernel(block: nn.Module) -> Tensor:
     """The squeezed kernel of a closed-form online block with autograd (a block nested as a step)."""
     plan = plan_of(block, tuple(block.branches))
-    group = _grouped(block, plan.ref())
+    ref = plan.ref()
+    group = _grouped(block, ref)
     if group is not None:
         return group.kernel_of(block)
+    if _launch_bound(ref):
+        plan = plan_of(block, tuple(block.branches), True)
     return SqueezeFunction.apply(plan, None, *plan.params())
 
 
 def needs_recompute(block: nn.Module, x: Tensor) -> bool:
-    """Rebuild the kernel in backward instead of keeping it (auto: when it outweighs the input)."""
+    """Rebuild the kernel in backward instead of keeping it (auto: when it outweighs the input, on a
+    CPU; a GPU keeps it, as a group does: rebuilding costs launches, and a kernel is small beside a
+    GPU batch's activations)."""
     if block.recompute != "auto":
         return bool(block.recompute)
+    if _launch_bound(x):
+        return False
     w_numel = block.out_channels * (block.in_channels // block.groups) * block.kernel_size[0] ** 2
     return w_numel > x.numel()
 
@@ -492,14 +507,18 @@ def route(block: nn.Module, x: Tensor, recompute: bool) -> tuple[list[str], list
     feature map it costs ``N H W`` times its kernels' sizes. Both give the same function (no BN
     inside), so the cheaper one for this input is taken (small batches and deep layers run such
     branches on the feature map). Depends on shapes only, so it is computed once per input shape
-    (``block._routes``).
+    (``block._routes``). On a GPU every branch is squeezed: the fewest launches.
     """
-    squeezed, on_features = memo(block._routes, (tuple(x.shape), recompute),
-                                 lambda: choose_route(block, x.shape, recompute))
+    launch_bound = _launch_bound(x)
+    squeezed, on_features = memo(block._routes, (tuple(x.shape), recompute, launch_bound),
+                                 lambda: choose_route(block, x.shape, recompute, launch_bound))
     return list(squeezed), list(on_features)
 
 
-def choose_route(block: nn.Module, shape: torch.Size, recompute: bool) -> tuple[list[str], list[str]]:
+def choose_route(block: nn.Module, shape: torch.Size, recompute: bool,
+                 launch_bound: bool = False) -> tuple[list[str], list[str]]:
+    if launch_bound:
+        return list(block.branches), []
     n, _, h, w = shape
     s = block.stride[0]
     ho, wo = (h - 1) // s + 1, (w - 1) // s + 1
@@ -575,7 +594,7 @@ class KernelGroup:
         """Whether blocks on ``ref``'s device build their kernels here (training forwards only)."""
         if self.policy == "per-block" or torch.compiler.is_compiling():
             return False
-        return self.policy == "grouped" or ref.is_cuda
+        return self.policy == "grouped" or _launch_bound(ref)
 
     def kernel_of(self, block: nn.Module) -> Tensor:
         i = self._index[id(block)]

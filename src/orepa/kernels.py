@@ -216,10 +216,23 @@ def _pw_after_unbatch(t: Tensor, g2: int, c2: int, c0g: int, kh: int, kw: int) -
     return t.reshape(c2, r * c0g, kh, kw)
 
 
-def _taps_first(w2: Tensor, g: int) -> Tensor:
-    """``A [G, o*k*k, m]``: a copy of W2 with its taps before its channels."""
+def _mul_contiguous(a: Tensor, b: Tensor) -> Tensor:
+    """``a * b`` as a contiguous tensor of ``a``'s shape, in one pass when ``a`` is a strided view
+    (the product writes straight into the reordered layout, no separate copy). A traced call takes
+    the product and the copy apart: the compiler fuses them itself (and mis-tracks out= strides)."""
+    if torch.compiler.is_compiling():
+        return (a * b).contiguous()
+    return torch.mul(a, b, out=a.new_empty(a.shape))
+
+
+def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None) -> Tensor:
+    """``A [G, o*k*k, m]``: a copy of W2 with its taps before its channels (each output channel
+    times ``scale``'s, in the same pass, where given)."""
     c2, mg, kh, kw = w2.shape
-    return w2.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3).reshape(g, (c2 // g) * kh * kw, mg)
+    taps = w2.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3)
+    if scale is None:
+        return taps.reshape(g, (c2 // g) * kh * kw, mg)
+    return _mul_contiguous(taps, scale.reshape(g, c2 // g, 1, 1)).view(g, -1, mg)
 
 
 def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
@@ -295,7 +308,7 @@ def cheap_vjp_groups(w1_shape, g1: int, w2_shape, g2: int) -> int | None:
 
 def compose_vjp(
     w1: Tensor, g1: int, w2: Tensor, g2: int, grad: Tensor, *, need_w1: bool = True, need_w2: bool = True,
-    shared_filter: bool = False, launch_bound: bool = False,
+    shared_filter: bool = False, launch_bound: bool = False, scale: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of ``<grad, compose(w1, g1, w2, g2)>`` w.r.t. ``w1`` and ``w2``, in closed form.
 
@@ -305,9 +318,13 @@ def compose_vjp(
     ``shared_filter`` says that a per-channel ``w2`` is the same for every channel
     (average pooling), which turns its contraction into one matrix-vector product.
     ``launch_bound``: fewest operators (a GPU's eager step is bound by issuing them) rather
-    than the CPU's fastest evaluation where the two differ.
+    than the CPU's fastest evaluation where the two differ. ``scale`` (per output channel of
+    ``w2``): the composition is of ``w1`` and ``scale * w2``, and the second gradient is the
+    scaled kernel's; the scaling is fused into the copy that reorders ``w2`` where there is one.
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
+    if scale is not None and (case not in ("pointwise_after", "pointwise_first") or scale.numel() != w2.shape[0]):
+        w2, scale = scale_channels(w2, scale), None  # nothing to fuse into, or one scalar
     c1, c0g = w1.shape[:2]
     c2 = w2.shape[0]
     d1 = d2 = None
@@ -322,10 +339,15 @@ def compose_vjp(
             # parameter then run on matching strides (instead of slower mixed-stride passes)
             d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
         if need_w1 and launch_bound:  # one product per fine group: [m, o] @ [o, i*k*k]
-            a = w2.reshape(g2, o, r, m).permute(0, 2, 3, 1).reshape(g2 * r, m, o)
+            a = w2.reshape(g2, o, r, m).permute(0, 2, 3, 1)
+            if scale is None:
+                a = a.reshape(g2 * r, m, o)
+            else:
+                a = _mul_contiguous(a, scale.reshape(g2, 1, 1, o)).view(g2 * r, m, o)
             d1 = torch.bmm(a, gt.transpose(1, 2)).reshape(w1.shape)
         elif need_w1:
-            d1 = _pw_after_w1_grad(w2, grad, g2, r, m, o).reshape(w1.shape)
+            w2s = w2 if scale is None else scale_channels(w2, scale)
+            d1 = _pw_after_w1_grad(w2s, grad, g2, r, m, o).reshape(w1.shape)
         return d1, d2
     if case == "pointwise_first":
         kh, kw = w2.shape[-2:]
@@ -336,7 +358,7 @@ def compose_vjp(
             d2 = torch.bmm(gr, b.transpose(1, 2))  # [G, o*k*k, m]
             d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape).contiguous()  # as above
         if need_w1:
-            a = _taps_first(w2, g1)
+            a = _taps_first(w2, g1, scale)
             d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)  # [G, m, i]
         return d1, d2
     if case == "depthwise_after_1x1":
