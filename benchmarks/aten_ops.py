@@ -6,8 +6,10 @@ aliases and allocations: the operators that launch a GPU kernel, which a CUDA-gr
 still runs one after another. Counted with a ``TorchDispatchMode`` over one
 train step (zero_grad + forward + cross-entropy + backward + fused SGD) after one warm-up step,
 224x224 inputs (``orepa bench`` reports the same count in its "aten ops / step" column). OREPA is
-counted on both routes of ``orepa.engine``: "grouped" (blocks of one signature build their kernels
-together: what runs on a GPU) and "per-block" (each block its own FLOP-chosen route: a CPU)::
+counted on the routes of ``orepa.engine``: "grouped" (blocks of one signature build their kernels
+together: what runs on a GPU), "per-block" (each block its own FLOP-chosen route: a CPU) and
+"compiled" (grouped, each group's construction compiled by inductor: its fused kernels are not
+aten operators, only its products and allocations are; compiles for a minute first)::
 
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json
 """
@@ -20,7 +22,8 @@ from orepa.apps.bench.measure import count_ops, make_runner
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
     x, y = torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
-    for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa", "per-block")):
+    for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa", "per-block"),
+                          ("orepa", "compiled")):
         key = f"{model} b{b} {spec}" + ("" if spec != "orepa" else f" {builder}")
         r = make_runner(model, spec, device=torch.device("cpu"), kernel_builder=builder)
         r.step(x, y)

@@ -12,6 +12,9 @@
 #                                        #   check, a short default-mode run with --amp --channels-last --model-ema,
 #                                        #   torch.compile'd steps of base and OREPA (ResNet-18 b64), and the GPU
 #                                        #   time per operator of an eager base / OREPA step (ResNet-18 b64)
+#   benchmarks/gpu_session.sh builder    # ~4 min: the compiled kernel builder (--kernel-builder compiled) against
+#                                        #   the eager groups: base / OREPA step times at ResNet-18 b64 (eager and
+#                                        #   CUDA graphs) and b8, ResNet-50 b64 (eager), each compiling first
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -19,7 +22,7 @@
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
 # and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh probe|compile|steps|modes|long}
+phase=${1:?usage: gpu_session.sh probe|compile|steps|modes|builder|long}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
@@ -109,6 +112,15 @@ modes)
     timeout 200 python3 -m orepa bench -m resnet18 -b 64 --image-size 224 --device cuda --cudnn-benchmark --compile \
         --methods base orepa --reps 20 --warmup 3 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -6 \
         | tee -a "$R/bench.log"
+    ;;
+builder)
+    for run in "resnet18 64" "resnet18 64 --cuda-graphs" "resnet18 8" "resnet50 64"; do
+        set -- $run
+        timeout 150 python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark ${3:-} \
+            --methods base orepa --reps 25 --warmup 5 --no-inference --kernel-builder compiled --output-dir "$R/bench" \
+            --no-plot 2>&1 | tail -5 | tee -a "$R/bench.log"
+        pack
+    done
     ;;
 long)
     epochs=${EPOCHS:?set EPOCHS}

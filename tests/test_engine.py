@@ -12,12 +12,12 @@ from orepa import engine
 from orepa.blocks import OREPAConv2d
 
 
-def _pair(name="resnet18", **opts):
+def _pair(name="resnet18", policy="grouped", **opts):
     torch.manual_seed(0)
     ref = orepa.create_model(name, "orepa", num_classes=10, width_mult=0.125, **opts).double()
     grouped = copy.deepcopy(ref)
     engine.group_kernels(ref, "per-block")
-    engine.group_kernels(grouped, "grouped")
+    engine.group_kernels(grouped, policy)
     return ref, grouped
 
 
@@ -28,9 +28,11 @@ def _grads(model, x):
     return y, {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
-def test_grouped_forward_and_gradients_equal_per_block(name):
-    ref, grouped = _pair(name)
+@pytest.mark.parametrize("name,policy", [("resnet18", "grouped"), ("resnet50", "grouped"),
+                                         pytest.param("resnet18", "compiled", marks=pytest.mark.slow)])
+def test_grouped_forward_and_gradients_equal_per_block(name, policy):
+    """Compiled: every group's construction compiled (deep stem and all), same numbers."""
+    ref, grouped = _pair(name, policy)
     groups = engine.kernel_groups(grouped)
     assert max(len(g) for g in groups) >= 2
     # train-mode BNs over few values amplify rounding: 4 images of 64x64 leave 16 values at the last stage
@@ -350,3 +352,72 @@ def test_tensors_a_group_does_not_own_are_never_repointed():
     y1.square().sum().backward()
     assert all(t.grad is not None for t in theirs.values())
     assert {n: t.data_ptr() for n, t in theirs.items()} == where
+
+
+def _compiled_pair(monkeypatch):
+    """The same little network twice, float64, grouped eagerly and grouped with compiled
+    construction (groups of two and of one, a filter family, both compositions); the calls of
+    the compiler are counted."""
+    torch.manual_seed(0)
+    a = nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(), OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(),
+                      OREPAConv2d(6, 8, 3, padding=1, groups=2)).double()
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    b = copy.deepcopy(a)
+    engine.group_kernels(a, "grouped")
+    engine.group_kernels(b, "compiled")
+    calls = []
+    compile_fx = torch._inductor.compile
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, inputs: calls.append(1) or compile_fx(gm, inputs))
+    return a, b, calls
+
+
+def _step(model, opt, x):
+    opt.zero_grad(set_to_none=True)
+    y = model(x)
+    (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype).view(1, -1, 1, 1)).square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    return y.detach(), grads
+
+
+@pytest.mark.slow
+def test_a_compiled_group_gives_the_eager_groups_numbers_and_compiles_once_per_layout(monkeypatch):
+    from orepa.apps.bench.measure import count_ops
+
+    a, b, calls = _compiled_pair(monkeypatch)
+    n_groups = len(engine.kernel_groups(b))
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in (a, b)]
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    for step in range(3):  # the storage is read, then updated in place by SGD, then read again
+        (ya, ga), (yb, gb) = _step(a, opts[0], x), _step(b, opts[1], x)
+        torch.testing.assert_close(yb, ya, rtol=1e-10, atol=1e-12)
+        for k in ga:
+            torch.testing.assert_close(gb[k], ga[k], rtol=1e-9, atol=1e-12, msg=k)
+        assert len(calls) == 2 * n_groups  # squeeze and vjp per group, compiled at the first step only
+    ops = {m: count_ops(lambda m=m, o=o: _step(m, o, x))[0] for m, o in zip((a, b), opts)}
+    assert ops[b] < 0.6 * ops[a], ops
+    # a new layout (dtype) compiles again; a deep copy compiles its own
+    twin = copy.deepcopy(b).float()
+    assert all(not g._compiled for g in engine.kernel_groups(twin))
+    y = twin(x.float())
+    assert len(calls) == 4 * n_groups
+    torch.testing.assert_close(y, a.float()(x.float()), rtol=1e-4, atol=1e-5)
+
+
+def test_a_failed_compilation_warns_and_the_group_builds_eagerly(monkeypatch):
+    a, b, _ = _compiled_pair(monkeypatch)
+
+    def no_compiler(gm, inputs):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr(torch._inductor, "compile", no_compiler)
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="compiling a group failed .RuntimeError: no C.. compiler found.; it"):
+        y, g = _step(b, torch.optim.SGD(b.parameters(), lr=0.0), x)
+    y0, g0 = _step(a, torch.optim.SGD(a.parameters(), lr=0.0), x)
+    torch.testing.assert_close(y, y0, rtol=1e-10, atol=1e-12)
+    for k in g0:
+        torch.testing.assert_close(g[k], g0[k], rtol=1e-9, atol=1e-12, msg=k)
+    assert all(g._compile_failed for g in engine.kernel_groups(b) if g._storage is not None)

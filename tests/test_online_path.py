@@ -100,8 +100,8 @@ def test_compose_vjp_matches_autograd(shapes):
     out, _ = K.compose(w1, g1, w2, g2)
     grad = torch.randn_like(out)
     ref = torch.autograd.grad(out, (w1, w2), grad)
-    for launch_bound in (False, True):
-        got = K.compose_vjp(w1, g1, w2, g2, grad, launch_bound=launch_bound)
+    for launch_bound, pointwise in ((False, False), (True, False), (True, True)):
+        got = K.compose_vjp(w1, g1, w2, g2, grad, launch_bound=launch_bound, pointwise=pointwise)
         for a, b in zip(got, ref):
             tol_close(a, b, rel=1e-12)
     # with a per-output-channel (and a scalar) scale on W2: the gradients of W1 and of the scaled W2

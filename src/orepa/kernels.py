@@ -138,15 +138,25 @@ def scale_channels(weight: Tensor, scale: Tensor) -> Tensor:
     return weight * channel_column(scale)
 
 
-def rowdot(a: Tensor, b: Tensor) -> Tensor:
+def batched_product(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
+    """``a @ b`` per batch ``[B, m, k] @ [B, k, n]``: a batched matrix product, or (``pointwise``)
+    a broadcast product summed over the contraction, which a compiler fuses into the element-wise
+    passes around it (for short contractions: dw -> pw's 8 channels, a kernel's k*k taps)."""
+    if pointwise:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return torch.bmm(a, b)
+
+
+def rowdot(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
     """Per-output-channel dot product ``sum(a[o] * b[o])``.
 
     Contiguous operands: a batched matmul of 1-row matrices (no full-size temporary).
-    Strided ones (slices of a kernel gradient): a product and a sum, since PyTorch's CPU
-    bmm copies every strided row separately (~2.5x slower for a 512-channel dw -> pw scale).
+    Strided ones (slices of a kernel gradient), or ``pointwise`` (code for a compiler, which fuses
+    it): a product and a sum, since PyTorch's CPU bmm copies every strided row separately
+    (~2.5x slower for a 512-channel dw -> pw scale).
     """
     n = a.shape[0]
-    if a.is_contiguous() and b.is_contiguous():
+    if a.is_contiguous() and b.is_contiguous() and not pointwise:
         return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).reshape(n)
     return torch.mul(a, b).sum(dim=tuple(range(1, a.dim())))
 
@@ -186,6 +196,8 @@ def _conv_compose(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
     c2, c1g, _, _ = w2.shape
     # conv2d computes a cross-correlation; flipping W1 turns it into the true
     # convolution the sequential rule needs (a no-op only when W1 is 1x1).
+    if groups == 1:  # W2's rows are the images, W1's transpose the filters: no reshaping (a deep stem)
+        return F.conv2d(w2, w1.transpose(0, 1).flip(-1, -2), padding=(k1h - 1, k1w - 1))
     inp = w2.reshape(groups, c2 // groups, c1g, *w2.shape[2:]).transpose(0, 1).reshape(c2 // groups, c1, *w2.shape[2:])
     ker = w1.reshape(groups, c1g, c0g, k1h, k1w).transpose(1, 2).reshape(groups * c0g, c1g, k1h, k1w)
     out = F.conv2d(inp, ker.flip(-1, -2), padding=(k1h - 1, k1w - 1), groups=groups)
@@ -308,7 +320,7 @@ def cheap_vjp_groups(w1_shape, g1: int, w2_shape, g2: int) -> int | None:
 
 def compose_vjp(
     w1: Tensor, g1: int, w2: Tensor, g2: int, grad: Tensor, *, need_w1: bool = True, need_w2: bool = True,
-    shared_filter: bool = False, launch_bound: bool = False, scale: Tensor | None = None,
+    shared_filter: bool = False, launch_bound: bool = False, scale: Tensor | None = None, pointwise: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of ``<grad, compose(w1, g1, w2, g2)>`` w.r.t. ``w1`` and ``w2``, in closed form.
 
@@ -321,6 +333,7 @@ def compose_vjp(
     than the CPU's fastest evaluation where the two differ. ``scale`` (per output channel of
     ``w2``): the composition is of ``w1`` and ``scale * w2``, and the second gradient is the
     scaled kernel's; the scaling is fused into the copy that reorders ``w2`` where there is one.
+    ``pointwise``: short contractions as broadcast products (:func:`batched_product`).
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
     if scale is not None and (case not in ("pointwise_after", "pointwise_first") or scale.numel() != w2.shape[0]):
@@ -334,7 +347,7 @@ def compose_vjp(
         # dimension o is its output's contiguous one
         gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o) if need_w2 or launch_bound else None
         if need_w2:
-            d2t = torch.bmm(w1.reshape(g2 * r, m, -1), gt)  # [G*r, m, o]
+            d2t = batched_product(w1.reshape(g2 * r, m, -1), gt, pointwise)  # [G*r, m, o], over i*k*k
             # made contiguous: the scale's products and autograd's accumulation into the
             # parameter then run on matching strides (instead of slower mixed-stride passes)
             d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
@@ -374,12 +387,14 @@ def compose_vjp(
     raise NotImplementedError(f"no closed-form vjp for the {case!r} composition")
 
 
-def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor | None = None) -> None:
+def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor | None = None,
+                 pointwise: bool = False) -> None:
     """``out += scale * compose(w1, g1, w2, g2)`` in place (``scale`` per output channel).
 
     A per-channel filter after a 1x1 is a broadcast product: it is accumulated
     without building the composed kernel. Other cases compose, then add with the
-    scale fused into the addition (one pass over ``out``).
+    scale fused into the addition (one pass over ``out``). ``pointwise``: dw -> pw's short
+    contraction as a broadcast product (:func:`batched_product`).
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
     if case == "depthwise_after_1x1":
@@ -390,7 +405,7 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
             and tuple(out.shape[-2:]) == tuple(w1.shape[-2:]):
         # the product's [G*r, o, i*k*k] read in place as out's [G, o, r, i*k*k]: no reordered copy
         a, b = _pw_after_operands(w1, g1, w2, g2)
-        t = torch.bmm(a, b)
+        t = batched_product(a, b, pointwise)
         r, o = g1 // g2, w2.shape[0] // g2
         out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2), scale.view(g2, o, 1, 1))
         return

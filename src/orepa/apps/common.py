@@ -89,7 +89,9 @@ def add_kernel_builder_argument(g) -> None:
     g.add_argument("--kernel-builder", choices=POLICIES, default="auto",
                    help="how online blocks build their kernels in training: auto (blocks of one signature together "
                         "on CUDA, where launches cost more than FLOPs; each block its own FLOP-chosen route on a "
-                        "CPU), grouped (together on any device), per-block (never together: less peak memory)")
+                        "CPU), grouped (together on any device), per-block (never together: less peak memory), "
+                        "compiled (grouped, each group's construction compiled by inductor at the first step: "
+                        "fewer launches for eager GPU steps)")
 
 
 # --------------------------------------------------------------------------- model building

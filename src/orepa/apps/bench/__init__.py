@@ -103,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
                        + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
-                       + ("" if args.kernel_builder == "auto" else "_" + args.kernel_builder)
+                       # "_compiled" names a torch.compile'd step: the compiled kernel builder is told apart
+                       + ("" if args.kernel_builder == "auto" else "_" + args.kernel_builder
+                          + ("-builder" if args.kernel_builder == "compiled" else ""))
                        + ("_components" if args.components else ""))
     print()
     print(format_header(result))
