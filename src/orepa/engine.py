@@ -762,6 +762,7 @@ class CompiledBuild:
     ``kernels``, ``kernels_vjp``)."""
 
     def __init__(self, plan: Plan, stacked: Storage):
+        import torch._inductor  # here, not at import: the eager routes never need the compiler
         from torch.fx.experimental.proxy_tensor import make_fx
 
         self.n, self.kernel_shape = plan.n, plan.kernel_shape
