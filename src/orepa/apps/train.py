@@ -351,7 +351,10 @@ class Trainer:
 
         seed_everything(args.seed)  # same initial weights on every rank
         model = build_model(self.cfg)
-        group_kernels(model, args.kernel_builder)
+        groups = group_kernels(model, args.kernel_builder)
+        if args.kernel_builder == "compiled" and groups:
+            self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
+                     "during the first training step (seconds per group)")
         if self.start_weights is not None:
             load_model_state(model, self.start_weights["model"], path=args.resume, built=describe_cfg(self.cfg),
                              saved=describe_cfg(saved_cfg) if saved_cfg else None)
