@@ -44,8 +44,8 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["POLICIES", "KernelGroup", "Plan", "choose_route", "group_kernels", "kernel_groups", "needs_recompute",
-           "plan_of", "route", "squeeze", "train_forward", "train_kernel"]
+__all__ = ["POLICIES", "CompiledBuild", "KernelGroup", "Plan", "choose_route", "group_kernels", "kernel_groups",
+           "needs_recompute", "plan_of", "route", "squeeze", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
