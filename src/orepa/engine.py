@@ -765,15 +765,14 @@ class CompiledBuild:
         import torch._inductor  # here, not at import: the eager routes never need the compiler
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        self.n, self.kernel_shape = plan.n, plan.kernel_shape
+        n = plan.n
+        self.n, self.kernel_shape = n, plan.kernel_shape
         traced = Plan(plan.blocks, plan.names, launch_bound=True, traced=True)
         roles = len(stacked.roles)
 
-        def storage(ts: Sequence[Tensor]) -> Storage:
+        def storage(ts: Sequence[Tensor]) -> Storage:  # the traced function's inputs as a Storage
             rs = list(ts[:roles])
             return Storage(rs, Family(*ts[roles:]) if len(ts) > roles else None, traced.operands(rs))
-
-        n = plan.n
 
         def kernels(*ts):
             return tuple(traced.kernels(storage(ts)))
