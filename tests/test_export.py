@@ -101,7 +101,7 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"\x80\x02not a checkpoint" * 20)
     cases = [
-        ([str(garbage)], "corrupt or not a PyTorch checkpoint"),
+        ([str(garbage)], "corrupt, truncated or not a PyTorch checkpoint"),
         ([str(tmp_path / "missing.pt")], "does not exist"),
         (["--model", "resnet18", "--input-size", "0"], "--input-size: must be a positive integer, got 0"),
         ([], "give a checkpoint, or --model"),

@@ -180,8 +180,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["analyze", str(ckpt)], "has no re-param block"),
         (["eval", str(rgb), "--method", "base", "--width-mult", "0.0625", "--in-chans", "3", "--val-subset", "16",
           "--no-progress", "--cache-dir", cache], "takes 3-channel images but fashion-mnist has 1 channel"),
-        (["eval", str(garbage)], "is corrupt or not a PyTorch checkpoint"),
-        (["export", str(garbage)], "is corrupt or not a PyTorch checkpoint"),
+        (["eval", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
+        (["export", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
         (["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run)], "already holds a run"),
         (["reparam", str(ckpt), "-o", str(ckpt)], "is the input checkpoint"),
     ]

@@ -345,7 +345,7 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors(cache, tmp_path, caps
     garbage.write_bytes(b"this is not a checkpoint" * 10)
     pickled = tmp_path / "module.pth"
     torch.save(nn.Linear(2, 2), pickled)  # a whole module: refused by weights_only
-    for path, msg in ((truncated, "corrupt or truncated"), (garbage, "corrupt"), (pickled, "weights_only"),
+    for path, msg in ((truncated, "corrupt, truncated"), (garbage, "corrupt"), (pickled, "weights_only"),
                       (tmp_path / "missing.pth", "does not exist")):
         capsys.readouterr()
         assert main(["eval", str(path), "--no-progress", "--val-subset", "16"]) == 2

@@ -246,6 +246,10 @@ def _is_torchscript(path: Path) -> bool:
         return False
 
 
+#: what an unreadable file is called, whichever way reading it failed (random bytes fail either way)
+_DAMAGED = "corrupt, truncated or not a PyTorch checkpoint"
+
+
 def _unpickling_error(path: Path, exc: Exception) -> UserError:
     text = str(exc)
     found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
@@ -255,7 +259,7 @@ def _unpickling_error(path: Path, exc: Exception) -> UserError:
             "reading it would run code from the file, so it is refused (torch.load(weights_only=True)). "
             "If you trust the file, load it with torch.load(..., weights_only=False) and save only its tensors "
             "(e.g. model.state_dict())")
-    return UserError(f"checkpoint {path} is corrupt or not a PyTorch checkpoint (it does not unpickle as one)")
+    return UserError(f"checkpoint {path} is {_DAMAGED} (it does not unpickle as one)")
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -278,8 +282,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
-            f"checkpoint {path} is corrupt or truncated, or not a PyTorch checkpoint ({type(exc).__name__}: "
-            f"{msg[:200]})"
+            f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}: {msg[:200]})"
         ) from None
     if _is_state_dict(obj):
         return {"model": strip_prefixes(obj)}
