@@ -194,10 +194,12 @@ def _conv_compose(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
     """Full (true) convolution of kernels, per group: ``W[c2, c0] = sum_c1 W2[c2, c1] (*) W1[c1, c0]``."""
     c1, c0g, k1h, k1w = w1.shape
     c2, c1g, _, _ = w2.shape
+    if groups == 1:
+        # a transposed conv is the full (true) convolution: W2's rows as images, W1 as its
+        # weight, one operator (a deep stem's 3x3 -> 3x3)
+        return F.conv_transpose2d(w2, w1)
     # conv2d computes a cross-correlation; flipping W1 turns it into the true
     # convolution the sequential rule needs (a no-op only when W1 is 1x1).
-    if groups == 1:  # W2's rows as images, W1 as a transposed conv's weight: one operator (a deep stem)
-        return F.conv_transpose2d(w2, w1)
     inp = w2.reshape(groups, c2 // groups, c1g, *w2.shape[2:]).transpose(0, 1).reshape(c2 // groups, c1, *w2.shape[2:])
     ker = w1.reshape(groups, c1g, c0g, k1h, k1w).transpose(1, 2).reshape(groups * c0g, c1g, k1h, k1w)
     out = F.conv2d(inp, ker.flip(-1, -2), padding=(k1h - 1, k1w - 1), groups=groups)
