@@ -100,8 +100,8 @@ def test_compose_vjp_matches_autograd(shapes):
     out, _ = K.compose(w1, g1, w2, g2)
     grad = torch.randn_like(out)
     ref = torch.autograd.grad(out, (w1, w2), grad)
-    for launch_bound, pointwise in ((False, False), (True, False), (True, True)):
-        got = K.compose_vjp(w1, g1, w2, g2, grad, launch_bound=launch_bound, pointwise=pointwise)
+    for launch_bound, traced in ((False, False), (True, False), (True, True)):
+        got = K.compose_vjp(w1, g1, w2, g2, grad, launch_bound=launch_bound, traced=traced)
         for a, b in zip(got, ref):
             tol_close(a, b, rel=1e-12)
     # with a per-output-channel (and a scalar) scale on W2: the gradients of W1 and of the scaled W2
@@ -109,8 +109,9 @@ def test_compose_vjp_matches_autograd(shapes):
         w2s = K.scale_channels(w2.detach(), scale).requires_grad_()
         out, _ = K.compose(w1, g1, w2s, g2)
         ref = torch.autograd.grad(out, (w1, w2s), grad)
-        for launch_bound in (False, True):
-            got = K.compose_vjp(w1, g1, w2.detach(), g2, grad, launch_bound=launch_bound, scale=scale)
+        for launch_bound, traced in ((False, False), (True, False), (True, True)):
+            got = K.compose_vjp(w1, g1, w2.detach(), g2, grad, launch_bound=launch_bound, scale=scale,
+                                traced=traced)
             for a, b in zip(got, ref):
                 tol_close(a, b, rel=1e-12)
 

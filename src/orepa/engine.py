@@ -296,8 +296,7 @@ def _family_vjp(family: Family, grad: Tensor, traced: bool = False) -> list[list
     d = K.batched_product(grad.reshape(rows, width, -1), family.filters.transpose(1, 2), traced)
     d = d.permute(2, 0, 1)  # [J, rows, w]
     # the weights' gradients made contiguous (autograd then takes them as they are, without a copy)
-    d_w = (d * family.scales).contiguous() if traced else torch.mul(d, family.scales,
-                                                                     out=torch.empty_like(family.weights))
+    d_w = K.mul_contiguous(d, family.scales, traced)
     d_s = (d * family.weights).sum(-1)
     return [list(pair) for pair in zip(d_w.view(*d_w.shape, 1, 1).unbind(0), d_s.unbind(0))]
 
@@ -316,7 +315,7 @@ def _add_into(out: Tensor, ks: list[Operand], s: Tensor | None, traced: bool = F
         else:
             out.addcmul_(ks[0].kernel, K.channel_column(s))
         return
-    K.compose_into(out, ks[0].kernel, ks[0].groups, ks[1].kernel, ks[1].groups, s, pointwise=traced)
+    K.compose_into(out, ks[0].kernel, ks[0].groups, ks[1].kernel, ks[1].groups, s, traced=traced)
 
 
 def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
@@ -339,20 +338,18 @@ def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
             w1 = first.kernel
             d_w1s, d_last = K.compose_vjp(K.scale_channels(w1, s), first.groups, last.kernel, last.groups, grad,
                                           need_w2=last.learnable, shared_filter=last.shared, launch_bound=launch_bound,
-                                          pointwise=traced)
+                                          traced=traced)
             out[2] = scale_grad(K.rowdot(d_w1s, w1, traced))
             if first.learnable:
                 out[0] = K.scale_channels(d_w1s, s)
             if last.learnable:
                 out[1] = d_last
             return out
-        # d_last: the gradient of the scaled second kernel (eagerly, the scaling fused into the
-        # kernel's reordering through out=; traced code scales first and lets the compiler fuse)
-        last_k = K.scale_channels(last.kernel, s) if traced and s is not None else last.kernel
-        d_first, d_last = K.compose_vjp(first.kernel, first.groups, last_k, last.groups, grad,
+        # d_last: the gradient of the scaled second kernel (the scaling fused into its reordering)
+        d_first, d_last = K.compose_vjp(first.kernel, first.groups, last.kernel, last.groups, grad,
                                         need_w1=first.learnable, need_w2=last.learnable or s is not None,
                                         shared_filter=last.shared and s is None, launch_bound=launch_bound,
-                                        scale=None if traced else s, pointwise=traced)
+                                        scale=s, traced=traced)
         out[0] = d_first if first.learnable else None
         grad = d_last
     if s is not None:

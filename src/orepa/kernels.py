@@ -25,6 +25,7 @@ __all__ = [
     "identity_init_1x1",
     "tiled_identity_1x1",
     "channel_column",
+    "mul_contiguous",
     "scale_channels",
     "rowdot",
     "expand_groups",
@@ -230,23 +231,24 @@ def _pw_after_unbatch(t: Tensor, g2: int, c2: int, c0g: int, kh: int, kw: int) -
     return t.reshape(c2, r * c0g, kh, kw)
 
 
-def _mul_contiguous(a: Tensor, b: Tensor) -> Tensor:
+def mul_contiguous(a: Tensor, b: Tensor, traced: bool = False) -> Tensor:
     """``a * b`` as a contiguous tensor of ``a``'s shape, in one pass when ``a`` is a strided view
-    (the product writes straight into the reordered layout, no separate copy). A traced call takes
-    the product and the copy apart: the compiler fuses them itself (and mis-tracks out= strides)."""
-    if torch.compiler.is_compiling():
+    (the product writes straight into the reordered layout through out=, no separate copy).
+    Code for a compiler (``traced``, or under torch.compile) takes the product and the copy apart:
+    the compiler fuses them itself, and its tracers mis-read the layout of an out= write."""
+    if traced or torch.compiler.is_compiling():
         return (a * b).contiguous()
     return torch.mul(a, b, out=a.new_empty(a.shape))
 
 
-def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None) -> Tensor:
+def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None, traced: bool = False) -> Tensor:
     """``A [G, o*k*k, m]``: a copy of W2 with its taps before its channels (each output channel
-    times ``scale``'s, in the same pass, where given)."""
+    times ``scale``'s, in the same pass, where given; ``traced``: see :func:`mul_contiguous`)."""
     c2, mg, kh, kw = w2.shape
     taps = w2.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3)
     if scale is None:
         return taps.reshape(g, (c2 // g) * kh * kw, mg)
-    return _mul_contiguous(taps, scale.reshape(g, c2 // g, 1, 1)).view(g, -1, mg)
+    return mul_contiguous(taps, scale.reshape(g, c2 // g, 1, 1), traced).view(g, -1, mg)
 
 
 def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
@@ -322,7 +324,7 @@ def cheap_vjp_groups(w1_shape, g1: int, w2_shape, g2: int) -> int | None:
 
 def compose_vjp(
     w1: Tensor, g1: int, w2: Tensor, g2: int, grad: Tensor, *, need_w1: bool = True, need_w2: bool = True,
-    shared_filter: bool = False, launch_bound: bool = False, scale: Tensor | None = None, pointwise: bool = False,
+    shared_filter: bool = False, launch_bound: bool = False, scale: Tensor | None = None, traced: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of ``<grad, compose(w1, g1, w2, g2)>`` w.r.t. ``w1`` and ``w2``, in closed form.
 
@@ -335,7 +337,8 @@ def compose_vjp(
     than the CPU's fastest evaluation where the two differ. ``scale`` (per output channel of
     ``w2``): the composition is of ``w1`` and ``scale * w2``, and the second gradient is the
     scaled kernel's; the scaling is fused into the copy that reorders ``w2`` where there is one.
-    ``pointwise``: short contractions as broadcast products (:func:`batched_product`).
+    ``traced`` (code for a compiler): short contractions as broadcast products
+    (:func:`batched_product`), and no out= writes (:func:`mul_contiguous`).
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
     if scale is not None and (case not in ("pointwise_after", "pointwise_first") or scale.numel() != w2.shape[0]):
@@ -349,7 +352,7 @@ def compose_vjp(
         # dimension o is its output's contiguous one
         gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o) if need_w2 or launch_bound else None
         if need_w2:
-            d2t = batched_product(w1.reshape(g2 * r, m, -1), gt, pointwise)  # [G*r, m, o], over i*k*k
+            d2t = batched_product(w1.reshape(g2 * r, m, -1), gt, traced)  # [G*r, m, o], over i*k*k
             # made contiguous: the scale's products and autograd's accumulation into the
             # parameter then run on matching strides (instead of slower mixed-stride passes)
             d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
@@ -358,7 +361,7 @@ def compose_vjp(
             if scale is None:
                 a = a.reshape(g2 * r, m, o)
             else:
-                a = _mul_contiguous(a, scale.reshape(g2, 1, 1, o)).view(g2 * r, m, o)
+                a = mul_contiguous(a, scale.reshape(g2, 1, 1, o), traced).view(g2 * r, m, o)
             d1 = torch.bmm(a, gt.transpose(1, 2)).reshape(w1.shape)
         elif need_w1:
             w2s = w2 if scale is None else scale_channels(w2, scale)
@@ -373,7 +376,7 @@ def compose_vjp(
             d2 = torch.bmm(gr, b.transpose(1, 2))  # [G, o*k*k, m]
             d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape).contiguous()  # as above
         if need_w1:
-            a = _taps_first(w2, g1, scale)
+            a = _taps_first(w2, g1, scale, traced)
             d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)  # [G, m, i]
         return d1, d2
     if case == "depthwise_after_1x1":
@@ -390,13 +393,13 @@ def compose_vjp(
 
 
 def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor | None = None,
-                 pointwise: bool = False) -> None:
+                 traced: bool = False) -> None:
     """``out += scale * compose(w1, g1, w2, g2)`` in place (``scale`` per output channel).
 
     A per-channel filter after a 1x1 is a broadcast product: it is accumulated
     without building the composed kernel. Other cases compose, then add with the
-    scale fused into the addition (one pass over ``out``). ``pointwise``: dw -> pw's short
-    contraction as a broadcast product (:func:`batched_product`).
+    scale fused into the addition (one pass over ``out``). ``traced`` (code for a compiler):
+    dw -> pw's short contraction as a broadcast product (:func:`batched_product`).
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
     if case == "depthwise_after_1x1":
@@ -407,7 +410,7 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
             and tuple(out.shape[-2:]) == tuple(w1.shape[-2:]):
         # the product's [G*r, o, i*k*k] read in place as out's [G, o, r, i*k*k]: no reordered copy
         a, b = _pw_after_operands(w1, g1, w2, g2)
-        t = batched_product(a, b, pointwise)
+        t = batched_product(a, b, traced)
         r, o = g1 // g2, w2.shape[0] // g2
         out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2), scale.view(g2, o, 1, 1))
         return
