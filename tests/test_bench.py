@@ -59,6 +59,9 @@ def test_run_benchmark_tiny(tmp_path):
     assert back["results"]["orepa"]["train_params"] == res["orepa"]["train_params"]
     table = bench.format_table(result)
     assert "orepa-offline" in table and "(1.00x)" in table
+    # CPU ratios depend on the processor: the run names it
+    cpu = result["environment"]["cpu"]
+    assert cpu and f"cpu ({cpu})" in bench.format_header(result)
 
 
 def test_saved_bytes_counts_shared_storage_once():

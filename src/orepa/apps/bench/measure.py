@@ -450,12 +450,26 @@ def environment(device: torch.device, git: dict | None) -> dict:
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+    else:  # CPU ratios depend on the processor (its matrix products against its convolutions)
+        env["cpu"] = _cpu_model()
     try:
         env["loadavg_1m"] = os.getloadavg()[0]
     except OSError:
         pass
     env["git"] = git
     return env
+
+
+def _cpu_model() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo, else what ``platform`` knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def _git_state() -> dict | None:

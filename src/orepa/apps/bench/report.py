@@ -80,7 +80,7 @@ def format_table(result: dict) -> str:
 
 def format_header(result: dict) -> str:
     c, e = result["config"], result["environment"]
-    dev = e.get("gpu", e["device"])
+    dev = e.get("gpu") or (f"{e['device']} ({e['cpu']})" if e.get("cpu") else e["device"])
     git = e.get("git") or {}
     code = f"; orepa {git['commit']}{'+modified' if git.get('modified') else ''}" if git.get("commit") else ""
     graphs = ", forward+backward as CUDA graphs" if c.get("cuda_graphs") else ""
