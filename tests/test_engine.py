@@ -419,22 +419,26 @@ def test_the_compiler_gets_no_short_reduction_and_the_same_numbers(monkeypatch):
     graphs = []
     monkeypatch.setattr(torch._inductor, "compile", lambda gm, inputs: graphs.append(gm) or gm)  # run it traced
     torch.manual_seed(0)
-    ref = nn.Sequential(OREPAConv2d(16, 16, 3, padding=1), nn.ReLU(), OREPAConv2d(16, 16, 3, padding=1)).double()
+    # two 3x3 blocks (dw -> pw, the filter family) and a Rep-1x1 (1x1 -> 1x1 over 24 channels: a long contraction)
+    ref = nn.Sequential(OREPAConv2d(24, 24, 3, padding=1), nn.ReLU(), OREPAConv2d(24, 24, 3, padding=1),
+                        OREPAConv2d(24, 32, 1)).double()
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model = copy.deepcopy(ref)
     engine.group_kernels(ref, "per-block")
     engine.group_kernels(model, "compiled")
-    x = torch.randn(2, 16, 6, 6, dtype=torch.float64)
+    x = torch.randn(2, 24, 6, 6, dtype=torch.float64)
     (y0, g0), (y1, g1) = (_step(m, torch.optim.SGD(m.parameters(), lr=0.0), x) for m in (ref, model))
     torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-9, atol=1e-12, msg=k)
-    assert len(graphs) == 2  # one group: its construction and its vjp
-    reductions = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in
-                  (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)]
-    assert not reductions, reductions
+    assert len(graphs) == 4  # two groups: per group its construction, then its vjp
+    for gm in graphs[0::2]:
+        reductions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in
+                      (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)]
+        assert not reductions, reductions
+    assert any(n.target == torch.ops.aten.bmm.default for n in graphs[2].graph.nodes)  # the Rep-1x1's
     # the unrolled product itself, against the matrix product; a long contraction (a Rep-1x1's
     # 1x1 -> 1x1) stays a matrix product, which a broadcast product would not become
     for depth in (1, 3, K.UNROLLED_CONTRACTION, K.UNROLLED_CONTRACTION + 1):
