@@ -12,9 +12,10 @@
 #                                        #   check, a short default-mode run with --amp --channels-last --model-ema,
 #                                        #   torch.compile'd steps of base and OREPA (ResNet-18 b64), and the GPU
 #                                        #   time per operator of an eager base / OREPA step (ResNet-18 b64)
-#   benchmarks/gpu_session.sh builder    # ~4 min: the compiled kernel builder (--kernel-builder compiled) against
+#   benchmarks/gpu_session.sh builder    # ~5 min: the compiled kernel builder (--kernel-builder compiled) against
 #                                        #   the eager groups: base / OREPA step times at ResNet-18 b64 (eager and
-#                                        #   CUDA graphs) and b8, ResNet-50 b64 (eager), each compiling first
+#                                        #   CUDA graphs) and b8, ResNet-50 b64 (eager), each compiling first; then
+#                                        #   the GPU time per operator and fused kernel at ResNet-18 b64
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -123,6 +124,11 @@ builder)
             --no-plot 2>&1 | tail -5 | tee -a "$R/bench.log"
         pack
     done
+    # where the compiled constructions' GPU time goes (their Triton kernels: category "fused")
+    timeout 120 python3 benchmarks/profile_step.py -m resnet18 -b 64 --device cuda --methods base orepa --steps 3 \
+        --top 30 --kernel-builder compiled --json "$R/profile_resnet18_b64_cuda_compiled-builder.json" \
+        > "$R/profile_resnet18_b64_cuda_compiled-builder.txt" 2>&1
+    pack
     ;;
 long)
     epochs=${EPOCHS:?set EPOCHS}

@@ -13,6 +13,9 @@ report gives the GPU time of each operator's kernels (what a CUDA-graph replay s
 This is the script behind docs/benchmarks.md "Where the time goes".
 
     python benchmarks/profile_step.py -m resnet18 -b 16 --methods base orepa --threads 2 [--json out.json]
+
+``--kernel-builder`` as in ``orepa bench``; with ``compiled`` the kernels of the compiled
+constructions, which no aten operator runs, are reported as category "fused".
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import json
 from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from orepa.apps.bench import make_runner, parse_spec
@@ -49,25 +53,47 @@ CATEGORIES = {
              "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "_adaptive_avg_pool2d_backward", "mean"),
 }
 _CATEGORY_OF = {op: cat for cat, ops in CATEGORIES.items() for op in ops}
-ORDER = ("conv", "matmul", "elementwise", "copy/layout", "norm", "pool", "optimizer", "views/alloc", "other")
+ORDER = ("conv", "matmul", "elementwise", "copy/layout", "norm", "pool", "optimizer", "views/alloc", "fused",
+         "other")
+
+
+def is_fused(name: str) -> bool:
+    """A kernel of inductor's own code (``--kernel-builder compiled``): a Triton kernel on a GPU,
+    a C++ one on a CPU (profiled with ``cpp.enable_kernel_profile``); no aten operator runs it."""
+    return name.startswith("triton_") or "cpp_fused" in name
 
 
 def category(op_name: str) -> str:
-    return _CATEGORY_OF.get(op_name.removeprefix("aten::"), "other")
+    return "fused" if is_fused(op_name) else _CATEGORY_OF.get(op_name.removeprefix("aten::"), "other")
 
 
 def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, steps: int = 2, warmup: int = 2,
-                     num_classes: int = 1000, device: str = "cpu", model_options: dict | None = None) -> dict:
+                     num_classes: int = 1000, device: str = "cpu", model_options: dict | None = None,
+                     kernel_builder: str = "auto") -> dict:
     """Self time per ``(operator, input shapes)`` and per category, in ms per step, for every variant:
-    ``result[variant]`` the host's (CPU) time; on CUDA also ``result[variant]["device"]``, the GPU's."""
+    ``result[variant]`` the host's (CPU) time; on CUDA also ``result[variant]["device"]``, the GPU's.
+    With ``kernel_builder="compiled"`` the compiled constructions' kernels count as category "fused"."""
+    if kernel_builder == "compiled":
+        import torch._inductor.config
+
+        # on a CPU inductor's kernels are profiler events only with this (Triton kernels always are)
+        with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+            return _profile(model, methods, batch_size, image_size, steps, warmup, num_classes, device,
+                            model_options, kernel_builder)
+    return _profile(model, methods, batch_size, image_size, steps, warmup, num_classes, device, model_options,
+                    kernel_builder)
+
+
+def _profile(model, methods, batch_size, image_size, steps, warmup, num_classes, device, model_options,
+             kernel_builder) -> dict:
     device = torch.device(device)
     torch.manual_seed(0)
     x = torch.randn(batch_size, 3, image_size, image_size, device=device)
     y = torch.randint(0, num_classes, (batch_size,), device=device)
     for spec in methods:
         parse_spec(spec)  # a clear error for a bad spec before anything is built
-    runners = [make_runner(model, spec, device=device, num_classes=num_classes, model_options=model_options)
-               for spec in methods]
+    runners = [make_runner(model, spec, device=device, num_classes=num_classes, model_options=model_options,
+                           kernel_builder=kernel_builder) for spec in methods]
     for _ in range(max(warmup, 1)):
         for r in runners:
             r.step(x, y)
@@ -81,7 +107,10 @@ def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, 
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
             for e in prof.key_averages(group_by_input_shape=True):
-                if not e.key.startswith("aten::"):
+                fused = is_fused(e.key)
+                if on_gpu and fused and e.device_type != DeviceType.CUDA:
+                    continue  # a Triton kernel's launch: the kernel's own event holds its GPU time
+                if not (e.key.startswith("aten::") or fused):
                     continue  # autograd nodes and wrappers: their children are counted
                 acc = ops[r.name][(e.key, str(e.input_shapes))]
                 acc[0] += e.self_cpu_time_total / 1e3 / steps
@@ -141,13 +170,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernel-builder", default="auto", choices=("auto", "grouped", "per-block", "compiled"),
+                    help="as orepa bench's; 'compiled' also reports its fused kernels (category 'fused')")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = profile_variants(args.model, args.methods, batch_size=args.batch_size, image_size=args.image_size,
-                              steps=args.steps, warmup=args.warmup, num_classes=args.num_classes, device=args.device)
+                              steps=args.steps, warmup=args.warmup, num_classes=args.num_classes, device=args.device,
+                              kernel_builder=args.kernel_builder)
+    builder = "" if args.kernel_builder == "auto" else f", kernel builder {args.kernel_builder}"
     print(f"{args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.device}, "
-          f"{torch.get_num_threads()} threads, self time per train step (ms), mean of {args.steps} profiled steps\n")
+          f"{torch.get_num_threads()} threads{builder}, self time per train step (ms), mean of {args.steps} "
+          "profiled steps\n")
     print(format_report(result, args.top))
     if any("device" in r for r in result.values()):
         print("\nGPU time of the operators' kernels per train step (ms)\n")

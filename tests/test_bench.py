@@ -276,6 +276,11 @@ def test_profile_step_script_accounts_for_every_operator(tmp_path, capsys):
     assert all("device" not in r for r in res.values())  # GPU time only on a GPU
     assert mod.category("aten::bmm") == "matmul" and mod.category("aten::view") == "views/alloc"
     assert "| total |" in mod.format_report(res, top=3)
+    # the compiled kernel builder's kernels are inductor's, no aten operator's: their own category
+    fused = mod.profile_variants(tiny_net, ["orepa"], batch_size=2, image_size=16, steps=1, warmup=1, num_classes=10,
+                                 kernel_builder="compiled")["orepa"]
+    assert fused["categories_ms"]["fused"] > 0 and any(mod.is_fused(o["op"]) for o in fused["ops"])
+    assert fused["total_ms"] == pytest.approx(sum(fused["categories_ms"].values()))
     with pytest.raises(ValueError, match="unknown method"):
         mod.profile_variants(tiny_net, ["base", "nope"], batch_size=2, image_size=16, num_classes=10)
 
