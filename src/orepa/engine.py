@@ -128,7 +128,7 @@ class Plan:
         self.launch_bound = launch_bound
         # a plan traced for a compiler (CompiledBuild) writes nothing through out= (tracers mis-read
         # the layout of such writes, and the compiler fuses what out= would have saved anyway) and
-        # takes short contractions as broadcast products, which the compiler fuses too
+        # writes short contractions out term by term (kernels.batched_product), which the compiler fuses too
         self.traced = traced
         k = blk.kernel_size[0]
         self.kernel_shape = (blk.out_channels, blk.in_channels // blk.groups, k, k)

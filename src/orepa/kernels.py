@@ -350,7 +350,7 @@ def compose_vjp(
     than the CPU's fastest evaluation where the two differ. ``scale`` (per output channel of
     ``w2``): the composition is of ``w1`` and ``scale * w2``, and the second gradient is the
     scaled kernel's; the scaling is fused into the copy that reorders ``w2`` where there is one.
-    ``traced`` (code for a compiler): short contractions as broadcast products
+    ``traced`` (code for a compiler): short contractions written out term by term
     (:func:`batched_product`), and no out= writes (:func:`mul_contiguous`).
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
@@ -412,7 +412,7 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
     A per-channel filter after a 1x1 is a broadcast product: it is accumulated
     without building the composed kernel. Other cases compose, then add with the
     scale fused into the addition (one pass over ``out``). ``traced`` (code for a compiler):
-    dw -> pw's short contraction as a broadcast product (:func:`batched_product`).
+    dw -> pw's short contraction written out term by term (:func:`batched_product`).
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
     if case == "depthwise_after_1x1":
