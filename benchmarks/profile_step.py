@@ -20,6 +20,7 @@ constructions, which no aten operator runs, are reported as category "fused".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections import defaultdict
 
@@ -28,6 +29,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from orepa.apps.bench import make_runner, parse_spec
+from orepa.apps.common import add_kernel_builder_argument
 
 # operator name (without "aten::") -> category; anything else is "other"
 CATEGORIES = {
@@ -73,15 +75,19 @@ def profile_variants(model, methods, *, batch_size: int, image_size: int = 224, 
     """Self time per ``(operator, input shapes)`` and per category, in ms per step, for every variant:
     ``result[variant]`` the host's (CPU) time; on CUDA also ``result[variant]["device"]``, the GPU's.
     With ``kernel_builder="compiled"`` the compiled constructions' kernels count as category "fused"."""
-    if kernel_builder == "compiled":
-        import torch._inductor.config
+    with _kernel_profiling(kernel_builder):
+        return _profile(model, methods, batch_size, image_size, steps, warmup, num_classes, device, model_options,
+                        kernel_builder)
 
-        # on a CPU inductor's kernels are profiler events only with this (Triton kernels always are)
-        with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
-            return _profile(model, methods, batch_size, image_size, steps, warmup, num_classes, device,
-                            model_options, kernel_builder)
-    return _profile(model, methods, batch_size, image_size, steps, warmup, num_classes, device, model_options,
-                    kernel_builder)
+
+def _kernel_profiling(kernel_builder: str):
+    """Where the compiled builder runs: inductor's CPU kernels made profiler events (Triton kernels
+    always are); a no-op context otherwise."""
+    if kernel_builder != "compiled":
+        return contextlib.nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
 
 
 def _profile(model, methods, batch_size, image_size, steps, warmup, num_classes, device, model_options,
@@ -170,8 +176,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--kernel-builder", default="auto", choices=("auto", "grouped", "per-block", "compiled"),
-                    help="as orepa bench's; 'compiled' also reports its fused kernels (category 'fused')")
+    add_kernel_builder_argument(ap)  # with 'compiled', its fused kernels are category 'fused'
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -354,19 +354,26 @@ def test_tensors_a_group_does_not_own_are_never_repointed():
     assert {n: t.data_ptr() for n, t in theirs.items()} == where
 
 
+def _twins(net: nn.Module, policy: str, other: str) -> tuple[nn.Module, nn.Module]:
+    """``net`` in float64 with its parameters moved off their initial values (identities, zeros),
+    and a deep copy of it; grouped with ``policy`` and ``other``."""
+    net = net.double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    twin = copy.deepcopy(net)
+    engine.group_kernels(net, policy)
+    engine.group_kernels(twin, other)
+    return net, twin
+
+
 def _compiled_pair(monkeypatch):
     """The same little network twice, float64, grouped eagerly and grouped with compiled
     construction (groups of two and of one, a filter family, both compositions); the calls of
     the compiler are counted."""
     torch.manual_seed(0)
-    a = nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(), OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(),
-                      OREPAConv2d(6, 8, 3, padding=1, groups=2)).double()
-    with torch.no_grad():
-        for p in a.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    b = copy.deepcopy(a)
-    engine.group_kernels(a, "grouped")
-    engine.group_kernels(b, "compiled")
+    a, b = _twins(nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(), OREPAConv2d(6, 6, 3, padding=1),
+                                nn.ReLU(), OREPAConv2d(6, 8, 3, padding=1, groups=2)), "grouped", "compiled")
     calls = []
     compile_fx = torch._inductor.compile
     monkeypatch.setattr(torch._inductor, "compile", lambda gm, inputs: calls.append(1) or compile_fx(gm, inputs))
@@ -420,14 +427,8 @@ def test_the_compiler_gets_no_short_reduction_and_the_same_numbers(monkeypatch):
     monkeypatch.setattr(torch._inductor, "compile", lambda gm, inputs: graphs.append(gm) or gm)  # run it traced
     torch.manual_seed(0)
     # two 3x3 blocks (dw -> pw, the filter family) and a Rep-1x1 (1x1 -> 1x1 over 24 channels: a long contraction)
-    ref = nn.Sequential(OREPAConv2d(24, 24, 3, padding=1), nn.ReLU(), OREPAConv2d(24, 24, 3, padding=1),
-                        OREPAConv2d(24, 32, 1)).double()
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model = copy.deepcopy(ref)
-    engine.group_kernels(ref, "per-block")
-    engine.group_kernels(model, "compiled")
+    ref, model = _twins(nn.Sequential(OREPAConv2d(24, 24, 3, padding=1), nn.ReLU(), OREPAConv2d(24, 24, 3, padding=1),
+                                      OREPAConv2d(24, 32, 1)), "per-block", "compiled")
     x = torch.randn(2, 24, 6, 6, dtype=torch.float64)
     (y0, g0), (y1, g1) = (_step(m, torch.optim.SGD(m.parameters(), lr=0.0), x) for m in (ref, model))
     torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
