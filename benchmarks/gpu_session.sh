@@ -12,10 +12,11 @@
 #                                        #   check, a short default-mode run with --amp --channels-last --model-ema,
 #                                        #   torch.compile'd steps of base and OREPA (ResNet-18 b64), and the GPU
 #                                        #   time per operator of an eager base / OREPA step (ResNet-18 b64)
-#   benchmarks/gpu_session.sh builder    # ~5 min: the compiled kernel builder (--kernel-builder compiled) against
-#                                        #   the eager groups: base / OREPA step times at ResNet-18 b64 (eager and
-#                                        #   CUDA graphs) and b8, ResNet-50 b64 (eager), each compiling first; then
-#                                        #   the GPU time per operator and fused kernel at ResNet-18 b64
+#   benchmarks/gpu_session.sh builder    # ~9 min, one call: what decides the CUDA default. tests/test_cuda.py (the
+#                                        #   compiled builder on Triton against the eager groups, graphed steps), then
+#                                        #   base / OREPA (eager groups) / OREPA (compiled groups) / DBB in one process
+#                                        #   each: ResNet-18 b64 eager and CUDA graphs, ResNet-18 b8, ResNet-50 b64;
+#                                        #   then, if time is left, the GPU time per fused kernel at ResNet-18 b64
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -115,17 +116,19 @@ modes)
         | tee -a "$R/bench.log"
     ;;
 builder)
-    # the first run compiles ResNet-18's 8 groups; the next ones find them in inductor's cache (kernel
-    # shapes do not depend on the batch); ResNet-50 compiles its 20 groups last
-    for run in "resnet18 64" "resnet18 64 --cuda-graphs" "resnet18 8" "resnet50 64"; do
+    # the kernel builders side by side, paired with base in one process (orepa:builder=compiled is a variant);
+    # the first run compiles ResNet-18's 8 groups, later ones find them in inductor's cache (kernel shapes do
+    # not depend on the batch); ResNet-50 compiles its 20 groups last. Limits sum to ~9.5 min.
+    cuda_tests 120
+    for run in "resnet18 64 140" "resnet18 64 90 --cuda-graphs" "resnet18 8 60" "resnet50 64 150"; do
         set -- $run
-        timeout $([ "$1" = resnet50 ] && echo 240 || echo 150) python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark ${3:-} \
-            --methods base orepa --reps 25 --warmup 5 --no-inference --kernel-builder compiled --output-dir "$R/bench" \
-            --no-plot 2>&1 | tail -5 | tee -a "$R/bench.log"
+        timeout "$3" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark ${4:-} \
+            --methods base orepa orepa:builder=compiled dbb --reps 25 --warmup 5 --no-inference \
+            --output-dir "$R/bench" --no-plot 2>&1 | tail -7 | tee -a "$R/bench.log"
         pack
     done
     # where the compiled constructions' GPU time goes (their Triton kernels: category "fused")
-    timeout 120 python3 benchmarks/profile_step.py -m resnet18 -b 64 --device cuda --methods base orepa --steps 3 \
+    timeout 60 python3 benchmarks/profile_step.py -m resnet18 -b 64 --device cuda --methods base orepa --steps 3 \
         --top 30 --kernel-builder compiled --json "$R/profile_resnet18_b64_cuda_compiled-builder.json" \
         > "$R/profile_resnet18_b64_cuda_compiled-builder.txt" 2>&1
     pack

@@ -64,6 +64,32 @@ def test_run_benchmark_tiny(tmp_path):
     assert cpu and f"cpu ({cpu})" in bench.format_header(result)
 
 
+def test_variants_name_their_own_kernel_builder():
+    """``orepa:builder=grouped`` runs beside ``orepa`` (the run's builder) in one process: the same
+    network (parameters, deployed form), grouped or not as named, the choice in the JSON and header."""
+    from orepa.engine import POLICIES
+
+    result = bench.run_benchmark("resnet18", ["base", "orepa", "orepa:builder=grouped", "orepa:builder=per-block"],
+                                 batch_size=2, image_size=32, reps=1, warmup=1, num_classes=10, inference=False,
+                                 profile_memory=False, model_options={"width_mult": 0.25}, log=None)
+    res = result["results"]
+    assert [res[n]["kernel_builder"] for n in res] == ["auto", "auto", "grouped", "per-block"]
+    assert res["orepa:builder=grouped"]["train_params"] == res["orepa"]["train_params"]
+    # grouped builds all kernels of a signature together in kernel space (fewer operators); each
+    # block on its own (auto, on a CPU) runs two-layer branches on these tiny maps (fewer FLOPs)
+    grouped, per_block, auto = (res[n] for n in ("orepa:builder=grouped", "orepa:builder=per-block", "orepa"))
+    assert grouped["aten_ops"] < per_block["aten_ops"] == auto["aten_ops"]
+    assert grouped["train_flops"] > per_block["train_flops"] == auto["train_flops"]
+    assert all(r["deploy_err"] < 1e-4 for r in res.values())
+    assert "not in the operator counts" not in bench.format_header(result)
+    assert bench.variants.split_builder("orepa:preset=dw-sep:builder=compiled", "auto") == (
+        "orepa:preset=dw-sep", "compiled")
+    with pytest.raises(ValueError, match="kernel-builder policy must be one of") as err:
+        bench.make_runner("resnet18", "orepa:builder=fast", device=torch.device("cpu"), num_classes=10,
+                          model_options={"width_mult": 0.25})
+    assert all(p in str(err.value) for p in POLICIES)
+
+
 def test_saved_bytes_counts_shared_storage_once():
     class Square(nn.Module):
         def __init__(self):
@@ -361,10 +387,10 @@ def test_aten_ops_per_step_counted_and_guarded():
 
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
     ops, kernels = {}, {}
-    for spec, builder in (("base", "auto"), ("orepa", "per-block"), ("orepa", "grouped")):
-        r = make_runner("resnet18", spec, device=torch.device("cpu"), num_classes=10, kernel_builder=builder)
+    for spec in ("base", "orepa:builder=per-block", "orepa:builder=grouped"):
+        r = make_runner("resnet18", spec, device=torch.device("cpu"), num_classes=10)
         r.step(x, y)  # first step fills the per-shape route memo (and a group's storage)
-        key = builder if spec == "orepa" else spec
+        key = r.kernel_builder if spec != "base" else spec
         ops[key], kernels[key] = count_ops(lambda r=r: r.step(x, y))
     assert 250 <= ops["base"] <= 400 and 100 <= kernels["base"] < ops["base"]
     assert ops["per-block"] <= 12 * ops["base"], ops

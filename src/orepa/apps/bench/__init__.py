@@ -40,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", default="resnet18", help="model name (model zoo or torchvision)")
     p.add_argument("--methods", nargs="+", default=["base", "dbb", "orepa"],
                    help="variants: base, orepa, orepa-offline, dbb, repvgg, orepa-vgg, ladder rungs "
-                        f"({', '.join(LADDER)}, offline, offline+prior, ...); options as name:key=value; "
-                        "comma-separated lists are accepted")
+                        f"({', '.join(LADDER)}, offline, offline+prior, ...); options as name:key=value, "
+                        "builder=KERNEL_BUILDER a variant's own --kernel-builder (orepa orepa:builder=compiled "
+                        "times both in one run); comma-separated lists are accepted")
     p.add_argument("--components", action="store_true",
                    help="the component ladder of Fig. 'budgets' (base, dbb, each rung online and offline)")
     p.add_argument("-b", "--batch-size", type=int, default=16)

@@ -60,7 +60,7 @@ from orepa.apps.common import capture_cuda_graphs, count_params, full_float32, m
 from orepa.engine import group_kernels
 
 from .report import ratios
-from .variants import ModelSpec, build_variant
+from .variants import ModelSpec, build_variant, split_builder
 
 # --------------------------------------------------------------------------- measurements
 
@@ -174,6 +174,7 @@ class Runner:
     name: str
     model: nn.Module
     opt: torch.optim.Optimizer
+    kernel_builder: str = "auto"  # the policy its online blocks were grouped with
     graphed: bool = False  # forward+backward replayed as CUDA graphs (static input shape)
     compiled: nn.Module | None = None  # torch.compile'd model for the timed steps (same parameters)
 
@@ -299,11 +300,13 @@ def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000,
                 kernel_builder: str = "auto") -> Runner:
     """One variant built from ``seed``, in training mode, with the harness's optimizer
     (fused SGD, momentum 0.9, weight decay 1e-4). ``kernel_builder``: the policy of
-    :func:`orepa.engine.group_kernels` ("grouped" runs the GPU route anywhere)."""
+    :func:`orepa.engine.group_kernels` ("grouped" runs the GPU route anywhere), unless the spec
+    names its own (``orepa:builder=compiled``)."""
     torch.manual_seed(seed)
-    net = build_variant(model, spec, num_classes, in_chans, model_options).to(device).train()
-    group_kernels(net, kernel_builder)
-    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4))
+    network, builder = split_builder(spec, kernel_builder)
+    net = build_variant(model, network, num_classes, in_chans, model_options).to(device).train()
+    group_kernels(net, builder)
+    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder)
 
 
 def run_benchmark(
@@ -352,7 +355,7 @@ def run_benchmark(
     for spec in methods:
         runners.append(make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
                                    model_options=model_options, lr=lr, seed=seed, kernel_builder=kernel_builder))
-        res[spec] = {"train_params": count_params(runners[-1].model)}
+        res[spec] = {"train_params": count_params(runners[-1].model), "kernel_builder": runners[-1].kernel_builder}
         log(f"built {spec}: {res[spec]['train_params']:,} params")
 
     log(f"warm-up: {warmup} step(s) per variant")

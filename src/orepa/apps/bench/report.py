@@ -87,8 +87,9 @@ def format_header(result: dict) -> str:
     graphs += f", torch.compile ({c['compile']})" if c.get("compile") else ""
     builder = c.get("kernel_builder", "auto")
     if builder != "auto":
-        graphs += f", kernel builder {builder}" + (
-            " (its fused kernels are not aten operators: not in the operator counts)" if builder == "compiled" else "")
+        graphs += f", kernel builder {builder}"
+    if "compiled" in {builder, *(r.get("kernel_builder") for r in result["results"].values())}:
+        graphs += " (the compiled builder's fused kernels are not aten operators: not in the operator counts)"
     return (f"{c['model']}, batch {c['batch_size']}, {c['image_size']}x{c['image_size']}, {dev}, "
             f"{e['threads']} threads, torch {e['torch']}, median of {c['reps']} interleaved steps "
             f"after {c['warmup']} warm-up{graphs}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")

@@ -3,7 +3,9 @@
 A variant is ``METHOD[:key=value:...]``: ``base``, any method of the model zoo (``dbb``,
 ``orepa``, ``orepa-offline``; ``repvgg``, ``orepa-vgg``, ... for the RepVGG family) with
 block options (``orepa:scaling=scalar``, ``orepa:preset=dw-sep``, ``orepa:branches=kxk/1x1``),
-or a rung of the component ladder of table "components" / Fig. "budgets":
+or a rung of the component ladder of table "components" / Fig. "budgets". One option is not the
+network's but how it runs: ``builder=`` its own kernel builder (:func:`orepa.engine.group_kernels`,
+e.g. ``orepa:builder=compiled``), so the builders are timed side by side in one process.
 
 ==============  ============================================================
 ``online``      online OREPA blocks with DBB's branches (kxk, 1x1, 1x1-avg, 1x1-kxk)
@@ -83,6 +85,24 @@ def parse_spec(spec: str) -> tuple[str, dict]:
             val = tuple(v.split("/")) if "/" in v else v
         options[k] = val
     return name, options
+
+
+#: the variant option that picks its kernel builder; not a block option
+BUILDER_OPTION = "builder"
+
+
+def split_builder(spec: str, default: str) -> tuple[str, str]:
+    """``("orepa:builder=compiled:scaling=scalar", "auto")`` -> ``("orepa:scaling=scalar", "compiled")``:
+    the network's spec and the kernel builder it runs with (``default`` where it names none)."""
+    name, *opts = spec.split(":")
+    builder = default
+    kept = []
+    for o in opts:
+        if o.startswith(BUILDER_OPTION + "="):
+            builder = o.split("=", 1)[1]
+        else:
+            kept.append(o)
+    return ":".join([name, *kept]), builder
 
 
 def offline_rung(rung: str) -> str:
