@@ -68,20 +68,25 @@ def _short(name: str) -> str:
     return name.replace("branches.stem.", "stem.").replace(".branches.", ".")
 
 
-def plot_cosine(result: dict, path: str | Path, ncols: int = 6) -> Path:
+def _layer_panels(layers: dict, ncols: int, size: tuple[float, float], **kwargs):
+    """One panel per analysed layer, ``ncols`` to a row: ``(fig, axes, [(ax, (name, values)), ...])``;
+    the grid's unused panels stay blank."""
     plt = pyplot()
-
-    layers = result["layers"]
-    n = max(len(layers), 1)
-    ncols = min(ncols, n)
-    nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(2.9 * ncols, 2.9 * nrows), squeeze=False,
-                             constrained_layout=True)
-    im = None
+    ncols = min(ncols, max(len(layers), 1))
+    nrows = math.ceil(max(len(layers), 1) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows), squeeze=False, **kwargs)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, (name, v) in zip(axes.flat, layers.items()):
+    panels = list(zip(axes.flat, layers.items()))
+    for ax, _ in panels:
         ax.axis("on")
+    return fig, axes, panels
+
+
+def plot_cosine(result: dict, path: str | Path, ncols: int = 6) -> Path:
+    fig, axes, panels = _layer_panels(result["layers"], ncols, (2.9, 2.9), constrained_layout=True)
+    im = None
+    for ax, (name, v) in panels:
         cos = v["cosine"]
         im = ax.imshow(cos, vmin=-1, vmax=1, cmap="RdBu_r")
         m = len(v["branches"])
@@ -100,17 +105,8 @@ def plot_cosine(result: dict, path: str | Path, ncols: int = 6) -> Path:
 
 
 def plot_norms(result: dict, path: str | Path, ncols: int = 6) -> Path:
-    plt = pyplot()
-
-    layers = result["layers"]
-    n = max(len(layers), 1)
-    ncols = min(ncols, n)
-    nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(2.8 * ncols, 2.2 * nrows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, (name, v) in zip(axes.flat, layers.items()):
-        ax.axis("on")
+    fig, axes, panels = _layer_panels(result["layers"], ncols, (2.8, 2.2))
+    for ax, (name, v) in panels:
         for b, row in zip(v["branches"], v["normalized_sorted_norms"]):
             ax.plot([i / max(len(row) - 1, 1) for i in range(len(row))], row, lw=1, label=b)
         ax.set_title(_short(name), fontsize=6)
