@@ -11,7 +11,8 @@ from orepa import DBBConv2d, OREPAConv2d, OREPADeepStem, OREPAVGGBlock, RepVGGBl
 
 FACTORIES = {
     "orepa": lambda *a, **k: OREPAConv2d(*a, **k),
-    "orepa-offline": lambda *a, **k: OREPAConv2d(*a, mode="offline", branch_norm=True, **k),
+    "orepa-offline": lambda *a, **k: OREPAConv2d(*a, mode="offline", branch_norm=True, inner_norm=True, **k),
+    "orepa-branch-bn": lambda *a, **k: OREPAConv2d(*a, mode="offline", branch_norm=True, **k),
     "orepa-scalar": lambda *a, **k: OREPAConv2d(*a, scaling="scalar", **k),
     "orepa-noscale": lambda *a, **k: OREPAConv2d(*a, scaling="none", **k),
     "dbb": lambda *a, **k: DBBConv2d(*a, **k),
@@ -19,7 +20,7 @@ FACTORIES = {
     "orepa-vgg": lambda *a, **k: OREPAVGGBlock(*a, **k),
     "repvgg-online": lambda *a, **k: OREPAConv2d(*a, branches=("kxk", "1x1", "identity"), **k),
     "orepa-vgg-offline": lambda *a, **k: OREPAConv2d(
-        *a, branches=orepa.OREPA_BRANCHES + ("identity",), mode="offline", branch_norm=True, **k),
+        *a, branches=orepa.OREPA_BRANCHES + ("identity",), mode="offline", branch_norm=True, inner_norm=True, **k),
 }
 NEEDS_K3 = {"dbb", "repvgg", "orepa-vgg", "repvgg-online", "orepa-vgg-offline"}
 NEEDS_IDENTITY = {"repvgg-online", "orepa-vgg-offline"}

@@ -181,6 +181,44 @@ def test_component_presets_build_the_table_rows():
     assert isinstance(m.conv1, orepa.OREPADeepStem) and _branches(m.layer1[0].conv1) == rows["online-only"]
 
 
+def test_the_offline_prototype_has_a_bn_after_every_conv():
+    """Fig. "linearization"'s prototype: "a norm layer right after each computational layer" (as in
+    DBB), so a two-step branch has a BN after its first conv as well as at its end;
+    ``inner_norm=False`` keeps only the branch's last BN."""
+    def steps(block, name):
+        return [type(s).__name__ for s in block.branches[name]]
+
+    kw = dict(width_mult=0.25, num_classes=4)
+    r50 = zoo.create_model("resnet50", "orepa-offline", **kw)
+    for name in ("1x1_avg", "1x1_prior", "1x1_kxk", "dw_pw"):
+        assert steps(r50.layer1[0].conv2, name)[1] == "BatchNorm2d" == steps(r50.layer1[0].conv2, name)[-1], name
+    assert steps(r50.layer1[0].conv1, "1x1_1x1") == ["ConvStep", "BatchNorm2d", "ConvStep", "BatchNorm2d"]
+    assert steps(r50.layer1[0].conv2, "kxk") == ["ConvStep", "BatchNorm2d"]
+    vgg = zoo.create_model("repvgg_a0", "orepa-vgg-offline", **kw)
+    assert steps(vgg.stage1[0].conv, "dw_pw") == ["ConvStep", "BatchNorm2d", "ConvStep", "BatchNorm2d"]
+    lean = zoo.create_model("resnet18", "orepa-offline", inner_norm=False, **kw)
+    assert steps(lean.layer1[0].conv2, "1x1_kxk") == ["ConvStep", "ConvStep", "BatchNorm2d"]
+    assert steps(zoo.create_model("repvgg_a0", "orepa-vgg-offline", inner_norm=False, **kw).stage1[0].conv,
+                 "dw_pw") == ["ConvStep", "ConvStep", "BatchNorm2d"]
+    with pytest.raises(ValueError, match="inner_norm"):
+        zoo.create_model("resnet18", "orepa", inner_norm=True)
+    with pytest.raises(ValueError, match="needs branch_norm"):
+        orepa.OREPAConv2d(4, 4, 3, inner_norm=True)
+    # trained a little (BN statistics away from their start), the prototype still deploys exactly
+    torch.manual_seed(0)
+    m = zoo.create_model("resnet18", "orepa-offline", **kw).double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(m(torch.randn(4, 3, 32, 32, dtype=torch.float64)),
+                                          torch.tensor([0, 1, 2, 3])).backward()
+        opt.step()
+        opt.zero_grad()
+    m.eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(orepa.reparameterize(m, fuse_bn=True)(x), m(x), rtol=1e-9, atol=1e-9)
+
+
 def test_linearization_presets():
     def scales(m):
         return {s.mode for s in m.modules() if isinstance(s, orepa.Scale)}
@@ -202,6 +240,14 @@ def test_linearization_presets():
         torchvision.models.resnet18(num_classes=4).load_state_dict(deployed.state_dict(), strict=True)
     with pytest.raises(ValueError, match="components"):
         zoo.create_model("resnet18", "orepa-offline", preset="scalar-scaling")
+    # table "norm": DBB-18 without its branch-wise norms (neither BN nor scale; the post-addition BN kept)
+    nn_ = zoo.create_model("resnet18", "orepa", preset="no-branch-norm", **kw)
+    dbb = zoo.create_model("resnet18", "dbb", **kw)
+    assert _branches(nn_.layer1[0].conv1) == _branches(dbb.layer1[0].conv1) and scales(nn_) == set()
+    assert not any(isinstance(s, nn.BatchNorm2d) for s in nn_.layer1[0].conv1.modules())
+    assert type(nn_.conv1) is nn.Conv2d and isinstance(nn_.layer1[0].bn1, nn.BatchNorm2d)
+    vgg = zoo.create_model("repvgg_a0", "repvgg-online", scaling="none", **kw)
+    assert scales(vgg) == set() and not any(isinstance(s, nn.BatchNorm2d) for s in vgg.stage1[1].conv.modules())
     with pytest.raises(ValueError, match="post_bn"):
         zoo.create_model("resnet18", "orepa-offline", post_bn=False)
 

@@ -15,7 +15,7 @@ The SAME declaration runs in one of two modes, fixed at construction:
   hold scales but no BN; the block is meant to be followed by a BatchNorm2d,
   the post-addition norm (without it the paper's training diverges).
 * ``offline``: every branch runs on the feature map and the outputs are summed
-  (DBB, RepVGG, the prototype block with a BN per branch). Without branch BNs
+  (DBB, RepVGG, the prototype block with a BN after every conv). Without BNs
   it equals the online block to float tolerance: the test of the squeeze.
 
 Offline branches pad their *input* once, by their own receptive field, and
@@ -766,6 +766,8 @@ class OREPAConv2d(ReparamConv2d):
         scale_init: per-branch overrides of :data:`DEFAULT_SCALE_INIT`.
         mode: ``"online"`` (squeeze every forward) or ``"offline"`` (run branches).
         branch_norm: offline prototype: a BN ends each branch instead of a scale.
+        inner_norm: with ``branch_norm``, a BN after the first conv of each two-step branch too
+            (as DBB has): the prototype with "a norm layer right after each computational layer".
         dw_expand: channel expansion of the depthwise step of ``dw_pw`` (8).
         internal_channels: width of the 1x1 -> kxk intermediate; default as the paper's code:
             ``in_channels`` for ``groups <= 4``, else ``2 * in_channels`` (ResNeXt, depthwise convs).
@@ -792,6 +794,7 @@ class OREPAConv2d(ReparamConv2d):
         scale_init: Mapping[str, float] | None = None,
         mode: str = "online",
         branch_norm: bool = False,
+        inner_norm: bool = False,
         dw_expand: int = 8,
         internal_channels: int | None = None,
         init: str | float = "reference",
@@ -812,9 +815,11 @@ class OREPAConv2d(ReparamConv2d):
             raise ValueError("the identity branch needs stride 1")
         if branch_norm and mode == "online":
             raise ValueError("branch_norm=True (a BN per branch) needs mode='offline'")
+        if inner_norm and not branch_norm:
+            raise ValueError("inner_norm=True (a BN inside each branch) needs branch_norm=True and mode='offline'")
         built = build_branches(
             branches, in_channels, out_channels, k, groups, scaling=scaling, scale_init=scale_init,
-            norm=branch_norm, dw_expand=dw_expand, internal_channels=internal_channels, init_a=init_a,
+            norm=branch_norm, inner_norm=inner_norm, dw_expand=dw_expand, internal_channels=internal_channels, init_a=init_a,
             reference_init=reference_init,
         )
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,

@@ -72,8 +72,10 @@ def _orepa(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
     return OREPAConv2d(**_conv_args(conv), **opts)
 
 
-def _orepa_offline(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
-    return _orepa(conv, rep_1x1, mode="offline", branch_norm=True, **opts)
+def _orepa_offline(conv: nn.Conv2d, rep_1x1: bool = True, inner_norm: bool = True, **opts) -> ReparamConv2d:
+    # the prototype of Fig. "linearization": "a norm layer right after each computational layer",
+    # so two-step branches have a BN after their first conv too, as DBB's do
+    return _orepa(conv, rep_1x1, mode="offline", branch_norm=True, inner_norm=inner_norm, **opts)
 
 
 def _orepa_vgg(conv: nn.Conv2d, **opts) -> ReparamConv2d:

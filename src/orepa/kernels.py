@@ -113,8 +113,10 @@ def freq_prior_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tens
     ``W[c, h, w] = cos((c + 1)(h + 0.5) pi / k)`` for ``c < C / 2`` and
     ``cos((c - C / 2 + 1)(w + 0.5) pi / k)`` otherwise: DCT-like bases along
     rows for the first half of the channels and along columns for the second.
-    ``C / 2`` is the real half, as in the paper and its public code: for an odd
-    ``C`` the second half's frequencies are half-integers.
+    ``C / 2`` is the real half, as in the paper's public code (so that imported checkpoints keep
+    their function): for an odd ``C`` the second half's frequencies are half-integers and its
+    first channel, ``floor(C / 2)``, takes a row basis. The supplement's table writes
+    ``floor(C / 2)`` instead; the two agree for every even ``C`` (all the zoo's widths).
     """
     half = channels / 2
     c = torch.arange(channels, dtype=torch.float64).view(-1, 1, 1)

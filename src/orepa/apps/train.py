@@ -1,10 +1,11 @@
 """``orepa train``: the paper's ImageNet recipe, Fashion-MNIST by default, DDP under torchrun.
 
 Flags follow torchvision's reference classification script where they overlap.
-Defaults are the paper's ("Implementation Details"): SGD momentum 0.9, lr 0.1 per
-256 images (scaled linearly with the global batch), cosine over 120 epochs after 5
-linear warm-up epochs, weight decay 1e-4 on conv/linear weights only (none on BN
-parameters, biases and the branch scaling vectors; fixed filters are buffers).
+Defaults follow the paper ("Implementation Details": SGD, lr 0.1 at global batch 256, scaled
+linearly with the global batch here, cosine over 120 epochs, 5 linear warm-up epochs). What the
+paper leaves unsaid follows the common ImageNet convention (RepVGG's, torchvision's): momentum
+0.9, weight decay 1e-4 on conv/linear weights only; none on BN parameters, biases and the
+branch scaling vectors (this project's choice, docs/training.md; fixed filters are buffers).
 
     orepa train                                   # OREPA ResNet-18 on Fashion-MNIST
     orepa train --data-path /data/imagenet -b 64  # ImageNet-style ImageFolder
@@ -94,7 +95,7 @@ class NonFiniteLoss(Exception):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_arguments(p)
     add_model_arguments(p)
-    g = p.add_argument_group("optimisation (defaults: the paper's recipe)")
+    g = p.add_argument_group("optimisation (defaults: the paper's recipe; one process needs -b 256 for its batch)")
     g.add_argument("--epochs", type=positive_int, default=120, help="total epochs (120)")
     g.add_argument("-b", "--batch-size", type=positive_int, default=64,
                    help="images per process (64; the paper: global 256 = 4 GPUs x 64)")
@@ -104,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=nonneg_float, default=1e-4,
                    help="weight decay of conv/linear weights (1e-4)")
     g.add_argument("--norm-weight-decay", type=nonneg_float, default=0.0,
-                   help="weight decay of BN parameters and biases (0: none, as in the paper)")
+                   help="weight decay of BN parameters and biases (0: none; the paper does not say)")
     g.add_argument("--scale-weight-decay", type=nonneg_float, default=0.0,
                    help="weight decay of the OREPA branch scaling vectors (0: they play the branch BNs' role; "
                         "see docs/training.md)")

@@ -123,7 +123,7 @@ REPVGG_METHODS: tuple[str, ...] = ("base", "repvgg", "orepa-vgg", "repvgg-online
 _METHOD_OPTS = {
     "orepa-vgg": (*BLOCK_OPTS, "scaling", "scale_init"),
     "repvgg-online": ("scaling", "scale_init", "init"),
-    "orepa-vgg-offline": BLOCK_OPTS,
+    "orepa-vgg-offline": (*BLOCK_OPTS, "inner_norm"),
 }
 
 
@@ -143,8 +143,9 @@ def _apply_method(model: nn.Module, method: str, opts: dict, name: str) -> nn.Mo
                        branches=branch_list(opts, inner_base), **extra)
     if method == "repvgg-online":
         core, conv_method = ("kxk", "1x1"), "orepa"
-    else:  # orepa-vgg-offline: every branch explicit, each with its BN
+    else:  # orepa-vgg-offline: every branch explicit, a BN after each of its convs
         core, conv_method = branch_list(opts), "orepa-offline"
+        extra.update(block_opts(opts, "inner_norm"))
     core = tuple(b for b in core if b != "identity")
     # identity branch where shapes allow (in == out, stride 1): two passes of the one convert
     convert(model, conv_method, inplace=True, exclude=lambda n, c: not _identity_ok(n, c),

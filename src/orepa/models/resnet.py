@@ -231,7 +231,7 @@ _OREPA_OPTS = ("preset", *BLOCK_OPTS, "deep_stem", "rep_1x1")
 _METHOD_OPTS = {
     "dbb": ("internal_channels",),
     "orepa": (*_OREPA_OPTS, "scaling", "scale_init", "post_bn", "recompute"),
-    "orepa-offline": _OREPA_OPTS,
+    "orepa-offline": (*_OREPA_OPTS, "inner_norm"),
 }
 
 
@@ -244,7 +244,7 @@ def _apply_preset(name: str, method: str, options: dict) -> dict:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(ABLATIONS)}")
     spec = ABLATIONS[preset]
     if method == "orepa-offline" and spec["table"] != "components":
-        raise ValueError(f"preset {preset!r} is a linearization of the online block; "
+        raise ValueError(f"preset {preset!r} ({spec['table']!r} table) is a linearization of the online block; "
                          f"method 'orepa-offline' supports the 'components' presets only")
     if preset == "rep-1x1" and not bottleneck:
         raise ValueError("preset 'rep-1x1' is for bottleneck ResNets (the paper has no such row for "
@@ -272,7 +272,8 @@ def _apply_method(model: nn.Module, method: str, opts: dict, name: str) -> nn.Mo
     inner = dict(branches=branches, **block_opts(opts, "dw_expand", "internal_channels", "init"))
     if online:
         inner.update(scaling=scaling, **block_opts(opts, "scale_init", "recompute"))
-    convert(model, method, inplace=True, exclude=keep_stem, rep_1x1=rep_1x1, **inner)
+    blocks = {**inner, **({} if online else block_opts(opts, "inner_norm"))}
+    convert(model, method, inplace=True, exclude=keep_stem, rep_1x1=rep_1x1, **blocks)
     if deep_stem and big_stem:
         c = model.conv1
         stem_inner = dict(inner)

@@ -123,6 +123,11 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "no-scaling": dict(table="linearization", row="W/o scaling", options=dict(scaling="none")),
     "no-post-bn": dict(table="linearization", row="W/o post-addition norm (diverges; not vanilla-loadable)",
                        options=dict(post_bn=False)),
+    # table "norm", DBB-18 column: DBB's branches with their norms removed, neither BN nor scaling,
+    # only the post-addition norm (RepVGG-A0's row: create_model("repvgg_a0", "repvgg-online", scaling="none"))
+    "no-branch-norm": dict(table="norm", row="W/o branch-wise norm (DBB's branches, post-addition norm only)",
+                           options=dict(freq_prior=False, dw_sep=False, deep_stem=False, rep_1x1=False,
+                                        scaling="none")),
 }
 
 #: options of the OREPA block declarations, shared by the families' OREPA methods; a method that takes

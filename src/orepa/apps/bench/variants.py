@@ -13,7 +13,7 @@ e.g. ``orepa:builder=compiled``), so the builders are timed side by side in one 
 ``+dw``         + linear depthwise separable (all six branches)
 ``+stem``       + linear deep stem (the 7x7 stem as stacked 3x3 OREPA blocks)
 ``+rep1x1``     + Rep-1x1 on the 1x1 convs (= full OREPA; bottleneck nets only)
-``offline*``    the same rungs run offline with a BN per branch (the prototype of
+``offline*``    the same rungs run offline with a BN after every conv (the prototype of
                 Fig. "linearization"); the offline deep stem runs its three 3x3
                 convs on the feature map.
 ==============  ============================================================
