@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from orepa.apps import bench
+from orepa.apps.common import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -187,21 +188,98 @@ def test_parse_spec_and_errors():
         "orepa", {"scaling": "scalar", "branches": ("kxk", "1x1"), "dw_expand": 4})
     with pytest.raises(ValueError, match="unknown method"):
         bench.build_variant(tiny_net, "nonsense", 10)
-    with pytest.raises(ValueError, match="key=value"):
+    with pytest.raises(UserError, match="--methods orepa:scalar expects KEY=VALUE"):
         bench.parse_spec("orepa:scalar")
+
+
+def test_variant_options_are_read_like_every_subcommands_model_options():
+    """Values go through common's one KEY=VALUE parser: ``post_bn=false`` is False (not the truthy
+    string "false"), in any spelling; bench's ``/`` lists stay tuples, their items read the same way."""
+    from orepa.models import create_model
+
+    for spelling in ("False", "false", "FALSE"):
+        assert bench.parse_spec(f"orepa:post_bn={spelling}") == ("orepa", {"post_bn": False})
+    assert bench.parse_spec("orepa:widths=8/16/32/64:init=none") == (
+        "orepa", {"widths": (8, 16, 32, 64), "init": None})
+    assert bench.parse_options(["small_input=false", "width_mult=0.25"], "--model-option") == {
+        "small_input": False, "width_mult": 0.25}
+
+    def layout(net):
+        return [(k, v.shape) for k, v in net.state_dict().items()]
+
+    ref = create_model("resnet18", "orepa", num_classes=10, post_bn=False, **TINY_ZOO)
+    with_bn = bench.build_variant("resnet18", "orepa", 10, model_options=TINY_ZOO)
+    for spelling in ("False", "false"):
+        net = bench.build_variant("resnet18", f"orepa:post_bn={spelling}", 10, model_options=TINY_ZOO)
+        assert layout(net) == layout(ref), spelling
+        assert isinstance(net.layer1[0].bn1, nn.Identity)  # the post-addition BN of the block is gone
+    assert isinstance(with_bn.layer1[0].bn1, nn.BatchNorm2d)
+    assert len(layout(with_bn)) > len(layout(ref))
+
+
+_BAD_CLI = [
+    # (extra arguments, a fragment of the one error line)
+    (["--methods", "nope"], "cannot build variant 'nope' (-m resnet18 --model-option width_mult=0.0625): "
+                            "unknown method 'nope'"),
+    (["--methods", "orepa:scaling=nope"], "cannot build variant 'orepa:scaling=nope'"),
+    (["--methods", "orepa:builder=fast"], "kernel-builder policy must be one of"),
+    (["--methods", "orepa:foo"], "--methods orepa:foo expects KEY=VALUE, got 'foo'"),
+    (["--methods", "base:scaling=vector"], "cannot build variant 'base:scaling=vector'"),
+    (["--model-option", "foo"], "--model-option expects KEY=VALUE, got 'foo'"),
+    (["--model-option", "small_input=maybe"], "model setting small_input='maybe' is not true or false"),
+    (["-m", "nope"], "cannot build variant 'base' (-m nope --model-option width_mult=0.0625)"),
+    (["--components", "-m", "mobilenet_v2"], "--components with -m mobilenet_v2"),
+    (["--cuda-graphs", "--compile"], "(--cuda-graphs) and torch.compile (--compile) exclude each other"),
+    (["--cuda-graphs", "--device", "cpu"], "(--cuda-graphs) need a CUDA device, got cpu"),
+    (["-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
+    (["-b", "-2"], "argument -b/--batch-size: must be a positive integer, got -2"),
+    (["--image-size", "0"], "argument --image-size: must be a positive integer"),
+    (["--num-classes", "0"], "argument --num-classes: must be a positive integer"),
+    (["--threads", "-4"], "argument --threads: must be a positive integer"),
+    (["--reps", "-1"], "argument --reps: must be a positive integer"),
+    (["--warmup", "-1"], "argument --warmup: must be an integer >= 0"),
+    (["--device", "tpu"], "--device 'tpu'"),
+    pytest.param(["--device", "cuda"], "--device cuda requested but CUDA is not available",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
+    (["--from-json", "{tmp}/nope.json"], "--from-json {tmp}/nope.json: No such file or directory"),
+    (["--from-json", "{tmp}/other.json"], "{tmp}/other.json is not an orepa bench result"),
+    (["--from-json", "{tmp}/broken.json"], "--from-json {tmp}/broken.json: Expecting value"),
+]
+
+
+@pytest.mark.parametrize("extra,message", _BAD_CLI)
+def test_cli_bad_input_is_one_error_line(extra, message, tmp_path, capsys):
+    """Bad flags, variants, models and files end as one ``orepa bench: error:`` line, exit code 2,
+    before anything is measured or written."""
+    from orepa.cli import main
+
+    (tmp_path / "other.json").write_text(json.dumps({"results": {"orepa": {}}}))
+    (tmp_path / "broken.json").write_text("not json")
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    out_dir = tmp_path / "out"
+    rc = main(["bench", "-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32",
+               "--reps", "1", "--warmup", "1", "--num-classes", "10", "--no-inference", "--no-plot",
+               "--output-dir", str(out_dir), *extra])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("orepa bench: error: "), err
+    assert message.replace("{tmp}", str(tmp_path)) in err
+    assert not list(out_dir.glob("*")) and not list(tmp_path.glob("*.md"))
 
 
 def test_cli_zoo_model(tmp_path, capsys):
     from orepa.cli import main
 
-    rc = main(["bench", "-m", "resnet18", "--model-option", "width_mult=0.125", "--methods", "base,dbb,orepa",
+    rc = main(["bench", "-m", "resnet18", "--model-option", "width_mult=0.125", "--model-option", "small_input=false",
+               "--methods", "base,dbb,orepa",
                "-b", "2", "--image-size", "32", "--reps", "1", "--warmup", "1", "--num-classes", "10",
                "--no-inference", "--output-dir", str(tmp_path), "--tag", "cli", "--no-plot"])
     assert rc == 0
     out = capsys.readouterr().out
     assert "| orepa |" in out
     result = json.loads((tmp_path / "cli.json").read_text())
-    assert result["config"]["model_options"] == {"width_mult": 0.125}
+    # "false" is False (it was the truthy string "false": the CIFAR stem was built)
+    assert result["config"]["model_options"] == {"width_mult": 0.125, "small_input": False}
     r = result["results"]
     assert r["orepa"]["deploy_flops"] == r["base"]["deploy_flops"] == r["dbb"]["deploy_flops"]
     assert r["orepa"]["deploy_params"] == r["base"]["deploy_params"]
@@ -230,7 +308,7 @@ def test_cuda_code_path_with_stubbed_stats(monkeypatch):
 
 
 def test_cuda_graphs_need_cuda_and_steps_replay_the_captured_callable(monkeypatch):
-    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+    with pytest.raises(ValueError, match="need a CUDA device"):
         bench.run_benchmark(tiny_net, ["base"], batch_size=2, image_size=16, device="cpu", reps=1, warmup=1,
                             num_classes=10, cuda_graphs=True, log=None)
     # no GPU here: a stand-in for make_graphed_callables that records its calls

@@ -1,4 +1,9 @@
 """Export of deployed zoo models: ONNX round trip through onnxruntime, TorchScript, the CLI."""
+import importlib.util
+import inspect
+import shutil
+import sys
+
 import pytest
 import torch
 
@@ -9,10 +14,12 @@ import orepa.models as zoo  # noqa: E402
 from orepa import cli  # noqa: E402
 from orepa.apps.common import UserError  # noqa: E402
 from orepa.apps.export import (  # noqa: E402
+    ExportReport,
     ExportVerificationError,
     export_onnx,
     export_torchscript,
     load_checkpoint,
+    onnx_opset_range,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +45,8 @@ def _trained(name, method, **kw):
 def test_onnx_round_trip(tmp_path, name, method, kw):
     model = _trained(name, method, **kw)
     report = export_onnx(model, tmp_path / "m.onnx", (1, 3, 64, 64))
-    assert report.verified and (tmp_path / "m.onnx").exists()
+    assert report.verified and sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    assert report.opset == 17 and "note:" not in str(report)
     assert set(report.errors) == {"deployed vs training form", "onnxruntime vs pytorch (batch 1)",
                                   "onnxruntime vs pytorch (batch 2)"}
     assert report.params_deployed < report.params_training
@@ -134,3 +142,93 @@ def test_cli_export_takes_the_input_size_and_model_from_the_checkpoint(tmp_path,
     assert cli.main(["export", str(path), "-o", str(tmp_path / "m.pt"), "--format", "torchscript",
                      "--threads", "1", "--device", "cpu"]) == 0
     assert "input [1, 1, 28, 28]" in capsys.readouterr().out
+
+
+TINY = dict(num_classes=10, in_chans=1, small_input=True, width_mult=0.125)
+TINY_ARGS = ["--model", "resnet18", "--method", "orepa", "--num-classes", "10", "--in-chans", "1", "--small-input",
+             "--width-mult", "0.125", "--input-size", "28"]
+
+
+def _dynamo_available() -> bool:
+    return importlib.util.find_spec("onnxscript") is not None and \
+        "dynamo" in inspect.signature(torch.onnx.export).parameters
+
+
+@pytest.mark.skipif(not _dynamo_available(), reason="needs onnxscript and torch.onnx.export(dynamo=True)")
+def test_dynamo_export_is_one_self_contained_file(tmp_path, capsys):
+    """The dynamo exporter keeps weights in a side file named after its target: the written .onnx
+    must hold them itself (it works once copied elsewhere), and no temporary file may remain."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    model = _trained("resnet18", "orepa", **TINY)
+    ckpt = tmp_path / "train.pt"
+    torch.save(model.state_dict(), ckpt)
+    out_dir = tmp_path / "out"
+    assert cli.main(["export", str(ckpt), *TINY_ARGS, "--dynamo", "-o", str(out_dir / "m.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["m.onnx"]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(out_dir / "m.onnx", elsewhere / "m.onnx")
+    shutil.rmtree(out_dir)
+    onnx.checker.check_model(str(elsewhere / "m.onnx"))
+    sess = ort.InferenceSession(str(elsewhere / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = torch.randn(3, 1, 28, 28)
+    y = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy().astype(np.float32)})[0])
+    with torch.no_grad():
+        ref = model(x)
+    assert (y - ref).abs().max().item() <= 1e-4 * (1 + ref.abs().max().item())
+    # the opset written is reported whenever it is not the one asked for (dynamo raises 17 to its lowest)
+    written = next(o.version for o in onnx.load(str(elsewhere / "m.onnx")).opset_import if o.domain in ("", "ai.onnx"))
+    assert f"exported onnx opset {written} to" in out
+    assert (f"opset {written} written, not the 17 asked for" in out) == (written != 17)
+
+    # a failed export leaves the old file as it was and nothing temporary beside it
+    old = elsewhere / "m.onnx"
+    before = old.read_bytes()
+    with pytest.raises(ExportVerificationError):
+        export_onnx(model, old, (1, 1, 28, 28), dynamo=True, atol=-1.0)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["m.onnx"] and old.read_bytes() == before
+
+
+@pytest.mark.parametrize("module,flags", [("onnx", ["--no-verify"]), ("onnxruntime", []),
+                                          ("onnxscript", ["--dynamo", "--no-verify"])])
+def test_cli_export_names_a_missing_package_before_exporting(tmp_path, capsys, monkeypatch, module, flags):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails as if it were not installed
+    capsys.readouterr()
+    assert cli.main(["export", *TINY_ARGS, *flags, "-o", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert f"missing package(s) {module} " in err and f"pip install {module} " in err and "orepa[apps]" in err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert ("--no-verify" in err) == (module == "onnxruntime")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UserError, match=f"pip install {module}"):  # the library function checks too
+        export_onnx(zoo.create_model("resnet18", "base", **TINY), tmp_path / "m.onnx", (1, 1, 28, 28),
+                    verify="--no-verify" not in flags, dynamo="--dynamo" in flags)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_export_rejects_an_opset_the_exporter_does_not_support(tmp_path, capsys):
+    low, high = onnx_opset_range(dynamo=False)
+    assert low <= 17 <= high  # the default is inside
+    cases = [([f"--opset={high + 1}"], f"--opset {high + 1} is outside the opsets {low}..{high}"),
+             ([f"--opset={low - 1}"], f"--opset {low - 1} is outside the opsets {low}..{high}")]
+    if _dynamo_available():
+        dlow, dhigh = onnx_opset_range(dynamo=True)
+        cases.append((["--dynamo", "--opset", str(dhigh + 1)], f"outside the opsets {dlow}..{dhigh} that the dynamo"))
+    for flags, msg in cases:
+        capsys.readouterr()
+        assert cli.main(["export", *TINY_ARGS, *flags, "-o", str(tmp_path / "m.onnx")]) == 2, flags
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_report_says_when_the_opset_written_is_not_the_one_asked_for():
+    report = ExportReport("m.onnx", "onnx", (1, 3, 8, 8), 10, 5, opset=18, opset_requested=17)
+    assert "exported onnx opset 18 to m.onnx" in str(report)
+    assert "opset 18 written, not the 17 asked for" in str(report)
+    same = ExportReport("m.onnx", "onnx", (1, 3, 8, 8), 10, 5, opset=17, opset_requested=17)
+    assert "note:" not in str(same)

@@ -226,3 +226,109 @@ def test_the_guard_names_a_non_finite_buffer_and_optimizer_state():
     assert train.first_nonfinite(model, opt) == "optimizer momentum_buffer of 0.weight"
     model[1].running_var[1] = float("nan")
     assert train.first_nonfinite(model, opt) == "buffer 1.running_var"
+
+
+def test_damaged_settings_and_unwritable_paths_exit_2_with_one_line(cache, reference, tmp_path, capsys):
+    """Settings a command cannot use (a damaged checkpoint's fields, a device or model option that is
+    not one) and outputs it cannot write are one ``error:`` line each, before any long computation,
+    and nothing already written changes."""
+    good = {**reference}
+
+    def damaged(name, **fields):
+        path = tmp_path / f"{name}.pth"
+        torch.save({**good, **fields}, path)
+        return str(path)
+
+    cfg = dict(good["model_cfg"])
+    no_method = {k: v for k, v in cfg.items() if k != "method"}
+    bare = tmp_path / "bare.pth"
+    torch.save(good["model"], bare)
+    empty = tmp_path / "empty.pth"
+    empty.write_bytes(b"")
+    ckpt = tmp_path / "ckpt.pth"
+    torch.save(good, ckpt)
+    a_dir, a_file = tmp_path / "a_dir", tmp_path / "a_file"
+    a_dir.mkdir()
+    a_file.write_text("keep me")
+    one_class = tmp_path / "one"
+    for split in ("train", "val"):
+        (one_class / split / "cat").mkdir(parents=True)
+    from PIL import Image
+
+    for split in ("train", "val"):
+        Image.new("RGB", (8, 8)).save(one_class / split / "cat" / "0.png")
+    new = ["train", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(tmp_path / "new"), "--no-progress"]
+    cases = [
+        (["eval", damaged("cfg_str", model_cfg="resnet18")], "damaged model_cfg (a str, not a mapping)"),
+        (["eval", damaged("cfg_no_method", model_cfg=no_method)], "damaged model_cfg (missing method)"),
+        (["eval", damaged("cfg_width", model_cfg={**cfg, "width_mult": "abc"})],
+         "damaged model_cfg: model setting width_mult='abc' is not a positive number"),
+        (["eval", damaged("args_str", args="lr=0.1")], "damaged args (a str, not a mapping)"),
+        (["train", "--resume", damaged("epoch_x", epoch="x"), "--epochs", "3"], "damaged epoch ('x', not a count)"),
+        (["eval", str(ckpt), "--device", "tpu"], "--device 'tpu': expected cpu, cuda or cuda:N"),
+        ([*new, "--model-option", "width_mult=abc"], "model setting width_mult='abc' is not a positive number"),
+        ([*new, "--model-option", "small_input=maybe"], "model setting small_input='maybe' is not true or false"),
+        ([*new, "--width-mult", "0.5", "--model-option", "width_mult=0.25"], "width_mult is given twice"),
+        (["eval", str(empty)], "is an empty file"),
+        (["reparam", str(bare), "--no-verify"], "is a bare state_dict; reparam needs an orepa training checkpoint"),
+        (["reparam", str(ckpt), "-o", str(a_dir)], f"--output {a_dir} is a directory, not a file"),
+        (["reparam", str(ckpt), "-o", str(a_file / "x.pth")], f"{a_file} is a file, not a directory"),
+        (["eval", str(ckpt), "--json", str(a_dir), "--cache-dir", cache], f"--json {a_dir} is a directory"),
+        (["analyze", str(ckpt), "--output-dir", str(a_file)], f"--output-dir {a_file} is a file, not a directory"),
+        (["demo", "--methods", ",", "--cache-dir", cache], "names no method"),
+        (["demo", "--output-dir", str(a_file), "--cache-dir", cache], f"--output-dir {a_file} is a file"),
+        (["import-reference", str(a_dir), "-o", str(tmp_path / "imp.pth")], f"{a_dir} is not a file"),
+        (["train", "--data-path", str(one_class), "--model", "resnet18", "--width-mult", "0.0625", "-b", "1",
+          "--no-progress", "--output-dir", str(tmp_path / "c")], "a classifier needs at least 2"),
+    ]
+    for argv, msg in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    assert a_file.read_text() == "keep me" and not any(a_dir.iterdir())
+    assert not (tmp_path / "imp.pth").exists() and not (tmp_path / "new").exists()
+
+
+def test_a_failed_write_is_one_line_and_keeps_the_previous_file(tmp_path):
+    """A full disk (or any refusal of the file system) while writing: a UserError naming the file,
+    the previous file unchanged and no temporary file left; a bug in the writer is not disguised."""
+    import errno
+
+    from orepa.apps import checkpoint as ck
+    from orepa.apps.common import UserError
+
+    path = tmp_path / "checkpoint.pth"
+    path.write_bytes(b"previous")
+
+    def full(f):
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def zip_writer_full(f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    for write, msg in ((full, "No space left on device"), (zip_writer_full, "out of disk space?")):
+        with pytest.raises(UserError, match=f"cannot write {path}") as err:
+            ck.atomic_write(path, write)
+        assert msg in str(err.value)
+        assert path.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    with pytest.raises(RuntimeError, match="a bug"):
+        ck.atomic_write(path, lambda f: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(UserError, match="cannot write"), ck.atomic_path(tmp_path / "x" / "y.onnx") as tmp:
+        raise OSError(errno.EACCES, "Permission denied", str(tmp))
+    assert path.read_bytes() == b"previous"
+
+
+def test_ctrl_c_during_training_is_one_line_with_the_checkpoint_to_resume(cache, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train.Trainer, "fit", interrupted)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out / "checkpoint.pth"), "--epochs", "2", "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert err == f"orepa train: interrupted; continue from the last checkpoint with --resume {out / 'checkpoint.pth'}\n"

@@ -46,6 +46,19 @@ def test_missing_fashion_mnist_says_how_to_install(tmp_path, monkeypatch):
         data.prepare_fashion_mnist(tmp_path / "cache")
 
 
+def test_a_torn_fashion_mnist_cache_file_is_extracted_again(cache, tmp_path):
+    """A cached IDX file of the wrong size (a copy cut short) is un-gzipped again, not read."""
+    import shutil
+
+    root = tmp_path / "cache"
+    shutil.copytree(Path(cache, "FashionMNIST"), root / "FashionMNIST")
+    torn = root / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte"
+    torn.write_bytes(torn.read_bytes()[:984])
+    data.prepare_fashion_mnist(root)
+    assert torn.stat().st_size == data.FASHION_MNIST_BYTES[torn.name] == 8 + 10000
+    assert len(data.fashion_mnist(root)[1]) == 10000
+
+
 def test_fashion_mnist_is_ungzipped_once_and_read_by_torchvision(cache):
     raw = Path(cache, "FashionMNIST", "raw")
     assert sorted(p.name for p in raw.iterdir()) == sorted(data.FASHION_MNIST_FILES)
@@ -293,6 +306,16 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys):
     assert main(["reparam", str(ckpt), "-o", str(other), "--no-verify", "--overwrite"]) == 0
     assert _load(other)["form"] == "deploy"
     assert main(["reparam", str(ckpt), "--no-verify"]) == 0 and main(["reparam", str(ckpt), "--no-verify"]) == 0
+    # --overwrite replaces the run only once the new one is set up: a command that fails on its
+    # flags (an unknown method, a batch larger than the data) leaves the old run as it was
+    files = sorted(p.name for p in run.iterdir())
+    for argv, msg in ((["--method", "nope"], "nope"), (["-b", "4096"], "batch")):
+        assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite", *argv) == 2
+        assert msg in capsys.readouterr().err
+        assert sorted(p.name for p in run.iterdir()) == files and ckpt.read_bytes() == before
+    (tmp_path / "a_file").write_text("x")
+    assert _train(cache, tmp_path / "a_file", "--epochs", "1", "--no-eval") == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
     # --overwrite replaces the run (its old files go first)
     # a killed write's temporary file goes at the next write; a running writer's (or another host's) stays
     host = ckpt_mod._host()
@@ -373,7 +396,7 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(common.UserError, match=f"cannot write {path}: disk full"):
         ckpt_mod.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
     assert torch.equal(_load(path)["model"]["w"], torch.ones(2))  # the old file is intact
     assert [p.name for p in tmp_path.iterdir()] == ["c.pth"]      # no temp file left behind

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except UserError as exc:
         return fail(args.command, exc)
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
+        print(f"orepa {args.command}: {exc or 'interrupted'}", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

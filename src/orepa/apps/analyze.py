@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from orepa.analysis import analyze_model
-from orepa.apps.checkpoint import atomic_write_text, load_checkpoint, state_dict_mismatch
+from orepa.apps.checkpoint import atomic_write_text, check_output_path, load_checkpoint, state_dict_mismatch
 from orepa.apps.common import (
     UserError,
     add_model_arguments,
@@ -172,6 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     device = init_distributed(args.device)[1]
+    check_output_path(args.output_dir, "--output-dir", directory=True)
     target = Path(args.target)
     if target.is_file():
         ckpt = load_checkpoint(target)

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .common import FORMS, UserError, build_model_form, describe_cfg
+from .common import FORMS, MODEL_CFG_KEYS, UserError, build_model_form, checked_cfg, describe_cfg
 
 FORMAT = "orepa-checkpoint"
 VERSION = 1
@@ -168,24 +168,59 @@ def glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
+def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
+    """Before any long computation: ``path`` can be written as a file (or, ``directory``, made a
+    directory). A :class:`UserError` naming ``flag`` where it is a directory (a file), or where
+    what would hold it is a file or cannot be written into."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        raise UserError(f"{flag} {path} is a {'file' if directory else 'directory'}, not a "
+                        f"{'directory' if directory else 'file'}")
+    parent = path if directory and path.exists() else path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {parent} is not writable")
+    return path
+
+
+@contextmanager
+def _writing(path: Path) -> Iterator[Path]:
+    """The temporary file of an atomic write of ``path`` (made beside it, removed unless it became
+    ``path``); the file system's refusals (permissions, a full disk, a directory in the way) as a
+    :class:`UserError` naming ``path``. The previous ``path`` is untouched either way."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp")
+        os.close(fd)
+        yield Path(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    except RuntimeError as exc:
+        # torch.save reports a failed write (a full disk) as a RuntimeError of its zip writer
+        if not any(mark in str(exc) for mark in ("inline_container", "PytorchStreamWriter")):
+            raise
+        raise UserError(f"cannot write {path} (out of disk space?): {str(exc).splitlines()[0][:200]}") from None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
 def atomic_write(path: str | os.PathLike, write) -> Path:
     """Write ``path`` atomically: ``write(binary file)`` into a temporary file in the same
     directory, fsync, ``os.replace``. A reader (or a crash) never sees a half-written file;
     the file gets the usual permissions (0666 minus the umask, not mkstemp's 0600)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with _writing(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
     return path
 
 
@@ -193,17 +228,8 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """For writers that want a file name (ONNX, TorchScript): a temporary path beside ``path``; when
     the block ends normally it replaces ``path`` (usual permissions), after an exception it is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{_writer_tag()}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with _writing(Path(path)) as tmp:
+        yield tmp
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -272,6 +298,8 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
+    if path.stat().st_size == 0:
+        raise UserError(f"checkpoint {path} is an empty file (a write that never finished?)")
     if _is_torchscript(path):  # torch.load would hand it to torch.jit.load
         raise UserError(f"{path} is a TorchScript archive (a compiled program), not a checkpoint; "
                         "load it with torch.jit.load")
@@ -280,9 +308,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     except pickle.UnpicklingError as exc:
         raise _unpickling_error(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise UserError(
-            f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}: {msg[:200]})"
+            f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg[:200] if msg else ''})"
         ) from None
     if _is_state_dict(obj):
         return {"model": strip_prefixes(obj)}
@@ -304,7 +332,35 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     out["model"] = strip_prefixes(obj[key])
     if "model_ema" in out and _is_state_dict(out["model_ema"]):
         out["model_ema"] = strip_prefixes(out["model_ema"])
+    _check_metadata(path, out)
     return out
+
+
+#: integer fields of a training checkpoint (where it stopped)
+_COUNTERS = ("epoch", "step_in_epoch", "global_step")
+
+
+def _check_metadata(path: Path, ckpt: dict) -> None:
+    """The fields every reader relies on have the types orepa writes: a damaged or hand-edited
+    checkpoint is reported here, by field, not as an error deep inside a command."""
+    cfg = ckpt.get("model_cfg")
+    if cfg is not None:
+        missing = [k for k in MODEL_CFG_KEYS if not isinstance(cfg, dict) or k not in cfg]
+        if missing:
+            raise UserError(f"{path}: damaged model_cfg (" + (f"missing {', '.join(missing)}" if isinstance(cfg, dict)
+                                                             else f"a {type(cfg).__name__}, not a mapping") + ")")
+        try:
+            checked_cfg(dict(cfg))
+        except UserError as exc:
+            raise UserError(f"{path}: damaged model_cfg: {exc}") from None
+    if ckpt.get("args") is not None and not isinstance(ckpt["args"], dict):
+        raise UserError(f"{path}: damaged args (a {type(ckpt['args']).__name__}, not a mapping)")
+    for key in _COUNTERS:
+        value = ckpt.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UserError(f"{path}: damaged {key} ({value!r}, not a count)")
+    if ckpt.get("form") is not None and ckpt["form"] not in FORMS:
+        raise UserError(f"{path}: unknown model form {ckpt['form']!r} (expected one of {', '.join(FORMS)})")
 
 
 def _example(keys, n=3) -> str:

@@ -100,7 +100,7 @@ def add_kernel_builder_argument(g) -> None:
 MODEL_CFG_KEYS = ("model", "method", "num_classes", "in_chans", "small_input", "width_mult", "options")
 
 
-def _parse_value(text: str):
+def parse_value(text: str):
     """``KEY=VALUE`` values: Python/JSON literals (``0.5``, ``true``, ``[\"kxk\", \"1x1\"]``) or a bare string."""
     low = text.lower()
     if low in ("true", "false"):
@@ -109,7 +109,7 @@ def _parse_value(text: str):
         return None
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):  # e.g. {[1]: 2}: not a literal
         pass
     try:
         return json.loads(text)
@@ -118,13 +118,13 @@ def _parse_value(text: str):
 
 
 def parse_key_values(items: Iterable[str] | None, flag: str = "--model-option") -> dict:
-    """The one ``KEY=VALUE`` parser: values as :func:`_parse_value` reads them, ``-`` in keys -> ``_``."""
+    """The one ``KEY=VALUE`` parser: values as :func:`parse_value` reads them, ``-`` in keys -> ``_``."""
     out = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise UserError(f"{flag} expects KEY=VALUE, got {item!r}")
-        value = _parse_value(value)
+        value = parse_value(value)
         out[key.strip().replace("-", "_")] = list(value) if isinstance(value, tuple) else value
     return out
 
@@ -202,12 +202,52 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
         cfg[key] = value if value is not None else saved.get(key, default)
     options = block_options_from_args(args)
     for key in defaults:  # e.g. --model-option width_mult=0.5: a model_cfg key, not a block option
-        if key in options and getattr(args, key, None) is None:
+        if key in options:
+            if getattr(args, key, None) is not None:
+                raise UserError(f"{key} is given twice: --{key.replace('_', '-')} and --model-option {key}=")
             cfg[key] = options.pop(key)
     cfg["options"] = options if options else dict(saved.get("options", {}))
-    cfg["num_classes"], cfg["in_chans"] = int(cfg["num_classes"]), int(cfg["in_chans"])
-    cfg["small_input"], cfg["width_mult"] = bool(cfg["small_input"]), float(cfg["width_mult"])
+    return checked_cfg(cfg)
+
+
+def checked_cfg(cfg: dict) -> dict:
+    """``cfg`` with its fields as their types (from a flag, ``--model-option`` or a checkpoint)."""
+    for key in MODEL_CFG_KEYS:
+        cfg[key] = check_cfg_value(key, cfg[key])
     return cfg
+
+
+def check_cfg_value(key: str, value):
+    """One model_cfg field as its type; a value that is not one (``width_mult=abc``,
+    ``small_input=maybe``) is a :class:`UserError` naming it."""
+    def bad(what: str):
+        return UserError(f"model setting {key}={value!r} is not {what}")
+
+    if key in ("num_classes", "in_chans"):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise bad("a positive integer")
+        try:
+            number = int(value)
+        except ValueError:
+            raise bad("a positive integer") from None
+        if number <= 0 or number != float(value):
+            raise bad("a positive integer")
+        return number
+    if key == "width_mult":
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad("a positive number") from None
+        if isinstance(value, bool) or not 0 < number < float("inf"):
+            raise bad("a positive number")
+        return number
+    if key == "small_input" and not isinstance(value, bool):
+        raise bad("true or false")
+    if key in ("model", "method") and not isinstance(value, str):
+        raise bad("a name")
+    if key == "options" and not isinstance(value, dict):
+        raise bad("a mapping of block options")
+    return value
 
 
 def model_flags_given(args: argparse.Namespace) -> bool:
@@ -328,11 +368,27 @@ class DistInfo:
         return self.rank == 0
 
 
+def parse_device(device_arg: str | None) -> torch.device:
+    """``--device`` as a device this machine has: ``cpu``, ``cuda`` or ``cuda:N`` (default: cuda if
+    available); anything else is a :class:`UserError` naming the flag."""
+    text = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UserError(f"--device {text!r}: expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device {text}: orepa runs on cpu or cuda, not {device.type}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text} requested but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def init_distributed(device_arg: str | None) -> tuple[DistInfo, torch.device]:
     """Read torchrun's environment; init nccl (CUDA) or gloo (CPU). Returns (info, device)."""
-    want_cuda = (device_arg or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if want_cuda and not torch.cuda.is_available():
-        raise UserError(f"--device {device_arg} requested but CUDA is not available")
+    want_cuda = parse_device(device_arg).type == "cuda"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         info = DistInfo(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), True)
@@ -345,10 +401,7 @@ def init_distributed(device_arg: str | None) -> tuple[DistInfo, torch.device]:
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     **({"device_id": device} if want_cuda else {}))
         return info, device
-    if device_arg and device_arg not in ("cuda", "cpu"):
-        device = torch.device(device_arg)
-    else:
-        device = torch.device("cuda" if want_cuda else "cpu")
+    device = parse_device(device_arg)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return DistInfo(), device

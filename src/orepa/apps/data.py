@@ -40,6 +40,9 @@ from .common import DistInfo, UserError, nonneg_int, positive_int
 FASHION_MNIST_FILES = (
     "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
 )
+#: bytes of each un-gzipped IDX file (16- / 8-byte header, then 28x28 images / labels): a cached file of
+#: another size is a torn or foreign copy, extracted again
+FASHION_MNIST_BYTES = dict(zip(FASHION_MNIST_FILES, (16 + 60000 * 784, 8 + 60000, 16 + 10000 * 784, 8 + 10000)))
 FASHION_MNIST_SOURCE = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -84,7 +87,8 @@ def prepare_fashion_mnist(cache_dir: str | os.PathLike | None = None, source: st
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     source = Path(source or os.environ.get("OREPA_FASHION_MNIST_DIR", FASHION_MNIST_SOURCE))
     raw = root / "FashionMNIST" / "raw"
-    missing = [n for n in FASHION_MNIST_FILES if not (raw / n).is_file()]
+    missing = [n for n in FASHION_MNIST_FILES
+               if not (raw / n).is_file() or (raw / n).stat().st_size != FASHION_MNIST_BYTES[n]]
     if not missing:
         return root
     absent = [n for n in missing if not (source / f"{n}.gz").is_file()]
@@ -196,6 +200,9 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
     if train is not None and train.classes != val.classes:
         raise UserError(f"--data-path {root}: train/ and val/ have different class folders "
                         f"({len(train.classes)} vs {len(val.classes)})")
+    if train is not None and len(train.classes) < 2:
+        raise UserError(f"--data-path {root}: train/ has {len(train.classes)} class folder "
+                        f"({', '.join(train.classes)}); a classifier needs at least 2")
     return train, val
 
 

@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from .checkpoint import atomic_write_text
-from .common import available_cpus, nonneg_float, positive_float, positive_int
+from .checkpoint import atomic_write_text, check_output_path
+from .common import UserError, available_cpus, nonneg_float, positive_float, positive_int
 from .data import prepare_fashion_mnist
 
 
@@ -85,6 +85,7 @@ class _Pipeline(threading.Thread):
         self.method, self.cmds, self.out, self.gate, self.in_process = method, cmds, out, gate, in_process
         self.rc: int | None = None
         self.stage = "waiting"
+        self.failed_in: str | None = None  # the stage that failed
         self.log = out / "demo.log"
         self.t0 = self.t1 = None
 
@@ -106,6 +107,7 @@ class _Pipeline(threading.Thread):
                     else:
                         self.rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
                     if self.rc != 0:
+                        self.failed_in = stage
                         break
             self.stage = "done" if self.rc == 0 else "failed"
             self.t1 = time.perf_counter()
@@ -147,6 +149,9 @@ def _watch(pipes: list[_Pipeline], show: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     prepare_fashion_mnist(args.cache_dir)  # fails early, with the install hint, if the package is missing
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise UserError(f"--methods {args.methods!r} names no method (e.g. base,orepa)")
+    check_output_path(args.output_dir, "--output-dir", directory=True)
     cpus = args.threads or available_cpus()
     jobs = 1 if args.in_process else args.jobs or max(1, min(len(methods), cpus))
     threads = max(1, cpus // jobs)
@@ -179,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     failed = [p for p in pipes if p.rc != 0]
     for p in failed:
         tail = p.log.read_text().splitlines()[-15:] if p.log.exists() else []
-        print(f"\n{p.method} failed (exit {p.rc}) in stage {p.stage!r}; last lines of {p.log}:", file=sys.stderr)
+        print(f"\n{p.method} failed (exit {p.rc}) in stage {p.failed_in!r}; last lines of {p.log}:", file=sys.stderr)
         print("\n".join("  " + line for line in tail), file=sys.stderr)
     if failed:
         return 1

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import atomic_write_text, load_checkpoint, model_from_checkpoint
+from .checkpoint import atomic_write_text, check_output_path, load_checkpoint, model_from_checkpoint
 from .common import (
     DistInfo,
     UserError,
@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     try:
         info, device = init_distributed(args.device)
+        if args.json:
+            check_output_path(args.json, "--json")
         ckpt = load_checkpoint(args.checkpoint)
         data_args_from_checkpoint(args, ckpt)
         data = build_data(args, need_train=False)

@@ -18,11 +18,18 @@ each to ``max|y - y_ref| <= atol * (1 + max|y_ref|)`` (default ``atol=1e-4`` in 
 the test-suite's reparameterization bound is 1e-5 in the same form). A failed check raises
 :class:`ExportVerificationError` and writes nothing: the file is written to a temporary
 name, checked there and only then renamed into place.
+
+An ONNX file is self-contained (its weights inside it, so a model over protobuf's 2 GiB
+limit is refused: export it to TorchScript). The packages an ONNX export needs
+(onnx; onnxscript for ``dynamo=True``; onnxruntime to verify) and the opset are checked
+before anything is built (:func:`check_onnx_request`).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +54,8 @@ from .common import (
 )
 from .common import deploy as deploy_form
 
-__all__ = ["deploy", "export_onnx", "export_torchscript", "load_checkpoint", "ExportReport",
-           "ExportVerificationError", "add_arguments", "run"]
+__all__ = ["deploy", "export_onnx", "export_torchscript", "load_checkpoint", "check_onnx_request",
+           "onnx_opset_range", "ExportReport", "ExportVerificationError", "add_arguments", "run"]
 
 
 class ExportVerificationError(RuntimeError):
@@ -66,10 +73,16 @@ class ExportReport:
     atol: float = 1e-4
     errors: dict[str, float] = field(default_factory=dict)  # check -> max abs error
     bounds: dict[str, float] = field(default_factory=dict)  # check -> atol * (1 + max|reference|)
+    opset: int | None = None  # ONNX: the opset the file holds ...
+    opset_requested: int | None = None  # ... and the one asked for
 
     def __str__(self) -> str:
-        lines = [f"exported {self.format} to {self.path} (input {list(self.input_shape)}); "
+        fmt = f"{self.format} opset {self.opset}" if self.opset is not None else self.format
+        lines = [f"exported {fmt} to {self.path} (input {list(self.input_shape)}); "
                  f"params {self.params_training:,} (training form) -> {self.params_deployed:,} (deployed)"]
+        if self.opset_requested is not None and self.opset != self.opset_requested:
+            lines.append(f"  note: opset {self.opset} written, not the {self.opset_requested} asked for (the exporter "
+                         "could not convert its graph to that opset)")
         if self.verified:
             lines += [f"  {k}: max abs err {v:.3e} <= {self.bounds[k]:.3e} = {self.atol:g} * (1 + max|y_ref|)"
                       for k, v in self.errors.items()]
@@ -103,30 +116,87 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters(), torch.empty(0)).device
 
 
+#: what an ONNX export imports: module -> why (the pip package has the module's name)
+_ONNX_NEEDS = {"onnx": "ONNX export", "onnxscript": "--dynamo export", "onnxruntime": "verification"}
+
+
+def onnx_opset_range(dynamo: bool = False) -> tuple[int, int] | None:
+    """The opsets the installed torch's ONNX exporter supports, from torch's own constants
+    (None where this torch does not say: then torch itself judges)."""
+    try:
+        from torch.onnx import _constants as c
+
+        low, high = int(c.ONNX_MIN_OPSET), int(c.ONNX_MAX_OPSET)
+    except (ImportError, AttributeError):
+        return None
+    if not dynamo:  # the TorchScript-based exporter stops earlier (torch warns above it, fails further up)
+        high = int(getattr(c, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", high))
+    return low, high
+
+
+def check_onnx_request(opset: int, *, dynamo: bool = False, verify: bool = True) -> None:
+    """Raise :class:`UserError` before any work if a package the export needs is missing or
+    ``opset`` is outside what the exporter supports (found out otherwise only at its end)."""
+    needed = ["onnx"] + ["onnxscript"] * dynamo + ["onnxruntime"] * verify
+    missing = []
+    for module in needed:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            missing.append((module, exc))
+    if missing:
+        what = ", ".join(f"{m} (for {_ONNX_NEEDS[m]}: {exc})" for m, exc in missing)
+        hint = " or pass --no-verify" if [m for m, _ in missing] == ["onnxruntime"] else ""
+        raise UserError(f"missing package(s) {what}: pip install {' '.join(m for m, _ in missing)} "
+                        f"(or the apps extra: pip install 'orepa[apps]'){hint}")
+    bounds = onnx_opset_range(dynamo)
+    if bounds and not bounds[0] <= opset <= bounds[1]:
+        exporter = "dynamo (--dynamo)" if dynamo else "TorchScript-based"
+        raise UserError(f"--opset {opset} is outside the opsets {bounds[0]}..{bounds[1]} that the {exporter} ONNX "
+                        f"exporter of torch {torch.__version__} supports")
+
+
 @torch.no_grad()
 def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: int = 17, verify: bool = True,
                 atol: float = 1e-4, dynamic_batch: bool = True, dynamo: bool = False) -> ExportReport:
-    """Deploy ``model`` and export it to ONNX at ``path``; verify with onnxruntime.
+    """Deploy ``model`` and export it to ONNX at ``path`` (one self-contained file); verify with onnxruntime.
 
     Args:
         input_shape: ``(N, C, H, W)`` of the example input (the batch axis is dynamic
             unless ``dynamic_batch=False``).
-        opset: ONNX opset version.
+        opset: ONNX opset version (:func:`onnx_opset_range`); the report says the one written,
+            which the dynamo exporter may raise to its lowest (18 in torch 2.5-2.14).
         verify: compare deployed vs training form and onnxruntime vs PyTorch (see module doc).
         atol: the bound is ``atol * (1 + max|y_ref|)`` on the max abs error.
         dynamo: use the torch.export-based exporter (slower); default the TorchScript-based one.
     """
+    check_onnx_request(opset, dynamo=dynamo, verify=verify)
+    import onnx
+
     model.eval()
     deployed = deploy(model)
+    size = sum(t.numel() * t.element_size() for t in deployed.state_dict().values())
+    if size >= onnx.checker.MAXIMUM_PROTOBUF:  # protobuf's limit on one message: refuse before exporting
+        raise UserError(f"the deployed model's weights take {size / 2**30:.2f} GiB: over the 2 GiB that one ONNX "
+                        "file can hold; export it with --format torchscript")
     x = _example(input_shape, device=_device(model))
     report = ExportReport(str(path), "onnx", tuple(input_shape), count_params(model), count_params(deployed),
-                          atol=atol)
+                          atol=atol, opset_requested=opset)
+    # The exporter may put the weights in side files named after its target (dynamo: "<target>.data"),
+    # so it writes into a private temporary directory; the model is re-saved from there as one file.
+    with tempfile.TemporaryDirectory(prefix="orepa-export-") as work:
+        raw = str(Path(work, Path(path).name))
+        _export_raw(deployed, raw, x, opset, dynamic_batch, dynamo)
+        proto = onnx.load(raw)  # with the weights of any external-data file
+    report.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     with ckpt_io.atomic_path(path) as tmp:
-        _export_onnx(model, deployed, str(tmp), x, input_shape, report, opset, verify, dynamic_batch, dynamo)
+        onnx.save_model(proto, str(tmp))
+        if verify:
+            _verify_onnx(model, deployed, str(tmp), x, input_shape, report, dynamic_batch)
     return report
 
 
-def _export_onnx(model, deployed, path: str, x, input_shape, report, opset, verify, dynamic_batch, dynamo) -> None:
+def _export_raw(deployed, path: str, x, opset, dynamic_batch, dynamo) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
@@ -137,19 +207,21 @@ def _export_onnx(model, deployed, path: str, x, input_shape, report, opset, veri
             dyn = {"input": {0: "batch"}, "output": {0: "batch"}} if dynamic_batch else None
             torch.onnx.export(deployed, (x,), path, dynamo=False, opset_version=opset, input_names=["input"],
                               output_names=["output"], dynamic_axes=dyn)
-    if verify:
-        import onnx
-        import onnxruntime as ort
 
-        onnx.checker.check_model(path)
-        y_train, y_dep = model(x), deployed(x)
-        _check(report, "deployed vs training form", y_dep, y_train)
-        sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-        xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
-        for i, xi in enumerate(xs):
-            y_ort = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0])
-            _check(report, f"onnxruntime vs pytorch (batch {xi.shape[0]})", y_ort, deployed(xi) if i else y_dep)
-        report.verified = True
+
+def _verify_onnx(model, deployed, path: str, x, input_shape, report, dynamic_batch) -> None:
+    import onnx
+    import onnxruntime as ort
+
+    onnx.checker.check_model(path)
+    y_train, y_dep = model(x), deployed(x)
+    _check(report, "deployed vs training form", y_dep, y_train)
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
+    for i, xi in enumerate(xs):
+        y_ort = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0])
+        _check(report, f"onnxruntime vs pytorch (batch {xi.shape[0]})", y_ort, deployed(xi) if i else y_dep)
+    report.verified = True
 
 
 @torch.no_grad()
@@ -247,6 +319,8 @@ def _is_checkpoint(path: Path) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
+    if args.format == "onnx":  # before the model is loaded: a missing package or a bad --opset fails at once
+        check_onnx_request(args.opset, dynamo=args.dynamo, verify=not args.no_verify)
     device = init_distributed(args.device)[1]
     path = args.checkpoint or args.checkpoint_opt
     ckpt = ckpt_io.load_checkpoint(path) if path else {}
@@ -269,6 +343,7 @@ def run(args: argparse.Namespace) -> int:
     size = args.input_size or input_size_of(ckpt) or 224
     shape = (args.batch_size, cfg["in_chans"], size, size)
     out = Path(args.output or f"{cfg['model']}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
+    ckpt_io.check_output_path(out, "--output")
     if path and out.resolve() == Path(path).resolve():
         raise UserError(f"--output {out} is the input checkpoint; export never writes over its input")
     if out.exists() and not args.overwrite and _is_checkpoint(out):

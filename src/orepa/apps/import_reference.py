@@ -19,7 +19,15 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import FORMAT, VERSION, args_dict, model_from_checkpoint, save_checkpoint
+from .checkpoint import (
+    FORMAT,
+    VERSION,
+    args_dict,
+    check_output_path,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
 from .common import (
     UserError,
     add_run_arguments,
@@ -50,17 +58,19 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     src, out = Path(args.checkpoint), Path(args.output)
     if args.fuse_bn and not args.deploy:
         raise UserError("--fuse-bn needs --deploy (a training-form checkpoint keeps its BNs)")
-    if not src.is_file():
-        raise UserError(f"reference checkpoint {src} does not exist")
+    check_output_path(out, "--output")
     if out.resolve() == src.resolve():
         raise UserError(f"--output {out} is the input checkpoint; choose another --output")
     if out.exists() and not args.overwrite:
         raise UserError(f"--output {out} exists; pass --overwrite to replace it, or choose another --output")
     import orepa
 
+    # the one checkpoint reader: a missing, damaged, foreign or TorchScript file and pickled objects
+    # are reported as for every command; the reference's state_dict comes back as "model"
+    state = load_checkpoint(src)["model"]
     torch.manual_seed(args.seed)
     try:
-        model = orepa.import_reference(src)
+        model = orepa.import_reference(state)
     except ValueError as exc:
         raise UserError(f"{src}: {exc}") from None
     model.eval()

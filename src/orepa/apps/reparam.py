@@ -18,7 +18,14 @@ import json
 import sys
 from pathlib import Path
 
-from .checkpoint import args_dict, atomic_write_text, load_checkpoint, model_from_checkpoint, save_checkpoint
+from .checkpoint import (
+    args_dict,
+    atomic_write_text,
+    check_output_path,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
 from .common import (
     UserError,
     add_run_arguments,
@@ -70,6 +77,9 @@ def verify(model, deployed, loader, device, rtol: float, progress: bool = False)
 
 
 def _check_output(out: Path, args) -> None:
+    check_output_path(out, "--output")
+    if args.json:
+        check_output_path(args.json, "--json")
     if out.resolve() == Path(args.checkpoint).resolve():
         raise UserError(f"--output {out} is the input checkpoint; reparam never writes over its input "
                         "(choose another --output)")
@@ -96,13 +106,13 @@ def reparam(args: argparse.Namespace) -> dict:
     ckpt = load_checkpoint(args.checkpoint)
     if ckpt.get("form", "train") != "train":
         raise UserError(f"{args.checkpoint} is already deployed ({ckpt['form']})")
+    if ckpt.get("model_cfg") is None:  # reparam takes no model flags: what the weights are must be recorded
+        raise UserError(f"{args.checkpoint} is a bare state_dict; reparam needs an orepa training checkpoint "
+                        "(orepa train's checkpoint.pth, or orepa import-reference's output)")
     data_args_from_checkpoint(args, ckpt)
     need_data = not args.no_verify
     data = build_data(args, need_train=False) if need_data else None
     if data is None:
-        cfg = ckpt.get("model_cfg")
-        if cfg is None:
-            raise UserError(f"{args.checkpoint} is a bare state_dict; reparam needs an orepa training checkpoint")
         model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, use_ema=args.use_ema)
     else:
         model, cfg, form = checkpoint_model(args, ckpt, data)

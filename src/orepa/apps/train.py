@@ -92,6 +92,10 @@ class NonFiniteLoss(Exception):
     """The loss became NaN/inf; the message says where and which checkpoint is the last good one."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training; the message says which checkpoint to resume from."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_arguments(p)
     add_model_arguments(p)
@@ -341,9 +345,12 @@ class Trainer:
             args.output_dir = f"runs/{self.data.name}-{self.cfg['model']}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
         self.ckpt_path = self.out / "checkpoint.pth"
-        self._check_output_dir()
+        previous = self._check_output_dir()
         if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UserError(f"--output-dir {self.out}: cannot make the directory ({exc.strerror or exc})") from None
 
         global_batch = args.batch_size * info.world_size
         if args.lr is None:
@@ -398,25 +405,35 @@ class Trainer:
         if args.compile:
             train_model = torch.compile(train_model)
         self.train_model = train_model
+        # only now, with the model, data and optimizer built from this command's flags: a mistyped
+        # flag must not cost the run it was meant to replace
+        self._clear_previous_run(previous)
 
-    def _check_output_dir(self) -> None:
-        """Refuse to train into a directory holding another run unless --overwrite (then clear its files)."""
+    def _check_output_dir(self) -> list[str]:
+        """Refuse to train into a directory holding another run unless --overwrite; the files of the run
+        that --overwrite will replace (:meth:`_clear_previous_run`, once this run is set up)."""
         args = self.args
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"--output-dir {self.out} is a file, not a directory")
         found = [n for n in RUN_FILES if (self.out / n).exists()] + sorted(p.name for p in self.out.glob("model_*.pth"))
         if not found:
-            return
+            return []
         if args.resume and Path(args.resume).resolve().parent == self.out.resolve():
-            return  # continuing the run that lives here
+            return []  # continuing the run that lives here
         if not args.overwrite:
             what = f"a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
             hint = f"continue it with --resume {self.ckpt_path}, " if (self.out / "checkpoint.pth").exists() else ""
             raise UserError(f"--output-dir {self.out} already holds {what}; {hint}replace it with --overwrite, "
                             "or choose another --output-dir")
-        if self.main:
-            for name in found:
-                (self.out / name).unlink(missing_ok=True)
-            shutil.rmtree(self.out / "tb", ignore_errors=True)
-            self.log(f"note: --overwrite: removed the previous run's {', '.join(found)} from {self.out}")
+        return found
+
+    def _clear_previous_run(self, found: list[str]) -> None:
+        if not found or not self.main:
+            return
+        for name in found:
+            (self.out / name).unlink(missing_ok=True)
+        shutil.rmtree(self.out / "tb", ignore_errors=True)
+        self.log(f"note: --overwrite: removed the previous run's {', '.join(found)} from {self.out}")
 
     def _restore(self, ckpt: dict) -> None:
         args = self.args
@@ -789,8 +806,12 @@ def train(args: argparse.Namespace) -> dict:
             where = (f"the last good checkpoint is {last} (kept unchanged, finite); continue it with e.g. "
                      f"--resume {last} --lr {lower} (or --clip-grad-norm, or without --amp)" if last
                      else f"no checkpoint had been written yet; start again with e.g. --lr {lower} or "
-                          "--clip-grad-norm")
+                          "--clip-grad-norm, and --overwrite")
             raise NonFiniteLoss(f"{exc}: training stopped; {where}") from None
+        except KeyboardInterrupt:
+            last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
+            raise Interrupted("interrupted; " + (f"continue from the last checkpoint with --resume {last}" if last
+                                                 else "no checkpoint had been written yet")) from None
     finally:
         cleanup_distributed(trainer.info)
 

@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
 import torch
 
-from orepa.apps.common import add_kernel_builder_argument
+from orepa.apps.common import (
+    MODEL_CFG_KEYS,
+    UserError,
+    add_kernel_builder_argument,
+    apply_threads,
+    check_cfg_value,
+    nonneg_int,
+    parse_device,
+    positive_float,
+    positive_int,
+)
 
 from .measure import (
     Runner,
+    check_step_modes,
     environment,
     flop_counter,
     make_runner,
@@ -24,15 +36,16 @@ from .measure import (
     measure_variant_costs,
     run_benchmark,
     tally_saved,
+    variant_specs,
 )
 from .report import format_header, format_table, plot_budgets, plot_ratios, ratios, rerender, save
-from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_spec
+from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_options, parse_spec
 
 __all__ = [
     "LADDER", "Runner", "add_arguments", "base_model", "build_variant", "component_variants", "environment",
     "flop_counter", "format_header", "format_table", "in_zoo", "make_runner", "measure_saved", "tally_saved",
-    "measure_variant_costs", "parse_spec", "plot_budgets", "plot_ratios", "ratios", "rerender", "run",
-    "run_benchmark", "save",
+    "measure_variant_costs", "parse_options", "parse_spec", "plot_budgets", "plot_ratios", "ratios", "rerender", "run",
+    "run_benchmark", "save", "variant_specs",
 ]
 
 
@@ -45,18 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "times both in one run); comma-separated lists are accepted")
     p.add_argument("--components", action="store_true",
                    help="the component ladder of Fig. 'budgets' (base, dbb, each rung online and offline)")
-    p.add_argument("-b", "--batch-size", type=int, default=16)
-    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("-b", "--batch-size", type=positive_int, default=16)
+    p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per variant (median reported)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--reps", type=positive_int, default=5, help="timed steps per variant (median reported)")
+    p.add_argument("--warmup", type=nonneg_int, default=2)
+    p.add_argument("--num-classes", type=positive_int, default=1000)
     p.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                    help="zoo model option for every variant, e.g. width_mult=0.5 or small_input=True (repeatable)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--lr", type=float, default=1e-3,
+    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="SGD lr (momentum 0.9, wd 1e-4); cost does not depend on it, small keeps random-data steps finite")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonneg_int, default=0)
     p.add_argument("--no-inference", action="store_true", help="skip deployed inference timing")
     p.add_argument("--no-memory-profile", action="store_true", help="CPU: skip the profiler peak-memory pass")
     p.add_argument("--cudnn-benchmark", action="store_true")
@@ -82,24 +95,52 @@ def _methods(args) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if args.from_json:
-        result, files = rerender(args.from_json, plots=not args.no_plot)
+        try:
+            result, files = rerender(args.from_json, plots=not args.no_plot)
+        except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not a bench result
+            raise UserError(f"--from-json {args.from_json}: {getattr(exc, 'strerror', None) or exc}") from None
         print(format_header(result) + "\n\n" + format_table(result))
         print("\nwrote " + ", ".join(str(f) for f in files))
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    # every check on the flags before the first build: a bad one fails in seconds, not after minutes
+    apply_threads(args)
+    device = parse_device(None if args.device == "auto" else args.device)
+    try:
+        check_step_modes(device, args.cuda_graphs, args.compile)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output-dir {args.output_dir}: cannot make the directory ({exc.strerror or exc})") from None
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
-    mopts = parse_spec("x:" + ":".join(args.model_option))[1] if args.model_option else {}
-    methods = component_variants(args.model, args.num_classes, 3, mopts) if args.components else _methods(args)
+    mopts = parse_options(args.model_option, "--model-option")
+    for key in set(mopts) & set(MODEL_CFG_KEYS):  # width_mult, small_input, ...: the types every command checks
+        mopts[key] = check_cfg_value(key, mopts[key])
+    model_flags = f"-m {args.model}" + "".join(f" --model-option {o}" for o in args.model_option)
+    if args.components:
+        try:
+            methods = component_variants(args.model, args.num_classes, 3, mopts)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"--components with {model_flags}: {exc}") from None
+    else:
+        methods = _methods(args)
+    # built here, each in its own try: what goes wrong in a build is the spec's or the model's (an unknown
+    # name or option, a bad value); errors of the measurement itself keep their traceback
+    runners = []
+    for spec in variant_specs(methods):
+        try:
+            runners.append(make_runner(args.model, spec, device=device, num_classes=args.num_classes,
+                                       model_options=mopts, lr=args.lr, seed=args.seed,
+                                       kernel_builder=args.kernel_builder))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}") from None
     result = run_benchmark(
         args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
         reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
         inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
-        cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder,
+        cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder, runners=runners,
     )
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"

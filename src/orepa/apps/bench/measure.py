@@ -309,6 +309,24 @@ def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000,
     return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder)
 
 
+def variant_specs(methods: Sequence[str]) -> list[str]:
+    """The variants a run measures: each spec once, in order, ``base`` (the ratios' reference) first
+    where ``methods`` lacks it."""
+    specs = list(dict.fromkeys(methods))
+    if "base" not in specs:
+        specs.insert(0, "base")
+    return specs
+
+
+def check_step_modes(device: torch.device, cuda_graphs: bool, compile: str | None) -> None:
+    """How the timed steps run: a ValueError for a combination that cannot."""
+    if cuda_graphs and compile:
+        raise ValueError("CUDA graphs (--cuda-graphs) and torch.compile (--compile) exclude each other "
+                         "(torch.compile's mode='reduce-overhead' is its own CUDA-graph path)")
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"CUDA graphs (--cuda-graphs) need a CUDA device, got {device}")
+
+
 def run_benchmark(
     model: ModelSpec,
     methods: Sequence[str],
@@ -328,35 +346,37 @@ def run_benchmark(
     cuda_graphs: bool = False,
     compile: str | None = None,
     kernel_builder: str = "auto",
+    runners: Sequence[Runner] | None = None,
     log: Callable[[str], None] | None = print,
 ) -> dict:
     """Measure every variant of ``model`` side by side; returns a JSON-able dict.
 
     ``compile``: a ``torch.compile`` backend (e.g. ``"inductor"``) for the timed steps.
+    ``runners``: the variants of ``variant_specs(methods)`` already built by :func:`make_runner` with
+    these settings (``orepa bench`` builds them first, so that a bad variant is a user error).
     """
     log = log or (lambda s: None)
     device = torch.device(device)
-    if cuda_graphs and compile:
-        raise ValueError("cuda_graphs and compile exclude each other (torch.compile's mode='reduce-overhead' "
-                         "is its own CUDA-graph path)")
-    if cuda_graphs and device.type != "cuda":
-        raise ValueError(f"cuda_graphs needs a CUDA device (got {device})")
+    check_step_modes(device, cuda_graphs, compile)
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     git_start = _git_state()  # the code this process loaded (files edited during a run do not count)
-    methods = list(dict.fromkeys(methods))
-    if "base" not in methods:
-        methods.insert(0, "base")
+    methods = variant_specs(methods)
+    if runners is None:
+        runners = [make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
+                               model_options=model_options, lr=lr, seed=seed, kernel_builder=kernel_builder)
+                   for spec in methods]
+    runners = list(runners)
+    if [r.name for r in runners] != methods:
+        raise ValueError(f"runners {[r.name for r in runners]} are not the variants {methods}")
+    # after the builds (each seeds itself): the same data whether the runners came built or not
     torch.manual_seed(seed)
     x = torch.randn(batch_size, in_chans, image_size, image_size, device=device)
     y = torch.randint(0, num_classes, (batch_size,), device=device)
 
-    runners: list[Runner] = []
     res: dict[str, dict] = {}
-    for spec in methods:
-        runners.append(make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
-                                   model_options=model_options, lr=lr, seed=seed, kernel_builder=kernel_builder))
-        res[spec] = {"train_params": count_params(runners[-1].model), "kernel_builder": runners[-1].kernel_builder}
-        log(f"built {spec}: {res[spec]['train_params']:,} params")
+    for r in runners:
+        res[r.name] = {"train_params": count_params(r.model), "kernel_builder": r.kernel_builder}
+        log(f"built {r.name}: {res[r.name]['train_params']:,} params")
 
     log(f"warm-up: {warmup} step(s) per variant")
     for _ in range(max(warmup, 1)):  # one step at least: the optimizer state exists before measuring

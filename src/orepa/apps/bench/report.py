@@ -172,5 +172,9 @@ def rerender(path: str | Path, plots: bool = True) -> tuple[dict, list[Path]]:
     """Recompute ratios, table and plots of a saved result JSON (next to it)."""
     path = Path(path)
     result = json.loads(path.read_text())
+    if not (isinstance(result, dict) and all(isinstance(result.get(k), dict) for k in ("config", "environment"))
+            and isinstance(result.get("results"), dict) and "base" in result["results"]):
+        raise ValueError(f"{path} is not an orepa bench result (JSON with config, environment and "
+                         "the results of base)")
     result["ratios"] = ratios(result["results"])
     return result, save(result, path.parent, path.stem, plots=plots)

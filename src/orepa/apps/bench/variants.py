@@ -25,12 +25,12 @@ table-"components" presets), so a benchmark measures exactly the networks that
 """
 from __future__ import annotations
 
-import ast
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 
 import orepa
+from orepa.apps.common import parse_key_values, parse_value
 from orepa.models import create_model, model_family
 
 ModelSpec = str | Callable[[], nn.Module]
@@ -71,20 +71,18 @@ def base_model(model: ModelSpec, num_classes: int = 1000, in_chans: int = 3, mod
         raise ValueError(f"unknown model {model!r}: {exc}") from None
 
 
+def parse_options(items: Iterable[str], flag: str) -> dict:
+    """``KEY=VALUE`` items as every subcommand reads them (:func:`orepa.apps.common.parse_key_values`:
+    ``false`` is False, ``0.5`` a float, ...), plus bench's list spelling: a bare value with ``/`` is a
+    tuple (``branches=kxk/1x1``), as ``:`` separates a variant's options and ``,`` variants."""
+    return {k: tuple(parse_value(part) for part in v.split("/")) if isinstance(v, str) and "/" in v else v
+            for k, v in parse_key_values(items, flag).items()}
+
+
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """``"orepa:scaling=scalar:branches=kxk/1x1"`` -> ``("orepa", {...})``."""
+    """``"orepa:scaling=scalar:branches=kxk/1x1"`` -> ``("orepa", {...})`` (values: :func:`parse_options`)."""
     name, *opts = spec.split(":")
-    options = {}
-    for o in opts:
-        if "=" not in o:
-            raise ValueError(f"bad option {o!r} in {spec!r}: expected key=value")
-        k, v = o.split("=", 1)
-        try:
-            val = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            val = tuple(v.split("/")) if "/" in v else v
-        options[k] = val
-    return name, options
+    return name, parse_options(opts, f"--methods {spec}")
 
 
 #: the variant option that picks its kernel builder; not a block option
