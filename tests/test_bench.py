@@ -230,6 +230,7 @@ _BAD_CLI = [
     (["-m", "nope"], "cannot build variant 'base' (-m nope --model-option width_mult=0.0625)"),
     (["--components", "-m", "mobilenet_v2"], "--components with -m mobilenet_v2"),
     (["--cuda-graphs", "--compile"], "(--cuda-graphs) and torch.compile (--compile) exclude each other"),
+    (["--compile", "nope"], "--compile nope: not a torch.compile backend"),
     (["--cuda-graphs", "--device", "cpu"], "(--cuda-graphs) need a CUDA device, got cpu"),
     (["-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
     (["-b", "-2"], "argument -b/--batch-size: must be a positive integer, got -2"),

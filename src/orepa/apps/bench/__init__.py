@@ -109,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
         check_step_modes(device, args.cuda_graphs, args.compile)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    if args.compile:  # torch.compile names an unknown backend only at the first compiled step
+        from torch import _dynamo
+
+        known = _dynamo.list_backends(exclude_tags=())
+        if args.compile not in known:
+            raise UserError(f"--compile {args.compile}: not a torch.compile backend; e.g. {', '.join(sorted(known)[:6])}")
     try:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
