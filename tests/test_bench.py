@@ -286,6 +286,23 @@ def test_cli_zoo_model(tmp_path, capsys):
     assert r["orepa"]["deploy_params"] == r["base"]["deploy_params"]
 
 
+def test_from_json_writes_where_told(tmp_path, capsys):
+    """--from-json re-renders a result: into --output-dir when given (the source untouched), else
+    next to it."""
+    from orepa.cli import main
+
+    src = tmp_path / "src"
+    assert main(["bench", "-m", "resnet18", "--model-option", "width_mult=0.0625", "--methods", "base,orepa", "-b", "2",
+                 "--image-size", "32", "--reps", "1", "--warmup", "1", "--num-classes", "10", "--no-inference",
+                 "--no-plot", "--output-dir", str(src), "--tag", "r"]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
+    out = tmp_path / "out"
+    assert main(["bench", "--from-json", str(src / "r.json"), "--output-dir", str(out), "--no-plot"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["r.json", "r.md"]
+    assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before
+    assert "| orepa |" in capsys.readouterr().out
+
+
 def test_cuda_code_path_with_stubbed_stats(monkeypatch):
     """No GPU here: run the CUDA branch of the memory measurement with torch.cuda stats stubbed."""
     calls = []

@@ -1,4 +1,4 @@
-"""``orepa demo``: the whole pipeline on real data, in about ten minutes on two CPU cores.
+"""``orepa demo``: the whole pipeline on real data, in one to three minutes on two CPU cores.
 
 On Fashion-MNIST (Debian package ``dataset-fashion-mnist``) it trains a small OREPA
 ResNet-18 (stage widths x0.125, CIFAR-style 3x3 stem for 28x28 inputs, one input

@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tag", default=None, help="output file stem (default from the settings)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-json", default=None, metavar="FILE",
-                   help="re-render the table and plots of a saved result (no measurement)")
+                   help="re-render the table and plots of a saved result (no measurement), into --output-dir if "
+                        "given, else next to FILE")
 
 
 def _methods(args) -> list[str]:
@@ -96,7 +97,9 @@ def _methods(args) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.from_json:
         try:
-            result, files = rerender(args.from_json, plots=not args.no_plot)
+            # an --output-dir given on the command line takes the files; else they go next to FILE
+            out_dir = args.output_dir if "output_dir" in (getattr(args, "given", None) or ()) else None
+            result, files = rerender(args.from_json, plots=not args.no_plot, out_dir=out_dir)
         except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not a bench result
             raise UserError(f"--from-json {args.from_json}: {getattr(exc, 'strerror', None) or exc}") from None
         print(format_header(result) + "\n\n" + format_table(result))

@@ -168,8 +168,9 @@ def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> lis
     return files
 
 
-def rerender(path: str | Path, plots: bool = True) -> tuple[dict, list[Path]]:
-    """Recompute ratios, table and plots of a saved result JSON (next to it)."""
+def rerender(path: str | Path, plots: bool = True, out_dir: str | Path | None = None) -> tuple[dict, list[Path]]:
+    """Recompute ratios, table and plots of a saved result JSON, written to ``out_dir`` (default:
+    next to it, replacing its table and JSON)."""
     path = Path(path)
     result = json.loads(path.read_text())
     if not (isinstance(result, dict) and all(isinstance(result.get(k), dict) for k in ("config", "environment"))
@@ -177,4 +178,4 @@ def rerender(path: str | Path, plots: bool = True) -> tuple[dict, list[Path]]:
         raise ValueError(f"{path} is not an orepa bench result (JSON with config, environment and "
                          "the results of base)")
     result["ratios"] = ratios(result["results"])
-    return result, save(result, path.parent, path.stem, plots=plots)
+    return result, save(result, path.parent if out_dir is None else Path(out_dir), path.stem, plots=plots)
