@@ -238,6 +238,57 @@ def test_more_bad_configurations():
         orepa.check_conv_config(4, 8, 3, padding_mode="reflect")
 
 
+@pytest.mark.parametrize(
+    "make,error,match",
+    [
+        # zero / negative sizes: before, an IndexError at forward, torch's "negative dimension" error,
+        # "even kernels", or silently the default (internal_channels=0, mid_channels=0)
+        (lambda: OREPAConv2d(4, 8, 3, dw_expand=0), ValueError, r"dw_expand must be an int >= 1, got 0"),
+        (lambda: OREPAConv2d(4, 8, 3, dw_expand=-1), ValueError, r"dw_expand must be an int >= 1, got -1"),
+        (lambda: OREPAConv2d(4, 8, 3, dw_expand=2.0), TypeError, r"dw_expand must be an int >= 1, got 2\.0"),
+        (lambda: OREPAVGGBlock(4, 8, 3, dw_expand=0), ValueError, r"dw_expand must be an int >= 1, got 0"),
+        (lambda: OREPADeepStem(3, 8, 7, dw_expand=0), ValueError, r"dw_expand must be an int >= 1, got 0"),
+        (lambda: orepa.build_branches(["kxk"], 4, 8, 3, 1, dw_expand=0), ValueError, r"dw_expand .* got 0"),
+        (lambda: OREPAConv2d(4, 8, 3, internal_channels=0), ValueError, r"internal_channels must be .* got 0"),
+        (lambda: OREPAConv2d(4, 8, 1, internal_channels=0), ValueError, r"internal_channels must be .* got 0"),
+        (lambda: OREPAConv2d(4, 8, 3, internal_channels=-2), ValueError, r"internal_channels must be .* got -2"),
+        (lambda: DBBConv2d(4, 8, 3, internal_channels=0), ValueError, r"internal_channels must be .* got 0"),
+        (lambda: OREPAConv2d(4, 8, 0), ValueError, r"kernel_size must be a positive odd int, got 0"),
+        (lambda: OREPAConv2d(4, 8, -3), ValueError, r"kernel_size must be a positive odd int, got -3"),
+        (lambda: OREPADeepStem(3, 8, 7, mid_channels=0), ValueError, r"mid_channels must be an int >= 1 .* got 0"),
+        (lambda: OREPADeepStem(3, 8, 7, mid_channels=-1), ValueError, r"mid_channels must be an int >= 1 .* got -1"),
+        # bools are ints to isinstance: True was one channel (or torch's "empty()" TypeError)
+        (lambda: OREPAConv2d(True, 8, 3), TypeError, r"in_channels must be an int, got True"),
+        (lambda: OREPAConv2d(4, True, 3), TypeError, r"out_channels must be an int, got True"),
+        (lambda: OREPAConv2d(4, 8, 3, groups=True), TypeError, r"groups must be an int, got True"),
+        (lambda: OREPAConv2d(4, 8, True), TypeError, r"kernel_size must be .* not a bool; got True"),
+        (lambda: OREPADeepStem(3, 8, 7, mid_channels=True), TypeError, r"mid_channels must be an int .* got True"),
+        # branch lists: duplicates were collapsed, a string split into letters
+        (lambda: OREPAConv2d(4, 8, 3, branches=("kxk", "1x1", "kxk")), ValueError, r"duplicate branches \['kxk'\]"),
+        (lambda: orepa.build_branches(["1x1", "1x1"], 4, 8, 3, 1), ValueError, r"duplicate branches \['1x1'\]"),
+        (lambda: OREPAConv2d(4, 8, 3, branches="kxk"), TypeError, r"branches must be a sequence .* string 'kxk'"),
+        # scale_init that nothing reads was ignored
+        (lambda: OREPAConv2d(4, 8, 3, scaling="none", scale_init={"kxk": 0.5}), ValueError,
+         r"scale_init=\{'kxk': 0\.5\} has no scale to start.*scaling='none'"),
+        (lambda: OREPAConv2d(4, 8, 3, mode="offline", branch_norm=True, scale_init={"kxk": 0.5}), ValueError,
+         r"scale_init=.* has no scale to start.*branch_norm=True"),
+        (lambda: OREPAConv2d(4, 8, 3, scale_init={"kxk": "0.5"}), TypeError, r"scale_init\['kxk'\] must be a number"),
+    ],
+)
+def test_bad_sizes_and_types_raise_at_construction(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+def test_none_means_the_default_width():
+    # OREPA-VGG's own default intermediate (in_channels unless depthwise), not OREPAConv2d's (2x when groups > 4)
+    given = OREPAVGGBlock(8, 16, 3, groups=8, internal_channels=None).branches["kxk"].orepa
+    default = OREPAVGGBlock(8, 16, 3, groups=8).branches["kxk"].orepa
+    assert given.branches["1x1_kxk"].conv1.out_channels == default.branches["1x1_kxk"].conv1.out_channels == 8
+    assert OREPADeepStem(3, 8, 7, mid_channels=None).branches["stem"].layer0.out_channels == 8
+    assert OREPADeepStem(3, 8, 7, mid_channels=5).branches["stem"].layer0.out_channels == 5
+
+
 @pytest.mark.parametrize("model,method", [("resnet18", "orepa"), ("resnet50", "orepa"), ("resnet18", "dbb"),
                                           ("resnet18", "orepa-offline")])
 def test_branch_param_list_is_parameters_in_order(model, method):

@@ -98,13 +98,16 @@ class Untraceable(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("use_example", [True, False])
 @pytest.mark.parametrize("method", ["orepa", "dbb"])
-def test_untraceable_model_falls_back(use_example, method):
+def test_untraceable_model_falls_back(method):
     base = Untraceable()
     x = torch.rand(2, 3, 12, 12)
-    model, report = orepa.convert(base, method, example_input=x if use_example else None, return_report=True)
-    assert report.pairing.startswith("forward hooks" if use_example else "registration order")
+    # without an example input nothing shows that bn1 / bn3 consume only conv1's / conv3's output
+    with pytest.raises(ValueError, match=r"conv1: not paired with 'bn1'.*torch.fx could not trace the model "
+                                         r"\(Untraceable; TraceError.*pass example_input"):
+        orepa.convert(base, method)
+    model, report = orepa.convert(base, method, example_input=x, return_report=True)
+    assert report.pairing.startswith("forward hooks")
     assert sorted(report.converted) == ["conv1", "conv3"]
     assert type(model.conv2) is nn.Conv2d and "BatchNorm2d" in report.skipped["conv2"]
     _move_bn_stats(model, x)
@@ -177,6 +180,22 @@ def test_unknown_branch_names_are_errors_not_skips():
             orepa.models.create_model("resnet18", "orepa", small_input=True, width_mult=0.125, **opts)
 
 
+@pytest.mark.parametrize("opts,error", [
+    ({"dw_expand": 0}, "dw_expand must be an int >= 1, got 0"),
+    ({"internal_channels": -2}, "internal_channels must be an int >= 1"),
+    ({"scaling": "nope"}, "scaling must be one of"),
+    ({"branches": ("kxk", "kxk")}, "duplicate branches ['kxk']"),
+    ({"scale_init": {"kxk": "big"}}, "scale_init['kxk'] must be a number"),
+])
+def test_a_wrong_option_value_is_an_error_not_a_skip(opts, error):
+    """Option values wrong whatever the conv: convert skips a conv whose block raises ValueError, so
+    without the check up front ResNet-50 converted only its 1x1 convs (which take neither ``branches``
+    nor ``dw_expand``) and came back partly plain, labelled OREPA."""
+    with pytest.raises((ValueError, TypeError)) as err:
+        orepa.convert(torchvision.models.resnet50(), "orepa", **opts)
+    assert error in str(err.value)
+
+
 @pytest.mark.parametrize("layer,why", [
     (nn.Conv2d(3, 4, 4, padding=1), "0: unsupported kernel_size 4"),
     (nn.Conv1d(3, 4, 3, padding=1), "0: Conv1d: only plain nn.Conv2d layers are converted"),
@@ -233,3 +252,155 @@ def test_sync_batchnorm_model_deploys_like_the_batchnorm_one(method):
             deployed = orepa.reparameterize(synced, fuse_bn=fuse_bn)
             assert not any(isinstance(m, orepa.ReparamConv2d) for m in deployed.modules())
             tol_close(deployed(x), y)
+
+
+def _dbb_layer():
+    return nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+
+
+@pytest.mark.parametrize("method", ["dbb", "repvgg", "orepa-offline"])
+def test_deep_copies_of_a_converted_layer_deploy_with_their_own_norms(method):
+    """A deep copy used to share its AbsorbedNorm token with the original: the last placeholder took
+    both blocks' biases and the other stayed an AbsorbedNorm (error 2.5)."""
+    layer = orepa.convert(_dbb_layer(), method)
+    net = nn.Sequential(layer, copy.deepcopy(layer), copy.deepcopy(layer)).double()
+    x = torch.randn(2, 8, 10, 10, dtype=torch.double)
+    _move_bn_stats(net, x)
+    with torch.no_grad():
+        y = net(x)
+        deployed = orepa.reparameterize(net)
+        assert not any(isinstance(m, orepa.AbsorbedNorm) for m in deployed.modules())
+        vanilla = nn.Sequential(_dbb_layer(), _dbb_layer(), _dbb_layer()).double().eval()
+        vanilla.load_state_dict(deployed.state_dict(), strict=True)
+        tol_close(vanilla(x), y, rel=1e-10)
+        tol_close(orepa.reparameterize(net, fuse_bn=True)(x), y, rel=1e-10)
+
+
+def test_a_token_shared_by_two_blocks_is_an_ambiguity_error():
+    net = nn.Sequential(orepa.convert(_dbb_layer(), "dbb"), orepa.convert(_dbb_layer(), "dbb"))
+    net[1][0].absorbed_token = net[0][0].absorbed_token  # copies made apart, e.g. by hand
+    with pytest.raises(ValueError, match=r"ambiguous BatchNorm pairing: blocks \['0.0', '1.0'\] and AbsorbedNorm "
+                                         r"placeholders \['0.1'\]"):
+        orepa.reparameterize(net)
+    net[1][0].absorbed_token, net[1][1].token = "t", "t"
+    net.append(copy.copy(net[1][1]))  # the same token on two placeholders
+    with pytest.raises(ValueError, match=r"blocks \['1.0'\] and AbsorbedNorm placeholders \['1.1', '2'\]"):
+        orepa.reparameterize(net)
+
+
+@pytest.mark.parametrize("padding_mode", ["reflect", "circular"])
+def test_fuse_conv_bn_keeps_padding_mode(padding_mode):
+    model = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1, padding_mode=padding_mode), nn.BatchNorm2d(6), nn.ReLU(),
+                          nn.Conv2d(6, 6, 5, padding=2, padding_mode=padding_mode, bias=False), nn.BatchNorm2d(6))
+    model = model.double()
+    x = torch.randn(2, 4, 9, 9, dtype=torch.double)
+    _move_bn_stats(model, x)
+    with torch.no_grad():
+        y = model(x)
+        for fused in (orepa.fuse_conv_bn(model), orepa.reparameterize(model, fuse_bn=True)):
+            assert [m.padding_mode for m in fused.modules() if isinstance(m, nn.Conv2d)] == [padding_mode] * 2
+            assert not any(isinstance(m, nn.BatchNorm2d) for m in fused.modules())
+            tol_close(fused(x), y, rel=1e-10)
+
+
+class Tangled(nn.Module):
+    """torch.fx cannot trace it (data-dependent branch), and registration order lies: ``bn`` follows
+    a ReLU, ``shared_bn`` normalizes two convs. Only ``seq`` and the traceable ``block`` are provable."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU()
+        self.conv_a, self.shared_bn, self.conv_b = nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6), nn.Conv2d(6, 6, 1)
+        self.seq = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.block = torchvision.models.resnet.BasicBlock(6, 6)
+
+    def forward(self, x):
+        x = self.bn(self.act(self.conv(x)))
+        if x.sum() > 0:
+            x = x + 1
+        x = self.shared_bn(self.conv_a(x)) + self.shared_bn(self.conv_b(x))
+        return self.block(self.seq(x))
+
+
+def test_untraceable_model_without_example_pairs_only_provable_neighbours():
+    """The registration-order fallback paired conv -> ReLU -> bn and one user of a shared BN: fuse_conv_bn
+    folded BNs across a ReLU (error 2.07) and convert absorbed them (deployed model off by 0.12)."""
+    model = Tangled().double()
+    x = torch.randn(2, 4, 10, 10, dtype=torch.double)
+    _move_bn_stats(model, x)
+    with pytest.warns(UserWarning, match=r"pairs left out: conv: not paired with 'bn'.*pass example_input"):
+        pairs, how = orepa.find_conv_bn_pairs(model)
+    assert sorted(pairs) == [("block.conv1", "block.bn1"), ("block.conv2", "block.bn2"), ("seq.0", "seq.1")]
+    assert how.startswith("traceable submodules and nn.Sequential order")
+    with torch.no_grad():
+        y = model(x)
+        with pytest.warns(UserWarning, match="conv_a: not paired with 'shared_bn'"):
+            fused = orepa.fuse_conv_bn(model)
+        assert type(fused.bn) is type(fused.shared_bn) is nn.BatchNorm2d and type(fused.seq[1]) is nn.Identity
+        tol_close(fused(x), y, rel=1e-10)
+    converted, report = orepa.convert(model, "dbb", return_report=True)
+    assert sorted(report.converted) == ["block.conv1", "block.conv2", "seq.0"]
+    assert "torch.fx could not trace the model (Tangled" in report.skipped["conv"]
+    assert "'shared_bn'" in report.skipped["conv_a"]
+    _move_bn_stats(converted, x)
+    with torch.no_grad():
+        y = converted(x)
+        tol_close(orepa.reparameterize(converted)(x), y, rel=1e-10)
+    # with an example input the hook trace pairs exactly the same (it sees the ReLU and the shared BN)
+    assert sorted(orepa.find_conv_bn_pairs(model, example_input=x)[0]) == sorted(pairs)
+
+
+def test_a_shared_bn_module_is_never_paired_by_the_fallback():
+    class TwoPaths(nn.Module):
+        def __init__(self):
+            super().__init__()
+            bn = nn.BatchNorm2d(4)
+            self.a = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), bn)
+            self.b = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), bn)
+
+        def forward(self, x):
+            return self.a(x) if x.sum() > 0 else self.b(x)
+
+    with pytest.warns(UserWarning, match=r"a.0: not paired with 'a.1': 'a.1' is registered at several places"):
+        assert orepa.find_conv_bn_pairs(TwoPaths())[0] == []
+
+
+def test_converting_an_eval_model_keeps_the_absorbed_norm_in_eval_for_timm():
+    """The placeholder was created in train mode: timm's reparameterize_model (fuse() of every child)
+    then deployed a train-mode BatchNorm2d (error 0.54)."""
+    timm_utils = pytest.importorskip("timm.utils")
+    base = _dbb_layer().double()
+    x = torch.randn(2, 8, 10, 10, dtype=torch.double)
+    _move_bn_stats(base, x)
+    model = orepa.convert(base.eval(), "dbb")
+    assert not any(m.training for m in model.modules())
+    with torch.no_grad():
+        y = model(x)
+        deployed = timm_utils.reparameterize_model(model)
+        assert not any(m.training for m in deployed.modules())
+        assert isinstance(deployed[1], nn.BatchNorm2d)
+        tol_close(deployed(x), y, rel=1e-10)
+    assert orepa.convert(_dbb_layer(), "dbb")[1].training  # a training model stays in training
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_absorbed_norm_restores_with_its_dtype_and_device(device):
+    """fuse() / restore(None) built the BatchNorm2d in the default dtype on the CPU: float64 / CUDA
+    models failed with 'mixed dtype (CPU)'."""
+    timm_utils = pytest.importorskip("timm.utils")
+    model = orepa.convert(_dbb_layer(), "dbb").to(device=device, dtype=torch.double)
+    x = torch.randn(2, 8, 10, 10, dtype=torch.double, device=device)
+    _move_bn_stats(model, x)
+    bn = model[1].fuse()
+    assert (bn.running_mean.dtype, bn.running_mean.device.type) == (torch.double, device)
+    assert not bn.training and not any("_like" in k for k in model.state_dict())  # no new checkpoint key
+    with torch.no_grad():
+        y = model(x)
+        tol_close(timm_utils.reparameterize_model(model)(x), y, rel=1e-10)
+        # the placeholder without its block (a slice of the model): an identity BatchNorm2d of its dtype
+        tail = orepa.reparameterize(model[1:])
+        assert isinstance(tail[0], nn.BatchNorm2d) and tail[0].weight.dtype == torch.double
+        tol_close(tail(y), y, rel=1e-12)

@@ -156,6 +156,30 @@ def test_a_kernel_is_handed_out_once_and_only_while_its_parameters_are_unchanged
     assert not twin[0]._kernel_group._pending and twin[0]._kernel_group.blocks == (twin[0], twin[2])
 
 
+@pytest.mark.parametrize("policy", ["grouped", "compiled"])
+def test_a_block_skipped_then_run_after_a_backward_gets_a_fresh_kernel(policy, monkeypatch):
+    """Gradient accumulation with blocks skipped in one step (stochastic depth, conditional paths):
+    the first block's miss builds the group's kernels, its backward spends their graph, and the other
+    block, run in the next step with unchanged parameters, must not take its kernel from that build;
+    its gradients then equal the per-block route's."""
+    if policy == "compiled":
+        from torch import _inductor
+
+        monkeypatch.setattr(_inductor, "compile", lambda gm, inputs: gm)  # the traced graphs, run as they are
+    torch.manual_seed(0)
+    a, b = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 4, 3).double()
+    net = nn.Sequential(a, b)
+    ref = copy.deepcopy(net)
+    engine.group_kernels(net, policy)
+    engine.group_kernels(ref, "per-block")
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    for model in (net, ref):
+        model[0](x).square().sum().backward()  # step 1: block b skipped
+        model[1](x).square().sum().backward()  # step 2: block a skipped, nothing updated in between
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
 def test_a_block_used_twice_in_one_forward_gets_both_gradients():
     torch.manual_seed(0)
     shared, other = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 4, 3).double()

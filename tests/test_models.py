@@ -286,6 +286,57 @@ def test_invalid_names_methods_options():
     assert len(ALL) == 8 * 4 + 5 * 5
 
 
+@pytest.mark.parametrize(
+    "name,method,kwargs,error,match",
+    [
+        # before: built, then an IndexError at forward (dw_expand=0) or silently the default (internal_channels=0)
+        ("resnet18", "orepa", dict(dw_expand=0, deep_stem=False), ValueError, r"dw_expand must be an int >= 1, got 0"),
+        ("repvgg_a0", "orepa-vgg", dict(dw_expand=0), ValueError, r"dw_expand must be an int >= 1, got 0"),
+        ("resnet18", "orepa", dict(internal_channels=0), ValueError, r"internal_channels must be an int >= 1, got 0"),
+        ("resnet18", "base", dict(in_chans=0), ValueError, r"in_chans must be an int >= 1, got 0"),
+        ("resnet18", "orepa", dict(in_chans=0), ValueError, r"in_chans must be an int >= 1, got 0"),
+        ("resnet18", "base", dict(in_chans="rgb"), TypeError, r"in_chans must be an int, got 'rgb'"),
+        ("resnet18", "base", dict(in_chans=True), TypeError, r"in_chans must be an int, got True"),
+        ("resnet18", "base", dict(num_classes=-1), ValueError, r"num_classes must be an int >= 0 .* got -1"),
+        ("repvgg_a0", "base", dict(num_classes=2.0), TypeError, r"num_classes must be an int, got 2\.0"),
+        # on/off switches: a truthy non-bool ("no") kept the branch
+        ("resnet18", "orepa", dict(freq_prior="no"), TypeError, r"freq_prior must be True or False, got 'no'"),
+        ("resnet18", "orepa", dict(dw_sep=0), TypeError, r"dw_sep must be True or False, got 0"),
+        ("resnet18", "orepa", dict(deep_stem="false"), TypeError, r"deep_stem must be True or False"),
+        ("resnet18", "orepa", dict(rep_1x1=1), TypeError, r"rep_1x1 must be True or False, got 1"),
+        ("resnet18", "orepa", dict(post_bn=0), TypeError, r"post_bn must be True or False, got 0"),
+        ("resnet18", "base", dict(small_input="yes"), TypeError, r"small_input must be True or False"),
+        ("repvgg_a0", "orepa-vgg", dict(freq_prior=None), TypeError, r"freq_prior must be True or False, got None"),
+        ("repvgg_a0", "base", dict(width_mult=-1), ValueError, r"width_mult must be a positive finite number, got -1"),
+        ("resnet18", "base", dict(width_mult=0), ValueError, r"width_mult must be a positive finite number, got 0"),
+        ("resnet18", "base", dict(width_mult=float("nan")), ValueError, r"width_mult must be a positive finite"),
+        ("resnet18", "base", dict(width_mult="0.5"), TypeError, r"width_mult must be a number, got '0\.5'"),
+        # branches and scale_init: duplicates collapsed, a scale_init nothing reads ignored
+        ("resnet18", "orepa", dict(branches=["kxk", "1x1", "kxk"]), ValueError, r"duplicate branches \['kxk'\]"),
+        ("resnet18", "orepa", dict(scale_init={"1x1_1x1": 0.5}), ValueError,
+         r"scale_init names branch\(es\) \['1x1_1x1'\] that no block of resnet18 \(orepa\) has"),
+        ("resnet18", "orepa", dict(dw_sep=False, scale_init={"dw_pw": 0.5}), ValueError, r"\['dw_pw'\].*scaled branches"),
+        ("repvgg_a0", "orepa-vgg", dict(scale_init={"1x1": 2.0}), ValueError, r"\['1x1'\] that no block"),
+        ("resnet18", "orepa", dict(preset="no-scaling", scale_init={"kxk": 0.5}), ValueError,
+         r"scale_init=\{'kxk': 0\.5\} has no scale to start: scaling='none'"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(name, method, kwargs, error, match):
+    kwargs = {"width_mult": 0.125, **kwargs}
+    with pytest.raises(error, match=match):
+        zoo.create_model(name, method, **kwargs)
+
+
+def test_valid_edge_arguments_still_build():
+    assert isinstance(zoo.create_model("resnet18", "orepa", num_classes=0, width_mult=0.125).fc, nn.Identity)
+    # scale_init is model-wide: Rep-1x1 blocks (no 1x1_avg branch) and blocks without identity are still built
+    m = zoo.create_model("resnet50", "orepa", width_mult=0.125, scale_init={"1x1_avg": 0.25})
+    assert isinstance(m.layer1[0].conv1, orepa.OREPAConv2d) and set(m.layer1[0].conv1.branches) == {"1x1", "1x1_1x1"}
+    assert m.layer1[0].conv2.branches["1x1_avg"].scale.weight[0].item() == 0.25
+    r = zoo.create_model("repvgg_a0", "repvgg-online", width_mult=0.125, scale_init={"identity": 0.5})
+    assert isinstance(r.stage1[0].conv, orepa.OREPAConv2d) and "identity" not in r.stage1[0].conv.branches
+
+
 def test_flops_on_meta_equal_cpu():
     """The model cards count FLOPs on the meta device: same count as on CPU."""
     from torch.utils.flop_counter import FlopCounterMode

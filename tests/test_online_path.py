@@ -5,6 +5,7 @@ intermediate kernels kept), may rebuild the kernel in backward instead of
 keeping it, and may run a 1x1 -> kxk branch on the feature map when that is
 cheaper for the input (matrix-chain order). All of it must be invisible.
 """
+import copy
 import itertools
 
 import pytest
@@ -147,21 +148,19 @@ def test_autocast_bfloat16_on_cpu():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in block.parameters())
 
 
-def test_eval_kernel_cache_follows_parameter_updates():
+@pytest.mark.parametrize("update", ["in place", ".data"])
+def test_eval_forwards_follow_every_parameter_update(update):
+    """An eval-mode forward sees the weights as they are now, however they were written: in place
+    (an optimizer step) or through ``.data`` (an EMA idiom no version counter sees)."""
     block = orepa.OREPAConv2d(8, 8, 3).eval()
     x = torch.randn(1, 8, 6, 6)
     with torch.no_grad():
         y1 = block(x)
-        assert block._kernel_cache is not None
-        w_cached = block._kernel_cache[1]
-        assert block(x) is not None and block._kernel_cache[1] is w_cached  # reused
-        block.branches["kxk"].conv.weight.add_(1.0)  # an optimizer step would do this
+        for p in block.parameters():
+            (p.data if update == ".data" else p).mul_(2.0)
         y2 = block(x)
-    assert block._kernel_cache[1] is not w_cached
     tol_close(y2, orepa.reparameterize(block)(x))
     assert (y1 - y2).abs().max() > 1e-3
-    block.train()
-    assert block._kernel_cache is None
 
 
 def test_resnet_training_is_unchanged_by_the_fast_path():
@@ -305,3 +304,42 @@ def test_torch_compile_traces_the_online_path(recompute, n, hw):
     for a, b in zip(grads, ref):
         tol_close(a, b, rel=1e-4)
     assert counter.frame_count == 1
+
+
+def test_a_functional_call_first_leaves_every_weight_learnable():
+    """``torch.func.functional_call`` swaps plain tensors into the parameter slots; a plan made under
+    it must still treat the convs as learnable (it is kept for the block's life): the functional
+    call's gradients and the block's own afterwards equal a fresh twin's."""
+    torch.manual_seed(0)
+    block = orepa.OREPAConv2d(8, 8, 3).double()
+    twin = copy.deepcopy(block)
+    x = torch.randn(2, 8, 8, 8, dtype=torch.float64)
+    swapped = {k: v.detach().clone().requires_grad_() for k, v in block.named_parameters()}
+    torch.func.functional_call(block, swapped, (x,)).square().sum().backward()
+    block(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for (name, p), q in zip(block.named_parameters(), twin.parameters()):
+        assert p.grad is not None and swapped[name].grad is not None, name
+        tol_close(p.grad, q.grad, rel=1e-10)
+        tol_close(swapped[name].grad, q.grad, rel=1e-10)
+
+
+def test_torch_func_transforms_take_the_reference_path():
+    """``torch.func.grad`` and ``vmap`` (per-sample gradients) through online blocks: the engine's
+    autograd Functions define no vmap rule, so blocks squeeze by plain autograd there, with the
+    gradients of the engine's path."""
+    torch.manual_seed(0)
+    net = nn.Sequential(orepa.OREPAConv2d(4, 8, 3), nn.ReLU(), orepa.OREPAConv2d(8, 4, 3, stride=2)).double()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+
+    def loss(p, xb):
+        return torch.func.functional_call(net, p, (xb,)).square().sum()
+
+    grads = torch.func.grad(loss)(params, x)
+    net(x).square().sum().backward()
+    for name, p in net.named_parameters():
+        tol_close(grads[name], p.grad, rel=1e-10)
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x.unsqueeze(1))
+    for name, p in net.named_parameters():
+        tol_close(per_sample[name].sum(0), p.grad, rel=1e-10)

@@ -33,7 +33,6 @@ block; it is the single mechanism behind squeezing, BN folding and deployment.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import uuid
 from collections import OrderedDict
@@ -118,9 +117,17 @@ def check_conv_config(
     ``"same"`` pick it). Anything else raises a ValueError naming the problem.
     """
     for n, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
-        if not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{n} must be an int, got {v!r} ({type(v).__name__})")
+        if v < 1:
             raise ValueError(f"{n} must be a positive int, got {v!r}")
+    for n, v in (("kernel_size", kernel_size), ("stride", stride), ("padding", padding), ("dilation", dilation)):
+        if isinstance(v, bool) or (isinstance(v, Sequence) and not isinstance(v, str)
+                                   and any(isinstance(i, bool) for i in v)):
+            raise TypeError(f"{n} must be an int or a pair of ints, not a bool; got {v!r}")
     kh, kw = _pair(kernel_size, "kernel_size")
+    if kh < 1 or kw < 1:
+        raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
     if kh != kw:
         raise ValueError(f"unsupported kernel_size {kh}x{kw}: re-param blocks need square kernels")
     if kh % 2 == 0:
@@ -451,7 +458,6 @@ class ReparamConv2d(nn.Module):
         # online blocks whose branches all have closed-form backwards squeeze through
         # engine.SqueezeFunction: nothing but parameters is kept for backward
         self._closed_form = mode == "online" and all(br._fast_groups == groups for br in self.branches.values())
-        self._kernel_cache: tuple | None = None
         self._routes: dict[tuple, tuple[list[str], list[str]]] = {}  # input shape -> route (engine.route)
         self._first_full: dict[tuple[str, ...], str | None] = {}  # branch set -> branch starting the sum
         # blocks of this one's construction signature that build their kernels together
@@ -495,36 +501,25 @@ class ReparamConv2d(nn.Module):
         return E.memo(self._first_full, tuple(names), lambda: next(
             (n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1), None))
 
-    def _cache_key(self) -> tuple:
-        return tuple((t.data_ptr(), t._version) for t in itertools.chain(self.parameters(), self.buffers()))
-
-    def train(self, mode: bool = True):
-        self._kernel_cache = None
-        return super().train(mode)
-
     def kernel(self) -> Tensor:
         """The squeezed kernel of a BN-free, bias-free block (lets blocks nest as steps).
 
-        In eval mode without autograd the kernel is cached until a parameter changes.
-        """
+        Built anew at every call, in eval mode too: a cache keyed on the parameters' version
+        counters went stale when weights were written through ``.data`` (a common EMA idiom),
+        which no counter sees. For repeated inference, deploy (:func:`orepa.reparameterize`)."""
         if self.has_norm or self.bias is not None:
             raise ValueError("kernel() is only defined for blocks without BN and bias; use equivalent()")
         return self._squeezed()
 
     def _squeezed(self) -> Tensor:
         """The summed branch kernels of an online block (its bias excluded)."""
-        cacheable = not self.training and not torch.is_grad_enabled()
-        if cacheable and self._kernel_cache is not None and self._kernel_cache[0] == self._cache_key():
-            return self._kernel_cache[1]
         names = tuple(self.branches)
-        if not self._closed_form:
+        if not self._closed_form or E.functorch_active():
             w = self._fused_parts()[0]
         elif torch.is_grad_enabled():
             w = E.train_kernel(self)
         else:
             w = E.squeeze((self,), names)
-        if cacheable:
-            self._kernel_cache = (self._cache_key(), w)
         return w
 
     def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
@@ -537,7 +532,7 @@ class ReparamConv2d(nn.Module):
                 f"{type(self).__name__} expects input [N, {self.in_channels}, H, W], got {list(x.shape)}"
             )
         if self.mode == "online":
-            if self._closed_form and torch.is_grad_enabled():
+            if self._closed_form and torch.is_grad_enabled() and not E.functorch_active():
                 return E.train_forward(self, x)  # the engine picks the route
             return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
         out = None
@@ -667,7 +662,7 @@ def _1x1_prior(cin, cout, k, groups, c: StepConfig) -> dict:
 
 def _1x1_kxk(cin, cout, k, groups, c: StepConfig) -> dict:
     # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
-    mid = c.internal or (cin if groups < cout else 2 * cin)
+    mid = (cin if groups < cout else 2 * cin) if c.internal is None else c.internal
     return {
         "conv1": c.conv(cin, mid, 1, groups, "identity-tiled" if c.reference_init else "identity"),
         **c.norm(mid),
@@ -677,7 +672,7 @@ def _1x1_kxk(cin, cout, k, groups, c: StepConfig) -> dict:
 
 def _1x1_1x1(cin, cout, k, groups, c: StepConfig) -> dict:
     # a product of two 1x1s has rank <= min(C_in, C_out): a wider intermediate adds cost, not capacity
-    mid = c.internal or min(cin, cout)
+    mid = min(cin, cout) if c.internal is None else c.internal
     # the published Rep-1x1 puts the identity on its square factor: the first when the block widens,
     # else the second, so a narrowing block (a bottleneck's conv1, 256 -> 64) sees every input at init
     first_id = not c.reference_init or mid != min(cin, cout) or cout > cin
@@ -716,6 +711,37 @@ for _branch in (
     register_branch(_branch)
 
 
+def check_block_options(*, branches=None, scaling: str = "vector", scale_init=None, dw_expand=8,
+                        internal_channels=None) -> None:
+    """The block options whose values are wrong whatever the conv (a TypeError / ValueError naming
+    the option). ``convert`` checks them once before its loop: there a ValueError from a block means
+    "this conv cannot be one" and the conv is skipped, which would hide a wrong option."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    if isinstance(branches, str):
+        raise TypeError(f"branches must be a sequence of branch names, got the string {branches!r}")
+    names = tuple(branches or ())
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate branches {duplicates} in branches={list(names)}: name each branch once")
+    if scale_init is not None and not isinstance(scale_init, Mapping):
+        raise TypeError(f"scale_init must be a mapping branch name -> initial scale, got {scale_init!r}")
+    unknown = sorted(set(names) - set(BRANCH_TYPES)) + sorted(set(scale_init or {}) - set(BRANCH_TYPES))
+    if unknown:
+        raise ValueError(f"unknown branches {unknown}; known: {sorted(BRANCH_TYPES)}")
+    for n, v in (scale_init or {}).items():
+        if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__float__"):
+            raise TypeError(f"scale_init[{n!r}] must be a number, got {v!r}")
+    for n, v, default in (("dw_expand", dw_expand, ""),
+                          ("internal_channels", internal_channels, " or None (the branch's default width)")):
+        if v is None and default:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{n} must be an int >= 1{default}, got {v!r} ({type(v).__name__})")
+        if v < 1:
+            raise ValueError(f"{n} must be an int >= 1{default}, got {v!r}")
+
+
 def build_branches(
     names: Iterable[str],
     in_channels: int,
@@ -736,12 +762,13 @@ def build_branches(
 
     ``init_a`` / ``reference_init``: how the random and identity factors start (:class:`StepConfig`).
     """
-    if scaling not in SCALINGS:
-        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    check_block_options(branches=names, scaling=scaling, scale_init=scale_init, dw_expand=dw_expand,
+                        internal_channels=internal_channels)
     names = tuple(names)
-    unknown = sorted(set(names) - set(BRANCH_TYPES)) + sorted(set(scale_init or {}) - set(BRANCH_TYPES))
-    if unknown:
-        raise ValueError(f"unknown branches {unknown}; known: {sorted(BRANCH_TYPES)}")
+    check_conv_config(in_channels, out_channels, kernel_size, groups=groups)
+    if scale_init and (norm or scaling == "none"):
+        raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: the branches end in "
+                         + ("a BatchNorm (branch_norm=True)" if norm else "no scale (scaling='none')"))
     init = {**DEFAULT_SCALE_INIT, **(scale_init or {})}
     cfg = StepConfig(inner_norm, dw_expand, internal_channels, init_a, reference_init)
     out = {}
@@ -806,6 +833,8 @@ class OREPAConv2d(ReparamConv2d):
             internal_channels = in_channels if groups <= 4 else 2 * in_channels
         if branches is None:
             branches = REP_1X1_BRANCHES if k == 1 else OREPA_BRANCHES
+        if isinstance(branches, str):
+            raise TypeError(f"branches must be a sequence of branch names, got the string {branches!r}")
         branches = tuple(branches)
         if not branches:
             raise ValueError("branches must name at least one branch")
@@ -882,7 +911,8 @@ class OREPAVGGBlock(ReparamConv2d):
         k, s, _, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
         if k == 1:
             raise ValueError("OREPA-VGG needs kernel_size >= 3")
-        orepa_options.setdefault("internal_channels", in_channels if groups < out_channels else 2 * in_channels)
+        if orepa_options.get("internal_channels") is None:  # None: OREPA-VGG's default, not OREPAConv2d's
+            orepa_options["internal_channels"] = in_channels if groups < out_channels else 2 * in_channels
         inner = OREPAConv2d(in_channels, out_channels, k, 1, None, d, groups,
                             init=1.0 if init == "reference" else init, **orepa_options)
         if inner.mode != "online" or inner.has_norm:
@@ -909,7 +939,11 @@ class OREPADeepStem(ReparamConv2d):
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
         if k < 5 or groups != 1:
             raise ValueError(f"a deep stem needs kernel_size >= 5 and groups=1, got k={k}, groups={groups}")
-        mid = mid_channels or out_channels
+        if mid_channels is not None and (isinstance(mid_channels, bool) or not isinstance(mid_channels, int)):
+            raise TypeError(f"mid_channels must be an int >= 1 or None (out_channels), got {mid_channels!r}")
+        if mid_channels is not None and mid_channels < 1:
+            raise ValueError(f"mid_channels must be an int >= 1 or None (out_channels), got {mid_channels!r}")
+        mid = out_channels if mid_channels is None else mid_channels
         n = (k - 1) // 2
         chans = [in_channels] + [mid] * (n - 1) + [out_channels]
         steps = {f"layer{i}": OREPAConv2d(chans[i], chans[i + 1], 3, **orepa_options) for i in range(n)}
@@ -925,23 +959,42 @@ class AbsorbedNorm(nn.Identity):
 
     ``orepa.reparameterize`` turns it back into a BatchNorm2d (so the deployed
     model has the vanilla layout) that carries the block's bias. It keeps the
-    original BN's configuration and a token pairing it with its block.
+    original BN's configuration, training flag, dtype and device (an empty
+    non-persistent buffer, so ``.double()`` / ``.to()`` move it and no
+    state_dict key is added) and a token pairing it with its block.
+
+    The token is shared by the placeholder and its block; ``copy.deepcopy`` gives
+    a block and placeholder copied together one new token, so every copy of a
+    converted layer stays paired with its own placeholder.
     """
+
+    class Token(str):
+        """A pairing token: ``copy.deepcopy`` makes a new one (the same one for every reference
+        copied in one deepcopy call, by deepcopy's memo)."""
+
+        def __deepcopy__(self, memo) -> AbsorbedNorm.Token:
+            return type(self)(uuid.uuid4().hex)
 
     def __init__(self, bn: nn.BatchNorm2d, token: str | None = None):
         super().__init__()
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
-        self.token = token or uuid.uuid4().hex
+        self.token = token or AbsorbedNorm.Token(uuid.uuid4().hex)
+        like = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
+        factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
+        self.register_buffer("_like", torch.empty(0, **factory), persistent=False)
+        self.train(bn.training)
 
     def fuse(self) -> nn.BatchNorm2d:
         """timm's protocol (see :meth:`ReparamConv2d.fuse`, whose conv carries this BN's affine):
         a BatchNorm2d that is the identity in eval mode."""
-        return self.restore(None).train(self.training)
+        return self.restore(None)
 
     def restore(self, shift: Tensor | None) -> nn.BatchNorm2d:
-        """A BatchNorm2d whose eval output is ``x + shift``."""
-        factory = {} if shift is None else {"device": shift.device, "dtype": shift.dtype}
+        """A BatchNorm2d whose eval output is ``x + shift``, with this placeholder's dtype, device
+        and training flag."""
+        like = getattr(self, "_like", shift)  # placeholders pickled before _like existed: the shift's
+        factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
         bn = nn.BatchNorm2d(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats,
                             **factory)
         with torch.no_grad():
@@ -949,7 +1002,7 @@ class AbsorbedNorm(nn.Identity):
             bn.running_var.fill_(1.0 - self.eps)
             if shift is not None:
                 bn.running_mean.copy_(-shift)
-        return bn
+        return bn.train(self.training)
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, absorbed into its conv's re-param block"

@@ -1,7 +1,8 @@
 """Network level: turn any CNN into its re-param form and back.
 
 ``convert`` finds every Conv2d -> BatchNorm2d pair of a model (torch.fx, or a
-forward-hook trace / registration order when the model cannot be traced) and
+forward-hook trace when the model cannot be traced; without an example input,
+only the provable pairs of nn.Sequentials and traceable submodules) and
 swaps the conv for a block. For online OREPA the BN stays where it is and
 becomes the post-addition norm; for blocks that hold their own BNs (DBB,
 RepVGG, OREPA-VGG, the offline prototype) the BN is replaced by an
@@ -15,6 +16,7 @@ folds every conv-BN pair for inference.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ from .blocks import (
     OREPAVGGBlock,
     ReparamConv2d,
     RepVGGBlock,
+    check_block_options,
     check_conv_config,
 )
 from .engine import group_kernels
@@ -195,33 +198,106 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
             if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
 
 
-def _pairs_registration(model: nn.Module) -> list[tuple[str, str]]:
-    pairs = []
+def _slots(model: nn.Module) -> dict[int, int]:
+    """id(module) -> at how many places (parent, attribute) of the model it is registered."""
+    count: dict[int, int] = {}
+    for parent in model.modules():
+        for child in parent._modules.values():  # children() would count a child held twice by one parent once
+            if child is not None:
+                count[id(child)] = count.get(id(child), 0) + 1
+    return count
+
+
+def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """The fallback when torch.fx cannot trace the whole model and no example input is given.
+
+    Pairs only what is provably adjacent: consecutive children of an ``nn.Sequential``
+    (its stock forward feeds each child's output to the next child only) and the pairs
+    torch.fx finds in every submodule it can trace on its own. A conv or BN registered at
+    several places (a BN shared by two convs) is never paired. Returns the pairs and,
+    for the conv -> BN pairs a registration-order guess would have made but that are not
+    provable, ``{conv_name: why it was left out}``.
+    """
+    slots = _slots(model)
+    pairs: list[tuple[str, str]] = []
+    untraced: dict[str, str] = {}  # module name -> why torch.fx could not trace it
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        if id(module) in seen or isinstance(module, (ReparamConv2d, AbsorbedNorm)) or not any(module.children()):
+            return  # visited, a block (its steps are not the model's convs) or a leaf
+        seen.add(id(module))
+        if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+            children = list(module.named_children())
+            for (cn, c), (bn_name, bn) in zip(children, children[1:]):
+                if _is_conv(c) and _foldable_bn(bn, c):
+                    pairs.append((prefix + cn, prefix + bn_name))
+        else:
+            try:
+                found = _pairs_fx(module)
+            except Exception as exc:  # untraceable: look inside
+                untraced[prefix.rstrip(".")] = f"{type(exc).__name__}: {str(exc)[:100]}".split("\n")[0]
+            else:
+                pairs.extend((prefix + c, prefix + b) for c, b in found)
+                return
+        for name, child in module.named_children():
+            visit(child, f"{prefix}{name}.")
+
+    visit(model, "")
+    pairs = [(c, b) for c, b in pairs if slots[id(model.get_submodule(c))] == slots[id(model.get_submodule(b))] == 1]
+    paired = {c for c, _ in pairs}
+    left_out: dict[str, str] = {}
     for parent_name, parent in model.named_modules():
+        if isinstance(parent, (ReparamConv2d, AbsorbedNorm)) or _inside_block(parent_name, model):
+            continue
         children = list(parent.named_children())
+        prefix = f"{parent_name}." if parent_name else ""
         for (cn, c), (bn_name, bn) in zip(children, children[1:]):
-            if _is_conv(c) and _foldable_bn(bn, c):
-                prefix = f"{parent_name}." if parent_name else ""
-                pairs.append((prefix + cn, prefix + bn_name))
-    return pairs
+            if prefix + cn in paired or not (_is_conv(c) and _foldable_bn(bn, c)):
+                continue
+            conv_name, bn_name = prefix + cn, prefix + bn_name
+            if slots[id(c)] > 1 or slots[id(bn)] > 1:
+                shared = conv_name if slots[id(c)] > 1 else bn_name
+                left_out[conv_name] = (f"not paired with {bn_name!r}: {shared!r} is registered at several places "
+                                       "(shared), so it may not be a single conv -> BN pair")
+            elif parent_name in untraced:
+                where = f"{parent_name!r}" if parent_name else "the model"
+                left_out[conv_name] = (
+                    f"not paired with {bn_name!r}, registered right after it: torch.fx could not trace "
+                    f"{where} ({type(parent).__name__}; {untraced[parent_name]}), so nothing "
+                    f"shows that {bn_name!r} consumes only this conv's output; pass example_input to pair by "
+                    "running the model")
+    return pairs, left_out
+
+
+def _find_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
+    """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out."""
+    try:
+        return _pairs_fx(model), "torch.fx", {}
+    except Exception as exc:  # untraceable control flow etc.
+        reason = f"{type(exc).__name__}"
+    if example_input is not None:
+        return _pairs_hooks(model, example_input), f"forward hooks (fx failed: {reason})", {}
+    pairs, left_out = _pairs_structural(model)
+    return pairs, (f"traceable submodules and nn.Sequential order (fx failed on the model: {reason}; "
+                   "pass example_input to pair the rest by running the model)"), left_out
 
 
 def find_conv_bn_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str]:
     """``[(conv_name, bn_name)]`` where the BN directly and only consumes the conv's output.
 
     Tries torch.fx; if the model cannot be traced, runs ``example_input`` through
-    it with hooks; without an example input, falls back to consecutive
-    registration order inside each parent (right for Sequential and for the
-    usual ``conv1, bn1`` layouts, a heuristic elsewhere). Returns the pairs and
+    it with hooks; without an example input, pairs only what is provably adjacent:
+    consecutive children of an ``nn.Sequential`` and the pairs in every submodule
+    torch.fx can trace on its own (a conv and BN registered one after the other
+    in an untraceable module are left out, with a warning). Returns the pairs and
     the method used.
     """
-    try:
-        return _pairs_fx(model), "torch.fx"
-    except Exception as exc:  # untraceable control flow etc.
-        reason = f"{type(exc).__name__}"
-    if example_input is not None:
-        return _pairs_hooks(model, example_input), f"forward hooks (fx failed: {reason})"
-    return _pairs_registration(model), f"registration order (fx failed: {reason}; pass example_input for a traced pairing)"
+    pairs, how, left_out = _find_pairs(model, example_input)
+    if left_out:
+        warnings.warn("conv -> BN pairs left out: " + "; ".join(f"{c}: {why}" for c, why in left_out.items()),
+                      stacklevel=2)
+    return pairs, how
 
 
 # --------------------------------------------------------------------------- convert / reparameterize
@@ -267,15 +343,18 @@ def convert(
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     _check_branch_names(options.get("branches"), options.get("scale_init"))
+    # option values wrong for every conv fail here: in the loop a block's ValueError skips its conv
+    check_block_options(**{k: options[k] for k in ("branches", "scaling", "scale_init", "dw_expand",
+                                                   "internal_channels") if k in options})
     if not inplace:
         model = copy.deepcopy(model)
-    pairs, how = find_conv_bn_pairs(model, example_input)
+    pairs, how, left_out = _find_pairs(model, example_input)
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
     had_blocks = any(isinstance(m, ReparamConv2d) for m in model.modules())
     for name, m in model.named_modules():
         if type(m) is nn.Conv2d and name not in paired:
-            report.skipped[name] = "not followed by a BatchNorm2d it alone feeds"
+            report.skipped[name] = left_out.get(name, "not followed by a BatchNorm2d it alone feeds")
         elif isinstance(m, nn.modules.conv._ConvNd) and type(m) is not nn.Conv2d and not _inside_block(name, model):
             report.skipped[name] = f"{type(m).__name__}: only plain nn.Conv2d layers are converted"
     for conv_name, bn_name in pairs:
@@ -321,6 +400,32 @@ def _top_level_blocks(model: nn.Module) -> list[tuple[str, ReparamConv2d]]:
     return found
 
 
+def _absorbed_pairing(model: nn.Module, blocks: list[tuple[str, ReparamConv2d]]) -> tuple[dict[str, str], list[str]]:
+    """``({token: placeholder name}, [names of placeholders no block holds the token of])``.
+
+    Raises a ValueError when one token is held by several blocks or several placeholders
+    (copies made apart from each other, e.g. ``copy.copy`` or a hand-set token) and a block
+    holds it: which placeholder belongs to which block is then unknown.
+    """
+    norms: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, AbsorbedNorm):
+            norms.setdefault(m.token, []).append(name)
+    owners: dict[str, list[str]] = {}
+    for name, block in blocks:
+        if block.absorbed_token is not None:
+            owners.setdefault(block.absorbed_token, []).append(name)
+    for token, held_by in owners.items():
+        found = norms.get(token, [])
+        if found and (len(found) > 1 or len(held_by) > 1):
+            raise ValueError(
+                f"ambiguous BatchNorm pairing: blocks {held_by} and AbsorbedNorm placeholders {found} share the "
+                f"token {token!r}, so which placeholder belongs to which block is unknown (copies made apart: "
+                "copy a converted layer with copy.deepcopy of the block and its placeholder together)")
+    paired = {token: norms[token][0] for token in owners if token in norms}
+    return paired, [name for token, names in norms.items() if token not in paired for name in names]
+
+
 @torch.no_grad()
 def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None) -> nn.Module:
     """Fold every Conv2d -> BatchNorm2d pair (eval statistics) into the conv; the BN becomes Identity."""
@@ -333,7 +438,8 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
             continue
         w, b = K.fold_bn(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
         fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                          conv.dilation, conv.groups, bias=True, device=w.device, dtype=w.dtype)
+                          conv.dilation, conv.groups, bias=True, padding_mode=conv.padding_mode,
+                          device=w.device, dtype=w.dtype)
         fused.weight.copy_(w)
         fused.bias.copy_(b)
         _set_submodule(model, conv_name, fused.train(conv.training))
@@ -355,10 +461,11 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
         return model.to_conv()
     if not inplace:
         model = copy.deepcopy(model)
-    absorbed = {m.token: name for name, m in model.named_modules() if isinstance(m, AbsorbedNorm)}
-    for name, block in _top_level_blocks(model):
+    blocks = _top_level_blocks(model)
+    absorbed, orphans = _absorbed_pairing(model, blocks)
+    for name, block in blocks:
         conv = block.to_conv().train(block.training)
-        norm_name = absorbed.pop(block.absorbed_token, None)
+        norm_name = absorbed.get(block.absorbed_token)
         if norm_name is not None:
             # the conv keeps the original conv's bias (if any); the rest moves into the restored BN
             shift = None
@@ -371,7 +478,7 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
             else:
                 conv.bias.copy_(block.bias)
         _set_submodule(model, name, conv)
-    for token, name in absorbed.items():  # placeholders whose block was not found: plain BN, identity-like
+    for name in orphans:  # placeholders whose block was not found: plain BN, identity-like
         _set_submodule(model, name, model.get_submodule(name).restore(None))
     if fuse_bn:
         model = fuse_conv_bn(model, inplace=True, example_input=example_input)

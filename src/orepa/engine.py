@@ -44,8 +44,8 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["POLICIES", "CompiledBuild", "KernelGroup", "Plan", "choose_route", "group_kernels", "kernel_groups",
-           "needs_recompute", "plan_of", "route", "squeeze", "train_forward", "train_kernel"]
+__all__ = ["POLICIES", "CompiledBuild", "KernelGroup", "Plan", "choose_route", "functorch_active", "group_kernels",
+           "kernel_groups", "needs_recompute", "plan_of", "route", "squeeze", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -77,6 +77,14 @@ class Operand(NamedTuple):
 
 
 _version = operator.attrgetter("_version")  # a tensor's in-place update counter
+
+
+def _learnable(step: nn.Module) -> bool:
+    """Whether a step's weight is a parameter slot (a conv) rather than a buffer (a fixed filter). By
+    the slot, not the tensor's class: under ``torch.func.functional_call`` (or FSDP) the slot holds a
+    plain tensor, and a plan made then is kept for the block's life (a class test marked its convs
+    fixed for good: they never trained again)."""
+    return "weight" in step._parameters
 
 
 def _weight(step: nn.Module) -> Tensor:
@@ -142,7 +150,7 @@ class Plan:
                 name, tuple(tuple(p[0][j] for p in per_block) for j in range(len(steps0))),
                 None if scale0 is None else tuple(p[1] for p in per_block),
                 tuple(st.groups * self.n for st in steps0),
-                tuple(isinstance(_weight(st), nn.Parameter) for st in steps0),
+                tuple(_learnable(st) for st in steps0),
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
                 scale0 is not None and scale0.mode == "scalar", ((k - e) // 2, (k - e) // 2 + e)))
         self._find_slots()
@@ -392,6 +400,8 @@ class SqueezeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
+        # the kernels' graph is spent (their grad_fn is this ctx): a group must not hand them out again
+        ctx.spent = True
         plan = ctx.plan
         ref = ctx.saved_tensors[0]
         grads = [g if g is not None else ref.new_zeros(plan.kernel_shape) for g in grads]
@@ -444,6 +454,13 @@ def _launch_bound(t: Tensor) -> bool:
     """Whether ``t``'s device runs an eager step at the pace its host issues operators (a GPU:
     launches decide how a kernel is built) rather than at that of their FLOPs (a CPU)."""
     return t.is_cuda
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jacrev, ...) is running: the engine's autograd
+    Functions define no vmap rule, so blocks then squeeze by the plain-autograd reference path."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active and active())
 
 
 def _recomputing() -> bool:
@@ -549,7 +566,7 @@ def choose_route(block: nn.Module, shape: torch.Size, recompute: bool,
     squeezed, on_features = [], []
     for name, br in block.branches.items():
         steps, _ = br._split()
-        if len(steps) == 2 and isinstance(getattr(steps[0], "weight", None), nn.Parameter) and br._pad_step is not None:
+        if len(steps) == 2 and _learnable(steps[0]) and br._pad_step is not None:
             a, b = steps
             first_pixels = n * ho * wo if br._subsample_first else n * h * w
             feature_macs = first_pixels * a.weight.numel() + n * ho * wo * b.weight.numel()
@@ -578,7 +595,8 @@ class KernelGroup:
 
     A group builds every block's kernel at once (one :class:`SqueezeFunction`); its blocks take
     theirs. A kernel is handed out once and only while its block's parameters are unchanged (their
-    version counters), so a block called twice, a forward that stopped halfway or a parameter
+    version counters) and its build has not been through a backward, so a block called twice, a
+    forward that stopped halfway, a block skipped in one step and run in the next, or a parameter
     changed in between rebuilds instead of reusing a stale kernel or a graph already freed by
     backward. The first miss of a training forward also builds the kernels of every other group
     of the network (``peers``) that holds none: the whole network's kernels are built while few
@@ -629,7 +647,9 @@ class KernelGroup:
     def kernel_of(self, block: nn.Module) -> Tensor:
         i = self._index[id(block)]
         entry = self._pending.pop(i, None)
-        if entry is not None and entry[0] == self.plan.versions(i):
+        # still valid: the parameters unchanged and the build's graph not yet through a backward
+        # (blocks skipped in one step and run in the next, gradients accumulated in between)
+        if entry is not None and entry[0] == self.plan.versions(i) and not getattr(entry[1].grad_fn, "spent", False):
             return entry[1]
         self._build()
         for group in self.peers:

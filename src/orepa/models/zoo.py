@@ -13,13 +13,15 @@ reference-checkpoint importer read the registry.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-from ..blocks import BRANCH_TYPES, OREPA_BRANCHES
+from ..blocks import BRANCH_TYPES, OREPA_BRANCHES, ReparamConv2d, Scale
 from ..engine import group_kernels
 
 __all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "model_family",
@@ -154,6 +156,58 @@ def block_opts(opts: dict, *keys: str) -> dict:
     return {k: opts[k] for k in keys if opts.get(k) is not None}
 
 
+#: create_model options that are on/off switches (so are the registered branch types' switches)
+BOOL_OPTIONS = ("small_input", "zero_init_residual", "deep_stem", "rep_1x1", "post_bn", "inner_norm")
+
+
+def _check_count(name: str, value, minimum: int, meaning: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}{meaning}, got {value!r}")
+
+
+def _check_model_args(num_classes, in_chans, options: Mapping[str, Any]) -> None:
+    """create_model's argument checks. The block options are checked here too, once for the model:
+    ``convert`` skips a conv whose block raises a ValueError, which would leave convs plain silently."""
+    _check_count("num_classes", num_classes, 0, " (0: no classifier, the pooled features)")
+    _check_count("in_chans", in_chans, 1)
+    for key in (*BOOL_OPTIONS, *branch_switches()):
+        if key in options and not isinstance(options[key], bool):
+            raise TypeError(f"{key} must be True or False, got {options[key]!r} ({type(options[key]).__name__})")
+    if "width_mult" in options:
+        w = options["width_mult"]
+        if isinstance(w, bool) or not isinstance(w, numbers.Real):
+            raise TypeError(f"width_mult must be a number, got {w!r} ({type(w).__name__})")
+        if not (w > 0 and math.isfinite(w)):
+            raise ValueError(f"width_mult must be a positive finite number, got {w!r}")
+    for key in ("dw_expand", "internal_channels"):
+        if options.get(key) is not None:
+            _check_count(key, options[key], 1)
+    branches = options.get("branches")
+    if branches is not None:
+        if isinstance(branches, str) or not isinstance(branches, Sequence):
+            raise TypeError(f"branches must be a list or tuple of branch names, got {branches!r}")
+        duplicates = sorted({b for b in branches if branches.count(b) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate branches {duplicates} in branches={list(branches)}: name each branch once")
+    scale_init = options.get("scale_init")
+    if scale_init is not None and not isinstance(scale_init, Mapping):
+        raise TypeError(f"scale_init must be a mapping branch name -> initial scale, got {scale_init!r}")
+    if scale_init and options.get("scaling") == "none":
+        raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: scaling='none'")
+
+
+def _check_scale_init_used(model: nn.Module, name: str, method: str, scale_init: Mapping[str, float]) -> None:
+    """Every branch ``scale_init`` names must be a scaled branch of some block of the model."""
+    scaled = {b for m in model.modules() if isinstance(m, ReparamConv2d)
+              for b, br in m.branches.items() if isinstance(br[-1], Scale)}
+    unused = sorted(set(scale_init) - scaled)
+    if unused:
+        raise ValueError(f"scale_init names branch(es) {unused} that no block of {name} ({method}) has; "
+                         f"its scaled branches: {sorted(scaled)}")
+
+
 def create_model(name: str, method: str | None = None, num_classes: int = 1000, in_chans: int = 3,
                  **options) -> nn.Module:
     """Build model ``name`` in training form for ``method``.
@@ -174,7 +228,9 @@ def create_model(name: str, method: str | None = None, num_classes: int = 1000, 
             ``recompute`` (online blocks: ``"auto"``, True, False; a time/memory trade-off));
             see docs/models.md for which method takes which.
     Raises:
-        ValueError: unknown name, method, option or preset (the message lists the valid ones).
+        ValueError: unknown name, method, option or preset (the message lists the valid ones); a bad
+            value (``num_classes < 0``, ``in_chans < 1``, ``width_mult <= 0``, ``dw_expand=0``, ...).
+        TypeError: an option of the wrong type (a switch such as ``freq_prior`` that is not a bool, ...).
     """
     family = family_of(name)
     method = family.default_method if method is None else method
@@ -184,10 +240,13 @@ def create_model(name: str, method: str | None = None, num_classes: int = 1000, 
     _check_options(family, method, options)
     options = family.expand_options(name, method, options)
     _check_options(family, method, options)
+    _check_model_args(num_classes, in_chans, options)
     common = {k: options.pop(k) for k in family.common_options if k in options}
     model = family.build(name, num_classes, in_chans, **common)
     if method != "base":
         model = family.apply_method(model, method, options, name)
+        if options.get("scale_init"):
+            _check_scale_init_used(model, name, method, options["scale_init"])
         group_kernels(model)  # online blocks of one signature build their kernels together on GPUs
     model.orepa_config = dict(name=name, method=method, num_classes=num_classes, in_chans=in_chans,
                               **common, **options)
