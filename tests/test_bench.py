@@ -231,6 +231,7 @@ _BAD_CLI = [
     (["--components", "-m", "mobilenet_v2"], "--components with -m mobilenet_v2"),
     (["--cuda-graphs", "--compile"], "(--cuda-graphs) and torch.compile (--compile) exclude each other"),
     (["--compile", "nope"], "--compile nope: not a torch.compile backend"),
+    (["-b", "1", "--image-size", "16"], "a training BatchNorm sees one value per channel"),
     (["--cuda-graphs", "--device", "cpu"], "(--cuda-graphs) need a CUDA device, got cpu"),
     (["-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
     (["-b", "-2"], "argument -b/--batch-size: must be a positive integer, got -2"),

@@ -145,12 +145,18 @@ def run(args: argparse.Namespace) -> int:
                                        kernel_builder=args.kernel_builder))
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}") from None
-    result = run_benchmark(
-        args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
-        reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
-        inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
-        cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder, runners=runners,
-    )
+    try:
+        result = run_benchmark(
+            args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
+            reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
+            inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
+            cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder, runners=runners,
+        )
+    except ValueError as exc:  # only BatchNorm's refusal of a 1-value batch is the flags' fault; the rest is a bug
+        if "Expected more than 1 value per channel" not in str(exc):
+            raise
+        raise UserError(f"-b {args.batch_size} --image-size {args.image_size}: a training BatchNorm sees one value "
+                        "per channel at the network's smallest feature map; use a larger batch or image") from None
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
                        + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
