@@ -714,8 +714,9 @@ for _branch in (
 def check_block_options(*, branches=None, scaling: str = "vector", scale_init=None, dw_expand=8,
                         internal_channels=None) -> None:
     """The block options whose values are wrong whatever the conv (a TypeError / ValueError naming
-    the option). ``convert`` checks them once before its loop: there a ValueError from a block means
-    "this conv cannot be one" and the conv is skipped, which would hide a wrong option."""
+    the option): the one check behind blocks, ``convert`` and ``create_model``. ``convert`` runs it
+    once before its loop: there a ValueError from a block means "this conv cannot be one" and the
+    conv is skipped, which would hide a wrong option."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     if isinstance(branches, str):
@@ -728,18 +729,21 @@ def check_block_options(*, branches=None, scaling: str = "vector", scale_init=No
         raise TypeError(f"scale_init must be a mapping branch name -> initial scale, got {scale_init!r}")
     unknown = sorted(set(names) - set(BRANCH_TYPES)) + sorted(set(scale_init or {}) - set(BRANCH_TYPES))
     if unknown:
-        raise ValueError(f"unknown branches {unknown}; known: {sorted(BRANCH_TYPES)}")
+        raise ValueError(f"unknown branch name(s) {unknown}; known: {sorted(BRANCH_TYPES)} (unknown branches are "
+                         "a mistake in the options, never a conv to skip)")
     for n, v in (scale_init or {}).items():
         if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__float__"):
             raise TypeError(f"scale_init[{n!r}] must be a number, got {v!r}")
+    if scale_init and scaling == "none":
+        raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: scaling='none'")
     for n, v, default in (("dw_expand", dw_expand, ""),
-                          ("internal_channels", internal_channels, " or None (the branch's default width)")):
+                          ("internal_channels", internal_channels, " (None: the branch's default width)")):
         if v is None and default:
             continue
         if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{n} must be an int >= 1{default}, got {v!r} ({type(v).__name__})")
+            raise TypeError(f"{n} must be an int >= 1, got {v!r} ({type(v).__name__}){default}")
         if v < 1:
-            raise ValueError(f"{n} must be an int >= 1{default}, got {v!r}")
+            raise ValueError(f"{n} must be an int >= 1, got {v!r}{default}")
 
 
 def build_branches(
@@ -766,9 +770,9 @@ def build_branches(
                         internal_channels=internal_channels)
     names = tuple(names)
     check_conv_config(in_channels, out_channels, kernel_size, groups=groups)
-    if scale_init and (norm or scaling == "none"):
-        raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: the branches end in "
-                         + ("a BatchNorm (branch_norm=True)" if norm else "no scale (scaling='none')"))
+    if scale_init and norm:
+        raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: the branches end in a BatchNorm "
+                         "(branch_norm=True)")
     init = {**DEFAULT_SCALE_INIT, **(scale_init or {})}
     cfg = StepConfig(inner_norm, dw_expand, internal_channels, init_a, reference_init)
     out = {}

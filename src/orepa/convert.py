@@ -27,7 +27,6 @@ from torch import nn
 from . import kernels as K
 from .blocks import (
     BATCH_NORMS,
-    DEFAULT_SCALE_INIT,
     AbsorbedNorm,
     DBBConv2d,
     OREPAConv2d,
@@ -69,7 +68,8 @@ def _conv_args(conv: nn.Conv2d) -> dict:
 def _orepa(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
     if conv.kernel_size == (1, 1) and not rep_1x1:
         raise ValueError("1x1 conv left plain (rep_1x1=False)")
-    _check_branch_names(opts.get("branches"), opts.get("scale_init"))
+    # checked here too: a 1x1 conv drops the branch list below, which would hide a wrong one
+    check_block_options(branches=opts.get("branches"), scale_init=opts.get("scale_init"))
     if conv.kernel_size == (1, 1):
         opts = {k: v for k, v in opts.items() if k not in ("branches", "dw_expand")}
     return OREPAConv2d(**_conv_args(conv), **opts)
@@ -91,15 +91,6 @@ def _dbb(conv: nn.Conv2d, **opts) -> ReparamConv2d:
 
 def _repvgg(conv: nn.Conv2d, **opts) -> ReparamConv2d:
     return RepVGGBlock(**_conv_args(conv), **opts)
-
-
-def _check_branch_names(branches, scale_init=None) -> None:
-    """Unknown branch names are a mistake in the options, not a conv to skip: raise."""
-    if isinstance(branches, str):
-        raise ValueError(f"branches must be a sequence of branch names, got the string {branches!r}")
-    unknown = [b for b in (*(branches or ()), *(scale_init or ())) if b not in DEFAULT_SCALE_INIT]
-    if unknown:
-        raise ValueError(f"unknown branch name(s) {unknown}; known: {sorted(DEFAULT_SCALE_INIT)}")
 
 
 #: method name -> factory(conv, **options) -> block; a ValueError means "unsupported, skip"
@@ -342,7 +333,6 @@ def convert(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
-    _check_branch_names(options.get("branches"), options.get("scale_init"))
     # option values wrong for every conv fail here: in the loop a block's ValueError skips its conv
     check_block_options(**{k: options[k] for k in ("branches", "scaling", "scale_init", "dw_expand",
                                                    "internal_channels") if k in options})

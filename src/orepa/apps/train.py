@@ -49,6 +49,7 @@ from .checkpoint import (
     args_dict,
     atomic_write_text,
     cfg_mismatch,
+    check_output_path,
     load_checkpoint,
     load_model_state,
     rng_state,
@@ -413,8 +414,7 @@ class Trainer:
         """Refuse to train into a directory holding another run unless --overwrite; the files of the run
         that --overwrite will replace (:meth:`_clear_previous_run`, once this run is set up)."""
         args = self.args
-        if self.out.exists() and not self.out.is_dir():
-            raise UserError(f"--output-dir {self.out} is a file, not a directory")
+        check_output_path(self.out, "--output-dir", directory=True)
         found = [n for n in RUN_FILES if (self.out / n).exists()] + sorted(p.name for p in self.out.glob("model_*.pth"))
         if not found:
             return []

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from ..blocks import BRANCH_TYPES, OREPA_BRANCHES, ReparamConv2d, Scale
+from ..blocks import BRANCH_TYPES, OREPA_BRANCHES, ReparamConv2d, Scale, check_block_options
 from ..engine import group_kernels
 
 __all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "model_family",
@@ -181,21 +181,8 @@ def _check_model_args(num_classes, in_chans, options: Mapping[str, Any]) -> None
             raise TypeError(f"width_mult must be a number, got {w!r} ({type(w).__name__})")
         if not (w > 0 and math.isfinite(w)):
             raise ValueError(f"width_mult must be a positive finite number, got {w!r}")
-    for key in ("dw_expand", "internal_channels"):
-        if options.get(key) is not None:
-            _check_count(key, options[key], 1)
-    branches = options.get("branches")
-    if branches is not None:
-        if isinstance(branches, str) or not isinstance(branches, Sequence):
-            raise TypeError(f"branches must be a list or tuple of branch names, got {branches!r}")
-        duplicates = sorted({b for b in branches if branches.count(b) > 1})
-        if duplicates:
-            raise ValueError(f"duplicate branches {duplicates} in branches={list(branches)}: name each branch once")
-    scale_init = options.get("scale_init")
-    if scale_init is not None and not isinstance(scale_init, Mapping):
-        raise TypeError(f"scale_init must be a mapping branch name -> initial scale, got {scale_init!r}")
-    if scale_init and options.get("scaling") == "none":
-        raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: scaling='none'")
+    check_block_options(**{k: options[k] for k in ("branches", "scaling", "scale_init", "dw_expand",
+                                                   "internal_channels") if options.get(k) is not None})
 
 
 def _check_scale_init_used(model: nn.Module, name: str, method: str, scale_init: Mapping[str, float]) -> None:

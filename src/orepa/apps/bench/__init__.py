@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import torch
 
+from orepa.apps.checkpoint import check_output_path
 from orepa.apps.common import (
     MODEL_CFG_KEYS,
     UserError,
@@ -118,10 +118,7 @@ def run(args: argparse.Namespace) -> int:
         known = _dynamo.list_backends(exclude_tags=())
         if args.compile not in known:
             raise UserError(f"--compile {args.compile}: not a torch.compile backend; e.g. {', '.join(sorted(known)[:6])}")
-    try:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--output-dir {args.output_dir}: cannot make the directory ({exc.strerror or exc})") from None
+    check_output_path(args.output_dir, "--output-dir", directory=True)
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
     mopts = parse_options(args.model_option, "--model-option")

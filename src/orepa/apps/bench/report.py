@@ -5,6 +5,7 @@ import json
 import statistics
 from pathlib import Path
 
+from orepa.apps.checkpoint import atomic_write_text
 from orepa.apps.logs import pyplot, save_figure
 
 from .variants import LADDER, offline_rung
@@ -156,11 +157,8 @@ def plot_budgets(result: dict, path: str | Path) -> Path:
 
 def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> list[Path]:
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = [out_dir / f"{tag}.json"]
-    files[0].write_text(json.dumps(result, indent=1))
-    (out_dir / f"{tag}.md").write_text(format_header(result) + "\n\n" + format_table(result) + "\n")
-    files.append(out_dir / f"{tag}.md")
+    files = [atomic_write_text(out_dir / f"{tag}.json", json.dumps(result, indent=1)),
+             atomic_write_text(out_dir / f"{tag}.md", format_header(result) + "\n\n" + format_table(result) + "\n")]
     if plots:
         files.append(plot_ratios(result, out_dir / f"{tag}_ratios.png"))
         if any(n in LADDER for n in result["results"]):
