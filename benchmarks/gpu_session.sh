@@ -31,8 +31,9 @@ R=${RESULTS:-/tmp/gpu}/$phase
 mkdir -p "$R"
 # tests/test_cuda.py without the compile comparison (minutes of compilation); $1: its time limit
 cuda_tests() {
-    timeout "$1" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-not compile}" 2>&1 \
-        | tail -15 | tee "$R/test_cuda.log"
+    # the whole log kept (a run cut off by its limit loses pytest's last line); its end shown
+    timeout "$1" python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-not compile}" 2>&1 \
+        | tee "$R/test_cuda.log" | tail -15
     pack  # after each stage: a run cut off by its time limit still returns what it measured
 }
 # eager and CUDA-graph step times of base / OREPA / DBB at the issue's settings: fp32 (TF32 convs),
@@ -118,20 +119,37 @@ modes)
 builder)
     # the kernel builders side by side, paired with base in one process (orepa:builder=compiled is a variant);
     # the first run compiles ResNet-18's 8 groups, later ones find them in inductor's cache (kernel shapes do
-    # not depend on the batch); ResNet-50 compiles its 20 groups last. Limits sum to ~9.5 min.
-    cuda_tests 120
+    # not depend on the batch); ResNet-50 compiles its 20 groups last. Each stage gets at most its own limit
+    # and never more than what is left of $BUDGET_S (default 560 s), so slack flows to the later stages.
+    deadline=$((SECONDS + ${BUDGET_S:-560}))
+    left() { local l=$((deadline - SECONDS)); echo $((l < $1 ? l : $1)); }
+    cuda_tests "$(left 120)"
     for run in "resnet18 64 140" "resnet18 64 90 --cuda-graphs" "resnet18 8 60" "resnet50 64 150"; do
         set -- $run
-        timeout "$3" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark ${4:-} \
+        limit=$(left "$3"); [ "$limit" -gt 20 ] || break
+        timeout "$limit" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark ${4:-} \
             --methods base orepa orepa:builder=compiled dbb --reps 25 --warmup 5 --no-inference \
             --output-dir "$R/bench" --no-plot 2>&1 | tail -7 | tee -a "$R/bench.log"
         pack
     done
+    # the compiled builder in the default mode (CUDA graphs) trains as the eager groups do: the accuracy check
+    # of "steps" (ResNet-18, Fashion-MNIST, 1 epoch on 25,600 images at batch 256, seed 0)
+    limit=$(left 100)
+    if [ "$limit" -gt 40 ]; then
+        timeout "$limit" python3 -m orepa train --method orepa --epochs 1 --train-subset 25600 -b 256 -j 8 --seed 0 \
+            --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --kernel-builder compiled \
+            --output-dir /tmp/acc_compiled 2>&1 | tail -8 | tee "$R/acc_orepa_default_compiled-builder.log"
+        cp /tmp/acc_compiled/summary.json "$R/acc_orepa_default_compiled-builder.json" 2>/dev/null
+        pack
+    fi
     # where the compiled constructions' GPU time goes (their Triton kernels: category "fused")
-    timeout 60 python3 benchmarks/profile_step.py -m resnet18 -b 64 --device cuda --methods base orepa --steps 3 \
-        --top 30 --kernel-builder compiled --json "$R/profile_resnet18_b64_cuda_compiled-builder.json" \
-        > "$R/profile_resnet18_b64_cuda_compiled-builder.txt" 2>&1
-    pack
+    limit=$(left 60)
+    if [ "$limit" -gt 20 ]; then
+        timeout "$limit" python3 benchmarks/profile_step.py -m resnet18 -b 64 --device cuda --methods base orepa \
+            --steps 3 --top 30 --kernel-builder compiled --json "$R/profile_resnet18_b64_cuda_compiled-builder.json" \
+            > "$R/profile_resnet18_b64_cuda_compiled-builder.txt" 2>&1
+        pack
+    fi
     ;;
 long)
     epochs=${EPOCHS:?set EPOCHS}

@@ -402,11 +402,47 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["c.pth"]      # no temp file left behind
 
 
+def test_the_default_kernel_builder_is_the_compiled_one_on_cuda_only_where_it_can_compile(monkeypatch):
+    """orepa train names no builder: compiled on CUDA (measured faster there in every step mode),
+    auto on a CPU and under --compile, and auto with its reason where Triton is missing."""
+    import importlib.util
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert common.default_kernel_builder(cpu) == ("auto", None)
+    assert common.default_kernel_builder(cuda, whole_step_compiled=True) == ("auto", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else None)
+    assert common.default_kernel_builder(cuda) == ("compiled", None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    builder, why = common.default_kernel_builder(cuda)
+    assert builder == "auto" and "Triton is not installed" in why
+
+
+@pytest.mark.parametrize("picked", ["auto", "compiled"])
+def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_path, monkeypatch, picked):
+    """The pick of default_kernel_builder is the policy the model's blocks are grouped with (the
+    spy groups them eagerly, so that "compiled" costs no compilation on a CPU)."""
+    seen = []
+
+    def spy(model, policy):
+        seen.append(policy)
+        return real(model, "grouped")
+
+    real = train.group_kernels
+    monkeypatch.setattr(train, "group_kernels", spy)
+    monkeypatch.setattr(train, "default_kernel_builder", lambda device, whole_step_compiled: (picked, None))
+    main(["train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir",
+          str(tmp_path / "run"), "--device", "cpu"])
+    assert seen == [picked]
+    main(["train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir",
+          str(tmp_path / "named"), "--device", "cpu", "--kernel-builder", "per-block"])
+    assert seen == [picked, "per-block"]  # a named builder is kept
+
+
 # --------------------------------------------------------------------------- distributed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("builder", ["per-block", "grouped"])
+@pytest.mark.parametrize("builder", ["per-block", "grouped", "compiled"])
 def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, builder):
     """Both kernel-builder routes under DDP; grouped is what torchrun on GPUs runs (no CUDA graphs
     there): a group's backward makes all its blocks' gradients ready at once, which DDP's buckets

@@ -68,6 +68,7 @@ from .common import (
     capture_cuda_graphs,
     cleanup_distributed,
     count_params,
+    default_kernel_builder,
     describe_cfg,
     fail,
     init_distributed,
@@ -133,7 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replay forward+backward as CUDA graphs: an online block's eager step is bound by launching "
                         "its many small kernels on fast GPUs. Default: on where it can run (one process on a CUDA "
                         "device, without --compile), with a one-line note where it cannot; --no-cuda-graphs: eager")
-    add_kernel_builder_argument(g)
+    add_kernel_builder_argument(g, default=None)
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
@@ -315,6 +316,10 @@ class Trainer:
                 self.log(f"orepa train: eager steps, not CUDA graphs (CUDA graphs {why})")
         elif args.cuda_graphs and why:
             raise UserError(f"--cuda-graphs {why}")
+        if args.kernel_builder is None:  # the default: the compiled constructions where they can run
+            args.kernel_builder, why_not = default_kernel_builder(device, whole_step_compiled=bool(args.compile))
+            if why_not:
+                self.log(f"orepa train: kernel builder auto, not compiled ({why_not})")
         self.graphs_captured = False
         self.resume_ckpt = None
         self.overrides: list[str] = []
@@ -363,7 +368,8 @@ class Trainer:
         groups = group_kernels(model, args.kernel_builder)
         if args.kernel_builder == "compiled" and groups:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
-                     "during the first training step (seconds per group)")
+                     "during the first training step (seconds per group; --kernel-builder auto builds them "
+                     "eagerly, uncompiled)")
         if self.start_weights is not None:
             load_model_state(model, self.start_weights["model"], path=args.resume, built=describe_cfg(self.cfg),
                              saved=describe_cfg(saved_cfg) if saved_cfg else None)
