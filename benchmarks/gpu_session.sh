@@ -17,6 +17,10 @@
 #                                        #   base / OREPA (eager groups) / OREPA (compiled groups) / DBB in one process
 #                                        #   each: ResNet-18 b64 eager and CUDA graphs, ResNet-18 b8, ResNet-50 b64;
 #                                        #   then, if time is left, the GPU time per fused kernel at ResNet-18 b64
+#   benchmarks/gpu_session.sh defaults   # ~9 min, one call: what `orepa train` runs on CUDA by default (compiled
+#                                        #   builder, CUDA graphs, TF32 matmuls) against the eager groups, paired with
+#                                        #   base: ResNet-18 b64 graphs and eager, ResNet-50 b64 graphs, ResNet-18 b8
+#                                        #   graphs; then the accuracy check, default mode against eager steps
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -24,7 +28,7 @@
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
 # and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh probe|compile|steps|modes|builder|long}
+phase=${1:?usage: gpu_session.sh probe|compile|steps|modes|builder|defaults|long}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
@@ -150,6 +154,31 @@ builder)
             > "$R/profile_resnet18_b64_cuda_compiled-builder.txt" 2>&1
         pack
     fi
+    ;;
+defaults)
+    # what `orepa train` runs on CUDA by default (the compiled builder, CUDA graphs, TF32 matmuls) against the
+    # eager groups and full-float32 matmuls, paired with base (which gets the same matmul setting); then the
+    # accuracy check of the default mode against eager steps (as "steps"). Limits sum to ~9 min.
+    deadline=$((SECONDS + ${BUDGET_S:-560}))
+    left() { local l=$((deadline - SECONDS)); echo $((l < $1 ? l : $1)); }
+    for run in "resnet18 64 150 --cuda-graphs --tf32-matmul" "resnet18 64 70 --tf32-matmul" \
+               "resnet50 64 170 --cuda-graphs --tf32-matmul" "resnet18 8 50 --cuda-graphs --tf32-matmul"; do
+        set -- $run
+        limit=$(left "$3"); [ "$limit" -gt 20 ] || break
+        timeout "$limit" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
+            ${4:-} ${5:-} --methods base orepa orepa:builder=compiled --reps 25 --warmup 5 --no-inference \
+            --output-dir "$R/bench" --no-plot 2>&1 | tail -6 | tee -a "$R/bench.log"
+        pack
+    done
+    for run in "default" "eager --no-cuda-graphs --kernel-builder auto --no-tf32-matmul"; do
+        set -- $run
+        limit=$(left 100); [ "$limit" -gt 40 ] || break
+        timeout "$limit" python3 -m orepa train --method orepa --epochs 1 --train-subset 25600 -b 256 -j 8 --seed 0 \
+            --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --output-dir "/tmp/acc_$1" ${2:-} ${3:-} ${4:-} ${5:-} \
+            2>&1 | tail -8 | tee "$R/acc_orepa_$1.log"
+        cp "/tmp/acc_$1/summary.json" "$R/acc_orepa_$1.json" 2>/dev/null
+        pack
+    done
     ;;
 long)
     epochs=${EPOCHS:?set EPOCHS}

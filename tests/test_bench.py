@@ -63,6 +63,10 @@ def test_run_benchmark_tiny(tmp_path):
     # CPU ratios depend on the processor: the run names it
     cpu = result["environment"]["cpu"]
     assert cpu and f"cpu ({cpu})" in bench.format_header(result)
+    # a CUDA run says whether its matrix products ran on TF32 tensor cores (--tf32-matmul)
+    assert result["config"]["tf32_matmul"] is None and "TF32" not in bench.format_header(result)
+    on_tf32 = {**result, "config": {**result["config"], "tf32_matmul": True}}
+    assert ", TF32 matmuls" in bench.format_header(on_tf32)
 
 
 def test_variants_name_their_own_kernel_builder():

@@ -417,6 +417,24 @@ def test_the_default_kernel_builder_is_the_compiled_one_on_cuda_only_where_it_ca
     assert builder == "auto" and "Triton is not installed" in why
 
 
+def test_tf32_matmuls_are_the_cuda_default_and_follow_the_flag():
+    """apply_tf32_matmul: on for CUDA unless --no-tf32-matmul, off on a CPU unless asked; the torch
+    setting is what it returns."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for enabled, device, want in ((None, "cuda", True), (None, "cpu", False), (False, "cuda", False),
+                                      (True, "cpu", True)):
+            assert common.apply_tf32_matmul(enabled, torch.device(device)) is want
+            assert torch.backends.cuda.matmul.allow_tf32 is want
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    from orepa.cli import build_parser
+
+    assert build_parser("train").parse_args(["train"]).tf32_matmul is None  # resolved per device in setup
+    assert build_parser("train").parse_args(["train", "--no-tf32-matmul"]).tf32_matmul is False
+    assert build_parser("bench").parse_args(["bench"]).tf32_matmul is False  # the recorded tables' setting
+
+
 @pytest.mark.parametrize("picked", ["auto", "compiled"])
 def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_path, monkeypatch, picked):
     """The pick of default_kernel_builder is the policy the model's blocks are grouped with (the

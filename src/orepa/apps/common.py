@@ -114,6 +114,26 @@ def default_kernel_builder(device: torch.device, whole_step_compiled: bool = Fal
     return "compiled", None
 
 
+def add_tf32_matmul_argument(g, default: bool | None) -> None:
+    """``--tf32-matmul``: TF32 tensor cores for float32 matrix products on CUDA (:func:`apply_tf32_matmul`);
+    ``default=None``: on for CUDA devices."""
+    g.add_argument("--tf32-matmul", action=argparse.BooleanOptionalAction, default=default,
+                   help="CUDA: float32 matrix products on TF32 tensor cores, as PyTorch already runs cuDNN "
+                        "convolutions; an online block's kernel construction is matrix products (ResNet-18 at "
+                        "batch 64 on an H100: ~1 ms of a 16 ms step in full float32). Default: "
+                        + ("on for a CUDA device" if default is None else "on" if default else "off, PyTorch's "
+                           "default"))
+
+
+def apply_tf32_matmul(enabled: bool | None, device: torch.device) -> bool:
+    """Set float32 matrix products to TF32 (``enabled``; None: on for a CUDA device) for this
+    process; cuDNN convolutions keep PyTorch's setting (TF32). Returns the setting. Comparisons
+    of deployed and trained forms run under :func:`full_float32` whatever this says."""
+    on = device.type == "cuda" if enabled is None else bool(enabled)
+    torch.backends.cuda.matmul.allow_tf32 = on
+    return on
+
+
 # --------------------------------------------------------------------------- model building
 
 #: model_cfg keys and their defaults; ``options`` holds the zoo's block options

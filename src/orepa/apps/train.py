@@ -62,6 +62,8 @@ from .common import (
     add_kernel_builder_argument,
     add_model_arguments,
     add_run_arguments,
+    add_tf32_matmul_argument,
+    apply_tf32_matmul,
     apply_threads,
     build_model,
     build_model_form,
@@ -135,6 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its many small kernels on fast GPUs. Default: on where it can run (one process on a CUDA "
                         "device, without --compile), with a one-line note where it cannot; --no-cuda-graphs: eager")
     add_kernel_builder_argument(g, default=None)
+    add_tf32_matmul_argument(g, default=None)
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
@@ -307,6 +310,7 @@ class Trainer:
         if device.type == "cuda":
             # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
             torch.backends.cudnn.benchmark = True
+        args.tf32_matmul = apply_tf32_matmul(args.tf32_matmul, device)
         why = ("needs a CUDA device" if device.type != "cuda" else
                "runs in one process (DDP's collectives are not captured here; run without torchrun)"
                if info.distributed else "and --compile exclude each other" if args.compile else None)

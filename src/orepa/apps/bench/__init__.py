@@ -18,6 +18,8 @@ from orepa.apps.common import (
     MODEL_CFG_KEYS,
     UserError,
     add_kernel_builder_argument,
+    add_tf32_matmul_argument,
+    apply_tf32_matmul,
     apply_threads,
     check_cfg_value,
     nonneg_int,
@@ -75,6 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cudnn-benchmark", action="store_true")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: time steps with forward+backward replayed as CUDA graphs (no host launch overhead)")
+    add_tf32_matmul_argument(p, default=False)  # off: the recorded tables' setting, TF32 convolutions only
     add_kernel_builder_argument(p)  # grouped: the GPU route on any device, e.g. to count its operators on a CPU
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="time steps of torch.compile'd models (default backend inductor; compiled outside the timing)")
@@ -121,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.output_dir, "--output-dir", directory=True)
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
+    apply_tf32_matmul(args.tf32_matmul, device)
     mopts = parse_options(args.model_option, "--model-option")
     for key in set(mopts) & set(MODEL_CFG_KEYS):  # width_mult, small_input, ...: the types every command checks
         mopts[key] = check_cfg_value(key, mopts[key])
@@ -157,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
                        + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
+                       + ("_tf32" if args.tf32_matmul and dev == "cuda" else "")
                        # "_compiled" names a torch.compile'd step: the compiled kernel builder is told apart
                        + ("" if args.kernel_builder == "auto" else "_" + args.kernel_builder
                           + ("-builder" if args.kernel_builder == "compiled" else ""))

@@ -457,6 +457,7 @@ def run_benchmark(
             "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs, "compile": compile,
             "kernel_builder": kernel_builder,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
+            "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else None,
         },
         "environment": {**environment(device, git_start), "loadavg_1m_start": load_start},
         "results": res,

@@ -86,6 +86,7 @@ def format_header(result: dict) -> str:
     code = f"; orepa {git['commit']}{'+modified' if git.get('modified') else ''}" if git.get("commit") else ""
     graphs = ", forward+backward as CUDA graphs" if c.get("cuda_graphs") else ""
     graphs += f", torch.compile ({c['compile']})" if c.get("compile") else ""
+    graphs += ", TF32 matmuls" if c.get("tf32_matmul") else ""
     builder = c.get("kernel_builder", "auto")
     if builder != "auto":
         graphs += f", kernel builder {builder}"
