@@ -370,6 +370,7 @@ class Trainer:
         seed_everything(args.seed)  # same initial weights on every rank
         model = build_model(self.cfg)
         groups = group_kernels(model, args.kernel_builder)
+        self.n_groups = len(groups)
         if args.kernel_builder == "compiled" and groups:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
                      "during the first training step (seconds per group; --kernel-builder auto builds them "
@@ -652,6 +653,8 @@ class Trainer:
                  f"{self.iters_per_epoch} steps/epoch x {args.epochs} epochs, wd {args.weight_decay:g}"
                  f"{', AMP' if args.amp else ''}{', channels_last' if args.channels_last else ''}"
                  f"{', compiled' if args.compile else ''}{', CUDA graphs' if args.cuda_graphs else ''}"
+                 f"{', TF32 matmuls' if args.tf32_matmul and self.device.type == 'cuda' else ''}"
+                 f"{f', kernel builder {args.kernel_builder}' if self.n_groups else ''}"
                  f"{', EMA' if self.ema is not None else ''}; "
                  f"output {self.out}")
         tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)
