@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 from collections import defaultdict
 
 import torch
@@ -29,7 +30,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from orepa.apps.bench import make_runner, parse_spec
-from orepa.apps.common import add_kernel_builder_argument
+from orepa.apps.common import UserError, add_kernel_builder_argument
 
 # operator name (without "aten::") -> category; anything else is "other"
 CATEGORIES = {
@@ -98,8 +99,11 @@ def _profile(model, methods, batch_size, image_size, steps, warmup, num_classes,
     y = torch.randint(0, num_classes, (batch_size,), device=device)
     for spec in methods:
         parse_spec(spec)  # a clear error for a bad spec before anything is built
-    runners = [make_runner(model, spec, device=device, num_classes=num_classes, model_options=model_options,
-                           kernel_builder=kernel_builder) for spec in methods]
+    try:  # what goes wrong in a build is the spec's or the model's; errors of the profiling keep their traceback
+        runners = [make_runner(model, spec, device=device, num_classes=num_classes, model_options=model_options,
+                               kernel_builder=kernel_builder) for spec in methods]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"cannot build the variants {list(methods)} of {model}: {exc}") from None
     for _ in range(max(warmup, 1)):
         for r in runners:
             r.step(x, y)
@@ -203,4 +207,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as exc:  # a bad spec, model or option: one line
+        sys.exit(f"profile_step.py: {exc}")
