@@ -103,7 +103,8 @@ def _profile(model, methods, batch_size, image_size, steps, warmup, num_classes,
         runners = [make_runner(model, spec, device=device, num_classes=num_classes, model_options=model_options,
                                kernel_builder=kernel_builder) for spec in methods]
     except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"cannot build the variants {list(methods)} of {model}: {exc}") from None
+        raise UserError(f"cannot build the variants {list(methods)} of {getattr(model, '__name__', model)}: "
+                        f"{exc}") from None
     for _ in range(max(warmup, 1)):
         for r in runners:
             r.step(x, y)

@@ -408,7 +408,7 @@ def test_profile_step_script_accounts_for_every_operator(tmp_path, capsys):
                                  kernel_builder="compiled")["orepa"]
     assert fused["categories_ms"]["fused"] > 0 and any(mod.is_fused(o["op"]) for o in fused["ops"])
     assert fused["total_ms"] == pytest.approx(sum(fused["categories_ms"].values()))
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(mod.UserError, match="of tiny_net: unknown method"):
         mod.profile_variants(tiny_net, ["base", "nope"], batch_size=2, image_size=16, num_classes=10)
     with pytest.raises(mod.UserError, match="cannot build the variants .* not accepted"):  # one line, no traceback
         mod.profile_variants("resnet18", ["base", "orepa:nope=1"], batch_size=2, image_size=16, num_classes=10)
