@@ -254,6 +254,100 @@ def test_sync_batchnorm_model_deploys_like_the_batchnorm_one(method):
             tol_close(deployed(x), y)
 
 
+@pytest.mark.parametrize("method", ["dbb", "repvgg"])
+def test_a_model_with_sync_batchnorms_deploys_to_its_own_layout(method):
+    """Converted after convert_sync_batchnorm: the absorbed norms come back as SyncBatchNorms."""
+    vanilla = nn.SyncBatchNorm.convert_sync_batchnorm(torchvision.models.resnet18(num_classes=10)).eval()
+    model = orepa.convert(vanilla, method).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        y = model(x)
+        deployed = orepa.reparameterize(model)
+        assert [(n, type(m)) for n, m in deployed.named_modules()] == [(n, type(m)) for n, m in vanilla.named_modules()]
+        tol_close(deployed(x), y)
+
+
+@pytest.mark.parametrize("method", ["orepa", "dbb"])
+def test_a_frozen_stage_stays_frozen(method):
+    base = torchvision.models.resnet18(num_classes=10)
+    base.layer1.requires_grad_(False)
+    model = orepa.convert(base, method)
+    assert not any(p.requires_grad for p in model.layer1.parameters())
+    assert all(p.requires_grad for p in model.layer2.parameters())
+
+
+class _BNRelu(nn.BatchNorm2d):
+    """A BatchNorm2d subclass that does more than normalise (as timm's BatchNormAct2d)."""
+
+    def forward(self, x):
+        return torch.relu(super().forward(x))
+
+
+class _Untraceable(nn.Module):
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+
+    def forward(self, x):
+        if x.sum() > -1e9:  # data-dependent control flow: torch.fx cannot trace it
+            x = x + 0
+        return self.body(x)
+
+
+@pytest.mark.parametrize("wrap", [False, True])
+def test_a_batchnorm_subclass_is_neither_folded_nor_absorbed(wrap):
+    """Folding or absorbing its BN would drop what the subclass adds (here a ReLU): torch.fx traces
+    into it, and the untraced fallbacks (Sequential neighbours, hooks) used to pair it."""
+    body = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), _BNRelu(8))
+    model = _Untraceable(body) if wrap else body
+    x = torch.randn(2, 4, 8, 8)
+    assert orepa.find_conv_bn_pairs(model)[0] == []
+    assert orepa.find_conv_bn_pairs(model, example_input=x)[0] == []
+    with pytest.raises(ValueError, match=r"followed by '(body\.)?1', a _BNRelu: only BatchNorm2d and SyncBatchNorm"):
+        orepa.convert(model, "dbb")
+    model.eval()
+    with torch.no_grad():
+        tol_close(orepa.fuse_conv_bn(model)(x), model(x))
+
+
+class _FreedThenReused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            pass
+        y = torch.relu(self.conv(x))  # the conv's output is freed here; y * 2 may take its id
+        return self.bn(y * 2.0)
+
+
+class _AlsoSummed(nn.Module):
+    def __init__(self, reads_shape_only: bool = False):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.reads_shape_only = reads_shape_only
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            pass
+        c = self.conv(x)
+        if self.reads_shape_only:  # shape queries are no use of the values
+            assert c.shape[1] == c.size(1) == 8 and c.dim() == 4
+            return self.bn(c) + x
+        return self.bn(c) + c  # the conv's output feeds its BN and a sum outside any module
+
+
+def test_pairing_by_running_the_model_needs_the_conv_output_to_feed_its_bn_alone():
+    x8 = torch.randn(2, 8, 8, 8)
+    assert orepa.find_conv_bn_pairs(_FreedThenReused(), example_input=torch.randn(2, 4, 8, 8))[0] == []
+    assert orepa.find_conv_bn_pairs(_AlsoSummed(), example_input=x8)[0] == []
+    assert orepa.find_conv_bn_pairs(_AlsoSummed(reads_shape_only=True), example_input=x8)[0] == [("conv", "bn")]
+    model = _AlsoSummed().eval()
+    with torch.no_grad():  # nothing folded, so the function is kept
+        tol_close(orepa.fuse_conv_bn(model, example_input=x8)(x8), model(x8))
+
+
 def _dbb_layer():
     return nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
 

@@ -983,6 +983,7 @@ class AbsorbedNorm(nn.Identity):
         super().__init__()
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
+        self.sync = isinstance(bn, nn.SyncBatchNorm)  # restored as the kind it was
         self.token = token or AbsorbedNorm.Token(uuid.uuid4().hex)
         like = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
         factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
@@ -995,12 +996,12 @@ class AbsorbedNorm(nn.Identity):
         return self.restore(None)
 
     def restore(self, shift: Tensor | None) -> nn.BatchNorm2d:
-        """A BatchNorm2d whose eval output is ``x + shift``, with this placeholder's dtype, device
-        and training flag."""
+        """A BatchNorm2d (a SyncBatchNorm where it replaced one) whose eval output is ``x + shift``,
+        with this placeholder's dtype, device and training flag."""
         like = getattr(self, "_like", shift)  # placeholders pickled before _like existed: the shift's
         factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
-        bn = nn.BatchNorm2d(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats,
-                            **factory)
+        kind = nn.SyncBatchNorm if getattr(self, "sync", False) else nn.BatchNorm2d  # older pickles: BatchNorm2d
+        bn = kind(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats, **factory)
         with torch.no_grad():
             # (x - mean) / sqrt(var + eps): var = 1 - eps makes the denominator 1
             bn.running_var.fill_(1.0 - self.eps)

@@ -104,7 +104,8 @@ METHODS: dict[str, Callable[..., ReparamConv2d]] = {
 
 
 def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
-    """The ``method`` block replacing ``conv`` (same device/dtype); ValueError if unsupported."""
+    """The ``method`` block replacing ``conv`` (same device, dtype, mode, and frozen where the conv's
+    weight is: a frozen stage stays frozen); ValueError if unsupported."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     if type(conv) is not nn.Conv2d:
@@ -112,6 +113,8 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
     check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                       conv.dilation, conv.groups, conv.padding_mode)
     block = METHODS[method](conv, **options)
+    if not conv.weight.requires_grad:
+        block.requires_grad_(False)
     return block.to(device=conv.weight.device, dtype=conv.weight.dtype).train(conv.training)
 
 
@@ -127,9 +130,14 @@ def _is_conv(m: nn.Module) -> bool:
     return type(m) is nn.Conv2d or isinstance(m, ReparamConv2d)
 
 
+def _is_bn(m: nn.Module) -> bool:
+    """A BatchNorm2d or SyncBatchNorm itself: a subclass may do more than normalise (timm's
+    BatchNormAct2d applies an activation), which folding or absorbing its BN would drop."""
+    return type(m) in BATCH_NORMS
+
+
 def _foldable_bn(bn: nn.Module, conv: nn.Module) -> bool:
-    return (isinstance(bn, BATCH_NORMS) and bn.track_running_stats
-            and bn.num_features == conv.out_channels)
+    return _is_bn(bn) and bn.track_running_stats and bn.num_features == conv.out_channels
 
 
 def _pairs_fx(model: nn.Module) -> list[tuple[str, str]]:
@@ -152,41 +160,75 @@ def _pairs_fx(model: nn.Module) -> list[tuple[str, str]]:
     return pairs
 
 
+class _UseCounter(torch.overrides.TorchFunctionMode):
+    """Counts, for each watched tensor, the torch functions that compute a tensor from it: a
+    conv's output may feed its BN and also an op outside any module (a residual sum), which the
+    BN's forward hook alone cannot see. Shape and dtype queries compute no tensor and do not count."""
+
+    def __init__(self, watched: dict[int, torch.Tensor]):
+        super().__init__()
+        self.watched = watched
+        self.uses: dict[int, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(out)):
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and self.watched.get(id(t)) is t:
+                    self.uses[id(t)] = self.uses.get(id(t), 0) + 1
+        return out
+
+
 def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
-    """Run the model once; a BN whose input IS a conv's output tensor pairs with that conv."""
-    produced: dict[int, str] = {}
-    consumed: dict[int, int] = {}
-    pairs: list[tuple[str, str]] = []
+    """Run the model once; a BN whose input IS a conv's output tensor, and that tensor's only
+    use, pairs with that conv. The conv outputs are held until the run ends: a freed output's
+    ``id`` can come back as another tensor's (the BN's input after a ReLU, say)."""
+    outputs: dict[int, torch.Tensor] = {}  # id -> a conv's output
+    conv_of: dict[int, str] = {}  # id -> the conv's name
+    bn_input: dict[str, torch.Tensor] = {}  # BN name -> the conv output it read
     calls: dict[str, int] = {}
     handles = []
 
     def hook(name):
         def fn(mod, args, out):
             calls[name] = calls.get(name, 0) + 1
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    consumed[id(a)] = consumed.get(id(a), 0) + 1
-            if isinstance(mod, BATCH_NORMS) and args and id(args[0]) in produced:
-                pairs.append((produced[id(args[0])], name))
-            if _is_conv(mod):
-                produced[id(out)] = name
+            if _is_bn(mod) and args and isinstance(args[0], torch.Tensor) and outputs.get(id(args[0])) is args[0]:
+                bn_input[name] = args[0]
+            if _is_conv(mod) and isinstance(out, torch.Tensor):
+                outputs[id(out)], conv_of[id(out)] = out, name
         return fn
 
     for name, m in model.named_modules():
-        if _is_conv(m) or isinstance(m, BATCH_NORMS):
+        if _is_conv(m) or _is_bn(m):
             handles.append(m.register_forward_hook(hook(name)))
     was_training = model.training
+    counter = _UseCounter(outputs)
     try:
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), counter:
             model(*example_input) if isinstance(example_input, tuple) else model(example_input)
     finally:
         model.train(was_training)
         for h in handles:
             h.remove()
     modules = dict(model.named_modules())
-    return [(c, b) for c, b in pairs
-            if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
+    pairs = [(conv_of[id(t)], b) for b, t in bn_input.items() if counter.uses.get(id(t)) == 1]
+    return [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
+
+
+def _followed_by_bn_subclass(model: nn.Module) -> dict[str, str]:
+    """``{conv name: why}`` for each plain conv registered right before a BatchNorm2d subclass:
+    the reason it is skipped (see :func:`_is_bn`)."""
+    out = {}
+    for parent_name, parent in model.named_modules():
+        children = list(parent.named_children())
+        prefix = f"{parent_name}." if parent_name else ""
+        for (cn, c), (bn_name, bn) in zip(children, children[1:]):
+            if type(c) is nn.Conv2d and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
+                out[prefix + cn] = (f"followed by {prefix + bn_name!r}, a {type(bn).__name__}: only BatchNorm2d and "
+                                    "SyncBatchNorm themselves are folded or absorbed, since a subclass may do more "
+                                    "than normalise (timm's BatchNormAct2d applies an activation)")
+    return out
 
 
 def _slots(model: nn.Module) -> dict[int, int]:
@@ -322,8 +364,14 @@ def convert(
     Convs without a following BatchNorm2d are left alone: re-param blocks need a
     norm after them (OREPA uses it as the post-addition norm). So are convs a
     block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
-    and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d);
-    the report says why for each.
+    and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d),
+    and convs followed by a BatchNorm2d subclass (it may do more than normalise,
+    as timm's BatchNormAct2d); the report says why for each.
+
+    The blocks are initialised afresh (the method's initialisation): a conv's
+    trained weights are not carried into branches, since a kernel does not
+    split back into them. Convs whose weight does not require grad (frozen
+    stages) give blocks that do not either.
 
     Raises:
         ValueError: an unknown ``method`` or branch name (in ``branches`` /
@@ -342,9 +390,11 @@ def convert(
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
     had_blocks = any(isinstance(m, ReparamConv2d) for m in model.modules())
+    subclassed = _followed_by_bn_subclass(model)
     for name, m in model.named_modules():
         if type(m) is nn.Conv2d and name not in paired:
-            report.skipped[name] = left_out.get(name, "not followed by a BatchNorm2d it alone feeds")
+            report.skipped[name] = left_out.get(name) or subclassed.get(name) or \
+                "not followed by a BatchNorm2d it alone feeds"
         elif isinstance(m, nn.modules.conv._ConvNd) and type(m) is not nn.Conv2d and not _inside_block(name, model):
             report.skipped[name] = f"{type(m).__name__}: only plain nn.Conv2d layers are converted"
     for conv_name, bn_name in pairs:
