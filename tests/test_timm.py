@@ -127,3 +127,31 @@ def test_timm_reparameterize_model_deploys_a_converted_torchvision_model(method)
         deployed = reparameterize_model(model)
         assert sum(isinstance(m, nn.Conv2d) for m in deployed.modules()) == 20
         tol_close(deployed(x), model(x))
+
+
+@pytest.mark.parametrize("name", ["lcnet_050", "efficientnet_b0"])
+def test_timm_cnns_with_norm_act_layers_convert_train_and_deploy_exactly(name):
+    """timm's CNNs put a BatchNormAct2d (BN, then dropout and activation) after their convs:
+    orepa keeps it after the block; deployment gives the vanilla timm model, and folding the BN
+    keeps the activation. DBB / RepVGG, which absorb the BN, refuse it with the reason."""
+    torch.manual_seed(0)
+    model, report = orepa.convert(timm.create_model(name, num_classes=10), "orepa", return_report=True)
+    assert len(report.converted) > 10 and report.pairing == "torch.fx"
+    x = torch.randn(2, 3, 64, 64)
+    model.train()
+    model(x).square().mean().backward()
+    blocks = [m for m in model.modules() if isinstance(m, orepa.ReparamConv2d)]
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for b in blocks for p in b.parameters())
+    with torch.no_grad():
+        model(x + 0.1 * torch.randn_like(x))  # BN statistics off their init
+        model = model.double().eval()
+        xd = x.double()
+        y = model(xd)
+        deployed = orepa.reparameterize(model)
+        fresh = timm.create_model(name, num_classes=10).double().eval()
+        fresh.load_state_dict(deployed.state_dict(), strict=True)
+        assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
+        tol_close(fresh(xd), y, rel=1e-9)
+        tol_close(orepa.reparameterize(model, fuse_bn=True)(xd), y, rel=1e-9)
+    with pytest.raises(ValueError, match="BatchNormAct2d: a dbb block absorbs the BN after it"):
+        orepa.convert(timm.create_model(name, num_classes=10), "dbb")

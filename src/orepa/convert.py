@@ -123,17 +123,35 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
 
 class _LeafTracer(torch.fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, (ReparamConv2d, AbsorbedNorm)) or super().is_leaf_module(m, qualname)
+        return isinstance(m, (ReparamConv2d, AbsorbedNorm)) or _norm_then_act(m) or super().is_leaf_module(m, qualname)
 
 
 def _is_conv(m: nn.Module) -> bool:
     return type(m) is nn.Conv2d or isinstance(m, ReparamConv2d)
 
 
+#: timm's BatchNorm subclasses whose forward is the batch norm, then ``self.drop``, then ``self.act``
+_TIMM_NORM_ACTS = ("BatchNormAct2d", "SyncBatchNormAct")
+
+
+def _norm_then_act(m: nn.Module) -> bool:
+    """timm's BatchNormAct2d / SyncBatchNormAct (timm's ConvNormAct layers, most of its CNNs):
+    the BN part folds into the conv before it and ``drop`` and ``act`` stay (:func:`_tail`)."""
+    return (type(m).__name__ in _TIMM_NORM_ACTS and type(m).__module__.startswith("timm.")
+            and isinstance(m, BATCH_NORMS) and isinstance(getattr(m, "drop", None), nn.Module)
+            and isinstance(getattr(m, "act", None), nn.Module))
+
+
+def _tail(bn: nn.Module) -> nn.Module:
+    """What stays of a folded BN: nothing for BatchNorm2d / SyncBatchNorm, a timm norm-act's
+    dropout and activation."""
+    return nn.Sequential(bn.drop, bn.act) if _norm_then_act(bn) else nn.Identity()
+
+
 def _is_bn(m: nn.Module) -> bool:
-    """A BatchNorm2d or SyncBatchNorm itself: a subclass may do more than normalise (timm's
-    BatchNormAct2d applies an activation), which folding or absorbing its BN would drop."""
-    return type(m) in BATCH_NORMS
+    """A BatchNorm2d or SyncBatchNorm itself, or a timm norm-act: any other subclass may do more
+    than normalise, which folding or absorbing its BN would drop."""
+    return type(m) in BATCH_NORMS or _norm_then_act(m)
 
 
 def _foldable_bn(bn: nn.Module, conv: nn.Module) -> bool:
@@ -409,6 +427,12 @@ def convert(
         except ValueError as exc:
             report.skipped[conv_name] = str(exc)
             continue
+        bn = model.get_submodule(bn_name)
+        if block.has_norm and _norm_then_act(bn):
+            report.skipped[conv_name] = (f"followed by {bn_name!r}, a {type(bn).__name__}: a {method} block absorbs "
+                                         "the BN after it, and this one's activation has no place to stay "
+                                         "(orepa keeps the BN and converts it)")
+            continue
         if block.has_norm:  # the block brings its own BNs: the one after it is absorbed
             absorbed = AbsorbedNorm(model.get_submodule(bn_name))
             block.absorbed_token = absorbed.token
@@ -468,7 +492,8 @@ def _absorbed_pairing(model: nn.Module, blocks: list[tuple[str, ReparamConv2d]])
 
 @torch.no_grad()
 def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None) -> nn.Module:
-    """Fold every Conv2d -> BatchNorm2d pair (eval statistics) into the conv; the BN becomes Identity."""
+    """Fold every Conv2d -> BatchNorm2d pair (eval statistics) into the conv; the BN becomes Identity
+    (a timm BatchNormAct2d its dropout and activation)."""
     if not inplace:
         model = copy.deepcopy(model)
     pairs, _ = find_conv_bn_pairs(model, example_input)
@@ -483,7 +508,7 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
         fused.weight.copy_(w)
         fused.bias.copy_(b)
         _set_submodule(model, conv_name, fused.train(conv.training))
-        _set_submodule(model, bn_name, nn.Identity())
+        _set_submodule(model, bn_name, _tail(bn))
     return model
 
 
