@@ -153,5 +153,5 @@ def test_timm_cnns_with_norm_act_layers_convert_train_and_deploy_exactly(name):
         assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
         tol_close(fresh(xd), y, rel=1e-9)
         tol_close(orepa.reparameterize(model, fuse_bn=True)(xd), y, rel=1e-9)
-    with pytest.raises(ValueError, match="BatchNormAct2d: a dbb block absorbs the BN after it"):
+    with pytest.raises(ValueError, match="BatchNormAct2d: the dbb block absorbs the BN after it"):
         orepa.convert(timm.create_model(name, num_classes=10), "dbb")

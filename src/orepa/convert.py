@@ -243,9 +243,9 @@ def _followed_by_bn_subclass(model: nn.Module) -> dict[str, str]:
         prefix = f"{parent_name}." if parent_name else ""
         for (cn, c), (bn_name, bn) in zip(children, children[1:]):
             if type(c) is nn.Conv2d and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
-                out[prefix + cn] = (f"followed by {prefix + bn_name!r}, a {type(bn).__name__}: only BatchNorm2d and "
-                                    "SyncBatchNorm themselves are folded or absorbed, since a subclass may do more "
-                                    "than normalise (timm's BatchNormAct2d applies an activation)")
+                out[prefix + cn] = (f"followed by {prefix + bn_name!r}, a {type(bn).__name__}: only BatchNorm2d, "
+                                    "SyncBatchNorm and timm's BatchNormAct2d are folded or absorbed, since another "
+                                    "subclass may do more than normalise")
     return out
 
 
@@ -383,8 +383,9 @@ def convert(
     norm after them (OREPA uses it as the post-addition norm). So are convs a
     block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
     and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d),
-    and convs followed by a BatchNorm2d subclass (it may do more than normalise,
-    as timm's BatchNormAct2d); the report says why for each.
+    and convs followed by a BatchNorm2d subclass, which may do more than normalise
+    (timm's BatchNormAct2d / SyncBatchNormAct are the exception: blocks that keep
+    the BN after them, such as OREPA's, take them); the report says why for each.
 
     The blocks are initialised afresh (the method's initialisation): a conv's
     trained weights are not carried into branches, since a kernel does not
@@ -429,7 +430,7 @@ def convert(
             continue
         bn = model.get_submodule(bn_name)
         if block.has_norm and _norm_then_act(bn):
-            report.skipped[conv_name] = (f"followed by {bn_name!r}, a {type(bn).__name__}: a {method} block absorbs "
+            report.skipped[conv_name] = (f"followed by {bn_name!r}, a {type(bn).__name__}: the {method} block absorbs "
                                          "the BN after it, and this one's activation has no place to stay "
                                          "(orepa keeps the BN and converts it)")
             continue
