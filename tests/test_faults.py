@@ -166,6 +166,13 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     _png_tree(imgs, corrupt=True)
     garbage = tmp_path / "garbage.pth"
     garbage.write_bytes(os.urandom(4096))
+    # a checkpoint changed in the middle after it was written (torch's zip reader checks no CRC: it
+    # evaluated such a file at loss nan, exit 0)
+    damaged = tmp_path / "damaged.pth"
+    data = bytearray(ckpt.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 5000] = os.urandom(5000)
+    damaged.write_bytes(bytes(data))
+    deployed = tmp_path / "deployed.pth"
     new = ["train", *TINY, "--cache-dir", cache]
     cases = [
         (["train", "-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
@@ -184,6 +191,13 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["export", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
         (["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run)], "already holds a run"),
         (["reparam", str(ckpt), "-o", str(ckpt)], "is the input checkpoint"),
+        (["eval", str(damaged)], "fails its CRC check"),
+        (["export", str(damaged)], "fails its CRC check"),
+        # a --json report may not replace the input, the output or any checkpoint
+        (["eval", str(ckpt), "--json", str(ckpt)], "--json " + str(ckpt) + " is the input checkpoint"),
+        (["reparam", str(ckpt), "-o", str(deployed), "--json", str(ckpt)], "is the input checkpoint"),
+        (["reparam", str(ckpt), "-o", str(deployed), "--json", str(deployed)], "is --output"),
+        (["eval", str(rgb), "--json", str(ckpt)], "is a checkpoint (a zip archive), not a report"),
     ]
     before = ckpt.read_bytes()
     for argv, msg in cases:
@@ -191,7 +205,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
-    assert ckpt.read_bytes() == before  # nothing replaced
+    assert ckpt.read_bytes() == before and not deployed.exists()  # nothing replaced, nothing written
     # the same through a real process: exit status 2, one line on stderr
     proc = subprocess.run([sys.executable, "-m", "orepa", "train", "-b", "-4"], env=_env(), capture_output=True,
                           text=True, timeout=120)

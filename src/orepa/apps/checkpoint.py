@@ -168,11 +168,19 @@ def glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
 
 
-def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = False) -> Path:
+def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = False,
+                      not_over: dict[str, str | os.PathLike | None] | None = None, text: bool = False) -> Path:
     """Before any long computation: ``path`` can be written as a file (or, ``directory``, made a
-    directory). A :class:`UserError` naming ``flag`` where it is a directory (a file), or where
-    what would hold it is a file or cannot be written into."""
+    directory). A :class:`UserError` naming ``flag`` where it is a directory (a file), where what
+    would hold it is a file or cannot be written into, where it is one of the files ``not_over``
+    names (``{"the input checkpoint": path, ...}``: the same file by any name), or where a
+    ``text`` output (a JSON report) would replace a checkpoint."""
     path = Path(path)
+    for what, other in (not_over or {}).items():
+        if other is not None and _same_file(path, Path(other)):
+            raise UserError(f"{flag} {path} is {what}; choose another path")
+    if text and path.is_file() and zipfile.is_zipfile(path):
+        raise UserError(f"{flag} {path} is a checkpoint (a zip archive), not a report to replace; choose another path")
     if path.exists() and path.is_dir() != directory:
         raise UserError(f"{flag} {path} is a {'file' if directory else 'directory'}, not a "
                         f"{'directory' if directory else 'file'}")
@@ -184,6 +192,17 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: {parent} is not writable")
     return path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same path once resolved (links, ``..``), or
+    two names of one existing file (hard links)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 @contextmanager
@@ -288,6 +307,22 @@ def _unpickling_error(path: Path, exc: Exception) -> UserError:
     return UserError(f"checkpoint {path} is {_DAMAGED} (it does not unpickle as one)")
 
 
+def _check_crcs(path: Path) -> None:
+    """A zip checkpoint (torch.save's format) whose entries fail their CRC check was changed after
+    it was written: torch's reader does not check, and would hand back damaged tensors (a
+    checkpoint evaluated at loss nan). Reads the file once; other formats pass to torch.load."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
+        return  # not a zip archive (an old torch format), or torn: torch.load says what it finds
+    except zipfile.LargeZipFile:
+        return
+    if bad is not None:
+        raise UserError(f"checkpoint {path} is damaged: its entry {bad} fails its CRC check (the file changed "
+                        "after it was written)")
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """Read a checkpoint with ``weights_only=True`` (no code in the file runs).
 
@@ -303,6 +338,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if _is_torchscript(path):  # torch.load would hand it to torch.jit.load
         raise UserError(f"{path} is a TorchScript archive (a compiled program), not a checkpoint; "
                         "load it with torch.jit.load")
+    _check_crcs(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         info, device = init_distributed(args.device)
         if args.json:
-            check_output_path(args.json, "--json")
+            check_output_path(args.json, "--json", text=True, not_over={"the input checkpoint": args.checkpoint})
         ckpt = load_checkpoint(args.checkpoint)
         data_args_from_checkpoint(args, ckpt)
         data = build_data(args, need_train=False)

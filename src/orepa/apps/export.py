@@ -343,9 +343,8 @@ def run(args: argparse.Namespace) -> int:
     size = args.input_size or input_size_of(ckpt) or 224
     shape = (args.batch_size, cfg["in_chans"], size, size)
     out = Path(args.output or f"{cfg['model']}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
-    ckpt_io.check_output_path(out, "--output")
-    if path and out.resolve() == Path(path).resolve():
-        raise UserError(f"--output {out} is the input checkpoint; export never writes over its input")
+    ckpt_io.check_output_path(out, "--output", not_over={
+        "the input checkpoint (export never writes over its input)": path or None})
     if out.exists() and not args.overwrite and _is_checkpoint(out):
         raise UserError(f"--output {out} holds a checkpoint; pass --overwrite to replace it, or choose another "
                         "--output")

@@ -77,12 +77,11 @@ def verify(model, deployed, loader, device, rtol: float, progress: bool = False)
 
 
 def _check_output(out: Path, args) -> None:
-    check_output_path(out, "--output")
+    check_output_path(out, "--output", not_over={"the input checkpoint (reparam never writes over its input)":
+                                                 args.checkpoint})
     if args.json:
-        check_output_path(args.json, "--json")
-    if out.resolve() == Path(args.checkpoint).resolve():
-        raise UserError(f"--output {out} is the input checkpoint; reparam never writes over its input "
-                        "(choose another --output)")
+        check_output_path(args.json, "--json", text=True,
+                          not_over={"the input checkpoint": args.checkpoint, "--output": out})
     if out.exists() and not args.overwrite:
         try:
             form = load_checkpoint(out).get("form")
