@@ -198,6 +198,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["reparam", str(ckpt), "-o", str(deployed), "--json", str(ckpt)], "is the input checkpoint"),
         (["reparam", str(ckpt), "-o", str(deployed), "--json", str(deployed)], "is --output"),
         (["eval", str(rgb), "--json", str(ckpt)], "is a checkpoint (a zip archive), not a report"),
+        # an atomic write renames over its target: a device node (as root) would be replaced by a file
+        (["reparam", str(ckpt), "-o", os.devnull, "--overwrite"], f"--output {os.devnull} is not a regular file"),
     ]
     before = ckpt.read_bytes()
     for argv, msg in cases:

@@ -230,3 +230,53 @@ def test_train_resume_fine_tunes_an_imported_checkpoint(tmp_path, capsys):
     assert end["model_cfg"] == start["model_cfg"] and end["epoch"] == 1
     w = "layer2.0.conv1.branches.kxk.conv.weight"  # lr 1e-7: the imported weights, barely moved
     assert 0 < (end["model"][w] - start["model"][w]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_checkpoints_import(dtype):
+    """Their fixed filters (avg, frequency prior) are stored rounded to the checkpoint's precision:
+    compared at that precision, not refused as another filter."""
+    sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=15)
+    half = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+    model = orepa.import_reference(half, dtype=torch.float64).eval()
+    rounded = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in half.items()}
+    with torch.no_grad():
+        # the import computes the fixed filters exactly; the evaluator reads them rounded
+        assert rel(model(X), resnet_forward(rounded, X)) < torch.finfo(dtype).eps
+
+
+def test_damaged_tensors_are_refused_naming_the_key(tmp_path, capsys):
+    from orepa.cli import main
+
+    sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=16)
+    nan = dict(sd)
+    nan["stage3.1.conv2.weight_orepa_origin"] = sd["stage3.1.conv2.weight_orepa_origin"].clone()
+    nan["stage3.1.conv2.weight_orepa_origin"][0, 0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"non-finite values \(nan or inf\) in 'stage3.1.conv2.weight_orepa_origin'"):
+        orepa.import_reference(nan)
+    avg = next(k for k in sd if k.endswith("weight_orepa_avg_avg"))
+    ints = {**sd, avg: sd[avg].long()}
+    with pytest.raises(ValueError, match=f"{avg} holds torch.int64 values"):
+        orepa.import_reference(ints)
+    key = "stage1.0.conv1.weight_orepa_origin"
+    flat = {**sd, key: sd[key].flatten()}  # a tensor of the wrong rank
+    torch.save(flat, tmp_path / "flat.pth")
+    capsys.readouterr()
+    assert main(["import-reference", str(tmp_path / "flat.pth"), "-o", str(tmp_path / "out.pth")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has the wrong shape or type" in err[0] and not (tmp_path / "out.pth").exists()
+
+
+def test_train_resume_of_an_import_that_does_not_fit_the_data_is_one_line(tmp_path, capsys):
+    """A 3-channel import fine-tuned on Fashion-MNIST (1 channel): one error line, not a shape
+    error at the first batch."""
+    from orepa.cli import main
+
+    torch.save(make_resnet("orepa", [2, 2, 2, 2], [4, 8, 16, 32], num_classes=10, seed=17), tmp_path / "ref.pth")
+    assert main(["import-reference", str(tmp_path / "ref.pth"), "-o", str(tmp_path / "start.pth")]) == 0
+    capsys.readouterr()
+    rc = main(["train", "--resume", str(tmp_path / "start.pth"), "--epochs", "1", "-b", "4", "--max-steps", "1",
+               "--train-subset", "16", "--val-subset", "8", "--no-progress", "--no-tensorboard",
+               "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "takes 3-channel images but fashion-mnist has 1 channel(s)" in err[0]

@@ -181,6 +181,8 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
             raise UserError(f"{flag} {path} is {what}; choose another path")
     if text and path.is_file() and zipfile.is_zipfile(path):
         raise UserError(f"{flag} {path} is a checkpoint (a zip archive), not a report to replace; choose another path")
+    if path.exists() and not (path.is_file() or path.is_dir()):  # an atomic write would replace a device node
+        raise UserError(f"{flag} {path} is not a regular file (a device, pipe or socket); choose another path")
     if path.exists() and path.is_dir() != directory:
         raise UserError(f"{flag} {path} is a {'file' if directory else 'directory'}, not a "
                         f"{'directory' if directory else 'file'}")

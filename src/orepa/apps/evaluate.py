@@ -23,6 +23,7 @@ from .common import (
     add_model_arguments,
     add_run_arguments,
     apply_threads,
+    check_model_fits_data,
     cleanup_distributed,
     count_params,
     describe_cfg,
@@ -146,12 +147,7 @@ def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Mod
         cfg = model_cfg_from_args(args, num_classes=data.num_classes, in_chans=data.in_chans,
                                   small_input=data.small_input, saved=ckpt.get("model_cfg"))
     model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
-    if cfg["in_chans"] != data.in_chans:
-        raise UserError(f"{args.checkpoint} takes {cfg['in_chans']}-channel images but {data.name} has "
-                        f"{data.in_chans} channel(s); pass the --data-path it was trained on")
-    if cfg["num_classes"] < data.num_classes:
-        raise UserError(f"{args.checkpoint} predicts {cfg['num_classes']} classes but {data.name} has "
-                        f"{data.num_classes}; pass the --data-path it was trained on")
+    check_model_fits_data(cfg, data, args.checkpoint)
     return model, cfg, form
 
 

@@ -68,6 +68,7 @@ from .common import (
     build_model,
     build_model_form,
     capture_cuda_graphs,
+    check_model_fits_data,
     cleanup_distributed,
     count_params,
     default_kernel_builder,
@@ -351,6 +352,8 @@ class Trainer:
         if saved_cfg is not None and saved_cfg != self.cfg:
             raise UserError(f"--resume {args.resume} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(saved_cfg, self.cfg)) + ")")
+        if saved_cfg is not None:  # its settings won over the data's: they must fit the data
+            check_model_fits_data(self.cfg, self.data, f"--resume {args.resume}")
         if args.output_dir is None:
             args.output_dir = f"runs/{self.data.name}-{self.cfg['model']}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
