@@ -334,6 +334,14 @@ def test_a_failed_write_is_one_line_and_keeps_the_previous_file(tmp_path):
     with pytest.raises(UserError, match="cannot write"), ck.atomic_path(tmp_path / "x" / "y.onnx") as tmp:
         raise OSError(errno.EACCES, "Permission denied", str(tmp))
     assert path.read_bytes() == b"previous"
+    # the directories made for a write that failed (an export whose verification failed) go again
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="verification"), ck.atomic_path(tmp_path / "new" / "sub" / "m.onnx"):
+        raise ValueError("verification failed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+    with ck.atomic_path(tmp_path / "kept" / "m.onnx") as tmp:  # a write that succeeds keeps them
+        tmp.write_bytes(b"onnx")
+    assert (tmp_path / "kept" / "m.onnx").read_bytes() == b"onnx"
 
 
 def test_ctrl_c_during_training_is_one_line_with_the_checkpoint_to_resume(cache, tmp_path, capsys, monkeypatch):

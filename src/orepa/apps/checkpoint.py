@@ -211,8 +211,11 @@ def _same_file(a: Path, b: Path) -> bool:
 def _writing(path: Path) -> Iterator[Path]:
     """The temporary file of an atomic write of ``path`` (made beside it, removed unless it became
     ``path``); the file system's refusals (permissions, a full disk, a directory in the way) as a
-    :class:`UserError` naming ``path``. The previous ``path`` is untouched either way."""
+    :class:`UserError` naming ``path``. The previous ``path`` is untouched either way, and the
+    directories made for it are removed again when the write fails."""
     tmp = None
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # deepest first
+    done = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_tmp(path)
@@ -221,6 +224,7 @@ def _writing(path: Path) -> Iterator[Path]:
         yield Path(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+        done = True
     except OSError as exc:
         raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
     except RuntimeError as exc:
@@ -231,6 +235,12 @@ def _writing(path: Path) -> Iterator[Path]:
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+        if not done:
+            for d in made:
+                try:
+                    d.rmdir()  # only while empty
+                except OSError:
+                    break
 
 
 def atomic_write(path: str | os.PathLike, write) -> Path:
