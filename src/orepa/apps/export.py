@@ -55,7 +55,7 @@ from .common import (
 from .common import deploy as deploy_form
 
 __all__ = ["deploy", "export_onnx", "export_torchscript", "load_checkpoint", "check_onnx_request",
-           "onnx_opset_range", "ExportReport", "ExportVerificationError", "add_arguments", "run"]
+           "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError", "add_arguments", "run"]
 
 
 class ExportVerificationError(RuntimeError):
@@ -157,19 +157,28 @@ def check_onnx_request(opset: int, *, dynamo: bool = False, verify: bool = True)
 
 
 @torch.no_grad()
-def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: int = 17, verify: bool = True,
+def default_opset(dynamo: bool = False) -> int:
+    """The opset written when none is asked for: 17 (the TorchScript-based exporter's long-standing
+    default, read by most runtimes), 18 for the dynamo exporter, whose lowest it is (asked for 17,
+    it tries a down-conversion that fails with a logged traceback, then writes 18)."""
+    return 18 if dynamo else 17
+
+
+def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: int | None = None, verify: bool = True,
                 atol: float = 1e-4, dynamic_batch: bool = True, dynamo: bool = False) -> ExportReport:
     """Deploy ``model`` and export it to ONNX at ``path`` (one self-contained file); verify with onnxruntime.
 
     Args:
         input_shape: ``(N, C, H, W)`` of the example input (the batch axis is dynamic
             unless ``dynamic_batch=False``).
-        opset: ONNX opset version (:func:`onnx_opset_range`); the report says the one written,
-            which the dynamo exporter may raise to its lowest (18 in torch 2.5-2.14).
+        opset: ONNX opset version (:func:`onnx_opset_range`; default :func:`default_opset`); the
+            report says the one written, which the dynamo exporter may raise to its lowest (18 in
+            torch 2.5-2.14).
         verify: compare deployed vs training form and onnxruntime vs PyTorch (see module doc).
         atol: the bound is ``atol * (1 + max|y_ref|)`` on the max abs error.
         dynamo: use the torch.export-based exporter (slower); default the TorchScript-based one.
     """
+    opset = default_opset(dynamo) if opset is None else opset
     check_onnx_request(opset, dynamo=dynamo, verify=verify)
     import onnx
 
@@ -303,7 +312,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "28 for Fashion-MNIST; else 224)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=1)
     p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx")
-    p.add_argument("--opset", type=positive_int, default=17)
+    p.add_argument("--opset", type=positive_int, default=None,
+                   help="ONNX opset (default: 17; 18 with --dynamo, that exporter's lowest)")
     p.add_argument("--dynamo", action="store_true", help="ONNX: use the torch.export-based exporter")
     p.add_argument("--atol", type=positive_float, default=1e-4, help="verification bound: atol * (1 + max|y|)")
     p.add_argument("--no-verify", action="store_true")
@@ -320,6 +330,7 @@ def _is_checkpoint(path: Path) -> bool:
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     if args.format == "onnx":  # before the model is loaded: a missing package or a bad --opset fails at once
+        args.opset = default_opset(args.dynamo) if args.opset is None else args.opset
         check_onnx_request(args.opset, dynamo=args.dynamo, verify=not args.no_verify)
     device = init_distributed(args.device)[1]
     path = args.checkpoint or args.checkpoint_opt
