@@ -208,6 +208,18 @@ def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
                      "--json", str(tmp_path / f"{name}.json"), *extra]) == 0
         res[name] = json.loads((tmp_path / f"{name}.json").read_text())
     assert res["train"]["form"] == "train" and res["train"]["acc1"] == pytest.approx(s["val_acc1"])
+    # export --use-ema exports the EMA weights, as reparam --use-ema deploys them
+    from orepa.apps.checkpoint import model_from_checkpoint
+
+    x, exported = torch.randn(2, 1, 28, 28), {}
+    for extra, use_ema in (([], False), (["--use-ema"], True)):
+        ts = tmp_path / f"ema{use_ema}.pt"
+        assert main(["export", str(out / "checkpoint.pth"), "--format", "torchscript", "-o", str(ts), *extra]) == 0
+        ref = model_from_checkpoint(ck, out / "checkpoint.pth", use_ema=use_ema)[0].eval()
+        with torch.no_grad():
+            exported[use_ema] = torch.jit.load(str(ts))(x)
+            assert (exported[use_ema] - ref(x)).abs().max() <= 1e-4 * (1 + ref(x).abs().max())
+    assert (exported[True] - exported[False]).abs().max() > 1e-3  # the EMA weights are other weights
 
     for fused in (False, True):
         dep = tmp_path / ("fused.pth" if fused else "deployed.pth")

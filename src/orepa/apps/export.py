@@ -317,6 +317,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamo", action="store_true", help="ONNX: use the torch.export-based exporter")
     p.add_argument("--atol", type=positive_float, default=1e-4, help="verification bound: atol * (1 + max|y|)")
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--use-ema", action="store_true", help="export the checkpoint's EMA weights (train --model-ema)")
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -343,11 +344,14 @@ def run(args: argparse.Namespace) -> int:
                                 "--in-chans, ... as it was trained) to say what it holds")
             cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False,
                                       saved=ckpt.get("model_cfg"))
-        model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg)
-        print(f"loaded {path} as the {FORM_NAMES[form]} of {describe_cfg(cfg)}")
+        model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
+        print(f"loaded {path}{' (its EMA weights)' if args.use_ema else ''} as the {FORM_NAMES[form]} of "
+              f"{describe_cfg(cfg)}")
     else:
         if args.model is None:
             raise UserError("give a checkpoint, or --model for a randomly initialised zoo model")
+        if args.use_ema:
+            raise UserError("--use-ema needs a checkpoint with EMA weights")
         cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)
         model = build_model(cfg)
         print(f"no checkpoint: exporting a randomly initialised {describe_cfg(cfg)}")
