@@ -187,6 +187,7 @@ def test_lr_schedule_warmup_then_cosine():
 # --------------------------------------------------------------------------- train / eval / reparam
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.load's deprecation (the TorchScript export)
 def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
     out = tmp_path / "run"
     assert _train(cache, out, "--method", "orepa", "--epochs", "2", "--model-ema", "--model-ema-steps", "1") == 0
