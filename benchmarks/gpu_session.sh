@@ -54,6 +54,10 @@ step_times() {
         done
     done
 }
+# phases "builder" and "defaults": their stages share one deadline, $BUDGET_S (default 560 s) from the start,
+# so slack flows to later stages; `left N`: the stage's limit N, or what is left if less
+deadline=$((SECONDS + ${BUDGET_S:-560}))
+left() { local l=$((deadline - SECONDS)); echo $((l < $1 ? l : $1)); }
 pack() { [ -n "${OUT:-}" ] && tar czf "$OUT/$phase.part" -C "$R" . && mv "$OUT/$phase.part" "$OUT/$phase.tgz"; }
 trap pack EXIT
 
@@ -123,10 +127,7 @@ modes)
 builder)
     # the kernel builders side by side, paired with base in one process (orepa:builder=compiled is a variant);
     # the first run compiles ResNet-18's 8 groups, later ones find them in inductor's cache (kernel shapes do
-    # not depend on the batch); ResNet-50 compiles its 20 groups last. Each stage gets at most its own limit
-    # and never more than what is left of $BUDGET_S (default 560 s), so slack flows to the later stages.
-    deadline=$((SECONDS + ${BUDGET_S:-560}))
-    left() { local l=$((deadline - SECONDS)); echo $((l < $1 ? l : $1)); }
+    # not depend on the batch); ResNet-50 compiles its 20 groups last. Each stage: at most its limit, see left().
     cuda_tests "$(left 120)"
     for run in "resnet18 64 140" "resnet18 64 90 --cuda-graphs" "resnet18 8 60" "resnet50 64 150"; do
         set -- $run
@@ -159,8 +160,6 @@ defaults)
     # what `orepa train` runs on CUDA by default (the compiled builder, CUDA graphs, TF32 matmuls) against the
     # eager groups and full-float32 matmuls, paired with base (which gets the same matmul setting); then the
     # accuracy check of the default mode against eager steps (as "steps"). Limits sum to ~9 min.
-    deadline=$((SECONDS + ${BUDGET_S:-560}))
-    left() { local l=$((deadline - SECONDS)); echo $((l < $1 ? l : $1)); }
     for run in "resnet18 64 150 --cuda-graphs --tf32-matmul" "resnet18 64 70 --tf32-matmul" \
                "resnet50 64 170 --cuda-graphs --tf32-matmul" "resnet18 8 50 --cuda-graphs --tf32-matmul"; do
         set -- $run

@@ -326,10 +326,8 @@ def _check_crcs(path: Path) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError):
         return  # not a zip archive (an old torch format), or torn: torch.load says what it finds
-    except zipfile.LargeZipFile:
-        return
     if bad is not None:
         raise UserError(f"checkpoint {path} is damaged: its entry {bad} fails its CRC check (the file changed "
                         "after it was written)")
