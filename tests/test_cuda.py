@@ -108,9 +108,11 @@ def test_a_capture_that_finds_the_storage_moved_reads_the_parameters_at_replay()
         torch.testing.assert_close(y, ref(x), rtol=1e-9, atol=1e-9)
 
 
-def test_the_inductor_kernel_builder_equals_the_eager_groups_and_replays_under_capture():
+@pytest.mark.parametrize("pack", [False, True])
+def test_the_inductor_kernel_builder_equals_the_eager_groups_and_replays_under_capture(pack):
     """--kernel-builder compiled on the GPU (Triton): the same outputs and gradients as the eager
-    groups, eager and replayed as CUDA graphs (the compiled code runs inside the capture)."""
+    groups, eager and replayed as CUDA graphs (the compiled code runs inside the capture); with
+    packed parameters (train's default on CUDA) too."""
     import copy
 
     from torch import nn
@@ -122,8 +124,8 @@ def test_the_inductor_kernel_builder_equals_the_eager_groups_and_replays_under_c
         net = nn.Sequential(OREPAConv2d(16, 16, 3, padding=1), nn.ReLU(), OREPAConv2d(16, 16, 3, padding=1),
                             nn.ReLU(), OREPAConv2d(16, 32, 3, padding=1, groups=2)).cuda().double()
         ref = copy.deepcopy(net)
-        engine.group_kernels(net, "compiled")
-        engine.group_kernels(ref, "grouped")
+        engine.group_kernels(net, "compiled", pack=pack)
+        engine.group_kernels(ref, "grouped", pack=pack)
         x = torch.randn(2, 16, 8, 8, device="cuda", dtype=torch.float64)
 
         def grads(model):

@@ -489,3 +489,126 @@ def test_a_failed_compilation_warns_and_the_group_builds_eagerly(monkeypatch):
     for k in g0:
         torch.testing.assert_close(g[k], g0[k], rtol=1e-9, atol=1e-12, msg=k)
     assert all(g._compile_failed for g in engine.kernel_groups(b) if g._storage is not None)
+
+
+# --------------------------------------------------------------------------- packed parameters
+
+
+def _packed_pair(name="resnet18", policy="grouped"):
+    """The same model grouped with ``policy``, unpacked and packed (float64)."""
+    torch.manual_seed(0)
+    plain = orepa.create_model(name, "orepa", num_classes=10, width_mult=0.125).double()
+    packed = copy.deepcopy(plain)
+    engine.group_kernels(plain, policy)
+    engine.group_kernels(packed, policy, pack=True)
+    return plain, packed
+
+
+def _train(model, x, steps=3):
+    from orepa.apps.common import make_sgd, split_params
+
+    opt = make_sgd(split_params(model).torch_groups(1e-2, 1e-3), lr=0.05, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        y = model(x)
+        (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)).square().sum().backward()
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("name,policy", [("resnet18", "grouped"), ("resnet50", "grouped"), ("resnet18", "auto"),
+                                         pytest.param("resnet50", "compiled", marks=pytest.mark.slow)])
+def test_packed_groups_train_exactly_as_unpacked_ones_with_fewer_parameter_tensors(name, policy):
+    """Packing changes where the numbers live, not the numbers: the same state_dict keys and values
+    before and after training steps with weight decay by role (auto on a CPU: every block its own
+    route, reading its rows of the packed parameters), the same number of parameters in far fewer
+    tensors."""
+    plain, packed = _packed_pair(name, policy)
+    n_plain, n_packed = len(list(plain.parameters())), len(list(packed.parameters()))
+    assert n_packed < 0.45 * n_plain, (n_plain, n_packed)
+    assert sum(p.numel() for p in packed.parameters()) == sum(p.numel() for p in plain.parameters())
+    sd0, sd1 = plain.state_dict(), packed.state_dict()
+    assert list(sd1) == list(sd0) and all(torch.equal(sd1[k], sd0[k]) for k in sd0)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    _train(plain, x)
+    _train(packed, x)
+    sd0, sd1 = plain.state_dict(), packed.state_dict()
+    assert list(sd1) == list(sd0)
+    for k in sd0:
+        torch.testing.assert_close(sd1[k], sd0[k], rtol=1e-12, atol=1e-12, msg=k)
+    # and it trained: the weight-decay groups hold the same tensors' numbers
+    from orepa.apps.common import split_params
+    for role in ("decay", "no_decay", "scales"):
+        assert sum(p.numel() for p in getattr(split_params(packed), role)) == \
+            sum(p.numel() for p in getattr(split_params(plain), role)), role
+
+
+def test_a_packed_model_loads_copies_moves_and_deploys_as_an_unpacked_one():
+    plain, packed = _packed_pair()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    _train(plain, x, steps=1)
+    # a checkpoint of the unpacked model loads strictly into the packed one, and back
+    packed.load_state_dict(plain.state_dict())
+    assert all(torch.equal(packed.state_dict()[k], v) for k, v in plain.state_dict().items())
+    key = next(k for k in plain.state_dict() if k.endswith("branches.kxk.conv.weight"))
+    bad = dict(plain.state_dict())
+    del bad[key]
+    with pytest.raises(RuntimeError, match=f"Missing key\\(s\\) in state_dict: \"{key}\""):
+        packed.load_state_dict(bad)
+    bad[key] = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=f"size mismatch for {key}"):
+        packed.load_state_dict(bad)
+    bad[key + "_extra"] = torch.zeros(3)
+    del bad[key]
+    assert packed.load_state_dict(bad, strict=False).missing_keys == [key]
+    packed.load_state_dict(plain.state_dict())
+    # copies (EMA, deployment) and moves keep the packed layout consistent
+    twin = copy.deepcopy(packed)._apply(lambda t: t.clone())  # new memory for every tensor, as a device move
+    y0, g0 = _grads(plain, x)
+    for m in (packed, twin):
+        y1, _ = _grads(m, x)
+        torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
+        grads = {n: p.grad for n, p in m.named_parameters()}
+        assert all(n in grads and grads[n] is not None for n, p in m.named_parameters())
+    blk = next(m for m in twin.modules() if getattr(m, "packed_parameters", None) is not None)
+    assert blk.branches["kxk"].conv.weight.untyped_storage().data_ptr() == \
+        blk.packed_parameters.kxk_0.untyped_storage().data_ptr()
+    deployed = [orepa.reparameterize(m).eval() for m in (plain, packed)]
+    torch.testing.assert_close(deployed[1](x), deployed[0](x), rtol=1e-12, atol=1e-12)
+    assert deployed[0].state_dict().keys() == deployed[1].state_dict().keys()
+
+
+def test_regrouping_unpacks_and_per_block_parameters_train_again():
+    plain, packed = _packed_pair()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    _train(plain, x, steps=1)
+    _train(packed, x, steps=1)
+    engine.group_kernels(packed, "grouped")  # no pack: back to one parameter per step
+    assert len(list(packed.parameters())) == len(list(plain.parameters()))
+    assert not any(isinstance(m, engine.PackedParameters) for m in packed.modules())
+    assert [n for n, _ in packed.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    _train(plain, x, steps=2)
+    _train(packed, x, steps=2)
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(packed.state_dict()[k], v, rtol=1e-12, atol=1e-12, msg=k)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_blocks_of_a_packed_group_give_the_per_block_gradients(reentrant):
+    """In a checkpointed region each block builds its own kernel from its rows of the packed
+    parameters: the gradients reach the packed parameters all the same."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[OREPAConv2d(4, 4, 3) for _ in range(3)]).double()
+    ref = copy.deepcopy(net)
+    engine.group_kernels(net, "grouped", pack=True)
+    engine.group_kernels(ref, "per-block")
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64, requires_grad=True)
+    for m in (net, ref):
+        checkpoint(lambda t, m=m: m[2](m[1](t)), m[0](x), use_reentrant=reentrant).sum().backward()
+    for name, p in net[0].packed_parameters.named_parameters():
+        rows = sorted((st._packed.lo, dict(ref.named_modules())[n].weight.grad) for n, st in net.named_modules()
+                      if st.__dict__.get("_packed") is not None and st._packed.name == name)
+        want = torch.cat([g.reshape(-1, *p.shape[1:]) for _, g in rows])  # each step's rows, in order
+        torch.testing.assert_close(p.grad, want, msg=name)

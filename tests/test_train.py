@@ -268,6 +268,33 @@ def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
     assert [h["train_loss"] for h in ca["history"]] == pytest.approx([h["train_loss"] for h in cb["history"]])
 
 
+def test_packed_parameters_train_as_unpacked_ones_and_resume_in_their_layout(cache, tmp_path, capsys):
+    """Grouped on a CPU packs by default (as on a GPU): the same weights as an unpacked run, the
+    same checkpoint keys; the optimizer state is the packed parameters', so a resume keeps the
+    layout, refuses another with a hint, and a checkpoint from before packing resumes unpacked."""
+    args = ("--method", "orepa", "--epochs", "1", "--no-eval", "--kernel-builder", "grouped", "--max-steps", "3")
+    assert _train(cache, tmp_path / "packed", *args) == 0
+    assert _train(cache, tmp_path / "plain", *args, "--no-pack-parameters") == 0
+    packed, plain = _load(tmp_path / "packed" / "checkpoint.pth"), _load(tmp_path / "plain" / "checkpoint.pth")
+    assert packed["args"]["pack_parameters"] is True and plain["args"]["pack_parameters"] is False
+    assert list(packed["model"]) == list(plain["model"])
+    for k, v in plain["model"].items():
+        torch.testing.assert_close(packed["model"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert len(packed["optimizer"]["state"]) < len(plain["optimizer"]["state"])
+    ckpt = tmp_path / "packed" / "checkpoint.pth"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--no-pack-parameters", "--max-steps", "4", "--no-progress"]) == 2
+    assert "it was saved with packed parameters: resume with --pack-parameters" in capsys.readouterr().err
+    assert main(["train", "--resume", str(ckpt), "--max-steps", "4", "--no-progress", "--quiet"]) == 0
+    assert _load(ckpt)["global_step"] == 4
+    old = tmp_path / "plain" / "checkpoint.pth"  # as written before packing existed: no such setting
+    ck = _load(old)
+    del ck["args"]["pack_parameters"]
+    torch.save(ck, old)
+    assert main(["train", "--resume", str(old), "--max-steps", "4", "--no-progress", "--quiet"]) == 0
+    assert _load(old)["args"]["pack_parameters"] is False
+
+
 def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     """--resume alone keeps the run's settings and directory; a given --lr / --epochs / --wd replaces
     the saved one and rescales the schedule from the current step; what cannot apply is refused."""
@@ -454,9 +481,9 @@ def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_
     spy groups them eagerly, so that "compiled" costs no compilation on a CPU)."""
     seen = []
 
-    def spy(model, policy):
+    def spy(model, policy, pack):
         seen.append(policy)
-        return real(model, "grouped")
+        return real(model, "grouped", pack)
 
     real = train.group_kernels
     monkeypatch.setattr(train, "group_kernels", spy)

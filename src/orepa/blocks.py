@@ -159,7 +159,50 @@ def check_conv_config(
 # --------------------------------------------------------------------------- steps
 
 
-class ConvStep(nn.Module):
+class PackableWeight:
+    """A learnable step whose ``weight`` a kernel group may pack (:meth:`orepa.engine.KernelGroup.pack`):
+    it is then its rows of the group's parameter, a view read at every access, and the step still
+    saves and loads it under its own state_dict key (checkpoints do not depend on packing)."""
+
+    def __getattr__(self, name: str):
+        if name == "weight" and "weight" not in self.__dict__["_parameters"]:
+            slot = self.__dict__.get("_packed")
+            if slot is not None:
+                return slot.view()
+        return super().__getattr__(name)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        slot = self.__dict__.get("_packed")
+        if slot is not None and "weight" not in self._parameters:
+            w = slot.view()
+            destination[prefix + "weight"] = w if keep_vars else w.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        slot = self.__dict__.get("_packed")
+        if slot is None or "weight" in self._parameters:
+            return
+        key = prefix + "weight"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            if strict:
+                missing_keys.append(key)
+            return
+        value, w = state_dict[key], slot.view()
+        if not isinstance(value, Tensor) or value.shape != w.shape:
+            error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                              f"{getattr(value, 'shape', type(value).__name__)} from checkpoint, the shape in "
+                              f"current model is {w.shape}.")
+            return
+        with torch.no_grad():
+            w.copy_(value)
+
+
+class ConvStep(PackableWeight, nn.Module):
     """A learnable convolution inside a branch (no bias, no padding of its own).
 
     ``init``: ``"kaiming"`` (``kaiming_uniform_`` with negative slope ``a``; nn.Conv2d's
@@ -245,7 +288,7 @@ class FixedKernelStep(nn.Module):
         return f"{self.kind}, channels={self.out_channels}, k={self.kernel_size}"
 
 
-class Scale(nn.Module):
+class Scale(PackableWeight, nn.Module):
     """Linear scaling layer of block linearization: a learnable vector or scalar."""
 
     def __init__(self, channels: int, init: float = 1.0, mode: str = "vector"):

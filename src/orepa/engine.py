@@ -44,8 +44,9 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["POLICIES", "CompiledBuild", "KernelGroup", "Plan", "choose_route", "functorch_active", "group_kernels",
-           "kernel_groups", "needs_recompute", "plan_of", "route", "squeeze", "train_forward", "train_kernel"]
+__all__ = ["POLICIES", "CompiledBuild", "KernelGroup", "PackedParameters", "Plan", "builds_together", "choose_route",
+           "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "route", "squeeze",
+           "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -83,14 +84,25 @@ def _learnable(step: nn.Module) -> bool:
     """Whether a step's weight is a parameter slot (a conv) rather than a buffer (a fixed filter). By
     the slot, not the tensor's class: under ``torch.func.functional_call`` (or FSDP) the slot holds a
     plain tensor, and a plan made then is kept for the block's life (a class test marked its convs
-    fixed for good: they never trained again)."""
-    return "weight" in step._parameters
+    fixed for good: they never trained again). A packed step's weight is rows of a parameter."""
+    return "weight" in step._parameters or step.__dict__.get("_packed") is not None
 
 
 def _weight(step: nn.Module) -> Tensor:
     # straight from the module's dicts: the generic attribute lookup is a visible share of host time
     w = step._parameters.get("weight")
-    return step._buffers["weight"] if w is None else w
+    if w is None:
+        w = step._buffers.get("weight")
+    return step.weight if w is None else w  # a packed step's rows
+
+
+def _slot(step: nn.Module, learnable: bool) -> tuple:
+    """(mapping, key) holding a step's weight: its parameter or buffer dict, or its packed slot."""
+    if not learnable:
+        return step._buffers, "weight"
+    if "weight" in step._parameters:
+        return step._parameters, "weight"
+    return step.__dict__["_packed"], "weight"
 
 
 class _Branch(NamedTuple):
@@ -117,11 +129,49 @@ class Family(NamedTuple):
 class Storage(NamedTuple):
     """A group's operands made once (:meth:`KernelGroup._stacked`): per role (:meth:`Plan.tensors_of`)
     the blocks' tensors concatenated along dim 0, which they are views of, and the filter family;
-    ``operands``: the roles as :meth:`Plan.operands` hands them to the squeeze."""
+    ``operands``: the roles as :meth:`Plan.operands` hands them to the squeeze. ``packed``: its
+    learnable roles are the group's packed parameters (:meth:`KernelGroup.pack`), so the squeeze's
+    gradients are theirs, one per packed parameter, not one per block and role."""
 
     roles: list[Tensor]
     family: Family | None
     operands: list[tuple[list[Operand], Tensor | None]]
+    packed: bool = False
+
+
+class PackedSlot:
+    """Where a packed step's weight lives: rows ``[lo, lo + size)`` of the packed parameter
+    ``name`` of ``holder`` (see :meth:`KernelGroup.pack`). Read through the holder, so it follows
+    ``.to()``, copies and pickles of the model; a :class:`Plan` reads it as it reads a module's
+    tensor dict (``slot["weight"]``)."""
+
+    def __init__(self, holder: nn.Module, name: str, lo: int, size: int):
+        self.holder, self.name, self.lo, self.size = holder, name, lo, size
+
+    def view(self) -> Tensor:
+        return self.holder._parameters[self.name].narrow(0, self.lo, self.size)
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self.view()
+
+
+class PackedParameters(nn.Module):
+    """A group's learnable operands as one parameter per role (:meth:`KernelGroup.pack`), the
+    child ``packed_parameters`` of the group's first block. No state_dict keys of its own: every
+    step still saves and loads its rows under its own key (see ``orepa.blocks.PackableWeight``).
+    ``kinds``: per parameter, ``"scale"`` (branch scaling vectors) or ``"weight"`` (conv kernels),
+    for weight-decay grouping by role."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds: dict[str, str] = {}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        return
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        return
 
 
 class Plan:
@@ -186,7 +236,7 @@ class Plan:
     def ref(self) -> Tensor:
         """A parameter of the first block: where (device) and how (dtype) the plan computes."""
         d, k = self._param_slots[0][0]
-        return d[k]
+        return d.holder._parameters[d.name] if isinstance(d, PackedSlot) else d[k]  # no view op per call
 
     def versions(self, b: int) -> tuple:
         """Version counters of block ``b``'s parameters (they change with every in-place update)."""
@@ -204,13 +254,14 @@ class Plan:
         self.learnable_roles = tuple(r for br in self.branches
                                      for r in (*br.learnable, *((True,) if br.scales is not None else ())))
         self._slots, self._param_slots = [], []
+        # per role, its module in every block (what KernelGroup.pack re-points)
+        self.role_modules = [mods for br in self.branches for mods in (*br.steps, *((br.scales,) if br.scales else ()))]
         for b in range(self.n):
             slots = []
             for br in self.branches:
-                slots.extend((st[b]._parameters if learnable else st[b]._buffers, "weight")
-                             for st, learnable in zip(br.steps, br.learnable))
+                slots.extend(_slot(st[b], learnable) for st, learnable in zip(br.steps, br.learnable))
                 if br.scales is not None:
-                    slots.append((br.scales[b]._parameters, "weight"))
+                    slots.append(_slot(br.scales[b], True))
             self._slots.append(slots)
             self._param_slots.append([slot for slot, p in zip(slots, self.learnable_roles) if p])
 
@@ -231,8 +282,7 @@ class Plan:
                 if roles is not None:
                     s = next(roles)
                 else:
-                    s = br.scales[0]._parameters["weight"] if one else torch.cat(
-                        [m._parameters["weight"] for m in br.scales])
+                    s = _weight(br.scales[0]) if one else torch.cat([_weight(m) for m in br.scales])
             out.append(([Operand(*a) for a in zip(ts, br.groups, br.learnable, br.shared)], s))
         return out
 
@@ -286,27 +336,38 @@ class Plan:
         ops = stacked.operands if stacked is not None else self.operands()
         n = self.n
         family = stacked.family if stacked is not None else None
-        members = iter(_family_vjp(family, grad, self.traced) if family is not None else ())
+        d_family = _family_vjp(family, grad, self.traced) if family is not None else None
+        members = iter(zip(d_family[0].unbind(0), d_family[1].unbind(0)) if family is not None else ())
+        packed = stacked is not None and stacked.packed
         per_branch = []
         for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
             if family is not None and i in self._family_branches:
-                grads = next(members)
+                if packed:  # the family's gradients come last, whole
+                    continue
+                d_w, d_s = next(members)
+                grads = [d_w.view(*d_w.shape, 1, 1), d_s]
             else:
                 grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound, self.traced)
             # learnable operands in the branch's parameters() order: its conv steps, then its scale
-            per_branch.append([(g.split(g.shape[0] // n) if n > 1 else (g,)) for g in grads if g is not None])
+            per_branch.append([g if packed else (g.split(g.shape[0] // n) if n > 1 else (g,))
+                               for g in grads if g is not None])
+        if packed:  # one gradient per packed parameter, in KernelGroup.pack's order
+            out = [g for gs in per_branch for g in gs]
+            if family is not None:
+                d_w, d_s = d_family
+                out += [d_w.view(-1, *d_w.shape[2:], 1, 1), d_s.view(-1)]
+            return out
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
 
 
-def _family_vjp(family: Family, grad: Tensor, traced: bool = False) -> list[list[Tensor]]:
-    """Per family member, the gradients of its 1x1 weight and its scale (``traced``: see :class:`Plan`)."""
+def _family_vjp(family: Family, grad: Tensor, traced: bool = False) -> tuple[Tensor, Tensor]:
+    """The gradients of the family's 1x1 weights ``[J, rows, w]`` and scales ``[J, rows]``, member
+    j's at index j (``traced``: see :class:`Plan`)."""
     rows, width = grad.shape[:2]
     d = K.batched_product(grad.reshape(rows, width, -1), family.filters.transpose(1, 2), traced)
     d = d.permute(2, 0, 1)  # [J, rows, w]
     # the weights' gradients made contiguous (autograd then takes them as they are, without a copy)
-    d_w = K.mul_contiguous(d, family.scales, traced)
-    d_s = (d * family.weights).sum(-1)
-    return [list(pair) for pair in zip(d_w.view(*d_w.shape, 1, 1).unbind(0), d_s.unbind(0))]
+    return K.mul_contiguous(d, family.scales, traced), (d * family.weights).sum(-1)
 
 
 def _fresh_kernel(ks: list[Operand], s: Tensor | None) -> Tensor:
@@ -623,6 +684,9 @@ class KernelGroup:
         self._compiled: dict[tuple, CompiledBuild] = {}
         self._compiled_for: tuple[Storage, CompiledBuild] | None = None
         self._compile_failed = False
+        # pack(): the group's learnable operands as one parameter per role, and per role its name there
+        self.packed: PackedParameters | None = None
+        self._packed_roles: dict[int, str] = {}
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
@@ -640,16 +704,14 @@ class KernelGroup:
 
     def active(self, ref: Tensor) -> bool:
         """Whether blocks on ``ref``'s device build their kernels here (training forwards only)."""
-        if self.policy == "per-block" or torch.compiler.is_compiling():
-            return False
-        return self.policy in ("grouped", "compiled") or _launch_bound(ref)
+        return not torch.compiler.is_compiling() and builds_together(self.policy, ref.device)
 
     def kernel_of(self, block: nn.Module) -> Tensor:
         i = self._index[id(block)]
         entry = self._pending.pop(i, None)
         # still valid: the parameters unchanged and the build's graph not yet through a backward
         # (blocks skipped in one step and run in the next, gradients accumulated in between)
-        if entry is not None and entry[0] == self.plan.versions(i) and not getattr(entry[1].grad_fn, "spent", False):
+        if entry is not None and entry[0] == self._versions(i) and not getattr(entry[1].grad_fn, "spent", False):
             return entry[1]
         self._build()
         for group in self.peers:
@@ -663,7 +725,16 @@ class KernelGroup:
         self.prebuild = False
         self._pending = {}
 
+    def _versions(self, i: int) -> tuple:
+        """Version counters of what block ``i``'s kernel is built from (its group's, when packed)."""
+        if self.packed is not None:
+            return tuple(map(_version, self.packed._parameters.values()))
+        return self.plan.versions(i)
+
     def _build(self) -> None:
+        if self.packed is not None:
+            self._build_packed()
+            return
         plan = self.plan
         tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]  # block-major, every role
         params = [t for t, learnable in zip(tensors, itertools.cycle(plan.learnable_roles)) if learnable]
@@ -680,6 +751,159 @@ class KernelGroup:
         m = len(params) // plan.n  # params are block-major: block j's are params[j*m:(j+1)*m]
         self._pending = {j: (tuple(map(_version, params[j * m:(j + 1) * m])), w) for j, w in enumerate(kernels)}
 
+    def _build_packed(self) -> None:
+        plan, leaves = self.plan, list(self.packed._parameters.values())
+        stacked = self._storage
+        if stacked is None or not self._holds([*leaves, *self._fixed_tensors()]):
+            stacked = self._packed_storage()
+        builder = plan if self.policy != "compiled" else self._compiled_build(stacked)
+        kernels = SqueezeFunction.apply(builder, stacked, *leaves)
+        kernels = (kernels,) if plan.n == 1 else kernels
+        versions = tuple(map(_version, leaves))
+        self._pending = {j: (versions, w) for j, w in enumerate(kernels)}
+
+    def _fixed_tensors(self) -> list[Tensor]:
+        """The blocks' fixed kernels (buffers), block-major: what a packed group does not pack."""
+        plan = self.plan
+        fixed = [r for r, learnable in enumerate(plan.learnable_roles) if not learnable]
+        return [d[k] for b in range(plan.n) for d, k in (plan._slots[b][r] for r in fixed)]
+
+    def pack(self) -> bool:
+        """Make the group's learnable operands one ``nn.Parameter`` per role (the blocks' tensors of
+        that role concatenated along dim 0; the filter family's 1x1 weights and scales one each), held
+        by the child ``packed_parameters`` of the group's first block. Each step's ``weight`` is then
+        its rows of it (``orepa.blocks.PackableWeight``), read and written as before (state_dict keys,
+        ``reparameterize``, deployment and every per-block route are unchanged).
+
+        Why: autograd, the optimizer and ``zero_grad`` pay per parameter tensor, and an eager GPU step
+        is bound by that host time; ResNet-18's online blocks hold 249 parameters more than its convs,
+        packed they hold a few per group. The optimizer must be made after packing (it holds the
+        parameters it was given). Returns whether the group packed: a group of one block without a
+        filter family has nothing to pack, and tensors on several devices or dtypes, or that the
+        blocks do not own (``functional_call``, FSDP), stay as they are."""
+        plan = self.plan
+        if self.packed is not None:
+            return True
+        if plan.n == 1 and not plan.family:
+            return False
+        tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]
+        ref = tensors[0]
+        if not all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
+            return False
+        stacked = self._stacked(tensors)  # the blocks' tensors become views of one storage per role
+        if stacked is None:
+            return False
+        holder, names, taken = PackedParameters(), {}, set()
+        in_family = {r for w, _, s_ in plan.family for r in (w, s_)}
+        role = 0
+        for br in plan.branches:
+            for j, learnable in enumerate((*br.learnable, *((True,) if br.scales is not None else ()))):
+                if learnable and role not in in_family:
+                    names[role] = f"{br.name}_{'scale' if j == len(br.steps) else j}"
+                role += 1
+        for r, name in names.items():
+            raw = stacked.roles[r]
+            raw = raw.view(-1) if plan.role_modules[r][0]._parameters["weight"].dim() == 1 else raw
+            holder.register_parameter(name, nn.Parameter(raw, plan.role_modules[r][0].weight.requires_grad))
+            holder.kinds[name] = _kind(plan.role_modules[r][0])
+            taken.add(r)
+        if stacked.family is not None:
+            fam = stacked.family
+            w_mod = plan.role_modules[plan.family[0][0]][0]
+            s_mod = plan.role_modules[plan.family[0][2]][0]
+            weights = fam.weights.reshape(-1, fam.weights.shape[-1], 1, 1)
+            holder.register_parameter("family_weights", nn.Parameter(weights, w_mod.weight.requires_grad))
+            holder.register_parameter("family_scales", nn.Parameter(fam.scales.reshape(-1), s_mod.weight.requires_grad))
+            holder.kinds.update(family_weights=_kind(w_mod), family_scales=_kind(s_mod))
+        # every step of a packed role reads its rows from now on
+        rows = {r: (name, 0) for r, name in names.items()}
+        for j, (w_role, _, s_role) in enumerate(plan.family):
+            size = plan.role_modules[w_role][0]._parameters["weight"].shape[0] * plan.n
+            rows[w_role], rows[s_role] = ("family_weights", j * size), ("family_scales", j * size)
+        for r, (name, start) in rows.items():
+            for b, mod in enumerate(plan.role_modules[r]):
+                size = mod._parameters["weight"].shape[0]
+                del mod._parameters["weight"]
+                mod._packed = PackedSlot(holder, name, start + b * size, size)
+        self.blocks[0].packed_parameters = holder
+        self.packed, self._packed_roles = holder, names
+        self._replan()
+        self._packed_storage()
+        return True
+
+    def unpack(self) -> None:
+        """Undo :meth:`pack`: every step holds its own ``nn.Parameter`` again (views of the packed
+        values; a new optimizer is needed, as after packing)."""
+        if self.packed is None:
+            return
+        for mods in self.plan.role_modules:
+            for mod in mods:
+                slot = mod.__dict__.pop("_packed", None)
+                if slot is not None:
+                    leaf = slot.holder._parameters[slot.name]
+                    mod._parameters["weight"] = nn.Parameter(slot.view().detach(), leaf.requires_grad)
+        del self.blocks[0]._modules["packed_parameters"]
+        self.packed, self._packed_roles = None, {}
+        self._replan()
+        self._storage = None
+
+    def _replan(self) -> None:
+        """New plans after the steps' weights moved (plans hold where each tensor lives)."""
+        self.plan = Plan(self.blocks, self.names, launch_bound=True)
+        for b in self.blocks:
+            b._plans.clear()
+        self._pending, self._compiled, self._compiled_for = {}, {}, None
+
+    def _packed_storage(self) -> Storage:
+        """The storage of a packed group: its packed parameters as they are (no copy), the fixed
+        kernels concatenated (their buffers re-pointed into it, outside a CUDA graph capture)."""
+        plan, leaves = self.plan, self.packed._parameters
+        roles: list[Tensor | None] = [None] * len(plan.learnable_roles)
+        for r, name in self._packed_roles.items():
+            roles[r] = leaves[name].detach()
+        family_wts = None
+        if plan.family:
+            j = len(plan.family)
+            w, s_ = leaves["family_weights"].detach(), leaves["family_scales"].detach()
+            family_wts = (w.view(j, -1, *w.shape[1:]), s_.view(j, -1))
+            for i, (w_role, _, s_role) in enumerate(plan.family):
+                roles[w_role], roles[s_role] = family_wts[0][i], family_wts[1][i]
+        fixed = self._fixed_tensors()
+        # inside a CUDA graph capture: made for this build only (its tensors are the graph's)
+        capturing = bool(fixed) and fixed[0].is_cuda and torch.cuda.is_current_stream_capturing()
+        per_block = len(fixed) // plan.n
+        with torch.no_grad():
+            for k, r in enumerate(r for r, role in enumerate(roles) if role is None):
+                roles[r] = _concat(fixed[k::per_block], not capturing)
+        storage = self._finish_storage(roles, family_wts, packed=True)
+        if not capturing:
+            self._storage = storage
+            self._addresses = tuple(t.data_ptr() for t in [*leaves.values(), *self._fixed_tensors()])
+        return storage
+
+    def _finish_storage(self, raw: list[Tensor], family_wts: tuple[Tensor, Tensor] | None,
+                        packed: bool = False) -> Storage:
+        """A :class:`Storage` from its roles' concatenations: the family's fixed filters built and
+        the scales kept as ``[B * C_out, 1, 1, 1]`` views (they broadcast over kernels with no view
+        op per use)."""
+        plan = self.plan
+        family = None
+        if family_wts is not None:
+            weights, scales = family_wts
+            j, rows, k = weights.shape[0], weights.shape[1], plan.kernel_shape[-1]
+            with torch.no_grad():
+                filters = weights.new_zeros(rows, j, k, k)
+                for i, (_, f_role, _) in enumerate(plan.family):
+                    if f_role is None:  # a bare 1x1: the centre tap
+                        filters[:, i, k // 2, k // 2] = 1
+                    else:
+                        e = raw[f_role].shape[-1]
+                        lo = (k - e) // 2
+                        filters[:, i, lo:lo + e, lo:lo + e] = raw[f_role][:, 0]
+            family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, k * k))
+        roles = [K.channel_column(s) if s.dim() == 1 else s for s in raw]
+        return Storage(roles, family, plan.operands(roles), packed)
+
     def _compiled_build(self, stacked: Storage) -> Plan | CompiledBuild:
         """The compiled construction for this storage's layout (compiled at its first use); the
         plan itself, with one warning, where compiling fails (e.g. no C++ compiler or Triton)."""
@@ -688,7 +912,7 @@ class KernelGroup:
         if self._compile_failed:
             return self.plan
         inputs = CompiledBuild.inputs(stacked)
-        key = tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs)
+        key = (stacked.packed, *((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs))
         try:
             build = memo(self._compiled, key, lambda: CompiledBuild(self.plan, stacked))
         except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager construction
@@ -737,35 +961,27 @@ class KernelGroup:
                 weights, scales = w0.new_empty(j, rows, *w0.shape[1:]), w0.new_empty(j, rows)
                 for i, (w_role, _, s_role) in enumerate(plan.family):
                     placed[w_role], placed[s_role] = weights[i], scales[i]
-            storage = []
-            for r, ts in enumerate(per_role):
-                if r in placed:
-                    stack = torch.cat([t.detach() for t in ts], out=placed[r])
-                elif n == 1:  # one block: its own tensors are the storage
-                    stack = ts[0].detach()
-                else:
-                    stack = torch.cat([t.detach() for t in ts])
-                if n > 1 or r in placed:
-                    for t, view in zip(ts, stack.split(ts[0].shape[0])):
-                        t.data = view
-                storage.append(stack)
-            family = None
-            if plan.family:
-                k = plan.kernel_shape[-1]
-                filters = w0.new_zeros(rows, j, k, k)
-                for i, (_, f_role, _) in enumerate(plan.family):
-                    if f_role is None:  # a bare 1x1: the centre tap
-                        filters[:, i, k // 2, k // 2] = 1
-                    else:
-                        e = storage[f_role].shape[-1]
-                        lo = (k - e) // 2
-                        filters[:, i, lo:lo + e, lo:lo + e] = storage[f_role][:, 0]
-                family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, k * k))
-        # scales kept as [B * C_out, 1, 1, 1] views: they broadcast over kernels with no view op per use
-        roles = [K.channel_column(s) if s.dim() == 1 else s for s in storage]
-        self._storage = Storage(roles, family, plan.operands(roles))
+            storage = [_concat(ts, True, placed.get(r)) for r, ts in enumerate(per_role)]
+        self._storage = self._finish_storage(storage, (weights, scales) if plan.family else None)
         self._addresses = tuple(t.data_ptr() for t in tensors)
         return self._storage
+
+
+def _concat(ts: list[Tensor], repoint: bool, out: Tensor | None = None) -> Tensor:
+    """``ts`` concatenated along dim 0 (into ``out``), re-pointed (``repoint``) to views of it; one
+    tensor is its own concatenation unless ``out`` is given."""
+    if len(ts) == 1 and out is None:
+        return ts[0].detach()
+    stack = torch.cat([t.detach() for t in ts], out=out)
+    if repoint:
+        for t, view in zip(ts, stack.split(ts[0].shape[0])):
+            t.data = view
+    return stack
+
+
+def _kind(step: nn.Module) -> str:
+    """What a packed parameter holds, for weight decay: branch ``"scale"`` s (vectors) or conv ``"weight"`` s."""
+    return "scale" if _weight(step).dim() == 1 else "weight"
 
 
 class CompiledBuild:
@@ -789,7 +1005,7 @@ class CompiledBuild:
 
         def storage(ts: Sequence[Tensor]) -> Storage:  # the traced function's inputs as a Storage
             rs = list(ts[:roles])
-            return Storage(rs, Family(*ts[roles:]) if len(ts) > roles else None, traced.operands(rs))
+            return Storage(rs, Family(*ts[roles:]) if len(ts) > roles else None, traced.operands(rs), stacked.packed)
 
         def kernels(*ts):
             return tuple(traced.kernels(storage(ts)))
@@ -824,6 +1040,17 @@ def _autocast_off(t: Tensor):
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
+def builds_together(policy: str, device: torch.device | str) -> bool:
+    """Whether blocks grouped with ``policy`` build their kernels as groups on ``device`` (outside a
+    ``torch.compile`` trace): everywhere for ``grouped`` and ``compiled``, on a GPU for ``auto``
+    (launches decide there), nowhere for ``per-block``. Where they do, packing pays (``group_kernels(...,
+    pack=True)``); elsewhere each block reads its rows of a packed parameter, which costs a view."""
+    if policy == "per-block":
+        return False
+    return policy in ("grouped", "compiled") or (device if isinstance(device, torch.device) else
+                                                 torch.device(device)).type == "cuda"
+
+
 def _signature(block: nn.Module) -> tuple:
     steps = []
     for name, br in block.branches.items():
@@ -835,17 +1062,24 @@ def _signature(block: nn.Module) -> tuple:
             tuple(steps))
 
 
-def group_kernels(root: nn.Module, policy: str = "auto") -> list[KernelGroup]:
+def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False) -> list[KernelGroup]:
     """Group the online blocks under ``root`` by construction signature (channels, kernel size,
     groups, branch set and step shapes) so each group builds its kernels together in training
-    forwards. Idempotent: regrouping replaces earlier groups (e.g. to change ``policy``).
+    forwards. Idempotent: regrouping replaces earlier groups (e.g. to change ``policy``), and
+    unpacks them first.
 
     Blocks with scalar scales stay alone (their scales do not concatenate per channel): a group
-    of one, which still takes the grouped route (the kernel space, no recomputation). Returns the
-    groups.
+    of one, which still takes the grouped route (the kernel space, no recomputation).
+
+    ``pack``: every group's learnable operands become one parameter per role
+    (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
+    where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
+    afterwards. Returns the groups.
     """
     if policy not in POLICIES:
         raise ValueError(f"kernel-builder policy must be one of {POLICIES}, got {policy!r}")
+    for group in kernel_groups(root):
+        group.unpack()
     by_signature: dict[tuple, list[nn.Module]] = {}
     for m in root.modules():
         if not hasattr(m, "_kernel_group"):
@@ -865,6 +1099,8 @@ def group_kernels(root: nn.Module, policy: str = "auto") -> list[KernelGroup]:
         groups.append(group)
     for group in groups:
         group.peers = groups
+        if pack:
+            group.pack()
     return groups
 
 

@@ -61,6 +61,7 @@ from .common import (
     UserError,
     add_kernel_builder_argument,
     add_model_arguments,
+    add_pack_argument,
     add_run_arguments,
     add_tf32_matmul_argument,
     apply_tf32_matmul,
@@ -72,6 +73,7 @@ from .common import (
     cleanup_distributed,
     count_params,
     default_kernel_builder,
+    default_pack,
     describe_cfg,
     fail,
     init_distributed,
@@ -138,6 +140,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its many small kernels on fast GPUs. Default: on where it can run (one process on a CUDA "
                         "device, without --compile), with a one-line note where it cannot; --no-cuda-graphs: eager")
     add_kernel_builder_argument(g, default=None)
+    add_pack_argument(g)
     add_tf32_matmul_argument(g, default=None)
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
@@ -372,7 +375,11 @@ class Trainer:
 
         seed_everything(args.seed)  # same initial weights on every rank
         model = build_model(self.cfg)
-        groups = group_kernels(model, args.kernel_builder)
+        if args.pack_parameters is None:
+            # a run resumed from before packing existed holds per-block optimizer state
+            resumed_unpacked = self.resume_ckpt is not None and "pack_parameters" not in (self.resume_ckpt.get("args") or {})
+            args.pack_parameters = not resumed_unpacked and default_pack(args.kernel_builder, device, bool(args.compile))
+        groups = group_kernels(model, args.kernel_builder, pack=args.pack_parameters)
         self.n_groups = len(groups)
         if args.kernel_builder == "compiled" and groups:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
@@ -459,7 +466,10 @@ class Trainer:
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.scheduler.load_state_dict(ckpt["lr_scheduler"])
         except (ValueError, KeyError, RuntimeError) as exc:
-            raise UserError(f"--resume {args.resume}: optimizer/scheduler state does not fit ({exc})") from None
+            packed = bool((ckpt.get("args") or {}).get("pack_parameters"))
+            hint = (f"; it was saved {'with' if packed else 'without'} packed parameters: resume with "
+                    f"--{'' if packed else 'no-'}pack-parameters" if packed != bool(args.pack_parameters) else "")
+            raise UserError(f"--resume {args.resume}: optimizer/scheduler state does not fit ({exc}){hint}") from None
         # this command's settings take effect (unchanged ones give back exactly the saved values):
         # weight decay and momentum per group, and the schedule of --lr/--epochs/warm-up at this step
         factor = lr_factor_fn(args, self.iters_per_epoch)
@@ -658,6 +668,7 @@ class Trainer:
                  f"{', compiled' if args.compile else ''}{', CUDA graphs' if args.cuda_graphs else ''}"
                  f"{', TF32 matmuls' if args.tf32_matmul and self.device.type == 'cuda' else ''}"
                  f"{f', kernel builder {args.kernel_builder}' if self.n_groups else ''}"
+                 f"{', packed parameters' if args.pack_parameters and self.n_groups else ''}"
                  f"{', EMA' if self.ema is not None else ''}; "
                  f"output {self.out}")
         tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)

@@ -56,11 +56,18 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import orepa
-from orepa.apps.common import capture_cuda_graphs, count_params, full_float32, make_sgd, release_cuda_graphs
+from orepa.apps.common import (
+    capture_cuda_graphs,
+    count_params,
+    default_pack,
+    full_float32,
+    make_sgd,
+    release_cuda_graphs,
+)
 from orepa.engine import group_kernels
 
 from .report import ratios
-from .variants import ModelSpec, build_variant, split_builder
+from .variants import ModelSpec, build_variant, split_run_options
 
 # --------------------------------------------------------------------------- measurements
 
@@ -175,6 +182,7 @@ class Runner:
     model: nn.Module
     opt: torch.optim.Optimizer
     kernel_builder: str = "auto"  # the policy its online blocks were grouped with
+    packed: bool = False  # its groups' parameters packed (engine.KernelGroup.pack)
     graphed: bool = False  # forward+backward replayed as CUDA graphs (static input shape)
     compiled: nn.Module | None = None  # torch.compile'd model for the timed steps (same parameters)
 
@@ -297,16 +305,19 @@ def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory:
 
 def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000, in_chans: int = 3,
                 model_options: dict | None = None, lr: float = 1e-3, seed: int = 0,
-                kernel_builder: str = "auto") -> Runner:
+                kernel_builder: str = "auto", pack: bool | None = None) -> Runner:
     """One variant built from ``seed``, in training mode, with the harness's optimizer
     (fused SGD, momentum 0.9, weight decay 1e-4). ``kernel_builder``: the policy of
     :func:`orepa.engine.group_kernels` ("grouped" runs the GPU route anywhere), unless the spec
-    names its own (``orepa:builder=compiled``)."""
+    names its own (``orepa:builder=compiled``); ``pack``: whether its groups pack their parameters
+    (``orepa:pack=false``; None: where they build the kernels, as ``orepa train`` does)."""
     torch.manual_seed(seed)
-    network, builder = split_builder(spec, kernel_builder)
+    network, builder, spec_pack = split_run_options(spec, kernel_builder)
+    pack = spec_pack if spec_pack is not None else pack if pack is not None else default_pack(builder, device)
     net = build_variant(model, network, num_classes, in_chans, model_options).to(device).train()
-    group_kernels(net, builder)
-    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder)
+    groups = group_kernels(net, builder, pack=pack)
+    packed = any(g.packed is not None for g in groups)
+    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder, packed)
 
 
 def variant_specs(methods: Sequence[str]) -> list[str]:
@@ -346,6 +357,7 @@ def run_benchmark(
     cuda_graphs: bool = False,
     compile: str | None = None,
     kernel_builder: str = "auto",
+    pack: bool | None = None,
     runners: Sequence[Runner] | None = None,
     log: Callable[[str], None] | None = print,
 ) -> dict:
@@ -363,7 +375,8 @@ def run_benchmark(
     methods = variant_specs(methods)
     if runners is None:
         runners = [make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
-                               model_options=model_options, lr=lr, seed=seed, kernel_builder=kernel_builder)
+                               model_options=model_options, lr=lr, seed=seed, kernel_builder=kernel_builder,
+                               pack=pack if pack is not None or not compile else False)
                    for spec in methods]
     runners = list(runners)
     if [r.name for r in runners] != methods:
@@ -375,7 +388,7 @@ def run_benchmark(
 
     res: dict[str, dict] = {}
     for r in runners:
-        res[r.name] = {"train_params": count_params(r.model), "kernel_builder": r.kernel_builder}
+        res[r.name] = {"train_params": count_params(r.model), "kernel_builder": r.kernel_builder, "packed": r.packed}
         log(f"built {r.name}: {res[r.name]['train_params']:,} params")
 
     log(f"warm-up: {warmup} step(s) per variant")
@@ -455,7 +468,7 @@ def run_benchmark(
             "methods": methods, "batch_size": batch_size, "image_size": image_size, "in_chans": in_chans,
             "num_classes": num_classes, "model_options": model_options or {}, "reps": reps, "warmup": warmup,
             "lr": lr, "seed": seed, "dtype": "float32", "cuda_graphs": cuda_graphs, "compile": compile,
-            "kernel_builder": kernel_builder,
+            "kernel_builder": kernel_builder, "pack_parameters": pack,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
             "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else None,
         },

@@ -90,6 +90,9 @@ def format_header(result: dict) -> str:
     builder = c.get("kernel_builder", "auto")
     if builder != "auto":
         graphs += f", kernel builder {builder}"
+    packed = [n for n, r in result["results"].items() if r.get("packed")]
+    if packed:
+        graphs += f", packed parameters ({', '.join(packed)})"
     if "compiled" in {builder, *(r.get("kernel_builder") for r in result["results"].values())}:
         graphs += " (the compiled builder's fused kernels are not aten operators: not in the operator counts)"
     return (f"{c['model']}, batch {c['batch_size']}, {c['image_size']}x{c['image_size']}, {dev}, "

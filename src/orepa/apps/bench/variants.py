@@ -85,22 +85,28 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, parse_options(opts, f"--methods {spec}")
 
 
-#: the variant option that picks its kernel builder; not a block option
-BUILDER_OPTION = "builder"
+#: the variant options that say how it runs (its kernel builder, whether its groups pack their
+#: parameters), not what it is; not block options
+BUILDER_OPTION, PACK_OPTION = "builder", "pack"
 
 
-def split_builder(spec: str, default: str) -> tuple[str, str]:
-    """``("orepa:builder=compiled:scaling=scalar", "auto")`` -> ``("orepa:scaling=scalar", "compiled")``:
-    the network's spec and the kernel builder it runs with (``default`` where it names none)."""
+def split_run_options(spec: str, default: str) -> tuple[str, str, bool | None]:
+    """``("orepa:builder=compiled:pack=false:scaling=scalar", "auto")`` -> ``("orepa:scaling=scalar",
+    "compiled", False)``: the network's spec, the kernel builder it runs with (``default`` where it
+    names none) and whether it packs (None where it does not say)."""
     name, *opts = spec.split(":")
-    builder = default
+    builder, pack = default, None
     kept = []
     for o in opts:
         if o.startswith(BUILDER_OPTION + "="):
             builder = o.split("=", 1)[1]
+        elif o.startswith(PACK_OPTION + "="):
+            pack = parse_options([o], f"--methods {spec}")[PACK_OPTION]
+            if not isinstance(pack, bool):
+                raise ValueError(f"{PACK_OPTION}= takes true or false, got {o.split('=', 1)[1]!r}")
         else:
             kept.append(o)
-    return ":".join([name, *kept]), builder
+    return ":".join([name, *kept]), builder, pack
 
 
 def offline_rung(rung: str) -> str:
