@@ -9,7 +9,9 @@ train step (zero_grad + forward + cross-entropy + backward + fused SGD) after on
 counted on the routes of ``orepa.engine``: "grouped" (blocks of one signature build their kernels
 together: what runs on a GPU), "per-block" (each block its own FLOP-chosen route: a CPU) and
 "compiled" (grouped, each group's construction compiled by inductor: its fused kernels are not
-aten operators, only its products and allocations are; compiles for a minute first)::
+aten operators, only its products and allocations are; compiles for a minute first). The grouped
+routes pack their parameters (one per group and role, as ``orepa train`` does where groups build)
+and are counted unpacked too ("unpacked": one parameter per step, one accumulation each)::
 
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json
 """
@@ -22,9 +24,10 @@ from orepa.apps.bench.measure import count_ops, make_runner
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
     x, y = torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
-    for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa", "per-block"),
-                          ("orepa", "compiled")):
-        key = f"{model} b{b} {spec}" + ("" if spec != "orepa" else f" {builder}")
+    for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa:pack=false", "grouped"),
+                          ("orepa", "per-block"), ("orepa", "compiled"), ("orepa:pack=false", "compiled")):
+        key = f"{model} b{b} {spec.split(':')[0]}" + ("" if spec == "base" or spec == "dbb" else f" {builder}") + (
+            " unpacked" if spec.endswith("pack=false") else "")
         r = make_runner(model, spec, device=torch.device("cpu"), kernel_builder=builder)
         r.step(x, y)
         ops, kernels = count_ops(lambda r=r: r.step(x, y))

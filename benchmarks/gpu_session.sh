@@ -18,9 +18,9 @@
 #                                        #   each: ResNet-18 b64 eager and CUDA graphs, ResNet-18 b8, ResNet-50 b64;
 #                                        #   then, if time is left, the GPU time per fused kernel at ResNet-18 b64
 #   benchmarks/gpu_session.sh defaults   # ~9 min, one call: what `orepa train` runs on CUDA by default (compiled
-#                                        #   builder, CUDA graphs, TF32 matmuls) against the eager groups, paired with
-#                                        #   base: ResNet-18 b64 graphs and eager, ResNet-50 b64 graphs, ResNet-18 b8
-#                                        #   graphs; then the accuracy check, default mode against eager steps
+#                                        #   builder, packed parameters, TF32 matmuls) against the same unpacked,
+#                                        #   paired with base: ResNet-18 b64 eager, b8 eager, b64 CUDA graphs,
+#                                        #   ResNet-50 b64 eager; then the accuracy check of the default mode
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -157,19 +157,20 @@ builder)
     fi
     ;;
 defaults)
-    # what `orepa train` runs on CUDA by default (the compiled builder, CUDA graphs, TF32 matmuls) against the
-    # eager groups and full-float32 matmuls, paired with base (which gets the same matmul setting); then the
-    # accuracy check of the default mode against eager steps (as "steps"). Limits sum to ~9 min.
-    for run in "resnet18 64 150 --cuda-graphs --tf32-matmul" "resnet18 64 70 --tf32-matmul" \
-               "resnet50 64 170 --cuda-graphs --tf32-matmul" "resnet18 8 50 --cuda-graphs --tf32-matmul"; do
+    # what `orepa train` runs on CUDA by default (the compiled builder with packed parameters, TF32 matmuls)
+    # against the same builder unpacked, paired with base (same matmul setting), eager where packing should
+    # tell most, then with CUDA graphs; then the accuracy check of the default mode (graphs too; eager steps
+    # gave 79.12% at fb786e5, compiled groups with graphs 79.15% at 333a741). Limits sum to ~9 min.
+    for run in "resnet18 64 150 --tf32-matmul" "resnet18 8 80 --tf32-matmul" \
+               "resnet18 64 100 --tf32-matmul --cuda-graphs" "resnet50 64 130 --tf32-matmul"; do
         set -- $run
         limit=$(left "$3"); [ "$limit" -gt 20 ] || break
         timeout "$limit" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
-            ${4:-} ${5:-} --methods base orepa orepa:builder=compiled --reps 25 --warmup 5 --no-inference \
-            --output-dir "$R/bench" --no-plot 2>&1 | tail -6 | tee -a "$R/bench.log"
+            ${4:-} ${5:-} --methods base orepa:builder=compiled:pack=false orepa:builder=compiled --reps 25 \
+            --warmup 5 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -6 | tee -a "$R/bench.log"
         pack
     done
-    for run in "default" "eager --no-cuda-graphs --kernel-builder auto --no-tf32-matmul"; do
+    for run in "default"; do
         set -- $run
         limit=$(left 100); [ "$limit" -gt 40 ] || break
         timeout "$limit" python3 -m orepa train --method orepa --epochs 1 --train-subset 25600 -b 256 -j 8 --seed 0 \

@@ -612,3 +612,16 @@ def test_checkpointed_blocks_of_a_packed_group_give_the_per_block_gradients(reen
                       if st.__dict__.get("_packed") is not None and st._packed.name == name)
         want = torch.cat([g.reshape(-1, *p.shape[1:]) for _, g in rows])  # each step's rows, in order
         torch.testing.assert_close(p.grad, want, msg=name)
+
+
+def test_a_group_frozen_in_some_blocks_only_stays_unpacked():
+    torch.manual_seed(0)
+    net = nn.Sequential(*[OREPAConv2d(4, 4, 3) for _ in range(3)]).double()
+    net[1].branches["kxk"].conv.weight.requires_grad_(False)
+    (group,) = engine.group_kernels(net, "grouped", pack=True)
+    assert group.packed is None and len(list(net.parameters())) == 3 * len(list(OREPAConv2d(4, 4, 3).parameters()))
+    net(torch.randn(2, 4, 6, 6, dtype=torch.float64)).sum().backward()
+    assert net[1].branches["kxk"].conv.weight.grad is None and net[0].branches["kxk"].conv.weight.grad is not None
+    net[1].branches["kxk"].conv.weight.requires_grad_(True)
+    (group,) = engine.group_kernels(net, "grouped", pack=True)
+    assert group.packed is not None

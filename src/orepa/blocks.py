@@ -165,7 +165,7 @@ class PackableWeight:
     saves and loads it under its own state_dict key (checkpoints do not depend on packing)."""
 
     def __getattr__(self, name: str):
-        if name == "weight" and "weight" not in self.__dict__["_parameters"]:
+        if name == "weight" and "weight" not in self.__dict__.get("_parameters", ()):
             slot = self.__dict__.get("_packed")
             if slot is not None:
                 return slot.view()

@@ -337,15 +337,15 @@ class Plan:
         n = self.n
         family = stacked.family if stacked is not None else None
         d_family = _family_vjp(family, grad, self.traced) if family is not None else None
-        members = iter(zip(d_family[0].unbind(0), d_family[1].unbind(0)) if family is not None else ())
         packed = stacked is not None and stacked.packed
+        members = iter(zip(d_family[0].view(*d_family[0].shape, 1, 1).unbind(0), d_family[1].unbind(0))
+                       if family is not None and not packed else ())
         per_branch = []
         for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
             if family is not None and i in self._family_branches:
                 if packed:  # the family's gradients come last, whole
                     continue
-                d_w, d_s = next(members)
-                grads = [d_w.view(*d_w.shape, 1, 1), d_s]
+                grads = list(next(members))
             else:
                 grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound, self.traced)
             # learnable operands in the branch's parameters() order: its conv steps, then its scale
@@ -778,9 +778,10 @@ class KernelGroup:
         Why: autograd, the optimizer and ``zero_grad`` pay per parameter tensor, and an eager GPU step
         is bound by that host time; ResNet-18's online blocks hold 249 parameters more than its convs,
         packed they hold a few per group. The optimizer must be made after packing (it holds the
-        parameters it was given). Returns whether the group packed: a group of one block without a
-        filter family has nothing to pack, and tensors on several devices or dtypes, or that the
-        blocks do not own (``functional_call``, FSDP), stay as they are."""
+        parameters it was given), and ``torch.func.functional_call`` takes the packed names. Returns
+        whether the group packed: a group of one block without a filter family has nothing to pack,
+        and tensors on several devices or dtypes, frozen in some blocks only, or that the blocks do
+        not own (``functional_call``, FSDP) stay as they are."""
         plan = self.plan
         if self.packed is not None:
             return True
@@ -790,6 +791,9 @@ class KernelGroup:
         ref = tensors[0]
         if not all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
             return False
+        roles = len(tensors) // plan.n
+        if any(len({t.requires_grad for t in tensors[r::roles]}) > 1 for r in range(roles)):
+            return False  # some blocks frozen, others not: one parameter per role cannot say which
         stacked = self._stacked(tensors)  # the blocks' tensors become views of one storage per role
         if stacked is None:
             return False
