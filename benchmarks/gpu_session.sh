@@ -17,8 +17,9 @@
 #                                        #   base / OREPA (eager groups) / OREPA (compiled groups) / DBB in one process
 #                                        #   each: ResNet-18 b64 eager and CUDA graphs, ResNet-18 b8, ResNet-50 b64;
 #                                        #   then, if time is left, the GPU time per fused kernel at ResNet-18 b64
-#   benchmarks/gpu_session.sh defaults   # ~9 min, one call: what `orepa train` runs on CUDA by default (compiled
-#                                        #   builder, packed parameters, TF32 matmuls) against the same unpacked,
+#   benchmarks/gpu_session.sh defaults   # ~9 min, one call: the packed groups' GPU tests, then what `orepa train`
+#                                        #   runs on CUDA by default (compiled builder, packed parameters, TF32
+#                                        #   matmuls) against the same unpacked,
 #                                        #   paired with base: ResNet-18 b64 eager, b8 eager, b64 CUDA graphs,
 #                                        #   ResNet-50 b64 eager; then the accuracy check of the default mode
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
@@ -160,9 +161,11 @@ defaults)
     # what `orepa train` runs on CUDA by default (the compiled builder with packed parameters, TF32 matmuls)
     # against the same builder unpacked, paired with base (same matmul setting), eager where packing should
     # tell most, then with CUDA graphs; then the accuracy check of the default mode (graphs too; eager steps
-    # gave 79.12% at fb786e5, compiled groups with graphs 79.15% at 333a741). Limits sum to ~9 min.
-    for run in "resnet18 64 150 --tf32-matmul" "resnet18 8 80 --tf32-matmul" \
-               "resnet18 64 100 --tf32-matmul --cuda-graphs" "resnet50 64 130 --tf32-matmul"; do
+    # gave 79.12% at fb786e5, compiled groups with graphs 79.15% at 333a741). First the real-device tests of
+    # the packed groups: compiled on Triton against eager, replayed under capture. Limits sum to ~9.5 min.
+    CUDA_TESTS="inductor or capture or equal_per_block" cuda_tests "$(left 70)"
+    for run in "resnet18 64 140 --tf32-matmul" "resnet18 8 70 --tf32-matmul" \
+               "resnet18 64 90 --tf32-matmul --cuda-graphs" "resnet50 64 110 --tf32-matmul"; do
         set -- $run
         limit=$(left "$3"); [ "$limit" -gt 20 ] || break
         timeout "$limit" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \

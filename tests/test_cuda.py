@@ -77,16 +77,19 @@ def test_grouped_kernels_equal_per_block_kernels_on_the_gpu():
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-8, atol=1e-9, msg=name)
 
 
-def test_a_capture_that_finds_the_storage_moved_reads_the_parameters_at_replay():
-    """A group whose tensors moved (here: load_state_dict(assign=True)) remakes its storage at the
-    next build, except inside a CUDA graph capture: there it concatenates the parameters in the
-    graph, so a replay reads them as they are then (in-place updates after the capture included)."""
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_capture_that_finds_the_storage_moved_reads_the_parameters_at_replay(pack):
+    """A group whose tensors moved (here: load_state_dict(assign=True), or new memory for every
+    tensor as a device move gives) remakes its storage at the next build, except inside a CUDA graph
+    capture: there it concatenates the tensors in the graph (a packed group: the fixed filters; its
+    packed parameters are read as they are), so a replay reads them as they are then (in-place
+    updates after the capture included)."""
     import copy
 
     torch.manual_seed(0)
     with full_float32():
         m = create_model("resnet18", "orepa", num_classes=10, width_mult=0.25).cuda().double().eval()
-        engine.group_kernels(m, "grouped")
+        engine.group_kernels(m, "grouped", pack=pack)
         ref = copy.deepcopy(m)
         engine.group_kernels(ref, "per-block")
         x = torch.randn(4, 3, 64, 64, device="cuda", dtype=torch.float64)
@@ -95,15 +98,18 @@ def test_a_capture_that_finds_the_storage_moved_reads_the_parameters_at_replay()
         with torch.cuda.stream(side):
             m(x).sum().backward()  # warm-up: every group makes its storage
         torch.cuda.current_stream().wait_stream(side)
-        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+        if pack:
+            m._apply(lambda t: t.clone())
+        else:
+            m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
         m.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = m(x)
         with torch.no_grad():
-            for p, q in zip(m.parameters(), ref.parameters()):
+            for p in m.parameters():
                 p.mul_(1.1)
-                q.copy_(p)
+            ref.load_state_dict(m.state_dict())
         graph.replay()
         torch.testing.assert_close(y, ref(x), rtol=1e-9, atol=1e-9)
 

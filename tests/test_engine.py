@@ -561,6 +561,9 @@ def test_a_packed_model_loads_copies_moves_and_deploys_as_an_unpacked_one():
     del bad[key]
     assert packed.load_state_dict(bad, strict=False).missing_keys == [key]
     packed.load_state_dict(plain.state_dict())
+    meta = copy.deepcopy(packed).to("meta")
+    with pytest.raises(RuntimeError, match="a packed weight on the meta device cannot take a value"):
+        meta.load_state_dict(plain.state_dict(), assign=True)
     # copies (EMA, deployment) and moves keep the packed layout consistent
     twin = copy.deepcopy(packed)._apply(lambda t: t.clone())  # new memory for every tensor, as a device move
     y0, g0 = _grads(plain, x)

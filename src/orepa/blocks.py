@@ -193,6 +193,11 @@ class PackableWeight:
                 missing_keys.append(key)
             return
         value, w = state_dict[key], slot.view()
+        if w.is_meta:  # load_state_dict(assign=True) after a meta-device build: nothing to copy into
+            error_msgs.append(f"{key}: a packed weight on the meta device cannot take a value (its rows belong to "
+                              "its group's parameter); pack after loading, or unpack (orepa.engine.group_kernels "
+                              "without pack) first")
+            return
         if not isinstance(value, Tensor) or value.shape != w.shape:
             error_msgs.append(f"size mismatch for {key}: copying a param with shape "
                               f"{getattr(value, 'shape', type(value).__name__)} from checkpoint, the shape in "
