@@ -797,7 +797,7 @@ class KernelGroup:
         stacked = self._stacked(tensors)  # the blocks' tensors become views of one storage per role
         if stacked is None:
             return False
-        holder, names, taken = PackedParameters(), {}, set()
+        holder, names = PackedParameters(), {}
         in_family = {r for w, _, s_ in plan.family for r in (w, s_)}
         role = 0
         for br in plan.branches:
@@ -810,7 +810,6 @@ class KernelGroup:
             raw = raw.view(-1) if plan.role_modules[r][0]._parameters["weight"].dim() == 1 else raw
             holder.register_parameter(name, nn.Parameter(raw, plan.role_modules[r][0].weight.requires_grad))
             holder.kinds[name] = _kind(plan.role_modules[r][0])
-            taken.add(r)
         if stacked.family is not None:
             fam = stacked.family
             w_mod = plan.role_modules[plan.family[0][0]][0]

@@ -141,13 +141,12 @@ def run(args: argparse.Namespace) -> int:
     # built here, each in its own try: what goes wrong in a build is the spec's or the model's (an unknown
     # name or option, a bad value); errors of the measurement itself keep their traceback
     runners = []
-    # unsaid: each variant packs where its groups build the kernels (not under a whole-step --compile)
-    pack = args.pack_parameters if args.pack_parameters is not None or not args.compile else False
     for spec in variant_specs(methods):
         try:
             runners.append(make_runner(args.model, spec, device=device, num_classes=args.num_classes,
                                        model_options=mopts, lr=args.lr, seed=args.seed,
-                                       kernel_builder=args.kernel_builder, pack=pack))
+                                       kernel_builder=args.kernel_builder, pack=args.pack_parameters,
+                                       compiled_step=bool(args.compile)))
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}") from None
     try:
@@ -155,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
             args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
             reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
             inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
-            cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder, pack=pack,
-            runners=runners,
+            cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder,
+            pack=args.pack_parameters, runners=runners,
         )
     except ValueError as exc:  # only BatchNorm's refusal of a 1-value batch is the flags' fault; the rest is a bug
         if "Expected more than 1 value per channel" not in str(exc):

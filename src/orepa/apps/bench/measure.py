@@ -305,15 +305,19 @@ def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory:
 
 def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000, in_chans: int = 3,
                 model_options: dict | None = None, lr: float = 1e-3, seed: int = 0,
-                kernel_builder: str = "auto", pack: bool | None = None) -> Runner:
+                kernel_builder: str = "auto", pack: bool | None = None, compiled_step: bool = False) -> Runner:
     """One variant built from ``seed``, in training mode, with the harness's optimizer
     (fused SGD, momentum 0.9, weight decay 1e-4). ``kernel_builder``: the policy of
     :func:`orepa.engine.group_kernels` ("grouped" runs the GPU route anywhere), unless the spec
     names its own (``orepa:builder=compiled``); ``pack``: whether its groups pack their parameters
-    (``orepa:pack=false``; None: where they build the kernels, as ``orepa train`` does)."""
+    (``orepa:pack=false``; None: where they build the kernels, as ``orepa train`` does, unless the
+    timed steps are ``compiled_step`` s, torch.compile'd)."""
     torch.manual_seed(seed)
     network, builder, spec_pack = split_run_options(spec, kernel_builder)
-    pack = spec_pack if spec_pack is not None else pack if pack is not None else default_pack(builder, device)
+    if spec_pack is not None:
+        pack = spec_pack
+    elif pack is None:
+        pack = default_pack(builder, torch.device(device), compiled_step)
     net = build_variant(model, network, num_classes, in_chans, model_options).to(device).train()
     groups = group_kernels(net, builder, pack=pack)
     packed = any(g.packed is not None for g in groups)
@@ -376,7 +380,7 @@ def run_benchmark(
     if runners is None:
         runners = [make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
                                model_options=model_options, lr=lr, seed=seed, kernel_builder=kernel_builder,
-                               pack=pack if pack is not None or not compile else False)
+                               pack=pack, compiled_step=bool(compile))
                    for spec in methods]
     runners = list(runners)
     if [r.name for r in runners] != methods:
