@@ -113,6 +113,10 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
         ([str(tmp_path / "missing.pt")], "does not exist"),
         (["--model", "resnet18", "--input-size", "0"], "--input-size: must be a positive integer, got 0"),
         ([], "give a checkpoint, or --model"),
+        (["--model", "resnet18", "--format", "torchscript", "--dynamo"],
+         "--dynamo applies to --format onnx, not --format torchscript"),
+        (["--model", "resnet18", "--format", "torchscript", "--opset", "17"],
+         "--opset 17 applies to --format onnx, not --format torchscript"),
     ]
     bare = tmp_path / "bare.pt"
     torch.save(zoo.create_model("resnet18", "base", num_classes=10, width_mult=0.25).state_dict(), bare)

@@ -67,7 +67,7 @@ class ExportReport:
     path: str
     format: str
     input_shape: tuple[int, ...]
-    params_training: int
+    params_training: int  # the model as given (training form, or a form already deployed)
     params_deployed: int
     verified: bool = False
     atol: float = 1e-4
@@ -79,7 +79,7 @@ class ExportReport:
     def __str__(self) -> str:
         fmt = f"{self.format} opset {self.opset}" if self.opset is not None else self.format
         lines = [f"exported {fmt} to {self.path} (input {list(self.input_shape)}); "
-                 f"params {self.params_training:,} (training form) -> {self.params_deployed:,} (deployed)"]
+                 f"params {self.params_training:,} (as loaded) -> {self.params_deployed:,} (deployed, BN folded)"]
         if self.opset_requested is not None and self.opset != self.opset_requested:
             lines.append(f"  note: opset {self.opset} written, not the {self.opset_requested} asked for (the exporter "
                          "could not convert its graph to that opset)")
@@ -330,6 +330,9 @@ def _is_checkpoint(path: Path) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
+    if args.format != "onnx" and (args.dynamo or args.opset is not None):  # said, not silently dropped
+        raise UserError(f"{'--dynamo' if args.dynamo else f'--opset {args.opset}'} applies to --format onnx, not "
+                        f"--format {args.format}")
     if args.format == "onnx":  # before the model is loaded: a missing package or a bad --opset fails at once
         args.opset = default_opset(args.dynamo) if args.opset is None else args.opset
         check_onnx_request(args.opset, dynamo=args.dynamo, verify=not args.no_verify)
