@@ -132,6 +132,14 @@ def test_unknown_layouts_are_refused_with_the_keys():
     del sd["stage2.1.conv2.weight_orepa_gconv_pw"]
     with pytest.raises(ValueError, match="stage2.1.conv2.weight_orepa_gconv_pw"):
         orepa.import_reference(sd)
+    # what the reference's conversion script leaves: each site one conv with a bias, no BN
+    sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=11)
+    site = "stage1.0.conv1"
+    w = sd[f"{site}.weight_orepa_origin"]
+    sd = {k: v for k, v in sd.items() if not k.startswith(site + ".")}
+    sd.update({f"{site}.orepa_reparam.weight": w, f"{site}.orepa_reparam.bias": torch.zeros(w.shape[0])})
+    with pytest.raises(ValueError, match="a deployed \\(converted\\) checkpoint of the reference code"):
+        orepa.import_reference(sd)
     with pytest.raises(ValueError, match="not a reference checkpoint"):
         orepa.import_reference({"state_dict": {}})
     with pytest.raises(ValueError, match="does not exist"):

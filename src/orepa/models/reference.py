@@ -115,8 +115,7 @@ def _out_in(sd: Mapping[str, Tensor], prefix: str) -> tuple[int, int]:
         return sd[f"{prefix}.weight{n - 1}.weight_orepa_origin"].shape[0], \
             sd[f"{prefix}.weight0.weight_orepa_origin"].shape[1]
     if kind not in _MAIN_WEIGHT:
-        raise ValueError(f"unknown or unsupported module layout at {prefix!r} ({kind or 'no known weight'}; "
-                         f"keys: {_keys_under(sd, prefix + '.')})")
+        raise _unknown_site(sd, prefix, kind)
     w = sd[f"{prefix}.{_MAIN_WEIGHT[kind]}"]
     return w.shape[0], w.shape[1]
 
@@ -128,6 +127,19 @@ def _count(sd: Mapping[str, Tensor], pattern: str) -> int:
     if found and found != set(range(len(found))):
         raise ValueError(f"reference blocks matching {pattern!r} are not numbered 0..n-1: {sorted(found)}")
     return len(found)
+
+
+def _unknown_site(sd: Mapping[str, Tensor], prefix: str, kind: str | None) -> ValueError:
+    """The error for a site whose layout is not one the reference trains; a conv with a bias and
+    nothing else there is what the reference's conversion script leaves (its deployed form)."""
+    keys = [k for k in sd if k.startswith(prefix + ".")]
+    tails = sorted(k.rsplit(".", 1)[-1] for k in keys)
+    deployed = tails == ["bias", "weight"] and sd[next(k for k in keys if k.endswith(".weight"))].dim() == 4
+    hint = ("; a conv with a bias and no BatchNorm: a deployed (converted) checkpoint of the reference code, "
+            "which cannot be imported (its branches are gone); import the checkpoint it was converted from"
+            if deployed else "")
+    return ValueError(f"unknown or unsupported module layout at {prefix!r} ({kind or 'no known weight'}; "
+                      f"keys: {_keys_under(sd, prefix + '.')}){hint}")
 
 
 def _keys_under(sd: Mapping[str, Tensor], prefix: str, n: int = 6) -> str:
@@ -301,8 +313,7 @@ _EXPECTED = {"orepa": OREPAConv2d, "rep_1x1": OREPAConv2d, "deep_stem": OREPADee
 def _map_site(sd, consumed, ref: str, model: nn.Module, conv_name: str, bn_name: str) -> dict[str, Tensor]:
     kind = _site_kind(sd, ref)
     if kind not in _EXPECTED:
-        raise ValueError(f"unknown or unsupported module layout at {ref!r} ({kind or 'no known weight'}; "
-                         f"keys: {_keys_under(sd, ref + '.')})")
+        raise _unknown_site(sd, ref, kind)
     module = model.get_submodule(conv_name)
     fits = type(module) is _EXPECTED[kind]
     if fits and kind in ("orepa", "rep_1x1", "deep_stem"):  # online blocks; Rep-1x1 is the 1x1 one
