@@ -22,10 +22,16 @@ def _pair(name="resnet18", policy="grouped", **opts):
 
 
 def _grads(model, x):
+    """Output and gradients by state_dict key (a packed step's: its rows of its packed parameter's)."""
     model.zero_grad(set_to_none=True)
     y = model(x)
     (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)).square().sum().backward()
-    return y, {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: p.grad for n, p in model.named_parameters() if ".packed_parameters." not in n}
+    for name, m in model.named_modules():
+        slot = m.__dict__.get("_packed")
+        if slot is not None:
+            grads[f"{name}.weight"] = slot.holder._parameters[slot.name].grad.narrow(0, slot.lo, slot.size)
+    return y, grads
 
 
 @pytest.mark.parametrize("name,policy", [("resnet18", "grouped"), ("resnet50", "grouped"),
@@ -49,10 +55,12 @@ _ZOO_ONLINE = [(n, m) for n in orepa.list_models() if not n.endswith(("101", "15
                for m in orepa.list_methods(n) if m in ("orepa", "orepa-vgg")]
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("name,method", _ZOO_ONLINE)
-def test_the_grouped_route_gives_the_per_block_numbers_across_the_zoo(name, method):
+def test_the_grouped_route_gives_the_per_block_numbers_across_the_zoo(name, method, pack):
     """Every zoo model with online blocks (nested ones too: deep stems, OREPA-VGG), twice: the
-    first step makes the groups' storage, the second reads it. Eval-mode BNs keep float64 exact."""
+    first step makes the groups' storage, the second reads it. Eval-mode BNs keep float64 exact.
+    Packed: every step's gradient is its rows of its packed parameter's."""
     torch.manual_seed(0)
     width = 0.25 if name.startswith("resnext") else 0.125  # a ResNeXt group keeps >= 1 channel
     ref = orepa.create_model(name, method, num_classes=10, width_mult=width).double()
@@ -61,7 +69,7 @@ def test_the_grouped_route_gives_the_per_block_numbers_across_the_zoo(name, meth
             p.add_(torch.randn_like(p) * 0.05)  # off the identity/constant initialisation
     grouped = copy.deepcopy(ref)
     engine.group_kernels(ref, "per-block")
-    engine.group_kernels(grouped, "grouped")
+    engine.group_kernels(grouped, "grouped", pack=pack)
     ref.eval(), grouped.eval()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     for _ in range(2):
@@ -69,9 +77,11 @@ def test_the_grouped_route_gives_the_per_block_numbers_across_the_zoo(name, meth
         y1, g1 = _grads(grouped, x)
         # float64 rounding, relative to each tensor's scale (these untrained nets reach 1e4-1e6)
         torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-12 * y0.abs().max().item())
+        assert g1.keys() == g0.keys()
         for k in g0:
             torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-12 * g0[k].abs().max().item(), msg=k)
     assert any(g.plan.family for g in engine.kernel_groups(grouped))
+    assert pack == any(g.packed is not None for g in engine.kernel_groups(grouped))
 
 
 def test_squeeze_function_of_a_group_passes_gradcheck():
