@@ -110,6 +110,11 @@ def test_training_script_wrapping_and_module_prefix(tmp_path):
     b = orepa.import_reference(path, dtype=torch.float64).eval()
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert ka == kb and torch.equal(va, vb)
+    # the library reads what every command reads: other wrapper keys, torch.compile's prefix
+    for other in ({"model": {f"_orig_mod.{k}": v for k, v in sd.items()}},
+                  {"model_state_dict": {f"module._orig_mod.{k}": v for k, v in sd.items()}, "epoch": 1}):
+        c = orepa.import_reference(other, dtype=torch.float64).eval()
+        assert all(torch.equal(v, c.state_dict()[k]) for k, v in a.state_dict().items())
 
 
 def test_imported_model_trains_like_the_zoo_model():

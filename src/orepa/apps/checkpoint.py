@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..state_dicts import STATE_DICT_KEYS, find_state_dict, is_state_dict, strip_prefixes
 from .common import FORMS, MODEL_CFG_KEYS, UserError, build_model_form, checked_cfg, describe_cfg
 
 FORMAT = "orepa-checkpoint"
@@ -272,27 +273,6 @@ def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def _is_state_dict(obj) -> bool:
-    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
-
-
-#: where other tools keep the state_dict inside a checkpoint dict (orepa's own: "model")
-STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")
-#: key prefixes of wrappers: DistributedDataParallel, torch.compile
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def strip_prefixes(sd: dict) -> dict:
-    out = {}
-    for k, v in sd.items():
-        stripped = True
-        while stripped:
-            stripped = False
-            for p in WRAPPER_PREFIXES:
-                if k.startswith(p):
-                    k, stripped = k[len(p):], True
-        out[k] = v
-    return out
 
 
 def _is_torchscript(path: Path) -> bool:
@@ -358,7 +338,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         raise UserError(
             f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg[:200] if msg else ''})"
         ) from None
-    if _is_state_dict(obj):
+    if is_state_dict(obj):
         return {"model": strip_prefixes(obj)}
     if not isinstance(obj, dict):
         raise UserError(f"{path} is not an orepa checkpoint nor a state_dict (it holds a {type(obj).__name__})")
@@ -370,13 +350,13 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         raise UserError(f"{path}: unreadable checkpoint version {obj.get('version')!r}") from None
     if version > VERSION:
         raise UserError(f"{path}: checkpoint version {version} is newer than this orepa (reads {VERSION})")
-    key = next((k for k in STATE_DICT_KEYS if _is_state_dict(obj.get(k))), None)
+    key = find_state_dict(obj)
     if key is None:
         raise UserError(f"{path} holds no state_dict: expected a dict of tensors, or one under "
                         f"{' / '.join(map(repr, STATE_DICT_KEYS))} (found keys {', '.join(map(str, list(obj)[:6]))})")
     out = dict(obj)
     out["model"] = strip_prefixes(obj[key])
-    if "model_ema" in out and _is_state_dict(out["model_ema"]):
+    if "model_ema" in out and is_state_dict(out["model_ema"]):
         out["model_ema"] = strip_prefixes(out["model_ema"])
     _check_metadata(path, out)
     return out

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .. import kernels as K
 from ..blocks import DBBConv2d, OREPAConv2d, OREPADeepStem, OREPAVGGBlock, RepVGGBlock
+from ..state_dicts import find_state_dict, is_state_dict, strip_prefixes
 from .repvgg import REPVGG_CONFIGS, build_repvgg
 from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck
 from .zoo import create_model
@@ -45,9 +46,11 @@ _BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracke
 
 
 def read_reference_state_dict(src) -> dict[str, Tensor]:
-    """The reference state_dict of ``src``: a path, a bare state_dict, or the training script's
-    ``{"state_dict": ..., "optimizer": ...}``; ``module.`` prefixes (DataParallel / DDP) removed.
-    Files load with ``weights_only=True``: no code in them runs."""
+    """The reference state_dict of ``src``: a path, a bare state_dict, or one inside a checkpoint
+    dict (the training script's ``{"state_dict": ..., "optimizer": ...}``, or under another key of
+    :data:`orepa.state_dicts.STATE_DICT_KEYS`); wrapper prefixes (``module.`` of DataParallel / DDP,
+    ``_orig_mod.`` of torch.compile) removed, as every orepa command reads checkpoints. Files load
+    with ``weights_only=True``: no code in them runs."""
     if isinstance(src, (str, os.PathLike)):
         try:
             src = torch.load(src, map_location="cpu", weights_only=True)
@@ -57,12 +60,13 @@ def read_reference_state_dict(src) -> dict[str, Tensor]:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ValueError(f"cannot read reference checkpoint {os.fspath(src)} with weights_only=True: "
                              f"{type(exc).__name__}: {first[:300]}") from None
-    if isinstance(src, Mapping) and isinstance(src.get("state_dict"), Mapping):
-        src = src["state_dict"]
-    if not isinstance(src, Mapping) or not src or not all(isinstance(v, Tensor) for v in src.values()):
+    key = None if is_state_dict(src) else find_state_dict(src)
+    if key is not None:
+        src = src[key]
+    if not is_state_dict(src):
         found = f"a dict with keys {list(src)[:8]}" if isinstance(src, Mapping) else type(src).__name__
         raise ValueError(f"not a reference checkpoint: expected a state_dict or {{'state_dict': ...}}, got {found}")
-    return {(k[len("module."):] if k.startswith("module.") else k): v for k, v in src.items()}
+    return strip_prefixes(src)
 
 
 class _Reader:
