@@ -881,7 +881,7 @@ class KernelGroup:
         storage = self._finish_storage(roles, family_wts, packed=True)
         if not capturing:
             self._storage = storage
-            self._addresses = tuple(t.data_ptr() for t in [*leaves.values(), *self._fixed_tensors()])
+            self._addresses = tuple(t.data_ptr() for t in [*leaves.values(), *fixed])  # fixed: re-pointed now
         return storage
 
     def _finish_storage(self, raw: list[Tensor], family_wts: tuple[Tensor, Tensor] | None,

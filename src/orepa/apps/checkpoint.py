@@ -273,8 +273,6 @@ def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
-
-
 def _is_torchscript(path: Path) -> bool:
     try:
         with zipfile.ZipFile(path) as z:
