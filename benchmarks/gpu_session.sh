@@ -17,11 +17,12 @@
 #                                        #   base / OREPA (eager groups) / OREPA (compiled groups) / DBB in one process
 #                                        #   each: ResNet-18 b64 eager and CUDA graphs, ResNet-18 b8, ResNet-50 b64;
 #                                        #   then, if time is left, the GPU time per fused kernel at ResNet-18 b64
-#   benchmarks/gpu_session.sh defaults   # ~9 min, one call: the packed groups' GPU tests, then what `orepa train`
-#                                        #   runs on CUDA by default (compiled builder, packed parameters, TF32
-#                                        #   matmuls) against the same unpacked,
-#                                        #   paired with base: ResNet-18 b64 eager, b8 eager, b64 CUDA graphs,
-#                                        #   ResNet-50 b64 eager; then the accuracy check of the default mode
+#   benchmarks/gpu_session.sh defaults   # ~9.5 min, one call: the GPU tests of the compiled groups, then what
+#                                        #   `orepa train` runs on CUDA by default (compiled builder, packed
+#                                        #   parameters, one node for the network's kernels, TF32 matmuls) against
+#                                        #   the configuration of the last H100 figures, paired with base:
+#                                        #   ResNet-18 b64 eager, the accuracy check of the default mode,
+#                                        #   ResNet-18 b8 eager, b64 CUDA graphs, ResNet-50 b64 eager
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -158,28 +159,34 @@ builder)
     fi
     ;;
 defaults)
-    # what `orepa train` runs on CUDA by default (the compiled builder with packed parameters, TF32 matmuls)
-    # against the same builder unpacked, paired with base (same matmul setting), eager where packing should
-    # tell most, then with CUDA graphs; then the accuracy check of the default mode (graphs too; eager steps
-    # gave 79.12% at fb786e5, compiled groups with graphs 79.15% at 333a741). First the real-device tests of
-    # the packed groups: compiled on Triton against eager, replayed under capture. Limits sum to ~9.5 min.
+    # what `orepa train` runs on CUDA by default (the compiled builder, packed parameters, the network's
+    # kernels as one node: one compiled call each way; TF32 matmuls) against the configuration the last
+    # H100 figures had (compiled groups, unpacked, a node and a compiled call per group), paired with base
+    # (same matmul setting); at ResNet-18 b8, where the host decides most, also packed with a node per
+    # group, which tells packing's share from the joint node's. First the real-device tests (compiled on
+    # Triton against eager, replayed under capture), and right after the first bench the accuracy check of
+    # the default mode (graphs; eager steps gave 79.12% at fb786e5, compiled groups with graphs 79.15% at
+    # 333a741). Stage limits sum to ~9.7 min on a 560 s deadline: the last stage gets what is left.
+    old=orepa:builder=compiled:pack=false:joint=false
     CUDA_TESTS="inductor or capture or equal_per_block" cuda_tests "$(left 70)"
-    for run in "resnet18 64 140 --tf32-matmul" "resnet18 8 70 --tf32-matmul" \
-               "resnet18 64 90 --tf32-matmul --cuda-graphs" "resnet50 64 110 --tf32-matmul"; do
+    for run in "resnet18 64 140 --tf32-matmul" "accuracy" "resnet18 8 90 --tf32-matmul" \
+               "resnet18 64 80 --tf32-matmul --cuda-graphs" "resnet50 64 100 --tf32-matmul"; do
         set -- $run
+        if [ "$1" = accuracy ]; then
+            limit=$(left 100); [ "$limit" -gt 40 ] || continue
+            timeout "$limit" python3 -m orepa train --method orepa --epochs 1 --train-subset 25600 -b 256 -j 8 \
+                --seed 0 --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --output-dir /tmp/acc_default \
+                2>&1 | tail -8 | tee "$R/acc_orepa_default.log"
+            cp /tmp/acc_default/summary.json "$R/acc_orepa_default.json" 2>/dev/null
+            pack
+            continue
+        fi
         limit=$(left "$3"); [ "$limit" -gt 20 ] || break
+        methods="base $old orepa:builder=compiled"
+        [ "$2" = 8 ] && methods="base $old orepa:builder=compiled:joint=false orepa:builder=compiled"
         timeout "$limit" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
-            ${4:-} ${5:-} --methods base orepa:builder=compiled:pack=false orepa:builder=compiled --reps 25 \
-            --warmup 5 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -6 | tee -a "$R/bench.log"
-        pack
-    done
-    for run in "default"; do
-        set -- $run
-        limit=$(left 100); [ "$limit" -gt 40 ] || break
-        timeout "$limit" python3 -m orepa train --method orepa --epochs 1 --train-subset 25600 -b 256 -j 8 --seed 0 \
-            --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --output-dir "/tmp/acc_$1" ${2:-} ${3:-} ${4:-} ${5:-} \
-            2>&1 | tail -8 | tee "$R/acc_orepa_$1.log"
-        cp "/tmp/acc_$1/summary.json" "$R/acc_orepa_$1.json" 2>/dev/null
+            ${4:-} ${5:-} --methods $methods --reps 25 \
+            --warmup 5 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -7 | tee -a "$R/bench.log"
         pack
     done
     ;;

@@ -88,8 +88,9 @@ def test_variants_name_their_own_kernel_builder():
     assert all(r["deploy_err"] < 1e-4 for r in res.values())
     assert "not in the operator counts" not in bench.format_header(result)
     assert bench.variants.split_run_options("orepa:preset=dw-sep:builder=compiled", "auto") == (
-        "orepa:preset=dw-sep", "compiled", None)
-    assert bench.variants.split_run_options("orepa:pack=false:builder=grouped", "auto") == ("orepa", "grouped", False)
+        "orepa:preset=dw-sep", "compiled", {})
+    assert bench.variants.split_run_options("orepa:pack=false:builder=grouped:joint=true", "auto") == (
+        "orepa", "grouped", {"pack": False, "joint": True})
     with pytest.raises(ValueError, match="pack= takes true or false, got 'maybe'"):
         bench.variants.split_run_options("orepa:pack=maybe", "auto")
     with pytest.raises(ValueError, match="kernel-builder policy must be one of") as err:

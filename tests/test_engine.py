@@ -268,6 +268,43 @@ def test_the_first_block_of_a_forward_builds_every_group_and_checkpointed_blocks
         torch.testing.assert_close(p.grad, q.grad)
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_networks_groups_build_as_one_node_and_train_as_one_node_per_group(monkeypatch, pack):
+    """joint (the default): the groups built at a forward's first block are one autograd node, so
+    their constructions' backward is one call; joint=False: a node per group (DDP overlaps each
+    group's gradients with the rest of the backward). Both train alike, and a group rebuilt alone
+    (its block called twice) is a node of its own."""
+    torch.manual_seed(0)
+    net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), nn.ReLU(), OREPAConv2d(4, 8, 3, padding=1), nn.ReLU(),
+                        OREPAConv2d(8, 8, 3, padding=1), OREPAConv2d(8, 8, 3, padding=1)).double()
+    apart = copy.deepcopy(net)
+    assert len(engine.group_kernels(net, "grouped", pack=pack)) == 3
+    engine.group_kernels(apart, "grouped", pack=pack, joint=False)
+    nodes = {}
+    kernel_of = engine.KernelGroup.kernel_of
+
+    def record(group, block):
+        w = kernel_of(group, block)
+        nodes.setdefault(id(group.peers), set()).add(w.grad_fn)
+        return w
+
+    monkeypatch.setattr(engine.KernelGroup, "kernel_of", record)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    for m in (net, apart):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            opt.step()
+    assert len(nodes[id(engine.kernel_groups(net)[0].peers)]) == 2  # one node per step
+    assert len(nodes[id(engine.kernel_groups(apart)[0].peers)]) == 2 * 3
+    for p, q in zip(net.parameters(), apart.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-13)
+    nodes.clear()
+    net[4](net[4](torch.randn(1, 8, 5, 5, dtype=torch.float64))).sum().backward()  # the group of net[4] and net[5]
+    assert len(nodes[id(engine.kernel_groups(net)[0].peers)]) == 2  # the joint build, then that group's own
+
+
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointed_regions_of_one_group_give_the_per_block_gradients(reentrant):
     """One group spanning a plain block and a checkpointed region: the region's blocks build their
@@ -428,7 +465,7 @@ def test_a_compiled_group_gives_the_eager_groups_numbers_and_compiles_once_per_l
     from orepa.apps.bench.measure import count_ops
 
     a, b, calls = _compiled_pair(monkeypatch)
-    n_groups = len(engine.kernel_groups(b))
+    assert len(engine.kernel_groups(b)) == 2  # built by one compiled construction
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in (a, b)]
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
     for step in range(3):  # the storage is read, then updated in place by SGD, then read again
@@ -436,14 +473,14 @@ def test_a_compiled_group_gives_the_eager_groups_numbers_and_compiles_once_per_l
         torch.testing.assert_close(yb, ya, rtol=1e-10, atol=1e-12)
         for k in ga:
             torch.testing.assert_close(gb[k], ga[k], rtol=1e-9, atol=1e-12, msg=k)
-        assert len(calls) == 2 * n_groups  # squeeze and vjp per group, compiled at the first step only
+        assert len(calls) == 2  # the groups' squeeze and vjp, compiled at the first step only
     ops = {m: count_ops(lambda m=m, o=o: _step(m, o, x))[0] for m, o in zip((a, b), opts)}
     assert ops[b] < 0.6 * ops[a], ops
     # a new layout (dtype) compiles again; a deep copy compiles its own
     twin = copy.deepcopy(b).float()
     assert all(not g._compiled for g in engine.kernel_groups(twin))
     y = twin(x.float())
-    assert len(calls) == 4 * n_groups
+    assert len(calls) == 4
     torch.testing.assert_close(y, a.float()(x.float()), rtol=1e-4, atol=1e-5)
 
 
@@ -468,12 +505,11 @@ def test_the_compiler_gets_no_short_reduction_and_the_same_numbers(monkeypatch):
     torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
     for k in g0:
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-9, atol=1e-12, msg=k)
-    assert len(graphs) == 4  # two groups: per group its construction, then its vjp
-    for gm in graphs[0::2]:
-        reductions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in
-                      (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)]
-        assert not reductions, reductions
-    assert any(n.target == torch.ops.aten.bmm.default for n in graphs[2].graph.nodes)  # the Rep-1x1's
+    assert len(graphs) == 2  # both groups at once: their construction, then its vjp
+    reductions = [n for n in graphs[0].graph.nodes if n.op == "call_function" and n.target in
+                  (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)]
+    assert not reductions, reductions
+    assert any(n.target == torch.ops.aten.bmm.default for n in graphs[1].graph.nodes)  # the Rep-1x1's
     # the unrolled product itself, against the matrix product; a long contraction (a Rep-1x1's
     # 1x1 -> 1x1) stays a matrix product, which a broadcast product would not become
     for depth in (1, 3, K.UNROLLED_CONTRACTION, K.UNROLLED_CONTRACTION + 1):
@@ -492,13 +528,14 @@ def test_a_failed_compilation_warns_and_the_group_builds_eagerly(monkeypatch):
 
     monkeypatch.setattr(torch._inductor, "compile", no_compiler)
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
-    with pytest.warns(RuntimeWarning, match="compiling a group failed .RuntimeError: no C.. compiler found.; it"):
+    with pytest.warns(RuntimeWarning, match="compiling the kernel construction failed .RuntimeError: no C.. "
+                                            "compiler found.; the kernels are built eagerly"):
         y, g = _step(b, torch.optim.SGD(b.parameters(), lr=0.0), x)
     y0, g0 = _step(a, torch.optim.SGD(a.parameters(), lr=0.0), x)
     torch.testing.assert_close(y, y0, rtol=1e-10, atol=1e-12)
     for k in g0:
         torch.testing.assert_close(g[k], g0[k], rtol=1e-9, atol=1e-12, msg=k)
-    assert all(g._compile_failed for g in engine.kernel_groups(b) if g._storage is not None)
+    assert engine.kernel_groups(b)[0]._compile_failed  # the group that leads the network's build
 
 
 # --------------------------------------------------------------------------- packed parameters
@@ -655,6 +692,8 @@ def test_a_packed_compiled_group_trains_as_a_packed_eager_one():
             opt.zero_grad(set_to_none=True)
             m(x).square().mean().backward()
             opt.step()
-    assert all(g._compiled_for is not None and g._storage.packed for g in engine.kernel_groups(net))
+    groups = engine.kernel_groups(net)
+    assert all(g._storage.packed for g in groups)
+    assert groups[0]._compiled_for[1].plans == tuple(g.plan for g in groups)  # one compiled build for all
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)

@@ -481,9 +481,10 @@ def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_
     spy groups them eagerly, so that "compiled" costs no compilation on a CPU)."""
     seen = []
 
-    def spy(model, policy, pack):
+    def spy(model, policy, pack, joint):
         seen.append(policy)
-        return real(model, "grouped", pack)
+        assert joint  # one process: the network's kernels as one node
+        return real(model, "grouped", pack, joint)
 
     real = train.group_kernels
     monkeypatch.setattr(train, "group_kernels", spy)

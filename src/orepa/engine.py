@@ -5,7 +5,8 @@
 
 * the closed-form squeeze (:class:`Plan`: ``squeeze`` and its backward ``vjp``): branch
   kernels summed in place, gradients through closed-form vjps, nothing but the operands kept;
-* the autograd Functions around them (:class:`SqueezeFunction`, :class:`RecomputedSqueezeConv`);
+* the autograd Functions around them (:class:`SqueezeFunction`, :class:`GroupsFunction`,
+  :class:`RecomputedSqueezeConv`);
 * each block's own route in training (:func:`train_forward`): per branch kernel space or the
   feature map, whichever costs fewer FLOPs for the input (:func:`route`), and kernel recomputation;
 * the network-level kernel builder (:func:`group_kernels`): blocks of one construction signature
@@ -25,9 +26,11 @@ kernel-construction ops (~10-20 us each), not by their FLOPs; a group builds ``B
 the ops of one. On a CPU the FLOPs decide, and each block's own route (feature map vs kernel
 space, kernel recomputation; :func:`route`) is kept. The policy says which:
 ``"auto"`` groups where the block's tensors are on a CUDA device, ``"grouped"`` everywhere,
-``"per-block"`` nowhere, ``"compiled"`` everywhere with each group's construction compiled
+``"per-block"`` nowhere, ``"compiled"`` everywhere with the groups' construction compiled
 (:class:`CompiledBuild`: a few fused kernels per group instead of ~100 operators, after a
-compilation at the first training step).
+compilation at the first training step). The first online block of a training forward builds
+every group's kernels, as one autograd node (:class:`GroupsFunction`; compiled, one call forward
+and one backward for the whole network).
 """
 from __future__ import annotations
 
@@ -469,6 +472,46 @@ class SqueezeFunction(torch.autograd.Function):
         return (None, None, *plan.kernels_vjp(grads, ctx.stacked))
 
 
+class GroupsFunction(torch.autograd.Function):
+    """The kernels of one or several groups as one autograd node: ``build`` (an :class:`EagerBuild`
+    or a :class:`CompiledBuild`) makes them from the groups' ``storages``; ``params`` are the groups'
+    leaves in the same order, and get one gradient each. A network's groups built as one node run
+    their constructions' backward as one call too (see :func:`group_kernels`, ``joint``)."""
+
+    @staticmethod
+    def forward(ctx, build: EagerBuild | CompiledBuild, storages: tuple[Storage, ...], *params: Tensor):
+        ctx.build, ctx.storages = build, storages
+        ctx.save_for_backward(*params)  # kept for autograd's version check only, as in SqueezeFunction
+        return build.kernels(storages)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        ctx.spent = True  # as in SqueezeFunction: the kernels must not be handed out again
+        ref = ctx.saved_tensors[0]
+        grads = [g if g is not None else ref.new_zeros(shape) for g, shape in zip(grads, ctx.build.kernel_shapes)]
+        return (None, None, *ctx.build.kernels_vjp(grads, ctx.storages))
+
+
+class EagerBuild:
+    """The eager constructions of several groups, one after the other (interchangeable with a
+    :class:`CompiledBuild` in :class:`GroupsFunction`): ``plans[i]`` builds from ``storages[i]``."""
+
+    def __init__(self, plans: Sequence[Plan]):
+        self.plans = tuple(plans)
+        self.n = sum(p.n for p in self.plans)
+        self.kernel_shapes = [p.kernel_shape for p in self.plans for _ in range(p.n)]
+
+    def kernels(self, storages: Sequence[Storage | None]) -> tuple[Tensor, ...]:
+        return tuple(w for plan, stacked in zip(self.plans, storages) for w in plan.kernels(stacked))
+
+    def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage | None]) -> list[Tensor]:
+        out, i = [], 0
+        for plan, stacked in zip(self.plans, storages):
+            out.extend(plan.kernels_vjp(grads[i:i + plan.n], stacked))
+            i += plan.n
+        return out
+
+
 class RecomputedSqueezeConv(torch.autograd.Function):
     """``conv(x, squeeze(params))`` that keeps only ``x`` for backward and rebuilds the kernel
     there: a block then costs the memory of a plain conv. Honours autocast explicitly."""
@@ -654,8 +697,8 @@ def choose_route(block: nn.Module, shape: torch.Size, recompute: bool,
 class KernelGroup:
     """Online blocks of one construction signature whose kernels are built together (or one block).
 
-    A group builds every block's kernel at once (one :class:`SqueezeFunction`); its blocks take
-    theirs. A kernel is handed out once and only while its block's parameters are unchanged (their
+    A group builds every block's kernel at once (with its peers, one :class:`GroupsFunction`); its
+    blocks take theirs. A kernel is handed out once and only while its block's parameters are unchanged (their
     version counters) and its build has not been through a backward, so a block called twice, a
     forward that stopped halfway, a block skipped in one step and run in the next, or a parameter
     changed in between rebuilds instead of reusing a stale kernel or a graph already freed by
@@ -679,10 +722,13 @@ class KernelGroup:
         # and the tensors' addresses then
         self._storage: Storage | None = None
         self._addresses: tuple[int, ...] = ()
-        # policy "compiled": the compiled constructions per storage layout, the one of the present
-        # storage, and whether compiling failed
+        # whether the groups built at one miss (this one and its peers) are one autograd node
+        # (group_kernels' ``joint``)
+        self.joint = True
+        # policy "compiled": the compiled constructions of the builds this group leads, per plans and
+        # storage layouts, the one of the last build's storages, and whether compiling failed
         self._compiled: dict[tuple, CompiledBuild] = {}
-        self._compiled_for: tuple[Storage, CompiledBuild] | None = None
+        self._compiled_for: tuple[tuple[Storage, ...], CompiledBuild] | None = None
         self._compile_failed = False
         # pack(): the group's learnable operands as one parameter per role, and per role its name there
         self.packed: PackedParameters | None = None
@@ -713,10 +759,13 @@ class KernelGroup:
         # (blocks skipped in one step and run in the next, gradients accumulated in between)
         if entry is not None and entry[0] == self._versions(i) and not getattr(entry[1].grad_fn, "spent", False):
             return entry[1]
-        self._build()
-        for group in self.peers:
-            if group is not self and group.prebuild and not group._pending and group.active(group.plan.ref()):
-                group._build()
+        others = [group for group in self.peers if group is not self and group.prebuild and not group._pending
+                  and group.active(group.plan.ref())]
+        if self.joint:
+            _build_groups([self, *others])
+        else:
+            for group in (self, *others):
+                _build_groups([group])
         return self._pending.pop(i)[1]
 
     def decline(self) -> None:
@@ -731,36 +780,32 @@ class KernelGroup:
             return tuple(map(_version, self.packed._parameters.values()))
         return self.plan.versions(i)
 
-    def _build(self) -> None:
-        if self.packed is not None:
-            self._build_packed()
-            return
+    def _operands(self) -> tuple[Storage | None, list[Tensor], tuple[tuple, ...]] | None:
+        """What a build of this group's kernels reads: ``(storage, leaves, versions)``, the leaves
+        getting the gradients and ``versions[j]`` the version counters block ``j``'s kernel is valid
+        for; None where the blocks' tensors are on several devices or dtypes (:meth:`_build_apart`)."""
         plan = self.plan
+        if self.packed is not None:
+            leaves = list(self.packed._parameters.values())
+            stacked = self._storage
+            if stacked is None or not self._holds([*leaves, *self._fixed_tensors()]):
+                stacked = self._packed_storage()
+            return stacked, leaves, (tuple(map(_version, leaves)),) * plan.n
         tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]  # block-major, every role
-        params = [t for t, learnable in zip(tensors, itertools.cycle(plan.learnable_roles)) if learnable]
+        leaves = [t for t, learnable in zip(tensors, itertools.cycle(plan.learnable_roles)) if learnable]
         ref = tensors[0]
         held = self._holds(tensors)  # the common case: nothing moved since the storage was made
-        if held or all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
-            stacked = self._storage if held else self._stacked(tensors)
-            builder = plan if stacked is None or self.policy != "compiled" else self._compiled_build(stacked)
-            kernels = SqueezeFunction.apply(builder, stacked, *params)
-            kernels = (kernels,) if plan.n == 1 else kernels
-        else:  # blocks on several devices or dtypes: each its own
-            kernels = [SqueezeFunction.apply(one, None, *one.params())
-                       for one in (plan_of(b, self.names) for b in plan.blocks)]
-        m = len(params) // plan.n  # params are block-major: block j's are params[j*m:(j+1)*m]
-        self._pending = {j: (tuple(map(_version, params[j * m:(j + 1) * m])), w) for j, w in enumerate(kernels)}
+        if not held and not all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
+            return None
+        stacked = self._storage if held else self._stacked(tensors)
+        m = len(leaves) // plan.n  # leaves are block-major: block j's are leaves[j*m:(j+1)*m]
+        return stacked, leaves, tuple(tuple(map(_version, leaves[j * m:(j + 1) * m])) for j in range(plan.n))
 
-    def _build_packed(self) -> None:
-        plan, leaves = self.plan, list(self.packed._parameters.values())
-        stacked = self._storage
-        if stacked is None or not self._holds([*leaves, *self._fixed_tensors()]):
-            stacked = self._packed_storage()
-        builder = plan if self.policy != "compiled" else self._compiled_build(stacked)
-        kernels = SqueezeFunction.apply(builder, stacked, *leaves)
-        kernels = (kernels,) if plan.n == 1 else kernels
-        versions = tuple(map(_version, leaves))
-        self._pending = {j: (versions, w) for j, w in enumerate(kernels)}
+    def _build_apart(self) -> None:
+        """Blocks on several devices or dtypes: each builds its own kernel."""
+        plan = self.plan
+        for j, one in enumerate(plan_of(b, self.names) for b in plan.blocks):
+            self._pending[j] = (plan.versions(j), SqueezeFunction.apply(one, None, *one.params()))
 
     def _fixed_tensors(self) -> list[Tensor]:
         """The blocks' fixed kernels (buffers), block-major: what a packed group does not pack."""
@@ -907,24 +952,29 @@ class KernelGroup:
         roles = [K.channel_column(s) if s.dim() == 1 else s for s in raw]
         return Storage(roles, family, plan.operands(roles), packed)
 
-    def _compiled_build(self, stacked: Storage) -> Plan | CompiledBuild:
-        """The compiled construction for this storage's layout (compiled at its first use); the
-        plan itself, with one warning, where compiling fails (e.g. no C++ compiler or Triton)."""
-        if self._compiled_for is not None and self._compiled_for[0] is stacked:
-            return self._compiled_for[1]  # the common case: the storage of the last build
-        if self._compile_failed:
-            return self.plan
-        inputs = CompiledBuild.inputs(stacked)
-        key = (stacked.packed, *((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in inputs))
+    def _builder(self, plans: tuple[Plan, ...], storages: tuple[Storage | None, ...]) -> EagerBuild | CompiledBuild:
+        """How a build led by this group makes the kernels of ``plans`` (its own first, then its
+        peers'): eagerly, or (policy ``"compiled"``) by their construction compiled for these
+        storages' layouts, at its first use; eagerly, with one warning, where compiling fails (e.g.
+        no C++ compiler or Triton), and where a group has no storage (inside a capture)."""
+        last = self._compiled_for
+        if last is not None and len(last[0]) == len(storages) and all(map(operator.is_, last[0], storages)):
+            return last[1]  # the common case: the storages of the last build
+        if self.policy != "compiled" or self._compile_failed or any(st is None for st in storages):
+            return EagerBuild(plans)
+        # a plan is made anew when its group's tensors move (_replan); the build holds its plans, so
+        # their ids stay theirs while it is cached
+        key = tuple((id(plan), st.packed, *((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+                                            for t in CompiledBuild.inputs((st,)))) for plan, st in zip(plans, storages))
         try:
-            build = memo(self._compiled, key, lambda: CompiledBuild(self.plan, stacked))
+            build = memo(self._compiled, key, lambda: CompiledBuild(plans, storages))
         except Exception as e:  # noqa: BLE001 - any compiler failure leaves the eager construction
             self._compile_failed = True
-            warnings.warn(f"kernel builder 'compiled': compiling a group failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); it builds its kernels eagerly",
+            warnings.warn(f"kernel builder 'compiled': compiling the kernel construction failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); the kernels are built eagerly",
                           RuntimeWarning, stacklevel=2)
-            return self.plan
-        self._compiled_for = (stacked, build)
+            return EagerBuild(plans)
+        self._compiled_for = (storages, build)
         return build
 
     def _holds(self, tensors: list[Tensor]) -> bool:
@@ -970,6 +1020,28 @@ class KernelGroup:
         return self._storage
 
 
+def _build_groups(groups: Sequence[KernelGroup]) -> None:
+    """Build the kernels of ``groups`` (each group's ``_pending``) as one :class:`GroupsFunction`,
+    led by the first group (whose policy and compiled builds serve)."""
+    parts = []
+    for group in groups:
+        operands = group._operands()
+        if operands is None:
+            group._build_apart()
+        else:
+            parts.append((group, *operands))
+    if not parts:
+        return
+    plans = tuple(group.plan for group, *_ in parts)
+    storages = tuple(stacked for _, stacked, _, _ in parts)
+    build = parts[0][0]._builder(plans, storages)
+    kernels = GroupsFunction.apply(build, storages, *(t for _, _, leaves, _ in parts for t in leaves))
+    i = 0
+    for group, _, _, versions in parts:
+        group._pending = {j: (versions[j], kernels[i + j]) for j in range(group.plan.n)}
+        i += group.plan.n
+
+
 def _concat(ts: list[Tensor], repoint: bool, out: Tensor | None = None) -> Tensor:
     """``ts`` concatenated along dim 0 (into ``out``), re-pointed (``repoint``) to views of it; one
     tensor is its own concatenation unless ``out`` is given."""
@@ -988,52 +1060,61 @@ def _kind(step: nn.Module) -> str:
 
 
 class CompiledBuild:
-    """A group's construction compiled for one layout of its :class:`Storage` (policy
-    ``"compiled"``): the plan's squeeze and vjp traced once (``make_fx``) and compiled by inductor,
-    so a training step runs each group's construction as a few fused kernels and its deep
-    products instead of ~25 operators forward and 60-90 backward, each issued by the host. The
-    same kernels and gradients as the plan (rounding aside); the construction and its vjp are
-    both compiled at once, on the forward's thread, before any backward needs the vjp.
-    Interchangeable with a :class:`Plan` in :class:`SqueezeFunction` (``n``, ``kernel_shape``,
-    ``kernels``, ``kernels_vjp``)."""
+    """The constructions of one or several groups compiled for their storages' layouts (policy
+    ``"compiled"``): the plans' squeezes and vjps traced once (``make_fx``) and compiled by
+    inductor, so a training step runs the network's kernel construction as one call forward and
+    one backward, a few fused kernels and the deep products per group, instead of ~25 operators
+    forward and 60-90 backward per group, each issued by the host. The same kernels and gradients
+    as the plans (rounding aside); the construction and its vjp are both compiled at once, on the
+    forward's thread, before any backward needs the vjp. Interchangeable with an
+    :class:`EagerBuild` in :class:`GroupsFunction` (``n``, ``kernel_shapes``, ``kernels``,
+    ``kernels_vjp``)."""
 
-    def __init__(self, plan: Plan, stacked: Storage):
+    def __init__(self, plans: Sequence[Plan], storages: Sequence[Storage]):
         import torch._inductor  # here, not at import: the eager routes never need the compiler
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        n = plan.n
-        self.n, self.kernel_shape = n, plan.kernel_shape
-        traced = Plan(plan.blocks, plan.names, launch_bound=True, traced=True)
-        roles = len(stacked.roles)
+        self.plans = tuple(plans)  # held: the cache key names them by id
+        self.n = sum(p.n for p in self.plans)
+        self.kernel_shapes = [p.kernel_shape for p in self.plans for _ in range(p.n)]
+        traced = [Plan(p.blocks, p.names, launch_bound=True, traced=True) for p in self.plans]
+        layout = [(len(st.roles), len(self.inputs((st,))), st.packed) for st in storages]
 
-        def storage(ts: Sequence[Tensor]) -> Storage:  # the traced function's inputs as a Storage
-            rs = list(ts[:roles])
-            return Storage(rs, Family(*ts[roles:]) if len(ts) > roles else None, traced.operands(rs), stacked.packed)
+        def parts(ts: Sequence[Tensor]):  # the traced function's inputs as each plan's Storage
+            i = 0
+            for plan, (roles, size, packed) in zip(traced, layout):
+                part, i = ts[i:i + size], i + size
+                rs = list(part[:roles])
+                yield plan, Storage(rs, Family(*part[roles:]) if size > roles else None, plan.operands(rs), packed)
 
         def kernels(*ts):
-            return tuple(traced.kernels(storage(ts)))
+            return tuple(w for plan, st in parts(ts) for w in plan.kernels(st))
 
         def vjp(*ts):
-            return tuple(traced.kernels_vjp(ts[:n], storage(ts[n:])))
+            grads, out, i = ts[:self.n], [], 0
+            for plan, st in parts(ts[self.n:]):
+                out.extend(plan.kernels_vjp(grads[i:i + plan.n], st))
+                i += plan.n
+            return tuple(out)
 
-        inputs = self.inputs(stacked)
-        grads = [inputs[0].new_zeros(plan.kernel_shape) for _ in range(n)]
+        inputs = self.inputs(storages)
+        grads = [inputs[0].new_zeros(shape) for shape in self.kernel_shapes]
         with torch.no_grad(), torch.autocast(inputs[0].device.type, enabled=False):
             self._kernels = torch._inductor.compile(make_fx(kernels)(*inputs), inputs)
             self._vjp = torch._inductor.compile(make_fx(vjp)(*grads, *inputs), [*grads, *inputs])
 
     @staticmethod
-    def inputs(stacked: Storage) -> list[Tensor]:
-        """The storage's tensors as the compiled code takes them: its roles, then its family."""
-        return [*stacked.roles, *(stacked.family or ())]
+    def inputs(storages: Sequence[Storage]) -> list[Tensor]:
+        """The storages' tensors as the compiled code takes them: per storage its roles, then its family."""
+        return [t for st in storages for t in (*st.roles, *(st.family or ()))]
 
-    def kernels(self, stacked: Storage) -> tuple[Tensor, ...]:
-        with _autocast_off(stacked.roles[0]):
-            return tuple(self._kernels(*self.inputs(stacked)))
+    def kernels(self, storages: Sequence[Storage]) -> tuple[Tensor, ...]:
+        with _autocast_off(storages[0].roles[0]):
+            return tuple(self._kernels(*self.inputs(storages)))
 
-    def kernels_vjp(self, grads: Sequence[Tensor], stacked: Storage) -> list[Tensor]:
+    def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage]) -> list[Tensor]:
         with _autocast_off(grads[0]):
-            return list(self._vjp(*(g.contiguous() for g in grads), *self.inputs(stacked)))
+            return list(self._vjp(*(g.contiguous() for g in grads), *self.inputs(storages)))
 
 
 def _autocast_off(t: Tensor):
@@ -1065,7 +1146,7 @@ def _signature(block: nn.Module) -> tuple:
             tuple(steps))
 
 
-def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False) -> list[KernelGroup]:
+def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joint: bool = True) -> list[KernelGroup]:
     """Group the online blocks under ``root`` by construction signature (channels, kernel size,
     groups, branch set and step shapes) so each group builds its kernels together in training
     forwards. Idempotent: regrouping replaces earlier groups (e.g. to change ``policy``), and
@@ -1077,7 +1158,13 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False) -> 
     ``pack``: every group's learnable operands become one parameter per role
     (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
     where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
-    afterwards. Returns the groups.
+    afterwards.
+
+    ``joint``: the groups built at a forward's first online block are one autograd node (compiled:
+    one call forward, one backward), the fewest calls for the host. Their parameters' gradients
+    then all arrive at the end of the backward; ``joint=False`` (one node per group) gives each
+    group's as soon as its blocks' backward is done, which DistributedDataParallel overlaps with
+    the rest of the backward. Returns the groups.
     """
     if policy not in POLICIES:
         raise ValueError(f"kernel-builder policy must be one of {POLICIES}, got {policy!r}")
@@ -1101,7 +1188,7 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False) -> 
             blk._kernel_group = group
         groups.append(group)
     for group in groups:
-        group.peers = groups
+        group.peers, group.joint = groups, joint
         if pack:
             group.pack()
     return groups

@@ -92,7 +92,7 @@ def add_kernel_builder_argument(g, default: str | None = "auto") -> None:
                    help="how online blocks build their kernels in training: auto (blocks of one signature together "
                         "on CUDA, where launches cost more than FLOPs; each block its own FLOP-chosen route on a "
                         "CPU), grouped (together on any device), per-block (never together: less peak memory), "
-                        "compiled (grouped, each group's construction compiled by inductor at the first step: "
+                        "compiled (grouped, the groups' construction compiled by inductor at the first step: "
                         "fewer launches for eager GPU steps). Default: "
                         + ("compiled on a CUDA device where Triton is installed (not with --compile), else auto"
                            if default is None else default))

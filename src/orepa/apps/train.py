@@ -379,7 +379,9 @@ class Trainer:
             # a run resumed from before packing existed holds per-block optimizer state
             resumed_unpacked = self.resume_ckpt is not None and "pack_parameters" not in (self.resume_ckpt.get("args") or {})
             args.pack_parameters = not resumed_unpacked and default_pack(args.kernel_builder, device, bool(args.compile))
-        groups = group_kernels(model, args.kernel_builder, pack=args.pack_parameters)
+        # one autograd node for the network's kernels (the fewest host calls), except under DDP, whose
+        # all-reduce of a group's gradients overlaps the rest of the backward only with a node per group
+        groups = group_kernels(model, args.kernel_builder, pack=args.pack_parameters, joint=not info.distributed)
         self.n_groups = len(groups)
         if args.kernel_builder == "compiled" and groups:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "

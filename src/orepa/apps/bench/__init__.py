@@ -58,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="variants: base, orepa, orepa-offline, dbb, repvgg, orepa-vgg, ladder rungs "
                         f"({', '.join(LADDER)}, offline, offline+prior, ...); options as name:key=value, "
                         "builder=KERNEL_BUILDER a variant's own --kernel-builder (orepa orepa:builder=compiled "
-                        "times both in one run); comma-separated lists are accepted")
+                        "times both in one run), pack=true|false its own --pack-parameters, joint=false a node "
+                        "per group of online blocks instead of one for the network; comma-separated lists "
+                        "are accepted")
     p.add_argument("--components", action="store_true",
                    help="the component ladder of Fig. 'budgets' (base, dbb, each rung online and offline)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=16)

@@ -311,15 +311,15 @@ def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000,
     :func:`orepa.engine.group_kernels` ("grouped" runs the GPU route anywhere), unless the spec
     names its own (``orepa:builder=compiled``); ``pack``: whether its groups pack their parameters
     (``orepa:pack=false``; None: where they build the kernels, as ``orepa train`` does, unless the
-    timed steps are ``compiled_step`` s, torch.compile'd)."""
+    timed steps are ``compiled_step`` s, torch.compile'd); ``orepa:joint=false``: a node per group
+    instead of one for the network (``group_kernels``' ``joint``)."""
     torch.manual_seed(seed)
-    network, builder, spec_pack = split_run_options(spec, kernel_builder)
-    if spec_pack is not None:
-        pack = spec_pack
-    elif pack is None:
+    network, builder, switches = split_run_options(spec, kernel_builder)
+    pack = switches.get("pack", pack)
+    if pack is None:
         pack = default_pack(builder, torch.device(device), compiled_step)
     net = build_variant(model, network, num_classes, in_chans, model_options).to(device).train()
-    groups = group_kernels(net, builder, pack=pack)
+    groups = group_kernels(net, builder, pack=pack, joint=switches.get("joint", True))
     packed = any(g.packed is not None for g in groups)
     return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder, packed)
 

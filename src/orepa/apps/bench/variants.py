@@ -85,28 +85,30 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return name, parse_options(opts, f"--methods {spec}")
 
 
-#: the variant options that say how it runs (its kernel builder, whether its groups pack their
-#: parameters), not what it is; not block options
-BUILDER_OPTION, PACK_OPTION = "builder", "pack"
+#: the variant options that say how it runs, not what it is (not block options): its kernel builder,
+#: and the switches of engine.group_kernels (whether its groups pack their parameters, whether
+#: they build as one autograd node)
+BUILDER_OPTION, SWITCH_OPTIONS = "builder", ("pack", "joint")
 
 
-def split_run_options(spec: str, default: str) -> tuple[str, str, bool | None]:
+def split_run_options(spec: str, default: str) -> tuple[str, str, dict[str, bool]]:
     """``("orepa:builder=compiled:pack=false:scaling=scalar", "auto")`` -> ``("orepa:scaling=scalar",
-    "compiled", False)``: the network's spec, the kernel builder it runs with (``default`` where it
-    names none) and whether it packs (None where it does not say)."""
+    "compiled", {"pack": False})``: the network's spec, the kernel builder it runs with (``default``
+    where it names none) and the :data:`SWITCH_OPTIONS` it names."""
     name, *opts = spec.split(":")
-    builder, pack = default, None
+    builder, switches = default, {}
     kept = []
     for o in opts:
-        if o.startswith(BUILDER_OPTION + "="):
-            builder = o.split("=", 1)[1]
-        elif o.startswith(PACK_OPTION + "="):
-            pack = parse_options([o], f"--methods {spec}")[PACK_OPTION]
-            if not isinstance(pack, bool):
-                raise ValueError(f"{PACK_OPTION}= takes true or false, got {o.split('=', 1)[1]!r}")
+        key, _, value = o.partition("=")
+        if key == BUILDER_OPTION:
+            builder = value
+        elif key in SWITCH_OPTIONS:
+            switches[key] = parse_options([o], f"--methods {spec}")[key]
+            if not isinstance(switches[key], bool):
+                raise ValueError(f"{key}= takes true or false, got {value!r}")
         else:
             kept.append(o)
-    return ":".join([name, *kept]), builder, pack
+    return ":".join([name, *kept]), builder, switches
 
 
 def offline_rung(rung: str) -> str:
