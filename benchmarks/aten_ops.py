@@ -8,9 +8,9 @@ train step (zero_grad + forward + cross-entropy + backward + fused SGD) after on
 224x224 inputs (``orepa bench`` reports the same count in its "aten ops / step" column). OREPA is
 counted on the routes of ``orepa.engine``: "grouped" (blocks of one signature build their kernels
 together: what runs on a GPU), "per-block" (each block its own FLOP-chosen route: a CPU) and
-"compiled" (grouped, each group's construction compiled by inductor: its fused kernels are not
+"compiled" (grouped, the groups' construction compiled by inductor: its fused kernels are not
 aten operators, only its products and allocations are; compiles for a minute first). The grouped
-routes pack their parameters (one per group and role, as ``orepa train`` does where groups build)
+routes pack their parameters (a few per group, as ``orepa train`` does where groups build)
 and are counted unpacked too ("unpacked": one parameter per step, one accumulation each)::
 
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json

@@ -489,9 +489,10 @@ def test_aten_ops_per_step_counted_and_guarded():
     """The host cost of an eager step: aten operators dispatched, base vs online OREPA (ResNet-18,
     batch 8, 64x64) on both kernel-builder routes, and of them the ones that launch a kernel.
     Deterministic; the bounds guard against regressions (measured: per-block 10.3x, grouped
-    3.7x packed and 4.5x unpacked with 2.4x base's kernels, compiled 1.34x packed: see the next
+    3.7x packed and 4.5x unpacked with 2.4x base's kernels, compiled 1.2x packed: see the next
     test; the goal is <= 2x). Packing saves one accumulation (a ``detach``) per parameter tensor
-    it removes, and the split of each role's gradient into the blocks' (1,333 -> 1,083)."""
+    it removes and the split of each role's gradient into the blocks', and adds a concatenation
+    of gradients per parameter holding several roles."""
     from orepa.apps.bench.measure import count_ops, make_runner
 
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
@@ -505,9 +506,10 @@ def test_aten_ops_per_step_counted_and_guarded():
     assert 250 <= ops["base"] <= 400 and 100 <= kernels["base"] < ops["base"]
     assert ops["per-block unpacked"] <= 12 * ops["base"], ops  # a CPU's route does not pack
     assert ops["grouped"] <= 4 * ops["base"], ops  # the GPU route
-    assert kernels["grouped"] == kernels["grouped unpacked"] <= 3 * kernels["base"], kernels
-    assert leaves["grouped"] < 0.45 * leaves["grouped unpacked"]
-    assert ops["grouped unpacked"] - ops["grouped"] >= leaves["grouped unpacked"] - leaves["grouped"], (ops, leaves)
+    # packed: a concatenation of gradients per parameter that holds several roles (3 per group here)
+    assert kernels["grouped unpacked"] < kernels["grouped"] <= kernels["grouped unpacked"] + 3 * 9 <= 3 * kernels["base"]
+    assert leaves["grouped"] < 0.3 * leaves["grouped unpacked"]
+    assert ops["grouped unpacked"] - ops["grouped"] >= 0.8 * (leaves["grouped unpacked"] - leaves["grouped"]), (ops, leaves)
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ def _grads(model, x):
     for name, m in model.named_modules():
         slot = m.__dict__.get("_packed")
         if slot is not None:
-            grads[f"{name}.weight"] = slot.holder._parameters[slot.name].grad.narrow(0, slot.lo, slot.size)
+            grad = slot.holder._parameters[slot.name].grad
+            grads[f"{name}.weight"] = None if grad is None else grad.narrow(0, slot.lo, slot.size)
     return y, grads
 
 
@@ -621,7 +622,7 @@ def test_a_packed_model_loads_copies_moves_and_deploys_as_an_unpacked_one():
         assert all(n in grads and grads[n] is not None for n, p in m.named_parameters())
     blk = next(m for m in twin.modules() if getattr(m, "packed_parameters", None) is not None)
     assert blk.branches["kxk"].conv.weight.untyped_storage().data_ptr() == \
-        blk.packed_parameters.kxk_0.untyped_storage().data_ptr()
+        getattr(blk.packed_parameters, blk.branches["kxk"].conv._packed.name).untyped_storage().data_ptr()
     deployed = [orepa.reparameterize(m).eval() for m in (plain, packed)]
     torch.testing.assert_close(deployed[1](x), deployed[0](x), rtol=1e-12, atol=1e-12)
     assert deployed[0].state_dict().keys() == deployed[1].state_dict().keys()
@@ -661,6 +662,41 @@ def test_checkpointed_blocks_of_a_packed_group_give_the_per_block_gradients(reen
                       if st.__dict__.get("_packed") is not None and st._packed.name == name)
         want = torch.cat([g.reshape(-1, *p.shape[1:]) for _, g in rows])  # each step's rows, in order
         torch.testing.assert_close(p.grad, want, msg=name)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_group_packs_one_parameter_per_kind_row_shape_and_trainability(frozen):
+    """Packed parameters are the concatenations of the steps whose rows agree in kind (scale or conv
+    weight), in shape and in trainability (a branch frozen in every block gets a parameter of its
+    own, without gradient): every branch's scales in one, the 3x3 kernels of kxk and 1x1 -> kxk in
+    one, ... The gradients are each step's, by its rows."""
+    torch.manual_seed(0)
+    net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), nn.ReLU(), OREPAConv2d(4, 4, 3, padding=1)).double()
+    if frozen:
+        for i in (0, 2):
+            net[i].branches["kxk"].conv.weight.requires_grad_(False)
+    plain = copy.deepcopy(net)
+    engine.group_kernels(plain, "grouped")
+    want = {}
+    for name, m in plain.named_modules():
+        w = m._parameters.get("weight") if name.split(".")[0] in ("0", "2") and ".branches." in name else None
+        if w is not None:
+            key = ("scale" if w.dim() == 1 else "weight", tuple(w.shape[1:]), w.requires_grad)
+            want[key] = want.get(key, 0) + w.shape[0]
+    (group,) = engine.group_kernels(net, "grouped", pack=True)
+    got = {(group.packed.kinds[n], tuple(p.shape[1:]), p.requires_grad): p.shape[0]
+           for n, p in group.packed.named_parameters()}
+    assert got == want and len(got) == (6 if frozen else 5)
+    assert "scales" in dict(group.packed.named_parameters())
+    x = torch.randn(2, 4, 4, 4, dtype=torch.float64)
+    (y0, g0), (y1, g1) = _grads(plain, x), _grads(net, x)
+    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
+    for k, g in g0.items():
+        if g is None:
+            assert k.endswith("branches.kxk.conv.weight") and frozen
+            continue
+        torch.testing.assert_close(g1[k], g, rtol=1e-12, atol=1e-12, msg=k)
+    assert all((p.grad is None) == (not p.requires_grad) for p in group.packed.parameters())
 
 
 def test_a_group_frozen_in_some_blocks_only_stays_unpacked():

@@ -132,14 +132,16 @@ class Family(NamedTuple):
 class Storage(NamedTuple):
     """A group's operands made once (:meth:`KernelGroup._stacked`): per role (:meth:`Plan.tensors_of`)
     the blocks' tensors concatenated along dim 0, which they are views of, and the filter family;
-    ``operands``: the roles as :meth:`Plan.operands` hands them to the squeeze. ``packed``: its
-    learnable roles are the group's packed parameters (:meth:`KernelGroup.pack`), so the squeeze's
-    gradients are theirs, one per packed parameter, not one per block and role."""
+    ``operands``: the roles as :meth:`Plan.operands` hands them to the squeeze. ``packed``: where
+    its learnable roles are rows of the group's packed parameters (:meth:`KernelGroup.pack`), the
+    squeeze's gradients are theirs, one per packed parameter, not one per block and role: per packed
+    parameter, the gradients it concatenates (indices into the learnable roles outside the filter
+    family in order, then the family's 1x1 weights and scales) and the shape of its rows."""
 
     roles: list[Tensor]
     family: Family | None
     operands: list[tuple[list[Operand], Tensor | None]]
-    packed: bool = False
+    packed: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
 
 
 class PackedSlot:
@@ -159,7 +161,7 @@ class PackedSlot:
 
 
 class PackedParameters(nn.Module):
-    """A group's learnable operands as one parameter per role (:meth:`KernelGroup.pack`), the
+    """A group's learnable operands as a few parameters (:meth:`KernelGroup.pack`), the
     child ``packed_parameters`` of the group's first block. No state_dict keys of its own: every
     step still saves and loads its rows under its own key (see ``orepa.blocks.PackableWeight``).
     ``kinds``: per parameter, ``"scale"`` (branch scaling vectors) or ``"weight"`` (conv kernels),
@@ -355,11 +357,13 @@ class Plan:
             per_branch.append([g if packed else (g.split(g.shape[0] // n) if n > 1 else (g,))
                                for g in grads if g is not None])
         if packed:  # one gradient per packed parameter, in KernelGroup.pack's order
-            out = [g for gs in per_branch for g in gs]
+            flat = [g for gs in per_branch for g in gs]
             if family is not None:
                 d_w, d_s = d_family
-                out += [d_w.view(-1, *d_w.shape[2:], 1, 1), d_s.view(-1)]
-            return out
+                flat += [d_w.view(-1, *d_w.shape[2:], 1, 1), d_s.view(-1)]
+            # a parameter of several roles: their gradients concatenated (rows of one shape already)
+            return [flat[members[0]] if len(members) == 1 else torch.cat([flat[m] for m in members])
+                    for members, _ in stacked.packed]
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
 
 
@@ -730,9 +734,13 @@ class KernelGroup:
         self._compiled: dict[tuple, CompiledBuild] = {}
         self._compiled_for: tuple[tuple[Storage, ...], CompiledBuild] | None = None
         self._compile_failed = False
-        # pack(): the group's learnable operands as one parameter per role, and per role its name there
+        # pack(): the group's learnable operands as a few parameters; where each role's rows are in
+        # them (name, first row, rows), the filter family's 1x1 weights' and scales', and what the
+        # squeeze's packed gradients concatenate (Storage.packed)
         self.packed: PackedParameters | None = None
-        self._packed_roles: dict[int, str] = {}
+        self._packed_roles: dict[int, tuple[str, int, int]] = {}
+        self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
+        self._packed_layout: tuple = ()
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
@@ -814,15 +822,18 @@ class KernelGroup:
         return [d[k] for b in range(plan.n) for d, k in (plan._slots[b][r] for r in fixed)]
 
     def pack(self) -> bool:
-        """Make the group's learnable operands one ``nn.Parameter`` per role (the blocks' tensors of
-        that role concatenated along dim 0; the filter family's 1x1 weights and scales one each), held
-        by the child ``packed_parameters`` of the group's first block. Each step's ``weight`` is then
+        """Make the group's learnable operands a few ``nn.Parameter`` s, held by the child
+        ``packed_parameters`` of the group's first block: one per kind (scales or conv weights), row
+        shape and trainability, the concatenation along dim 0 of the roles' tensors of that kind
+        (each role: its blocks' tensors concatenated), e.g. ``scales`` (every branch's scales),
+        ``weights_64x3x3`` (the kxk and 1x1 -> kxk branches' 3x3 kernels of 64 input channels). Each step's ``weight`` is then
         its rows of it (``orepa.blocks.PackableWeight``), read and written as before (state_dict keys,
         ``reparameterize``, deployment and every per-block route are unchanged).
 
         Why: autograd, the optimizer and ``zero_grad`` pay per parameter tensor, and an eager GPU step
         is bound by that host time; ResNet-18's online blocks hold 249 parameters more than its convs,
-        packed they hold a few per group. The optimizer must be made after packing (it holds the
+        packed they hold five per group. Parameters of one kind and row shape keep what optimizers
+        and weight-decay rules read (``ndim``, ``kinds``). The optimizer must be made after packing (it holds the
         parameters it was given), and ``torch.func.functional_call`` takes the packed names. Returns
         whether the group packed: a group of one block without a filter family has nothing to pack,
         and tensors on several devices or dtypes, frozen in some blocks only, or that the blocks do
@@ -838,43 +849,56 @@ class KernelGroup:
             return False
         roles = len(tensors) // plan.n
         if any(len({t.requires_grad for t in tensors[r::roles]}) > 1 for r in range(roles)):
-            return False  # some blocks frozen, others not: one parameter per role cannot say which
+            return False  # some blocks frozen, others not: a role's rows in one parameter cannot say which
         stacked = self._stacked(tensors)  # the blocks' tensors become views of one storage per role
         if stacked is None:
             return False
-        holder, names = PackedParameters(), {}
+        # the learnable operands in the order of the squeeze's packed gradients (Storage.packed): the
+        # roles outside the filter family, then the family's 1x1 weights and its scales
         in_family = {r for w, _, s_ in plan.family for r in (w, s_)}
-        role = 0
-        for br in plan.branches:
-            for j, learnable in enumerate((*br.learnable, *((True,) if br.scales is not None else ()))):
-                if learnable and role not in in_family:
-                    names[role] = f"{br.name}_{'scale' if j == len(br.steps) else j}"
-                role += 1
-        for r, name in names.items():
-            raw = stacked.roles[r]
-            raw = raw.view(-1) if plan.role_modules[r][0]._parameters["weight"].dim() == 1 else raw
-            holder.register_parameter(name, nn.Parameter(raw, plan.role_modules[r][0].weight.requires_grad))
-            holder.kinds[name] = _kind(plan.role_modules[r][0])
+        operands = [(r, stacked.roles[r], plan.role_modules[r][0]) for r, learnable in enumerate(plan.learnable_roles)
+                    if learnable and r not in in_family]
         if stacked.family is not None:
             fam = stacked.family
-            w_mod = plan.role_modules[plan.family[0][0]][0]
-            s_mod = plan.role_modules[plan.family[0][2]][0]
-            weights = fam.weights.reshape(-1, fam.weights.shape[-1], 1, 1)
-            holder.register_parameter("family_weights", nn.Parameter(weights, w_mod.weight.requires_grad))
-            holder.register_parameter("family_scales", nn.Parameter(fam.scales.reshape(-1), s_mod.weight.requires_grad))
-            holder.kinds.update(family_weights=_kind(w_mod), family_scales=_kind(s_mod))
+            operands += [(None, fam.weights.reshape(-1, fam.weights.shape[-1], 1, 1), plan.role_modules[plan.family[0][0]][0]),
+                         (None, fam.scales, plan.role_modules[plan.family[0][2]][0])]
+        operands = [(r, t.reshape(-1) if _kind(mod) == "scale" else t, mod) for r, t, mod in operands]
+        # one parameter per kind (scales, or conv weights whose rows have one shape) and trainability,
+        # the concatenation of its operands' rows: a step reads its rows wherever they are, and fewer
+        # tensors cost the host less (scales of every branch in one, the 3x3 kernels of kxk and of
+        # 1x1 -> kxk in one, ...); weight decay by kind or by dimension still tells them apart
+        by_key: dict[tuple, list[int]] = {}
+        for i, (_, t, mod) in enumerate(operands):
+            by_key.setdefault((_kind(mod), tuple(t.shape[1:]), _weight(mod).requires_grad), []).append(i)
+        holder, where, layout = PackedParameters(), {}, []
+        with torch.no_grad():
+            for (kind, rows, trainable), members in by_key.items():
+                name = ("scales" if kind == "scale" else "weights_" + "x".join(map(str, rows))) + \
+                    ("" if trainable else "_frozen")
+                ts = [operands[i][1] for i in members]
+                holder.register_parameter(name, nn.Parameter(ts[0] if len(ts) == 1 else torch.cat(ts), trainable))
+                holder.kinds[name] = kind
+                lo = 0
+                for i, t in zip(members, ts):
+                    where[i] = (name, lo, t.shape[0])
+                    lo += t.shape[0]
+                layout.append((tuple(members), rows))
         # every step of a packed role reads its rows from now on
-        rows = {r: (name, 0) for r, name in names.items()}
+        roles = {r: where[i] for i, (r, _, _) in enumerate(operands) if r is not None}
+        starts = {}  # role -> (parameter, first row of block 0)
+        starts.update((r, (name, lo)) for r, (name, lo, _) in roles.items())
+        family = (where[len(operands) - 2], where[len(operands) - 1]) if stacked.family is not None else None
         for j, (w_role, _, s_role) in enumerate(plan.family):
             size = plan.role_modules[w_role][0]._parameters["weight"].shape[0] * plan.n
-            rows[w_role], rows[s_role] = ("family_weights", j * size), ("family_scales", j * size)
-        for r, (name, start) in rows.items():
+            (w_name, w_lo, _), (s_name, s_lo, _) = family
+            starts[w_role], starts[s_role] = (w_name, w_lo + j * size), (s_name, s_lo + j * size)
+        for r, (name, start) in starts.items():
             for b, mod in enumerate(plan.role_modules[r]):
                 size = mod._parameters["weight"].shape[0]
                 del mod._parameters["weight"]
                 mod._packed = PackedSlot(holder, name, start + b * size, size)
         self.blocks[0].packed_parameters = holder
-        self.packed, self._packed_roles = holder, names
+        self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
         self._replan()
         self._packed_storage()
         return True
@@ -891,7 +915,7 @@ class KernelGroup:
                     leaf = slot.holder._parameters[slot.name]
                     mod._parameters["weight"] = nn.Parameter(slot.view().detach(), leaf.requires_grad)
         del self.blocks[0]._modules["packed_parameters"]
-        self.packed, self._packed_roles = None, {}
+        self.packed, self._packed_roles, self._packed_family, self._packed_layout = None, {}, None, ()
         self._replan()
         self._storage = None
 
@@ -907,12 +931,16 @@ class KernelGroup:
         kernels concatenated (their buffers re-pointed into it, outside a CUDA graph capture)."""
         plan, leaves = self.plan, self.packed._parameters
         roles: list[Tensor | None] = [None] * len(plan.learnable_roles)
-        for r, name in self._packed_roles.items():
-            roles[r] = leaves[name].detach()
+        def rows(name: str, lo: int, size: int) -> Tensor:
+            t = leaves[name].detach()
+            return t if size == t.shape[0] else t.narrow(0, lo, size)
+
+        for r, where in self._packed_roles.items():
+            roles[r] = rows(*where)
         family_wts = None
         if plan.family:
             j = len(plan.family)
-            w, s_ = leaves["family_weights"].detach(), leaves["family_scales"].detach()
+            w, s_ = (rows(*where) for where in self._packed_family)
             family_wts = (w.view(j, -1, *w.shape[1:]), s_.view(j, -1))
             for i, (w_role, _, s_role) in enumerate(plan.family):
                 roles[w_role], roles[s_role] = family_wts[0][i], family_wts[1][i]
@@ -923,14 +951,14 @@ class KernelGroup:
         with torch.no_grad():
             for k, r in enumerate(r for r, role in enumerate(roles) if role is None):
                 roles[r] = _concat(fixed[k::per_block], not capturing)
-        storage = self._finish_storage(roles, family_wts, packed=True)
+        storage = self._finish_storage(roles, family_wts, packed=self._packed_layout)
         if not capturing:
             self._storage = storage
             self._addresses = tuple(t.data_ptr() for t in [*leaves.values(), *fixed])  # fixed: re-pointed now
         return storage
 
     def _finish_storage(self, raw: list[Tensor], family_wts: tuple[Tensor, Tensor] | None,
-                        packed: bool = False) -> Storage:
+                        packed: tuple = ()) -> Storage:
         """A :class:`Storage` from its roles' concatenations: the family's fixed filters built and
         the scales kept as ``[B * C_out, 1, 1, 1]`` views (they broadcast over kernels with no view
         op per use)."""
@@ -1155,7 +1183,7 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     Blocks with scalar scales stay alone (their scales do not concatenate per channel): a group
     of one, which still takes the grouped route (the kernel space, no recomputation).
 
-    ``pack``: every group's learnable operands become one parameter per role
+    ``pack``: every group's learnable operands become a few parameters, one per kind and row shape
     (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
     where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
     afterwards.

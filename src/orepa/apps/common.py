@@ -118,7 +118,8 @@ def default_kernel_builder(device: torch.device, whole_step_compiled: bool = Fal
 def add_pack_argument(g) -> None:
     """``--pack-parameters``: pack each kernel group's parameters (:func:`default_pack`)."""
     g.add_argument("--pack-parameters", action=argparse.BooleanOptionalAction, default=None,
-                   help="hold each group of online blocks' learnable operands as one parameter per role (exact: "
+                   help="hold each group of online blocks' learnable operands as a few parameters, one per kind and row "
+                        "shape (exact: "
                         "the same arithmetic, state_dict keys and checkpoints): autograd, the optimizer and "
                         "zero_grad pay per parameter tensor, and the online blocks of ResNet-18 hold 249 more "
                         "than its convs. Default: on where the kernel builder builds groups (a CUDA device, or "
