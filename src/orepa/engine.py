@@ -136,12 +136,12 @@ class Storage(NamedTuple):
     its learnable roles are rows of the group's packed parameters (:meth:`KernelGroup.pack`), the
     squeeze's gradients are theirs, one per packed parameter, not one per block and role: per packed
     parameter, the gradients it concatenates (indices into the learnable roles outside the filter
-    family in order, then the family's 1x1 weights and scales) and the shape of its rows."""
+    family in order, then the family's 1x1 weights and scales)."""
 
     roles: list[Tensor]
     family: Family | None
     operands: list[tuple[list[Operand], Tensor | None]]
-    packed: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = ()
+    packed: tuple[tuple[int, ...], ...] = ()
 
 
 class PackedSlot:
@@ -363,7 +363,7 @@ class Plan:
                 flat += [d_w.view(-1, *d_w.shape[2:], 1, 1), d_s.view(-1)]
             # a parameter of several roles: their gradients concatenated (rows of one shape already)
             return [flat[members[0]] if len(members) == 1 else torch.cat([flat[m] for m in members])
-                    for members, _ in stacked.packed]
+                    for members in stacked.packed]
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
 
 
@@ -702,8 +702,8 @@ class KernelGroup:
     """Online blocks of one construction signature whose kernels are built together (or one block).
 
     A group builds every block's kernel at once (with its peers, one :class:`GroupsFunction`); its
-    blocks take theirs. A kernel is handed out once and only while its block's parameters are unchanged (their
-    version counters) and its build has not been through a backward, so a block called twice, a
+    blocks take theirs. A kernel is handed out once and only while its block's parameters are
+    unchanged (their version counters) and its build has not been through a backward, so a block called twice, a
     forward that stopped halfway, a block skipped in one step and run in the next, or a parameter
     changed in between rebuilds instead of reusing a stale kernel or a graph already freed by
     backward. The first miss of a training forward also builds the kernels of every other group
@@ -740,7 +740,7 @@ class KernelGroup:
         self.packed: PackedParameters | None = None
         self._packed_roles: dict[int, tuple[str, int, int]] = {}
         self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
-        self._packed_layout: tuple = ()
+        self._packed_layout: tuple[tuple[int, ...], ...] = ()
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
@@ -826,15 +826,16 @@ class KernelGroup:
         ``packed_parameters`` of the group's first block: one per kind (scales or conv weights), row
         shape and trainability, the concatenation along dim 0 of the roles' tensors of that kind
         (each role: its blocks' tensors concatenated), e.g. ``scales`` (every branch's scales),
-        ``weights_64x3x3`` (the kxk and 1x1 -> kxk branches' 3x3 kernels of 64 input channels). Each step's ``weight`` is then
-        its rows of it (``orepa.blocks.PackableWeight``), read and written as before (state_dict keys,
-        ``reparameterize``, deployment and every per-block route are unchanged).
+        ``weights_64x3x3`` (the kxk and 1x1 -> kxk branches' 3x3 kernels of 64 input channels).
+        Each step's ``weight`` is then its rows (``orepa.blocks.PackableWeight``), read and written
+        as before (state_dict keys, ``reparameterize``, deployment and every per-block route are
+        unchanged).
 
         Why: autograd, the optimizer and ``zero_grad`` pay per parameter tensor, and an eager GPU step
         is bound by that host time; ResNet-18's online blocks hold 249 parameters more than its convs,
         packed they hold five per group. Parameters of one kind and row shape keep what optimizers
-        and weight-decay rules read (``ndim``, ``kinds``). The optimizer must be made after packing (it holds the
-        parameters it was given), and ``torch.func.functional_call`` takes the packed names. Returns
+        and weight-decay rules read (``ndim``, ``kinds``). The optimizer must be made after packing
+        (it holds the parameters it was given), and ``torch.func.functional_call`` takes the packed names. Returns
         whether the group packed: a group of one block without a filter family has nothing to pack,
         and tensors on several devices or dtypes, frozen in some blocks only, or that the blocks do
         not own (``functional_call``, FSDP) stay as they are."""
@@ -856,12 +857,12 @@ class KernelGroup:
         # the learnable operands in the order of the squeeze's packed gradients (Storage.packed): the
         # roles outside the filter family, then the family's 1x1 weights and its scales
         in_family = {r for w, _, s_ in plan.family for r in (w, s_)}
-        operands = [(r, stacked.roles[r], plan.role_modules[r][0]) for r, learnable in enumerate(plan.learnable_roles)
-                    if learnable and r not in in_family]
+        operands = [(r, stacked.roles[r], plan.role_modules[r][0])
+                    for r, learnable in enumerate(plan.learnable_roles) if learnable and r not in in_family]
         if stacked.family is not None:
-            fam = stacked.family
-            operands += [(None, fam.weights.reshape(-1, fam.weights.shape[-1], 1, 1), plan.role_modules[plan.family[0][0]][0]),
-                         (None, fam.scales, plan.role_modules[plan.family[0][2]][0])]
+            fam, (w_role, _, s_role) = stacked.family, plan.family[0]
+            operands += [(None, fam.weights.reshape(-1, fam.weights.shape[-1], 1, 1), plan.role_modules[w_role][0]),
+                         (None, fam.scales, plan.role_modules[s_role][0])]
         operands = [(r, t.reshape(-1) if _kind(mod) == "scale" else t, mod) for r, t, mod in operands]
         # one parameter per kind (scales, or conv weights whose rows have one shape) and trainability,
         # the concatenation of its operands' rows: a step reads its rows wherever they are, and fewer
@@ -882,11 +883,10 @@ class KernelGroup:
                 for i, t in zip(members, ts):
                     where[i] = (name, lo, t.shape[0])
                     lo += t.shape[0]
-                layout.append((tuple(members), rows))
+                layout.append(tuple(members))
         # every step of a packed role reads its rows from now on
         roles = {r: where[i] for i, (r, _, _) in enumerate(operands) if r is not None}
-        starts = {}  # role -> (parameter, first row of block 0)
-        starts.update((r, (name, lo)) for r, (name, lo, _) in roles.items())
+        starts = {r: (name, lo) for r, (name, lo, _) in roles.items()}  # role -> (parameter, block 0's first row)
         family = (where[len(operands) - 2], where[len(operands) - 1]) if stacked.family is not None else None
         for j, (w_role, _, s_role) in enumerate(plan.family):
             size = plan.role_modules[w_role][0]._parameters["weight"].shape[0] * plan.n
