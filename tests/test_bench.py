@@ -515,7 +515,7 @@ def test_aten_ops_per_step_counted_and_guarded():
 @pytest.mark.slow
 def test_the_compiled_kernel_builder_dispatches_twice_base_operators():
     """--kernel-builder compiled (ResNet-18, batch 2, 64x64: eight groups compiled first):
-    measured 1.34x base's operators per step with packed parameters (1.97x unpacked), its fused
+    measured 1.2x base's operators per step with packed parameters (1.97x unpacked), its fused
     kernels not being aten operators."""
     from orepa.apps.bench.measure import count_ops, make_runner
 
