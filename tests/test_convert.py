@@ -31,8 +31,8 @@ def _move_bn_stats(model, x, steps=2):
     model.eval()
 
 
-# wide_resnet50_2 (resnet50 with wider bottlenecks, the slowest here) with the full block only
-@pytest.mark.parametrize("arch, method", [(a, m) for a in ARCHS for m in METHODS] + [("wide_resnet50_2", "orepa")])
+# (wide_resnet50_2 is resnet50 with wider bottlenecks: nothing new to convert, 30 s in float64)
+@pytest.mark.parametrize("arch, method", [(a, m) for a in ARCHS for m in METHODS])
 def test_torchvision_roundtrip_loads_strictly_and_matches(arch, method):
     base = _torchvision(arch)
     model, report = orepa.convert(base, method, return_report=True)
