@@ -35,6 +35,15 @@ def _grads(model, x):
     return y, grads
 
 
+def _sgd_steps(model, x, steps=2):
+    """``steps`` SGD steps (momentum) on the mean square of ``model(x)``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("name,policy", [("resnet18", "grouped"), ("resnet50", "grouped"),
                                          pytest.param("resnet18", "compiled", marks=pytest.mark.slow)])
 def test_grouped_forward_and_gradients_equal_per_block(name, policy):
@@ -292,11 +301,7 @@ def test_a_networks_groups_build_as_one_node_and_train_as_one_node_per_group(mon
     monkeypatch.setattr(engine.KernelGroup, "kernel_of", record)
     x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
     for m in (net, apart):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-        for _ in range(2):
-            opt.zero_grad(set_to_none=True)
-            m(x).square().mean().backward()
-            opt.step()
+        _sgd_steps(m, x)
     assert len(nodes[id(engine.kernel_groups(net)[0].peers)]) == 2  # one node per step
     assert len(nodes[id(engine.kernel_groups(apart)[0].peers)]) == 2 * 3
     for p, q in zip(net.parameters(), apart.parameters()):
@@ -723,11 +728,7 @@ def test_a_packed_compiled_group_trains_as_a_packed_eager_one():
     engine.group_kernels(ref, "grouped", pack=True)
     x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
     for m in (net, ref):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-        for _ in range(2):
-            opt.zero_grad(set_to_none=True)
-            m(x).square().mean().backward()
-            opt.step()
+        _sgd_steps(m, x)
     groups = engine.kernel_groups(net)
     assert all(g._storage.packed for g in groups)
     assert groups[0]._compiled_for[1].plans == tuple(g.plan for g in groups)  # one compiled build for all
