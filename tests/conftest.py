@@ -4,6 +4,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# Inductor's CPU code without SIMD in the suite: the tests check the compiled constructions' graphs
+# and numbers, not inductor's vectorisation, which costs about 40% of a cold compile (probing the
+# ISAs with test builds, tiling analysis), and a clean clone's suite compiles ResNet-18's
+# construction several times. Read when torch._inductor.config is first imported (``import torch``
+# does not import it); subprocesses (torchrun in the DDP tests) inherit it. Override by setting it.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
 #: architectures whose parametrized test cases run in the full suite only (``-m "not slow"`` skips them):
 #: the large or deep networks; the fast subset keeps every test on the small ones (resnet18, resnet34, repvgg_a0)
 SLOW_ARCHITECTURES = frozenset({

@@ -510,19 +510,3 @@ def test_aten_ops_per_step_counted_and_guarded():
     assert kernels["grouped unpacked"] < kernels["grouped"] <= kernels["grouped unpacked"] + 3 * 9 <= 3 * kernels["base"]
     assert leaves["grouped"] < 0.3 * leaves["grouped unpacked"]
     assert ops["grouped unpacked"] - ops["grouped"] >= 0.8 * (leaves["grouped unpacked"] - leaves["grouped"]), (ops, leaves)
-
-
-@pytest.mark.slow
-def test_the_compiled_kernel_builder_dispatches_twice_base_operators():
-    """--kernel-builder compiled (ResNet-18, batch 2, 64x64: eight groups compiled first):
-    measured 1.2x base's operators per step with packed parameters (1.97x unpacked), its fused
-    kernels not being aten operators."""
-    from orepa.apps.bench.measure import count_ops, make_runner
-
-    x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
-    ops = {}
-    for spec, builder in (("base", "auto"), ("orepa", "compiled")):
-        r = make_runner("resnet18", spec, device=torch.device("cpu"), num_classes=10, kernel_builder=builder)
-        r.step(x, y)  # compiles
-        ops[spec] = count_ops(lambda r=r: r.step(x, y))[0]
-    assert ops["orepa"] <= 1.5 * ops["base"], ops
