@@ -212,9 +212,11 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     assert out.read_bytes() == b"keep me" and not (tmp_path / "new.pth").exists()
 
 
-def test_train_resume_fine_tunes_an_imported_checkpoint(tmp_path, capsys):
-    """`orepa train --resume` on an import-reference checkpoint starts a run from its weights (fresh
-    optimizer and schedule, that command's settings); the imported architecture is kept."""
+@pytest.mark.parametrize("flag,classes", [("--resume", 2), ("--init-from", 5)])
+def test_train_fine_tunes_an_imported_checkpoint(tmp_path, capsys, flag, classes):
+    """`orepa train --resume` or `--init-from` on an import-reference checkpoint starts a run from its
+    weights (fresh optimizer and schedule, that command's settings); the imported architecture is
+    kept, and a classifier for the data's 2 classes is made where the import has 5."""
     from PIL import Image
 
     from orepa.apps.checkpoint import load_checkpoint
@@ -228,19 +230,22 @@ def test_train_resume_fine_tunes_an_imported_checkpoint(tmp_path, capsys):
             for i in range(n):
                 Image.fromarray(torch.randint(0, 255, (40, 40, 3), generator=g, dtype=torch.uint8).numpy()).save(
                     d / f"{i}.png")
-    sd = make_resnet("orepa", [2, 2, 2, 2], [4, 8, 16, 32], num_classes=2, seed=14)
+    sd = make_resnet("orepa", [2, 2, 2, 2], [4, 8, 16, 32], num_classes=classes, seed=14)
     torch.save({"state_dict": sd}, tmp_path / "ref.pth")
     assert main(["import-reference", str(tmp_path / "ref.pth"), "-o", str(tmp_path / "start.pth")]) == 0
     out = tmp_path / "run"
     capsys.readouterr()
-    rc = main(["train", "--resume", str(tmp_path / "start.pth"), "--data-path", str(tmp_path / "imgs"),
+    rc = main(["train", flag, str(tmp_path / "start.pth"), "--data-path", str(tmp_path / "imgs"),
                "--epochs", "1", "-b", "4", "--lr", "1e-7", "--lr-warmup-epochs", "0", "--train-crop-size", "32",
                "--val-resize-size", "36", "--val-crop-size", "32", "-j", "0", "--no-progress", "--no-tensorboard",
                "--output-dir", str(out)])
     stdout = capsys.readouterr().out
     assert rc == 0 and "starting from the weights of" in stdout
+    assert ("a new 2-class classifier (fc.weight, fc.bias) in place of the checkpoint's 5-class one" in stdout) == (
+        classes == 5)
     start, end = load_checkpoint(tmp_path / "start.pth"), load_checkpoint(out / "checkpoint.pth")
-    assert end["model_cfg"] == start["model_cfg"] and end["epoch"] == 1
+    assert end["model_cfg"] == {**start["model_cfg"], "num_classes": 2} and end["epoch"] == 1
+    assert end["model"]["fc.weight"].shape[0] == 2
     w = "layer2.0.conv1.branches.kxk.conv.weight"  # lr 1e-7: the imported weights, barely moved
     assert 0 < (end["model"][w] - start["model"][w]).abs().max() < 1e-5
 

@@ -497,6 +497,49 @@ def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_
     assert seen == [picked, "per-block"]  # a named builder is kept
 
 
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classifier(cache, tmp_path, capsys):
+    """--init-from: another run's weights, this command's settings and a fresh optimizer; a
+    classifier for another class count is made anew (the rest loaded); such a run resumes like any
+    other; a deployed checkpoint, --resume with it, or another architecture: one error line."""
+    first = tmp_path / "first"
+    assert _train(cache, first, "--epochs", "1") == 0
+    start = _load(first / "checkpoint.pth")
+    capsys.readouterr()
+    tuned = tmp_path / "tuned"
+    assert _train(cache, tuned, "--init-from", str(first / "checkpoint.pth"), "--num-classes", "12", "--epochs", "2",
+                  "--lr", "1e-7", "--lr-warmup-epochs", "0", "--max-steps", "2") == 0
+    out = capsys.readouterr().out
+    assert f"starting from the weights of {first / 'checkpoint.pth'}" in out
+    assert "a new 12-class classifier (fc.weight, fc.bias) in place of the checkpoint's 10-class one" in out
+    end = _load(tuned / "checkpoint.pth")
+    assert end["model_cfg"] == {**start["model_cfg"], "num_classes": 12} and end["global_step"] == 2
+    assert end["model"]["fc.weight"].shape == (12, start["model"]["fc.weight"].shape[1])
+    moved = max((end["model"][k] - v).abs().max().item() for k, v in start["model"].items()
+                if not k.startswith("fc.") and v.is_floating_point() and "running_" not in k)
+    assert moved < 1e-4  # lr 1e-7: the loaded weights, barely moved (BN statistics aside)
+    assert "init_from" in end["args"]
+    # a run started from a checkpoint resumes as any run (--init-from is not taken from it)
+    assert main(["train", "--resume", str(tuned / "checkpoint.pth"), "--no-progress", "--quiet"]) == 0
+    assert _load(tuned / "checkpoint.pth")["epoch"] == 2
+    # a bare state_dict: the model the command's flags describe
+    torch.save(start["model"], tmp_path / "bare.pth")
+    assert _train(cache, tmp_path / "bare", "--init-from", str(tmp_path / "bare.pth"), "--max-steps", "1") == 0
+    capsys.readouterr()
+    deployed = tmp_path / "deployed.pth"
+    assert main(["reparam", str(first / "checkpoint.pth"), "-o", str(deployed), "--no-progress", "-j", "0",
+                 "--val-subset", "16"]) == 0
+    for extra, message in ((["--init-from", str(deployed)], "holds deploy weights"),
+                           (["--init-from", str(first / "checkpoint.pth"), "--resume", str(first / "checkpoint.pth")],
+                            "give one of them"),
+                           (["--init-from", str(first / "checkpoint.pth"), "--model", "resnet34"],
+                            "was trained as")):
+        capsys.readouterr()
+        assert _train(cache, tmp_path / "refused", *extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+        assert not (tmp_path / "refused").exists()
+
+
 # --------------------------------------------------------------------------- distributed
 
 

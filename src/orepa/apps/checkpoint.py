@@ -37,7 +37,7 @@ import re
 import socket
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -409,8 +409,22 @@ def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
     return "; ".join(parts)
 
 
-def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str | None = None) -> None:
-    """Strict ``load_state_dict`` with an error naming both architectures when it does not fit."""
+def new_classifier_keys(model: nn.Module, sd: dict, num_classes: int) -> list[str]:
+    """The keys of ``model``'s classifier that ``sd`` holds for another class count: the parameters
+    of its ``nn.Linear`` layers with ``num_classes`` outputs whose shape differs from ``sd``'s."""
+    own = model.state_dict()
+    return [key for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes
+            for key in (f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+            if key in sd and isinstance(sd[key], torch.Tensor) and sd[key].shape != own[key].shape]
+
+
+def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str | None = None,
+                     keep: Sequence[str] = ()) -> None:
+    """Strict ``load_state_dict`` with an error naming both architectures when it does not fit;
+    the tensors named in ``keep`` (a new classifier) keep the model's values."""
+    if keep:
+        own = model.state_dict()
+        sd = {**sd, **{k: own[k] for k in keep}}
     problem = state_dict_mismatch(model, sd)
     if problem:
         origin = f" (it was saved for {saved})" if saved else ""

@@ -250,15 +250,15 @@ def block_options_from_args(args: argparse.Namespace) -> dict:
 
 def check_model_fits_data(cfg: dict, data, source) -> None:
     """A model of ``cfg`` (from checkpoint ``source``) can run on ``data``: its input channels, and
-    at least as many classes. A :class:`UserError` otherwise (eval, and train resuming or
-    fine-tuning an import), instead of a shape error at the first batch."""
+    at least as many classes. A :class:`UserError` otherwise (eval, train resuming a run or starting
+    from a checkpoint's weights), instead of a shape error at the first batch."""
     if cfg["in_chans"] != data.in_chans:
         raise UserError(f"{source} takes {cfg['in_chans']}-channel images but {data.name} has "
                         f"{data.in_chans} channel(s); pass the --data-path it was trained on")
     if cfg["num_classes"] < data.num_classes:
         raise UserError(f"{source} predicts {cfg['num_classes']} classes but {data.name} has "
-                        f"{data.num_classes}; pass the --data-path it was trained on (a new classifier for "
-                        "other classes is not made here)")
+                        f"{data.num_classes}; pass the --data-path it was trained on, or fine-tune it on these "
+                        "classes in a new run (orepa train --init-from CHECKPOINT makes a new classifier)")
 
 
 def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans: int, small_input: bool,

@@ -1,13 +1,14 @@
 """``orepa import-reference``: a checkpoint of the paper's public code -> an orepa checkpoint.
 
     orepa import-reference ref/checkpoint.pth.tar -o r50.pth                  # training form
-    orepa train --resume r50.pth --data-path /data/imagenet --epochs 20 ...   # fine-tune it
+    orepa train --init-from r50.pth --data-path /data/mine --epochs 20 ...    # fine-tune it
     orepa import-reference ref/checkpoint.pth.tar -o r50-deploy.pth --deploy  # torchvision layout
 
 The architecture (family, depth, widths, block kinds) is read off the checkpoint's keys
 and shapes (:func:`orepa.import_reference`). The training-form checkpoint holds the
-model and its ``model_cfg`` but no optimizer state: ``orepa train --resume`` starts a
-fine-tuning run from it (fresh optimizer and schedule, the settings of that command).
+model and its ``model_cfg`` but no optimizer state: ``orepa train --init-from`` (or
+``--resume``) starts a fine-tuning run from it (fresh optimizer and schedule, the settings of
+that command, a new classifier where the data has another class count).
 ``--deploy`` writes the deployed model (vanilla layout; ``--fuse-bn`` folds the BNs),
 which ``orepa eval`` and ``orepa export`` read. Before writing, the written form is
 checked against the imported training form on a random batch.
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
           f"checked on a random batch: max |logit diff| {res['max_abs_diff']:.1e}")
     print(f"  wrote {res['output']}")
     if res["form"] == "train":
-        print(f"  fine-tune: orepa train --resume {res['output']} --data-path DATA ...")
+        print(f"  fine-tune: orepa train --init-from {res['output']} --data-path DATA ...")
     return 0
 
 

@@ -25,6 +25,10 @@ rescales the schedule from the current step, ``--wd`` / ``--momentum`` replace t
 optimizer's. Overrides that cannot apply are refused: another model, other data, another
 batch size (the position in the run is counted in its steps), fewer epochs than done.
 
+Fine-tuning: ``orepa train --init-from CKPT --data-path DATA`` starts a new run from the weights
+of a training-form checkpoint (``orepa train``'s or ``orepa import-reference``'s), with this
+command's settings; a classifier for another class count is made anew, the rest is loaded.
+
 Divergence: a non-finite loss stops the run, and no checkpoint is written unless every
 parameter, buffer (BN statistics), optimizer state and EMA tensor is finite, so the
 kept checkpoint is the last good state; resume it with a lower ``--lr``.
@@ -52,6 +56,7 @@ from .checkpoint import (
     check_output_path,
     load_checkpoint,
     load_model_state,
+    new_classifier_keys,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -156,6 +161,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", default=None,
                    help="continue the run of a training checkpoint (model, optimizer, scheduler, scaler, epoch, "
                         "position in the epoch, RNG) with its settings; flags given override them")
+    g.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start a new run from the weights of a training-form checkpoint (of `orepa train`, or "
+                        "`orepa import-reference`): its architecture, this command's settings, a fresh optimizer and "
+                        "schedule; a classifier for another class count (the data's, or --num-classes) is made anew")
     g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
     g.add_argument("--save-every", type=nonneg_int, default=0,
                    help="also checkpoint every N steps (0: epoch ends only)")
@@ -245,7 +254,7 @@ def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
 
 #: flags of one session, never taken from the checkpoint on --resume
-SESSION_FLAGS = frozenset({"resume", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
+SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
                            "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
                            "given", "command"})
 #: settings a resumed run cannot change: the position in the run is counted in their units
@@ -332,14 +341,27 @@ class Trainer:
         self.resume_ckpt = None
         self.overrides: list[str] = []
         saved_cfg = None
-        self.start_weights = None
+        # a run's starting point (fine-tuning): a checkpoint's model and weights, this command's settings,
+        # a fresh optimizer and schedule; its flag, for messages
+        self.start_weights, self.start_flag = None, None
+        if args.resume and args.init_from:
+            raise UserError("--resume continues a run and --init-from starts a new one from a checkpoint's weights: "
+                            "give one of them")
         if args.resume:
             self.resume_ckpt = load_checkpoint(args.resume)
         if self.resume_ckpt is not None and self.resume_ckpt.get("imported_from") and \
                 self.resume_ckpt.get("form") == "train" and "optimizer" not in self.resume_ckpt:
-            # a starting point written by `orepa import-reference`: its model and weights, this command's
-            # settings, a fresh optimizer and schedule (fine-tuning), not the continuation of a run
+            # written by `orepa import-reference`: a starting point, not the continuation of a run
             self.start_weights, self.resume_ckpt = self.resume_ckpt, None
+            self.start_flag = f"--resume {args.resume}"
+        elif args.init_from:
+            self.start_weights, self.start_flag = load_checkpoint(args.init_from), f"--init-from {args.init_from}"
+            form = self.start_weights.get("form", "train")
+            if form != "train":
+                raise UserError(f"{self.start_flag}: it holds {form} weights (no branches left to train); start from "
+                                "a training-form checkpoint (`orepa train`'s, or `orepa import-reference` without "
+                                "--deploy)")
+        if self.start_weights is not None:
             saved_cfg = self.start_weights.get("model_cfg")
         elif args.resume:
             if self.resume_ckpt.get("form", "train") != "train" or "optimizer" not in self.resume_ckpt:
@@ -349,14 +371,20 @@ class Trainer:
             saved_cfg = self.resume_ckpt.get("model_cfg")
             self.args, self.overrides = resumed_args(args, self.resume_ckpt)
             args = self.args
+        source = self.start_flag or f"--resume {args.resume}"
         self.data = build_data(args)
+        # a starting point's class count is the data's (or --num-classes): fine-tuning on other classes
+        # makes a new classifier
+        kept = saved_cfg if self.start_weights is None or saved_cfg is None else \
+            {k: v for k, v in saved_cfg.items() if k != "num_classes"}
         self.cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
-                                       small_input=self.data.small_input, saved=saved_cfg)
-        if saved_cfg is not None and saved_cfg != self.cfg:
-            raise UserError(f"--resume {args.resume} was trained as {describe_cfg(saved_cfg)}, but this command "
-                            f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(saved_cfg, self.cfg)) + ")")
+                                       small_input=self.data.small_input, saved=kept)
+        expected = saved_cfg if kept is saved_cfg else {**saved_cfg, "num_classes": self.cfg["num_classes"]}
+        if saved_cfg is not None and expected != self.cfg:
+            raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
+                            f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
         if saved_cfg is not None:  # its settings won over the data's: they must fit the data
-            check_model_fits_data(self.cfg, self.data, f"--resume {args.resume}")
+            check_model_fits_data(self.cfg, self.data, source)
         if args.output_dir is None:
             args.output_dir = f"runs/{self.data.name}-{self.cfg['model']}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
@@ -388,10 +416,7 @@ class Trainer:
                      "during the first training step (seconds per group; --kernel-builder auto builds them "
                      "eagerly, uncompiled)")
         if self.start_weights is not None:
-            load_model_state(model, self.start_weights["model"], path=args.resume, built=describe_cfg(self.cfg),
-                             saved=describe_cfg(saved_cfg) if saved_cfg else None)
-            self.log(f"starting from the weights of {args.resume} (imported from {self.start_weights.get('source')}): "
-                     "fresh optimizer and schedule, this command's settings")
+            self._load_start_weights(model, saved_cfg)
         self.params_train = count_params(model)
         self.params_deploy = count_params(build_model_form(self.cfg, "deploy"))
         if args.sync_bn and info.distributed:
@@ -432,6 +457,21 @@ class Trainer:
         # only now, with the model, data and optimizer built from this command's flags: a mistyped
         # flag must not cost the run it was meant to replace
         self._clear_previous_run(previous)
+
+    def _load_start_weights(self, model: nn.Module, saved_cfg: dict | None) -> None:
+        """Load the starting point's weights, but for a classifier of another class count (kept as
+        initialised: fine-tuning on other classes)."""
+        sd, path = self.start_weights["model"], self.start_flag.split(" ", 1)[1]
+        fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
+        load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
+                         saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh)
+        source = self.start_weights.get("source")
+        head = ""
+        if fresh:
+            head = (f"; a new {self.cfg['num_classes']}-class classifier ({', '.join(fresh)}) in place of "
+                    f"the checkpoint's {tuple(sd[fresh[0]].shape)[0]}-class one")
+        self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
+                 f"fresh optimizer and schedule, this command's settings{head}")
 
     def _check_output_dir(self) -> list[str]:
         """Refuse to train into a directory holding another run unless --overwrite; the files of the run
