@@ -121,7 +121,7 @@ class Hostile:
 
 
 @pytest.mark.parametrize("argv", [["eval", "{}"], ["reparam", "{}"], ["train", "--resume", "{}", "--epochs", "1"],
-                                  ["export", "{}"], ["analyze", "{}"]])
+                                  ["train", "--init-from", "{}", "--epochs", "1"], ["export", "{}"], ["analyze", "{}"]])
 def test_a_hostile_pickle_never_runs(tmp_path, capsys, argv):
     marker = tmp_path / "marker"
     path = tmp_path / "evil.pth"
