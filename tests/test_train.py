@@ -538,6 +538,11 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classi
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
         assert not (tmp_path / "refused").exists()
+    # never into the directory of the checkpoint it starts from, --overwrite or not
+    before = (first / "checkpoint.pth").read_bytes()
+    assert _train(cache, first, "--init-from", str(first / "checkpoint.pth"), "--overwrite") == 2
+    assert "holds the checkpoint this run starts from" in capsys.readouterr().err
+    assert (first / "checkpoint.pth").read_bytes() == before
 
 
 # --------------------------------------------------------------------------- distributed

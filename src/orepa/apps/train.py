@@ -342,8 +342,8 @@ class Trainer:
         self.overrides: list[str] = []
         saved_cfg = None
         # a run's starting point (fine-tuning): a checkpoint's model and weights, this command's settings,
-        # a fresh optimizer and schedule; its flag, for messages
-        self.start_weights, self.start_flag = None, None
+        # a fresh optimizer and schedule; its path, and the flag that named it (for messages)
+        self.start_weights, self.start_path, self.start_flag = None, None, None
         if args.resume and args.init_from:
             raise UserError("--resume continues a run and --init-from starts a new one from a checkpoint's weights: "
                             "give one of them")
@@ -353,9 +353,10 @@ class Trainer:
                 self.resume_ckpt.get("form") == "train" and "optimizer" not in self.resume_ckpt:
             # written by `orepa import-reference`: a starting point, not the continuation of a run
             self.start_weights, self.resume_ckpt = self.resume_ckpt, None
-            self.start_flag = f"--resume {args.resume}"
+            self.start_path, self.start_flag = args.resume, f"--resume {args.resume}"
         elif args.init_from:
-            self.start_weights, self.start_flag = load_checkpoint(args.init_from), f"--init-from {args.init_from}"
+            self.start_weights = load_checkpoint(args.init_from)
+            self.start_path, self.start_flag = args.init_from, f"--init-from {args.init_from}"
             form = self.start_weights.get("form", "train")
             if form != "train":
                 raise UserError(f"{self.start_flag}: it holds {form} weights (no branches left to train); start from "
@@ -461,7 +462,7 @@ class Trainer:
     def _load_start_weights(self, model: nn.Module, saved_cfg: dict | None) -> None:
         """Load the starting point's weights, but for a classifier of another class count (kept as
         initialised: fine-tuning on other classes)."""
-        sd, path = self.start_weights["model"], self.start_flag.split(" ", 1)[1]
+        sd, path = self.start_weights["model"], self.start_path
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
         load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                          saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh)
@@ -481,6 +482,10 @@ class Trainer:
         found = [n for n in RUN_FILES if (self.out / n).exists()] + sorted(p.name for p in self.out.glob("model_*.pth"))
         if not found:
             return []
+        if self.start_path and Path(self.start_path).resolve().parent == self.out.resolve():
+            # a new run would write over (or, with --overwrite, remove) the checkpoint it starts from
+            raise UserError(f"--output-dir {self.out} holds the checkpoint this run starts from "
+                            f"({self.start_flag}); a new run goes to another --output-dir")
         if args.resume and Path(args.resume).resolve().parent == self.out.resolve():
             return []  # continuing the run that lives here
         if not args.overwrite:
