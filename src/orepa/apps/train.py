@@ -376,11 +376,11 @@ class Trainer:
         self.data = build_data(args)
         # a starting point's class count is the data's (or --num-classes): fine-tuning on other classes
         # makes a new classifier
-        kept = saved_cfg if self.start_weights is None or saved_cfg is None else \
-            {k: v for k, v in saved_cfg.items() if k != "num_classes"}
+        new_head = self.start_weights is not None and saved_cfg is not None
+        kept = {k: v for k, v in saved_cfg.items() if k != "num_classes"} if new_head else saved_cfg
         self.cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
                                        small_input=self.data.small_input, saved=kept)
-        expected = saved_cfg if kept is saved_cfg else {**saved_cfg, "num_classes": self.cfg["num_classes"]}
+        expected = {**saved_cfg, "num_classes": self.cfg["num_classes"]} if new_head else saved_cfg
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
