@@ -132,7 +132,7 @@ def test_squeeze_function_of_a_group_passes_gradcheck():
     with torch.no_grad():
         for p in params:
             p.add_(torch.randn_like(p) * 0.1)  # off the identity/constant initialisation
-    fn = lambda *ps: engine.SqueezeFunction.apply(plan, None, *ps)  # noqa: E731
+    fn = lambda *ps: engine.squeeze_kernels(plan, None, *ps)  # noqa: E731
     assert torch.autograd.gradcheck(fn, params)
     # each output is that block's own kernel
     for blk, w in zip(blocks, fn(*params)):
@@ -180,7 +180,7 @@ def test_a_groups_storage_and_filter_family_pass_gradcheck(branches, groups):
     storage = group._stacked([t for b in range(plan.n) for t in plan.tensors_of(b)])
     assert storage.family is not None
     # gradcheck perturbs the parameters in place: the storage sees it (they are its views)
-    fn = lambda *ps: engine.SqueezeFunction.apply(plan, storage, *ps)  # noqa: E731
+    fn = lambda *ps: engine.squeeze_kernels(plan, storage, *ps)  # noqa: E731
     assert torch.autograd.gradcheck(fn, params)
     for blk, w in zip(net, fn(*params)):
         torch.testing.assert_close(w, blk.equivalent()[0])

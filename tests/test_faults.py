@@ -356,3 +356,32 @@ def test_ctrl_c_during_training_is_one_line_with_the_checkpoint_to_resume(cache,
     assert main(["train", "--resume", str(out / "checkpoint.pth"), "--epochs", "2", "--no-progress"]) == 130
     err = capsys.readouterr().err
     assert err == f"orepa train: interrupted; continue from the last checkpoint with --resume {out / 'checkpoint.pth'}\n"
+
+
+def test_the_form_of_an_existing_output_is_read_from_its_metadata(tmp_path):
+    """What reparam and export check before writing over a file: its tensors are mapped, not read,
+    so a damaged tensor does not hide a checkpoint; torch's legacy format is read whole."""
+    from orepa.apps.checkpoint import checkpoint_form, load_checkpoint
+    from orepa.apps.common import UserError
+
+    sd = {"w": torch.full((4096,), 7.0)}
+    deployed = tmp_path / "deployed.pth"
+    torch.save({"format": "orepa-checkpoint", "version": 1, "form": "deploy", "model": sd}, deployed)
+    assert checkpoint_form(deployed) == "deploy"
+    data = bytearray(deployed.read_bytes())
+    at = data.index(torch.full((64,), 7.0).numpy().tobytes())
+    data[at:at + 256] = bytes(256)  # the tensor's bytes, not the pickled metadata
+    deployed.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="fails its CRC check"):
+        load_checkpoint(deployed)
+    assert checkpoint_form(deployed) == "deploy"
+    legacy = tmp_path / "legacy.pth"
+    torch.save({"format": "orepa-checkpoint", "version": 1, "form": "train", "model": sd}, legacy,
+               _use_new_zipfile_serialization=False)
+    assert checkpoint_form(legacy) == "train"
+    bare = tmp_path / "bare.pth"
+    torch.save(sd, bare)
+    assert checkpoint_form(bare) == "state_dict"
+    text = tmp_path / "notes.txt"
+    text.write_text("not a checkpoint\n")
+    assert checkpoint_form(text) is None and checkpoint_form(tmp_path / "absent.pth") is None

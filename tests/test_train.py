@@ -343,6 +343,10 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys):
         assert main(["reparam", str(ckpt), "-o", str(out), "--no-verify"]) == 2
         assert msg in capsys.readouterr().err
     assert ckpt.read_bytes() == other.read_bytes() == before
+    bare = tmp_path / "bare.pth"
+    torch.save(_load(ckpt)["model"], bare)
+    assert main(["reparam", str(ckpt), "-o", str(bare), "--no-verify"]) == 2
+    assert "is not a deployed checkpoint (a bare state_dict)" in capsys.readouterr().err
     assert main(["reparam", str(ckpt), "-o", str(other), "--no-verify", "--overwrite"]) == 0
     assert _load(other)["form"] == "deploy"
     assert main(["reparam", str(ckpt), "--no-verify"]) == 0 and main(["reparam", str(ckpt), "--no-verify"]) == 0

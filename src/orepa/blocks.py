@@ -504,7 +504,7 @@ class ReparamConv2d(nn.Module):
         # token pairing this block with the BatchNorm it replaced (see AbsorbedNorm)
         self.absorbed_token: str | None = None
         # online blocks whose branches all have closed-form backwards squeeze through
-        # engine.SqueezeFunction: nothing but parameters is kept for backward
+        # engine.squeeze_kernels: nothing but parameters is kept for backward
         self._closed_form = mode == "online" and all(br._fast_groups == groups for br in self.branches.values())
         self._routes: dict[tuple, tuple[list[str], list[str]]] = {}  # input shape -> route (engine.route)
         self._first_full: dict[tuple[str, ...], str | None] = {}  # branch set -> branch starting the sum

@@ -5,8 +5,7 @@
 
 * the closed-form squeeze (:class:`Plan`: ``squeeze`` and its backward ``vjp``): branch
   kernels summed in place, gradients through closed-form vjps, nothing but the operands kept;
-* the autograd Functions around them (:class:`SqueezeFunction`, :class:`GroupsFunction`,
-  :class:`RecomputedSqueezeConv`);
+* the autograd Functions around them (:class:`GroupsFunction`, :class:`RecomputedSqueezeConv`);
 * each block's own route in training (:func:`train_forward`): per branch kernel space or the
   feature map, whichever costs fewer FLOPs for the input (:func:`route`), and kernel recomputation;
 * the network-level kernel builder (:func:`group_kernels`): blocks of one construction signature
@@ -49,7 +48,7 @@ from . import kernels as K
 
 __all__ = ["POLICIES", "CompiledBuild", "KernelGroup", "PackedParameters", "Plan", "builds_together", "choose_route",
            "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "route", "squeeze",
-           "train_forward", "train_kernel"]
+           "squeeze_kernels", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -209,6 +208,7 @@ class Plan:
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
                 scale0 is not None and scale0.mode == "scalar", ((k - e) // 2, (k - e) // 2 + e)))
         self._find_slots()
+        self.build = EagerBuild((self,))  # this plan's construction alone, as GroupsFunction runs it
         # per filter-family member (see Family): its roles (1x1 weight, fixed filter or None, scale)
         members, indices, role = [], [], 0
         for i, br in enumerate(self.branches):
@@ -448,52 +448,38 @@ def squeeze(blocks: Sequence[nn.Module], names: Sequence[str]) -> Tensor:
     return (plan_of(blocks[0], names) if len(blocks) == 1 else Plan(blocks, names)).squeeze()
 
 
-class SqueezeFunction(torch.autograd.Function):
-    """``plan.squeeze()`` with a hand-written backward; returns one kernel per block of the plan.
+class GroupsFunction(torch.autograd.Function):
+    """Kernels as one autograd node: ``build`` (an :class:`EagerBuild` or a :class:`CompiledBuild`)
+    makes them from ``storages`` (one per plan; ``None``: its operands concatenated anew); ``params``
+    are the plans' leaves in the same order, and get one gradient each. One block's plan, a group's,
+    or a network's groups (see :func:`group_kernels`, ``joint``): their backward is one call too.
 
-    Branch gradients come from dL/dW of the squeezed kernels through closed-form vjps: nothing
-    but the operands is kept (for one block, the parameters themselves)."""
+    Branch gradients come from dL/dW of the kernels through closed-form vjps: nothing but the
+    operands is kept (for one block, the parameters themselves)."""
 
     @staticmethod
-    def forward(ctx, plan: Plan, stacked: Storage | None, *params: Tensor):
-        ws = plan.kernels(stacked)
-        ctx.plan, ctx.stacked = plan, stacked
+    def forward(ctx, build: EagerBuild | CompiledBuild, storages: tuple[Storage | None, ...], *params: Tensor):
+        ctx.build, ctx.storages = build, storages
         # the parameters are kept (no memory; autograd checks they are unchanged at backward), and
         # the operands read again there: from the group's storage, whose memory is theirs, or
         # concatenated anew without one (keeping per-step concatenations instead held a copy of
         # every online parameter through the step: on an H100, ResNet-18 b64, peak 1.32x base
         # instead of 1.13x)
         ctx.save_for_backward(*params)
-        return ws[0] if plan.n == 1 else ws
+        return build.kernels(storages)
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):
         # the kernels' graph is spent (their grad_fn is this ctx): a group must not hand them out again
         ctx.spent = True
-        plan = ctx.plan
-        ref = ctx.saved_tensors[0]
-        grads = [g if g is not None else ref.new_zeros(plan.kernel_shape) for g in grads]
-        return (None, None, *plan.kernels_vjp(grads, ctx.stacked))
-
-
-class GroupsFunction(torch.autograd.Function):
-    """The kernels of one or several groups as one autograd node: ``build`` (an :class:`EagerBuild`
-    or a :class:`CompiledBuild`) makes them from the groups' ``storages``; ``params`` are the groups'
-    leaves in the same order, and get one gradient each. A network's groups built as one node run
-    their constructions' backward as one call too (see :func:`group_kernels`, ``joint``)."""
-
-    @staticmethod
-    def forward(ctx, build: EagerBuild | CompiledBuild, storages: tuple[Storage, ...], *params: Tensor):
-        ctx.build, ctx.storages = build, storages
-        ctx.save_for_backward(*params)  # kept for autograd's version check only, as in SqueezeFunction
-        return build.kernels(storages)
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor | None):
-        ctx.spent = True  # as in SqueezeFunction: the kernels must not be handed out again
         ref = ctx.saved_tensors[0]
         grads = [g if g is not None else ref.new_zeros(shape) for g, shape in zip(grads, ctx.build.kernel_shapes)]
         return (None, None, *ctx.build.kernels_vjp(grads, ctx.storages))
+
+
+def squeeze_kernels(plan: Plan, stacked: Storage | None, *params: Tensor) -> tuple[Tensor, ...]:
+    """``plan.kernels(stacked)`` with autograd (``params``: ``plan.params()``): one kernel per block."""
+    return GroupsFunction.apply(plan.build, (stacked,), *params)
 
 
 class EagerBuild:
@@ -614,7 +600,7 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
         if recompute:
             y = RecomputedSqueezeConv.apply(x, block, tuple(squeezed), block.bias, *plan.params())
         else:
-            w = SqueezeFunction.apply(plan, None, *plan.params())
+            (w,) = squeeze_kernels(plan, None, *plan.params())
             y = F.conv2d(x, w, block.bias, block.stride, block.padding, block.dilation, block.groups)
     for name in on_features:
         z = block.branches[name].run(x, block.stride[0], block.dilation[0])
@@ -633,7 +619,7 @@ def train_kernel(block: nn.Module) -> Tensor:
         return group.kernel_of(block)
     if _launch_bound(ref):
         plan = plan_of(block, tuple(block.branches), True)
-    return SqueezeFunction.apply(plan, None, *plan.params())
+    return squeeze_kernels(plan, None, *plan.params())[0]
 
 
 def needs_recompute(block: nn.Module, x: Tensor) -> bool:
@@ -813,7 +799,7 @@ class KernelGroup:
         """Blocks on several devices or dtypes: each builds its own kernel."""
         plan = self.plan
         for j, one in enumerate(plan_of(b, self.names) for b in plan.blocks):
-            self._pending[j] = (plan.versions(j), SqueezeFunction.apply(one, None, *one.params()))
+            self._pending[j] = (plan.versions(j), squeeze_kernels(one, None, *one.params())[0])
 
     def _fixed_tensors(self) -> list[Tensor]:
         """The blocks' fixed kernels (buffers), block-major: what a packed group does not pack."""

@@ -311,12 +311,13 @@ def _check_crcs(path: Path) -> None:
                         "after it was written)")
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict:
+def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
     """Read a checkpoint with ``weights_only=True`` (no code in the file runs).
 
     Returns a dict whose ``"model"`` is a state_dict without wrapper prefixes: an orepa
     checkpoint as saved, or ``{"model": sd}`` for a bare / wrapped state_dict of another tool.
-    Raises :class:`UserError` naming what is wrong with the file.
+    Raises :class:`UserError` naming what is wrong with the file. ``lazy``: for a look at the
+    metadata only; the tensors are memory-mapped, not read, nor checked against their CRCs.
     """
     path = Path(path)
     if not path.is_file():
@@ -326,9 +327,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     if _is_torchscript(path):  # torch.load would hand it to torch.jit.load
         raise UserError(f"{path} is a TorchScript archive (a compiled program), not a checkpoint; "
                         "load it with torch.jit.load")
-    _check_crcs(path)
+    if not lazy:
+        _check_crcs(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = _torch_load(path, lazy)
     except pickle.UnpicklingError as exc:
         raise _unpickling_error(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
@@ -358,6 +360,27 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         out["model_ema"] = strip_prefixes(out["model_ema"])
     _check_metadata(path, out)
     return out
+
+
+def _torch_load(path: Path, lazy: bool):
+    if lazy:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:  # torch's legacy (non-zip) format cannot be mapped: read it whole
+            if "mmap" not in str(exc):
+                raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checkpoint_form(path: str | os.PathLike) -> str | None:
+    """What an existing file holds, for a command about to write over it: an orepa checkpoint's
+    form (``"train"``, ``"deploy"``, ``"deploy-fused"``), ``"state_dict"`` for another tool's
+    state_dict, ``None`` for anything else. Reads the metadata only (see ``load_checkpoint``'s ``lazy``)."""
+    try:
+        ckpt = load_checkpoint(path, lazy=True)
+    except UserError:
+        return None
+    return ckpt.get("form", "train") if "format" in ckpt else "state_dict"
 
 
 #: integer fields of a training checkpoint (where it stopped)

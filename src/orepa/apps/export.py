@@ -320,14 +320,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-ema", action="store_true", help="export the checkpoint's EMA weights (train --model-ema)")
 
 
-def _is_checkpoint(path: Path) -> bool:
-    try:
-        ckpt_io.load_checkpoint(path)
-    except UserError:
-        return False
-    return True
-
-
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     if args.format != "onnx" and (args.dynamo or args.opset is not None):  # said, not silently dropped
@@ -363,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output or f"{cfg['model']}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
     ckpt_io.check_output_path(out, "--output", not_over={
         "the input checkpoint (export never writes over its input)": path or None})
-    if out.exists() and not args.overwrite and _is_checkpoint(out):
+    if out.exists() and not args.overwrite and ckpt_io.checkpoint_form(out) is not None:
         raise UserError(f"--output {out} holds a checkpoint; pass --overwrite to replace it, or choose another "
                         "--output")
     model.to(device)

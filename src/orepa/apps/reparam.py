@@ -22,6 +22,7 @@ from .checkpoint import (
     args_dict,
     atomic_write_text,
     check_output_path,
+    checkpoint_form,
     load_checkpoint,
     model_from_checkpoint,
     save_checkpoint,
@@ -82,15 +83,11 @@ def _check_output(out: Path, args) -> None:
     if args.json:
         check_output_path(args.json, "--json", text=True,
                           not_over={"the input checkpoint": args.checkpoint, "--output": out})
-    if out.exists() and not args.overwrite:
-        try:
-            form = load_checkpoint(out).get("form")
-        except UserError:
-            form = None
-        if form not in ("deploy", "deploy-fused"):
-            raise UserError(f"--output {out} exists and is not a deployed checkpoint "
-                            f"({'a ' + form + ' checkpoint' if form else 'not an orepa checkpoint'}); "
-                            "pass --overwrite to replace it, or choose another --output")
+    form = checkpoint_form(out) if out.exists() and not args.overwrite else "deploy"
+    if form not in ("deploy", "deploy-fused"):
+        held = {None: "not an orepa checkpoint", "state_dict": "a bare state_dict"}.get(form, f"a {form} checkpoint")
+        raise UserError(f"--output {out} exists and is not a deployed checkpoint ({held}); "
+                        "pass --overwrite to replace it, or choose another --output")
 
 
 def reparam(args: argparse.Namespace) -> dict:
