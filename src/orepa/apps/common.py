@@ -7,7 +7,7 @@
   the flags every computing subcommand shares (:func:`add_run_arguments`) and the
   model flags (:func:`add_model_arguments`, one ``KEY=VALUE`` parser);
 * model building from a plain ``model_cfg`` dict (what checkpoints store) with the
-  model zoo (``orepa.models.create_model``);
+  model zoo (``orepa.models.create_model``), or from torchvision / timm with ``orepa.convert``;
 * distributed setup (torchrun environment, nccl on GPUs, gloo on CPU);
 * optimizer parameter groups implementing the paper's weight-decay rule;
 * small measurements (parameter counts, peak memory).
@@ -195,7 +195,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Model flags. Unset ones (None) come from the checkpoint being resumed/evaluated, else the defaults."""
     g = p.add_argument_group("model (orepa.models.create_model)")
     g.add_argument("-m", "--model", default=None,
-                   help=f"architecture name (orepa.models.list_models()); default {DEFAULT_MODEL}")
+                   help=f"architecture: a zoo name (orepa.models.list_models()), or torchvision:NAME / timm:NAME, "
+                        f"any network of those libraries turned into --method by orepa.convert; default {DEFAULT_MODEL}")
     g.add_argument("--method", default=None,
                    help="re-param method: base, orepa, orepa-offline, dbb (ResNets); base, repvgg, orepa-vgg, ... "
                         f"(RepVGG); default {DEFAULT_METHOD}")
@@ -265,6 +266,9 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
                         saved: dict | None = None) -> dict:
     """The model_cfg: flags given on the command line, else ``saved`` (a checkpoint's), else defaults."""
     saved = saved or {}
+    model = args.model if getattr(args, "model", None) is not None else saved.get("model", DEFAULT_MODEL)
+    # the data's small_input default is the zoo's stem switch: another library's network keeps its own stem
+    small_input = small_input and not (isinstance(model, str) and external_source(model))
     defaults = {"model": DEFAULT_MODEL, "method": DEFAULT_METHOD, "num_classes": num_classes, "in_chans": in_chans,
                 "small_input": small_input, "width_mult": 1.0}
     cfg = {}
@@ -332,12 +336,92 @@ def describe_cfg(cfg: dict) -> str:
             f"{cfg['num_classes']} classes, small_input={cfg['small_input']}{extra})")
 
 
-def build_model(cfg: dict) -> nn.Module:
-    """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`), from the zoo."""
-    from orepa import models as zoo
+#: model name prefixes of networks from other libraries: ``torchvision:NAME``, ``timm:NAME``
+EXTERNAL_SOURCES = ("torchvision", "timm")
 
+
+def external_source(name: str) -> str | None:
+    """``"timm"`` for ``"timm:resnet26d"``; None for a zoo name."""
+    source, sep, _ = name.partition(":")
+    return source if sep else None
+
+
+def model_slug(name: str) -> str:
+    """``name`` as a file name's part: ``timm:resnet26d`` -> ``timm-resnet26d``."""
+    return name.replace(":", "-")
+
+
+def external_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
+    """The plain network ``torchvision:NAME`` or ``timm:NAME``, randomly initialised (no weights
+    are fetched). timm makes ``in_chans`` itself; in a torchvision model the first conv that takes
+    3 channels is replaced by one that takes ``in_chans`` (same geometry, initialised afresh)."""
+    source, _, arch = name.partition(":")
+    if source not in EXTERNAL_SOURCES or not arch:
+        raise _unknown_model(name)
+    try:
+        if source == "timm":
+            import timm
+
+            if not timm.is_model(arch):  # timm's own error for a name it lacks is a bare RuntimeError
+                raise ValueError(f"timm has no model {arch!r} (timm.list_models())")
+            return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans)
+        import torchvision
+
+        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+    except ImportError as exc:
+        raise UserError(f"model {name!r} needs the package {exc.name or source} (pip install {source})") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"cannot build model {name!r}: {exc}") from None
+    if in_chans != 3:
+        _adapt_input_conv(model, in_chans, name)
+    return model
+
+
+def _adapt_input_conv(model: nn.Module, in_chans: int, name: str) -> None:
+    first = next(((n, m) for n, m in model.named_modules() if type(m) is nn.Conv2d), None)
+    if first is None or first[1].in_channels != 3 or first[1].groups != 1:
+        raise UserError(f"model {name!r}: no first 3-channel convolution to give {in_chans} input channel(s)")
+    n, c = first
+    new = nn.Conv2d(in_chans, c.out_channels, c.kernel_size, c.stride, c.padding, c.dilation, 1, c.bias is not None,
+                    c.padding_mode)
+    parent, _, attr = n.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+
+
+def _unknown_model(name: str) -> UserError:
+    return UserError(f"unknown model {name!r}; choose from {', '.join(_zoo().list_models())}, or "
+                     f"{' / '.join(s + ':NAME' for s in EXTERNAL_SOURCES)} for a network of those libraries")
+
+
+def _zoo():
+    from orepa import models
+
+    return models
+
+
+def build_model(cfg: dict) -> nn.Module:
+    """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`): from the zoo, or a
+    torchvision / timm network (:func:`external_model`) turned into ``method`` by :func:`orepa.convert`
+    with the block options of ``cfg["options"]``."""
+    zoo = _zoo()
+    if external_source(cfg["model"]) is not None:
+        zoo_only = [f"{k}={cfg[k]}" for k, plain in (("width_mult", 1.0), ("small_input", False)) if cfg[k] != plain]
+        if zoo_only:
+            raise UserError(f"{', '.join(zoo_only)}: options of the zoo's models, not of {cfg['model']}")
+        model = external_model(cfg["model"], cfg["num_classes"], cfg["in_chans"])
+        if cfg["method"] == "base":
+            if cfg["options"]:
+                raise UserError(f"block options {sorted(cfg['options'])} need a re-param method, not base")
+            return model
+        if cfg["method"] not in orepa.METHODS:
+            raise UserError(f"unknown method {cfg['method']!r} for {cfg['model']}; choose from base, "
+                            f"{', '.join(sorted(orepa.METHODS))}")
+        try:
+            return orepa.convert(model, cfg["method"], inplace=True, **cfg["options"])
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
     if cfg["model"] not in zoo.list_models():
-        raise UserError(f"unknown model {cfg['model']!r}; choose from {', '.join(zoo.list_models())}")
+        raise _unknown_model(cfg["model"])
     try:
         return zoo.create_model(cfg["model"], method=cfg["method"], num_classes=cfg["num_classes"],
                                 in_chans=cfg["in_chans"], small_input=cfg["small_input"],

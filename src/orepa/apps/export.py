@@ -49,6 +49,7 @@ from .common import (
     init_distributed,
     model_cfg_from_args,
     model_flags_given,
+    model_slug,
     positive_float,
     positive_int,
 )
@@ -352,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"no checkpoint: exporting a randomly initialised {describe_cfg(cfg)}")
     size = args.input_size or input_size_of(ckpt) or 224
     shape = (args.batch_size, cfg["in_chans"], size, size)
-    out = Path(args.output or f"{cfg['model']}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
+    out = Path(args.output or f"{model_slug(cfg['model'])}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
     ckpt_io.check_output_path(out, "--output", not_over={
         "the input checkpoint (export never writes over its input)": path or None})
     if out.exists() and not args.overwrite and ckpt_io.checkpoint_form(out) is not None:

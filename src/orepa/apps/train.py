@@ -84,6 +84,7 @@ from .common import (
     init_distributed,
     make_sgd,
     model_cfg_from_args,
+    model_slug,
     nonneg_float,
     nonneg_int,
     peak_memory,
@@ -387,10 +388,12 @@ class Trainer:
         if saved_cfg is not None:  # its settings won over the data's: they must fit the data
             check_model_fits_data(self.cfg, self.data, source)
         if args.output_dir is None:
-            args.output_dir = f"runs/{self.data.name}-{self.cfg['model']}-{self.cfg['method']}"
+            args.output_dir = f"runs/{self.data.name}-{model_slug(self.cfg['model'])}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
         self.ckpt_path = self.out / "checkpoint.pth"
         previous = self._check_output_dir()
+        seed_everything(args.seed)  # same initial weights on every rank
+        model = build_model(self.cfg)  # before the directory is made: a model that cannot be built leaves none
         if self.main:
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
@@ -402,8 +405,6 @@ class Trainer:
             args.lr = 0.1 * global_batch / 256
         self.global_batch = global_batch
 
-        seed_everything(args.seed)  # same initial weights on every rank
-        model = build_model(self.cfg)
         if args.pack_parameters is None:
             # a run resumed from before packing existed holds per-block optimizer state
             resumed_unpacked = self.resume_ckpt is not None and "pack_parameters" not in (self.resume_ckpt.get("args") or {})

@@ -23,6 +23,7 @@ from orepa.apps.common import (
     apply_tf32_matmul,
     apply_threads,
     check_cfg_value,
+    model_slug,
     nonneg_int,
     parse_device,
     positive_float,
@@ -53,7 +54,7 @@ __all__ = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", default="resnet18", help="model name (model zoo or torchvision)")
+    p.add_argument("-m", "--model", default="resnet18", help="model name: the zoo's, torchvision's (NAME or torchvision:NAME) or timm:NAME")
     p.add_argument("--methods", nargs="+", default=["base", "dbb", "orepa"],
                    help="variants: base, orepa, orepa-offline, dbb, repvgg, orepa-vgg, ladder rungs "
                         f"({', '.join(LADDER)}, offline, offline+prior, ...); options as name:key=value, "
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"-b {args.batch_size} --image-size {args.image_size}: a training BatchNorm sees one value "
                         "per channel at the network's smallest feature map; use a larger batch or image") from None
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
-    tag = args.tag or (f"{args.model}_b{args.batch_size}_{args.image_size}_{dev}"
+    tag = args.tag or (f"{model_slug(args.model)}_b{args.batch_size}_{args.image_size}_{dev}"
                        + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
                        + ("_tf32" if args.tf32_matmul and dev == "cuda" else "")
                        # "_compiled" names a torch.compile'd step: the compiled kernel builder is told apart

@@ -20,7 +20,7 @@ e.g. ``orepa:builder=compiled``), so the builders are timed side by side in one 
 
 Zoo names are built by :func:`orepa.models.create_model` (the ladder through its
 table-"components" presets), so a benchmark measures exactly the networks that
-``orepa train`` trains. Other names (torchvision) and factories are converted by
+``orepa train`` trains. Other names (torchvision, timm) and factories are converted by
 :func:`orepa.convert` as they are; the ladder needs a zoo model.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 import orepa
-from orepa.apps.common import parse_key_values, parse_value
+from orepa.apps.common import external_model, external_source, parse_key_values, parse_value
 from orepa.models import create_model, model_family
 
 ModelSpec = str | Callable[[], nn.Module]
@@ -42,7 +42,7 @@ LADDER: dict[str, str] = {"online": "online-only", "+prior": "freq-prior", "+dw"
 
 
 def in_zoo(model: ModelSpec) -> bool:
-    """True when ``model`` is a name the model zoo builds (else: a factory or a torchvision name)."""
+    """True when ``model`` is a name the model zoo builds (else: a factory, a torchvision or timm name)."""
     if callable(model):
         return False
     try:
@@ -54,21 +54,16 @@ def in_zoo(model: ModelSpec) -> bool:
 
 def base_model(model: ModelSpec, num_classes: int = 1000, in_chans: int = 3, model_options: dict | None = None
                ) -> nn.Module:
-    """The plain network: a factory's model, the zoo's ``base``, or a torchvision model."""
+    """The plain network: a factory's model, the zoo's ``base``, or a torchvision / timm one
+    (``NAME`` or ``torchvision:NAME``, ``timm:NAME``; :func:`orepa.apps.common.external_model`)."""
     if callable(model):
         return model()
     if in_zoo(model):
         return create_model(model, method="base", num_classes=num_classes, in_chans=in_chans, **(model_options or {}))
     if model_options:
         raise ValueError(f"model options {sorted(model_options)} need a model of the zoo; {model!r} is not one")
-    if in_chans != 3:
-        raise ValueError(f"in_chans != 3 needs a model of the zoo (orepa.models); {model!r} is not one")
-    import torchvision
-
-    try:
-        return torchvision.models.get_model(model, weights=None, num_classes=num_classes)
-    except ValueError as exc:
-        raise ValueError(f"unknown model {model!r}: {exc}") from None
+    # a bare name the zoo lacks is torchvision's
+    return external_model(model if external_source(model) else f"torchvision:{model}", num_classes, in_chans)
 
 
 def parse_options(items: Iterable[str], flag: str) -> dict:

@@ -1,0 +1,101 @@
+"""Networks of other libraries through the command line: ``--model torchvision:NAME`` / ``timm:NAME``
+are built plain, converted by orepa.convert, trained, deployed into the library's own layout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchvision")
+pytest.importorskip("timm")
+
+import orepa  # noqa: E402
+from orepa.apps.bench.variants import base_model  # noqa: E402
+from orepa.apps.common import UserError, build_model, deploy, external_model  # noqa: E402
+from orepa.cli import main  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cfg(model: str, method: str, **kw) -> dict:
+    return {"model": model, "method": method, "num_classes": 10, "in_chans": 1, "small_input": False,
+            "width_mult": 1.0, "options": {}, **kw}
+
+
+@pytest.mark.parametrize("model,method", [("torchvision:resnet18", "orepa"), ("timm:resnet10t", "dbb"),
+                                          ("torchvision:mobilenet_v3_small", "orepa"), ("timm:resnet10t", "repvgg")])
+def test_a_converted_network_deploys_into_the_plain_network_of_its_library(model, method):
+    torch.manual_seed(0)
+    net = build_model(_cfg(model, method))
+    assert sum(isinstance(m, orepa.ReparamConv2d) for m in net.modules()) >= 10
+    x = torch.randn(4, 1, 40, 40)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(2):  # the BN statistics and branches move off their initialisation
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), torch.arange(4)).backward()
+        opt.step()
+    net.eval()
+    plain = build_model(_cfg(model, "base"))
+    assert not any(isinstance(m, orepa.ReparamConv2d) for m in plain.modules())
+    plain.load_state_dict(deploy(net, "deploy").state_dict(), strict=True)  # the library's own layout
+    with torch.no_grad():
+        ref, y = net(x), plain.eval()(x)
+    assert (y - ref).abs().max() <= 1e-4 * (1 + ref.abs().max())
+
+
+def test_the_first_convolution_takes_the_data_channels():
+    tv = external_model("torchvision:resnet18", 10, in_chans=1)
+    assert tv.conv1.in_channels == 1 and tv.conv1.kernel_size == (7, 7) and tv.conv1.stride == (2, 2)
+    assert tv.fc.out_features == 10
+    tm = external_model("timm:resnet10t", 7, in_chans=2)  # timm's own in_chans
+    assert tm.eval()(torch.randn(1, 2, 32, 32)).shape == (1, 7)
+    # orepa bench: a bare name the zoo lacks is torchvision's; prefixed names as in orepa train
+    assert base_model("mobilenet_v3_small", 10, in_chans=1).features[0][0].in_channels == 1
+    assert base_model("timm:resnet10t", 10).fc.out_features == 10
+
+
+def test_the_command_line_trains_deploys_and_evaluates_a_torchvision_network(cache, tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    common = ["--train-subset", "64", "--val-subset", "32", "-b", "16", "--no-progress", "--cache-dir", cache]
+    assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--epochs", "1", "--no-tensorboard",
+                 "--quiet", "--output-dir", str(run), *common]) == 0
+    ckpt = torch.load(run / "checkpoint.pth", map_location="cpu", weights_only=True)
+    # Fashion-MNIST's small_input default is the zoo's stem switch: torchvision's stem stays
+    assert ckpt["model_cfg"]["model"] == "torchvision:resnet18" and ckpt["model_cfg"]["small_input"] is False
+    deployed = tmp_path / "deployed.pth"
+    assert main(["reparam", str(run / "checkpoint.pth"), "-o", str(deployed), *common[2:]]) == 0
+    assert "0 prediction(s) differ" in capsys.readouterr().out
+    assert main(["eval", str(deployed), *common[2:]]) == 0
+    import torchvision
+
+    plain = torchvision.models.resnet18(num_classes=10)
+    plain.conv1 = torch.nn.Conv2d(1, 64, 7, 2, 3, bias=False)
+    plain.load_state_dict(torch.load(deployed, map_location="cpu", weights_only=True)["model"], strict=True)
+    monkeypatch.chdir(tmp_path)  # export's default file name: the model's name without its colon
+    assert main(["export", str(deployed), "--format", "torchscript"]) == 0
+    assert (tmp_path / "torchvision-resnet18_orepa.pt").is_file()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["-m", "torchvision:nope"], "cannot build model 'torchvision:nope'"),
+    (["-m", "timm:nope"], "timm has no model 'nope'"),
+    (["-m", "foo:bar"], "unknown model 'foo:bar'; choose from resnet18"),
+    (["-m", "torchvision:resnet18", "--width-mult", "0.5"], "width_mult=0.5: options of the zoo's models"),
+    (["-m", "torchvision:resnet18", "--small-input"], "small_input=True: options of the zoo's models"),
+    (["-m", "torchvision:resnet18", "--method", "nope"], "unknown method 'nope' for torchvision:resnet18"),
+    (["-m", "torchvision:resnet18", "--method", "base", "--branches", "kxk"], "need a re-param method, not base"),
+    (["-m", "torchvision:vit_b_16"], "found nothing to convert in VisionTransformer"),
+])
+def test_a_network_that_cannot_be_built_is_one_line(cache, tmp_path, capsys, flags, message):
+    out = tmp_path / "run"
+    assert main(["train", *flags, "--epochs", "1", "--train-subset", "16", "--no-progress", "--cache-dir", cache,
+                 "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_a_network_whose_first_convolution_does_not_take_rgb_is_refused():
+    from orepa.apps.common import _adapt_input_conv
+
+    with pytest.raises(UserError, match="no first 3-channel convolution to give 1 input channel"):
+        _adapt_input_conv(torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(3, 8, 3)), 1, "custom")
