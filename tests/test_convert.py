@@ -507,3 +507,103 @@ def test_absorbed_norm_restores_with_its_dtype_and_device(device):
         tail = orepa.reparameterize(model[1:])
         assert isinstance(tail[0], nn.BatchNorm2d) and tail[0].weight.dtype == torch.double
         tol_close(tail(y), y, rel=1e-12)
+
+
+def _random_bn_state(model: nn.Module) -> None:
+    with torch.no_grad():
+        for bn in model.modules():
+            if isinstance(bn, nn.BatchNorm2d):
+                bn.running_mean.normal_(0, 0.1)
+                bn.running_var.uniform_(0.5, 2.0)
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.normal_(0, 0.1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("k,bias,groups", [(3, False, 1), (3, True, 1), (3, False, 4), (7, False, 1), (1, False, 1)])
+def test_a_block_starts_as_the_plain_conv_it_replaced_and_learns_from_there(method, k, bias, groups):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(8, 8, k, padding=k // 2, bias=bias, groups=groups), nn.BatchNorm2d(8)).double()
+    _random_bn_state(plain)
+    try:
+        model = orepa.convert(plain, method)
+    except ValueError:
+        assert k == 1 and method in ("dbb", "repvgg", "orepa-vgg")  # kxk-only blocks
+        return
+    block = model[0]
+    block.load_conv(plain[0].weight, plain[0].bias, plain[1].state_dict() if block.has_norm else None)
+    x = torch.randn(2, 8, 9, 9, dtype=torch.float64)
+    for train in (False, True):  # batch statistics too: the other branches add exactly zero
+        model.train(train), plain.train(train)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), plain(x), rtol=1e-9, atol=1e-9)
+    deployed = orepa.reparameterize(model.eval())
+    torch.testing.assert_close(deployed(x), plain.eval()(x), rtol=1e-9, atol=1e-9)
+    # the branches started at zero learn: their scale or BN affine gets a gradient at the first step
+    model.train()
+    model(x).square().sum().backward()
+    zeroed = [br[-1].weight for name, br in block.branches.items() if not block._can_start_as_conv(br)]
+    assert zeroed and all(w.grad is not None and w.grad.abs().sum() > 0 for w in zeroed)
+
+
+def test_load_conv_names_what_does_not_fit():
+    block = orepa.OREPAConv2d(4, 8, 3)
+    with pytest.raises(ValueError, match=r"takes a conv weight of shape \[8, 4, 3, 3\], got \[8, 4, 1, 1\]"):
+        block.load_conv(torch.zeros(8, 4, 1, 1))
+    with pytest.raises(ValueError, match="holds no BN: pass none"):
+        block.load_conv(torch.zeros(8, 4, 3, 3), norm=nn.BatchNorm2d(8).state_dict())
+    with pytest.raises(ValueError, match="has no bias to take the conv's"):
+        block.load_conv(torch.zeros(8, 4, 3, 3), torch.zeros(8))
+    with pytest.raises(ValueError, match="needs the state of the BN it replaced"):
+        orepa.DBBConv2d(4, 8, 3).load_conv(torch.zeros(8, 4, 3, 3))
+    with pytest.raises(ValueError, match="a linear deep stem composes several"):
+        orepa.OREPADeepStem(3, 8, 7).load_conv(torch.zeros(8, 3, 7, 7))
+    no_kxk = orepa.OREPAConv2d(4, 8, 3, branches=("1x1", "1x1_kxk"))
+    with pytest.raises(ValueError, match="no branch that is one full-size 3x3 conv"):
+        no_kxk.load_conv(torch.zeros(8, 4, 3, 3))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_converted_network_starts_from_the_plain_networks_weights(method):
+    """Pretrained weights in torchvision's layout: the OREPA (DBB, ...) network computes the plain
+    network's function, in eval and in training mode, and deploys back to those weights."""
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10)
+    _random_bn_state(plain)
+    model = orepa.convert(torchvision.models.resnet18(num_classes=10), method)
+    orepa.load_plain_state_dict(model, plain.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    for train in (False, True):
+        model.train(train), plain.train(train)
+        with torch.no_grad():
+            tol_close(model(x), plain(x))
+    deployed = orepa.reparameterize(model.eval())
+    with torch.no_grad():
+        tol_close(deployed(x), plain.eval()(x))
+    if method == "orepa":  # a block without BNs of its own deploys to the very conv it started as
+        for key, value in deployed.state_dict().items():
+            torch.testing.assert_close(value, plain.state_dict()[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_zoo_model_starts_from_the_plain_networks_weights_and_a_mismatch_is_named():
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18(num_classes=10)
+    _random_bn_state(plain)
+    x = torch.randn(2, 3, 64, 64)
+    zoo = orepa.create_model("resnet18", "orepa", num_classes=10, deep_stem=False)
+    orepa.engine.group_kernels(zoo, "grouped", pack=True)  # packed parameters: written through their views
+    orepa.load_plain_state_dict(zoo, plain.state_dict())
+    with torch.no_grad():
+        tol_close(zoo.eval()(x), plain.eval()(x))
+    with pytest.raises(ValueError, match="conv1: OREPADeepStem has no branch"):
+        orepa.load_plain_state_dict(orepa.create_model("resnet18", "orepa", num_classes=10), plain.state_dict())
+    sd = plain.state_dict()
+    fc = sd.pop("fc.weight")
+    with pytest.raises(ValueError, match="missing fc.weight"):
+        orepa.load_plain_state_dict(zoo, sd)
+    with pytest.raises(ValueError, match="unexpected extra.weight"):
+        orepa.load_plain_state_dict(zoo, {**sd, "fc.weight": fc, "extra.weight": fc})
+    head = orepa.create_model("resnet18", "dbb", num_classes=7)
+    before = head.fc.weight.clone()
+    orepa.load_plain_state_dict(head, {**sd, "fc.weight": fc}, keep=["fc.weight", "fc.bias"])  # a new classifier
+    assert torch.equal(head.fc.weight, before)

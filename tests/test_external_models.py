@@ -99,3 +99,35 @@ def test_a_network_whose_first_convolution_does_not_take_rgb_is_refused():
 
     with pytest.raises(UserError, match="no first 3-channel convolution to give 1 input channel"):
         _adapt_input_conv(torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(3, 8, 3)), 1, "custom")
+
+
+def test_training_starts_from_the_plain_networks_weights(cache, tmp_path, capsys):
+    """Pretrained weights in the library's own layout (a bare state_dict, another class count):
+    every block starts as its conv, the classifier anew; at a tiny learning rate the deployed
+    convs are still those weights."""
+    from orepa.apps.common import external_model
+
+    torch.manual_seed(1)
+    plain = external_model("torchvision:resnet18", 1000, in_chans=1).state_dict()
+    weights = tmp_path / "resnet18_weights.pth"
+    torch.save(plain, weights)
+    run = tmp_path / "run"
+    common = ["--train-subset", "32", "--val-subset", "16", "-b", "16", "--no-progress", "--cache-dir", cache]
+    capsys.readouterr()
+    assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--init-from", str(weights), "--epochs",
+                 "1", "--lr", "1e-9", "--no-tensorboard", "--output-dir", str(run), *common]) == 0
+    out = capsys.readouterr().out
+    assert "a new 10-class classifier (fc.weight, fc.bias)" in out and "every re-param block starts as its conv" in out
+    deployed = tmp_path / "deployed.pth"
+    assert main(["reparam", str(run / "checkpoint.pth"), "-o", str(deployed), "--no-verify"]) == 0
+    sd = torch.load(deployed, map_location="cpu", weights_only=True)["model"]
+    convs = [k for k, v in plain.items() if v.dim() == 4]
+    assert len(convs) == 20 and sd["fc.weight"].shape == (10, 512)
+    for key in convs:  # an OREPA block keeps the BN after it: its deployed conv is the conv it started as
+        torch.testing.assert_close(sd[key], plain[key], rtol=1e-5, atol=1e-5)
+    # weights that fit neither form: both problems named
+    capsys.readouterr()
+    assert main(["train", "-m", "torchvision:resnet18", "--method", "dbb", "--in-chans", "3", "--init-from", str(weights),
+                 "--output-dir", str(tmp_path / "other"), *common]) == 2
+    err = capsys.readouterr().err
+    assert "nor is it the plain network's" in err and "got [64, 1, 7, 7]" in err

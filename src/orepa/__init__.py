@@ -35,7 +35,16 @@ from .blocks import (
     check_conv_config,
     register_branch,
 )
-from .convert import METHODS, ConversionReport, convert, find_conv_bn_pairs, fuse_conv_bn, make_block, reparameterize
+from .convert import (
+    METHODS,
+    ConversionReport,
+    convert,
+    find_conv_bn_pairs,
+    fuse_conv_bn,
+    load_plain_state_dict,
+    make_block,
+    reparameterize,
+)
 from .engine import group_kernels
 from .models import create_model, import_reference, list_methods, list_models  # noqa: E402 - after the core
 
@@ -45,6 +54,6 @@ __all__ = [
     "kernels", "engine", "group_kernels", "BRANCH_TYPES", "BranchType", "register_branch", "DEFAULT_SCALE_INIT", "OREPA_BRANCHES", "AbsorbedNorm", "Branch", "ConvStep", "DBBConv2d",
     "FixedKernelStep", "OREPAConv2d", "OREPADeepStem", "OREPAVGGBlock", "ReparamConv2d", "RepVGGBlock", "Scale",
     "build_branches", "check_conv_config", "METHODS", "ConversionReport", "convert", "find_conv_bn_pairs",
-    "fuse_conv_bn", "make_block", "reparameterize", "create_model", "list_models", "list_methods",
+    "fuse_conv_bn", "load_plain_state_dict", "make_block", "reparameterize", "create_model", "list_models", "list_methods",
     "import_reference", "__version__",
 ]

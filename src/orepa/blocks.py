@@ -332,6 +332,17 @@ def _affine_of(step: nn.Module) -> tuple[Tensor, Tensor | None]:
     raise TypeError(f"step {type(step).__name__} is neither a kernel nor a channel-affine step")
 
 
+def _load_norm(bn: nn.Module, state: Mapping[str, Tensor], shift: Tensor | None) -> None:
+    """Give ``bn`` the state of the BN a block replaced; the bias ``shift`` of the conv before that
+    BN moves into its running mean (batch statistics cancel it anyway)."""
+    try:
+        bn.load_state_dict(dict(state), strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"the BN state does not fit {bn}: {exc}") from None
+    if shift is not None and bn.running_mean is not None:
+        bn.running_mean.sub_(shift.to(bn.running_mean))
+
+
 class Branch(nn.Sequential):
     """One branch: kernel steps and channel-affine steps, applied in order."""
 
@@ -604,6 +615,71 @@ class ReparamConv2d(nn.Module):
         if b is not None:
             conv.bias.copy_(b)
         return conv
+
+    @torch.no_grad()
+    def load_conv(self, weight: Tensor, bias: Tensor | None = None, norm: Mapping[str, Tensor] | None = None
+                  ) -> None:
+        """Start as a plain conv: ``conv2d(x, weight, bias)``, followed, in a block that holds its
+        own BNs (``has_norm``), by the BN it replaced, whose state_dict is ``norm``.
+
+        The main branch (the first whose one kernel step is a full-size conv, or a nested block)
+        takes the weight, its scale 1 or its BN ``norm`` (a conv bias moves into that BN's mean);
+        every other branch starts at zero: its scale or BN affine 0, else its last learnable
+        conv. Deployed (:func:`orepa.reparameterize`), the block is that conv (and BN) again.
+        Branches at zero still learn: a zero scale gets a gradient at once, its branch next.
+        Raises ValueError where the block cannot start so (wrong shapes, no such branch, a branch
+        with nothing to zero)."""
+        k = self.kernel_size[0]
+        shape = (self.out_channels, self.in_channels // self.groups, k, k)
+        if tuple(weight.shape) != shape:
+            raise ValueError(f"{type(self).__name__} takes a conv weight of shape {list(shape)}, got "
+                             f"{list(weight.shape)}")
+        if self.has_norm != (norm is not None):
+            raise ValueError(f"{type(self).__name__} " + ("holds its own BNs: it needs the state of the BN it "
+                                                          "replaced" if self.has_norm else "holds no BN: pass none"))
+        if bias is not None and self.bias is None and not self.has_norm:
+            raise ValueError(f"{type(self).__name__} has no bias to take the conv's")
+        main = next((n for n, br in self.branches.items() if self._can_start_as_conv(br)), None)
+        if main is None:
+            raise ValueError(f"{type(self).__name__} has no branch that is one full-size {k}x{k} conv to start as "
+                             "the given one (a linear deep stem composes several)")
+        for name, br in self.branches.items():
+            tail = br[-1] if isinstance(br[-1], (Scale, *BATCH_NORMS)) else None
+            if name == main:
+                step = br[0]
+                if isinstance(step, ReparamConv2d):
+                    step.load_conv(weight)
+                else:
+                    step.weight.copy_(weight)
+                if isinstance(tail, Scale):
+                    tail.weight.fill_(1.0)
+                elif tail is not None:
+                    _load_norm(tail, norm, bias)
+            elif isinstance(tail, Scale) or (tail is not None and tail.affine):
+                tail.weight.zero_()
+                if getattr(tail, "bias", None) is not None:  # a BN's shift (a Scale has none)
+                    tail.bias.zero_()
+            else:
+                learnable = [s for s in br if isinstance(s, ConvStep)]
+                if not learnable:
+                    raise ValueError(f"branch {name!r} of {type(self).__name__} has nothing to start at zero")
+                learnable[-1].weight.zero_()
+        if self.bias is not None:
+            self.bias.copy_(bias if bias is not None and not self.has_norm else torch.zeros_like(self.bias))
+
+    def _can_start_as_conv(self, br: Branch) -> bool:
+        """One kernel step, a full-size learnable conv of the block's groups (or a nested block), then at most
+        its tail: the branch :meth:`load_conv` gives the plain conv's weight."""
+        steps = list(br)
+        if isinstance(steps[-1], (Scale, *BATCH_NORMS)):
+            steps = steps[:-1]
+        if len(steps) != 1:
+            return False
+        step = steps[0]
+        if isinstance(step, ReparamConv2d):
+            return step.kernel_size == self.kernel_size and step.groups == self.groups and not step.has_norm \
+                and step.bias is None
+        return isinstance(step, ConvStep) and step.kernel_size == self.kernel_size[0] and step.groups == self.groups
 
     def fuse(self) -> nn.Conv2d:
         """timm's re-parameterization protocol (``timm.utils.reparameterize_model`` replaces a

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch import nn
+from torch import Tensor, nn
 
 from . import kernels as K
 from .blocks import (
@@ -38,7 +38,8 @@ from .blocks import (
 )
 from .engine import group_kernels
 
-__all__ = ["convert", "reparameterize", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport", "METHODS", "make_block"]
+__all__ = ["convert", "reparameterize", "load_plain_state_dict", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport",
+           "METHODS", "make_block"]
 
 
 @dataclass
@@ -387,9 +388,11 @@ def convert(
     (timm's BatchNormAct2d / SyncBatchNormAct are the exception: blocks that keep
     the BN after them, such as OREPA's, take them); the report says why for each.
 
-    The blocks are initialised afresh (the method's initialisation): a conv's
-    trained weights are not carried into branches, since a kernel does not
-    split back into them. Convs whose weight does not require grad (frozen
+    The blocks are initialised afresh (the method's initialisation): a kernel
+    does not split back into branches. To start as the plain network instead
+    (pretrained weights), pass its state_dict to :func:`load_plain_state_dict`
+    after converting: each block's main branch takes its conv, the others start
+    at zero. Convs whose weight does not require grad (frozen
     stages) give blocks that do not either.
 
     Raises:
@@ -446,6 +449,62 @@ def convert(
                          + (why or "it has no nn.Conv2d followed by a BatchNorm2d"))
     group_kernels(model)  # online blocks of one signature build their kernels together on GPUs
     return (model, report) if return_report else model
+
+
+def load_plain_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], keep: Iterable[str] = ()) -> None:
+    """Start a training-form model (``convert``'s or the zoo's) as the plain network whose
+    ``state_dict`` is given, in the layout :func:`reparameterize` gives back (e.g. torchvision's
+    or timm's pretrained weights for the network ``convert`` was given).
+
+    Every block starts as its plain conv (:meth:`ReparamConv2d.load_conv`: the main branch takes
+    the conv, and the BN the block replaced where it holds its own; every other branch starts at
+    zero); every other module takes its tensors by name. The model then computes the plain
+    network's function, in training mode too, and learns from there. ``keep``: model keys left as
+    they are (a new classifier). Raises ValueError naming what does not fit (missing or unexpected
+    keys, shapes, a block that cannot start as a conv such as a linear deep stem); the model may
+    then be partly loaded.
+    """
+    blocks = _top_level_blocks(model)
+    absorbed, _ = _absorbed_pairing(model, blocks)
+    keep = set(keep)
+    sd = {k: v for k, v in state_dict.items() if k not in keep}
+    taken, problems, loads = set(), [], []
+    for name, block in blocks:
+        key = f"{name}.weight"
+        if key not in sd:
+            problems.append(f"no {key} for block {name}")
+            continue
+        bias = sd.get(f"{name}.bias")
+        taken.update(k for k in (key, f"{name}.bias") if k in sd)
+        norm = None
+        if block.has_norm:
+            norm_name = absorbed.get(block.absorbed_token)
+            if norm_name is None:
+                problems.append(f"block {name} holds its own BNs but the BN it replaced is not found")
+                continue
+            prefix = norm_name + "."
+            norm = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+            taken.update(prefix + k for k in norm)
+        loads.append((name, block, sd[key], bias, norm))
+    inside = tuple(f"{name}." for name, _ in blocks)
+    own = {k for k in model.state_dict() if not k.startswith(inside)} - keep
+    rest = {k: v for k, v in sd.items() if k not in taken}
+    missing, unexpected = sorted(own - set(rest)), sorted(set(rest) - own)
+    if missing:
+        problems.append(f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}")
+    for name, block, weight, bias, norm in loads:
+        try:
+            block.load_conv(weight, bias, norm)
+        except ValueError as exc:
+            problems.append(f"{name}: {exc}")
+    if problems:
+        raise ValueError("the plain state_dict does not fit this model: " + "; ".join(problems))
+    try:
+        model.load_state_dict(rest, strict=False)  # the blocks' keys were given above, by load_conv
+    except RuntimeError as exc:  # shapes
+        raise ValueError(f"the plain state_dict does not fit this model: {exc}") from None
 
 
 def _inside_block(name: str, model: nn.Module) -> bool:

@@ -44,6 +44,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import orepa
+
 from ..state_dicts import STATE_DICT_KEYS, find_state_dict, is_state_dict, strip_prefixes
 from .common import FORMS, MODEL_CFG_KEYS, UserError, build_model_form, checked_cfg, describe_cfg
 
@@ -442,17 +444,25 @@ def new_classifier_keys(model: nn.Module, sd: dict, num_classes: int) -> list[st
 
 
 def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str | None = None,
-                     keep: Sequence[str] = ()) -> None:
+                     keep: Sequence[str] = (), plain: bool = False) -> str:
     """Strict ``load_state_dict`` with an error naming both architectures when it does not fit;
-    the tensors named in ``keep`` (a new classifier) keep the model's values."""
-    if keep:
-        own = model.state_dict()
-        sd = {**sd, **{k: own[k] for k in keep}}
-    problem = state_dict_mismatch(model, sd)
-    if problem:
-        origin = f" (it was saved for {saved})" if saved else ""
-        raise UserError(f"checkpoint {path} does not fit the model built, {built}{origin}: {problem}")
-    model.load_state_dict(sd, strict=True)
+    the tensors named in ``keep`` (a new classifier) keep the model's values. ``plain``: a
+    state_dict that does not fit the training form may be the plain network's (the deployed
+    layout, e.g. torchvision's or timm's weights): every block then starts as its conv
+    (:func:`orepa.load_plain_state_dict`). Returns how it loaded: ``"train"`` or ``"plain"``."""
+    full = {**sd, **{k: v for k, v in model.state_dict().items() if k in keep}} if keep else sd
+    problem = state_dict_mismatch(model, full)
+    if not problem:
+        model.load_state_dict(full, strict=True)
+        return "train"
+    if plain and any(isinstance(m, orepa.ReparamConv2d) for m in model.modules()):
+        try:
+            orepa.load_plain_state_dict(model, sd, keep=keep)
+            return "plain"
+        except ValueError as exc:
+            problem += f"; nor is it the plain network's ({exc})"
+    origin = f" (it was saved for {saved})" if saved else ""
+    raise UserError(f"checkpoint {path} does not fit the model built, {built}{origin}: {problem}")
 
 
 def cfg_mismatch(saved: dict, wanted: dict) -> list[str]:

@@ -462,16 +462,20 @@ class Trainer:
 
     def _load_start_weights(self, model: nn.Module, saved_cfg: dict | None) -> None:
         """Load the starting point's weights, but for a classifier of another class count (kept as
-        initialised: fine-tuning on other classes)."""
+        initialised: fine-tuning on other classes). A bare state_dict may also be the plain network's
+        (e.g. torchvision's or timm's weights): every re-param block then starts as its conv."""
         sd, path = self.start_weights["model"], self.start_path
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
-        load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
-                         saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh)
+        how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
+                               saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
+                               plain="format" not in self.start_weights)
         source = self.start_weights.get("source")
         head = ""
         if fresh:
             head = (f"; a new {self.cfg['num_classes']}-class classifier ({', '.join(fresh)}) in place of "
                     f"the checkpoint's {tuple(sd[fresh[0]].shape)[0]}-class one")
+        if how == "plain":
+            head += "; the plain network's weights: every re-param block starts as its conv, its other branches at zero"
         self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
 
