@@ -343,13 +343,21 @@ def test_load_training_form_and_deployed_weights(tmp_path):
     with torch.no_grad():
         tol_close(_features_of(trunk.eval(), x), ref)
         tol_close(g(x)["c5"], ref)
+    # deployed (vanilla) weights into a re-param backbone: every block starts as its conv
+    for method in ("orepa", "dbb"):
+        opts = {**TINY, "deep_stem": False} if method == "orepa" else TINY
+        trunk = D.build_trunk("resnet18", method, **opts)
+        assert D.load_backbone_weights(trunk, deployed, name="resnet18", method=method, **opts) \
+            == "base (every block starting as its conv)"
+        with torch.no_grad():
+            tol_close(_features_of(trunk.eval(), x), ref)
 
 
 def test_weight_mismatches_are_explained():
     src = create_model("resnet18", "orepa", **TINY)
     deployed = orepa.reparameterize(src.eval()).state_dict()
-    with pytest.raises(ValueError, match="deployed / vanilla.*method='base'"):
-        D.resnet_features("resnet18", "orepa", weights=deployed, **TINY)
+    with pytest.raises(ValueError, match="deployed / vanilla.*cannot start as it.*deep_stem=False"):
+        D.resnet_features("resnet18", "orepa", weights=deployed, **TINY)  # the zoo's OREPA stem is a deep stem
     with pytest.raises(ValueError, match="'orepa' training form"):
         D.resnet_features("resnet18", "dbb", weights=src.state_dict(), **TINY)
     with pytest.raises(ValueError, match="does not match resnet34"):

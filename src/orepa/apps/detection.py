@@ -56,7 +56,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
 from ..blocks import OREPADeepStem, ReparamConv2d
-from ..convert import reparameterize
+from ..convert import load_plain_state_dict, reparameterize
 from .common import split_params
 
 __all__ = [
@@ -263,11 +263,13 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
     * the same form as ``trunk`` (training form of ``method``, or deployed /
       vanilla for ``method="base"``, e.g. torchvision's ImageNet weights);
     * the training form of another method into a ``"base"`` trunk: it is
-      built, loaded and reparameterized first (deployed = vanilla layout).
+      built, loaded and reparameterized first (deployed = vanilla layout);
+    * deployed / vanilla weights into a re-param trunk: every block starts as
+      its plain conv (:func:`orepa.load_plain_state_dict`: its other branches at
+      zero), so the backbone computes the plain network. A linear deep stem
+      cannot (``deep_stem=False``).
 
-    Anything else raises ``ValueError`` saying what the checkpoint is: a
-    deployed checkpoint cannot become a training-form backbone (the branch
-    parameters are not recoverable from the merged kernel).
+    Anything else raises ``ValueError`` saying what the checkpoint is.
     """
     sd = _as_state_dict(weights)
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
@@ -287,11 +289,16 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
         _load_matching(trunk, deployed.state_dict(), f"deployed {form} checkpoint for {name}")
         return f"{form} (reparameterized)"
     if form == "base":
-        raise ValueError(
-            f"the checkpoint is a deployed / vanilla {name} (plain conv weights) but the backbone is the "
-            f"{method!r} training form: branch parameters cannot be recovered from merged kernels. Build the "
-            f"backbone with method='base' to fine-tune the deployed network, or load a training-form "
-            f"checkpoint of method {method!r}")
+        # branch parameters cannot be recovered from a merged kernel, but every block can start as it
+        head = [k for k in trunk.state_dict() if k.startswith("fc.")]
+        try:
+            load_plain_state_dict(trunk, {k: v for k, v in sd.items() if not k.startswith("fc.")}, keep=head)
+        except ValueError as exc:
+            raise ValueError(
+                f"the checkpoint is a deployed / vanilla {name} (plain conv weights); the {method!r} backbone "
+                f"cannot start as it: {exc}. Build it with deep_stem=False (a linear deep stem cannot start as "
+                f"a given 7x7 kernel), or with method='base' to fine-tune the plain network") from None
+        return "base (every block starting as its conv)"
     raise ValueError(f"the checkpoint is the {form!r} training form of {name}; build the backbone with "
                      f"method={form!r} (or method='base' to load it reparameterized)")
 
