@@ -75,6 +75,25 @@ def test_the_command_line_trains_deploys_and_evaluates_a_torchvision_network(cac
     assert (tmp_path / "torchvision-resnet18_orepa.pt").is_file()
 
 
+def test_constructor_keywords_reach_the_network_and_stay_in_its_settings():
+    timm_net = build_model(_cfg("timm:resnet10t", "orepa", options={"model_kwargs": {"drop_path_rate": 0.1}}))
+    assert any(type(m).__name__ == "DropPath" for m in timm_net.modules())
+    tv_net = build_model(_cfg("torchvision:mobilenet_v3_small", "dbb", options={"model_kwargs": {"dropout": 0.5}}))
+    assert tv_net.classifier[2].p == 0.5
+    assert any(isinstance(m, orepa.DBBConv2d) for m in tv_net.modules())
+    import argparse
+
+    from orepa.apps.common import model_cfg_from_args
+    from orepa.apps.train import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["-m", "timm:resnet10t", "--model-kwarg", "drop_path_rate=0.1", "--branches", "kxk,1x1"])
+    cfg = model_cfg_from_args(args, num_classes=10, in_chans=1, small_input=True)
+    assert cfg["options"] == {"branches": ["kxk", "1x1"], "model_kwargs": {"drop_path_rate": 0.1}}
+    assert cfg["small_input"] is False
+
+
 @pytest.mark.parametrize("flags,message", [
     (["-m", "torchvision:nope"], "cannot build model 'torchvision:nope'"),
     (["-m", "timm:nope"], "timm has no model 'nope'"),
@@ -84,6 +103,8 @@ def test_the_command_line_trains_deploys_and_evaluates_a_torchvision_network(cac
     (["-m", "torchvision:resnet18", "--method", "nope"], "unknown method 'nope' for torchvision:resnet18"),
     (["-m", "torchvision:resnet18", "--method", "base", "--branches", "kxk"], "need a re-param method, not base"),
     (["-m", "torchvision:vit_b_16"], "found nothing to convert in VisionTransformer"),
+    (["-m", "timm:resnet10t", "--model-kwarg", "nope=1"], "unexpected keyword argument 'nope'"),
+    (["-m", "resnet18", "--model-kwarg", "drop_rate=0.1"], "resnet18 is a zoo model"),
 ])
 def test_a_network_that_cannot_be_built_is_one_line(cache, tmp_path, capsys, flags, message):
     out = tmp_path / "run"

@@ -230,6 +230,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-option", "--block-opt", "--option", dest="model_option", action="append", default=[],
                    metavar="KEY=VALUE", help="any other create_model option (repeatable), e.g. --model-option "
                                              "post_bn=false (--block-opt, --option: older spellings)")
+    g.add_argument("--model-kwarg", dest="model_kwarg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword of a torchvision:NAME / timm:NAME network's constructor (repeatable), e.g. "
+                        "--model-kwarg drop_path_rate=0.1")
 
 
 #: block-option flags copied into create_model(**options) when given (and every branch switch)
@@ -246,6 +249,9 @@ def block_options_from_args(args: argparse.Namespace) -> dict:
         if getattr(args, key, None) is not None:
             opts[key] = getattr(args, key)
     opts.update(parse_key_values(getattr(args, "model_option", None)))
+    kwargs = parse_key_values(getattr(args, "model_kwarg", None), "--model-kwarg")
+    if kwargs:
+        opts[MODEL_KWARGS] = kwargs
     return opts
 
 
@@ -338,6 +344,9 @@ def describe_cfg(cfg: dict) -> str:
 
 #: model name prefixes of networks from other libraries: ``torchvision:NAME``, ``timm:NAME``
 EXTERNAL_SOURCES = ("torchvision", "timm")
+#: the ``options`` entry that holds such a network's constructor keywords (``--model-kwarg``); the
+#: other options are the blocks' (``orepa.convert``)
+MODEL_KWARGS = "model_kwargs"
 
 
 def external_source(name: str) -> str | None:
@@ -351,10 +360,11 @@ def model_slug(name: str) -> str:
     return name.replace(":", "-")
 
 
-def external_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
+def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> nn.Module:
     """The plain network ``torchvision:NAME`` or ``timm:NAME``, randomly initialised (no weights
-    are fetched). timm makes ``in_chans`` itself; in a torchvision model the first conv that takes
-    3 channels is replaced by one that takes ``in_chans`` (same geometry, initialised afresh)."""
+    are fetched; ``kwargs`` go to its constructor). timm makes ``in_chans`` itself; in a torchvision
+    model the first conv that takes 3 channels is replaced by one that takes ``in_chans`` (same
+    geometry, initialised afresh)."""
     source, _, arch = name.partition(":")
     if source not in EXTERNAL_SOURCES or not arch:
         raise _unknown_model(name)
@@ -364,10 +374,10 @@ def external_model(name: str, num_classes: int, in_chans: int = 3) -> nn.Module:
 
             if not timm.is_model(arch):  # timm's own error for a name it lacks is a bare RuntimeError
                 raise ValueError(f"timm has no model {arch!r} (timm.list_models())")
-            return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans)
+            return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans, **kwargs)
         import torchvision
 
-        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes)
+        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
     except ImportError as exc:
         raise UserError(f"model {name!r} needs the package {exc.name or source} (pip install {source})") from None
     except (ValueError, TypeError, KeyError) as exc:
@@ -408,20 +418,27 @@ def build_model(cfg: dict) -> nn.Module:
         zoo_only = [f"{k}={cfg[k]}" for k, plain in (("width_mult", 1.0), ("small_input", False)) if cfg[k] != plain]
         if zoo_only:
             raise UserError(f"{', '.join(zoo_only)}: options of the zoo's models, not of {cfg['model']}")
-        model = external_model(cfg["model"], cfg["num_classes"], cfg["in_chans"])
+        options = dict(cfg["options"])
+        kwargs = options.pop(MODEL_KWARGS, {})
+        if not isinstance(kwargs, dict):
+            raise UserError(f"{MODEL_KWARGS} must be a mapping of constructor keywords, got {kwargs!r}")
+        model = external_model(cfg["model"], cfg["num_classes"], cfg["in_chans"], **kwargs)
         if cfg["method"] == "base":
-            if cfg["options"]:
-                raise UserError(f"block options {sorted(cfg['options'])} need a re-param method, not base")
+            if options:
+                raise UserError(f"block options {sorted(options)} need a re-param method, not base")
             return model
         if cfg["method"] not in orepa.METHODS:
             raise UserError(f"unknown method {cfg['method']!r} for {cfg['model']}; choose from base, "
                             f"{', '.join(sorted(orepa.METHODS))}")
         try:
-            return orepa.convert(model, cfg["method"], inplace=True, **cfg["options"])
+            return orepa.convert(model, cfg["method"], inplace=True, **options)
         except (ValueError, TypeError) as exc:
             raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
     if cfg["model"] not in zoo.list_models():
         raise _unknown_model(cfg["model"])
+    if MODEL_KWARGS in cfg.get("options", {}):
+        raise UserError(f"--model-kwarg passes keywords to a torchvision:NAME / timm:NAME network's constructor; "
+                        f"{cfg['model']} is a zoo model (its options: --model-option KEY=VALUE)")
     try:
         return zoo.create_model(cfg["model"], method=cfg["method"], num_classes=cfg["num_classes"],
                                 in_chans=cfg["in_chans"], small_input=cfg["small_input"],
