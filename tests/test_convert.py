@@ -607,3 +607,23 @@ def test_a_zoo_model_starts_from_the_plain_networks_weights_and_a_mismatch_is_na
     before = head.fc.weight.clone()
     orepa.load_plain_state_dict(head, {**sd, "fc.weight": fc}, keep=["fc.weight", "fc.bias"])  # a new classifier
     assert torch.equal(head.fc.weight, before)
+
+
+@pytest.mark.parametrize("opts", [{"scaling": "scalar"}, {"scaling": "none"},
+                                  {"scaling": "none", "branches": ("kxk", "1x1_kxk", "dw_pw", "1x1_prior")}])
+def test_a_block_without_scales_starts_as_its_conv_through_its_last_learnable_factor(opts):
+    """Without a scale to zero, a branch starts at zero through its last learnable conv: the one
+    that gets a gradient while its first factor (an identity, a random depthwise) stays non-zero."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)).double()
+    _random_bn_state(plain)
+    model = orepa.convert(plain, "orepa", **opts)
+    block = model[0]
+    block.load_conv(plain[0].weight)
+    x = torch.randn(2, 8, 9, 9, dtype=torch.float64)
+    torch.testing.assert_close(model.eval()(x), plain.eval()(x), rtol=1e-9, atol=1e-9)
+    model.train()(x).square().sum().backward()
+    for name, br in block.branches.items():
+        if name != "kxk":
+            last = [s for s in br if isinstance(s, orepa.ConvStep)][-1] if opts.get("scaling") == "none" else br[-1]
+            assert last.weight.grad.abs().sum() > 0, name
