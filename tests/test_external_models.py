@@ -152,3 +152,41 @@ def test_training_starts_from_the_plain_networks_weights(cache, tmp_path, capsys
                  "--output-dir", str(tmp_path / "other"), *common]) == 2
     err = capsys.readouterr().err
     assert "nor is it the plain network's" in err and "got [64, 1, 7, 7]" in err
+
+
+def test_rgb_weights_are_made_for_the_datas_channels():
+    from orepa.apps.checkpoint import adapt_input_channels
+
+    torch.manual_seed(0)
+    rgb = torch.randn(8, 3, 3, 3)
+    other = torch.randn(8, 3, 3, 3)  # a grouped conv deeper in: the model's own shape has 3 there too
+    sd = {"stem.weight": rgb, "deep.weight": other, "fc.weight": torch.randn(10, 8)}
+    shapes = {"stem.weight": torch.Size([8, 1, 3, 3]), "deep.weight": torch.Size([8, 3, 3, 3]),
+              "fc.weight": torch.Size([10, 8])}
+    assert adapt_input_channels(sd, shapes, 1) == ["stem.weight"] and sd["deep.weight"] is other
+    gray = torch.randn(2, 1, 9, 9)  # the same function on a gray image as the RGB weights on it, replicated
+    torch.testing.assert_close(torch.nn.functional.conv2d(gray, sd["stem.weight"]),
+                               torch.nn.functional.conv2d(gray.expand(-1, 3, -1, -1), rgb))
+    sd = {"stem.weight": rgb}
+    assert adapt_input_channels(sd, {"stem.weight": torch.Size([8, 4, 3, 3])}, 4) == ["stem.weight"]
+    torch.testing.assert_close(sd["stem.weight"], torch.cat([rgb, rgb[:, :1]], 1) * 0.75)
+    assert adapt_input_channels({"stem.weight": rgb}, {"stem.weight": torch.Size([8, 3, 3, 3])}, 3) == []
+
+
+def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):
+    from orepa.apps.common import external_model
+
+    torch.manual_seed(2)
+    plain = external_model("torchvision:resnet18", 1000, in_chans=3).state_dict()
+    weights = tmp_path / "rgb.pth"
+    torch.save(plain, weights)
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--init-from", str(weights), "--epochs",
+                 "1", "--lr", "1e-9", "--train-subset", "16", "--no-eval", "-b", "16", "--no-progress",
+                 "--no-tensorboard", "--cache-dir", cache, "--output-dir", str(run)]) == 0
+    assert "RGB weights made for 1 input channel(s), summed over RGB: conv1.weight" in capsys.readouterr().out
+    deployed = tmp_path / "deployed.pth"
+    assert main(["reparam", str(run / "checkpoint.pth"), "-o", str(deployed), "--no-verify"]) == 0
+    sd = torch.load(deployed, map_location="cpu", weights_only=True)["model"]
+    torch.testing.assert_close(sd["conv1.weight"], plain["conv1.weight"].sum(1, keepdim=True), rtol=1e-5, atol=1e-5)

@@ -37,7 +37,7 @@ import re
 import socket
 import tempfile
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -432,6 +432,26 @@ def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
     if shapes:
         parts.append(f"{len(shapes)} shape mismatch(es) ({_example(shapes, 2)})")
     return "; ".join(parts)
+
+
+def adapt_input_channels(sd: dict, shapes: Mapping[str, torch.Size], in_chans: int) -> list[str]:
+    """RGB weights for a model that takes ``in_chans`` channels: every 4-D tensor of ``sd`` that
+    differs from ``shapes[key]`` only by 3 input channels against ``in_chans`` is adapted in place
+    and its key returned. One channel: the sum over RGB (the function the RGB weights compute on a
+    gray image given as three equal channels); other counts: RGB repeated, scaled by 3 / in_chans
+    (as timm's ``adapt_input_conv``)."""
+    changed = []
+    for key, w in sd.items():
+        want = shapes.get(key)
+        if in_chans == 3 or want is None or w.dim() != 4 or w.shape[1] != 3 or len(want) != 4 or \
+                want[1] != in_chans or (w.shape[0], *w.shape[2:]) != (want[0], *want[2:]):
+            continue
+        if in_chans == 1:
+            sd[key] = w.sum(dim=1, keepdim=True)
+        else:
+            sd[key] = w.repeat(1, -(-in_chans // 3), 1, 1)[:, :in_chans] * (3 / in_chans)
+        changed.append(key)
+    return changed
 
 
 def new_classifier_keys(model: nn.Module, sd: dict, num_classes: int) -> list[str]:

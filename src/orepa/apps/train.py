@@ -50,6 +50,7 @@ from torch import nn
 
 from ..engine import group_kernels
 from .checkpoint import (
+    adapt_input_channels,
     args_dict,
     atomic_write_text,
     cfg_mismatch,
@@ -466,14 +467,24 @@ class Trainer:
         (e.g. torchvision's or timm's weights): every re-param block then starts as its conv."""
         sd, path = self.start_weights["model"], self.start_path
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
+        bare = "format" not in self.start_weights
+        rgb = []
+        if bare:  # another tool's weights for RGB images (torchvision's, timm's) on data of other channels
+            shapes = {k: v.shape for k, v in build_model_form(self.cfg, "deploy").state_dict().items()}
+            shapes.update((k, v.shape) for k, v in model.state_dict().items())
+            sd = dict(sd)
+            rgb = adapt_input_channels(sd, shapes, self.cfg["in_chans"])
         how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
-                               plain="format" not in self.start_weights)
+                               plain=bare)
         source = self.start_weights.get("source")
         head = ""
         if fresh:
             head = (f"; a new {self.cfg['num_classes']}-class classifier ({', '.join(fresh)}) in place of "
                     f"the checkpoint's {tuple(sd[fresh[0]].shape)[0]}-class one")
+        if rgb:
+            how_rgb = "summed over RGB" if self.cfg["in_chans"] == 1 else "RGB repeated, scaled by 3 / channels"
+            head += f"; RGB weights made for {self.cfg['in_chans']} input channel(s), {how_rgb}: {', '.join(rgb)}"
         if how == "plain":
             head += "; the plain network's weights: every re-param block starts as its conv, its other branches at zero"
         self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
