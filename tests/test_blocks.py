@@ -306,7 +306,7 @@ def test_a_new_branch_type_is_one_registration():
     """register_branch is the whole of adding a branch type: blocks, convert, the zoo and the CLI take it."""
     import argparse
 
-    from orepa.apps.common import add_model_arguments, block_options_from_args
+    from orepa.apps.model_cfg import add_model_arguments, block_options_from_args
 
     new = orepa.BranchType("kxk_twin_test", lambda cin, cout, k, g, c: {"conv": c.conv(cin, cout, k, g)}, 0.1,
                            switch="twin_test", help="a second kxk conv")

@@ -10,7 +10,8 @@ pytest.importorskip("timm")
 
 import orepa  # noqa: E402
 from orepa.apps.bench.variants import base_model  # noqa: E402
-from orepa.apps.common import UserError, build_model, deploy, external_model  # noqa: E402
+from orepa.apps.common import UserError  # noqa: E402
+from orepa.apps.model_cfg import build_model, deploy, external_model  # noqa: E402
 from orepa.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,7 +84,7 @@ def test_constructor_keywords_reach_the_network_and_stay_in_its_settings():
     assert any(isinstance(m, orepa.DBBConv2d) for m in tv_net.modules())
     import argparse
 
-    from orepa.apps.common import model_cfg_from_args
+    from orepa.apps.model_cfg import model_cfg_from_args
     from orepa.apps.train import add_arguments
 
     parser = argparse.ArgumentParser()
@@ -116,7 +117,7 @@ def test_a_network_that_cannot_be_built_is_one_line(cache, tmp_path, capsys, fla
 
 
 def test_a_network_whose_first_convolution_does_not_take_rgb_is_refused():
-    from orepa.apps.common import _adapt_input_conv
+    from orepa.apps.model_cfg import _adapt_input_conv
 
     with pytest.raises(UserError, match="no first 3-channel convolution to give 1 input channel"):
         _adapt_input_conv(torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Conv2d(3, 8, 3)), 1, "custom")
@@ -126,7 +127,7 @@ def test_training_starts_from_the_plain_networks_weights(cache, tmp_path, capsys
     """Pretrained weights in the library's own layout (a bare state_dict, another class count):
     every block starts as its conv, the classifier anew; at a tiny learning rate the deployed
     convs are still those weights."""
-    from orepa.apps.common import external_model
+    from orepa.apps.model_cfg import external_model
 
     torch.manual_seed(1)
     plain = external_model("torchvision:resnet18", 1000, in_chans=1).state_dict()
@@ -174,7 +175,7 @@ def test_rgb_weights_are_made_for_the_datas_channels():
 
 
 def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):
-    from orepa.apps.common import external_model
+    from orepa.apps.model_cfg import external_model
 
     torch.manual_seed(2)
     plain = external_model("torchvision:resnet18", 1000, in_chans=3).state_dict()

@@ -23,18 +23,9 @@ from torch import nn
 
 from orepa.analysis import analyze_model
 from orepa.apps.checkpoint import atomic_write_text, check_output_path, load_checkpoint, state_dict_mismatch
-from orepa.apps.common import (
-    UserError,
-    add_model_arguments,
-    add_run_arguments,
-    apply_threads,
-    build_model,
-    describe_cfg,
-    init_distributed,
-    model_cfg_from_args,
-    model_flags_given,
-)
+from orepa.apps.common import UserError, add_run_arguments, apply_threads, init_distributed
 from orepa.apps.logs import pyplot, save_figure
+from orepa.apps.model_cfg import add_model_arguments, build_model, describe_cfg, model_cfg_from_args, model_flags_given
 
 
 def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:

@@ -47,7 +47,8 @@ from torch import nn
 import orepa
 
 from ..state_dicts import STATE_DICT_KEYS, find_state_dict, is_state_dict, strip_prefixes
-from .common import FORMS, MODEL_CFG_KEYS, UserError, build_model_form, checked_cfg, describe_cfg
+from .common import UserError
+from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg
 
 FORMAT = "orepa-checkpoint"
 VERSION = 1

@@ -20,20 +20,16 @@ from .checkpoint import atomic_write_text, check_output_path, load_checkpoint, m
 from .common import (
     DistInfo,
     UserError,
-    add_model_arguments,
     add_run_arguments,
     apply_threads,
-    check_model_fits_data,
     cleanup_distributed,
     count_params,
-    describe_cfg,
     init_distributed,
-    model_cfg_from_args,
-    model_flags_given,
     peak_memory,
     positive_int,
 )
 from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
+from .model_cfg import add_model_arguments, check_model_fits_data, describe_cfg, model_cfg_from_args, model_flags_given
 
 
 def autocast_context(device: torch.device, enabled: bool, dtype: str = "auto", cache_enabled: bool = True):

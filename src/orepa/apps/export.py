@@ -40,20 +40,22 @@ from torch import nn
 from . import checkpoint as ckpt_io
 from .common import (
     UserError,
-    add_model_arguments,
     add_run_arguments,
     apply_threads,
-    build_model,
     count_params,
-    describe_cfg,
     init_distributed,
-    model_cfg_from_args,
-    model_flags_given,
-    model_slug,
     positive_float,
     positive_int,
 )
-from .common import deploy as deploy_form
+from .model_cfg import (
+    add_model_arguments,
+    build_model,
+    describe_cfg,
+    model_cfg_from_args,
+    model_flags_given,
+    model_slug,
+)
+from .model_cfg import deploy as deploy_form
 
 __all__ = ["deploy", "export_onnx", "export_torchscript", "load_checkpoint", "check_onnx_request",
            "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError", "add_arguments", "run"]

@@ -29,16 +29,8 @@ from .checkpoint import (
     model_from_checkpoint,
     save_checkpoint,
 )
-from .common import (
-    UserError,
-    add_run_arguments,
-    apply_threads,
-    count_params,
-    deploy,
-    describe_cfg,
-    fail,
-    model_cfg_of,
-)
+from .common import UserError, add_run_arguments, apply_threads, count_params, fail
+from .model_cfg import deploy, describe_cfg, model_cfg_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

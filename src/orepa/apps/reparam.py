@@ -32,8 +32,6 @@ from .common import (
     add_run_arguments,
     apply_threads,
     count_params,
-    deploy,
-    describe_cfg,
     full_float32,
     init_distributed,
     positive_float,
@@ -41,6 +39,7 @@ from .common import (
 )
 from .data import add_data_arguments, build_data, val_loader
 from .evaluate import checkpoint_model, data_args_from_checkpoint, evaluate
+from .model_cfg import deploy, describe_cfg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

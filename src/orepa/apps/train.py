@@ -66,26 +66,19 @@ from .common import (
     DistInfo,
     UserError,
     add_kernel_builder_argument,
-    add_model_arguments,
     add_pack_argument,
     add_run_arguments,
     add_tf32_matmul_argument,
     apply_tf32_matmul,
     apply_threads,
-    build_model,
-    build_model_form,
     capture_cuda_graphs,
-    check_model_fits_data,
     cleanup_distributed,
     count_params,
     default_kernel_builder,
     default_pack,
-    describe_cfg,
     fail,
     init_distributed,
     make_sgd,
-    model_cfg_from_args,
-    model_slug,
     nonneg_float,
     nonneg_int,
     peak_memory,
@@ -98,6 +91,15 @@ from .common import (
 from .data import add_data_arguments, build_data, train_loader, val_loader
 from .evaluate import autocast_context, evaluate
 from .logs import TensorBoard, plot_curves, write_history
+from .model_cfg import (
+    add_model_arguments,
+    build_model,
+    build_model_form,
+    check_model_fits_data,
+    describe_cfg,
+    model_cfg_from_args,
+    model_slug,
+)
 
 EXIT_NONFINITE = 3
 

@@ -15,20 +15,18 @@ import torch
 
 from orepa.apps.checkpoint import check_output_path
 from orepa.apps.common import (
-    MODEL_CFG_KEYS,
     UserError,
     add_kernel_builder_argument,
     add_pack_argument,
     add_tf32_matmul_argument,
     apply_tf32_matmul,
     apply_threads,
-    check_cfg_value,
-    model_slug,
     nonneg_int,
     parse_device,
     positive_float,
     positive_int,
 )
+from orepa.apps.model_cfg import MODEL_CFG_KEYS, check_cfg_value, model_slug
 
 from .measure import (
     Runner,

@@ -30,7 +30,8 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 import orepa
-from orepa.apps.common import external_model, external_source, parse_key_values, parse_value
+from orepa.apps.common import parse_key_values, parse_value
+from orepa.apps.model_cfg import external_model, external_source
 from orepa.models import create_model, model_family
 
 ModelSpec = str | Callable[[], nn.Module]
@@ -55,7 +56,7 @@ def in_zoo(model: ModelSpec) -> bool:
 def base_model(model: ModelSpec, num_classes: int = 1000, in_chans: int = 3, model_options: dict | None = None
                ) -> nn.Module:
     """The plain network: a factory's model, the zoo's ``base``, or a torchvision / timm one
-    (``NAME`` or ``torchvision:NAME``, ``timm:NAME``; :func:`orepa.apps.common.external_model`)."""
+    (``NAME`` or ``torchvision:NAME``, ``timm:NAME``; :func:`orepa.apps.model_cfg.external_model`)."""
     if callable(model):
         return model()
     if in_zoo(model):

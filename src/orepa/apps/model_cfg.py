@@ -1,0 +1,315 @@
+"""The model a command builds, as a plain ``model_cfg`` dict (what checkpoints store).
+
+* the model flags (:func:`add_model_arguments`) and the model_cfg they give
+  (:func:`model_cfg_from_args`: flags, else a checkpoint's settings, else defaults), checked
+  field by field (:func:`checked_cfg`);
+* building it (:func:`build_model`): from the model zoo (``orepa.models.create_model``), or a
+  torchvision / timm network (``torchvision:NAME``, ``timm:NAME``; :func:`external_model`)
+  turned into its method by ``orepa.convert``;
+* its forms: training, deployed (vanilla layout), deployed with BNs folded (:func:`deploy`,
+  :func:`build_model_form`).
+"""
+from __future__ import annotations
+
+import argparse
+
+from torch import nn
+
+import orepa
+
+from .common import UserError, parse_key_values, positive_float, positive_int
+
+#: model_cfg keys and their defaults; ``options`` holds the zoo's block options
+MODEL_CFG_KEYS = ("model", "method", "num_classes", "in_chans", "small_input", "width_mult", "options")
+
+
+
+DEFAULT_MODEL, DEFAULT_METHOD = "resnet18", "orepa"
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Model flags. Unset ones (None) come from the checkpoint being resumed/evaluated, else the defaults."""
+    g = p.add_argument_group("model (orepa.models.create_model)")
+    g.add_argument("-m", "--model", default=None,
+                   help=f"architecture: a zoo name (orepa.models.list_models()), or torchvision:NAME / timm:NAME, "
+                        f"any network of those libraries turned into --method by orepa.convert; default {DEFAULT_MODEL}")
+    g.add_argument("--method", default=None,
+                   help="re-param method: base, orepa, orepa-offline, dbb (ResNets); base, repvgg, orepa-vgg, ... "
+                        f"(RepVGG); default {DEFAULT_METHOD}")
+    g.add_argument("--width-mult", type=positive_float, default=None,
+                   help="multiply every stage width (default 1.0; the Fashion-MNIST default model uses 1.0 too)")
+    g.add_argument("--small-input", dest="small_input", action="store_true", default=None,
+                   help="CIFAR-style stem (3x3 stride-1 conv, no max-pool); default: on for Fashion-MNIST")
+    g.add_argument("--no-small-input", dest="small_input", action="store_false")
+    g.add_argument("--num-classes", type=positive_int, default=None, help="default: the dataset's")
+    g.add_argument("--in-chans", type=positive_int, default=None,
+                   help="default: the dataset's (1 for Fashion-MNIST)")
+    # block options of the model zoo (passed as create_model(**options) only when given)
+    g.add_argument("--branches", default=None,
+                   help="comma-separated OREPA branches, e.g. kxk,1x1,1x1_avg (table 'components' ablations)")
+    g.add_argument("--scaling", choices=["vector", "scalar", "none"], default=None,
+                   help="branch scaling layers (table 'linearization')")
+    g.add_argument("--preset", default=None,
+                   help="an ablation preset of the zoo (orepa.models.ABLATIONS), e.g. online-only, freq-prior, "
+                        "dw-sep, scalar-scaling, no-scaling, no-post-bn")
+    for t in orepa.BRANCH_TYPES.values():  # each optional branch type's switch (--freq-prior, --dw-sep, ...)
+        if t.switch:
+            flag = t.switch.replace("_", "-")
+            g.add_argument(f"--{flag}", dest=t.switch, action="store_true", default=None, help=f"{t.help} branch on")
+            g.add_argument(f"--no-{flag}", dest=t.switch, action="store_false")
+    g.add_argument("--no-post-bn", dest="post_bn", action="store_false", default=None,
+                   help="drop the post-addition BN (table 'linearization': diverges)")
+    g.add_argument("--deep-stem", dest="deep_stem", action="store_true", default=None, help="linear deep stem on")
+    g.add_argument("--no-deep-stem", dest="deep_stem", action="store_false", help="linear deep stem off")
+    g.add_argument("--rep-1x1", dest="rep_1x1", action="store_true", default=None, help="Rep-1x1 on bottleneck 1x1s")
+    g.add_argument("--no-rep-1x1", dest="rep_1x1", action="store_false")
+    g.add_argument("--model-option", "--block-opt", "--option", dest="model_option", action="append", default=[],
+                   metavar="KEY=VALUE", help="any other create_model option (repeatable), e.g. --model-option "
+                                             "post_bn=false (--block-opt, --option: older spellings)")
+    g.add_argument("--model-kwarg", dest="model_kwarg", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword of a torchvision:NAME / timm:NAME network's constructor (repeatable), e.g. "
+                        "--model-kwarg drop_path_rate=0.1")
+
+
+#: block-option flags copied into create_model(**options) when given (and every branch switch)
+BLOCK_FLAGS = ("preset", "scaling", "post_bn", "deep_stem", "rep_1x1")
+
+
+def block_options_from_args(args: argparse.Namespace) -> dict:
+    opts = {}
+    if getattr(args, "branches", None):
+        opts["branches"] = [b.strip() for b in args.branches.split(",") if b.strip()]
+    from orepa.models.zoo import branch_switches
+
+    for key in (*BLOCK_FLAGS, *branch_switches()):
+        if getattr(args, key, None) is not None:
+            opts[key] = getattr(args, key)
+    opts.update(parse_key_values(getattr(args, "model_option", None)))
+    kwargs = parse_key_values(getattr(args, "model_kwarg", None), "--model-kwarg")
+    if kwargs:
+        opts[MODEL_KWARGS] = kwargs
+    return opts
+
+
+def check_model_fits_data(cfg: dict, data, source) -> None:
+    """A model of ``cfg`` (from checkpoint ``source``) can run on ``data``: its input channels, and
+    at least as many classes. A :class:`UserError` otherwise (eval, train resuming a run or starting
+    from a checkpoint's weights), instead of a shape error at the first batch."""
+    if cfg["in_chans"] != data.in_chans:
+        raise UserError(f"{source} takes {cfg['in_chans']}-channel images but {data.name} has "
+                        f"{data.in_chans} channel(s); pass the --data-path it was trained on")
+    if cfg["num_classes"] < data.num_classes:
+        raise UserError(f"{source} predicts {cfg['num_classes']} classes but {data.name} has "
+                        f"{data.num_classes}; pass the --data-path it was trained on, or fine-tune it on these "
+                        "classes in a new run (orepa train --init-from CHECKPOINT makes a new classifier)")
+
+
+def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans: int, small_input: bool,
+                        saved: dict | None = None) -> dict:
+    """The model_cfg: flags given on the command line, else ``saved`` (a checkpoint's), else defaults."""
+    saved = saved or {}
+    model = args.model if getattr(args, "model", None) is not None else saved.get("model", DEFAULT_MODEL)
+    # the data's small_input default is the zoo's stem switch: another library's network keeps its own stem
+    small_input = small_input and not (isinstance(model, str) and external_source(model))
+    defaults = {"model": DEFAULT_MODEL, "method": DEFAULT_METHOD, "num_classes": num_classes, "in_chans": in_chans,
+                "small_input": small_input, "width_mult": 1.0}
+    cfg = {}
+    for key, default in defaults.items():
+        value = getattr(args, key, None)
+        cfg[key] = value if value is not None else saved.get(key, default)
+    options = block_options_from_args(args)
+    for key in defaults:  # e.g. --model-option width_mult=0.5: a model_cfg key, not a block option
+        if key in options:
+            if getattr(args, key, None) is not None:
+                raise UserError(f"{key} is given twice: --{key.replace('_', '-')} and --model-option {key}=")
+            cfg[key] = options.pop(key)
+    cfg["options"] = options if options else dict(saved.get("options", {}))
+    return checked_cfg(cfg)
+
+
+def checked_cfg(cfg: dict) -> dict:
+    """``cfg`` with its fields as their types (from a flag, ``--model-option`` or a checkpoint)."""
+    for key in MODEL_CFG_KEYS:
+        cfg[key] = check_cfg_value(key, cfg[key])
+    return cfg
+
+
+def check_cfg_value(key: str, value):
+    """One model_cfg field as its type; a value that is not one (``width_mult=abc``,
+    ``small_input=maybe``) is a :class:`UserError` naming it."""
+    def bad(what: str):
+        return UserError(f"model setting {key}={value!r} is not {what}")
+
+    if key in ("num_classes", "in_chans"):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise bad("a positive integer")
+        try:
+            number = int(value)
+        except ValueError:
+            raise bad("a positive integer") from None
+        if number <= 0 or number != float(value):
+            raise bad("a positive integer")
+        return number
+    if key == "width_mult":
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad("a positive number") from None
+        if isinstance(value, bool) or not 0 < number < float("inf"):
+            raise bad("a positive number")
+        return number
+    if key == "small_input" and not isinstance(value, bool):
+        raise bad("true or false")
+    if key in ("model", "method") and not isinstance(value, str):
+        raise bad("a name")
+    if key == "options" and not isinstance(value, dict):
+        raise bad("a mapping of block options")
+    return value
+
+
+def model_flags_given(args: argparse.Namespace) -> bool:
+    """Whether any model flag was given (else a checkpoint's model_cfg is used as it is)."""
+    return any(getattr(args, k, None) is not None for k in MODEL_CFG_KEYS[:-1]) or bool(block_options_from_args(args))
+
+
+def describe_cfg(cfg: dict) -> str:
+    extra = "".join(f", {k}={v}" for k, v in sorted(cfg.get("options", {}).items()))
+    return (f"{cfg['model']}/{cfg['method']} (width x{cfg['width_mult']:g}, {cfg['in_chans']} input channel(s), "
+            f"{cfg['num_classes']} classes, small_input={cfg['small_input']}{extra})")
+
+
+#: model name prefixes of networks from other libraries: ``torchvision:NAME``, ``timm:NAME``
+EXTERNAL_SOURCES = ("torchvision", "timm")
+#: the ``options`` entry that holds such a network's constructor keywords (``--model-kwarg``); the
+#: other options are the blocks' (``orepa.convert``)
+MODEL_KWARGS = "model_kwargs"
+
+
+def external_source(name: str) -> str | None:
+    """``"timm"`` for ``"timm:resnet26d"``; None for a zoo name."""
+    source, sep, _ = name.partition(":")
+    return source if sep else None
+
+
+def model_slug(name: str) -> str:
+    """``name`` as a file name's part: ``timm:resnet26d`` -> ``timm-resnet26d``."""
+    return name.replace(":", "-")
+
+
+def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> nn.Module:
+    """The plain network ``torchvision:NAME`` or ``timm:NAME``, randomly initialised (no weights
+    are fetched; ``kwargs`` go to its constructor). timm makes ``in_chans`` itself; in a torchvision
+    model the first conv that takes 3 channels is replaced by one that takes ``in_chans`` (same
+    geometry, initialised afresh)."""
+    source, _, arch = name.partition(":")
+    if source not in EXTERNAL_SOURCES or not arch:
+        raise _unknown_model(name)
+    try:
+        if source == "timm":
+            import timm
+
+            if not timm.is_model(arch):  # timm's own error for a name it lacks is a bare RuntimeError
+                raise ValueError(f"timm has no model {arch!r} (timm.list_models())")
+            return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans, **kwargs)
+        import torchvision
+
+        model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+    except ImportError as exc:
+        raise UserError(f"model {name!r} needs the package {exc.name or source} (pip install {source})") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"cannot build model {name!r}: {exc}") from None
+    if in_chans != 3:
+        _adapt_input_conv(model, in_chans, name)
+    return model
+
+
+def _adapt_input_conv(model: nn.Module, in_chans: int, name: str) -> None:
+    first = next(((n, m) for n, m in model.named_modules() if type(m) is nn.Conv2d), None)
+    if first is None or first[1].in_channels != 3 or first[1].groups != 1:
+        raise UserError(f"model {name!r}: no first 3-channel convolution to give {in_chans} input channel(s)")
+    n, c = first
+    new = nn.Conv2d(in_chans, c.out_channels, c.kernel_size, c.stride, c.padding, c.dilation, 1, c.bias is not None,
+                    c.padding_mode)
+    parent, _, attr = n.rpartition(".")
+    setattr(model.get_submodule(parent), attr, new)
+
+
+def _unknown_model(name: str) -> UserError:
+    return UserError(f"unknown model {name!r}; choose from {', '.join(_zoo().list_models())}, or "
+                     f"{' / '.join(s + ':NAME' for s in EXTERNAL_SOURCES)} for a network of those libraries")
+
+
+def _zoo():
+    from orepa import models
+
+    return models
+
+
+def build_model(cfg: dict) -> nn.Module:
+    """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`): from the zoo, or a
+    torchvision / timm network (:func:`external_model`) turned into ``method`` by :func:`orepa.convert`
+    with the block options of ``cfg["options"]``."""
+    zoo = _zoo()
+    if external_source(cfg["model"]) is not None:
+        zoo_only = [f"{k}={cfg[k]}" for k, plain in (("width_mult", 1.0), ("small_input", False)) if cfg[k] != plain]
+        if zoo_only:
+            raise UserError(f"{', '.join(zoo_only)}: options of the zoo's models, not of {cfg['model']}")
+        options = dict(cfg["options"])
+        kwargs = options.pop(MODEL_KWARGS, {})
+        if not isinstance(kwargs, dict):
+            raise UserError(f"{MODEL_KWARGS} must be a mapping of constructor keywords, got {kwargs!r}")
+        model = external_model(cfg["model"], cfg["num_classes"], cfg["in_chans"], **kwargs)
+        if cfg["method"] == "base":
+            if options:
+                raise UserError(f"block options {sorted(options)} need a re-param method, not base")
+            return model
+        if cfg["method"] not in orepa.METHODS:
+            raise UserError(f"unknown method {cfg['method']!r} for {cfg['model']}; choose from base, "
+                            f"{', '.join(sorted(orepa.METHODS))}")
+        try:
+            return orepa.convert(model, cfg["method"], inplace=True, **options)
+        except (ValueError, TypeError) as exc:
+            raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
+    if cfg["model"] not in zoo.list_models():
+        raise _unknown_model(cfg["model"])
+    if MODEL_KWARGS in cfg.get("options", {}):
+        raise UserError(f"--model-kwarg passes keywords to a torchvision:NAME / timm:NAME network's constructor; "
+                        f"{cfg['model']} is a zoo model (its options: --model-option KEY=VALUE)")
+    try:
+        return zoo.create_model(cfg["model"], method=cfg["method"], num_classes=cfg["num_classes"],
+                                in_chans=cfg["in_chans"], small_input=cfg["small_input"],
+                                width_mult=cfg["width_mult"], **cfg.get("options", {}))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
+
+
+def model_cfg_of(model: nn.Module) -> dict:
+    """The model_cfg that :func:`build_model` turns back into ``model`` (a zoo model: its ``orepa_config``)."""
+    oc = dict(model.orepa_config)
+    cfg = {"model": oc.pop("name"), "method": oc.pop("method"), "num_classes": oc.pop("num_classes"),
+           "in_chans": oc.pop("in_chans"), "small_input": bool(oc.pop("small_input", False)),
+           "width_mult": float(oc.pop("width_mult", 1.0))}
+    cfg["options"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in oc.items()}
+    return cfg
+
+
+#: deployed forms: "deploy" = vanilla layout (BNs kept), "deploy-fused" = BNs folded into the convs
+FORMS = ("train", "deploy", "deploy-fused")
+
+
+def deploy(model: nn.Module, form: str) -> nn.Module:
+    """The ``form`` of a training-form model (a copy; ``train`` returns the model itself)."""
+    if form == "train":
+        return model
+    was = model.training
+    model.eval()
+    out = orepa.reparameterize(model, fuse_bn=(form == "deploy-fused"))
+    model.train(was)
+    return out.eval()
+
+
+def build_model_form(cfg: dict, form: str) -> nn.Module:
+    """An (untrained) model with the module layout of ``form``, ready for ``load_state_dict``."""
+    if form not in FORMS:
+        raise UserError(f"unknown model form {form!r}; expected one of {FORMS}")
+    return deploy(build_model(cfg), form)
