@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of one lent-GPU session, in two phases (run from the repository root):
-#   benchmarks/gpu_session.sh probe      # ~3 min: nccl/fp16/SyncBN smoke run + reparam, cost tables at the
+#   benchmarks/gpu_session.sh probe      # ~4 min: nccl/fp16/SyncBN smoke run + reparam, a torchvision network in
+#                                        #   the default CUDA mode + reparam, cost tables at the
 #                                        #   paper's setting (ResNet-18 and ResNet-50, batch 64, 224x224)
 #   benchmarks/gpu_session.sh compile    # ~8 min: the same cost tables with torch.compile'd train steps
 #   benchmarks/gpu_session.sh steps      # ~6 min: the step modes. tests/test_cuda.py (CUDA-graph steps vs eager
@@ -75,6 +76,13 @@ probe)
         2>&1 | tee "$R/smoke_train.log"
     timeout 90 python3 -m orepa reparam /tmp/smoke/checkpoint.pth --fuse-bn --json "$R/smoke_reparam.json" \
         --no-progress 2>&1 | tee "$R/smoke_reparam.log"
+    # a network of another library in orepa train's CUDA default mode (torchvision's MobileNetV3: depthwise
+    # blocks, dropout in the graphed step), then its deployed checkpoint verified
+    timeout 150 python3 -m orepa train -m torchvision:mobilenet_v3_large --method orepa --epochs 1 --train-subset 5120 \
+        -b 128 -j 8 --lr-warmup-epochs 0.2 --output-dir /tmp/smoke_tv --no-progress --no-tensorboard 2>&1 \
+        | tail -8 | tee "$R/smoke_torchvision_train.log"
+    timeout 90 python3 -m orepa reparam /tmp/smoke_tv/checkpoint.pth --json "$R/smoke_torchvision_reparam.json" \
+        --no-progress 2>&1 | tee "$R/smoke_torchvision_reparam.log"
     # the paper's cost setting: batch 64 per GPU, 224x224, fp32 train steps
     for m in resnet18 resnet50; do
         timeout 200 python3 -m orepa bench -m "$m" -b 64 --image-size 224 --device cuda --cudnn-benchmark \
