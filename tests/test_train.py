@@ -532,7 +532,18 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classi
     deployed = tmp_path / "deployed.pth"
     assert main(["reparam", str(first / "checkpoint.pth"), "-o", str(deployed), "--no-progress", "-j", "0",
                  "--val-subset", "16"]) == 0
-    for extra, message in ((["--init-from", str(deployed)], "holds deploy weights"),
+    # a deployed checkpoint: every block starts as its deployed conv (lr 1e-9: still that conv at the end)
+    assert _train(cache, tmp_path / "from_deployed", "--init-from", str(deployed), "--lr", "1e-9",
+                  "--lr-warmup-epochs", "0", "--max-steps", "1") == 0
+    assert "; deployed weights: every re-param block starts as its conv" in capsys.readouterr().out
+    again = tmp_path / "again.pth"
+    assert main(["reparam", str(tmp_path / "from_deployed" / "checkpoint.pth"), "-o", str(again), "--no-verify"]) == 0
+    a, b = _load(deployed)["model"], _load(again)["model"]
+    for key in (k for k, v in a.items() if v.dim() == 4):
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+    fused = tmp_path / "fused.pth"
+    assert main(["reparam", str(first / "checkpoint.pth"), "-o", str(fused), "--fuse-bn", "--no-verify"]) == 0
+    for extra, message in ((["--init-from", str(fused)], "holds deploy-fused weights"),
                            (["--init-from", str(first / "checkpoint.pth"), "--resume", str(first / "checkpoint.pth")],
                             "give one of them"),
                            (["--init-from", str(first / "checkpoint.pth"), "--model", "resnet34"],

@@ -362,10 +362,10 @@ class Trainer:
             self.start_weights = load_checkpoint(args.init_from)
             self.start_path, self.start_flag = args.init_from, f"--init-from {args.init_from}"
             form = self.start_weights.get("form", "train")
-            if form != "train":
-                raise UserError(f"{self.start_flag}: it holds {form} weights (no branches left to train); start from "
-                                "a training-form checkpoint (`orepa train`'s, or `orepa import-reference` without "
-                                "--deploy)")
+            if form not in ("train", "deploy"):  # a deployed one starts every block as its conv (below)
+                raise UserError(f"{self.start_flag}: it holds {form} weights (BNs folded into the convs: not the "
+                                "plain network's layout); start from a training-form or deployed (`orepa reparam` "
+                                "without --fuse-bn) checkpoint")
         if self.start_weights is not None:
             saved_cfg = self.start_weights.get("model_cfg")
         elif args.resume:
@@ -470,6 +470,7 @@ class Trainer:
         sd, path = self.start_weights["model"], self.start_path
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
         bare = "format" not in self.start_weights
+        deployed = self.start_weights.get("form") == "deploy"
         rgb = []
         if bare:  # another tool's weights for RGB images (torchvision's, timm's) on data of other channels
             shapes = {k: v.shape for k, v in build_model_form(self.cfg, "deploy").state_dict().items()}
@@ -478,7 +479,7 @@ class Trainer:
             rgb = adapt_input_channels(sd, shapes, self.cfg["in_chans"])
         how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
-                               plain=bare)
+                               plain=bare or deployed)
         source = self.start_weights.get("source")
         head = ""
         if fresh:
@@ -488,7 +489,8 @@ class Trainer:
             how_rgb = "summed over RGB" if self.cfg["in_chans"] == 1 else "RGB repeated, scaled by 3 / channels"
             head += f"; RGB weights made for {self.cfg['in_chans']} input channel(s), {how_rgb}: {', '.join(rgb)}"
         if how == "plain":
-            head += "; the plain network's weights: every re-param block starts as its conv, its other branches at zero"
+            what = "deployed weights" if deployed else "the plain network's weights"
+            head += f"; {what}: every re-param block starts as its conv, its other branches at zero"
         self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
 
