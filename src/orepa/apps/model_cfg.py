@@ -19,17 +19,16 @@ import orepa
 
 from .common import UserError, parse_key_values, positive_float, positive_int
 
-#: model_cfg keys and their defaults; ``options`` holds the zoo's block options
+#: model_cfg keys; ``options`` holds the block options (and, for a torchvision / timm network, its
+#: constructor keywords under :data:`MODEL_KWARGS`)
 MODEL_CFG_KEYS = ("model", "method", "num_classes", "in_chans", "small_input", "width_mult", "options")
-
-
 
 DEFAULT_MODEL, DEFAULT_METHOD = "resnet18", "orepa"
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Model flags. Unset ones (None) come from the checkpoint being resumed/evaluated, else the defaults."""
-    g = p.add_argument_group("model (orepa.models.create_model)")
+    g = p.add_argument_group("model (the zoo's orepa.models.create_model, or a torchvision / timm network)")
     g.add_argument("-m", "--model", default=None,
                    help=f"architecture: a zoo name (orepa.models.list_models()), or torchvision:NAME / timm:NAME, "
                         f"any network of those libraries turned into --method by orepa.convert; default {DEFAULT_MODEL}")

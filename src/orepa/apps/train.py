@@ -465,8 +465,9 @@ class Trainer:
 
     def _load_start_weights(self, model: nn.Module, saved_cfg: dict | None) -> None:
         """Load the starting point's weights, but for a classifier of another class count (kept as
-        initialised: fine-tuning on other classes). A bare state_dict may also be the plain network's
-        (e.g. torchvision's or timm's weights): every re-param block then starts as its conv."""
+        initialised: fine-tuning on other classes). A deployed checkpoint, or a bare state_dict of the
+        plain network (e.g. torchvision's or timm's weights, RGB ones adapted to the data's channels):
+        every re-param block then starts as its conv."""
         sd, path = self.start_weights["model"], self.start_path
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
         bare = "format" not in self.start_weights
