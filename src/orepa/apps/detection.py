@@ -294,10 +294,12 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
         try:
             load_plain_state_dict(trunk, {k: v for k, v in sd.items() if not k.startswith("fc.")}, keep=head)
         except ValueError as exc:
+            stem = " with deep_stem=False (a linear deep stem cannot start as a given 7x7 kernel)," \
+                if isinstance(trunk.conv1, OREPADeepStem) else ""
             raise ValueError(
                 f"the checkpoint is a deployed / vanilla {name} (plain conv weights); the {method!r} backbone "
-                f"cannot start as it: {exc}. Build it with deep_stem=False (a linear deep stem cannot start as "
-                f"a given 7x7 kernel), or with method='base' to fine-tune the plain network") from None
+                f"cannot start as it: {exc}. Build it{stem} or with method='base' to fine-tune the plain "
+                "network") from None
         return "base (every block starting as its conv)"
     raise ValueError(f"the checkpoint is the {form!r} training form of {name}; build the backbone with "
                      f"method={form!r} (or method='base' to load it reparameterized)")

@@ -16,6 +16,7 @@ import argparse
 from torch import nn
 
 import orepa
+from orepa import models as zoo
 
 from .common import UserError, parse_key_values, positive_float, positive_int
 
@@ -234,21 +235,14 @@ def _adapt_input_conv(model: nn.Module, in_chans: int, name: str) -> None:
 
 
 def _unknown_model(name: str) -> UserError:
-    return UserError(f"unknown model {name!r}; choose from {', '.join(_zoo().list_models())}, or "
+    return UserError(f"unknown model {name!r}; choose from {', '.join(zoo.list_models())}, or "
                      f"{' / '.join(s + ':NAME' for s in EXTERNAL_SOURCES)} for a network of those libraries")
-
-
-def _zoo():
-    from orepa import models
-
-    return models
 
 
 def build_model(cfg: dict) -> nn.Module:
     """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`): from the zoo, or a
     torchvision / timm network (:func:`external_model`) turned into ``method`` by :func:`orepa.convert`
     with the block options of ``cfg["options"]``."""
-    zoo = _zoo()
     if external_source(cfg["model"]) is not None:
         zoo_only = [f"{k}={cfg[k]}" for k, plain in (("width_mult", 1.0), ("small_input", False)) if cfg[k] != plain]
         if zoo_only:

@@ -27,7 +27,9 @@ batch size (the position in the run is counted in its steps), fewer epochs than 
 
 Fine-tuning: ``orepa train --init-from CKPT --data-path DATA`` starts a new run from the weights
 of a training-form checkpoint (``orepa train``'s or ``orepa import-reference``'s), with this
-command's settings; a classifier for another class count is made anew, the rest is loaded.
+command's settings; a classifier for another class count is made anew, the rest is loaded. A
+deployed checkpoint or a plain network's state_dict (torchvision's, timm's) starts every block as
+its conv, its other branches at zero.
 
 Divergence: a non-finite loss stops the run, and no checkpoint is written unless every
 parameter, buffer (BN statistics), optimizer state and EMA tensor is finite, so the
@@ -166,8 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue the run of a training checkpoint (model, optimizer, scheduler, scaler, epoch, "
                         "position in the epoch, RNG) with its settings; flags given override them")
     g.add_argument("--init-from", default=None, metavar="CKPT",
-                   help="start a new run from the weights of a training-form checkpoint (of `orepa train`, or "
-                        "`orepa import-reference`): its architecture, this command's settings, a fresh optimizer and "
+                   help="start a new run from the weights of a checkpoint: training-form (of `orepa train`, or "
+                        "`orepa import-reference`), deployed, or a plain network's state_dict (e.g. torchvision's or "
+                        "timm's: every block starts as its conv); this command's settings, a fresh optimizer and "
                         "schedule; a classifier for another class count (the data's, or --num-classes) is made anew")
     g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
     g.add_argument("--save-every", type=nonneg_int, default=0,
@@ -420,10 +423,11 @@ class Trainer:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
                      "during the first training step (seconds per group; --kernel-builder auto builds them "
                      "eagerly, uncompiled)")
+        deploy_form = build_model_form(self.cfg, "deploy")  # its size, and the plain layout's shapes
         if self.start_weights is not None:
-            self._load_start_weights(model, saved_cfg)
+            self._load_start_weights(model, saved_cfg, deploy_form)
         self.params_train = count_params(model)
-        self.params_deploy = count_params(build_model_form(self.cfg, "deploy"))
+        self.params_deploy = count_params(deploy_form)
         if args.sync_bn and info.distributed:
             if device.type != "cuda":
                 raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm has no CPU implementation)")
@@ -463,7 +467,7 @@ class Trainer:
         # flag must not cost the run it was meant to replace
         self._clear_previous_run(previous)
 
-    def _load_start_weights(self, model: nn.Module, saved_cfg: dict | None) -> None:
+    def _load_start_weights(self, model: nn.Module, saved_cfg: dict | None, deploy_form: nn.Module) -> None:
         """Load the starting point's weights, but for a classifier of another class count (kept as
         initialised: fine-tuning on other classes). A deployed checkpoint, or a bare state_dict of the
         plain network (e.g. torchvision's or timm's weights, RGB ones adapted to the data's channels):
@@ -474,7 +478,7 @@ class Trainer:
         deployed = self.start_weights.get("form") == "deploy"
         rgb = []
         if bare:  # another tool's weights for RGB images (torchvision's, timm's) on data of other channels
-            shapes = {k: v.shape for k, v in build_model_form(self.cfg, "deploy").state_dict().items()}
+            shapes = {k: v.shape for k, v in deploy_form.state_dict().items()}
             shapes.update((k, v.shape) for k, v in model.state_dict().items())
             sd = dict(sd)
             rgb = adapt_input_channels(sd, shapes, self.cfg["in_chans"])
