@@ -541,6 +541,18 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classi
     a, b = _load(deployed)["model"], _load(again)["model"]
     for key in (k for k, v in a.items() if v.dim() == 4):
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+    # a --method base run's checkpoint holds the plain network: the same start as from deployed weights
+    assert _train(cache, tmp_path / "base", "--method", "base", "--max-steps", "1") == 0
+    capsys.readouterr()
+    assert _train(cache, tmp_path / "from_base", "--init-from", str(tmp_path / "base" / "checkpoint.pth"), "--method",
+                  "orepa", "--lr", "1e-9", "--lr-warmup-epochs", "0", "--max-steps", "1") == 0
+    assert "; a --method base run's weights: every re-param block starts as its conv" in capsys.readouterr().out
+    assert main(["reparam", str(tmp_path / "from_base" / "checkpoint.pth"), "-o", str(again), "--no-verify",
+                 "--overwrite"]) == 0
+    a, b = _load(tmp_path / "base" / "checkpoint.pth")["model"], _load(again)["model"]
+    assert a.keys() == b.keys()
+    for key in (k for k, v in a.items() if v.dim() == 4):
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
     fused = tmp_path / "fused.pth"
     assert main(["reparam", str(first / "checkpoint.pth"), "-o", str(fused), "--fuse-bn", "--no-verify"]) == 0
     for extra, message in ((["--init-from", str(fused)], "holds deploy-fused weights"),

@@ -28,8 +28,8 @@ batch size (the position in the run is counted in its steps), fewer epochs than 
 Fine-tuning: ``orepa train --init-from CKPT --data-path DATA`` starts a new run from the weights
 of a training-form checkpoint (``orepa train``'s or ``orepa import-reference``'s), with this
 command's settings; a classifier for another class count is made anew, the rest is loaded. A
-deployed checkpoint or a plain network's state_dict (torchvision's, timm's) starts every block as
-its conv, its other branches at zero.
+deployed checkpoint, a ``--method base`` run's, or a plain network's state_dict (torchvision's,
+timm's) starts every block as its conv, its other branches at zero, for any ``--method``.
 
 Divergence: a non-finite loss stops the run, and no checkpoint is written unless every
 parameter, buffer (BN statistics), optimizer state and EMA tensor is finite, so the
@@ -169,8 +169,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "position in the epoch, RNG) with its settings; flags given override them")
     g.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start a new run from the weights of a checkpoint: training-form (of `orepa train`, or "
-                        "`orepa import-reference`), deployed, or a plain network's state_dict (e.g. torchvision's or "
-                        "timm's: every block starts as its conv); this command's settings, a fresh optimizer and "
+                        "`orepa import-reference`), or plain weights that start every block as its conv (deployed, a "
+                        "--method base run's, or a plain network's state_dict such as torchvision's or timm's: "
+                        "any --method); this command's settings, a fresh optimizer and "
                         "schedule; a classifier for another class count (the data's, or --num-classes) is made anew")
     g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
     g.add_argument("--save-every", type=nonneg_int, default=0,
@@ -388,6 +389,9 @@ class Trainer:
         self.cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
                                        small_input=self.data.small_input, saved=kept)
         expected = {**saved_cfg, "num_classes": self.cfg["num_classes"]} if new_head else saved_cfg
+        if new_head and (saved_cfg.get("method") == "base" or self.start_weights.get("form") == "deploy"):
+            # plain weights (a base run's, deployed ones) start any method: only the plain network must match
+            expected = {**expected, "method": self.cfg["method"], "options": self.cfg["options"]}
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
@@ -476,6 +480,8 @@ class Trainer:
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
         bare = "format" not in self.start_weights
         deployed = self.start_weights.get("form") == "deploy"
+        # a `--method base` run's weights are the plain network too (its training form is the plain layout)
+        base_run = (saved_cfg or {}).get("method") == "base" and self.cfg["method"] != "base"
         rgb = []
         if bare:  # another tool's weights for RGB images (torchvision's, timm's) on data of other channels
             shapes = {k: v.shape for k, v in deploy_form.state_dict().items()}
@@ -484,7 +490,7 @@ class Trainer:
             rgb = adapt_input_channels(sd, shapes, self.cfg["in_chans"])
         how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
-                               plain=bare or deployed)
+                               plain=bare or deployed or base_run)
         source = self.start_weights.get("source")
         head = ""
         if fresh:
@@ -494,7 +500,8 @@ class Trainer:
             how_rgb = "summed over RGB" if self.cfg["in_chans"] == 1 else "RGB repeated, scaled by 3 / channels"
             head += f"; RGB weights made for {self.cfg['in_chans']} input channel(s), {how_rgb}: {', '.join(rgb)}"
         if how == "plain":
-            what = "deployed weights" if deployed else "the plain network's weights"
+            what = ("deployed weights" if deployed else "a --method base run's weights" if base_run
+                    else "the plain network's weights")
             head += f"; {what}: every re-param block starts as its conv, its other branches at zero"
         self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
