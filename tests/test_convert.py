@@ -627,3 +627,72 @@ def test_a_block_without_scales_starts_as_its_conv_through_its_last_learnable_fa
         if name != "kxk":
             last = [s for s in br if isinstance(s, orepa.ConvStep)][-1] if opts.get("scaling") == "none" else br[-1]
             assert last.weight.grad.abs().sum() > 0, name
+
+
+class _NormalisedOtherwise(nn.Module):
+    """Convs that no BatchNorm2d follows: one before a GroupNorm, a depthwise one before a
+    channels-last LayerNorm (ConvNeXt's), a 1x1 and a head conv with nothing after them, beside a
+    conv -> BN pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.stem_bn = nn.BatchNorm2d(8)
+        self.conv_gn = nn.Conv2d(8, 8, 3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.conv_dw = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+        self.ln = nn.LayerNorm(8)
+        self.pw = nn.Conv2d(8, 16, 1)
+        self.head = nn.Conv2d(16, 5, 3, stride=2, padding=1)
+        self.patch = nn.Conv2d(5, 5, 2, stride=2)  # an even kernel: no block takes it
+
+    def forward(self, x):
+        x = torch.relu(self.stem_bn(self.stem(x)))
+        x = torch.relu(self.gn(self.conv_gn(x)))
+        x = self.ln(self.conv_dw(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.patch(self.head(torch.relu(self.pw(x))))
+
+
+def test_without_bn_converts_the_convs_no_batchnorm_follows_and_deploys_to_their_layout():
+    torch.manual_seed(0)
+    plain = _NormalisedOtherwise().double()
+    model, report = orepa.convert(plain, without_bn=True, return_report=True)
+    assert report.converted == ["stem", "conv_gn", "conv_dw", "pw", "head"]
+    assert report.without_bn == ["conv_gn", "conv_dw", "pw", "head"]
+    assert list(report.skipped) == ["patch"] and "4 without a BatchNorm2d after them" in str(report)
+    assert all(isinstance(model.get_submodule(n), orepa.ReparamConv2d) for n in report.converted)
+    assert model.conv_dw.bias is not None and model.stem.bias is None
+    x = torch.randn(4, 3, 16, 16, dtype=torch.double)
+    model.train()
+    with torch.no_grad():
+        trained = model(x)  # BN in training mode: batch statistics, the same in the deployed net
+    deployed = orepa.reparameterize(model)
+    assert {k: v.shape for k, v in deployed.state_dict().items()} == \
+        {k: v.shape for k, v in plain.state_dict().items()}
+    deployed.load_state_dict(deployed.state_dict(), strict=True)
+    assert all(type(deployed.get_submodule(n)) is nn.Conv2d for n in report.converted)
+    with torch.no_grad():
+        tol_close(deployed.eval()(x), model.eval()(x))
+        tol_close(deployed.train()(x), trained)  # (one more update of the BN statistics: compared last)
+    # started as the plain network: its function, in training mode too, and its very weights deployed
+    orepa.load_plain_state_dict(model, plain.state_dict())
+    with torch.no_grad():
+        tol_close(model.train()(x), plain.train()(x))
+    for key, value in orepa.reparameterize(model.eval()).state_dict().items():
+        torch.testing.assert_close(value, plain.state_dict()[key], rtol=1e-9, atol=1e-12)
+    # the 1x1 convs can stay plain; the scales of every block get gradients
+    kept = orepa.convert(plain, without_bn=True, rep_1x1=False, return_report=True)[1]
+    assert kept.without_bn == ["conv_gn", "conv_dw", "head"] and "rep_1x1=False" in kept.skipped["pw"]
+    model.train()(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_without_bn_is_for_orepa_and_named_where_it_would_convert_something():
+    plain = _NormalisedOtherwise()
+    for method in ("dbb", "repvgg", "orepa-vgg", "orepa-offline"):
+        with pytest.raises(ValueError, match=f"without_bn=True is for method 'orepa'.*'{method}' blocks hold BNs"):
+            orepa.convert(plain, method, without_bn=True)
+    unnormed = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4))
+    with pytest.raises(ValueError, match=r"not followed by a BatchNorm2d it alone feeds \(without_bn=True converts"):
+        orepa.convert(unnormed)
+    assert isinstance(orepa.convert(unnormed, without_bn=True)[0], orepa.OREPAConv2d)

@@ -105,6 +105,12 @@ def test_constructor_keywords_reach_the_network_and_stay_in_its_settings():
     (["-m", "torchvision:resnet18", "--method", "base", "--branches", "kxk"], "need a re-param method, not base"),
     (["-m", "torchvision:vit_b_16"], "found nothing to convert in VisionTransformer"),
     (["-m", "timm:resnet10t", "--model-kwarg", "nope=1"], "unexpected keyword argument 'nope'"),
+    (["-m", "timm:convnext_atto"], "stem.0, stages.0.blocks.0.conv_dw, stages.0.blocks.0.mlp.fc1 and 37 more: not "
+                                   "followed by a BatchNorm2d it alone feeds (without_bn=True converts the convs that "
+                                   "no BatchNorm2d follows too) (--model-option without_bn=true)"),
+    (["-m", "timm:convnext_atto", "--method", "base"],  # 32x downsampling: nothing left of 28x28 for the last conv
+     "timm:convnext_atto/base (width x1, 1 input channel(s), 10 classes, small_input=False) cannot take "
+     "fashion-mnist's 28x28 images: Calculated padded input size per channel: (1 x 1)"),
     (["-m", "resnet18", "--model-kwarg", "drop_rate=0.1"], "resnet18 is a zoo model"),
 ])
 def test_a_network_that_cannot_be_built_is_one_line(cache, tmp_path, capsys, flags, message):
@@ -149,10 +155,10 @@ def test_training_starts_from_the_plain_networks_weights(cache, tmp_path, capsys
         torch.testing.assert_close(sd[key], plain[key], rtol=1e-5, atol=1e-5)
     # weights that fit neither form: both problems named
     capsys.readouterr()
-    assert main(["train", "-m", "torchvision:resnet18", "--method", "dbb", "--in-chans", "3", "--init-from", str(weights),
+    assert main(["train", "-m", "torchvision:resnet34", "--method", "dbb", "--init-from", str(weights),
                  "--output-dir", str(tmp_path / "other"), *common]) == 2
     err = capsys.readouterr().err
-    assert "nor is it the plain network's" in err and "got [64, 1, 7, 7]" in err
+    assert "nor is it the plain network's" in err and "layer1.2.conv1.weight" in err, err
 
 
 def test_rgb_weights_are_made_for_the_datas_channels():

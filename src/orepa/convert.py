@@ -50,9 +50,12 @@ class ConversionReport:
     pairing: str = ""
     converted: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    #: the converted convs that no BatchNorm2d follows (``without_bn=True``)
+    without_bn: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [f"convert(method={self.method!r}): {len(self.converted)} converted, "
+        unnormed = f" ({len(self.without_bn)} without a BatchNorm2d after them)" if self.without_bn else ""
+        lines = [f"convert(method={self.method!r}): {len(self.converted)} converted{unnormed}, "
                  f"{len(self.skipped)} skipped; pairs found by {self.pairing}"]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
@@ -369,6 +372,7 @@ def convert(
     example_input=None,
     exclude: Callable[[str, nn.Conv2d], bool] | None = None,
     return_report: bool = False,
+    without_bn: bool = False,
     **options,
 ):
     """Replace every supported Conv2d -> BatchNorm2d pair of ``model`` by a ``method`` block.
@@ -379,9 +383,18 @@ def convert(
         example_input: used to pair convs with BNs when torch.fx cannot trace the model.
         exclude: ``exclude(name, conv) -> True`` keeps that conv plain.
         return_report: also return a :class:`ConversionReport`.
+        without_bn: ``"orepa"`` only: also convert the convs that no BatchNorm2d follows (those
+            of networks normalised otherwise, as ConvNeXt's depthwise convs before a LayerNorm or
+            a head's convs before a GroupNorm). The deployed network keeps their layout (a conv's
+            bias stays its bias). The paper puts a BN after every block (its post-addition norm,
+            which keeps the sum of the branches' outputs in scale); here the network's own norm
+            takes that role, and where nothing normalises a conv's output the block's output
+            starts ~3x the plain conv's in scale: start such a network as the plain one
+            (:func:`load_plain_state_dict`) or keep those convs plain (``exclude``;
+            ``rep_1x1=False`` for the 1x1 convs, squeeze-excitation's among them).
         options: passed to the block (e.g. ``branches``, ``scaling``, ``scale_init``, ``rep_1x1``).
-    Convs without a following BatchNorm2d are left alone: re-param blocks need a
-    norm after them (OREPA uses it as the post-addition norm). So are convs a
+    Convs without a following BatchNorm2d are left alone (unless ``without_bn``): re-param
+    blocks need a norm after them (OREPA uses it as the post-addition norm). So are convs a
     block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
     and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d),
     and convs followed by a BatchNorm2d subclass, which may do more than normalise
@@ -403,6 +416,10 @@ def convert(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    if without_bn and method != "orepa":
+        raise ValueError(f"without_bn=True is for method 'orepa', whose blocks keep the BN after them as it is; "
+                         f"{method!r} blocks hold BNs of their own and absorb the BatchNorm2d after them, so they "
+                         "need one")
     # option values wrong for every conv fail here: in the loop a block's ValueError skips its conv
     check_block_options(**{k: options[k] for k in ("branches", "scaling", "scale_init", "dw_expand",
                                                    "internal_channels") if k in options})
@@ -419,6 +436,9 @@ def convert(
                 "not followed by a BatchNorm2d it alone feeds"
         elif isinstance(m, nn.modules.conv._ConvNd) and type(m) is not nn.Conv2d and not _inside_block(name, model):
             report.skipped[name] = f"{type(m).__name__}: only plain nn.Conv2d layers are converted"
+    if without_bn:  # every other plain conv too, a block with no BN after it
+        pairs = pairs + [(name, None) for name in report.skipped
+                         if type(model.get_submodule(name)) is nn.Conv2d and not _inside_block(name, model)]
     for conv_name, bn_name in pairs:
         conv = model.get_submodule(conv_name)
         if not isinstance(conv, nn.Conv2d) or type(conv) is not nn.Conv2d:
@@ -430,6 +450,12 @@ def convert(
             block = make_block(method, conv, **options)
         except ValueError as exc:
             report.skipped[conv_name] = str(exc)
+            continue
+        if bn_name is None:  # without_bn: orepa's block, which leaves what follows it as it is
+            del report.skipped[conv_name]
+            _set_submodule(model, conv_name, block)
+            report.converted.append(conv_name)
+            report.without_bn.append(conv_name)
             continue
         bn = model.get_submodule(bn_name)
         if block.has_norm and _norm_then_act(bn):
@@ -444,9 +470,16 @@ def convert(
         _set_submodule(model, conv_name, block)
         report.converted.append(conv_name)
     if not report.converted and not had_blocks:
-        why = "; ".join(f"{n or type(model).__name__}: {r}" for n, r in report.skipped.items())
+        by_reason: dict[str, list[str]] = {}  # one clause a reason: a deep network's list stays readable
+        for name, reason in report.skipped.items():
+            by_reason.setdefault(reason, []).append(name or type(model).__name__)
+        why = "; ".join(f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}: {reason}"
+                        for reason, names in by_reason.items())
+        unpaired = any(r.startswith("not followed by a BatchNorm2d") for r in by_reason)
+        hint = " (without_bn=True converts the convs that no BatchNorm2d follows too)" \
+            if unpaired and method == "orepa" else ""
         raise ValueError(f"convert(method={method!r}) found nothing to convert in {type(model).__name__}: "
-                         + (why or "it has no nn.Conv2d followed by a BatchNorm2d"))
+                         + (why or "it has no nn.Conv2d followed by a BatchNorm2d") + hint)
     group_kernels(model)  # online blocks of one signature build their kernels together on GPUs
     return (model, report) if return_report else model
 

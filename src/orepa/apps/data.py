@@ -301,6 +301,7 @@ class Data:
     num_classes: int
     in_chans: int
     small_input: bool  # what the model should default to
+    image_sizes: tuple[int, ...] = ()  # the square sizes the model is given: training crops, validation crops
 
 
 def resolve_kind(args) -> str:
@@ -328,18 +329,18 @@ def build_data(args, *, need_train: bool = True) -> Data:
     kind = resolve_kind(args)
     if kind == "fashion-mnist":
         train, val = fashion_mnist(getattr(args, "cache_dir", None), getattr(args, "pad_crop", 2))
-        in_chans, small = 1, True
+        in_chans, small, sizes = 1, True, (28,)
     else:
-        train, val = imagefolder(args.data_path, getattr(args, "train_crop_size", 224),
-                                 getattr(args, "val_resize_size", 256), getattr(args, "val_crop_size", 224),
+        train_crop, val_crop = getattr(args, "train_crop_size", 224), getattr(args, "val_crop_size", 224)
+        train, val = imagefolder(args.data_path, train_crop, getattr(args, "val_resize_size", 256), val_crop,
                                  need_train=need_train)
-        in_chans, small = 3, False
+        in_chans, small, sizes = 3, False, tuple(sorted({train_crop, val_crop} if need_train else {val_crop}))
     classes = val.classes
     if need_train:
         train = _subset(train, getattr(args, "train_subset", None), getattr(args, "seed", 0))
         train = SeededAugment(train, getattr(args, "seed", 0))
     val = _subset(val, getattr(args, "val_subset", None), None)
-    return Data(kind, train, val, len(classes), in_chans, small)
+    return Data(kind, train, val, len(classes), in_chans, small, sizes)
 
 
 def default_workers(args, device: torch.device) -> int:

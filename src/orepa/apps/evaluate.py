@@ -29,7 +29,14 @@ from .common import (
     positive_int,
 )
 from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
-from .model_cfg import add_model_arguments, check_model_fits_data, describe_cfg, model_cfg_from_args, model_flags_given
+from .model_cfg import (
+    add_model_arguments,
+    check_model_fits_data,
+    check_model_takes_images,
+    describe_cfg,
+    model_cfg_from_args,
+    model_flags_given,
+)
 
 
 def autocast_context(device: torch.device, enabled: bool, dtype: str = "auto", cache_enabled: bool = True):
@@ -144,6 +151,7 @@ def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Mod
                                   small_input=data.small_input, saved=ckpt.get("model_cfg"))
     model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
     check_model_fits_data(cfg, data, args.checkpoint)
+    check_model_takes_images(model, data, f"{args.checkpoint} ({describe_cfg(cfg)})")
     return model, cfg, form
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 
+import torch
 from torch import nn
 
 import orepa
@@ -102,6 +103,27 @@ def check_model_fits_data(cfg: dict, data, source) -> None:
         raise UserError(f"{source} predicts {cfg['num_classes']} classes but {data.name} has "
                         f"{data.num_classes}; pass the --data-path it was trained on, or fine-tune it on these "
                         "classes in a new run (orepa train --init-from CHECKPOINT makes a new classifier)")
+
+
+def check_model_takes_images(model: nn.Module, data, what: str) -> None:
+    """One blank image of each size ``data`` gives through ``model`` (eval mode, no gradients, on the
+    model's device): a network that cannot take them (one that downsamples a 28x28 image to nothing,
+    a fixed-size one) gives a :class:`UserError` naming the size, not a traceback at the first batch.
+    Any error of that forward is the model's on that input, so it is reported as such."""
+    was = model.training
+    param = next(model.parameters(), None)
+    model.eval()
+    try:
+        with torch.no_grad():
+            for size in data.image_sizes:
+                x = torch.zeros(1, data.in_chans, size, size, device=param.device if param is not None else None)
+                try:
+                    model(x)
+                except (RuntimeError, ValueError) as exc:
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise UserError(f"{what} cannot take {data.name}'s {size}x{size} images: {first}") from None
+    finally:
+        model.train(was)
 
 
 def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans: int, small_input: bool,
@@ -262,7 +284,8 @@ def build_model(cfg: dict) -> nn.Module:
         try:
             return orepa.convert(model, cfg["method"], inplace=True, **options)
         except (ValueError, TypeError) as exc:
-            raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
+            flag = " (--model-option without_bn=true)" if "without_bn=True converts" in str(exc) else ""
+            raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}{flag}") from None
     if cfg["model"] not in zoo.list_models():
         raise _unknown_model(cfg["model"])
     if MODEL_KWARGS in cfg.get("options", {}):

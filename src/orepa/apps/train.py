@@ -98,6 +98,7 @@ from .model_cfg import (
     build_model,
     build_model_form,
     check_model_fits_data,
+    check_model_takes_images,
     describe_cfg,
     model_cfg_from_args,
     model_slug,
@@ -403,7 +404,10 @@ class Trainer:
         self.ckpt_path = self.out / "checkpoint.pth"
         previous = self._check_output_dir()
         seed_everything(args.seed)  # same initial weights on every rank
-        model = build_model(self.cfg)  # before the directory is made: a model that cannot be built leaves none
+        # before the directory is made: a model that cannot be built, or cannot take the data, leaves none
+        model = build_model(self.cfg)
+        deploy_form = build_model_form(self.cfg, "deploy")  # its size, and the plain layout's shapes
+        check_model_takes_images(deploy_form, self.data, describe_cfg(self.cfg))
         if self.main:
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
@@ -427,7 +431,6 @@ class Trainer:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
                      "during the first training step (seconds per group; --kernel-builder auto builds them "
                      "eagerly, uncompiled)")
-        deploy_form = build_model_form(self.cfg, "deploy")  # its size, and the plain layout's shapes
         if self.start_weights is not None:
             self._load_start_weights(model, saved_cfg, deploy_form)
         self.params_train = count_params(model)
