@@ -6,6 +6,7 @@ batches of 16: 4 steps per epoch), one torch thread, so two runs are bit-identic
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from orepa.apps import train
+from orepa.apps.common import STOP_SIGNALS
 from orepa.cli import main
 
 TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
@@ -108,6 +110,107 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(cache, referenc
     assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet", "--threads", "1"]) == 0
     assert not list(out.glob(".*.tmp"))  # the next write of that file removed the leftover
     _assert_same_run(reference, _load(ckpt))
+
+
+SIGNAL_ON_SAVE = """
+import os, signal, sys, torch
+sig, at = int(sys.argv[1]), int(sys.argv[2])
+calls = {"n": 0}
+real_save = torch.save
+def save(obj, f, *a, **k):
+    calls["n"] += 1
+    if calls["n"] == at:         # during a checkpoint write, to the whole process group (as Ctrl-C in a
+        os.killpg(os.getpgid(0), sig)  # terminal, or a scheduler's SIGTERM): loader workers get it too
+    return real_save(obj, f, *a, **k)
+torch.save = save
+from orepa.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.slow  # a subprocess
+@pytest.mark.parametrize("sig,at,stops_at", [(signal.SIGINT, 2, 3), (signal.SIGTERM, 3, 4)])
+def test_a_stop_signal_ends_the_step_writes_a_checkpoint_and_the_run_resumes_bit_identical(
+        cache, reference, tmp_path, sig, at, stops_at):
+    """Ctrl-C or a scheduler's SIGTERM, with two loader workers: the step under way ends, the run
+    writes a checkpoint where it stands (mid-epoch, or at the epoch's end) and exits with 128 + the
+    signal's number, the way to go on printed; --resume then ends as the uninterrupted run."""
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--epochs", "2", "--save-every", "1", "-j", "2", "--cache-dir", cache,
+            "--output-dir", str(out)]
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_ON_SAVE, str(int(sig)), str(at), *argv], env=_env(),
+                          capture_output=True, timeout=300, start_new_session=True)
+    err = proc.stderr.decode()
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert "Traceback" not in err and "exited unexpectedly" not in err, err[-2000:]
+    ckpt = out / "checkpoint.pth"
+    assert f"stopped: {sig.name} received; continue with --resume {ckpt}" in proc.stdout.decode()
+    stopped = _load(ckpt)
+    assert stopped["global_step"] == stops_at and stopped["epoch"] == stops_at // 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_signal"] == sig.name and summary["stopped"] == f"{sig.name} received"
+    assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet", "--threads", "1"]) == 0
+    _assert_same_run(reference, _load(ckpt))
+
+
+SIGNAL_RANK_ONE = """
+import os, signal, sys
+from orepa.apps import train
+real_time_up = train.Trainer._time_up
+def time_up(self):  # asked once a step: rank 1 alone gets a SIGTERM during its third (mid-epoch 2)
+    if os.environ["RANK"] == "1" and self.state.global_step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_time_up(self)
+train.Trainer._time_up = time_up
+from orepa.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # two torchrun launches
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(cache, tmp_path):
+    """Two gloo processes, 2 steps an epoch: only rank 1 receives SIGTERM, both stop after the same
+    step with one checkpoint and exit with 143; the resumed run ends with the ranks in sync."""
+    script = tmp_path / "signal_rank_one.py"
+    script.write_text(SIGNAL_RANK_ONE)
+    out = tmp_path / "ddp"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    argv = ["train", *TINY, "--epochs", "3", "--cache-dir", cache, "--output-dir", str(out), "--device", "cpu"]
+    proc = subprocess.run([*launch, str(script), *argv], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "exitcode  : 143" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt = out / "checkpoint.pth"
+    assert f"stopped: a stop signal received (by another rank); continue with --resume {ckpt}" in proc.stdout
+    s = json.loads((out / "summary.json").read_text())
+    assert s["global_step"] == 3 and s["epochs_done"] == 1 and s["stop_signal"] == "" and s["ranks_in_sync"]
+    assert _load(ckpt)["global_step"] == 3 and _load(ckpt)["step_in_epoch"] == 1
+    proc = subprocess.run([*launch, "-m", "orepa", "train", "--resume", str(ckpt), "--no-progress", "--quiet",
+                           "--device", "cpu"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["global_step"] == 6 and s["stop_signal"] is None and s["ranks_in_sync"]
+
+
+def test_stop_signals_are_recorded_then_a_second_ctrl_c_interrupts_and_the_handlers_come_back():
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    with train.StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # the handler runs in the main thread between bytecodes
+        assert signals.received == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert signals.received == "SIGTERM"  # the first one stays the reason
+    assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
+
+
+def test_loader_workers_ignore_the_stop_signals():
+    from orepa.apps.data import ignore_stop_signals
+
+    code = ("import signal, sys; from orepa.apps.data import ignore_stop_signals; ignore_stop_signals(0); "
+            "import os; [os.kill(os.getpid(), s) for s in (signal.SIGINT, signal.SIGTERM)]; print('alive')")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.decode().strip() == "alive", proc.stderr.decode()[-2000:]
+    assert ignore_stop_signals.__module__ == "orepa.apps.data"  # a module-level function: workers can pickle it
 
 
 class Hostile:

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import resource
+import signal
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -33,6 +34,12 @@ from orepa.engine import PackedParameters, builds_together
 
 class UserError(Exception):
     """An error with a message meant for the user (no traceback)."""
+
+
+#: the signals that ask a training run to stop at the next step with a checkpoint: Ctrl-C, a
+#: scheduler's or ``kill``'s SIGTERM (SLURM sends it, then SIGKILL after its KillWait), SLURM's
+#: ``--signal=USR1@SECONDS`` warning; data-loading workers ignore them (the main process stops them)
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, n))
 
 
 def fail(prog: str, exc: BaseException) -> int:

@@ -28,6 +28,7 @@ import gzip
 import hashlib
 import os
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .checkpoint import atomic_write
-from .common import DistInfo, UserError, nonneg_int, positive_int
+from .common import STOP_SIGNALS, DistInfo, UserError, nonneg_int, positive_int
 
 FASHION_MNIST_FILES = (
     "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
@@ -351,6 +352,14 @@ def default_workers(args, device: torch.device) -> int:
     return min(8, os.cpu_count() or 1)
 
 
+def ignore_stop_signals(worker_id: int) -> None:
+    """A loader worker's start: Ctrl-C reaches every process of the terminal's group, a scheduler's
+    SIGTERM every process of the job; a worker that died of it would fail the batch the main process
+    is about to fetch on its way to a clean stop (the main process shuts the workers down)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tuple[DataLoader, EpochSampler]:
     sampler = EpochSampler(data.train, num_replicas=info.world_size, rank=info.rank, seed=args.seed)
     if sampler.num_samples < args.batch_size:
@@ -358,7 +367,8 @@ def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tupl
                         f"fewer than one batch (-b {args.batch_size}); use a smaller batch or more data")
     workers = default_workers(args, device)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
-                        pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0)
+                        pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0,
+                        worker_init_fn=ignore_stop_signals)
     return loader, sampler
 
 
@@ -367,4 +377,5 @@ def val_loader(data: Data, args, info: DistInfo, device: torch.device, batch_siz
     workers = default_workers(args, device)
     # persistent: the loader is built once per run and evaluated every epoch (no worker respawn)
     return DataLoader(data.val, batch_size=batch_size or args.batch_size, sampler=sampler, num_workers=workers,
-                      pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+                      pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                      worker_init_fn=ignore_stop_signals)

@@ -41,7 +41,9 @@ import argparse
 import json
 import math
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +67,7 @@ from .checkpoint import (
     set_rng_state,
 )
 from .common import (
+    STOP_SIGNALS,
     DistInfo,
     UserError,
     add_kernel_builder_argument,
@@ -113,6 +116,32 @@ class NonFiniteLoss(Exception):
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during training; the message says which checkpoint to resume from."""
+
+
+class StopSignals:
+    """While active (``with``), the first of :data:`STOP_SIGNALS` is recorded in :attr:`received`
+    (its name) and the run stops at the next step boundary with a checkpoint; a second Ctrl-C
+    interrupts at once. Handlers can only be set from the main thread: elsewhere (a library caller's
+    thread) the signals keep their handlers and nothing is recorded."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: now, from the last checkpoint written
+        self.received = self.received or signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -318,6 +347,8 @@ class Trainer:
     def __init__(self, args: argparse.Namespace):
         self.args = argparse.Namespace(**vars(args))  # resume and defaults fill this copy, not the caller's
         self._last_progress = 0.0
+        self.signals = StopSignals()  # set up for the training loop by fit()
+        self.signal_stopped = False
         self.info, self.device = init_distributed(args.device)
         self.main = self.info.is_main
         self.t_start = time.perf_counter()
@@ -647,8 +678,11 @@ class Trainer:
             with autocast_context(device, args.amp, args.amp_dtype, cache_enabled=not args.cuda_graphs):
                 output = self.train_model(images)
                 loss = self.criterion(output, target)
+            # one all-reduce a step: every rank stops at the same step (a signal may reach one rank only)
             flags = torch.stack([(~torch.isfinite(loss.detach())).float().to(torch.float64),
-                                 torch.tensor(float(self._time_up()), dtype=torch.float64, device=device)])
+                                 torch.tensor(float(self._time_up()), dtype=torch.float64, device=device),
+                                 torch.tensor(float(self.signals.received is not None), dtype=torch.float64,
+                                              device=device)])
             if info.distributed:
                 dist.all_reduce(flags)
             if flags[0].item() > 0:
@@ -699,6 +733,8 @@ class Trainer:
                 stop = f"--max-steps {args.max_steps} reached"
             elif flags[1].item() > 0:
                 stop = f"--time-limit {args.time_limit:g} min reached"
+            elif flags[2].item() > 0:
+                stop = self._signal_stop()
             if stop:
                 break
         if device.type == "cuda":
@@ -736,6 +772,18 @@ class Trainer:
     def _time_up(self) -> bool:
         return self.args.time_limit is not None and time.perf_counter() - self.t_start > 60 * self.args.time_limit
 
+    def _signal_stop(self) -> str:
+        self.signal_stopped = True
+        return f"{self.signals.received or 'a stop signal'} received" + \
+            ("" if self.signals.received or not self.info.distributed else " (by another rank)")
+
+    def _signal_between_epochs(self) -> bool:
+        """A stop signal that came during an epoch's end (evaluation, checkpoint), on any rank."""
+        got = torch.tensor([float(self.signals.received is not None)], dtype=torch.float64, device=self.device)
+        if self.info.distributed:
+            dist.all_reduce(got)
+        return got.item() > 0
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         args, s, info = self.args, self.state, self.info
@@ -759,20 +807,23 @@ class Trainer:
         stop = None
         last = {}
         try:
-            while s.epoch < args.epochs:
-                if args.max_steps is not None and s.global_step >= args.max_steps:
-                    stop = f"--max-steps {args.max_steps} reached"
-                    break
-                stop = self.train_epoch()
-                if s.step_in_epoch >= self.iters_per_epoch:  # the epoch is complete (even if stopping now)
-                    last = self.end_epoch(tb)
-                elif stop:
-                    self.checkpoint("stop")
-                if stop and s.epoch >= args.epochs:
-                    stop = None  # the budget ran out exactly at the end: the run is complete
-                if stop:
-                    self.log(f"stopped: {stop}; continue with --resume {self.ckpt_path}")
-                    break
+            with self.signals:
+                while s.epoch < args.epochs:
+                    if args.max_steps is not None and s.global_step >= args.max_steps:
+                        stop = f"--max-steps {args.max_steps} reached"
+                        break
+                    stop = self.train_epoch()
+                    if s.step_in_epoch >= self.iters_per_epoch:  # the epoch is complete (even if stopping now)
+                        last = self.end_epoch(tb)
+                        if not stop and s.epoch < args.epochs and self._signal_between_epochs():
+                            stop = self._signal_stop()
+                    elif stop:
+                        self.checkpoint("stop")
+                    if stop and s.epoch >= args.epochs:
+                        stop = None  # the budget ran out exactly at the end: the run is complete
+                    if stop:
+                        self.log(f"stopped: {stop}; continue with --resume {self.ckpt_path}")
+                        break
         finally:
             tb.close()
         return self.summary(stop, last)
@@ -834,7 +885,9 @@ class Trainer:
         out = {
             "model": describe_cfg(self.cfg), "model_cfg": self.cfg, "dataset": self.data.name,
             "epochs_done": self.state.epoch, "epochs": self.args.epochs, "global_step": self.state.global_step,
-            "stopped": stop, "train_time_s": self.session_time,
+            # the signal that stopped the run (None: it was not stopped by one; "" another rank received it)
+            "stopped": stop, "stop_signal": (self.signals.received or "") if stop and self.signal_stopped else None,
+            "train_time_s": self.session_time,
             "time_per_batch_s": self.session_time / max(self.session_steps, 1),
             "global_batch": self.global_batch, "world_size": info.world_size, "device": str(self.device),
             "peak_memory_mib": mem, "peak_memory_kind": mem_kind,
@@ -926,9 +979,13 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``orepa train``'s exit code: 0 for a run that ended or stopped at a limit it was given, 128 + the
+    signal's number for one a signal stopped (with a checkpoint; 130 for Ctrl-C, as the shell's)."""
     try:
-        train(args)
-        return 0
+        name = train(args).get("stop_signal")
+        if name is None:
+            return 0
+        return 128 + (signal.Signals[name] if name else signal.SIGTERM).value
     except NonFiniteLoss as exc:
         fail("train", exc)
         return EXIT_NONFINITE

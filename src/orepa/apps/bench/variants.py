@@ -62,7 +62,8 @@ def base_model(model: ModelSpec, num_classes: int = 1000, in_chans: int = 3, mod
     if in_zoo(model):
         return create_model(model, method="base", num_classes=num_classes, in_chans=in_chans, **(model_options or {}))
     if model_options:
-        raise ValueError(f"model options {sorted(model_options)} need a model of the zoo; {model!r} is not one")
+        raise ValueError(f"model options {sorted(model_options)} need a model of the zoo; {model!r} is not one "
+                         "(block options go into a variant: --methods orepa:KEY=VALUE)")
     # a bare name the zoo lacks is torchvision's
     return external_model(model if external_source(model) else f"torchvision:{model}", num_classes, in_chans)
 
@@ -141,7 +142,8 @@ def build_variant(model: ModelSpec, spec: str, num_classes: int = 1000, in_chans
         return base_model(model, num_classes, in_chans, mopts).train()
     zoo = in_zoo(model)
     if mopts and not zoo:
-        raise ValueError(f"model options {sorted(mopts)} need a model of the zoo; {model!r} is not one")
+        raise ValueError(f"model options {sorted(mopts)} need a model of the zoo; {model!r} is not one "
+                         "(block options go into a variant: --methods orepa:KEY=VALUE)")
     rung = ladder_rung(name)
     if rung is not None:
         if not zoo:
