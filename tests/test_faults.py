@@ -488,3 +488,41 @@ def test_the_form_of_an_existing_output_is_read_from_its_metadata(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint\n")
     assert checkpoint_form(text) is None and checkpoint_form(tmp_path / "absent.pth") is None
+
+
+def test_out_of_memory_is_one_line_with_what_to_change(cache, tmp_path, capsys, monkeypatch):
+    """A batch too large for the device: one error line with torch's figures (not its allocator
+    advice), where the run was, the checkpoint that is still good; exit code 2."""
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+    calls = {"n": 0}
+    real_step = torch.optim.SGD.step
+
+    def step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                "1.02 GiB is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use. If "
+                "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", step)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out / "checkpoint.pth"), "--epochs", "2", "--no-progress"]) == 2
+    ckpt = out / "checkpoint.pth"
+    assert capsys.readouterr().err == (
+        "orepa train: error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+        "capacity of 79.19 GiB of which 1.02 GiB is free); a smaller batch (-b) or --amp needs less; at epoch 2, "
+        f"step 2, batch 16 per process; the last checkpoint is {ckpt} (a run resumes at its own batch size; "
+        f"--init-from {ckpt} starts a new run from its weights)\n")
+    assert _load(ckpt)["global_step"] == 4  # the epoch's checkpoint, untouched
+    # any other command: the same clause, from the command line's one handler
+    monkeypatch.setattr("orepa.apps.evaluate.evaluate", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                     "you tried to allocate 40000000000000 bytes. Error code 12 (Cannot allocate memory)")))
+    assert main(["eval", str(ckpt), "--no-progress", "--cache-dir", cache, "--val-subset", "16"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("orepa eval: error: out of memory ([enforce fail at alloc_cpu.cpp:127] err == 0. "
+                          "DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000000 bytes. "
+                          "Error code 12 (Cannot allocate memory)); a smaller batch (-b)"), err

@@ -73,12 +73,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.given = given_flags(argv, args.command)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    from orepa.apps.common import UserError, fail
+    from orepa.apps.common import UserError, fail, out_of_memory
 
     try:
         return int(module.run(args) or 0)
     except UserError as exc:
         return fail(args.command, exc)
+    except RuntimeError as exc:  # torch.OutOfMemoryError among them: that one is the user's to fix
+        oom = out_of_memory(exc)
+        if oom is None:
+            raise
+        return fail(args.command, UserError(oom))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
         print(f"orepa {args.command}: {exc or 'interrupted'}", file=sys.stderr, flush=True)
         return 130

@@ -86,6 +86,7 @@ from .common import (
     make_sgd,
     nonneg_float,
     nonneg_int,
+    out_of_memory,
     peak_memory,
     positive_float,
     positive_int,
@@ -970,6 +971,16 @@ def train(args: argparse.Namespace) -> dict:
                      else f"no checkpoint had been written yet; start again with e.g. --lr {lower} or "
                           "--clip-grad-norm, and --overwrite")
             raise NonFiniteLoss(f"{exc}: training stopped; {where}") from None
+        except RuntimeError as exc:  # out of memory: where, and the checkpoint that is still good
+            oom = out_of_memory(exc)
+            if oom is None:
+                raise
+            s, last = trainer.state, trainer.ckpt_path if trainer.ckpt_path.exists() else None
+            raise UserError(f"{oom}; at epoch {s.epoch + 1}, step {s.step_in_epoch + 1}, batch "
+                            f"{trainer.args.batch_size} per process; " +
+                            (f"the last checkpoint is {last} (a run resumes at its own batch size; --init-from "
+                             f"{last} starts a new run from its weights)" if last
+                             else "no checkpoint had been written yet")) from None
         except KeyboardInterrupt:
             last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
             raise Interrupted("interrupted; " + (f"continue from the last checkpoint with --resume {last}" if last
