@@ -172,11 +172,14 @@ def test_unsupported_convs_are_skipped_with_reason():
         nn.Conv2d(8, 8, (1, 3), padding=(0, 1)), nn.BatchNorm2d(8),  # not square
         nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(8),
         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
+        nn.Conv2d(8, 8, 3, padding="valid"), nn.BatchNorm2d(8),
     )
     _, report = orepa.convert(model, return_report=True)
     assert report.converted == ["8"]
     assert "even" in report.skipped["0"] and "padding" in report.skipped["2"]
     assert "square" in report.skipped["4"] and "padding_mode" in report.skipped["6"]
+    assert report.skipped["10"] == report.skipped["2"] == \
+        "unsupported padding (0, 0) for kernel_size=3, dilation=1: only 'same' padding 1 keeps branch centres aligned"
 
 
 def test_unknown_branch_names_are_errors_not_skips():
