@@ -3,6 +3,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tol_close
 from torch import nn
 
@@ -93,6 +94,47 @@ def test_online_equals_offline_without_bn(cfg, branches):
     y_on, y_off = on(x), off(x)
     assert y_on.shape == y_off.shape == (2, co, (11 - 1) // s + 1, (11 - 1) // s + 1)
     tol_close(y_on, y_off, rel=1e-12)
+
+
+@pytest.mark.parametrize("k,s,p,d,g", [(3, 2, 0, 1, 1), (3, 1, 0, 1, 1), (5, 1, 1, 1, 2), (3, 1, 3, 1, 1),
+                                       (3, 2, 0, 2, 8), (1, 1, 1, 1, 1), (7, 2, 0, 1, 1)])
+@pytest.mark.parametrize("builder", ["auto", "grouped"])
+def test_an_online_block_takes_any_padding_and_trains_and_deploys_exactly(k, s, p, d, g, builder):
+    """Padding other than "same" (Inception's valid 3x3 convs): the online block convolves with its
+    squeezed kernel only, on every route; float64, against plain autograd through its kernel."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, k, s, p, d, groups=g).double()
+    model, report = orepa.convert(nn.Sequential(conv, nn.BatchNorm2d(8)).double(), return_report=True)
+    assert report.converted == ["0"]
+    orepa.engine.group_kernels(model, builder)
+    block = model[0]
+    with torch.no_grad():
+        for q in block.parameters():
+            q.normal_()
+    x = torch.randn(3, 8, 13, 13, dtype=torch.double, requires_grad=True)
+    y = model.train()(x)
+    assert y.shape == conv(x).shape
+    w, b = block.equivalent()
+    ref = model[1](F.conv2d(x, w, b, block.stride, block.padding, block.dilation, block.groups))
+    tol_close(y, ref, rel=1e-12)
+    for got, want in zip(torch.autograd.grad(y.square().sum(), [x, *block.parameters()]),
+                         torch.autograd.grad(ref.square().sum(), [x, *block.parameters()])):
+        tol_close(got, want, rel=1e-10)
+    model.eval()
+    with torch.no_grad():
+        deployed = orepa.reparameterize(model)
+        assert deployed[0].padding == conv.padding
+        tol_close(deployed(x), model(x), rel=1e-12)
+
+
+def test_blocks_with_feature_map_branches_need_same_padding():
+    for make in (lambda: DBBConv2d(8, 8, 3, padding=0), lambda: RepVGGBlock(8, 8, 3, padding=0),
+                 lambda: OREPAConv2d(8, 8, 3, padding=0, mode="offline")):
+        with pytest.raises(ValueError, match=r"only 'same' padding 1 keeps branch centres aligned \(online OREPA"):
+            make()
+    with pytest.raises(ValueError, match=r"unsupported padding \(1, 0\): need one non-negative padding"):
+        OREPAConv2d(8, 8, 3, padding=(1, 0))
+    assert OREPAConv2d(8, 8, 3, padding="valid").padding == (0, 0)
 
 
 @pytest.mark.parametrize("method", list(FACTORIES))
@@ -203,7 +245,7 @@ def test_bias_is_kept_through_deploy():
     [
         (dict(kernel_size=4), "even"),
         (dict(kernel_size=(3, 5)), "square"),
-        (dict(kernel_size=3, padding=0), "padding"),
+        (dict(kernel_size=3, padding=-1), "padding"),
         (dict(kernel_size=3, padding=(1, 2)), "padding"),
         (dict(kernel_size=3, stride=(1, 2)), "stride"),
         (dict(kernel_size=3, dilation=(1, 2)), "dilation"),

@@ -168,18 +168,23 @@ def test_unknown_method_and_non_conv_are_rejected():
 def test_unsupported_convs_are_skipped_with_reason():
     model = nn.Sequential(
         nn.Conv2d(3, 8, 4, padding=1), nn.BatchNorm2d(8),  # even kernel
-        nn.Conv2d(8, 8, 3, padding=0), nn.BatchNorm2d(8),  # not "same" padding
+        nn.Conv2d(8, 8, 3, padding=(1, 0)), nn.BatchNorm2d(8),  # a padding per axis
         nn.Conv2d(8, 8, (1, 3), padding=(0, 1)), nn.BatchNorm2d(8),  # not square
         nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(8),
         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
-        nn.Conv2d(8, 8, 3, padding="valid"), nn.BatchNorm2d(8),
+        nn.Conv2d(8, 8, 3, padding="valid"), nn.BatchNorm2d(8),  # not "same": online blocks take it
+        nn.Conv2d(8, 8, 3, padding=2), nn.BatchNorm2d(8),
     )
     _, report = orepa.convert(model, return_report=True)
-    assert report.converted == ["8"]
+    assert report.converted == ["8", "10", "12"]
     assert "even" in report.skipped["0"] and "padding" in report.skipped["2"]
     assert "square" in report.skipped["4"] and "padding_mode" in report.skipped["6"]
-    assert report.skipped["10"] == report.skipped["2"] == \
-        "unsupported padding (0, 0) for kernel_size=3, dilation=1: only 'same' padding 1 keeps branch centres aligned"
+    assert report.skipped["2"] == "unsupported padding (1, 0): need one non-negative padding for both axes"
+    # the blocks that also run their branches on the feature map need "same" padding
+    _, report = orepa.convert(model, "dbb", return_report=True)
+    assert report.converted == ["8"]
+    assert report.skipped["10"] == ("unsupported padding (0, 0) for kernel_size=3, dilation=1: only 'same' padding 1 "
+                                    "keeps branch centres aligned (online OREPA blocks take any padding)")
 
 
 def test_unknown_branch_names_are_errors_not_skips():

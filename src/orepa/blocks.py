@@ -108,13 +108,18 @@ def check_conv_config(
     dilation=1,
     groups: int = 1,
     padding_mode: str = "zeros",
+    *,
+    any_padding: bool = False,
 ) -> tuple[int, int, int, int]:
     """Validate a conv configuration a re-param block can squeeze exactly.
 
     Returns ``(k, stride, padding, dilation)`` as ints. Supported: square odd
     kernels, equal strides and dilations on both axes, ``groups`` dividing both
     channel counts and "same" padding ``k // 2 * dilation`` (``None`` or
-    ``"same"`` pick it). Anything else raises a ValueError naming the problem.
+    ``"same"`` pick it). ``any_padding``: one padding of any size for both axes
+    (``"valid"``: 0), for online blocks: they convolve with their squeezed
+    kernel only, so their branches need no common centre on the feature map.
+    Anything else raises a ValueError naming the problem.
     """
     for n, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -145,10 +150,12 @@ def check_conv_config(
         pad = same
     else:
         ph, pw = _pair(padding, "padding")
-        if ph != pw or ph != same:
+        if any_padding and (ph != pw or ph < 0):
+            raise ValueError(f"unsupported padding {padding!r}: need one non-negative padding for both axes")
+        if not any_padding and (ph != pw or ph != same):
             raise ValueError(
                 f"unsupported padding {padding!r} for kernel_size={kh}, dilation={dh}: "
-                f"only 'same' padding {same} keeps branch centres aligned"
+                f"only 'same' padding {same} keeps branch centres aligned (online OREPA blocks take any padding)"
             )
         pad = ph
     if padding_mode != "zeros":
@@ -494,9 +501,13 @@ class ReparamConv2d(nn.Module):
         if recompute not in ("auto", True, False):
             raise ValueError(f"recompute must be 'auto', True or False, got {recompute!r}")
         self.recompute = recompute
-        k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
         if mode not in ("online", "offline"):
             raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
+        k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                                       any_padding=mode == "online")
+        # "same" padding: the branches could also run on the feature map (the offline path, and the
+        # engine's per-branch route); any other (online only) convolves with the squeezed kernel alone
+        self._aligned = p == k // 2 * d
         if not branches:
             raise ValueError("a re-param block needs at least one branch")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
@@ -957,7 +968,8 @@ class OREPAConv2d(ReparamConv2d):
         init: str | float = "reference",
         recompute: bool | str = "auto",
     ):
-        k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
+        k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                              any_padding=mode == "online")[0]
         init_a, reference_init = _resolve_init(init, k)
         if internal_channels is None and k > 1:
             internal_channels = in_channels if groups <= 4 else 2 * in_channels

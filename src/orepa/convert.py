@@ -115,7 +115,7 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
     if type(conv) is not nn.Conv2d:
         raise ValueError(f"{type(conv).__name__} is not a plain nn.Conv2d")
     check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                      conv.dilation, conv.groups, conv.padding_mode)
+                      conv.dilation, conv.groups, conv.padding_mode, any_padding=method == "orepa")
     block = METHODS[method](conv, **options)
     if not conv.weight.requires_grad:
         block.requires_grad_(False)

@@ -651,7 +651,7 @@ def route(block: nn.Module, x: Tensor, recompute: bool) -> tuple[list[str], list
 
 def choose_route(block: nn.Module, shape: torch.Size, recompute: bool,
                  launch_bound: bool = False) -> tuple[list[str], list[str]]:
-    if launch_bound:
+    if launch_bound or not block._aligned:  # other than "same" padding, the kernel route is the only one
         return list(block.branches), []
     n, _, h, w = shape
     s = block.stride[0]
