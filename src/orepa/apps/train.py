@@ -680,10 +680,10 @@ class Trainer:
                 output = self.train_model(images)
                 loss = self.criterion(output, target)
             # one all-reduce a step: every rank stops at the same step (a signal may reach one rank only)
-            flags = torch.stack([(~torch.isfinite(loss.detach())).float().to(torch.float64),
-                                 torch.tensor(float(self._time_up()), dtype=torch.float64, device=device),
-                                 torch.tensor(float(self.signals.received is not None), dtype=torch.float64,
-                                              device=device)])
+            # (the host's two flags in one copy to the device)
+            host = [float(self._time_up()), float(self.signals.received is not None)]
+            flags = torch.cat([(~torch.isfinite(loss.detach())).to(torch.float64).view(1),
+                               torch.tensor(host, dtype=torch.float64, device=device)])
             if info.distributed:
                 dist.all_reduce(flags)
             if flags[0].item() > 0:
