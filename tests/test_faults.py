@@ -513,10 +513,14 @@ def test_out_of_memory_is_one_line_with_what_to_change(cache, tmp_path, capsys, 
     ckpt = out / "checkpoint.pth"
     assert capsys.readouterr().err == (
         "orepa train: error: out of memory (CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
-        "capacity of 79.19 GiB of which 1.02 GiB is free); a smaller batch (-b) or --amp needs less; at epoch 2, "
-        f"step 2, batch 16 per process; the last checkpoint is {ckpt} (a run resumes at its own batch size; "
-        f"--init-from {ckpt} starts a new run from its weights)\n")
+        "capacity of 79.19 GiB of which 1.02 GiB is free); at epoch 2, step 2, batch 16 per process in 1 "
+        f"micro-batch(es); --resume {ckpt} --micro-batches N continues the run with each batch in N pieces (less "
+        "memory, the same batch); a smaller -b or --amp needs less too\n")
     assert _load(ckpt)["global_step"] == 4  # the epoch's checkpoint, untouched
+    monkeypatch.setattr(torch.optim.SGD, "step", real_step)  # as the message says: the run goes on
+    assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--micro-batches", "2", "--no-progress",
+                 "--quiet"]) == 0
+    assert _load(ckpt)["global_step"] == 8
     # any other command: the same clause, from the command line's one handler
     monkeypatch.setattr("orepa.apps.evaluate.evaluate", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
@@ -525,4 +529,4 @@ def test_out_of_memory_is_one_line_with_what_to_change(cache, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("orepa eval: error: out of memory ([enforce fail at alloc_cpu.cpp:127] err == 0. "
                           "DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000000 bytes. "
-                          "Error code 12 (Cannot allocate memory)); a smaller batch (-b)"), err
+                          "Error code 12 (Cannot allocate memory)); a smaller batch (-b) needs less\n"), err

@@ -20,6 +20,7 @@ from torch import nn
 import orepa
 from orepa.apps import checkpoint as ckpt_mod
 from orepa.apps import common, data, train
+from orepa.apps.model_cfg import build_model
 from orepa.cli import main
 
 TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
@@ -247,6 +248,32 @@ def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
     assert main(["train", "--test-only", "--resume", str(out / "checkpoint.pth"), "--val-subset", "32",
                  "--no-progress"]) == 0
     assert "top-1" in capsys.readouterr().out
+
+
+def test_micro_batches_give_the_whole_batchs_step(cache, tmp_path, capsys):
+    """Without batch statistics (timm's ResNet with GroupNorm, OREPA blocks before its norms), a step
+    over N micro-batches is the step over the whole batch: the same weights after two steps (float32
+    reassociation aside), the same loss; with BNs, each micro-batch is normalised on its own."""
+    net = ["--model", "timm:resnet10t", "--model-kwarg", "norm_layer=groupnorm1", "--model-option", "without_bn=true",
+           "--train-subset", "64", "-b", "16", "--max-steps", "2", "--no-eval", "--no-progress", "--no-tensorboard",
+           "--quiet", "--cache-dir", cache, "--lr", "0.05", "--lr-warmup-epochs", "0"]
+    assert main(["train", *net, "--output-dir", str(tmp_path / "whole")]) == 0
+    assert main(["train", *net, "--micro-batches", "4", "--output-dir", str(tmp_path / "micro")]) == 0
+    whole, micro = _load(tmp_path / "whole" / "checkpoint.pth"), _load(tmp_path / "micro" / "checkpoint.pth")
+    common.seed_everything(0)  # the runs' initial weights, as orepa train makes them
+    start = build_model(whole["model_cfg"]).state_dict()
+    moved = 0.0
+    for key, value in whole["model"].items():
+        torch.testing.assert_close(micro["model"][key], value, rtol=1e-4, atol=1e-6)
+        moved = max(moved, (value - start[key]).abs().max().item())
+    assert moved > 1e-3  # the steps did move the weights
+    assert micro["epoch_sums"][1:] == whole["epoch_sums"][1:]  # correct predictions, images
+    assert micro["epoch_sums"][0] == pytest.approx(whole["epoch_sums"][0], rel=1e-5)  # the summed loss
+    # with BNs: per micro-batch statistics, another step; a count that does not divide the batch: refused
+    assert _train(cache, tmp_path / "bn", "--max-steps", "1", "--micro-batches", "2") == 0
+    capsys.readouterr()
+    assert _train(cache, tmp_path / "odd", "--micro-batches", "3") == 2
+    assert "--micro-batches 3 must divide the batch (-b 16)" in capsys.readouterr().err
 
 
 def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
@@ -576,18 +603,19 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("builder", ["per-block", "grouped"])
-def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, builder):
+@pytest.mark.parametrize("builder,micro", [("per-block", 2), ("grouped", 1)])
+def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, builder, micro):
     """Both kernel-builder routes under DDP. Grouped is what torchrun on GPUs runs (no CUDA graphs
     there; a node per group): a group's backward makes all its blocks' gradients ready at once,
     which DDP's buckets must take as they come. The compiled builder (torchrun's default on GPUs)
     runs inside the same nodes, the same numbers (tests/test_engine.py); not run here: two
-    processes compiling ResNet-18's eight groups take about a minute on two cores."""
+    processes compiling ResNet-18's eight groups take about a minute on two cores. Micro-batches:
+    the gradients all-reduced once a step, with the last one's backward (DDP's no_sync before)."""
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa",
            "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
-           "--device", "cpu", "--kernel-builder", builder]
+           "--device", "cpu", "--kernel-builder", builder, "--micro-batches", str(micro)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         oom = out_of_memory(exc)
         if oom is None:
             raise
-        return fail(args.command, UserError(oom))
+        return fail(args.command, UserError(f"{oom}; a smaller batch (-b) needs less"))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
         print(f"orepa {args.command}: {exc or 'interrupted'}", file=sys.stderr, flush=True)
         return 130

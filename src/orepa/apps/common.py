@@ -44,15 +44,15 @@ STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1"
 
 def out_of_memory(exc: BaseException) -> str | None:
     """torch's out-of-memory error (a device's ``torch.OutOfMemoryError``, the CPU allocator's
-    RuntimeError) as a short clause with what lowers the memory it needs; None for any other
-    error. torch's CUDA message goes on about allocator settings: its first three sentences say
-    what was asked for and what was free."""
+    RuntimeError) as a short clause, ``out of memory (...)``; None for any other error. torch's
+    CUDA message goes on about allocator settings: its first three sentences say what was asked
+    for and what was free. Callers add what lowers the memory their command needs."""
     if not (isinstance(exc, torch.OutOfMemoryError)
             or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))):
         return None
     text = " ".join(str(exc).split())
     what = ". ".join(text.split(". ")[:3]).rstrip(".")
-    return f"out of memory ({what}); a smaller batch (-b) or --amp needs less"
+    return f"out of memory ({what})"
 
 
 def fail(prog: str, exc: BaseException) -> int:

@@ -38,6 +38,7 @@ kept checkpoint is the last good state; resume it with a lower ``--lr``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shutil
@@ -152,6 +153,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--epochs", type=positive_int, default=120, help="total epochs (120)")
     g.add_argument("-b", "--batch-size", type=positive_int, default=64,
                    help="images per process (64; the paper: global 256 = 4 GPUs x 64)")
+    g.add_argument("--micro-batches", type=positive_int, default=1, metavar="N",
+                   help="run each process's batch as N micro-batches one after another, their gradients summed "
+                        "before the step: the activation memory of -b/N images, BN statistics per micro-batch "
+                        "(as on N GPUs: -b 256 --micro-batches 4 is the paper's 4 x 64 on one GPU); a setting of "
+                        "this session's hardware, not taken from the checkpoint on --resume (1)")
     g.add_argument("--lr", type=positive_float, default=None,
                    help="peak learning rate (default: 0.1 x global batch / 256, the paper's rule)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9)
@@ -294,6 +300,7 @@ def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
 
 #: flags of one session, never taken from the checkpoint on --resume
 SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
+                           "micro_batches",
                            "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
                            "given", "command"})
 #: settings a resumed run cannot change: the position in the run is counted in their units
@@ -365,9 +372,13 @@ class Trainer:
             # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
             torch.backends.cudnn.benchmark = True
         args.tf32_matmul = apply_tf32_matmul(args.tf32_matmul, device)
+        if args.batch_size % args.micro_batches:
+            raise UserError(f"--micro-batches {args.micro_batches} must divide the batch (-b {args.batch_size})")
         why = ("needs a CUDA device" if device.type != "cuda" else
                "runs in one process (DDP's collectives are not captured here; run without torchrun)"
-               if info.distributed else "and --compile exclude each other" if args.compile else None)
+               if info.distributed else "and --compile exclude each other" if args.compile else
+               # a graph's gradients land in its own buffers, which the next micro-batch's replay overwrites
+               "and --micro-batches exclude each other" if args.micro_batches > 1 else None)
         if args.cuda_graphs is None:  # the default: the fastest exact mode where it can run
             args.cuda_graphs = why is None
             if why is not None and device.type == "cuda":
@@ -676,34 +687,30 @@ class Trainer:
                 with autocast_context(device, args.amp, args.amp_dtype, cache_enabled=False):
                     capture_cuda_graphs(self.model, images, self.optimizer)
                 self.graphs_captured = True
-            with autocast_context(device, args.amp, args.amp_dtype, cache_enabled=not args.cuda_graphs):
-                output = self.train_model(images)
-                loss = self.criterion(output, target)
+            # None, never zeros: with CUDA graphs a kept .grad aliases the graph's gradient buffer
+            # and would be doubled (see capture_cuda_graphs)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, sums = self._forward_backward(images, target)
             # one all-reduce a step: every rank stops at the same step (a signal may reach one rank only)
             # (the host's two flags in one copy to the device)
             host = [float(self._time_up()), float(self.signals.received is not None)]
-            flags = torch.cat([(~torch.isfinite(loss.detach())).to(torch.float64).view(1),
+            flags = torch.cat([(~torch.isfinite(loss)).to(torch.float64).view(1),
                                torch.tensor(host, dtype=torch.float64, device=device)])
             if info.distributed:
                 dist.all_reduce(flags)
-            if flags[0].item() > 0:
+            if flags[0].item() > 0:  # before the step: the weights stay those of the last good step
                 if bar is not None:
                     bar.close()
                 raise NonFiniteLoss(f"loss is {loss.item()} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1} "
                                     f"(global step {s.global_step + 1})" +
                                     (" on some rank" if info.distributed else ""))
-            # None, never zeros: with CUDA graphs a kept .grad aliases the graph's gradient buffer
-            # and would be doubled (see capture_cuda_graphs)
-            self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None and self.scaler.is_enabled():
-                self.scaler.scale(loss).backward()
                 if args.clip_grad_norm:
                     self.scaler.unscale_(self.optimizer)
                     nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
             else:
-                loss.backward()
                 if args.clip_grad_norm:
                     nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
                 self.optimizer.step()
@@ -712,10 +719,7 @@ class Trainer:
                 self.ema.update_parameters(self.model)
                 if s.epoch < args.lr_warmup_epochs:
                     self.ema.n_averaged.fill_(0)  # torchvision: restart the average during warm-up
-            with torch.no_grad():
-                acc += torch.stack([loss.detach().double() * len(target),
-                                    output.detach().argmax(1).eq(target).sum().double(),
-                                    torch.tensor(float(len(target)), dtype=torch.float64, device=device)])
+            acc += sums
             s.step_in_epoch += 1
             s.global_step += 1
             steps += 1
@@ -748,6 +752,30 @@ class Trainer:
             bar.close()
         self._flush_sums(acc)
         return stop
+
+    def _forward_backward(self, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's gradients, over ``--micro-batches`` pieces of the batch one after another (each
+        piece's loss weighted by its share; under DDP the gradients are all-reduced once, with the last
+        piece's backward). Returns the batch's mean loss (detached) and this step's ``[loss sum, correct,
+        images]``."""
+        args, n = self.args, self.args.micro_batches
+        sums = torch.zeros(3, dtype=torch.float64, device=images.device)
+        loss_sum = None
+        for i, (x, t) in enumerate(zip(images.chunk(n), target.chunk(n))):
+            last = i == n - 1
+            sync = self.train_model.no_sync() if self.info.distributed and not last else contextlib.nullcontext()
+            with sync:
+                with autocast_context(self.device, args.amp, args.amp_dtype, cache_enabled=not args.cuda_graphs):
+                    output = self.train_model(x)
+                    loss = self.criterion(output, t)
+                part = loss / n if n > 1 else loss
+                (self.scaler.scale(part) if self.scaler is not None and self.scaler.is_enabled() else part).backward()
+            with torch.no_grad():
+                loss = loss.detach()
+                loss_sum = loss if loss_sum is None else loss_sum + loss
+                sums += torch.stack([loss.double() * len(t), output.detach().argmax(1).eq(t).sum().double(),
+                                     torch.tensor(float(len(t)), dtype=torch.float64, device=images.device)])
+        return (loss_sum / n if n > 1 else loss_sum), sums
 
     def _running(self, acc: torch.Tensor, steps: int, t0: float) -> dict:
         """This rank's running loss/accuracy over the epoch so far, and the global throughput."""
@@ -977,10 +1005,11 @@ def train(args: argparse.Namespace) -> dict:
                 raise
             s, last = trainer.state, trainer.ckpt_path if trainer.ckpt_path.exists() else None
             raise UserError(f"{oom}; at epoch {s.epoch + 1}, step {s.step_in_epoch + 1}, batch "
-                            f"{trainer.args.batch_size} per process; " +
-                            (f"the last checkpoint is {last} (a run resumes at its own batch size; --init-from "
-                             f"{last} starts a new run from its weights)" if last
-                             else "no checkpoint had been written yet")) from None
+                            f"{trainer.args.batch_size} per process in {trainer.args.micro_batches} micro-batch(es); " +
+                            (f"--resume {last} --micro-batches N continues the run with each batch in N pieces "
+                             "(less memory, the same batch)" if last else
+                             "no checkpoint had been written yet; more --micro-batches keep the batch and need less")
+                            + "; a smaller -b or --amp needs less too") from None
         except KeyboardInterrupt:
             last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
             raise Interrupted("interrupted; " + (f"continue from the last checkpoint with --resume {last}" if last
