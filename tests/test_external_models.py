@@ -23,7 +23,8 @@ def _cfg(model: str, method: str, **kw) -> dict:
 
 
 @pytest.mark.parametrize("model,method", [("torchvision:resnet18", "orepa"), ("timm:resnet10t", "dbb"),
-                                          ("torchvision:mobilenet_v3_small", "orepa"), ("timm:resnet10t", "repvgg")])
+                                          ("torchvision:mobilenet_v3_small", "orepa"), ("timm:resnet10t", "repvgg"),
+                                          ("torchvision:googlenet", "orepa")])  # one logits tensor in training too
 def test_a_converted_network_deploys_into_the_plain_network_of_its_library(model, method):
     torch.manual_seed(0)
     net = build_model(_cfg(model, method))
@@ -105,6 +106,9 @@ def test_constructor_keywords_reach_the_network_and_stay_in_its_settings():
     (["-m", "torchvision:resnet18", "--method", "base", "--branches", "kxk"], "need a re-param method, not base"),
     (["-m", "torchvision:vit_b_16"], "found nothing to convert in VisionTransformer"),
     (["-m", "timm:resnet10t", "--model-kwarg", "nope=1"], "unexpected keyword argument 'nope'"),
+    (["-m", "torchvision:fcn_resnet50"], "torchvision:fcn_resnet50 is not a classification network of torchvision"),
+    (["-m", "torchvision:googlenet", "--model-kwarg", "aux_logits=True"], "aux_logits=True returns its auxiliary"),
+    (["-m", "timm:resnet10t", "--model-kwarg", "features_only=True"], "gives list for one image, not a row of class"),
     (["-m", "timm:convnext_atto"], "stem.0, stages.0.blocks.0.conv_dw, stages.0.blocks.0.mlp.fc1 and 37 more: not "
                                    "followed by a BatchNorm2d it alone feeds (without_bn=True converts the convs that "
                                    "no BatchNorm2d follows too) (--model-option without_bn=true)"),

@@ -118,10 +118,15 @@ def check_model_takes_images(model: nn.Module, data, what: str) -> None:
             for size in data.image_sizes:
                 x = torch.zeros(1, data.in_chans, size, size, device=param.device if param is not None else None)
                 try:
-                    model(x)
+                    out = model(x)
                 except (RuntimeError, ValueError) as exc:
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     raise UserError(f"{what} cannot take {data.name}'s {size}x{size} images: {first}") from None
+                if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 1:
+                    got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                    raise UserError(f"{what} gives {got} for one image, not a row of class logits: these commands "
+                                    "train and evaluate classifiers (a detection or segmentation network takes a "
+                                    "re-param backbone: docs/detection.md)")
     finally:
         model.train(was)
 
@@ -218,6 +223,10 @@ def model_slug(name: str) -> str:
     return name.replace(":", "-")
 
 
+#: torchvision networks that return their auxiliary classifiers' logits too in training mode
+TORCHVISION_AUX_HEADS = ("googlenet", "inception_v3")
+
+
 def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> nn.Module:
     """The plain network ``torchvision:NAME`` or ``timm:NAME``, randomly initialised (no weights
     are fetched; ``kwargs`` go to its constructor). timm makes ``in_chans`` itself; in a torchvision
@@ -235,6 +244,17 @@ def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> 
             return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans, **kwargs)
         import torchvision
 
+        if arch in torchvision.models.list_models() and arch not in torchvision.models.list_models(
+                module=torchvision.models):  # (their builders would also fetch a pretrained backbone)
+            raise UserError(f"{name} is not a classification network of torchvision (torchvision.models."
+                            "list_models(module=torchvision.models)); detection and segmentation networks take a "
+                            "re-param backbone: docs/detection.md")
+        if arch in TORCHVISION_AUX_HEADS:
+            if kwargs.get("aux_logits"):
+                raise UserError(f"{name} with aux_logits=True returns its auxiliary heads' logits too in training; "
+                                "orepa train's loss takes one logits tensor: build it without them (the default)")
+            # one logits tensor in training too; init_weights named: the present init, without torchvision's warning
+            kwargs = {"aux_logits": False, "init_weights": True, **kwargs}
         model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
     except ImportError as exc:
         raise UserError(f"model {name!r} needs the package {exc.name or source} (pip install {source})") from None
