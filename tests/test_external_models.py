@@ -17,6 +17,10 @@ from orepa.cli import main  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+def _load_model(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def _cfg(model: str, method: str, **kw) -> dict:
     return {"model": model, "method": method, "num_classes": 10, "in_chans": 1, "small_input": False,
             "width_mult": 1.0, "options": {}, **kw}
@@ -201,3 +205,18 @@ def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):
     assert main(["reparam", str(run / "checkpoint.pth"), "-o", str(deployed), "--no-verify"]) == 0
     sd = torch.load(deployed, map_location="cpu", weights_only=True)["model"]
     torch.testing.assert_close(sd["conv1.weight"], plain["conv1.weight"].sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+    # an RGB run's deployed checkpoint (ImageNet-trained, say) starts a run on gray data the same way
+    from orepa.apps.checkpoint import save_checkpoint
+
+    cfg = _cfg("torchvision:resnet18", "dbb", num_classes=1000, in_chans=3)
+    rgb_run = tmp_path / "rgb_deployed.pth"
+    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "deploy", "model_cfg": cfg, "model": plain},
+                    rgb_run)
+    capsys.readouterr()
+    assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--init-from", str(rgb_run), "--epochs",
+                 "1", "--lr", "1e-9", "--train-subset", "16", "--no-eval", "-b", "16", "--no-progress",
+                 "--no-tensorboard", "--cache-dir", cache, "--output-dir", str(tmp_path / "from_rgb_run")]) == 0
+    out = capsys.readouterr().out
+    assert "RGB weights made for 1 input channel(s), summed over RGB: conv1.weight" in out
+    assert "deployed weights: every re-param block starts as its conv" in out
+    assert _load_model(tmp_path / "from_rgb_run" / "checkpoint.pth")["model_cfg"]["in_chans"] == 1

@@ -396,6 +396,7 @@ class Trainer:
         # a run's starting point (fine-tuning): a checkpoint's model and weights, this command's settings,
         # a fresh optimizer and schedule; its path, and the flag that named it (for messages)
         self.start_weights, self.start_path, self.start_flag = None, None, None
+        self.plain_start = False  # the starting point holds the plain network's weights (set below)
         if args.resume and args.init_from:
             raise UserError("--resume continues a run and --init-from starts a new one from a checkpoint's weights: "
                             "give one of them")
@@ -429,13 +430,17 @@ class Trainer:
         # a starting point's class count is the data's (or --num-classes): fine-tuning on other classes
         # makes a new classifier
         new_head = self.start_weights is not None and saved_cfg is not None
-        kept = {k: v for k, v in saved_cfg.items() if k != "num_classes"} if new_head else saved_cfg
+        # the plain network's weights (a deployed checkpoint's, a base run's) start any method, and RGB
+        # ones are made for the data's channels when loaded: only the plain network must match
+        self.plain_start = new_head and (self.start_weights.get("form") == "deploy" or saved_cfg.get("method") == "base")
+        free = ("num_classes", "in_chans") if self.plain_start else ("num_classes",)
+        kept = {k: v for k, v in saved_cfg.items() if k not in free} if new_head else saved_cfg
         self.cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
                                        small_input=self.data.small_input, saved=kept)
         expected = {**saved_cfg, "num_classes": self.cfg["num_classes"]} if new_head else saved_cfg
-        if new_head and (saved_cfg.get("method") == "base" or self.start_weights.get("form") == "deploy"):
-            # plain weights (a base run's, deployed ones) start any method: only the plain network must match
-            expected = {**expected, "method": self.cfg["method"], "options": self.cfg["options"]}
+        if self.plain_start:
+            expected = {**expected, "method": self.cfg["method"], "options": self.cfg["options"],
+                        "in_chans": self.cfg["in_chans"]}
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
@@ -526,17 +531,15 @@ class Trainer:
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
         bare = "format" not in self.start_weights
         deployed = self.start_weights.get("form") == "deploy"
-        # a `--method base` run's weights are the plain network too (its training form is the plain layout)
-        base_run = (saved_cfg or {}).get("method") == "base" and self.cfg["method"] != "base"
         rgb = []
-        if bare:  # another tool's weights for RGB images (torchvision's, timm's) on data of other channels
+        if bare or self.plain_start:  # weights for RGB images (torchvision's, timm's, ...) on data of other channels
             shapes = {k: v.shape for k, v in deploy_form.state_dict().items()}
             shapes.update((k, v.shape) for k, v in model.state_dict().items())
             sd = dict(sd)
             rgb = adapt_input_channels(sd, shapes, self.cfg["in_chans"])
         how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
-                               plain=bare or deployed or base_run)
+                               plain=bare or self.plain_start)
         source = self.start_weights.get("source")
         head = ""
         if fresh:
@@ -546,7 +549,7 @@ class Trainer:
             how_rgb = "summed over RGB" if self.cfg["in_chans"] == 1 else "RGB repeated, scaled by 3 / channels"
             head += f"; RGB weights made for {self.cfg['in_chans']} input channel(s), {how_rgb}: {', '.join(rgb)}"
         if how == "plain":
-            what = ("deployed weights" if deployed else "a --method base run's weights" if base_run
+            what = ("deployed weights" if deployed else "a --method base run's weights" if self.plain_start
                     else "the plain network's weights")
             head += f"; {what}: every re-param block starts as its conv, its other branches at zero"
         self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
