@@ -144,7 +144,7 @@ def check_conv_config(
     if dh != dw or dh < 1:
         raise ValueError(f"unsupported dilation {dilation!r}: need one positive dilation for both axes")
     same = kh // 2 * dh
-    if padding == "valid":  # nn.Conv2d's name for no padding, refused below with the reason
+    if padding == "valid":  # nn.Conv2d's name for no padding
         padding = (0, 0)
     if padding is None or padding == "same":
         pad = same
