@@ -441,11 +441,13 @@ def adapt_input_channels(sd: dict, shapes: Mapping[str, torch.Size], in_chans: i
     and its key returned. One channel: the sum over RGB (the function the RGB weights compute on a
     gray image given as three equal channels); other counts: RGB repeated, scaled by 3 / in_chans
     (as timm's ``adapt_input_conv``)."""
+    if in_chans == 3:
+        return []
     changed = []
     for key, w in sd.items():
         want = shapes.get(key)
-        if in_chans == 3 or want is None or w.dim() != 4 or w.shape[1] != 3 or len(want) != 4 or \
-                want[1] != in_chans or (w.shape[0], *w.shape[2:]) != (want[0], *want[2:]):
+        if want is None or w.dim() != 4 or w.shape[1] != 3 or len(want) != 4 or want[1] != in_chans or \
+                (w.shape[0], *w.shape[2:]) != (want[0], *want[2:]):
             continue
         if in_chans == 1:
             sd[key] = w.sum(dim=1, keepdim=True)
@@ -471,7 +473,11 @@ def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str
     state_dict that does not fit the training form may be the plain network's (the deployed
     layout, e.g. torchvision's or timm's weights): every block then starts as its conv
     (:func:`orepa.load_plain_state_dict`). Returns how it loaded: ``"train"`` or ``"plain"``."""
-    full = {**sd, **{k: v for k, v in model.state_dict().items() if k in keep}} if keep else sd
+    if keep:
+        own = model.state_dict()
+        full = {**sd, **{k: own[k] for k in keep}}
+    else:
+        full = sd
     problem = state_dict_mismatch(model, full)
     if not problem:
         model.load_state_dict(full, strict=True)
