@@ -156,8 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=positive_int, default=1, metavar="N",
                    help="run each process's batch as N micro-batches one after another, their gradients summed "
                         "before the step: the activation memory of -b/N images, BN statistics per micro-batch "
-                        "(as on N GPUs: -b 256 --micro-batches 4 is the paper's 4 x 64 on one GPU); a setting of "
-                        "this session's hardware, not taken from the checkpoint on --resume (1)")
+                        "(as on N GPUs: -b 256 --micro-batches 4 is the paper's 4 x 64 on one GPU); a setting of the "
+                        "machine the run is on, not taken from the checkpoint on --resume (1)")
     g.add_argument("--lr", type=positive_float, default=None,
                    help="peak learning rate (default: 0.1 x global batch / 256, the paper's rule)")
     g.add_argument("--momentum", type=nonneg_float, default=0.9)
