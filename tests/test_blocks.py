@@ -28,11 +28,13 @@ NEEDS_IDENTITY = {"repvgg-online", "orepa-vgg-offline"}
 
 # kernel size, stride, groups ("dw" = depthwise), dilation, (in, out)
 GRID = list(itertools.product([1, 3, 5, 7], [1, 2], [1, 2, "dw"], [1, 2], [(4, 8), (8, 8)]))
+# non-square kernels (Inception's 1x7 / 7x1, factorised 1x3 / 3x1 convs), "same" padding on each axis
+GRID += list(itertools.product([(1, 3), (7, 1), (3, 5)], [1, 2], [1, "dw"], [1, 2], [(4, 8), (8, 8)]))
 
 
 def _cfg_id(c):
     k, s, g, d, (ci, co) = c
-    return f"k{k}-s{s}-g{g}-d{d}-{ci}to{co}"
+    return f"k{k if isinstance(k, int) else '{}x{}'.format(*k)}-s{s}-g{g}-d{d}-{ci}to{co}"
 
 
 def _build(method, cfg):
@@ -97,7 +99,10 @@ def test_online_equals_offline_without_bn(cfg, branches):
 
 
 @pytest.mark.parametrize("k,s,p,d,g", [(3, 2, 0, 1, 1), (3, 1, 0, 1, 1), (5, 1, 1, 1, 2), (3, 1, 3, 1, 1),
-                                       (3, 2, 0, 2, 8), (1, 1, 1, 1, 1), (7, 2, 0, 1, 1)])
+                                       (3, 2, 0, 2, 8), (1, 1, 1, 1, 1), (7, 2, 0, 1, 1),
+                                       # Inception's, a padding per axis, non-square kernels
+                                       ((1, 7), 1, (0, 3), 1, 1), ((7, 1), 2, (3, 0), 1, 1), ((3, 5), 1, 0, 1, 2),
+                                       ((1, 3), 2, (1, 2), 2, 8), (3, 1, (1, 0), 1, 1)])
 @pytest.mark.parametrize("builder", ["auto", "grouped"])
 def test_an_online_block_takes_any_padding_and_trains_and_deploys_exactly(k, s, p, d, g, builder):
     """Padding other than "same" (Inception's valid 3x3 convs): the online block convolves with its
@@ -132,9 +137,12 @@ def test_blocks_with_feature_map_branches_need_same_padding():
                  lambda: OREPAConv2d(8, 8, 3, padding=0, mode="offline")):
         with pytest.raises(ValueError, match=r"only 'same' padding 1 keeps branch centres aligned \(online OREPA"):
             make()
-    with pytest.raises(ValueError, match=r"unsupported padding \(1, 0\): need one non-negative padding"):
-        OREPAConv2d(8, 8, 3, padding=(1, 0))
+    with pytest.raises(ValueError, match=r"unsupported padding \(1, -1\): need a non-negative padding"):
+        OREPAConv2d(8, 8, 3, padding=(1, -1))
     assert OREPAConv2d(8, 8, 3, padding="valid").padding == (0, 0)
+    assert OREPAConv2d(8, 8, 3, padding=(1, 0)).padding == (1, 0)  # one per axis
+    with pytest.raises(ValueError, match=r"only 'same' padding \(0, 1\) keeps branch centres aligned"):
+        DBBConv2d(8, 8, (1, 3), padding=1)
 
 
 @pytest.mark.parametrize("method", list(FACTORIES))
@@ -244,9 +252,9 @@ def test_bias_is_kept_through_deploy():
     "kwargs,match",
     [
         (dict(kernel_size=4), "even"),
-        (dict(kernel_size=(3, 5)), "square"),
+        (dict(kernel_size=(3, 4)), "even"),
         (dict(kernel_size=3, padding=-1), "padding"),
-        (dict(kernel_size=3, padding=(1, 2)), "padding"),
+        (dict(kernel_size=3, padding=(1, -1)), "padding"),
         (dict(kernel_size=3, stride=(1, 2)), "stride"),
         (dict(kernel_size=3, dilation=(1, 2)), "dilation"),
         (dict(kernel_size=3, groups=3), "groups"),
@@ -295,8 +303,8 @@ def test_more_bad_configurations():
         (lambda: OREPAConv2d(4, 8, 1, internal_channels=0), ValueError, r"internal_channels must be .* got 0"),
         (lambda: OREPAConv2d(4, 8, 3, internal_channels=-2), ValueError, r"internal_channels must be .* got -2"),
         (lambda: DBBConv2d(4, 8, 3, internal_channels=0), ValueError, r"internal_channels must be .* got 0"),
-        (lambda: OREPAConv2d(4, 8, 0), ValueError, r"kernel_size must be a positive odd int, got 0"),
-        (lambda: OREPAConv2d(4, 8, -3), ValueError, r"kernel_size must be a positive odd int, got -3"),
+        (lambda: OREPAConv2d(4, 8, 0), ValueError, r"kernel_size must be a positive odd int \(or a pair of them\), got 0"),
+        (lambda: OREPAConv2d(4, 8, -3), ValueError, r"kernel_size must be a positive odd int \(or a pair of them\), got -3"),
         (lambda: OREPADeepStem(3, 8, 7, mid_channels=0), ValueError, r"mid_channels must be an int >= 1 .* got 0"),
         (lambda: OREPADeepStem(3, 8, 7, mid_channels=-1), ValueError, r"mid_channels must be an int >= 1 .* got -1"),
         # bools are ints to isinstance: True was one channel (or torch's "empty()" TypeError)

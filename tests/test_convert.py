@@ -168,22 +168,22 @@ def test_unknown_method_and_non_conv_are_rejected():
 def test_unsupported_convs_are_skipped_with_reason():
     model = nn.Sequential(
         nn.Conv2d(3, 8, 4, padding=1), nn.BatchNorm2d(8),  # even kernel
-        nn.Conv2d(8, 8, 3, padding=(1, 0)), nn.BatchNorm2d(8),  # a padding per axis
-        nn.Conv2d(8, 8, (1, 3), padding=(0, 1)), nn.BatchNorm2d(8),  # not square
+        nn.Conv2d(8, 8, 3, padding=(1, 0)), nn.BatchNorm2d(8),  # a padding per axis: online blocks take it
+        nn.Conv2d(8, 8, (1, 3), padding=(0, 1)), nn.BatchNorm2d(8),  # not square, "same"
         nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(8),
         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
         nn.Conv2d(8, 8, 3, padding="valid"), nn.BatchNorm2d(8),  # not "same": online blocks take it
         nn.Conv2d(8, 8, 3, padding=2), nn.BatchNorm2d(8),
+        nn.Conv2d(8, 8, (3, 2), padding=(1, 0)), nn.BatchNorm2d(8),  # an even side
     )
     _, report = orepa.convert(model, return_report=True)
-    assert report.converted == ["8", "10", "12"]
-    assert "even" in report.skipped["0"] and "padding" in report.skipped["2"]
-    assert "square" in report.skipped["4"] and "padding_mode" in report.skipped["6"]
-    assert report.skipped["2"] == "unsupported padding (1, 0): need one non-negative padding for both axes"
+    assert report.converted == ["2", "4", "8", "10", "12"]
+    assert "even" in report.skipped["0"] and "padding_mode" in report.skipped["6"]
+    assert report.skipped["14"] == "unsupported kernel_size 3x2: even kernels have no centre to align branches on"
     # the blocks that also run their branches on the feature map need "same" padding
     _, report = orepa.convert(model, "dbb", return_report=True)
-    assert report.converted == ["8"]
-    assert report.skipped["10"] == ("unsupported padding (0, 0) for kernel_size=3, dilation=1: only 'same' padding 1 "
+    assert report.converted == ["4", "8"]
+    assert report.skipped["10"] == ("unsupported padding (0, 0) for kernel_size=3x3, dilation=1: only 'same' padding 1 "
                                     "keeps branch centres aligned (online OREPA blocks take any padding)")
 
 
@@ -704,3 +704,35 @@ def test_without_bn_is_for_orepa_and_named_where_it_would_convert_something():
     with pytest.raises(ValueError, match=r"not followed by a BatchNorm2d it alone feeds \(without_bn=True converts"):
         orepa.convert(unnormed)
     assert isinstance(orepa.convert(unnormed, without_bn=True)[0], orepa.OREPAConv2d)
+
+
+@pytest.mark.slow
+def test_inception_v3_converts_every_conv_its_non_square_and_valid_ones_too():
+    """torchvision's Inception-v3: 1x7 / 7x1 / 1x3 / 3x1 kernels with a padding per axis and valid
+    3x3 convs. OREPA converts all 94; DBB, whose branches run on the feature map, takes the "same"
+    padded ones, non-square among them. Moved off the initialisation, then deployed: the plain
+    network, float64."""
+    torch.manual_seed(0)
+    net = torchvision.models.inception_v3(num_classes=10, aux_logits=False, init_weights=True).double()
+    x = torch.randn(2, 3, 75, 75, dtype=torch.double)
+    convs = [n for n, m in net.named_modules() if type(m) is nn.Conv2d]
+    non_square = {n for n in convs if net.get_submodule(n).kernel_size[0] != net.get_submodule(n).kernel_size[1]}
+    assert len(convs) == 94 and len(non_square) == 34
+    for method in ("orepa", "dbb"):
+        model, report = orepa.convert(net, method, return_report=True)
+        if method == "orepa":
+            assert sorted(report.converted) == sorted(convs) and not report.skipped
+        else:
+            assert non_square <= set(report.converted) and len(report.converted) == 47
+            assert {r.split(":")[0] for r in report.skipped.values()} == {  # the 1x1s and the valid 3x3s
+                "DBB needs kernel_size >= 3 (its branches degenerate for 1x1 convs)",
+                "unsupported padding (0, 0) for kernel_size=3x3, dilation=1"}
+        with torch.no_grad():  # off the initialisation: weights moved, BN statistics of a batch
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.01)
+            model.train()(x)
+        model.eval()
+        with torch.no_grad():
+            plain = torchvision.models.inception_v3(num_classes=10, aux_logits=False, init_weights=False).double()
+            plain.load_state_dict(orepa.reparameterize(model).state_dict())
+            tol_close(plain.eval()(x), model(x), rel=1e-9)

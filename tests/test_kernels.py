@@ -39,14 +39,23 @@ def test_pad_to_centres_1x1():
     close(F.conv2d(x, p, padding=2), F.conv2d(x, w))
     with pytest.raises(ValueError):
         K.pad_to(torch.randn(1, 1, 3, 3), 4)
+    # per axis: a 1x3 inside 5x3, a 1x1 inside 1x7
+    w = torch.randn(4, 3, 1, 3)
+    p = K.pad_to(w, (5, 3))
+    assert p.shape == (4, 3, 5, 3) and torch.equal(p[:, :, 2:3], w) and p.abs().sum() == w.abs().sum()
+    close(F.conv2d(x, p, padding=(2, 1)), F.conv2d(x, w, padding=(0, 1)))
+    assert K.pad_to(torch.ones(1, 1, 1, 1), (1, 7))[0, 0, 0].tolist() == [0, 0, 0, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match="cannot centre-pad a 1x3 kernel to 3x1"):
+        K.pad_to(w, (3, 1))
 
 
 @pytest.mark.parametrize("groups", [1, 2, 6])
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, (1, 5)])
 def test_identity_kernel(groups, k):
     x = torch.randn(2, 6, 7, 7)
     w = K.identity_kernel(6, groups, k)
-    close(F.conv2d(x, w, padding=k // 2, groups=groups), x)
+    kh, kw = (k, k) if isinstance(k, int) else k
+    close(F.conv2d(x, w, padding=(kh // 2, kw // 2), groups=groups), x)
 
 
 def test_identity_init_1x1_matches_paper_rule():
@@ -58,12 +67,13 @@ def test_identity_init_1x1_matches_paper_rule():
     close(F.conv2d(x, K.identity_init_1x1(4, 4, groups=2), groups=2), x)
 
 
-@pytest.mark.parametrize("k", [3, 5, 7])
+@pytest.mark.parametrize("k", [3, 5, 7, (1, 7), (5, 3)])
 def test_avg_pool_kernel_equals_avg_pool(k):
     x = torch.randn(2, 5, 11, 11)
     w = K.avg_pool_kernel(5, k)
-    ref = F.avg_pool2d(x, k, stride=1, padding=k // 2, count_include_pad=True)
-    close(F.conv2d(x, w, padding=k // 2, groups=5), ref)
+    pad = (k // 2, k // 2) if isinstance(k, int) else (k[0] // 2, k[1] // 2)
+    ref = F.avg_pool2d(x, k, stride=1, padding=pad, count_include_pad=True)
+    close(F.conv2d(x, w, padding=pad, groups=5), ref)
 
 
 @pytest.mark.parametrize("k", [3, 5, 7, 9])
@@ -84,6 +94,21 @@ def test_freq_prior_formula_any_odd_k(k, c):
     first = math.ceil(half)  # channels c < C / 2
     assert torch.allclose(w[:first], w[:first, :, :, :1].expand_as(w[:first]))
     assert torch.allclose(w[first:], w[first:, :, :1, :].expand_as(w[first:]))
+
+
+@pytest.mark.parametrize("kh,kw", [(1, 7), (7, 1), (3, 5)])
+def test_freq_prior_of_a_non_square_kernel_takes_each_axis_own_length(kh, kw):
+    """Rows: cos((c + 1)(h + 0.5) pi / kh); columns: cos((c - C/2 + 1)(w + 0.5) pi / kw)."""
+    c = 6
+    w = K.freq_prior_kernel(c, (kh, kw), dtype=torch.float64)
+    assert w.shape == (c, 1, kh, kw)
+    for ch in range(c):
+        for h in range(kh):
+            for v in range(kw):
+                ref = (math.cos((ch + 1) * (h + 0.5) * math.pi / kh) if ch < c // 2
+                       else math.cos((ch - c // 2 + 1) * (v + 0.5) * math.pi / kw))
+                assert abs(w[ch, 0, h, v].item() - ref) < 1e-12
+    assert torch.equal(K.freq_prior_kernel(c, (5, 5)), K.freq_prior_kernel(c, 5))  # a square pair: the same
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,8 @@ def _grads(block, x, gy):
     return y, torch.autograd.grad(y, [x, *block.parameters()], gy)
 
 
-CASES = list(itertools.product([1, 3, 5], [1, 2], [1, 2, "dw"], [(4, 8), (32, 32)], ["auto", True, False]))
+CASES = list(itertools.product([1, 3, 5, (1, 3), (5, 3)], [1, 2], [1, 2, "dw"], [(4, 8), (32, 32)],
+                               ["auto", True, False]))
 
 
 @pytest.mark.parametrize("k,s,g,ch,recompute", CASES)
@@ -50,8 +51,9 @@ def test_training_path_matches_offline_reference(k, s, g, ch, recompute):
             tol_close(a, b, rel=1e-10)
 
 
-def test_chain_order_choice_depends_on_input_size():
-    block = orepa.OREPAConv2d(64, 64, 3)
+@pytest.mark.parametrize("k", [3, (1, 7)])
+def test_chain_order_choice_depends_on_input_size(k):
+    block = orepa.OREPAConv2d(64, 64, k)
     small = torch.randn(1, 64, 4, 4)
     large = torch.randn(16, 64, 56, 56)
     assert "1x1_kxk" in engine.route(block, small, engine.needs_recompute(block, small))[1]

@@ -110,16 +110,17 @@ def check_conv_config(
     padding_mode: str = "zeros",
     *,
     any_padding: bool = False,
-) -> tuple[int, int, int, int]:
+) -> tuple[tuple[int, int], int, tuple[int, int], int]:
     """Validate a conv configuration a re-param block can squeeze exactly.
 
-    Returns ``(k, stride, padding, dilation)`` as ints. Supported: square odd
-    kernels, equal strides and dilations on both axes, ``groups`` dividing both
-    channel counts and "same" padding ``k // 2 * dilation`` (``None`` or
-    ``"same"`` pick it). ``any_padding``: one padding of any size for both axes
-    (``"valid"``: 0), for online blocks: they convolve with their squeezed
-    kernel only, so their branches need no common centre on the feature map.
-    Anything else raises a ValueError naming the problem.
+    Returns ``((kh, kw), stride, (ph, pw), dilation)``. Supported: odd kernel
+    sizes (square or not: 3x3, 1x7, 3x1), equal strides and dilations on both
+    axes, ``groups`` dividing both channel counts and "same" padding
+    ``(kh // 2 * dilation, kw // 2 * dilation)`` (``None`` or ``"same"`` pick it).
+    ``any_padding``: any non-negative padding (``"valid"``: 0), for online
+    blocks: they convolve with their squeezed kernel only, so their branches
+    need no common centre on the feature map. Anything else raises a ValueError
+    naming the problem.
     """
     for n, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -132,37 +133,35 @@ def check_conv_config(
             raise TypeError(f"{n} must be an int or a pair of ints, not a bool; got {v!r}")
     kh, kw = _pair(kernel_size, "kernel_size")
     if kh < 1 or kw < 1:
-        raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
-    if kh != kw:
-        raise ValueError(f"unsupported kernel_size {kh}x{kw}: re-param blocks need square kernels")
-    if kh % 2 == 0:
-        raise ValueError(f"unsupported kernel_size {kh}: even kernels have no centre to align branches on")
+        raise ValueError(f"kernel_size must be a positive odd int (or a pair of them), got {kernel_size!r}")
+    if kh % 2 == 0 or kw % 2 == 0:
+        raise ValueError(f"unsupported kernel_size {kh}x{kw}: even kernels have no centre to align branches on")
     sh, sw = _pair(stride, "stride")
     if sh != sw or sh < 1:
         raise ValueError(f"unsupported stride {stride!r}: need one positive stride for both axes")
     dh, dw = _pair(dilation, "dilation")
     if dh != dw or dh < 1:
         raise ValueError(f"unsupported dilation {dilation!r}: need one positive dilation for both axes")
-    same = kh // 2 * dh
+    same = (kh // 2 * dh, kw // 2 * dh)
     if padding == "valid":  # nn.Conv2d's name for no padding
         padding = (0, 0)
     if padding is None or padding == "same":
         pad = same
     else:
-        ph, pw = _pair(padding, "padding")
-        if any_padding and (ph != pw or ph < 0):
-            raise ValueError(f"unsupported padding {padding!r}: need one non-negative padding for both axes")
-        if not any_padding and (ph != pw or ph != same):
+        pad = _pair(padding, "padding")
+        if any_padding and min(pad) < 0:
+            raise ValueError(f"unsupported padding {padding!r}: need a non-negative padding")
+        if not any_padding and pad != same:
             raise ValueError(
-                f"unsupported padding {padding!r} for kernel_size={kh}, dilation={dh}: "
-                f"only 'same' padding {same} keeps branch centres aligned (online OREPA blocks take any padding)"
+                f"unsupported padding {padding!r} for kernel_size={kh}x{kw}, dilation={dh}: "
+                f"only 'same' padding {same[0] if same[0] == same[1] else same} keeps branch centres aligned "
+                "(online OREPA blocks take any padding)"
             )
-        pad = ph
     if padding_mode != "zeros":
         raise ValueError(f"unsupported padding_mode {padding_mode!r}: only 'zeros' is linear in the kernel")
     if in_channels % groups or out_channels % groups:
         raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
-    return kh, sh, pad, dh
+    return (kh, kw), sh, pad, dh
 
 
 # --------------------------------------------------------------------------- steps
@@ -227,13 +226,14 @@ class ConvStep(PackableWeight, nn.Module):
 
     INITS = ("kaiming", "identity", "identity-tiled")
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, groups: int = 1, init: str = "kaiming",
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, groups: int = 1, init: str = "kaiming",
                  a: float = TORCH_INIT_A):
         super().__init__()
         if init not in self.INITS:
             raise ValueError(f"unknown init {init!r} for a conv step; expected one of {self.INITS}")
-        self.in_channels, self.out_channels, self.kernel_size, self.groups = in_channels, out_channels, kernel_size, groups
-        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, kernel_size, kernel_size))
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size = _pair(kernel_size, "kernel_size")  # (kh, kw), as nn.Conv2d's
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *self.kernel_size))
         self.init, self.a = init, float(a)
         self.reset_parameters()
 
@@ -248,8 +248,8 @@ class ConvStep(PackableWeight, nn.Module):
     def kernel(self) -> Tensor:
         return self.weight
 
-    def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
-        if self.kernel_size == 1 and self.groups == 1 and padding == 0:
+    def run(self, x: Tensor, stride: int, dilation: int, padding=0) -> Tensor:
+        if self.kernel_size == (1, 1) and self.groups == 1 and padding in (0, (0, 0)):
             xs = x[:, :, ::stride, ::stride] if stride > 1 else x
             n, c, h, w = xs.shape
             if n * h * w <= _GEMM_1X1_MAX_PIXELS:
@@ -261,7 +261,7 @@ class ConvStep(PackableWeight, nn.Module):
 
     def extra_repr(self) -> str:
         init = f"kaiming(a={self.a:g})" if self.init == "kaiming" else self.init
-        return f"{self.in_channels}, {self.out_channels}, k={self.kernel_size}, groups={self.groups}, init={init}"
+        return f"{self.in_channels}, {self.out_channels}, k={_size_str(self.kernel_size)}, groups={self.groups}, init={init}"
 
 
 class FixedKernelStep(nn.Module):
@@ -275,11 +275,12 @@ class FixedKernelStep(nn.Module):
 
     KINDS = ("identity", "avg", "prior")
 
-    def __init__(self, kind: str, channels: int, kernel_size: int, groups: int | None = None):
+    def __init__(self, kind: str, channels: int, kernel_size, groups: int | None = None):
         super().__init__()
         if kind not in self.KINDS:
             raise ValueError(f"unknown fixed kernel {kind!r}, expected one of {self.KINDS}")
-        self.kind, self.in_channels, self.out_channels, self.kernel_size = kind, channels, channels, kernel_size
+        self.kind, self.in_channels, self.out_channels = kind, channels, channels
+        self.kernel_size = _pair(kernel_size, "kernel_size")
         self.groups = (groups or 1) if kind == "identity" else channels  # pooling and filtering act per channel
         self.register_buffer("weight", self._build(torch.get_default_dtype(), None), persistent=False)
 
@@ -293,13 +294,13 @@ class FixedKernelStep(nn.Module):
     def kernel(self) -> Tensor:
         return self.weight
 
-    def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
-        if self.kind == "identity" and self.kernel_size == 1:
+    def run(self, x: Tensor, stride: int, dilation: int, padding=0) -> Tensor:
+        if self.kind == "identity" and self.kernel_size == (1, 1):
             return x[:, :, ::stride, ::stride]
         return F.conv2d(x, self.weight, None, stride, padding, dilation, self.groups)
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, channels={self.out_channels}, k={self.kernel_size}"
+        return f"{self.kind}, channels={self.out_channels}, k={_size_str(self.kernel_size)}"
 
 
 class Scale(PackableWeight, nn.Module):
@@ -326,9 +327,8 @@ def _is_kernel_step(m: nn.Module) -> bool:
     return hasattr(m, "kernel") and hasattr(m, "groups")
 
 
-def _ksize(step: nn.Module) -> int:
-    k = step.kernel_size  # an int for steps, a (k, k) tuple for nested blocks
-    return k if isinstance(k, int) else k[0]
+def _size_str(k: tuple[int, int]) -> str:
+    return str(k[0]) if k[0] == k[1] else f"{k[0]}x{k[1]}"
 
 
 def _affine_of(step: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -367,11 +367,12 @@ class Branch(nn.Sequential):
         # the structure is fixed from here on: cache what every forward asks (host time matters
         # on GPUs, where an online block's step is bound by launching its many small ops)
         self._kinds = tuple(kinds)
-        self._extent = 1 + sum(_ksize(s) - 1 for s, k in zip(self, kinds) if k)
+        sizes = [s.kernel_size for s, k in zip(self, kinds) if k]  # (kh, kw) each, nested blocks too
+        self._extent = (1 + sum(kh - 1 for kh, _ in sizes), 1 + sum(kw - 1 for _, kw in sizes))
         self._scaled = isinstance(self[-1], Scale)
         # Zero padding may be applied at the only spatial kernel step (instead of padding the
         # input once) when nothing before it adds a shift: the same function, no padded copy.
-        spatial = [i for i, st in enumerate(self) if _is_kernel_step(st) and _ksize(st) > 1]
+        spatial = [i for i, st in enumerate(self) if _is_kernel_step(st) and tuple(st.kernel_size) != (1, 1)]
         self._pad_step = None
         if len(spatial) <= 1:
             i = spatial[0] if spatial else self._last_kernel
@@ -380,7 +381,7 @@ class Branch(nn.Sequential):
         self._fast_groups = self._closed_form_groups()
         # a pointwise branch (every kernel 1x1) without BN commutes with subsampling: a strided
         # block may subsample its input first and run every step on the smaller map
-        self._subsample_first = self.extent == 1 and not self.has_norm
+        self._subsample_first = self.extent == (1, 1) and not self.has_norm
 
     def _closed_form_groups(self) -> int | None:
         """Groups of the branch kernel if its squeeze has a closed-form backward, else None.
@@ -416,8 +417,8 @@ class Branch(nn.Sequential):
         return steps, None
 
     @property
-    def extent(self) -> int:
-        """Receptive field (kernel size) of the composed branch, before dilation."""
+    def extent(self) -> tuple[int, int]:
+        """Receptive field ``(kh, kw)`` (kernel size) of the composed branch, before dilation."""
         return self._extent
 
     @property
@@ -446,7 +447,7 @@ class Branch(nn.Sequential):
                     b = shift if b is None else b + shift
         return w, b, g
 
-    def run(self, x: Tensor, stride: int, dilation: int, padded: dict[int, Tensor] | None = None) -> Tensor:
+    def run(self, x: Tensor, stride: int, dilation: int, padded: dict[tuple, Tensor] | None = None) -> Tensor:
         """Run on the feature map: pad once by the branch's receptive field, then valid steps.
 
         When one kernel step is spatial and nothing before it adds a shift, padding
@@ -455,13 +456,13 @@ class Branch(nn.Sequential):
         """
         if stride > 1 and self._subsample_first:
             x, stride = x[:, :, ::stride, ::stride], 1
-        p = (self.extent // 2) * dilation
+        p = (self._extent[0] // 2 * dilation, self._extent[1] // 2 * dilation)
         h = x
-        if self._pad_step is None and p:
+        if self._pad_step is None and p != (0, 0):
             if padded is not None and p in padded:
                 h = padded[p]
             else:
-                h = F.pad(x, (p, p, p, p))
+                h = F.pad(x, (p[1], p[1], p[0], p[0]))
                 if padded is not None:
                     padded[p] = h
         for i, (step, is_kernel) in enumerate(zip(self._modules.values(), self._kinds)):
@@ -507,19 +508,20 @@ class ReparamConv2d(nn.Module):
                                        any_padding=mode == "online")
         # "same" padding: the branches could also run on the feature map (the offline path, and the
         # engine's per-branch route); any other (online only) convolves with the squeezed kernel alone
-        self._aligned = p == k // 2 * d
+        self._aligned = p == (k[0] // 2 * d, k[1] // 2 * d)
         if not branches:
             raise ValueError("a re-param block needs at least one branch")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size, self.stride, self.padding, self.dilation = (k, k), (s, s), (p, p), (d, d)
+        self.kernel_size, self.stride, self.padding, self.dilation = k, (s, s), p, (d, d)
         self.mode = mode
         self.branches = nn.ModuleDict(branches)
         for name, br in self.branches.items():
             first = next(iter(br))
             if first.in_channels != in_channels or br[self._last_kernel_index(br)].out_channels != out_channels:
                 raise ValueError(f"branch {name!r} does not map {in_channels}->{out_channels} channels")
-            if br.extent > k:
-                raise ValueError(f"branch {name!r} has receptive field {br.extent} > kernel_size {k}")
+            if br.extent[0] > k[0] or br.extent[1] > k[1]:
+                raise ValueError(f"branch {name!r} has receptive field {_size_str(br.extent)} beyond kernel_size "
+                                 f"{_size_str(k)}")
             if mode == "online" and br.has_norm:
                 raise ValueError(
                     f"branch {name!r} holds a BatchNorm2d: batch statistics are not linear, so it can only run offline"
@@ -552,7 +554,7 @@ class ReparamConv2d(nn.Module):
             if g != self.groups:
                 w = K.expand_groups(w, g, self.groups)
             parts.append((w, b))
-        return K.add_parallel(parts, self.kernel_size[0])
+        return K.add_parallel(parts, self.kernel_size)
 
     def equivalent(self) -> tuple[Tensor, Tensor | None]:
         """Eval-mode ``(weight, bias)`` of the whole block: the squeeze (BNs use running stats).
@@ -569,7 +571,7 @@ class ReparamConv2d(nn.Module):
 
     def _first_full_branch(self, names: Sequence[str]) -> str | None:
         """The branch whose fresh kernel starts the sum (a full-size single kernel)."""
-        k = self.kernel_size[0]
+        k = self.kernel_size
         return E.memo(self._first_full, tuple(names), lambda: next(
             (n for n in names if self.branches[n].extent == k and len(self.branches[n]._split()[0]) == 1), None))
 
@@ -594,7 +596,7 @@ class ReparamConv2d(nn.Module):
             w = E.squeeze((self,), names)
         return w
 
-    def run(self, x: Tensor, stride: int, dilation: int, padding: int = 0) -> Tensor:
+    def run(self, x: Tensor, stride: int, dilation: int, padding=0) -> Tensor:
         # used when this block is a step inside another block's branch
         return F.conv2d(x, self.kernel(), None, stride, padding, dilation, self.groups)
 
@@ -608,7 +610,7 @@ class ReparamConv2d(nn.Module):
                 return E.train_forward(self, x)  # the engine picks the route
             return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
         out = None
-        padded: dict[int, Tensor] = {}  # branches with the same receptive field share one padded input
+        padded: dict[tuple, Tensor] = {}  # branches with the same receptive field share one padded input
         for br in self.branches.values():
             y = br.run(x, self.stride[0], self.dilation[0], padded)
             out = y if out is None else out + y
@@ -642,8 +644,7 @@ class ReparamConv2d(nn.Module):
         Branches at zero still learn: a zero scale gets a gradient at once, its branch next.
         Raises ValueError where the block cannot start so (wrong shapes, no such branch, a branch
         with nothing to zero)."""
-        k = self.kernel_size[0]
-        shape = (self.out_channels, self.in_channels // self.groups, k, k)
+        shape = (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
         if tuple(weight.shape) != shape:
             raise ValueError(f"{type(self).__name__} takes a conv weight of shape {list(shape)}, got "
                              f"{list(weight.shape)}")
@@ -654,8 +655,8 @@ class ReparamConv2d(nn.Module):
             raise ValueError(f"{type(self).__name__} has no bias to take the conv's")
         main = next((n for n, br in self.branches.items() if self._can_start_as_conv(br)), None)
         if main is None:
-            raise ValueError(f"{type(self).__name__} has no branch that is one full-size {k}x{k} conv to start as "
-                             "the given one (a linear deep stem composes several)")
+            raise ValueError(f"{type(self).__name__} has no branch that is one full-size {shape[2]}x{shape[3]} conv "
+                             "to start as the given one (a linear deep stem composes several)")
         for name, br in self.branches.items():
             tail = br[-1] if isinstance(br[-1], (Scale, *BATCH_NORMS)) else None
             if name == main:
@@ -692,7 +693,7 @@ class ReparamConv2d(nn.Module):
         if isinstance(step, ReparamConv2d):
             return step.kernel_size == self.kernel_size and step.groups == self.groups and not step.has_norm \
                 and step.bias is None
-        return isinstance(step, ConvStep) and step.kernel_size == self.kernel_size[0] and step.groups == self.groups
+        return isinstance(step, ConvStep) and step.kernel_size == self.kernel_size and step.groups == self.groups
 
     def fuse(self) -> nn.Conv2d:
         """timm's re-parameterization protocol (``timm.utils.reparameterize_model`` replaces a
@@ -740,7 +741,8 @@ class StepConfig:
 class BranchType:
     """One kind of branch: its linear steps, where its scale starts, and the switch that leaves it out.
 
-    ``steps(cin, cout, k, groups, cfg)`` returns the steps (its tail, a scale or BN, is added by
+    ``steps(cin, cout, k, groups, cfg)`` (``k``: the block's kernel size ``(kh, kw)``) returns the
+    steps (its tail, a scale or BN, is added by
     :func:`build_branches`). ``switch`` names a ``create_model`` option and CLI flag
     (``--<switch>`` / ``--no-<switch>``) that removes this branch from the OREPA blocks when False.
     """
@@ -887,7 +889,7 @@ def build_branches(
     names: Iterable[str],
     in_channels: int,
     out_channels: int,
-    kernel_size: int,
+    kernel_size,
     groups: int,
     *,
     scaling: str = "vector",
@@ -906,7 +908,7 @@ def build_branches(
     check_block_options(branches=names, scaling=scaling, scale_init=scale_init, dw_expand=dw_expand,
                         internal_channels=internal_channels)
     names = tuple(names)
-    check_conv_config(in_channels, out_channels, kernel_size, groups=groups)
+    kernel_size = check_conv_config(in_channels, out_channels, kernel_size, groups=groups)[0]  # (kh, kw)
     if scale_init and norm:
         raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: the branches end in a BatchNorm "
                          "(branch_norm=True)")
@@ -971,16 +973,16 @@ class OREPAConv2d(ReparamConv2d):
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
                               any_padding=mode == "online")[0]
         init_a, reference_init = _resolve_init(init, k)
-        if internal_channels is None and k > 1:
+        if internal_channels is None and k != (1, 1):
             internal_channels = in_channels if groups <= 4 else 2 * in_channels
         if branches is None:
-            branches = REP_1X1_BRANCHES if k == 1 else OREPA_BRANCHES
+            branches = REP_1X1_BRANCHES if k == (1, 1) else OREPA_BRANCHES
         if isinstance(branches, str):
             raise TypeError(f"branches must be a sequence of branch names, got the string {branches!r}")
         branches = tuple(branches)
         if not branches:
             raise ValueError("branches must name at least one branch")
-        if k == 1 and set(branches) - {"1x1", "1x1_1x1", "identity"}:
+        if k == (1, 1) and set(branches) - {"1x1", "1x1_1x1", "identity"}:
             raise ValueError(f"a 1x1 block supports branches 1x1, 1x1_1x1, identity; got {branches}")
         if "identity" in branches and _pair(stride, "stride")[0] != 1:
             raise ValueError("the identity branch needs stride 1")
@@ -997,10 +999,10 @@ class OREPAConv2d(ReparamConv2d):
                          branches=built, mode=mode, recompute=recompute)
 
 
-def _resolve_init(init: str | float, k: int) -> tuple[float, bool]:
+def _resolve_init(init: str | float, k: tuple[int, int]) -> tuple[float, bool]:
     """``(kaiming slope a, reference identity layout)`` of an init scheme for a kxk (k > 1) or 1x1 block."""
     if init == "reference":
-        return (1.0 if k == 1 else 0.0), True
+        return (1.0 if k == (1, 1) else 0.0), True
     if init == "torch":
         return TORCH_INIT_A, False
     if isinstance(init, (int, float)) and not isinstance(init, bool) and init >= 0:
@@ -1017,7 +1019,7 @@ class DBBConv2d(ReparamConv2d):
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
                  bias=False, *, internal_channels: int | None = None):
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
-        if k == 1:
+        if k == (1, 1):
             raise ValueError("DBB needs kernel_size >= 3 (its branches degenerate for 1x1 convs)")
         built = build_branches(("kxk", "1x1", "1x1_avg", "1x1_kxk"), in_channels, out_channels, k, groups,
                                norm=True, inner_norm=True, internal_channels=internal_channels)
@@ -1031,7 +1033,7 @@ class RepVGGBlock(ReparamConv2d):
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
                  bias=False):
         k, s, _, _ = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
-        if k == 1:
+        if k == (1, 1):
             raise ValueError("RepVGG needs kernel_size >= 3")
         names = ["kxk", "1x1"] + (["identity"] if in_channels == out_channels and s == 1 else [])
         built = build_branches(names, in_channels, out_channels, k, groups, norm=True)
@@ -1051,7 +1053,7 @@ class OREPAVGGBlock(ReparamConv2d):
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
                  bias=False, init: str | float = "reference", **orepa_options):
         k, s, _, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
-        if k == 1:
+        if k == (1, 1):
             raise ValueError("OREPA-VGG needs kernel_size >= 3")
         if orepa_options.get("internal_channels") is None:  # None: OREPA-VGG's default, not OREPAConv2d's
             orepa_options["internal_channels"] = in_channels if groups < out_channels else 2 * in_channels
@@ -1078,9 +1080,11 @@ class OREPADeepStem(ReparamConv2d):
 
     def __init__(self, in_channels, out_channels, kernel_size=7, stride=2, padding=None, dilation=1, groups=1,
                  bias=False, *, mid_channels: int | None = None, mode: str = "online", **orepa_options):
-        k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
-        if k < 5 or groups != 1:
-            raise ValueError(f"a deep stem needs kernel_size >= 5 and groups=1, got k={k}, groups={groups}")
+        kh, kw = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
+        if kh != kw or kh < 5 or groups != 1:
+            raise ValueError(f"a deep stem needs a square kernel_size >= 5 and groups=1, got k={_size_str((kh, kw))}, "
+                             f"groups={groups}")
+        k = kh
         if mid_channels is not None and (isinstance(mid_channels, bool) or not isinstance(mid_channels, int)):
             raise TypeError(f"mid_channels must be an int >= 1 or None (out_channels), got {mid_channels!r}")
         if mid_channels is not None and mid_channels < 1:

@@ -115,7 +115,8 @@ class _Branch(NamedTuple):
     learnable: tuple[bool, ...]
     shared: tuple[bool, ...]
     scalar: bool
-    window: tuple[int, int]  # the branch kernel's centred window [lo, hi) in the k x k kernel
+    window: tuple[int, int, int, int]  # the branch kernel's centred window in the kh x kw kernel: rows
+    # [top, top + eh), columns [left, left + ew)
 
 
 class Family(NamedTuple):
@@ -125,7 +126,7 @@ class Family(NamedTuple):
 
     weights: Tensor  # [J, B * C_out, C_in / groups]: the members' 1x1 weights in one storage
     scales: Tensor  # [J, B * C_out, 1]
-    filters: Tensor  # [B * C_out, J, k * k]: member j's filter per output channel
+    filters: Tensor  # [B * C_out, J, kh * kw]: member j's filter per output channel
 
 
 class Storage(NamedTuple):
@@ -192,21 +193,21 @@ class Plan:
         # the layout of such writes, and the compiler fuses what out= would have saved anyway) and
         # writes short contractions out term by term (kernels.batched_product), which the compiler fuses too
         self.traced = traced
-        k = blk.kernel_size[0]
-        self.kernel_shape = (blk.out_channels, blk.in_channels // blk.groups, k, k)
+        kh, kw = blk.kernel_size
+        self.kernel_shape = (blk.out_channels, blk.in_channels // blk.groups, kh, kw)
         self.first = blk._first_full_branch(self.names)
         self.branches = []
         for name in self.names:
             per_block = [b.branches[name]._split() for b in blocks]
             steps0, scale0 = per_block[0]
-            e = blk.branches[name].extent
+            eh, ew = blk.branches[name].extent
             self.branches.append(_Branch(
                 name, tuple(tuple(p[0][j] for p in per_block) for j in range(len(steps0))),
                 None if scale0 is None else tuple(p[1] for p in per_block),
                 tuple(st.groups * self.n for st in steps0),
                 tuple(_learnable(st) for st in steps0),
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
-                scale0 is not None and scale0.mode == "scalar", ((k - e) // 2, (k - e) // 2 + e)))
+                scale0 is not None and scale0.mode == "scalar", ((kh - eh) // 2, eh, (kw - ew) // 2, ew)))
         self._find_slots()
         self.build = EagerBuild((self,))  # this plan's construction alone, as GroupsFunction runs it
         # per filter-family member (see Family): its roles (1x1 weight, fixed filter or None, scale)
@@ -308,13 +309,13 @@ class Plan:
                 out = _fresh_kernel(ks, s)
                 break
         if out is None:
-            o, i, k, _ = self.kernel_shape
-            out = ops[0][0][0].kernel.new_zeros(self.n * o, i, k, k)
+            o, i, kh, kw = self.kernel_shape
+            out = ops[0][0][0].kernel.new_zeros(self.n * o, i, kh, kw)
         for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
             if br.name != self.first and i not in skip:
                 _add_into(self._window(out, br), ks, s, self.traced)
         if family is not None:
-            # out += sum_j (s_j W_j) F_j: per output channel [C_in/g, J] @ [J, k*k]
+            # out += sum_j (s_j W_j) F_j: per output channel [C_in/g, J] @ [J, kh*kw]
             ws, flat = (family.weights * family.scales).permute(1, 2, 0), out.view(out.shape[0], out.shape[1], -1)
             if self.traced:
                 flat.add_(K.batched_product(ws, family.filters, pointwise=True))
@@ -333,8 +334,8 @@ class Plan:
 
     def _window(self, kernel: Tensor, br: _Branch) -> Tensor:
         """The branch's centred window of a kernel (no view op when it is the whole kernel)."""
-        lo, hi = br.window
-        return kernel if hi - lo == self.kernel_shape[-1] else kernel[:, :, lo:hi, lo:hi]
+        top, eh, left, ew = br.window
+        return kernel if (eh, ew) == self.kernel_shape[2:] else kernel[:, :, top:top + eh, left:left + ew]
 
     def vjp(self, grad: Tensor, stacked: Storage | None = None) -> list[Tensor]:
         """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order."""
@@ -630,7 +631,7 @@ def needs_recompute(block: nn.Module, x: Tensor) -> bool:
         return bool(block.recompute)
     if _launch_bound(x):
         return False
-    w_numel = block.out_channels * (block.in_channels // block.groups) * block.kernel_size[0] ** 2
+    w_numel = block.out_channels * (block.in_channels // block.groups) * block.kernel_size[0] * block.kernel_size[1]
     return w_numel > x.numel()
 
 
@@ -952,17 +953,17 @@ class KernelGroup:
         family = None
         if family_wts is not None:
             weights, scales = family_wts
-            j, rows, k = weights.shape[0], weights.shape[1], plan.kernel_shape[-1]
+            (j, rows), (kh, kw) = weights.shape[:2], plan.kernel_shape[2:]
             with torch.no_grad():
-                filters = weights.new_zeros(rows, j, k, k)
+                filters = weights.new_zeros(rows, j, kh, kw)
                 for i, (_, f_role, _) in enumerate(plan.family):
                     if f_role is None:  # a bare 1x1: the centre tap
-                        filters[:, i, k // 2, k // 2] = 1
+                        filters[:, i, kh // 2, kw // 2] = 1
                     else:
-                        e = raw[f_role].shape[-1]
-                        lo = (k - e) // 2
-                        filters[:, i, lo:lo + e, lo:lo + e] = raw[f_role][:, 0]
-            family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, k * k))
+                        eh, ew = raw[f_role].shape[-2:]
+                        top, left = (kh - eh) // 2, (kw - ew) // 2
+                        filters[:, i, top:top + eh, left:left + ew] = raw[f_role][:, 0]
+            family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, kh * kw))
         roles = [K.channel_column(s) if s.dim() == 1 else s for s in raw]
         return Storage(roles, family, plan.operands(roles), packed)
 

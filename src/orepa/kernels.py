@@ -42,32 +42,34 @@ __all__ = [
 ]
 
 
-def _check_odd_square(weight: Tensor) -> int:
-    kh, kw = weight.shape[-2:]
-    if kh != kw or kh % 2 == 0:
-        raise ValueError(f"kernel must be square with an odd size, got {kh}x{kw}")
-    return kh
+def _size(k) -> tuple[int, int]:
+    """A kernel size as ``(kh, kw)``: an int is square."""
+    return (k, k) if isinstance(k, int) else (int(k[0]), int(k[1]))
 
 
-def pad_to(weight: Tensor, k: int) -> Tensor:
-    """Zero-pad an odd ``[.., s, s]`` kernel around its centre to ``k x k`` (1x1 -> kxk)."""
-    s = _check_odd_square(weight)
-    if s == k:
+def pad_to(weight: Tensor, k) -> Tensor:
+    """Zero-pad an odd ``[.., sh, sw]`` kernel around its centre to ``k`` (an int: ``k x k``; or
+    ``(kh, kw)``), e.g. 1x1 -> kxk, 1x7 -> 7x7."""
+    sh, sw = weight.shape[-2:]
+    kh, kw = _size(k)
+    if (sh, sw) == (kh, kw):
         return weight
-    if k < s or (k - s) % 2:
-        raise ValueError(f"cannot centre-pad a {s}x{s} kernel to {k}x{k}")
-    p = (k - s) // 2
-    return F.pad(weight, (p, p, p, p))
+    if sh % 2 == 0 or sw % 2 == 0 or kh < sh or kw < sw or (kh - sh) % 2 or (kw - sw) % 2:
+        raise ValueError(f"cannot centre-pad a {sh}x{sw} kernel to {kh}x{kw}: both need odd sizes, the target "
+                         "the larger")
+    ph, pw = (kh - sh) // 2, (kw - sw) // 2
+    return F.pad(weight, (pw, pw, ph, ph))
 
 
-def identity_kernel(channels: int, groups: int = 1, k: int = 1, *, dtype=None, device=None) -> Tensor:
-    """Kernel of the identity map: ``[C, C // groups, k, k]`` with a 1 at the centre."""
+def identity_kernel(channels: int, groups: int = 1, k=1, *, dtype=None, device=None) -> Tensor:
+    """Kernel of the identity map: ``[C, C // groups, kh, kw]`` with a 1 at the centre."""
     if channels % groups:
         raise ValueError(f"channels={channels} not divisible by groups={groups}")
+    kh, kw = _size(k)
     per_group = channels // groups
-    w = torch.zeros(channels, per_group, k, k, dtype=dtype, device=device)
+    w = torch.zeros(channels, per_group, kh, kw, dtype=dtype, device=device)
     idx = torch.arange(channels, device=device)
-    w[idx, idx % per_group, k // 2, k // 2] = 1.0
+    w[idx, idx % per_group, kh // 2, kw // 2] = 1.0
     return w
 
 
@@ -102,30 +104,33 @@ def tiled_identity_1x1(out_channels: int, in_channels: int, groups: int = 1, *, 
     return w
 
 
-def avg_pool_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tensor:
-    """Depthwise ``[C, 1, k, k]`` kernel of a kxk average pool with zero padding counted."""
-    return torch.full((channels, 1, k, k), 1.0 / (k * k), dtype=dtype, device=device)
+def avg_pool_kernel(channels: int, k, *, dtype=None, device=None) -> Tensor:
+    """Depthwise ``[C, 1, kh, kw]`` kernel of a ``k`` (int: kxk) average pool with zero padding counted."""
+    kh, kw = _size(k)
+    return torch.full((channels, 1, kh, kw), 1.0 / (kh * kw), dtype=dtype, device=device)
 
 
-def freq_prior_kernel(channels: int, k: int, *, dtype=None, device=None) -> Tensor:
-    """Depthwise ``[C, 1, k, k]`` frequency prior filter for any k (supp. Table).
+def freq_prior_kernel(channels: int, k, *, dtype=None, device=None) -> Tensor:
+    """Depthwise ``[C, 1, kh, kw]`` frequency prior filter for any ``k`` (int: kxk; supp. Table).
 
-    ``W[c, h, w] = cos((c + 1)(h + 0.5) pi / k)`` for ``c < C / 2`` and
-    ``cos((c - C / 2 + 1)(w + 0.5) pi / k)`` otherwise: DCT-like bases along
-    rows for the first half of the channels and along columns for the second.
+    ``W[c, h, w] = cos((c + 1)(h + 0.5) pi / kh)`` for ``c < C / 2`` and
+    ``cos((c - C / 2 + 1)(w + 0.5) pi / kw)`` otherwise: DCT-like bases along
+    rows for the first half of the channels and along columns for the second
+    (a kernel one tap high or wide gives that half the constants cos((c + 1) pi / 2)).
     ``C / 2`` is the real half, as in the paper's public code (so that imported checkpoints keep
     their function): for an odd ``C`` the second half's frequencies are half-integers and its
     first channel, ``floor(C / 2)``, takes a row basis. The supplement's table writes
     ``floor(C / 2)`` instead; the two agree for every even ``C`` (all the zoo's widths).
     """
     half = channels / 2
+    kh, kw = _size(k)
     c = torch.arange(channels, dtype=torch.float64).view(-1, 1, 1)
-    pos = torch.arange(k, dtype=torch.float64) + 0.5
-    h = pos.view(1, -1, 1).expand(channels, k, k)
-    w = pos.view(1, 1, -1).expand(channels, k, k)
-    freq = torch.where(c < half, c + 1, c - half + 1)
-    arg = torch.where(c < half, h, w)
-    out = torch.cos(freq * arg * math.pi / k)
+    h = (torch.arange(kh, dtype=torch.float64) + 0.5).view(1, -1, 1).expand(channels, kh, kw)
+    w = (torch.arange(kw, dtype=torch.float64) + 0.5).view(1, 1, -1).expand(channels, kh, kw)
+    rows = c < half
+    freq = torch.where(rows, c + 1, c - half + 1)
+    arg = torch.where(rows, h, w)
+    out = torch.cos(freq * arg * math.pi / torch.where(rows, float(kh), float(kw)))
     return out.unsqueeze(1).to(dtype=dtype or torch.get_default_dtype(), device=device)
 
 
@@ -461,11 +466,12 @@ def compose_affine(
     return w, b, g
 
 
-def add_parallel(kernels: list[tuple[Tensor, Tensor | None]], k: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """Parallel rule: sum of branch kernels with centre alignment (and their biases)."""
+def add_parallel(kernels: list[tuple[Tensor, Tensor | None]], k=None) -> tuple[Tensor, Tensor | None]:
+    """Parallel rule: sum of branch kernels with centre alignment (and their biases), padded to
+    ``k`` (default: the largest height and width among them)."""
     if not kernels:
         raise ValueError("add_parallel needs at least one kernel")
-    k = k or max(w.shape[-1] for w, _ in kernels)
+    k = k or (max(w.shape[-2] for w, _ in kernels), max(w.shape[-1] for w, _ in kernels))
     weight = sum(pad_to(w, k) for w, _ in kernels)
     biases = [b for _, b in kernels if b is not None]
     return weight, (sum(biases) if biases else None)

@@ -28,8 +28,8 @@ __all__ = ["branch_kernels", "cosine_matrix", "mean_off_diagonal", "channel_norm
 
 @torch.no_grad()
 def branch_kernels(block: ReparamConv2d) -> dict[str, Tensor]:
-    """``{branch: kernel [C_out, C_in/groups, k, k]}``: each branch's share of the squeezed kernel."""
-    k = block.kernel_size[0]
+    """``{branch: kernel [C_out, C_in/groups, kh, kw]}``: each branch's share of the squeezed kernel."""
+    k = block.kernel_size
     out = {}
     for name, br in block.branches.items():
         w, _, g = br.fused_kernel()
@@ -97,7 +97,7 @@ def analyze_block(block: ReparamConv2d) -> dict:
     return {
         "type": type(block).__name__,
         "branches": list(kern),
-        "kernel_size": block.kernel_size[0],
+        "kernel_size": list(block.kernel_size),  # [kh, kw]
         "in_channels": block.in_channels,
         "out_channels": block.out_channels,
         "groups": block.groups,

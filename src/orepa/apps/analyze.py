@@ -88,7 +88,8 @@ def plot_cosine(result: dict, path: str | Path, ncols: int = 6) -> Path:
                             color="w" if abs(cos[i][j]) > 0.6 else "k")  # readable on dark cells
         ax.set_xticks(range(m), v["branches"], rotation=90, fontsize=5)
         ax.set_yticks(range(m), v["branches"], fontsize=5)
-        ax.set_title(f"{_short(name)} ({v['kernel_size']}x{v['kernel_size']})\nmean off-diag "
+        kh, kw = v["kernel_size"]
+        ax.set_title(f"{_short(name)} ({kh}x{kw})\nmean off-diag "
                      f"{v['mean_off_diagonal_cosine']:.3f}", fontsize=6)
     if im is not None:
         fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.6, label="cosine similarity")

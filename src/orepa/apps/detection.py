@@ -148,8 +148,7 @@ def _set_geometry(conv: nn.Module, stride: int | None = None, dilation: int | No
         conv.stride = (stride, stride)
     if dilation is not None:
         conv.dilation = (dilation, dilation)
-    k = conv.kernel_size[0]
-    conv.padding = ((k // 2) * conv.dilation[0],) * 2
+    conv.padding = tuple(k // 2 * conv.dilation[0] for k in conv.kernel_size)
 
 
 def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]) -> nn.Module:

@@ -321,7 +321,7 @@ def _map_site(sd, consumed, ref: str, model: nn.Module, conv_name: str, bn_name:
     module = model.get_submodule(conv_name)
     fits = type(module) is _EXPECTED[kind]
     if fits and kind in ("orepa", "rep_1x1", "deep_stem"):  # online blocks; Rep-1x1 is the 1x1 one
-        fits = module.mode == "online" and (kind == "rep_1x1") == (module.kernel_size[0] == 1)
+        fits = module.mode == "online" and (kind == "rep_1x1") == (tuple(module.kernel_size) == (1, 1))
     if not fits:
         raise ValueError(f"{ref} is a reference {kind} module but the model built here has "
                          f"{type(module).__name__} at {conv_name}")
