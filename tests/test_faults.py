@@ -153,6 +153,50 @@ def test_a_stop_signal_ends_the_step_writes_a_checkpoint_and_the_run_resumes_bit
     _assert_same_run(reference, _load(ckpt))
 
 
+DEMO_IN_A_TERMINAL = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's foreground job (a background one ignores it)
+from orepa.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # a subprocess running two more
+def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path):
+    """Ctrl-C reaches the demo and both of its training runs (one process group): each run ends
+    its step and writes its checkpoint, the demo waits for them, starts no later stage, reports
+    them as stopped (not failed) and exits 130."""
+    out = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-c", DEMO_IN_A_TERMINAL, "demo", "--output-dir", str(out),
+                             "--train-subset", "20000", "--val-subset", "64", "--no-progress", "--cache-dir", cache],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline, steps = time.monotonic() + 180, [0, 0]
+        while min(steps) < 1 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            for i, m in enumerate(("base", "orepa")):
+                try:
+                    steps[i] = json.loads((out / m / "progress.json").read_text())["global_step"]
+                except (OSError, ValueError, KeyError):
+                    pass
+        assert min(steps) >= 1 and proc.poll() is None, steps
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = err.decode()
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "failed" not in err, err[-2000:]
+    assert "orepa demo: interrupted; each running command stops at the end of its step" in err
+    for m in ("base", "orepa"):
+        assert f"{m}: stopped in stage 'train' (SIGINT); output so far in {out / m}/" in err
+        assert _load(out / m / "checkpoint.pth")["global_step"] >= 2
+        assert json.loads((out / m / "summary.json").read_text())["stop_signal"] == "SIGINT"
+        assert not (out / m / "reparam.json").exists()  # no later stage started
+    assert not (out / "demo.json").exists()
+
+
 SIGNAL_RANK_ONE = """
 import os, signal, sys
 from orepa.apps import train

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import atomic_write_text, check_output_path
-from .common import UserError, available_cpus, nonneg_float, positive_float, positive_int
+from .common import STOP_SIGNALS, UserError, available_cpus, nonneg_float, positive_float, positive_int
 from .data import prepare_fashion_mnist
 
 
@@ -85,12 +86,34 @@ class _Pipeline(threading.Thread):
         self.method, self.cmds, self.out, self.gate, self.in_process = method, cmds, out, gate, in_process
         self.rc: int | None = None
         self.stage = "waiting"
-        self.failed_in: str | None = None  # the stage that failed
+        self.failed_in: str | None = None  # the stage that failed or was stopped
         self.log = out / "demo.log"
         self.t0 = self.t1 = None
+        self._halt = threading.Event()
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def stopped_by(self) -> str | None:
+        """The stop signal that ended this pipeline's command (``orepa train`` exits with 128 + its
+        number after its checkpoint; a command without a handler dies of it), else None."""
+        for sig in STOP_SIGNALS:
+            if self.rc in (128 + sig, -sig):
+                return signal.Signals(sig).name
+        return None
+
+    def interrupt(self) -> None:
+        """Stop at the running command's next step boundary (SIGTERM: a train run that got the
+        terminal's SIGINT too records the first and does not take this one as a second Ctrl-C) and
+        start no further stage."""
+        self._halt.set()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
 
     def run(self) -> None:
         with self.gate:
+            if self._halt.is_set():
+                return
             self.t0 = time.perf_counter()
             with open(self.log, "w") as log:
                 for stage, cmd in zip(("train", "reparam + test"), self.cmds):
@@ -105,11 +128,16 @@ class _Pipeline(threading.Thread):
                         with redirect_stdout(log), redirect_stderr(log):
                             self.rc = main(cmd[3:])
                     else:
-                        self.rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-                    if self.rc != 0:
+                        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+                        if self._halt.is_set():  # interrupted while it started
+                            self._proc.send_signal(signal.SIGTERM)
+                        self.rc = self._proc.wait()
+                        self._proc = None
+                    if self.rc != 0 or self._halt.is_set():
                         self.failed_in = stage
                         break
-            self.stage = "done" if self.rc == 0 else "failed"
+            self.stage = "done" if self.rc == 0 and not self._halt.is_set() else \
+                "stopped" if self.stopped_by or self._halt.is_set() else "failed"
             self.t1 = time.perf_counter()
 
 
@@ -171,22 +199,44 @@ def run(args: argparse.Namespace) -> int:
             print("  $ " + shlex.join(["orepa", *c[3:]]), flush=True)
         pipes.append(_Pipeline(m, cmds, out, gate, args.in_process))
     t0 = time.perf_counter()
-    if args.in_process:
+    interrupted = False
+    try:
+        if args.in_process:
+            for p in pipes:
+                p.run()
+                if p.stopped_by:  # the command in this thread took the signal: run no further pipeline
+                    interrupted = True
+                    break
+        else:
+            for p in pipes:
+                p.start()
+            _watch(pipes, not args.no_progress)
+            for p in pipes:
+                p.join()
+    except KeyboardInterrupt:
+        # a terminal's Ctrl-C reaches the commands as well; a SIGINT to this process alone does not
+        interrupted = True
+        print("\norepa demo: interrupted; each running command stops at the end of its step (a training run "
+              "writes its checkpoint); Ctrl-C again stops at once", file=sys.stderr, flush=True)
         for p in pipes:
-            p.run()
-    else:
+            p.interrupt()
         for p in pipes:
-            p.start()
-        _watch(pipes, not args.no_progress)
-        for p in pipes:
-            p.join()
+            if p.is_alive():
+                p.join()
     wall = time.perf_counter() - t0
-    failed = [p for p in pipes if p.rc != 0]
-    for p in failed:
-        tail = p.log.read_text().splitlines()[-15:] if p.log.exists() else []
-        print(f"\n{p.method} failed (exit {p.rc}) in stage {p.failed_in!r}; last lines of {p.log}:", file=sys.stderr)
-        print("\n".join("  " + line for line in tail), file=sys.stderr)
-    if failed:
+    for p in pipes:
+        if p.stage == "stopped" or (interrupted and p.rc is None):
+            where = (f"in stage {p.failed_in!r}" + (f" ({p.stopped_by})" if p.stopped_by else "")) \
+                if p.rc is not None else "before it started"
+            print(f"{p.method}: stopped {where}; output so far in {p.out}/ (demo.log)", file=sys.stderr)
+        elif p.rc != 0:
+            tail = p.log.read_text().splitlines()[-15:] if p.log.exists() else []
+            print(f"\n{p.method} failed (exit {p.rc}) in stage {p.failed_in!r}; last lines of {p.log}:",
+                  file=sys.stderr)
+            print("\n".join("  " + line for line in tail), file=sys.stderr)
+    if interrupted or any(p.stage == "stopped" for p in pipes):
+        return 130  # the shell's code for Ctrl-C, as every orepa command
+    if any(p.rc != 0 for p in pipes):
         return 1
     rows = {}
     for p in pipes:
