@@ -528,6 +528,46 @@ def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_
     assert seen == [picked, "per-block"]  # a named builder is kept
 
 
+def test_init_from_a_training_form_of_another_method_or_rgb_images_starts_from_its_deployed_network(
+        cache, tmp_path, capsys):
+    """An OREPA run trained on RGB images (ImageNet, say) starts a run on gray images, or a run of
+    another method: its branches fit neither (the stem's depthwise branch has no one-channel form),
+    its deployed network does; every block then starts as its deployed conv, RGB summed to gray."""
+    from orepa.apps.checkpoint import save_checkpoint
+    from orepa.apps.model_cfg import build_model, deploy
+
+    cfg = {"model": "resnet18", "method": "orepa", "num_classes": 1000, "in_chans": 3, "small_input": True,
+           "width_mult": 0.0625, "options": {}}
+    torch.manual_seed(3)
+    rgb = build_model(cfg)
+    with torch.no_grad():  # off the initialisation: every branch and BN statistic counts
+        for t in rgb.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.rand_like(t), alpha=0.1)
+    start = tmp_path / "rgb_orepa.pth"
+    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
+                     "model": rgb.state_dict()}, start)
+    plain = deploy(rgb, "deploy").state_dict()
+    for method, extra in (("orepa", []), ("dbb", ["--method", "dbb"])):
+        out = tmp_path / method
+        capsys.readouterr()
+        assert _train(cache, out, "--init-from", str(start), "--lr", "1e-9", "--lr-warmup-epochs", "0",
+                      "--max-steps", "1", *extra) == 0
+        log = capsys.readouterr().out
+        why = "its blocks are 'orepa', not 'dbb'; " if method == "dbb" else ""
+        assert f"its training form deployed here ({why}its input channels 3, not 1): every re-param block starts " \
+               "as its conv" in log
+        assert "RGB weights made for 1 input channel(s), summed over RGB: conv1.weight" in log
+        if method == "dbb":  # its blocks hold BNs, whose statistics the training step moved
+            continue
+        again = tmp_path / f"{method}_deployed.pth"
+        assert main(["reparam", str(out / "checkpoint.pth"), "-o", str(again), "--no-verify"]) == 0
+        got = _load(again)["model"]
+        torch.testing.assert_close(got["conv1.weight"], plain["conv1.weight"].sum(1, keepdim=True))
+        for key in (k for k, v in plain.items() if v.dim() == 4 and k != "conv1.weight"):
+            torch.testing.assert_close(got[key], plain[key], rtol=1e-5, atol=1e-6)
+
+
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classifier(cache, tmp_path, capsys):
     """--init-from: another run's weights, this command's settings and a fresh optimizer; a
     classifier for another class count is made anew (the rest loaded); such a run resumes like any

@@ -681,6 +681,11 @@ class ReparamConv2d(nn.Module):
         if self.bias is not None:
             self.bias.copy_(bias if bias is not None and not self.has_norm else torch.zeros_like(self.bias))
 
+    @property
+    def can_start_as_conv(self) -> bool:
+        """Whether :meth:`load_conv` can start this block as a plain conv (a linear deep stem cannot)."""
+        return any(self._can_start_as_conv(br) for br in self.branches.values())
+
     def _can_start_as_conv(self, br: Branch) -> bool:
         """One kernel step, a full-size learnable conv of the block's groups (or a nested block), then at most
         its tail: the branch :meth:`load_conv` gives the plain conv's weight."""

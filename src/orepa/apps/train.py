@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..blocks import ReparamConv2d
 from ..engine import group_kernels
 from .checkpoint import (
     adapt_input_channels,
@@ -104,6 +105,7 @@ from .model_cfg import (
     build_model_form,
     check_model_fits_data,
     check_model_takes_images,
+    deploy,
     describe_cfg,
     model_cfg_from_args,
     model_slug,
@@ -433,14 +435,20 @@ class Trainer:
         # the plain network's weights (a deployed checkpoint's, a base run's) start any method, and RGB
         # ones are made for the data's channels when loaded: only the plain network must match
         self.plain_start = new_head and (self.start_weights.get("form") == "deploy" or saved_cfg.get("method") == "base")
-        free = ("num_classes", "in_chans") if self.plain_start else ("num_classes",)
-        kept = {k: v for k, v in saved_cfg.items() if k not in free} if new_head else saved_cfg
-        self.cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
-                                       small_input=self.data.small_input, saved=kept)
-        expected = {**saved_cfg, "num_classes": self.cfg["num_classes"]} if new_head else saved_cfg
-        if self.plain_start:
-            expected = {**expected, "method": self.cfg["method"], "options": self.cfg["options"],
-                        "in_chans": self.cfg["in_chans"]}
+        self.deployed_here = ""  # why a training-form starting point was deployed in memory (below)
+        self.cfg, expected = self._start_cfg(args, saved_cfg, new_head, self.plain_start)
+        if new_head and not self.plain_start and not self._fits(saved_cfg, expected):
+            # a training form of another method, or one for images of other channels (an RGB run on gray
+            # data: its stem's depthwise branch has no one-channel form): its deployed network may fit
+            cfg, plain_expected = self._start_cfg(args, saved_cfg, new_head, True)
+            if self._fits(saved_cfg, plain_expected, cfg) and all(
+                    b.can_start_as_conv for b in build_model(cfg).modules() if isinstance(b, ReparamConv2d)):
+                self.start_weights = self._deployed_start(saved_cfg)
+                self.plain_start = True
+                self.deployed_here = "; ".join(
+                    f"{what} {saved_cfg[k]!r}, not {cfg[k]!r}" for k, what in
+                    (("method", "its blocks are"), ("in_chans", "its input channels")) if saved_cfg[k] != cfg[k])
+                self.cfg, expected = cfg, plain_expected
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
@@ -522,6 +530,29 @@ class Trainer:
         # flag must not cost the run it was meant to replace
         self._clear_previous_run(previous)
 
+    def _start_cfg(self, args, saved_cfg: dict | None, new_head: bool, plain: bool) -> tuple[dict, dict | None]:
+        """This command's model config, and what it must equal to take the starting point (or
+        resumed run) ``saved_cfg``: its config, but for the class count of a new classifier, and for a
+        start from the ``plain`` network's weights, which any method and input channels take."""
+        free = ("num_classes", "in_chans") if plain else ("num_classes",)
+        kept = {k: v for k, v in saved_cfg.items() if k not in free} if new_head else saved_cfg
+        cfg = model_cfg_from_args(args, num_classes=self.data.num_classes, in_chans=self.data.in_chans,
+                                  small_input=self.data.small_input, saved=kept)
+        expected = {**saved_cfg, "num_classes": cfg["num_classes"]} if new_head else saved_cfg
+        if plain:
+            expected = {**expected, "method": cfg["method"], "options": cfg["options"], "in_chans": cfg["in_chans"]}
+        return cfg, expected
+
+    def _fits(self, saved_cfg: dict, expected: dict, cfg: dict | None = None) -> bool:
+        cfg = self.cfg if cfg is None else cfg
+        return expected == cfg and cfg["in_chans"] == self.data.in_chans
+
+    def _deployed_start(self, saved_cfg: dict) -> dict:
+        """The training-form starting point as its deployed checkpoint (reparameterized here)."""
+        model = build_model(saved_cfg)
+        load_model_state(model, self.start_weights["model"], path=self.start_path, built=describe_cfg(saved_cfg))
+        return {**self.start_weights, "form": "deploy", "model": deploy(model, "deploy").state_dict()}
+
     def _load_start_weights(self, model: nn.Module, saved_cfg: dict | None, deploy_form: nn.Module) -> None:
         """Load the starting point's weights, but for a classifier of another class count (kept as
         initialised: fine-tuning on other classes). A deployed checkpoint, or a bare state_dict of the
@@ -549,8 +580,8 @@ class Trainer:
             how_rgb = "summed over RGB" if self.cfg["in_chans"] == 1 else "RGB repeated, scaled by 3 / channels"
             head += f"; RGB weights made for {self.cfg['in_chans']} input channel(s), {how_rgb}: {', '.join(rgb)}"
         if how == "plain":
-            what = ("deployed weights" if deployed else "a --method base run's weights" if self.plain_start
-                    else "the plain network's weights")
+            what = (f"its training form deployed here ({self.deployed_here})" if self.deployed_here else "deployed weights" if deployed
+                    else "a --method base run's weights" if self.plain_start else "the plain network's weights")
             head += f"; {what}: every re-param block starts as its conv, its other branches at zero"
         self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
