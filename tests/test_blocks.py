@@ -380,3 +380,44 @@ def test_a_new_branch_type_is_one_registration():
         orepa.BRANCH_TYPES.pop("kxk_twin_test", None)
     with pytest.raises(ValueError, match="unknown branch"):
         orepa.OREPAConv2d(6, 8, 3, branches=("kxk", "kxk_twin_test"))
+
+
+@pytest.mark.parametrize("size", [9, 10])
+@pytest.mark.parametrize("k,s,d,g", [(3, 2, 1, 1), (5, 2, 1, 8), ((1, 3), 2, 1, 1), (3, 1, 2, 1), (1, 2, 1, 1)])
+@pytest.mark.parametrize("builder", ["auto", "grouped"])
+def test_a_tf_same_block_pads_as_tensorflow_and_deploys_to_a_conv_that_does(k, s, d, g, size, builder):
+    """TensorFlow's "SAME" padding (timm's Conv2dSame): per axis enough for an output of
+    ceil(n / stride), the odd pixel at the end, from each input's size; float64, every route, the
+    gradients against autograd through the block's kernel; deployed to Conv2dTFSame."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OREPAConv2d(8, 8, k, s, dilation=d, groups=g, tf_same=True), nn.BatchNorm2d(8)).double()
+    orepa.engine.group_kernels(model, builder)
+    block = model[0]
+    with torch.no_grad():
+        for q in block.parameters():
+            q.normal_()
+    x = torch.randn(3, 8, size, size + 1, dtype=torch.double, requires_grad=True)
+    pads = []
+    for n, kk in zip(x.shape[-2:], block.kernel_size):
+        total = max((-(-n // s) - 1) * s + (kk - 1) * d + 1 - n, 0)
+        pads.append((total // 2, total - total // 2))
+    w, b = block.equivalent()
+    ref = model[1](F.conv2d(F.pad(x, (*pads[1], *pads[0])), w, b, s, 0, d, block.groups))
+    y = model.train()(x)
+    assert y.shape[-2:] == (-(-size // s), -(-(size + 1) // s))
+    tol_close(y, ref, rel=1e-12)
+    for got, want in zip(torch.autograd.grad(y.square().sum(), [x, *block.parameters()]),
+                         torch.autograd.grad(ref.square().sum(), [x, *block.parameters()])):
+        tol_close(got, want, rel=1e-10)
+    model.eval()
+    with torch.no_grad():
+        deployed = orepa.reparameterize(model)
+        assert type(deployed[0]) is orepa.Conv2dTFSame and deployed[0].padding == (0, 0)
+        tol_close(deployed(x), model(x), rel=1e-12)
+        small = x[:, :, :size - 1, :size - 2]  # each input pads by its own size
+        tol_close(deployed(small), model(small), rel=1e-12)
+    assert "padding=tf_same" in repr(block)
+    for bad in (lambda: OREPAConv2d(8, 8, 3, 2, padding=1, tf_same=True),
+                lambda: OREPAConv2d(8, 8, 3, 2, tf_same=True, mode="offline")):
+        with pytest.raises(ValueError, match="tf_same=True .* is for online blocks that pad nothing else"):
+            bad()

@@ -220,3 +220,37 @@ def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):
     assert "RGB weights made for 1 input channel(s), summed over RGB: conv1.weight" in out
     assert "deployed weights: every re-param block starts as its conv" in out
     assert _load_model(tmp_path / "from_rgb_run" / "checkpoint.pth")["model_cfg"]["in_chans"] == 1
+
+
+def test_timm_conv2d_same_becomes_an_online_block_and_deploys_back_to_it():
+    """timm's tf_* networks pad their strided convs by TensorFlow's 'same' rule (Conv2dSame): OREPA
+    converts them (tf_same blocks), the deployed network holds Conv2dSame again and equals the plain
+    one at odd and even sizes, BN-folded too; the methods with branches on the feature map skip them."""
+    import timm
+
+    torch.manual_seed(0)
+    net = timm.create_model("tf_mobilenetv3_small_minimal_100", num_classes=10).double()
+    same = [n for n, m in net.named_modules() if type(m).__name__ == "Conv2dSame"]
+    assert len(same) == 5
+    model, report = orepa.convert(net, "orepa", return_report=True)
+    assert set(same) <= set(report.converted) and not any(n in report.skipped for n in same)
+    assert all(model.get_submodule(n).tf_same for n in same)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.01)
+        model.train()(torch.randn(2, 3, 64, 64, dtype=torch.double))  # BN statistics of a batch
+    model.eval()
+    deployed = orepa.reparameterize(model)
+    assert all(type(deployed.get_submodule(n)) is type(net.get_submodule(n)) for n in same)
+    plain = timm.create_model("tf_mobilenetv3_small_minimal_100", num_classes=10).double().eval()
+    plain.load_state_dict(deployed.state_dict())
+    fused = orepa.reparameterize(model, fuse_bn=True)
+    with torch.no_grad():
+        for size in (63, 64):
+            x = torch.randn(2, 3, size, size, dtype=torch.double)
+            ref = model(x)
+            assert (plain(x) - ref).abs().max() <= 1e-10 * (1 + ref.abs().max())
+            assert (fused(x) - ref).abs().max() <= 1e-10 * (1 + ref.abs().max())
+    for method in ("dbb", "repvgg", "orepa-offline"):
+        with pytest.raises(ValueError, match="Conv2dSame pads by TensorFlow's 'same' rule .* online OREPA blocks"):
+            orepa.make_block(method, net.conv_stem)

@@ -22,6 +22,7 @@ from .blocks import (
     AbsorbedNorm,
     Branch,
     BranchType,
+    Conv2dTFSame,
     ConvStep,
     DBBConv2d,
     FixedKernelStep,
@@ -51,7 +52,7 @@ from .models import create_model, import_reference, list_methods, list_models  #
 __version__ = "0.1.0"
 
 __all__ = [
-    "kernels", "engine", "group_kernels", "BRANCH_TYPES", "BranchType", "register_branch", "DEFAULT_SCALE_INIT", "OREPA_BRANCHES", "AbsorbedNorm", "Branch", "ConvStep", "DBBConv2d",
+    "kernels", "engine", "group_kernels", "BRANCH_TYPES", "BranchType", "register_branch", "Conv2dTFSame", "DEFAULT_SCALE_INIT", "OREPA_BRANCHES", "AbsorbedNorm", "Branch", "ConvStep", "DBBConv2d",
     "FixedKernelStep", "OREPAConv2d", "OREPADeepStem", "OREPAVGGBlock", "ReparamConv2d", "RepVGGBlock", "Scale",
     "build_branches", "check_conv_config", "METHODS", "ConversionReport", "convert", "find_conv_bn_pairs",
     "fuse_conv_bn", "load_plain_state_dict", "make_block", "reparameterize", "create_model", "list_models", "list_methods",

@@ -61,6 +61,8 @@ __all__ = [
     "RepVGGBlock",
     "OREPAVGGBlock",
     "AbsorbedNorm",
+    "Conv2dTFSame",
+    "pad_tf_same",
     "OREPA_BRANCHES",
     "DEFAULT_SCALE_INIT",
     "INIT_SCHEMES",
@@ -162,6 +164,39 @@ def check_conv_config(
     if in_channels % groups or out_channels % groups:
         raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
     return (kh, kw), sh, pad, dh
+
+
+def pad_tf_same(x: Tensor, kernel_size: tuple[int, int], stride: tuple[int, int],
+                dilation: tuple[int, int]) -> Tensor:
+    """Zero-pad ``x`` as TensorFlow's "SAME" convolutions (and timm's ``Conv2dSame``) do: per axis
+    as much as makes the output ``ceil(input / stride)``, the odd pixel at the end, from each input's
+    own size."""
+    pads = []
+    for size, k, s, d in zip(x.shape[-2:], kernel_size, stride, dilation):
+        total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        pads.append((total // 2, total - total // 2))
+    (top, bottom), (left, right) = pads
+    return F.pad(x, (left, right, top, bottom)) if top or bottom or left or right else x
+
+
+def _check_tf_same(tf_same: bool, mode: str, padding) -> None:
+    if tf_same and (mode != "online" or padding not in (None, 0, (0, 0), "valid")):
+        raise ValueError("tf_same=True (TensorFlow's 'same' padding, uneven where the stride needs it) is for "
+                         f"online blocks that pad nothing else; got mode={mode!r}, padding={padding!r}")
+
+
+class Conv2dTFSame(nn.Conv2d):
+    """An ``nn.Conv2d`` with TensorFlow's "SAME" padding (:func:`pad_tf_same`): what a block made
+    with ``tf_same=True`` deploys to (``orepa.convert`` deploys such blocks to the class they
+    replaced, timm's ``Conv2dSame``, which computes the same)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.padding != (0, 0):
+            raise ValueError(f"Conv2dTFSame pads by itself; padding must be 0, got {self.padding}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(pad_tf_same(x, self.kernel_size, self.stride, self.dilation))
 
 
 # --------------------------------------------------------------------------- steps
@@ -497,15 +532,17 @@ class ReparamConv2d(nn.Module):
         branches: Mapping[str, Branch],
         mode: str = "online",
         recompute: bool | str = "auto",
+        tf_same: bool = False,
     ):
         super().__init__()
+        _check_tf_same(tf_same, mode, padding)
         if recompute not in ("auto", True, False):
             raise ValueError(f"recompute must be 'auto', True or False, got {recompute!r}")
         self.recompute = recompute
         if mode not in ("online", "offline"):
             raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
-        k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-                                       any_padding=mode == "online")
+        k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding,
+                                       dilation, groups, any_padding=mode == "online")
         # "same" padding: the branches could also run on the feature map (the offline path, and the
         # engine's per-branch route); any other (online only) convolves with the squeezed kernel alone
         self._aligned = p == (k[0] // 2 * d, k[1] // 2 * d)
@@ -514,6 +551,11 @@ class ReparamConv2d(nn.Module):
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.kernel_size, self.stride, self.padding, self.dilation = k, (s, s), p, (d, d)
         self.mode = mode
+        # pad each input as TensorFlow's "SAME" does (a conv of timm's tf_* networks), then convolve unpadded
+        self.tf_same = bool(tf_same)
+        # the conv class it deploys to (None: nn.Conv2d, or Conv2dTFSame where tf_same): convert sets the
+        # class it replaced where that is not nn.Conv2d (timm's Conv2dSame), so deployment gives it back
+        self.deploy_class: type[nn.Conv2d] | None = None
         self.branches = nn.ModuleDict(branches)
         for name, br in self.branches.items():
             first = next(iter(br))
@@ -605,6 +647,8 @@ class ReparamConv2d(nn.Module):
             raise ValueError(
                 f"{type(self).__name__} expects input [N, {self.in_channels}, H, W], got {list(x.shape)}"
             )
+        if self.tf_same:
+            x = pad_tf_same(x, self.kernel_size, self.stride, self.dilation)
         if self.mode == "online":
             if self._closed_form and torch.is_grad_enabled() and not E.functorch_active():
                 return E.train_forward(self, x)  # the engine picks the route
@@ -622,10 +666,9 @@ class ReparamConv2d(nn.Module):
     def to_conv(self) -> nn.Conv2d:
         """A plain ``nn.Conv2d`` computing this block in eval mode."""
         w, b = self.equivalent()
-        conv = nn.Conv2d(
-            self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
-            self.dilation, self.groups, bias=b is not None, device=w.device, dtype=w.dtype,
-        )
+        cls = self.deploy_class or (Conv2dTFSame if self.tf_same else nn.Conv2d)
+        conv = cls(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+                   self.dilation, self.groups, bias=b is not None).to(device=w.device, dtype=w.dtype)
         conv.weight.copy_(w)
         if b is not None:
             conv.bias.copy_(b)
@@ -709,7 +752,8 @@ class ReparamConv2d(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-            f"padding={self.padding}, dilation={self.dilation}, groups={self.groups}, mode={self.mode}"
+            f"padding={'tf_same' if self.tf_same else self.padding}, dilation={self.dilation}, groups={self.groups}, "
+            f"mode={self.mode}"
         )
 
 
@@ -951,6 +995,10 @@ class OREPAConv2d(ReparamConv2d):
         recompute: online training keeps no squeezed kernel for backward and rebuilds
             it there (``True``), keeps it (``False``), or ``"auto"``: rebuild when the
             kernel is larger than the input the conv keeps anyway (small batches, deep layers).
+        tf_same: pad every input as TensorFlow's "SAME" convolutions do (:func:`pad_tf_same`:
+            unevenly where the stride needs it; timm's ``Conv2dSame`` in its ``tf_*`` networks)
+            instead of by ``padding``; online mode only (branches on the feature map need a
+            common centre). Deploys to :class:`Conv2dTFSame`.
     """
 
     def __init__(
@@ -974,9 +1022,11 @@ class OREPAConv2d(ReparamConv2d):
         internal_channels: int | None = None,
         init: str | float = "reference",
         recompute: bool | str = "auto",
+        tf_same: bool = False,
     ):
-        k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-                              any_padding=mode == "online")[0]
+        _check_tf_same(tf_same, mode, padding)
+        k = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding, dilation,
+                              groups, any_padding=mode == "online")[0]
         init_a, reference_init = _resolve_init(init, k)
         if internal_channels is None and k != (1, 1):
             internal_channels = in_channels if groups <= 4 else 2 * in_channels
@@ -1001,7 +1051,7 @@ class OREPAConv2d(ReparamConv2d):
             reference_init=reference_init,
         )
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches=built, mode=mode, recompute=recompute)
+                         branches=built, mode=mode, recompute=recompute, tf_same=tf_same)
 
 
 def _resolve_init(init: str | float, k: tuple[int, int]) -> tuple[float, bool]:

@@ -28,6 +28,7 @@ from . import kernels as K
 from .blocks import (
     BATCH_NORMS,
     AbsorbedNorm,
+    Conv2dTFSame,
     DBBConv2d,
     OREPAConv2d,
     OREPAVGGBlock,
@@ -61,6 +62,19 @@ class ConversionReport:
         return "\n".join(lines)
 
 
+def _tf_same(m: nn.Module) -> bool:
+    """timm's ``Conv2dSame`` (its ``tf_*`` networks' strided convs): an nn.Conv2d that pads each
+    input by TensorFlow's "SAME" rule before convolving; online OREPA blocks do the same
+    (``tf_same=True``) and deploy back to it."""
+    return type(m) is Conv2dTFSame or (type(m).__name__ == "Conv2dSame" and type(m).__module__.startswith("timm.")
+                                       and isinstance(m, nn.Conv2d))
+
+
+def _convertible(m: nn.Module) -> bool:
+    """A conv that ``convert`` may turn into a block: a plain nn.Conv2d, or timm's Conv2dSame."""
+    return type(m) is nn.Conv2d or _tf_same(m)
+
+
 def _conv_args(conv: nn.Conv2d) -> dict:
     return dict(
         in_channels=conv.in_channels, out_channels=conv.out_channels, kernel_size=conv.kernel_size,
@@ -76,6 +90,8 @@ def _orepa(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
     check_block_options(branches=opts.get("branches"), scale_init=opts.get("scale_init"))
     if conv.kernel_size == (1, 1):
         opts = {k: v for k, v in opts.items() if k not in ("branches", "dw_expand")}
+    if _tf_same(conv):
+        opts["tf_same"] = True
     return OREPAConv2d(**_conv_args(conv), **opts)
 
 
@@ -112,11 +128,17 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
     weight is: a frozen stage stays frozen); ValueError if unsupported."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
-    if type(conv) is not nn.Conv2d:
+    if not _convertible(conv):
         raise ValueError(f"{type(conv).__name__} is not a plain nn.Conv2d")
+    if _tf_same(conv) and (method != "orepa" or options.get("mode", "online") != "online"):
+        raise ValueError(f"{type(conv).__name__} pads by TensorFlow's 'same' rule (unevenly where the stride needs "
+                         "it), which leaves no common centre for branches on the feature map: online OREPA blocks "
+                         "(method 'orepa') take it")
     check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                       conv.dilation, conv.groups, conv.padding_mode, any_padding=method == "orepa")
     block = METHODS[method](conv, **options)
+    if type(conv) is not nn.Conv2d:
+        block.deploy_class = type(conv)  # deployed back to the class it replaced
     if not conv.weight.requires_grad:
         block.requires_grad_(False)
     return block.to(device=conv.weight.device, dtype=conv.weight.dtype).train(conv.training)
@@ -127,11 +149,12 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
 
 class _LeafTracer(torch.fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, (ReparamConv2d, AbsorbedNorm)) or _norm_then_act(m) or super().is_leaf_module(m, qualname)
+        return isinstance(m, (ReparamConv2d, AbsorbedNorm)) or _norm_then_act(m) or _tf_same(m) or \
+            super().is_leaf_module(m, qualname)
 
 
 def _is_conv(m: nn.Module) -> bool:
-    return type(m) is nn.Conv2d or isinstance(m, ReparamConv2d)
+    return _convertible(m) or isinstance(m, ReparamConv2d)
 
 
 #: timm's BatchNorm subclasses whose forward is the batch norm, then ``self.drop``, then ``self.act``
@@ -246,7 +269,7 @@ def _followed_by_bn_subclass(model: nn.Module) -> dict[str, str]:
         children = list(parent.named_children())
         prefix = f"{parent_name}." if parent_name else ""
         for (cn, c), (bn_name, bn) in zip(children, children[1:]):
-            if type(c) is nn.Conv2d and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
+            if _convertible(c) and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
                 out[prefix + cn] = (f"followed by {prefix + bn_name!r}, a {type(bn).__name__}: only BatchNorm2d, "
                                     "SyncBatchNorm and timm's BatchNormAct2d are folded or absorbed, since another "
                                     "subclass may do more than normalise")
@@ -396,7 +419,8 @@ def convert(
     Convs without a following BatchNorm2d are left alone (unless ``without_bn``): re-param
     blocks need a norm after them (OREPA uses it as the post-addition norm). So are convs a
     block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
-    and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d),
+    and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d; timm's
+    ``Conv2dSame`` is the exception, an online OREPA block with ``tf_same=True``),
     and convs followed by a BatchNorm2d subclass, which may do more than normalise
     (timm's BatchNormAct2d / SyncBatchNormAct are the exception: blocks that keep
     the BN after them, such as OREPA's, take them); the report says why for each.
@@ -431,17 +455,17 @@ def convert(
     had_blocks = any(isinstance(m, ReparamConv2d) for m in model.modules())
     subclassed = _followed_by_bn_subclass(model)
     for name, m in model.named_modules():
-        if type(m) is nn.Conv2d and name not in paired:
+        if _convertible(m) and name not in paired:
             report.skipped[name] = left_out.get(name) or subclassed.get(name) or \
                 "not followed by a BatchNorm2d it alone feeds"
-        elif isinstance(m, nn.modules.conv._ConvNd) and type(m) is not nn.Conv2d and not _inside_block(name, model):
+        elif isinstance(m, nn.modules.conv._ConvNd) and not _convertible(m) and not _inside_block(name, model):
             report.skipped[name] = f"{type(m).__name__}: only plain nn.Conv2d layers are converted"
     if without_bn:  # every other plain conv too, a block with no BN after it
         pairs = pairs + [(name, None) for name in report.skipped
-                         if type(model.get_submodule(name)) is nn.Conv2d and not _inside_block(name, model)]
+                         if _convertible(model.get_submodule(name)) and not _inside_block(name, model)]
     for conv_name, bn_name in pairs:
         conv = model.get_submodule(conv_name)
-        if not isinstance(conv, nn.Conv2d) or type(conv) is not nn.Conv2d:
+        if not _convertible(conv):
             continue  # already a block
         if exclude is not None and exclude(conv_name, conv):
             report.skipped[conv_name] = "excluded by the caller"
@@ -592,12 +616,12 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
     pairs, _ = find_conv_bn_pairs(model, example_input)
     for conv_name, bn_name in pairs:
         conv, bn = model.get_submodule(conv_name), model.get_submodule(bn_name)
-        if type(conv) is not nn.Conv2d:
+        if not _convertible(conv):
             continue
         w, b = K.fold_bn(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
-        fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                          conv.dilation, conv.groups, bias=True, padding_mode=conv.padding_mode,
-                          device=w.device, dtype=w.dtype)
+        mode = {"padding_mode": conv.padding_mode} if type(conv) is nn.Conv2d else {}  # timm's Conv2dSame: none
+        fused = type(conv)(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                           conv.dilation, conv.groups, bias=True, **mode).to(device=w.device, dtype=w.dtype)
         fused.weight.copy_(w)
         fused.bias.copy_(b)
         _set_submodule(model, conv_name, fused.train(conv.training))
