@@ -98,6 +98,23 @@ def test_online_equals_offline_without_bn(cfg, branches):
     tol_close(y_on, y_off, rel=1e-12)
 
 
+def _trains_as_its_kernel(model: nn.Sequential, x: torch.Tensor, conv_of_kernel) -> torch.Tensor:
+    """``model`` (a block, then its BN) with random weights: its training output and every gradient
+    equal plain autograd through ``conv_of_kernel(w, b)``, the block's squeezed kernel convolved as
+    its deployed conv does (float64)."""
+    block = model[0]
+    with torch.no_grad():
+        for q in block.parameters():
+            q.normal_()
+    y = model.train()(x)
+    ref = model[1](conv_of_kernel(*block.equivalent()))
+    tol_close(y, ref, rel=1e-12)
+    for got, want in zip(torch.autograd.grad(y.square().sum(), [x, *block.parameters()]),
+                         torch.autograd.grad(ref.square().sum(), [x, *block.parameters()])):
+        tol_close(got, want, rel=1e-10)
+    return y
+
+
 @pytest.mark.parametrize("k,s,p,d,g", [(3, 2, 0, 1, 1), (3, 1, 0, 1, 1), (5, 1, 1, 1, 2), (3, 1, 3, 1, 1),
                                        (3, 2, 0, 2, 8), (1, 1, 1, 1, 1), (7, 2, 0, 1, 1),
                                        # Inception's, a padding per axis, non-square kernels
@@ -113,18 +130,10 @@ def test_an_online_block_takes_any_padding_and_trains_and_deploys_exactly(k, s, 
     assert report.converted == ["0"]
     orepa.engine.group_kernels(model, builder)
     block = model[0]
-    with torch.no_grad():
-        for q in block.parameters():
-            q.normal_()
     x = torch.randn(3, 8, 13, 13, dtype=torch.double, requires_grad=True)
-    y = model.train()(x)
+    y = _trains_as_its_kernel(model, x, lambda w, b: F.conv2d(x, w, b, block.stride, block.padding, block.dilation,
+                                                             block.groups))
     assert y.shape == conv(x).shape
-    w, b = block.equivalent()
-    ref = model[1](F.conv2d(x, w, b, block.stride, block.padding, block.dilation, block.groups))
-    tol_close(y, ref, rel=1e-12)
-    for got, want in zip(torch.autograd.grad(y.square().sum(), [x, *block.parameters()]),
-                         torch.autograd.grad(ref.square().sum(), [x, *block.parameters()])):
-        tol_close(got, want, rel=1e-10)
     model.eval()
     with torch.no_grad():
         deployed = orepa.reparameterize(model)
@@ -393,22 +402,14 @@ def test_a_tf_same_block_pads_as_tensorflow_and_deploys_to_a_conv_that_does(k, s
     model = nn.Sequential(OREPAConv2d(8, 8, k, s, dilation=d, groups=g, tf_same=True), nn.BatchNorm2d(8)).double()
     orepa.engine.group_kernels(model, builder)
     block = model[0]
-    with torch.no_grad():
-        for q in block.parameters():
-            q.normal_()
     x = torch.randn(3, 8, size, size + 1, dtype=torch.double, requires_grad=True)
     pads = []
     for n, kk in zip(x.shape[-2:], block.kernel_size):
         total = max((-(-n // s) - 1) * s + (kk - 1) * d + 1 - n, 0)
         pads.append((total // 2, total - total // 2))
-    w, b = block.equivalent()
-    ref = model[1](F.conv2d(F.pad(x, (*pads[1], *pads[0])), w, b, s, 0, d, block.groups))
-    y = model.train()(x)
+    y = _trains_as_its_kernel(model, x, lambda w, b: F.conv2d(F.pad(x, (*pads[1], *pads[0])), w, b, s, 0, d,
+                                                             block.groups))
     assert y.shape[-2:] == (-(-size // s), -(-(size + 1) // s))
-    tol_close(y, ref, rel=1e-12)
-    for got, want in zip(torch.autograd.grad(y.square().sum(), [x, *block.parameters()]),
-                         torch.autograd.grad(ref.square().sum(), [x, *block.parameters()])):
-        tol_close(got, want, rel=1e-10)
     model.eval()
     with torch.no_grad():
         deployed = orepa.reparameterize(model)
