@@ -268,9 +268,9 @@ def _followed_by_bn_subclass(model: nn.Module) -> dict[str, str]:
     for parent_name, parent in model.named_modules():
         children = list(parent.named_children())
         prefix = f"{parent_name}." if parent_name else ""
-        for (cn, c), (bn_name, bn) in zip(children, children[1:]):
+        for (cn, c), (_, bn) in zip(children, children[1:]):
             if _convertible(c) and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
-                out[prefix + cn] = (f"followed by {prefix + bn_name!r}, a {type(bn).__name__}: only BatchNorm2d, "
+                out[prefix + cn] = (f"followed by a {type(bn).__name__}: only BatchNorm2d, "
                                     "SyncBatchNorm and timm's BatchNormAct2d are folded or absorbed, since another "
                                     "subclass may do more than normalise")
     return out
@@ -483,9 +483,10 @@ def convert(
             continue
         bn = model.get_submodule(bn_name)
         if block.has_norm and _norm_then_act(bn):
-            report.skipped[conv_name] = (f"followed by {bn_name!r}, a {type(bn).__name__}: the {method} block absorbs "
-                                         "the BN after it, and this one's activation has no place to stay "
-                                         "(orepa keeps the BN and converts it)")
+            # no BN name in the reason: the error of a network with nothing to convert names each reason once
+            report.skipped[conv_name] = (f"followed by a {type(bn).__name__}: the {method} block absorbs the BN after "
+                                         "it, and this one's activation has no place to stay (orepa keeps the BN and "
+                                         "converts it)")
             continue
         if block.has_norm:  # the block brings its own BNs: the one after it is absorbed
             absorbed = AbsorbedNorm(model.get_submodule(bn_name))
