@@ -548,19 +548,19 @@ def test_init_from_a_training_form_of_another_method_or_rgb_images_starts_from_i
     save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
                      "model": rgb.state_dict()}, start)
     plain = deploy(rgb, "deploy").state_dict()
-    for method, extra in (("orepa", []), ("dbb", ["--method", "dbb"])):
-        out = tmp_path / method
+    for run, extra, why in (("orepa", [], "its input channels 3, not 1"),
+                            ("dbb", ["--method", "dbb"], "its blocks are 'orepa', not 'dbb'; its input channels 3, not 1"),
+                            ("no_dw", ["--no-dw-sep"], "its input channels 3, not 1; other block options")):
+        out = tmp_path / run
         capsys.readouterr()
         assert _train(cache, out, "--init-from", str(start), "--lr", "1e-9", "--lr-warmup-epochs", "0",
                       "--max-steps", "1", *extra) == 0
         log = capsys.readouterr().out
-        why = "its blocks are 'orepa', not 'dbb'; " if method == "dbb" else ""
-        assert f"its training form deployed here ({why}its input channels 3, not 1): every re-param block starts " \
-               "as its conv" in log
+        assert f"its training form deployed here ({why}): every re-param block starts as its conv" in log
         assert "RGB weights made for 1 input channel(s), summed over RGB: conv1.weight" in log
-        if method == "dbb":  # its blocks hold BNs, whose statistics the training step moved
+        if run != "orepa":  # DBB's blocks hold BNs, whose statistics the training step moved
             continue
-        again = tmp_path / f"{method}_deployed.pth"
+        again = tmp_path / f"{run}_deployed.pth"
         assert main(["reparam", str(out / "checkpoint.pth"), "-o", str(again), "--no-verify"]) == 0
         got = _load(again)["model"]
         torch.testing.assert_close(got["conv1.weight"], plain["conv1.weight"].sum(1, keepdim=True))

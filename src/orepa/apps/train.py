@@ -437,17 +437,18 @@ class Trainer:
         self.plain_start = new_head and (self.start_weights.get("form") == "deploy" or saved_cfg.get("method") == "base")
         self.deployed_here = ""  # why a training-form starting point was deployed in memory (below)
         self.cfg, expected = self._start_cfg(args, saved_cfg, new_head, self.plain_start)
-        if new_head and not self.plain_start and not self._fits(saved_cfg, expected):
+        if new_head and not self.plain_start and not self._fits(expected, self.cfg):
             # a training form of another method, or one for images of other channels (an RGB run on gray
             # data: its stem's depthwise branch has no one-channel form): its deployed network may fit
             cfg, plain_expected = self._start_cfg(args, saved_cfg, new_head, True)
-            if self._fits(saved_cfg, plain_expected, cfg) and all(
+            if self._fits(plain_expected, cfg) and all(
                     b.can_start_as_conv for b in build_model(cfg).modules() if isinstance(b, ReparamConv2d)):
                 self.start_weights = self._deployed_start(saved_cfg)
                 self.plain_start = True
                 self.deployed_here = "; ".join(
-                    f"{what} {saved_cfg[k]!r}, not {cfg[k]!r}" for k, what in
-                    (("method", "its blocks are"), ("in_chans", "its input channels")) if saved_cfg[k] != cfg[k])
+                    [f"{what} {saved_cfg[k]!r}, not {cfg[k]!r}" for k, what in
+                     (("method", "its blocks are"), ("in_chans", "its input channels")) if saved_cfg[k] != cfg[k]]
+                    + (["other block options"] if saved_cfg["options"] != cfg["options"] else []))
                 self.cfg, expected = cfg, plain_expected
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
@@ -543,8 +544,8 @@ class Trainer:
             expected = {**expected, "method": cfg["method"], "options": cfg["options"], "in_chans": cfg["in_chans"]}
         return cfg, expected
 
-    def _fits(self, saved_cfg: dict, expected: dict, cfg: dict | None = None) -> bool:
-        cfg = self.cfg if cfg is None else cfg
+    def _fits(self, expected: dict, cfg: dict) -> bool:
+        """Whether the model ``cfg`` takes the starting point (``expected``, :meth:`_start_cfg`) and the data."""
         return expected == cfg and cfg["in_chans"] == self.data.in_chans
 
     def _deployed_start(self, saved_cfg: dict) -> dict:
@@ -580,8 +581,9 @@ class Trainer:
             how_rgb = "summed over RGB" if self.cfg["in_chans"] == 1 else "RGB repeated, scaled by 3 / channels"
             head += f"; RGB weights made for {self.cfg['in_chans']} input channel(s), {how_rgb}: {', '.join(rgb)}"
         if how == "plain":
-            what = (f"its training form deployed here ({self.deployed_here})" if self.deployed_here else "deployed weights" if deployed
-                    else "a --method base run's weights" if self.plain_start else "the plain network's weights")
+            what = (f"its training form deployed here ({self.deployed_here})" if self.deployed_here
+                    else "deployed weights" if deployed else "a --method base run's weights" if self.plain_start
+                    else "the plain network's weights")
             head += f"; {what}: every re-param block starts as its conv, its other branches at zero"
         self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
