@@ -162,10 +162,12 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow  # a subprocess running two more
-def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path):
-    """Ctrl-C reaches the demo and both of its training runs (one process group): each run ends
-    its step and writes its checkpoint, the demo waits for them, starts no later stage, reports
-    them as stopped (not failed) and exits 130."""
+@pytest.mark.parametrize("sig,group,runs_got", [(signal.SIGINT, True, "SIGINT"), (signal.SIGTERM, False, "SIGTERM")])
+def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path, sig, group, runs_got):
+    """Ctrl-C reaches the demo and both of its training runs (one process group); a scheduler's
+    SIGTERM reaches the demo alone, which passes it on. Each run ends its step and writes its
+    checkpoint, the demo waits for them, starts no later stage, reports them as stopped (not
+    failed) and exits with 128 + the signal's number."""
     out = tmp_path / "demo"
     proc = subprocess.Popen([sys.executable, "-c", DEMO_IN_A_TERMINAL, "demo", "--output-dir", str(out),
                              "--train-subset", "20000", "--val-subset", "64", "--no-progress", "--cache-dir", cache],
@@ -180,19 +182,22 @@ def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path
                 except (OSError, ValueError, KeyError):
                     pass
         assert min(steps) >= 1 and proc.poll() is None, steps
-        os.killpg(proc.pid, signal.SIGINT)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     err = err.decode()
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 128 + sig, err[-2000:]
     assert "Traceback" not in err and "failed" not in err, err[-2000:]
-    assert "orepa demo: interrupted; each running command stops at the end of its step" in err
+    assert f"orepa demo: interrupted ({sig.name}); each running command stops at the end of its step" in err
     for m in ("base", "orepa"):
-        assert f"{m}: stopped in stage 'train' (SIGINT); output so far in {out / m}/" in err
+        assert f"{m}: stopped in stage 'train' ({runs_got}); output so far in {out / m}/" in err
         assert _load(out / m / "checkpoint.pth")["global_step"] >= 2
-        assert json.loads((out / m / "summary.json").read_text())["stop_signal"] == "SIGINT"
+        assert json.loads((out / m / "summary.json").read_text())["stop_signal"] == runs_got
         assert not (out / m / "reparam.json").exists()  # no later stage started
     assert not (out / "demo.json").exists()
 

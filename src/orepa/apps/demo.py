@@ -200,12 +200,20 @@ def run(args: argparse.Namespace) -> int:
         pipes.append(_Pipeline(m, cmds, out, gate, args.in_process))
     t0 = time.perf_counter()
     interrupted = False
+    received = [signal.SIGINT]  # the signal that interrupted the demo (Ctrl-C unless SIGTERM came)
+
+    def on_sigterm(signum, frame):  # a scheduler's SIGTERM stops the demo as Ctrl-C does: no orphaned runs
+        received[0] = signum
+        raise KeyboardInterrupt
+
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if on_main else None
     try:
         if args.in_process:
             for p in pipes:
                 p.run()
                 if p.stopped_by:  # the command in this thread took the signal: run no further pipeline
-                    interrupted = True
+                    interrupted, received[0] = True, signal.Signals[p.stopped_by]
                     break
         else:
             for p in pipes:
@@ -216,13 +224,17 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reaches the commands as well; a SIGINT to this process alone does not
         interrupted = True
-        print("\norepa demo: interrupted; each running command stops at the end of its step (a training run "
-              "writes its checkpoint); Ctrl-C again stops at once", file=sys.stderr, flush=True)
+        print(f"\norepa demo: interrupted ({signal.Signals(received[0]).name}); each running command stops at the "
+              "end of its step (a training run writes its checkpoint); Ctrl-C again stops at once", file=sys.stderr,
+              flush=True)
         for p in pipes:
             p.interrupt()
         for p in pipes:
             if p.is_alive():
                 p.join()
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     wall = time.perf_counter() - t0
     for p in pipes:
         if p.stage == "stopped" or (interrupted and p.rc is None):
@@ -234,8 +246,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"\n{p.method} failed (exit {p.rc}) in stage {p.failed_in!r}; last lines of {p.log}:",
                   file=sys.stderr)
             print("\n".join("  " + line for line in tail), file=sys.stderr)
-    if interrupted or any(p.stage == "stopped" for p in pipes):
-        return 130  # the shell's code for Ctrl-C, as every orepa command
+    stopped = next((p.stopped_by for p in pipes if p.stopped_by), None)
+    if interrupted or stopped:  # 128 + the signal's number, as orepa train: 130 for Ctrl-C, 143 for SIGTERM
+        return 128 + (received[0] if interrupted else signal.Signals[stopped])
     if any(p.rc != 0 for p in pipes):
         return 1
     rows = {}
