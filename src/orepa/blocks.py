@@ -667,8 +667,9 @@ class ReparamConv2d(nn.Module):
         """A plain ``nn.Conv2d`` computing this block in eval mode."""
         w, b = self.equivalent()
         cls = self.deploy_class or (Conv2dTFSame if self.tf_same else nn.Conv2d)
-        conv = cls(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
-                   self.dilation, self.groups, bias=b is not None).to(device=w.device, dtype=w.dtype)
+        with torch.device(w.device):  # made where it goes (a class of another library takes no device=)
+            conv = cls(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
+                       self.dilation, self.groups, bias=b is not None).to(dtype=w.dtype)
         conv.weight.copy_(w)
         if b is not None:
             conv.bias.copy_(b)

@@ -621,8 +621,9 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
             continue
         w, b = K.fold_bn(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, bn.eps)
         mode = {"padding_mode": conv.padding_mode} if type(conv) is nn.Conv2d else {}  # timm's Conv2dSame: none
-        fused = type(conv)(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                           conv.dilation, conv.groups, bias=True, **mode).to(device=w.device, dtype=w.dtype)
+        with torch.device(w.device):  # made where it goes (timm's Conv2dSame takes no device=)
+            fused = type(conv)(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                               conv.dilation, conv.groups, bias=True, **mode).to(dtype=w.dtype)
         fused.weight.copy_(w)
         fused.bias.copy_(b)
         _set_submodule(model, conv_name, fused.train(conv.training))

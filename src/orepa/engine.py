@@ -115,8 +115,9 @@ class _Branch(NamedTuple):
     learnable: tuple[bool, ...]
     shared: tuple[bool, ...]
     scalar: bool
-    window: tuple[int, int, int, int]  # the branch kernel's centred window in the kh x kw kernel: rows
-    # [top, top + eh), columns [left, left + ew)
+    # the branch kernel's centred window in the kh x kw kernel, rows [top, top + eh) and columns
+    # [left, left + ew); None where it is the whole kernel (fixed per plan: no test per build)
+    window: tuple[slice, slice] | None
 
 
 class Family(NamedTuple):
@@ -207,7 +208,9 @@ class Plan:
                 tuple(st.groups * self.n for st in steps0),
                 tuple(_learnable(st) for st in steps0),
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
-                scale0 is not None and scale0.mode == "scalar", ((kh - eh) // 2, eh, (kw - ew) // 2, ew)))
+                scale0 is not None and scale0.mode == "scalar",
+                None if (eh, ew) == (kh, kw) else (slice((kh - eh) // 2, (kh - eh) // 2 + eh),
+                                                   slice((kw - ew) // 2, (kw - ew) // 2 + ew))))
         self._find_slots()
         self.build = EagerBuild((self,))  # this plan's construction alone, as GroupsFunction runs it
         # per filter-family member (see Family): its roles (1x1 weight, fixed filter or None, scale)
@@ -334,8 +337,7 @@ class Plan:
 
     def _window(self, kernel: Tensor, br: _Branch) -> Tensor:
         """The branch's centred window of a kernel (no view op when it is the whole kernel)."""
-        top, eh, left, ew = br.window
-        return kernel if (eh, ew) == self.kernel_shape[2:] else kernel[:, :, top:top + eh, left:left + ew]
+        return kernel if br.window is None else kernel[:, :, br.window[0], br.window[1]]
 
     def vjp(self, grad: Tensor, stacked: Storage | None = None) -> list[Tensor]:
         """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order."""
