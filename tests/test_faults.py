@@ -345,6 +345,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["reparam", str(ckpt), "-o", os.devnull, "--overwrite"], f"--output {os.devnull} is not a regular file"),
     ]
     before = ckpt.read_bytes()
+    if Path("/proc/self").is_dir():  # procfs takes no new files, though os.access says yes to root
+        cases.append((["reparam", str(ckpt), "-o", "/proc/orepa-deployed.pth"], "cannot create files in /proc"))
     for argv, msg in cases:
         capsys.readouterr()
         assert main(argv) == 2, argv
@@ -440,6 +442,8 @@ def test_damaged_settings_and_unwritable_paths_exit_2_with_one_line(cache, refer
         (["train", "--data-path", str(one_class), "--model", "resnet18", "--width-mult", "0.0625", "-b", "1",
           "--no-progress", "--output-dir", str(tmp_path / "c")], "a classifier needs at least 2"),
     ]
+    if Path("/proc/self").is_dir():  # procfs takes no new files, though os.access says yes to root
+        cases.append((["reparam", str(ckpt), "-o", "/proc/orepa-deployed.pth"], "cannot create files in /proc"))
     for argv, msg in cases:
         capsys.readouterr()
         assert main(argv) == 2, argv

@@ -93,14 +93,6 @@ INIT_SCHEMES = ("reference", "torch")
 _GEMM_1X1_MAX_PIXELS = 2048
 
 
-def _pair(v, name: str) -> tuple[int, int]:
-    if isinstance(v, int):
-        return (v, v)
-    if isinstance(v, Sequence) and len(v) == 2 and all(isinstance(i, int) for i in v):
-        return (int(v[0]), int(v[1]))
-    raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
-
-
 def check_conv_config(
     in_channels: int,
     out_channels: int,
@@ -133,15 +125,15 @@ def check_conv_config(
         if isinstance(v, bool) or (isinstance(v, Sequence) and not isinstance(v, str)
                                    and any(isinstance(i, bool) for i in v)):
             raise TypeError(f"{n} must be an int or a pair of ints, not a bool; got {v!r}")
-    kh, kw = _pair(kernel_size, "kernel_size")
+    kh, kw = K.as_pair(kernel_size, "kernel_size")
     if kh < 1 or kw < 1:
         raise ValueError(f"kernel_size must be a positive odd int (or a pair of them), got {kernel_size!r}")
     if kh % 2 == 0 or kw % 2 == 0:
         raise ValueError(f"unsupported kernel_size {kh}x{kw}: even kernels have no centre to align branches on")
-    sh, sw = _pair(stride, "stride")
+    sh, sw = K.as_pair(stride, "stride")
     if sh != sw or sh < 1:
         raise ValueError(f"unsupported stride {stride!r}: need one positive stride for both axes")
-    dh, dw = _pair(dilation, "dilation")
+    dh, dw = K.as_pair(dilation, "dilation")
     if dh != dw or dh < 1:
         raise ValueError(f"unsupported dilation {dilation!r}: need one positive dilation for both axes")
     same = (kh // 2 * dh, kw // 2 * dh)
@@ -150,7 +142,7 @@ def check_conv_config(
     if padding is None or padding == "same":
         pad = same
     else:
-        pad = _pair(padding, "padding")
+        pad = K.as_pair(padding, "padding")
         if any_padding and min(pad) < 0:
             raise ValueError(f"unsupported padding {padding!r}: need a non-negative padding")
         if not any_padding and pad != same:
@@ -267,7 +259,7 @@ class ConvStep(PackableWeight, nn.Module):
         if init not in self.INITS:
             raise ValueError(f"unknown init {init!r} for a conv step; expected one of {self.INITS}")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size = _pair(kernel_size, "kernel_size")  # (kh, kw), as nn.Conv2d's
+        self.kernel_size = K.as_pair(kernel_size, "kernel_size")  # (kh, kw), as nn.Conv2d's
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *self.kernel_size))
         self.init, self.a = init, float(a)
         self.reset_parameters()
@@ -315,7 +307,7 @@ class FixedKernelStep(nn.Module):
         if kind not in self.KINDS:
             raise ValueError(f"unknown fixed kernel {kind!r}, expected one of {self.KINDS}")
         self.kind, self.in_channels, self.out_channels = kind, channels, channels
-        self.kernel_size = _pair(kernel_size, "kernel_size")
+        self.kernel_size = K.as_pair(kernel_size, "kernel_size")
         self.groups = (groups or 1) if kind == "identity" else channels  # pooling and filtering act per channel
         self.register_buffer("weight", self._build(torch.get_default_dtype(), None), persistent=False)
 
@@ -1040,7 +1032,7 @@ class OREPAConv2d(ReparamConv2d):
             raise ValueError("branches must name at least one branch")
         if k == (1, 1) and set(branches) - {"1x1", "1x1_1x1", "identity"}:
             raise ValueError(f"a 1x1 block supports branches 1x1, 1x1_1x1, identity; got {branches}")
-        if "identity" in branches and _pair(stride, "stride")[0] != 1:
+        if "identity" in branches and K.as_pair(stride, "stride")[0] != 1:
             raise ValueError("the identity branch needs stride 1")
         if branch_norm and mode == "online":
             raise ValueError("branch_norm=True (a BN per branch) needs mode='offline'")

@@ -37,21 +37,27 @@ __all__ = [
     "compose_affine",
     "bias_through",
     "add_parallel",
+    "as_pair",
     "fold_bn",
     "bn_as_affine",
 ]
 
 
-def _size(k) -> tuple[int, int]:
-    """A kernel size as ``(kh, kw)``: an int is square."""
-    return (k, k) if isinstance(k, int) else (int(k[0]), int(k[1]))
+def as_pair(v, name: str = "kernel_size") -> tuple[int, int]:
+    """An int or a pair of ints as ``(h, w)`` (an int is square); anything else is a ValueError
+    naming ``name``."""
+    if isinstance(v, int):
+        return (v, v)
+    if isinstance(v, (tuple, list, torch.Size)) and len(v) == 2 and all(isinstance(i, int) for i in v):
+        return (int(v[0]), int(v[1]))
+    raise ValueError(f"{name} must be an int or a pair of ints, got {v!r}")
 
 
 def pad_to(weight: Tensor, k) -> Tensor:
     """Zero-pad an odd ``[.., sh, sw]`` kernel around its centre to ``k`` (an int: ``k x k``; or
     ``(kh, kw)``), e.g. 1x1 -> kxk, 1x7 -> 7x7."""
     sh, sw = weight.shape[-2:]
-    kh, kw = _size(k)
+    kh, kw = as_pair(k)
     if (sh, sw) == (kh, kw):
         return weight
     if sh % 2 == 0 or sw % 2 == 0 or kh < sh or kw < sw or (kh - sh) % 2 or (kw - sw) % 2:
@@ -65,7 +71,7 @@ def identity_kernel(channels: int, groups: int = 1, k=1, *, dtype=None, device=N
     """Kernel of the identity map: ``[C, C // groups, kh, kw]`` with a 1 at the centre."""
     if channels % groups:
         raise ValueError(f"channels={channels} not divisible by groups={groups}")
-    kh, kw = _size(k)
+    kh, kw = as_pair(k)
     per_group = channels // groups
     w = torch.zeros(channels, per_group, kh, kw, dtype=dtype, device=device)
     idx = torch.arange(channels, device=device)
@@ -106,7 +112,7 @@ def tiled_identity_1x1(out_channels: int, in_channels: int, groups: int = 1, *, 
 
 def avg_pool_kernel(channels: int, k, *, dtype=None, device=None) -> Tensor:
     """Depthwise ``[C, 1, kh, kw]`` kernel of a ``k`` (int: kxk) average pool with zero padding counted."""
-    kh, kw = _size(k)
+    kh, kw = as_pair(k)
     return torch.full((channels, 1, kh, kw), 1.0 / (kh * kw), dtype=dtype, device=device)
 
 
@@ -123,7 +129,7 @@ def freq_prior_kernel(channels: int, k, *, dtype=None, device=None) -> Tensor:
     ``floor(C / 2)`` instead; the two agree for every even ``C`` (all the zoo's widths).
     """
     half = channels / 2
-    kh, kw = _size(k)
+    kh, kw = as_pair(k)
     c = torch.arange(channels, dtype=torch.float64).view(-1, 1, 1)
     h = (torch.arange(kh, dtype=torch.float64) + 0.5).view(1, -1, 1).expand(channels, kh, kw)
     w = (torch.arange(kw, dtype=torch.float64) + 0.5).view(1, 1, -1).expand(channels, kh, kw)

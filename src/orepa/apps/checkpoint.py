@@ -197,6 +197,14 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
         raise UserError(f"{flag} {path}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: {parent} is not writable")
+    # os.access answers yes to root on file systems that take no new files (/proc, read-only
+    # mounts): a probe file, made and removed at once, asks the file system itself
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".orepa-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot create files in {parent} ({e.strerror or e})") from None
     return path
 
 
