@@ -1,4 +1,5 @@
 """Every block, over a grid of conv configurations: train, then deploy exactly."""
+import copy
 import itertools
 
 import pytest
@@ -378,6 +379,13 @@ def test_a_new_branch_type_is_one_registration():
         x = torch.randn(2, 6, 9, 9, dtype=torch.float64)
         with torch.no_grad():
             tol_close(orepa.reparameterize(block.eval())(x), block(x), rel=1e-12)
+        # a registered kh x 1 conv is not a 1x1 of the grouped route's filter family
+        tall = orepa.OREPAConv2d(4, 4, (3, 1), branches=("kxk", "kxk_twin_test", "1x1", "1x1_avg")).double()
+        orepa.engine.group_kernels(tall, "grouped")
+        z = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+        y = tall(z)  # with autograd: the grouped route
+        with torch.no_grad():
+            tol_close(y, orepa.reparameterize(copy.deepcopy(tall).eval())(z), rel=1e-12)
         model = orepa.create_model("resnet18", "orepa", num_classes=3, width_mult=0.125,
                                    branches=["kxk", "kxk_twin_test"], deep_stem=False)
         assert set(model.layer1[0].conv1.branches) == {"kxk", "kxk_twin_test"}

@@ -228,7 +228,7 @@ class Plan:
         if br.name == self.first or br.scales is None or br.scalar or not br.learnable[0]:
             return False
         conv = br.steps[0][0]
-        if _weight(conv).shape[-1] != 1 or conv.groups != blk.groups:
+        if tuple(_weight(conv).shape[-2:]) != (1, 1) or conv.groups != blk.groups:  # a 1x1 (not a kh x 1)
             return False
         return len(br.steps) == 1 or (len(br.steps) == 2 and not br.learnable[1]
                                       and br.steps[1][0].groups == blk.out_channels)
