@@ -430,3 +430,10 @@ def test_a_tf_same_block_pads_as_tensorflow_and_deploys_to_a_conv_that_does(k, s
                 lambda: OREPAConv2d(8, 8, 3, 2, tf_same=True, mode="offline")):
         with pytest.raises(ValueError, match="tf_same=True .* is for online blocks that pad nothing else"):
             bad()
+    for none in (0, (0, 0), [0, 0], "valid", None):  # every way of asking for no other padding
+        assert OREPAConv2d(8, 8, 3, 2, padding=none, tf_same=True).tf_same
+    assert orepa.Conv2dTFSame(8, 8, 3, 2, padding="valid").padding == (0, 0)
+    with pytest.raises(ValueError, match=r"pads by itself; padding must be 0 or 'valid', got \(1, 1\)"):
+        orepa.Conv2dTFSame(8, 8, 3, 2, padding=1)
+    with pytest.raises(ValueError, match="mode must be 'online' or 'offline'"):  # not a tf_same complaint
+        OREPAConv2d(8, 8, 3, 2, tf_same=True, mode="onlin")

@@ -117,6 +117,27 @@ def test_dilated_features_and_deploy(name, method):
             tol_close(v, out[k])
 
 
+def test_new_geometry_keeps_each_conv_padded_as_it_pads():
+    """Dilating or un-striding a conv keeps its "same" padding per axis (a 1x3 pads its width
+    only); one that pads by TensorFlow's rule (a tf_same block, timm's Conv2dSame) keeps padding 0
+    and pads for its new geometry by itself, deployed too."""
+    torch.manual_seed(0)
+    wide = nn.Conv2d(4, 4, (1, 3), 2, padding=(0, 1))
+    D._set_geometry(wide, stride=1, dilation=2)
+    assert wide.padding == (0, 2) and wide.stride == (1, 1)
+    block = orepa.OREPAConv2d(4, 4, 3, 2, tf_same=True).double()
+    D._set_geometry(block, stride=1, dilation=2)
+    assert block.padding == (0, 0)
+    x = torch.randn(2, 4, 9, 10, dtype=torch.float64)
+    block.eval()
+    with torch.no_grad():
+        y = block(x)
+        assert y.shape[-2:] == x.shape[-2:]
+        deployed = orepa.reparameterize(block)
+        assert isinstance(deployed, orepa.Conv2dTFSame) and deployed.dilation == (2, 2)
+        tol_close(deployed(x), y, rel=1e-12)
+
+
 # --------------------------------------------------------------------------- train, then deploy
 
 

@@ -171,8 +171,20 @@ def pad_tf_same(x: Tensor, kernel_size: tuple[int, int], stride: tuple[int, int]
     return F.pad(x, (left, right, top, bottom)) if top or bottom or left or right else x
 
 
-def _check_tf_same(tf_same: bool, mode: str, padding) -> None:
-    if tf_same and (mode != "online" or padding not in (None, 0, (0, 0), "valid")):
+def _no_padding(padding) -> bool:
+    """Whether ``padding`` asks for none (None, 0, a pair of zeros in any sequence, or 'valid')."""
+    if padding is None or padding == "valid":
+        return True
+    try:
+        return K.as_pair(padding, "padding") == (0, 0)
+    except ValueError:
+        return False
+
+
+def _check_mode(mode: str, tf_same: bool, padding) -> None:
+    if mode not in ("online", "offline"):
+        raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
+    if tf_same and (mode != "online" or not _no_padding(padding)):
         raise ValueError("tf_same=True (TensorFlow's 'same' padding, uneven where the stride needs it) is for "
                          f"online blocks that pad nothing else; got mode={mode!r}, padding={padding!r}")
 
@@ -184,8 +196,9 @@ class Conv2dTFSame(nn.Conv2d):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.padding != (0, 0):
-            raise ValueError(f"Conv2dTFSame pads by itself; padding must be 0, got {self.padding}")
+        if not _no_padding(self.padding):
+            raise ValueError(f"Conv2dTFSame pads by itself; padding must be 0 or 'valid', got {self.padding!r}")
+        self.padding = (0, 0)  # 'valid' included: what a deployed conv's layout holds
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(pad_tf_same(x, self.kernel_size, self.stride, self.dilation))
@@ -527,12 +540,10 @@ class ReparamConv2d(nn.Module):
         tf_same: bool = False,
     ):
         super().__init__()
-        _check_tf_same(tf_same, mode, padding)
+        _check_mode(mode, tf_same, padding)
         if recompute not in ("auto", True, False):
             raise ValueError(f"recompute must be 'auto', True or False, got {recompute!r}")
         self.recompute = recompute
-        if mode not in ("online", "offline"):
-            raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
         k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding,
                                        dilation, groups, any_padding=mode == "online")
         # "same" padding: the branches could also run on the feature map (the offline path, and the
@@ -1017,7 +1028,7 @@ class OREPAConv2d(ReparamConv2d):
         recompute: bool | str = "auto",
         tf_same: bool = False,
     ):
-        _check_tf_same(tf_same, mode, padding)
+        _check_mode(mode, tf_same, padding)
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding, dilation,
                               groups, any_padding=mode == "online")[0]
         init_a, reference_init = _resolve_init(init, k)

@@ -70,6 +70,12 @@ def _tf_same(m: nn.Module) -> bool:
                                        and isinstance(m, nn.Conv2d))
 
 
+def pads_tf_same(m: nn.Module) -> bool:
+    """Whether ``m`` pads each input by TensorFlow's "SAME" rule itself (a conv or a block with
+    ``tf_same``): its ``padding`` stays 0 whatever its stride or dilation."""
+    return _tf_same(m) or bool(getattr(m, "tf_same", False))
+
+
 def _convertible(m: nn.Module) -> bool:
     """A conv that ``convert`` may turn into a block: a plain nn.Conv2d, or timm's Conv2dSame."""
     return type(m) is nn.Conv2d or _tf_same(m)

@@ -56,7 +56,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
 from ..blocks import OREPADeepStem, ReparamConv2d
-from ..convert import load_plain_state_dict, reparameterize
+from ..convert import load_plain_state_dict, pads_tf_same, reparameterize
 from .common import split_params
 
 __all__ = [
@@ -137,7 +137,9 @@ def stage_strides(trunk: nn.Module) -> dict[str, int]:
 
 
 def _set_geometry(conv: nn.Module, stride: int | None = None, dilation: int | None = None) -> None:
-    """Change stride / dilation of an ``nn.Conv2d`` or a re-param block in place ("same" padding kept).
+    """Change stride / dilation of an ``nn.Conv2d`` or a re-param block in place ("same" padding
+    kept; one that pads by TensorFlow's rule, timm's ``Conv2dSame``, pads for its new geometry by
+    itself).
 
     Re-param blocks read ``stride``, ``padding`` and ``dilation`` at every forward
     (online squeeze, offline branches) and in ``to_conv``, like ``nn.Conv2d``.
@@ -148,7 +150,8 @@ def _set_geometry(conv: nn.Module, stride: int | None = None, dilation: int | No
         conv.stride = (stride, stride)
     if dilation is not None:
         conv.dilation = (dilation, dilation)
-    conv.padding = tuple(k // 2 * conv.dilation[0] for k in conv.kernel_size)
+    if not pads_tf_same(conv):
+        conv.padding = tuple(k // 2 * d for k, d in zip(conv.kernel_size, conv.dilation))
 
 
 def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]) -> nn.Module:
