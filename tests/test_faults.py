@@ -253,6 +253,89 @@ def test_stop_signals_are_recorded_then_a_second_ctrl_c_interrupts_and_the_handl
     assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
 
 
+@pytest.mark.parametrize("when,stage", [("train", "train"), ("reparam", "reparam + test"), ("between", "reparam + test")])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_to_an_in_process_demo_is_named_and_stops_it(when, stage, sig, tmp_path, capsys, monkeypatch):
+    """--in-process: a SIGTERM (a scheduler's) or SIGUSR1 (SLURM's warning) that arrives outside
+    train's own handler, in a command or between two, is reported as itself with its exit code;
+    that pipeline is stopped in its stage and the next is not started."""
+    import shlex
+
+    from orepa.apps import demo, reparam
+
+    def stop(*_):
+        os.kill(os.getpid(), sig)
+        time.sleep(0.5)  # the handler runs here
+        return 0
+
+    class Join:  # the command line the log records: between the two stages
+        @staticmethod
+        def join(cmd):
+            if when == "between" and "reparam" in cmd and cmd[0] != "orepa":  # not the commands printed first
+                stop()
+            return shlex.join(cmd)
+
+    monkeypatch.setattr(demo, "prepare_fashion_mnist", lambda d: None)
+    monkeypatch.setattr(demo, "shlex", Join)
+    monkeypatch.setattr(train, "run", stop if when == "train" else lambda a: 0)
+    monkeypatch.setattr(reparam, "run", stop if when == "reparam" else lambda a: 0)
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    rc = main(["demo", "--in-process", "--methods", "base,orepa", "--output-dir", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 128 + sig, err
+    assert f"base: stopped in stage {stage!r} ({sig.name})" in err and "orepa: stopped before it started" in err, err
+    assert "failed" not in err and "Traceback" not in err
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
+
+
+DEMO_CHILD = """
+import signal, sys, time
+from pathlib import Path
+got = []
+signal.signal(signal.SIGTERM, lambda *a: got.append(1))
+Path(sys.argv[1] + ".started").touch()
+while not got:
+    time.sleep(0.05)
+time.sleep(1.5)  # the end of its step: another signal to the demo meanwhile changes nothing
+Path(sys.argv[1] + ".stopped").touch()
+sys.exit(143)
+"""
+
+
+def test_a_second_sigterm_lets_the_demo_wait_for_its_runs(tmp_path, capsys, monkeypatch):
+    """The demo passes a SIGTERM on to its runs and waits for them; a second one (a scheduler's
+    repeat, a second SIGUSR1) neither ends the demo early nor orphans them."""
+    import threading
+
+    from orepa.apps import demo
+
+    def commands(args, method, out, threads):
+        return [[sys.executable, "-c", DEMO_CHILD, str(tmp_path / method)], ["false"]]
+
+    def signal_twice():
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"{m}.started").exists() for m in ("base", "orepa")):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(demo, "prepare_fashion_mnist", lambda d: None)
+    monkeypatch.setattr(demo, "_commands", commands)
+    sender = threading.Thread(target=signal_twice, daemon=True)
+    sender.start()
+    rc = main(["demo", "--methods", "base,orepa", "--jobs", "2", "--output-dir", str(tmp_path / "out"),
+               "--no-progress"])
+    sender.join()
+    err = capsys.readouterr().err
+    assert rc == 143, err
+    for m in ("base", "orepa"):
+        assert (tmp_path / f"{m}.stopped").exists()  # the demo waited for it
+        assert f"{m}: stopped in stage 'train' (SIGTERM)" in err, err
+    assert "Traceback" not in err
+
+
 class Hostile:
     """Unpickling this runs code: ``exec`` writes a marker file."""
 

@@ -91,11 +91,15 @@ class _Pipeline(threading.Thread):
         self.t0 = self.t1 = None
         self._halt = threading.Event()
         self._proc: subprocess.Popen | None = None
+        self.took: int | None = None  # in-process: the stop signal the demo's handler took during a command
 
     @property
     def stopped_by(self) -> str | None:
         """The stop signal that ended this pipeline's command (``orepa train`` exits with 128 + its
-        number after its checkpoint; a command without a handler dies of it), else None."""
+        number after its checkpoint; a command without a handler dies of it; in-process, the
+        signal the demo took for it), else None."""
+        if self.took is not None:
+            return signal.Signals(self.took).name
         for sig in STOP_SIGNALS:
             if self.rc in (128 + sig, -sig):
                 return signal.Signals(sig).name
@@ -115,30 +119,36 @@ class _Pipeline(threading.Thread):
             if self._halt.is_set():
                 return
             self.t0 = time.perf_counter()
-            with open(self.log, "w") as log:
-                for stage, cmd in zip(("train", "reparam + test"), self.cmds):
-                    self.stage = stage
-                    log.write("$ " + shlex.join(cmd) + "\n")
-                    log.flush()
-                    if self.in_process:
-                        from contextlib import redirect_stderr, redirect_stdout
+            try:
+                with open(self.log, "w") as log:
+                    for stage, cmd in zip(("train", "reparam + test"), self.cmds):
+                        self.stage = stage
+                        log.write("$ " + shlex.join(cmd) + "\n")
+                        log.flush()
+                        if self.in_process:
+                            from contextlib import redirect_stderr, redirect_stdout
 
-                        from ..cli import main
+                            from ..cli import main
 
-                        with redirect_stdout(log), redirect_stderr(log):
-                            self.rc = main(cmd[3:])
-                    else:
-                        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-                        if self._halt.is_set():  # interrupted while it started
-                            self._proc.send_signal(signal.SIGTERM)
-                        self.rc = self._proc.wait()
-                        self._proc = None
-                    if self.rc != 0 or self._halt.is_set():
-                        self.failed_in = stage
-                        break
-            self.stage = "done" if self.rc == 0 and not self._halt.is_set() else \
-                "stopped" if self.stopped_by or self._halt.is_set() else "failed"
-            self.t1 = time.perf_counter()
+                            with redirect_stdout(log), redirect_stderr(log):
+                                self.rc = main(cmd[3:])
+                        else:
+                            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+                            if self._halt.is_set():  # interrupted while it started
+                                self._proc.send_signal(signal.SIGTERM)
+                            self.rc = self._proc.wait()
+                            self._proc = None
+                        if self.rc != 0 or self._halt.is_set():
+                            self.failed_in = stage
+                            break
+            except KeyboardInterrupt:  # in-process: the demo's stop between (or around) its commands
+                self._halt.set()
+                self.failed_in = self.stage
+                raise
+            finally:
+                self.stage = "done" if self.rc == 0 and not self._halt.is_set() else \
+                    "stopped" if self.stopped_by or self._halt.is_set() else "failed"
+                self.t1 = time.perf_counter()
 
 
 def _watch(pipes: list[_Pipeline], show: bool) -> None:
@@ -200,20 +210,26 @@ def run(args: argparse.Namespace) -> int:
         pipes.append(_Pipeline(m, cmds, out, gate, args.in_process))
     t0 = time.perf_counter()
     interrupted = False
-    received = [signal.SIGINT]  # the signal that interrupted the demo (Ctrl-C unless SIGTERM came)
+    received: list[int | None] = [None]  # the first stop signal the demo itself took
 
-    def on_sigterm(signum, frame):  # a scheduler's SIGTERM stops the demo as Ctrl-C does: no orphaned runs
-        received[0] = signum
-        raise KeyboardInterrupt
+    def on_stop(signum, frame):
+        # a scheduler's SIGTERM (or SLURM's SIGUSR1) stops the demo as Ctrl-C does: no orphaned runs;
+        # a later one while the runs stop changes nothing (Ctrl-C again stops at once)
+        if received[0] is None:
+            received[0] = signum
+            for p in pipes:
+                if p.in_process and p.stage not in ("waiting", "done", "failed", "stopped"):
+                    p.took = signum  # the command in this thread, which the exception below ends
+            raise KeyboardInterrupt
 
     on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if on_main else None
+    previous = {s: signal.signal(s, on_stop) for s in STOP_SIGNALS if s != signal.SIGINT} if on_main else {}
     try:
         if args.in_process:
             for p in pipes:
                 p.run()
                 if p.stopped_by:  # the command in this thread took the signal: run no further pipeline
-                    interrupted, received[0] = True, signal.Signals[p.stopped_by]
+                    interrupted = True
                     break
         else:
             for p in pipes:
@@ -224,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reaches the commands as well; a SIGINT to this process alone does not
         interrupted = True
+        if received[0] is None:
+            received[0] = signal.SIGINT
         print(f"\norepa demo: interrupted ({signal.Signals(received[0]).name}); each running command stops at the "
               "end of its step (a training run writes its checkpoint); Ctrl-C again stops at once", file=sys.stderr,
               flush=True)
@@ -233,13 +251,13 @@ def run(args: argparse.Namespace) -> int:
             if p.is_alive():
                 p.join()
     finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     wall = time.perf_counter() - t0
     for p in pipes:
         if p.stage == "stopped" or (interrupted and p.rc is None):
             where = (f"in stage {p.failed_in!r}" + (f" ({p.stopped_by})" if p.stopped_by else "")) \
-                if p.rc is not None else "before it started"
+                if p.rc is not None or p.failed_in else "before it started"
             print(f"{p.method}: stopped {where}; output so far in {p.out}/ (demo.log)", file=sys.stderr)
         elif p.rc != 0:
             tail = p.log.read_text().splitlines()[-15:] if p.log.exists() else []
@@ -248,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join("  " + line for line in tail), file=sys.stderr)
     stopped = next((p.stopped_by for p in pipes if p.stopped_by), None)
     if interrupted or stopped:  # 128 + the signal's number, as orepa train: 130 for Ctrl-C, 143 for SIGTERM
-        return 128 + (received[0] if interrupted else signal.Signals[stopped])
+        return 128 + (received[0] or signal.Signals[stopped])
     if any(p.rc != 0 for p in pipes):
         return 1
     rows = {}
