@@ -186,6 +186,15 @@ def test_rgb_weights_are_made_for_the_datas_channels():
     assert adapt_input_channels(sd, {"stem.weight": torch.Size([8, 4, 3, 3])}, 4) == ["stem.weight"]
     torch.testing.assert_close(sd["stem.weight"], torch.cat([rgb, rgb[:, :1]], 1) * 0.75)
     assert adapt_input_channels({"stem.weight": rgb}, {"stem.weight": torch.Size([8, 3, 3, 3])}, 3) == []
+    # weights made for gray images (a checkpoint's in_chans 1) on RGB data: the gray weights on the channels' mean
+    gray_w = torch.randn(8, 1, 3, 3)
+    sd = {"stem.weight": gray_w, "dw.weight": torch.randn(8, 1, 3, 3)}
+    shapes = {"stem.weight": torch.Size([8, 3, 3, 3]), "dw.weight": torch.Size([8, 1, 3, 3])}
+    assert adapt_input_channels(sd, shapes, 3, from_chans=1) == ["stem.weight"]
+    image = torch.randn(2, 3, 9, 9)
+    torch.testing.assert_close(torch.nn.functional.conv2d(image, sd["stem.weight"]),
+                               torch.nn.functional.conv2d(image.mean(1, keepdim=True), gray_w))
+    assert adapt_input_channels({"stem.weight": gray_w}, {"stem.weight": torch.Size([8, 3, 3, 3])}, 3) == []
 
 
 def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):

@@ -566,6 +566,25 @@ def test_init_from_a_training_form_of_another_method_or_rgb_images_starts_from_i
         torch.testing.assert_close(got["conv1.weight"], plain["conv1.weight"].sum(1, keepdim=True))
         for key in (k for k, v in plain.items() if v.dim() == 4 and k != "conv1.weight"):
             torch.testing.assert_close(got[key], plain[key], rtol=1e-5, atol=1e-6)
+    # the other way: a run trained on gray images starts one on RGB images (the gray weights on their mean)
+    gray = tmp_path / "gray.pth"
+    gray_cfg = {**cfg, "in_chans": 1, "num_classes": 10}
+    gray_model = build_model(gray_cfg)
+    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": gray_cfg,
+                     "model": gray_model.state_dict()}, gray)
+    _png_tree(tmp_path / "imgs")
+    capsys.readouterr()
+    assert main(["train", "--data-path", str(tmp_path / "imgs"), "--model", "resnet18", "--width-mult", "0.0625",
+                 "--max-steps", "1", "-b", "4", "--train-crop-size", "32", "--val-resize-size", "36",
+                 "--val-crop-size", "32", "--lr", "1e-9", "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard",
+                 "--no-eval", "-j", "0", "--init-from", str(gray), "--output-dir", str(tmp_path / "rgb_run")]) == 0
+    log = capsys.readouterr().out
+    assert "gray weights made for 3 input channel(s), gray repeated, scaled by 1 / channels: conv1.weight" in log
+    assert main(["reparam", str(tmp_path / "rgb_run" / "checkpoint.pth"), "-o", str(tmp_path / "rgb.pth"),
+                 "--no-verify"]) == 0
+    torch.testing.assert_close(_load(tmp_path / "rgb.pth")["model"]["conv1.weight"],
+                               deploy(gray_model, "deploy").state_dict()["conv1.weight"].expand(-1, 3, -1, -1) / 3,
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classifier(cache, tmp_path, capsys):

@@ -443,24 +443,26 @@ def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
     return "; ".join(parts)
 
 
-def adapt_input_channels(sd: dict, shapes: Mapping[str, torch.Size], in_chans: int) -> list[str]:
-    """RGB weights for a model that takes ``in_chans`` channels: every 4-D tensor of ``sd`` that
-    differs from ``shapes[key]`` only by 3 input channels against ``in_chans`` is adapted in place
-    and its key returned. One channel: the sum over RGB (the function the RGB weights compute on a
-    gray image given as three equal channels); other counts: RGB repeated, scaled by 3 / in_chans
-    (as timm's ``adapt_input_conv``)."""
-    if in_chans == 3:
+def adapt_input_channels(sd: dict, shapes: Mapping[str, torch.Size], in_chans: int, from_chans: int = 3) -> list[str]:
+    """Weights made for images of ``from_chans`` channels (RGB unless a checkpoint says otherwise)
+    for a model that takes ``in_chans``: every 4-D tensor of ``sd`` that differs from
+    ``shapes[key]`` only by ``from_chans`` input channels against ``in_chans`` is adapted in place
+    and its key returned. One channel: the sum over the source's channels (the function its
+    weights compute on a gray image given as equal channels); other counts: the source's
+    channels repeated, scaled by ``from_chans / in_chans`` (as timm's ``adapt_input_conv`` for
+    RGB; from one channel, the gray weights applied to the channels' mean)."""
+    if in_chans == from_chans:
         return []
     changed = []
     for key, w in sd.items():
         want = shapes.get(key)
-        if want is None or w.dim() != 4 or w.shape[1] != 3 or len(want) != 4 or want[1] != in_chans or \
+        if want is None or w.dim() != 4 or w.shape[1] != from_chans or len(want) != 4 or want[1] != in_chans or \
                 (w.shape[0], *w.shape[2:]) != (want[0], *want[2:]):
             continue
         if in_chans == 1:
             sd[key] = w.sum(dim=1, keepdim=True)
         else:
-            sd[key] = w.repeat(1, -(-in_chans // 3), 1, 1)[:, :in_chans] * (3 / in_chans)
+            sd[key] = w.repeat(1, -(-in_chans // from_chans), 1, 1)[:, :in_chans] * (from_chans / in_chans)
         changed.append(key)
     return changed
 

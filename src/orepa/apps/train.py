@@ -563,12 +563,14 @@ class Trainer:
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
         bare = "format" not in self.start_weights
         deployed = self.start_weights.get("form") == "deploy"
-        rgb = []
-        if bare or self.plain_start:  # weights for RGB images (torchvision's, timm's, ...) on data of other channels
+        adapted = []
+        # a bare state_dict is RGB (torchvision's, timm's, ...); a checkpoint says what it was made for
+        src = (saved_cfg or {}).get("in_chans", 3)
+        if bare or self.plain_start:  # weights for images of other channels than the data's
             shapes = {k: v.shape for k, v in deploy_form.state_dict().items()}
             shapes.update((k, v.shape) for k, v in model.state_dict().items())
             sd = dict(sd)
-            rgb = adapt_input_channels(sd, shapes, self.cfg["in_chans"])
+            adapted = adapt_input_channels(sd, shapes, self.cfg["in_chans"], src)
         how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
                                plain=bare or self.plain_start)
@@ -577,9 +579,10 @@ class Trainer:
         if fresh:
             head = (f"; a new {self.cfg['num_classes']}-class classifier ({', '.join(fresh)}) in place of "
                     f"the checkpoint's {tuple(sd[fresh[0]].shape)[0]}-class one")
-        if rgb:
-            how_rgb = "summed over RGB" if self.cfg["in_chans"] == 1 else "RGB repeated, scaled by 3 / channels"
-            head += f"; RGB weights made for {self.cfg['in_chans']} input channel(s), {how_rgb}: {', '.join(rgb)}"
+        if adapted:
+            name = {1: "gray", 3: "RGB"}.get(src, f"{src}-channel")
+            how_made = f"summed over {name}" if self.cfg["in_chans"] == 1 else f"{name} repeated, scaled by {src} / channels"
+            head += f"; {name} weights made for {self.cfg['in_chans']} input channel(s), {how_made}: {', '.join(adapted)}"
         if how == "plain":
             what = (f"its training form deployed here ({self.deployed_here})" if self.deployed_here
                     else "deployed weights" if deployed else "a --method base run's weights" if self.plain_start
