@@ -119,8 +119,14 @@ calls = {"n": 0}
 real_save = torch.save
 def save(obj, f, *a, **k):
     calls["n"] += 1
-    if calls["n"] == at:         # during a checkpoint write, to the whole process group (as Ctrl-C in a
-        os.killpg(os.getpgid(0), sig)  # terminal, or a scheduler's SIGTERM): loader workers get it too
+    if calls["n"] == at:  # during a checkpoint write, to the whole process group (as Ctrl-C in a terminal,
+        group = os.getpgid(0)  # or a scheduler's SIGTERM): loader workers get it too, from another process
+        pid = os.fork()        # (the workers still obey their parent's SIGTERM)
+        if pid == 0:
+            os.setsid()
+            os.killpg(group, sig)
+            os._exit(0)
+        os.waitpid(pid, 0)
     return real_save(obj, f, *a, **k)
 torch.save = save
 from orepa.cli import main
@@ -377,6 +383,21 @@ def _png_tree(root: Path, corrupt: bool = False):
                 Image.fromarray(arr).save(d / f"{i}.png")
     if corrupt:
         (root / "train" / "dog" / "2.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_corrupt_image_read_by_loader_workers_ends_the_process(tmp_path):
+    """The error line, then the exit: the workers (which drop a scheduler's SIGTERM) still end
+    when their parent stops them (the process used to wait for them forever after the error)."""
+    imgs = tmp_path / "imgs"
+    _png_tree(imgs, corrupt=True)
+    argv = ["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "2",
+            "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress",
+            "-j", "2", "--threads", "1", "--no-tensorboard", "--output-dir", str(tmp_path / "run")]
+    proc = subprocess.run([sys.executable, "-m", "orepa", *argv], env=_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "cannot read image " + str(imgs / "train" / "dog") in proc.stderr
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ import hashlib
 import os
 import shutil
 import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -355,9 +356,29 @@ def default_workers(args, device: torch.device) -> int:
 def ignore_stop_signals(worker_id: int) -> None:
     """A loader worker's start: Ctrl-C reaches every process of the terminal's group, a scheduler's
     SIGTERM every process of the job; a worker that died of it would fail the batch the main process
-    is about to fetch on its way to a clean stop (the main process shuts the workers down)."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+    is about to fetch on its way to a clean stop (the main process shuts the workers down).
+
+    The worker's own parent is still obeyed: torch's DataLoader and multiprocessing's exit stop
+    workers that do not leave by themselves with SIGTERM, and a worker that ignored it would make
+    the main process wait for it forever (a run that failed on a corrupt image never exited). So
+    where the sender can be told (``sigwaitinfo``), SIGTERM and SIGUSR1 stay blocked and one thread
+    takes them: from the parent they end the worker, from anyone else they are dropped."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's; a parent never sends it
+    others = set(STOP_SIGNALS) - {signal.SIGINT}
+    if not others:
+        return
+    if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: the default action (the parent's stop works)
+        return
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, others)  # every thread started later inherits the mask
+
+    def take() -> None:
+        while True:
+            info = signal.sigwaitinfo(others)
+            if info.si_pid == parent:
+                os._exit(0)  # as asked; 0: torch's SIGCHLD check in the parent reports any other code
+
+    threading.Thread(target=take, name="orepa-stop-signals", daemon=True).start()
 
 
 def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tuple[DataLoader, EpochSampler]:
