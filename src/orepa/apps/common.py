@@ -70,13 +70,13 @@ def fail(prog: str, exc: BaseException) -> int:
 # --------------------------------------------------------------------------- argument types
 
 
-def _number(kind, low: float, strict: bool, what: str):
+def _number(kind, low: float, strict: bool, what: str, high: float = float("inf")):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not (value > low if strict else value >= low) or value != value or value in (float("inf"),):
+        if not (value > low if strict else value >= low) or value != value or value >= float("inf") or value > high:
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
 
@@ -88,6 +88,9 @@ positive_int = _number(int, 0, True, "a positive integer")
 nonneg_int = _number(int, 0, False, "an integer >= 0")
 positive_float = _number(float, 0.0, True, "a positive number")
 nonneg_float = _number(float, 0.0, False, "a number >= 0")
+fraction = _number(float, 0.0, False, "a number in [0, 1]", high=1.0)
+#: numpy's range for a seed (torch takes 64 bits, but the samplers add the epoch to it)
+seed_int = _number(int, 0, False, "an integer in [0, 2**32 - 1]", high=2**32 - 1)
 
 
 def add_run_arguments(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
@@ -98,7 +101,7 @@ def add_run_arguments(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch intra-op threads (default: torch's choice, usually one per core)")
     if seed:
-        g.add_argument("--seed", type=nonneg_int, default=0, help="random seed (0)")
+        g.add_argument("--seed", type=seed_int, default=0, help="random seed (0)")
 
 
 def add_kernel_builder_argument(g, default: str | None = "auto") -> None:

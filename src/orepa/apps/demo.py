@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from .checkpoint import atomic_write_text, check_output_path
-from .common import STOP_SIGNALS, UserError, available_cpus, nonneg_float, positive_float, positive_int
+from .common import STOP_SIGNALS, UserError, available_cpus, nonneg_float, positive_float, positive_int, seed_int
 from .data import prepare_fashion_mnist
 
 
@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--batch-size", type=positive_int, default=128)
     p.add_argument("--lr", type=positive_float, default=None, help="default: 0.1 x batch / 256 (the paper's rule)")
     p.add_argument("--lr-warmup-epochs", type=nonneg_float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="pipelines run at once (default: min(#methods, #CPUs)); each gets --threads/jobs threads")
     p.add_argument("--device", default=None, help="passed to train and reparam (default: cuda if available)")

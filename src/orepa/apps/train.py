@@ -84,6 +84,7 @@ from .common import (
     default_kernel_builder,
     default_pack,
     fail,
+    fraction,
     init_distributed,
     make_sgd,
     nonneg_float,
@@ -178,7 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-min", type=nonneg_float, default=0.0, help="cosine floor")
     g.add_argument("--lr-step-size", type=positive_int, default=30, help="steplr: epochs per decay")
     g.add_argument("--lr-gamma", type=positive_float, default=0.1, help="steplr: decay factor")
-    g.add_argument("--label-smoothing", type=nonneg_float, default=0.0)
+    g.add_argument("--label-smoothing", type=fraction, default=0.0, help="in [0, 1] (0)")
     g.add_argument("--clip-grad-norm", type=positive_float, default=None, help="clip the gradient norm (off)")
     g = p.add_argument_group("speed and memory")
     g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False, help="mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
@@ -195,7 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
-    g.add_argument("--model-ema-decay", type=nonneg_float, default=0.99998,
+    g.add_argument("--model-ema-decay", type=fraction, default=0.99998,
                    help="EMA decay per step at batch 1 (adjusted like torchvision's reference script)")
     add_run_arguments(p)
     g = p.add_argument_group("outputs, checkpoints and budgets")
@@ -450,6 +451,9 @@ class Trainer:
                      (("method", "its blocks are"), ("in_chans", "its input channels")) if saved_cfg[k] != cfg[k]]
                     + (["other block options"] if saved_cfg["options"] != cfg["options"] else []))
                 self.cfg, expected = cfg, plain_expected
+        n, have = self.cfg["num_classes"], self.data.num_classes
+        if getattr(args, "num_classes", None) == n and n < have:  # the flag's count, not a checkpoint's
+            raise UserError(f"--num-classes {n} is fewer than the {have} classes of {self.data.name}")
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
