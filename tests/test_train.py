@@ -353,7 +353,7 @@ def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     assert ckpt.read_bytes() == before
 
 
-def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys):
+def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--method", "base") == 0
     ckpt = run / "checkpoint.pth"
@@ -387,7 +387,19 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
     assert _train(cache, tmp_path / "a_file", "--epochs", "1", "--no-eval") == 2
     assert "is a file, not a directory" in capsys.readouterr().err
-    # --overwrite replaces the run (its old files go first)
+    # --overwrite: a run that fails before its first checkpoint puts the old run back as it was
+    files = sorted(p.name for p in run.iterdir())
+    assert "deployed.pth" in files
+
+    def broken_disk(self):
+        raise train.UserError("the disk went away")
+
+    with monkeypatch.context() as m:
+        m.setattr(train.Trainer, "train_epoch", broken_disk)
+        assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
+    out = capsys.readouterr()
+    assert "the disk went away" in out.err and "are back in" in out.out + out.err
+    assert sorted(p.name for p in run.iterdir()) == files and ckpt.read_bytes() == before
     # a killed write's temporary file goes at the next write; a running writer's (or another host's) stays
     host = ckpt_mod._host()
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -398,6 +410,8 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys):
         p.write_bytes(b"partial")
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0
     assert _load(ckpt)["model_cfg"]["method"] == "orepa"
+    # the old run's files went, those reparam made from its checkpoint among them
+    assert not (run / "deployed.pth").exists() and not (run / ".replaced-run").exists()
     assert not dead.exists() and live.exists() and remote.exists()
     live.unlink()
     remote.unlink()

@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import sys
@@ -310,6 +311,10 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
 FIXED_ON_RESUME = ("batch_size", "data_path", "dataset", "train_subset")
 #: files that mark a directory as holding a run
 RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
+#: made from a run's checkpoint by ``orepa reparam`` (its default outputs): --overwrite replaces them too
+DERIVED_FILES = ("deployed.pth", "deployed-fused.pth")
+#: where --overwrite keeps the run it replaces until the new run's first checkpoint
+REPLACED_DIR = ".replaced-run"
 
 
 def _given(args: argparse.Namespace) -> frozenset[str]:
@@ -363,6 +368,7 @@ class Trainer:
         self.info, self.device = init_distributed(args.device)
         self.main = self.info.is_main
         self.t_start = time.perf_counter()
+        self.replaced: list[str] = []  # the run --overwrite moved aside until this one's first checkpoint
 
     def log(self, *msg) -> None:
         if self.main:
@@ -600,8 +606,9 @@ class Trainer:
         that --overwrite will replace (:meth:`_clear_previous_run`, once this run is set up)."""
         args = self.args
         check_output_path(self.out, "--output-dir", directory=True)
-        found = [n for n in RUN_FILES if (self.out / n).exists()] + sorted(p.name for p in self.out.glob("model_*.pth"))
-        if not found:
+        found = ([n for n in RUN_FILES + DERIVED_FILES if (self.out / n).exists()]
+                 + sorted(p.name for p in self.out.glob("model_*.pth")))
+        if not [n for n in found if n not in DERIVED_FILES]:
             return []
         if self.start_path and Path(self.start_path).resolve().parent == self.out.resolve():
             # a new run would write over (or, with --overwrite, remove) the checkpoint it starts from
@@ -617,12 +624,40 @@ class Trainer:
         return found
 
     def _clear_previous_run(self, found: list[str]) -> None:
+        """--overwrite: move the previous run aside (``REPLACED_DIR``); it is removed once this run has
+        a checkpoint of its own (:meth:`_drop_replaced_run`), and put back if this run ends before
+        (:meth:`restore_replaced_run`): a run that fails at its first step costs nothing."""
         if not found or not self.main:
             return
-        for name in found:
+        keep = self.out / REPLACED_DIR
+        shutil.rmtree(keep, ignore_errors=True)  # one left by a run killed before its first checkpoint
+        keep.mkdir()
+        for name in [*found, "tb"]:
+            if (self.out / name).exists():
+                os.replace(self.out / name, keep / name)
+        self.replaced = found
+        self.log(f"note: --overwrite: the previous run's {', '.join(found)} moved to {keep}; removed when this "
+                 "run writes its first checkpoint, put back if it ends before")
+
+    def _drop_replaced_run(self) -> None:
+        if self.replaced:
+            shutil.rmtree(self.out / REPLACED_DIR, ignore_errors=True)
+            self.replaced = []
+
+    def restore_replaced_run(self) -> None:
+        """This run ended before its first checkpoint: its own files go, the previous run's come back."""
+        if not self.replaced:
+            return
+        keep = self.out / REPLACED_DIR
+        for name in RUN_FILES:
             (self.out / name).unlink(missing_ok=True)
         shutil.rmtree(self.out / "tb", ignore_errors=True)
-        self.log(f"note: --overwrite: removed the previous run's {', '.join(found)} from {self.out}")
+        for path in keep.iterdir():
+            os.replace(path, self.out / path.name)
+        keep.rmdir()
+        self.log(f"note: the previous run's {', '.join(self.replaced)} are back in {self.out} (this run wrote "
+                 "no checkpoint)")
+        self.replaced = []
 
     def _restore(self, ckpt: dict) -> None:
         args = self.args
@@ -699,6 +734,7 @@ class Trainer:
         if s.history:
             ckpt["metrics"] = {k: v for k, v in s.history[-1].items() if k.startswith("val_")}
         path = save_checkpoint(ckpt, self.ckpt_path)
+        self._drop_replaced_run()
         if self.args.keep_epoch_checkpoints and reason == "epoch":
             save_checkpoint(ckpt, self.out / f"model_{s.epoch}.pth")
         return path
@@ -1057,6 +1093,9 @@ def train(args: argparse.Namespace) -> dict:
             last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
             raise Interrupted("interrupted; " + (f"continue from the last checkpoint with --resume {last}" if last
                                                  else "no checkpoint had been written yet")) from None
+    except BaseException:
+        trainer.restore_replaced_run()
+        raise
     finally:
         cleanup_distributed(trainer.info)
 
