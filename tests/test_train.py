@@ -723,6 +723,19 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     for r in res.values():
         assert r["reparam"]["train_form_acc1"] == r["reparam"]["deployed_acc1"]
         assert r["reparam"]["params_deployed"] == res["base"]["reparam"]["params_deployed"]
+    # a demo replaces its own runs, never another run in its output dir; a method it cannot build
+    # is refused before any pipeline starts
+    foreign = tmp_path / "mine"
+    assert _train(cache, foreign / "base", "--epochs", "1", "--no-eval", "--method", "base") == 0
+    before = (foreign / "base" / "checkpoint.pth").read_bytes()
+    capsys.readouterr()
+    for argv, msg in (([], f"{foreign / 'base'} holds a run the demo did not make (checkpoint.pth"),
+                      (["--methods", "orepa,repvgg"], "unknown method 'repvgg' for resnet18")):
+        assert main(["demo", "--output-dir", str(foreign), "--cache-dir", cache, "--no-progress", "--in-process",
+                     *argv]) == 2
+        out = capsys.readouterr()
+        assert msg in out.err and "$ orepa train" not in out.out, out
+    assert (foreign / "base" / "checkpoint.pth").read_bytes() == before and not (foreign / "orepa").exists()
 
 
 def test_cuda_graphs_are_refused_where_they_cannot_run(cache, tmp_path, capsys):

@@ -31,6 +31,8 @@ from pathlib import Path
 from .checkpoint import atomic_write_text, check_output_path
 from .common import STOP_SIGNALS, UserError, available_cpus, nonneg_float, positive_float, positive_int, seed_int
 from .data import prepare_fashion_mnist
+from .model_cfg import build_model
+from .train import RUN_FILES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads of all pipelines together (default: the CPUs available)")
     p.add_argument("--output-dir", default="runs/demo",
-                   help="where the runs go (runs/demo); a previous demo there is replaced")
+                   help="where the runs go (runs/demo); a previous demo there is replaced (a run the demo did not make is refused)")
     p.add_argument("--cache-dir", default=None, help="Fashion-MNIST cache (default ~/.cache/orepa)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--in-process", action="store_true",
@@ -190,10 +192,17 @@ def run(args: argparse.Namespace) -> int:
     if not methods:
         raise UserError(f"--methods {args.methods!r} names no method (e.g. base,orepa)")
     check_output_path(args.output_dir, "--output-dir", directory=True)
+    root = Path(args.output_dir)
+    for m in methods:  # before any pipeline starts: every model the demo would train can be built
+        build_model({"model": args.model, "method": m, "num_classes": 10, "in_chans": 1, "small_input": True,
+                     "width_mult": args.width_mult, "options": {}})
+        found = [n for n in RUN_FILES if (root / m / n).exists()]
+        if found and not (root / m / "demo.log").exists():  # a demo replaces its own runs, no other
+            raise UserError(f"--output-dir {root}: {root / m} holds a run the demo did not make "
+                            f"({', '.join(found)}); choose another --output-dir")
     cpus = args.threads or available_cpus()
     jobs = 1 if args.in_process else args.jobs or max(1, min(len(methods), cpus))
     threads = max(1, cpus // jobs)
-    root = Path(args.output_dir)
     print(f"orepa demo: Fashion-MNIST, {args.model} x{args.width_mult:g} width, small-input stem, 1 channel; "
           f"methods {', '.join(methods)}; {args.epochs} epoch(s) on "
           f"{args.train_subset or 60000} training images, tested on {args.val_subset or 10000}; "
