@@ -308,8 +308,13 @@ class Data:
 
 def resolve_kind(args) -> str:
     kind = getattr(args, "dataset", "auto") or "auto"
+    named = str(args.data_path).lower() in FASHION_MNIST_NAMES
     if kind == "auto":
-        return "fashion-mnist" if str(args.data_path).lower() in FASHION_MNIST_NAMES else "imagefolder"
+        return "fashion-mnist" if named else "imagefolder"
+    if kind == "fashion-mnist" and not named:  # one place says where Fashion-MNIST's files are
+        raise UserError(f"--dataset fashion-mnist reads the Debian package's files (or those in "
+                        f"$OREPA_FASHION_MNIST_DIR), not --data-path {args.data_path}; drop --data-path, or read "
+                        "an ImageFolder tree there with --dataset imagefolder")
     return kind
 
 
