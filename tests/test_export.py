@@ -12,6 +12,7 @@ pytest.importorskip("onnx")
 
 import orepa.models as zoo  # noqa: E402
 from orepa import cli  # noqa: E402
+from orepa.apps import export  # noqa: E402
 from orepa.apps.common import UserError  # noqa: E402
 from orepa.apps.export import (  # noqa: E402
     ExportReport,
@@ -127,12 +128,24 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
     other.write_bytes(bare.read_bytes())
     cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25", "-o",
                    str(other)], "holds a checkpoint; pass --overwrite"))
+    # any other file: only a previous export of the same format is replaced without --overwrite
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    for fmt, what in (("onnx", "an ONNX model"), ("torchscript", "a TorchScript module")):
+        cases.append((["--model", "resnet18", "--format", fmt, "-o", str(notes)],
+                      f"--output {notes} exists and is not {what}; pass --overwrite"))
     for argv, msg in cases:
         capsys.readouterr()
         assert cli.main(["export", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err
-    assert other.read_bytes() == bare.read_bytes()
+    assert other.read_bytes() == bare.read_bytes() and notes.read_text() == "my notes\n"
+    ts = tmp_path / "m.pt"
+    small = ["--model", "resnet18", "--width-mult", "0.0625", "--num-classes", "10", "--input-size", "32",
+             "--format", "torchscript", "-o", str(ts), "--threads", "1", "--device", "cpu"]
+    assert cli.main(["export", *small]) == 0 and cli.main(["export", *small]) == 0  # a re-export replaces it
+    assert export.is_export(ts, "torchscript") and not export.is_export(other, "torchscript")
+    assert not export.is_export(notes, "onnx") and not export.is_export(other, "onnx")
 
 
 def test_cli_export_takes_the_input_size_and_model_from_the_checkpoint(tmp_path, capsys):

@@ -297,6 +297,29 @@ def input_size_of(ckpt: dict) -> int | None:
     return int(saved.get("val_crop_size") or 224)
 
 
+def is_export(path: Path, fmt: str) -> bool:
+    """Whether ``path`` holds an earlier export of format ``fmt``: what export replaces without
+    --overwrite (any other file is refused). TorchScript: a zip archive with code (a checkpoint has
+    none); ONNX: a model with a graph (loaded without its external data)."""
+    import zipfile
+
+    if not path.is_file():
+        return False
+    if fmt == "torchscript":
+        try:
+            with zipfile.ZipFile(path) as z:
+                return any("/code/" in n for n in z.namelist())
+        except (zipfile.BadZipFile, OSError):
+            return False
+    try:
+        import onnx
+
+        proto = onnx.load_model(str(path), load_external_data=False)
+    except Exception:  # protobuf's DecodeError, or anything else a foreign file gives: not an export
+        return False
+    return proto.ir_version > 0 and len(proto.graph.node) > 0
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -309,7 +332,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_run_arguments(p, seed=False)
     p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}.onnx / .pt)")
-    p.add_argument("--overwrite", action="store_true", help="replace --output even when it holds a checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output when it holds anything but an earlier export of this --format")
     p.add_argument("--input-size", type=positive_int, default=None,
                    help="height = width of the example input (default: the checkpoint's training size, "
                         "28 for Fashion-MNIST; else 224)")
@@ -358,9 +382,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output or f"{model_slug(cfg['model'])}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
     ckpt_io.check_output_path(out, "--output", not_over={
         "the input checkpoint (export never writes over its input)": path or None})
-    if out.exists() and not args.overwrite and ckpt_io.checkpoint_form(out) is not None:
-        raise UserError(f"--output {out} holds a checkpoint; pass --overwrite to replace it, or choose another "
-                        "--output")
+    if out.exists() and not args.overwrite and not is_export(out, args.format):
+        held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
+            f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")
+        raise UserError(f"--output {out} {held}; pass --overwrite to replace it, or choose another --output")
     model.to(device)
     try:
         if args.format == "onnx":
