@@ -254,6 +254,9 @@ _BAD_CLI = [
     (["--from-json", "{tmp}/nope.json"], "--from-json {tmp}/nope.json: No such file or directory"),
     (["--from-json", "{tmp}/other.json"], "{tmp}/other.json is not an orepa bench result"),
     (["--from-json", "{tmp}/broken.json"], "--from-json {tmp}/broken.json: Expecting value"),
+    (["--from-json", "{tmp}/other.json", "--methods", "dbb", "--reps", "3"],
+     "--from-json re-renders a saved result as it was measured; --methods, --reps do(es) not apply"),
+    (["--tag", "../x"], "--tag '../x' is a file stem in --output-dir, not a path"),
 ]
 
 
@@ -267,9 +270,10 @@ def test_cli_bad_input_is_one_error_line(extra, message, tmp_path, capsys):
     (tmp_path / "broken.json").write_text("not json")
     extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
     out_dir = tmp_path / "out"
-    rc = main(["bench", "-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32",
-               "--reps", "1", "--warmup", "1", "--num-classes", "10", "--no-inference", "--no-plot",
-               "--output-dir", str(out_dir), *extra])
+    measure = [] if "--from-json" in extra else [  # a re-rendering takes no measurement settings
+        "-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32", "--reps", "1",
+        "--warmup", "1", "--num-classes", "10", "--no-inference"]
+    rc = main(["bench", *measure, "--no-plot", "--output-dir", str(out_dir), *extra])
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("orepa bench: error: "), err
