@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -470,6 +471,13 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "orepa", "train", "-b", "-4"], env=_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "batch-size" in proc.stderr
+    # a plain pickle: one line, not torch's warning about its protocol first (pytest hides warnings in-process)
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps({"weights": [1.0, 2.0]}, protocol=4))
+    proc = subprocess.run([sys.executable, "-m", "orepa", "eval", str(plain)], env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "not a PyTorch checkpoint" in proc.stderr, \
+        proc.stderr
 
 
 def test_divergence_keeps_a_finite_checkpoint(cache, tmp_path, capsys):

@@ -36,6 +36,7 @@ import random
 import re
 import socket
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -374,6 +375,12 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
 
 
 def _torch_load(path: Path, lazy: bool):
+    with warnings.catch_warnings():  # a plain pickle's protocol: the error that follows says what the file is
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        return _torch_load_quiet(path, lazy)
+
+
+def _torch_load_quiet(path: Path, lazy: bool):
     if lazy:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
