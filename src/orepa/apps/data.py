@@ -31,6 +31,7 @@ import shutil
 import signal
 import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -358,7 +359,7 @@ def default_workers(args, device: torch.device) -> int:
     return min(8, os.cpu_count() or 1)
 
 
-def ignore_stop_signals(worker_id: int) -> None:
+def ignore_stop_signals(worker_id: int, owner: int | None = None) -> None:
     """A loader worker's start: Ctrl-C reaches every process of the terminal's group, a scheduler's
     SIGTERM every process of the job; a worker that died of it would fail the batch the main process
     is about to fetch on its way to a clean stop (the main process shuts the workers down).
@@ -367,20 +368,21 @@ def ignore_stop_signals(worker_id: int) -> None:
     workers that do not leave by themselves with SIGTERM, and a worker that ignored it would make
     the main process wait for it forever (a run that failed on a corrupt image never exited). So
     where the sender can be told (``sigwaitinfo``), SIGTERM and SIGUSR1 stay blocked and one thread
-    takes them: from the parent they end the worker, from anyone else they are dropped."""
+    takes them: from the parent they end the worker, from anyone else they are dropped. ``owner``:
+    the process that made the loader (a forkserver's or spawn's worker has another parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's; a parent never sends it
     others = set(STOP_SIGNALS) - {signal.SIGINT}
     if not others:
         return
     if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: the default action (the parent's stop works)
         return
-    parent = os.getppid()
+    senders = {os.getppid(), owner}
     signal.pthread_sigmask(signal.SIG_BLOCK, others)  # every thread started later inherits the mask
 
     def take() -> None:
         while True:
             info = signal.sigwaitinfo(others)
-            if info.si_pid == parent:
+            if info.si_pid in senders:
                 os._exit(0)  # as asked; 0: torch's SIGCHLD check in the parent reports any other code
 
     threading.Thread(target=take, name="orepa-stop-signals", daemon=True).start()
@@ -394,7 +396,7 @@ def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tupl
     workers = default_workers(args, device)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
                         pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0,
-                        worker_init_fn=ignore_stop_signals)
+                        worker_init_fn=partial(ignore_stop_signals, owner=os.getpid()))
     return loader, sampler
 
 
@@ -404,4 +406,4 @@ def val_loader(data: Data, args, info: DistInfo, device: torch.device, batch_siz
     # persistent: the loader is built once per run and evaluated every epoch (no worker respawn)
     return DataLoader(data.val, batch_size=batch_size or args.batch_size, sampler=sampler, num_workers=workers,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                      worker_init_fn=ignore_stop_signals)
+                      worker_init_fn=partial(ignore_stop_signals, owner=os.getpid()))
