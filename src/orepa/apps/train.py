@@ -649,6 +649,9 @@ class Trainer:
         if not self.replaced:
             return
         keep = self.out / REPLACED_DIR
+        if not keep.is_dir():  # removed meanwhile by someone else: nothing to put back
+            self.replaced = []
+            return
         for name in RUN_FILES:
             (self.out / name).unlink(missing_ok=True)
         shutil.rmtree(self.out / "tb", ignore_errors=True)
