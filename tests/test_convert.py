@@ -736,3 +736,66 @@ def test_inception_v3_converts_every_conv_its_non_square_and_valid_ones_too():
             plain = torchvision.models.inception_v3(num_classes=10, aux_logits=False, init_weights=False).double()
             plain.load_state_dict(orepa.reparameterize(model).state_dict())
             tol_close(plain.eval()(x), model(x), rel=1e-9)
+
+
+class _Tap(nn.Module):
+    """Returns the normalised map and the raw conv output (a feature tap); untraceable."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            x = x + 0
+        y = self.conv(x)
+        return {"out": self.bn(y), "raw": y}
+
+
+class _Aliased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.first_conv = conv  # the same module under two names; forward uses the second
+        self.body = nn.Sequential(conv, nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                                  nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class _AuxInTraining(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = _dbb_layer()
+        self.aux = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+
+    def forward(self, x):
+        y = self.main(x)
+        return (y, self.aux(y)) if self.training else y
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")
+def test_convert_pairs_only_what_it_can_replace_whole():
+    """A conv output the model also returns is not its BN's alone; a conv registered under two
+    names is not split; a conv with weight_norm's hooks is not stripped of them; a branch that runs
+    in training only is converted from a model in eval mode too, and every module keeps its mode."""
+    x = torch.randn(2, 4, 8, 8)
+    assert orepa.find_conv_bn_pairs(_Tap(), example_input=x)[0] == []
+    model, report = orepa.convert(_Aliased(), "dbb", return_report=True)
+    assert report.converted == ["body.3"] and "registered at several places" in report.skipped["first_conv"]
+    assert model.first_conv is model.body[0] and isinstance(model.body[1], nn.BatchNorm2d)
+    for norm in (nn.utils.weight_norm, nn.utils.spectral_norm):
+        hooked = nn.Sequential(norm(nn.Conv2d(4, 4, 3, padding=1)), nn.BatchNorm2d(4), nn.ReLU(),
+                               nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+        _, report = orepa.convert(hooked, "orepa", inplace=True, return_report=True)
+        assert report.converted == ["3"] and "forward pre-hooks" in report.skipped["0"], report.skipped
+    with pytest.raises(ValueError, match="pass inplace=True"):
+        orepa.convert(nn.Sequential(nn.utils.weight_norm(nn.Conv2d(4, 4, 3, padding=1)), nn.BatchNorm2d(4)))
+    model = _AuxInTraining().eval()
+    model.main[1].train()  # a module in another mode than its model's keeps it
+    converted, report = orepa.convert(model, "orepa", return_report=True)
+    assert report.converted == ["main.0", "aux.0"]
+    assert not converted.training and converted.main[1].training and not converted.aux[1].training
+    _, report = orepa.convert(model, "orepa", example_input=torch.randn(2, 8, 8, 8), return_report=True)
+    assert model.main[1].training and not model.main[0].training  # the run by hooks left the modes too

@@ -15,6 +15,7 @@ folds every conv-BN pair for inference.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -140,6 +141,13 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
         raise ValueError(f"{type(conv).__name__} pads by TensorFlow's 'same' rule (unevenly where the stride needs "
                          "it), which leaves no common centre for branches on the feature map: online OREPA blocks "
                          "(method 'orepa') take it")
+    hooks = [what for what, held in (("forward pre-hooks", conv._forward_pre_hooks),
+                                     ("forward hooks", conv._forward_hooks),
+                                     ("state_dict hooks", conv._state_dict_hooks),
+                                     ("load_state_dict hooks", conv._load_state_dict_pre_hooks)) if held]
+    if hooks:  # weight_norm / spectral_norm (torch.nn.utils) compute the weight in a pre-hook
+        raise ValueError(f"it carries {', '.join(hooks)} (torch.nn.utils.weight_norm / spectral_norm, or a "
+                         "caller's), which a block would drop")
     check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                       conv.dilation, conv.groups, conv.padding_mode, any_padding=method == "orepa")
     block = METHODS[method](conv, **options)
@@ -191,8 +199,22 @@ def _foldable_bn(bn: nn.Module, conv: nn.Module) -> bool:
     return _is_bn(bn) and bn.track_running_stats and bn.num_features == conv.out_channels
 
 
+@contextlib.contextmanager
+def _in_mode(model: nn.Module, training: bool):
+    """Every module in ``training`` mode for a while, then each back in its own (a frozen stage's
+    BN stays in eval mode inside a model in training mode)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
 def _pairs_fx(model: nn.Module) -> list[tuple[str, str]]:
-    graph = _LeafTracer().trace(model)
+    with _in_mode(model, True):  # the training graph: branches that run in training only (aux heads) too
+        graph = _LeafTracer().trace(model)
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
     for node in graph.nodes:
@@ -252,16 +274,16 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
     for name, m in model.named_modules():
         if _is_conv(m) or _is_bn(m):
             handles.append(m.register_forward_hook(hook(name)))
-    was_training = model.training
     counter = _UseCounter(outputs)
     try:
-        model.eval()
-        with torch.no_grad(), counter:
-            model(*example_input) if isinstance(example_input, tuple) else model(example_input)
+        with _in_mode(model, False), torch.no_grad(), counter:
+            result = model(*example_input) if isinstance(example_input, tuple) else model(example_input)
     finally:
-        model.train(was_training)
         for h in handles:
             h.remove()
+    for t in torch.utils._pytree.tree_leaves(result):  # a conv output the model returns is used there too
+        if isinstance(t, torch.Tensor) and outputs.get(id(t)) is t:
+            counter.uses[id(t)] = counter.uses.get(id(t), 0) + 1
     modules = dict(model.named_modules())
     pairs = [(conv_of[id(t)], b) for b, t in bn_input.items() if counter.uses.get(id(t)) == 1]
     return [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
@@ -427,6 +449,8 @@ def convert(
     block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
     and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d; timm's
     ``Conv2dSame`` is the exception, an online OREPA block with ``tf_same=True``),
+    convs that carry hooks (``torch.nn.utils.weight_norm`` / ``spectral_norm``: a block would drop
+    them), convs and BNs registered at several places (replacing one name would split the module),
     and convs followed by a BatchNorm2d subclass, which may do more than normalise
     (timm's BatchNormAct2d / SyncBatchNormAct are the exception: blocks that keep
     the BN after them, such as OREPA's, take them); the report says why for each.
@@ -454,7 +478,11 @@ def convert(
     check_block_options(**{k: options[k] for k in ("branches", "scaling", "scale_init", "dw_expand",
                                                    "internal_channels") if k in options})
     if not inplace:
-        model = copy.deepcopy(model)
+        try:
+            model = copy.deepcopy(model)
+        except RuntimeError as exc:  # torch.nn.utils.weight_norm's computed weight refuses to be copied
+            raise ValueError(f"convert(inplace=False) cannot copy {type(model).__name__} ({exc}); "
+                             "pass inplace=True to convert the model itself") from None
     pairs, how, left_out = _find_pairs(model, example_input)
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
@@ -469,12 +497,18 @@ def convert(
     if without_bn:  # every other plain conv too, a block with no BN after it
         pairs = pairs + [(name, None) for name in report.skipped
                          if _convertible(model.get_submodule(name)) and not _inside_block(name, model)]
+    slots = _slots(model)
     for conv_name, bn_name in pairs:
         conv = model.get_submodule(conv_name)
         if not _convertible(conv):
             continue  # already a block
         if exclude is not None and exclude(conv_name, conv):
             report.skipped[conv_name] = "excluded by the caller"
+            continue
+        shared = [n for n in (conv_name, bn_name) if n is not None and slots[id(model.get_submodule(n))] > 1]
+        if shared:  # one name would be swapped, the other left holding the plain module
+            report.skipped[conv_name] = (f"{shared[0]!r} is registered at several places (another attribute holds "
+                                         "the same module), so replacing it under one name would split it")
             continue
         try:
             block = make_block(method, conv, **options)
