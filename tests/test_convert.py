@@ -288,9 +288,14 @@ def test_a_model_with_sync_batchnorms_deploys_to_its_own_layout(method):
 def test_a_frozen_stage_stays_frozen(method):
     base = torchvision.models.resnet18(num_classes=10)
     base.layer1.requires_grad_(False)
+    base.layer1.eval()  # frozen statistics too (a detection backbone's frozen stage)
     model = orepa.convert(base, method)
     assert not any(p.requires_grad for p in model.layer1.parameters())
     assert all(p.requires_grad for p in model.layer2.parameters())
+    deployed = orepa.reparameterize(model)  # deployed as it was: frozen, its BNs in eval mode
+    assert not any(p.requires_grad for p in deployed.layer1.parameters())
+    assert all(p.requires_grad for p in deployed.layer2.parameters())
+    assert not deployed.layer1[0].bn1.training and deployed.layer2[0].bn1.training
 
 
 class _BNRelu(nn.BatchNorm2d):

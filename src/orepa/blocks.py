@@ -1185,6 +1185,7 @@ class AbsorbedNorm(nn.Identity):
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
         self.sync = isinstance(bn, nn.SyncBatchNorm)  # restored as the kind it was
+        self.frozen = bn.weight is not None and not bn.weight.requires_grad  # restored frozen (a frozen stage)
         self.token = token or AbsorbedNorm.Token(uuid.uuid4().hex)
         like = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
         factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
@@ -1208,6 +1209,8 @@ class AbsorbedNorm(nn.Identity):
             bn.running_var.fill_(1.0 - self.eps)
             if shift is not None:
                 bn.running_mean.copy_(-shift)
+        if getattr(self, "frozen", False):  # older pickles: not frozen
+            bn.requires_grad_(False)
         return bn.train(self.training)
 
     def extra_repr(self) -> str:

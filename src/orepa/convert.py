@@ -689,6 +689,8 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     absorbed, orphans = _absorbed_pairing(model, blocks)
     for name, block in blocks:
         conv = block.to_conv().train(block.training)
+        if not any(p.requires_grad for p in block.parameters()):
+            conv.requires_grad_(False)  # a frozen stage deploys frozen
         norm_name = absorbed.get(block.absorbed_token)
         if norm_name is not None:
             # the conv keeps the original conv's bias (if any); the rest moves into the restored BN
@@ -696,7 +698,7 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
             if conv.bias is not None:
                 shift = conv.bias if block.bias is None else conv.bias - block.bias
             restored = model.get_submodule(norm_name).restore(shift)
-            _set_submodule(model, norm_name, restored.train(block.training))
+            _set_submodule(model, norm_name, restored)  # in its placeholder's mode: a frozen BN stays in eval
             if block.bias is None:
                 conv.bias = None
             else:
