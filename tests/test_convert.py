@@ -769,6 +769,16 @@ class _Aliased(nn.Module):
         return self.body(x)
 
 
+class _TiedDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.mid, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return nn.functional.conv_transpose2d(self.bn2(self.mid(self.bn(self.enc(x)))), self.enc.weight, padding=1)
+
+
 class _AuxInTraining(nn.Module):
     def __init__(self):
         super().__init__()
@@ -783,13 +793,16 @@ class _AuxInTraining(nn.Module):
 @pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")
 def test_convert_pairs_only_what_it_can_replace_whole():
     """A conv output the model also returns is not its BN's alone; a conv registered under two
-    names is not split; a conv with weight_norm's hooks is not stripped of them; a branch that runs
+    names is not split, nor one whose weight the forward also reads; a conv with weight_norm's hooks is not stripped of them; a branch that runs
     in training only is converted from a model in eval mode too, and every module keeps its mode."""
     x = torch.randn(2, 4, 8, 8)
     assert orepa.find_conv_bn_pairs(_Tap(), example_input=x)[0] == []
     model, report = orepa.convert(_Aliased(), "dbb", return_report=True)
     assert report.converted == ["body.3"] and "registered at several places" in report.skipped["first_conv"]
     assert model.first_conv is model.body[0] and isinstance(model.body[1], nn.BatchNorm2d)
+    model, report = orepa.convert(_TiedDecoder(), "orepa", return_report=True)
+    assert report.converted == ["mid"] and "tied weight" in report.skipped["enc"]
+    assert model(torch.randn(2, 3, 8, 8)).shape == (2, 3, 8, 8)
     for norm in (nn.utils.weight_norm, nn.utils.spectral_norm):
         hooked = nn.Sequential(norm(nn.Conv2d(4, 4, 3, padding=1)), nn.BatchNorm2d(4), nn.ReLU(),
                                nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))

@@ -212,7 +212,9 @@ def _in_mode(model: nn.Module, training: bool):
             m.training = mode
 
 
-def _pairs_fx(model: nn.Module) -> list[tuple[str, str]]:
+def _pairs_fx(model: nn.Module, left_out: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The conv -> BN pairs of ``model``'s traced graph; ``left_out`` takes ``{conv: why}`` for the
+    convs that a BN follows but whose tensors the forward also reads."""
     with _in_mode(model, True):  # the training graph: branches that run in training only (aux heads) too
         graph = _LeafTracer().trace(model)
     modules = dict(model.named_modules())
@@ -220,9 +222,17 @@ def _pairs_fx(model: nn.Module) -> list[tuple[str, str]]:
     for node in graph.nodes:
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
+    # a conv whose weight or bias the forward also reads itself (a tied decoder's F.conv_transpose2d
+    # of encoder.weight): a block holds no such tensor
+    read = {node.target.rpartition(".")[0] for node in graph.nodes if node.op == "get_attr"}
     pairs = []
     for node in graph.nodes:
         if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        if node.args[0].op == "call_module" and node.args[0].target in read:
+            if left_out is not None:
+                left_out[node.args[0].target] = ("its weight or bias is also read outside it (a tied weight), "
+                                                 "which a block does not hold")
             continue
         src = node.args[0]
         if src.op != "call_module" or len(src.users) != 1:
@@ -378,8 +388,9 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
 
 def _find_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
     """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out."""
+    left_out: dict[str, str] = {}
     try:
-        return _pairs_fx(model), "torch.fx", {}
+        return _pairs_fx(model, left_out), "torch.fx", left_out
     except Exception as exc:  # untraceable control flow etc.
         reason = f"{type(exc).__name__}"
     if example_input is not None:
