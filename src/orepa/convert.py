@@ -327,9 +327,11 @@ def _slots(model: nn.Module) -> dict[int, int]:
 def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """The fallback when torch.fx cannot trace the whole model and no example input is given.
 
-    Pairs only what is provably adjacent: consecutive children of an ``nn.Sequential``
+    Pairs only what is adjacent by construction: consecutive children of an ``nn.Sequential``
     (its stock forward feeds each child's output to the next child only) and the pairs
-    torch.fx finds in every submodule it can trace on its own. A conv or BN registered at
+    torch.fx finds in every submodule it can trace on its own. What the untraceable parent does
+    with those submodules is not seen: a forward that also calls one child of a Sequential on its
+    own (``self.seq[0](x)``) needs ``example_input``. A conv or BN registered at
     several places (a BN shared by two convs) is never paired. Returns the pairs and,
     for the conv -> BN pairs a registration-order guess would have made but that are not
     provable, ``{conv_name: why it was left out}``.
@@ -404,10 +406,12 @@ def find_conv_bn_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple
     """``[(conv_name, bn_name)]`` where the BN directly and only consumes the conv's output.
 
     Tries torch.fx; if the model cannot be traced, runs ``example_input`` through
-    it with hooks; without an example input, pairs only what is provably adjacent:
+    it with hooks; without an example input, pairs only what is adjacent by construction:
     consecutive children of an ``nn.Sequential`` and the pairs in every submodule
     torch.fx can trace on its own (a conv and BN registered one after the other
-    in an untraceable module are left out, with a warning). Returns the pairs and
+    in an untraceable module are left out, with a warning). That fallback trusts the
+    untraceable parent to call those submodules whole: one that also calls a Sequential's
+    child on its own needs ``example_input``. Returns the pairs and
     the method used.
     """
     pairs, how, left_out = _find_pairs(model, example_input)
