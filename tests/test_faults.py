@@ -458,6 +458,17 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         # an atomic write renames over its target: a device node (as root) would be replaced by a file
         (["reparam", str(ckpt), "-o", os.devnull, "--overwrite"], f"--output {os.devnull} is not a regular file"),
     ]
+    loop = tmp_path / "loop1.pth"  # a symbolic link loop, as an output and as an input
+    loop.symlink_to(tmp_path / "loop2.pth")
+    (tmp_path / "loop2.pth").symlink_to(loop)
+    cases += [
+        (["reparam", str(ckpt), "-o", str(loop)], f"--output {loop} is a symbolic link that leads back to itself"),
+        (["eval", str(ckpt), "--json", str(loop)], f"--json {loop} is a symbolic link that leads back to itself"),
+        (["reparam", str(loop)], f"checkpoint {loop} is a symbolic link to nothing"),
+        (["import-reference", str(ckpt), "-o", str(tmp_path / "i.pth"), "--rtol", "-1"],
+         "argument --rtol: must be a positive number, got -1"),
+        (["eval", str(ckpt), "-j", "100000", "--val-subset", "16"], "-j/--workers 100000: more loader processes"),
+    ]
     before = ckpt.read_bytes()
     if Path("/proc/self").is_dir():  # procfs takes no new files, though os.access says yes to root
         cases.append((["reparam", str(ckpt), "-o", "/proc/orepa-deployed.pth"], "cannot create files in /proc"))
@@ -695,3 +706,28 @@ def test_out_of_memory_is_one_line_with_what_to_change(cache, tmp_path, capsys, 
     assert err.startswith("orepa eval: error: out of memory ([enforce fail at alloc_cpu.cpp:127] err == 0. "
                           "DefaultCPUAllocator: can't allocate memory: you tried to allocate 40000000000000 bytes. "
                           "Error code 12 (Cannot allocate memory)); a smaller batch (-b) needs less\n"), err
+
+
+def test_an_image_over_pils_pixel_limit_is_named(tmp_path, monkeypatch):
+    """PIL refuses images over twice its pixel limit (decompression bombs) with an error that is
+    no OSError: still the one error naming the file."""
+    from PIL import Image
+
+    from orepa.apps import data
+
+    _png_tree(tmp_path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 36 x 36 images are over 2 x 100 pixels
+    path = tmp_path / "train" / "cat" / "0.png"
+    with pytest.raises(data.UserError, match=f"cannot read image {path}: DecompressionBombError"):
+        data.load_image(str(path))
+
+
+def test_ctrl_c_in_a_command_says_interrupted(monkeypatch, capsys):
+    from orepa.apps import reparam
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reparam, "run", interrupted)
+    assert main(["reparam", "x.pth"]) == 130
+    assert capsys.readouterr().err == "orepa reparam: interrupted\n"

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return fail(args.command, UserError(f"{oom}; a smaller batch (-b) needs less"))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
-        print(f"orepa {args.command}: {exc or 'interrupted'}", file=sys.stderr, flush=True)
+        print(f"orepa {args.command}: {str(exc) or 'interrupted'}", file=sys.stderr, flush=True)
         return 130
 
 

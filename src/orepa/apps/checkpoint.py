@@ -181,6 +181,12 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     names (``{"the input checkpoint": path, ...}``: the same file by any name), or where a
     ``text`` output (a JSON report) would replace a checkpoint."""
     path = Path(path)
+    if path.is_symlink():
+        try:
+            path.resolve(strict=False)
+        except (RuntimeError, OSError):  # Python < 3.13 raises RuntimeError for a loop
+            raise UserError(f"{flag} {path} is a symbolic link that leads back to itself (a loop); "
+                            "choose another path") from None
     for what, other in (not_over or {}).items():
         if other is not None and _same_file(path, Path(other)):
             raise UserError(f"{flag} {path} is {what}; choose another path")
@@ -212,8 +218,11 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
 def _same_file(a: Path, b: Path) -> bool:
     """Whether ``a`` and ``b`` name one file: the same path once resolved (links, ``..``), or
     two names of one existing file (hard links)."""
-    if a.resolve() == b.resolve():
-        return True
+    try:
+        if a.resolve() == b.resolve():
+            return True
+    except (RuntimeError, OSError):  # a symbolic link loop names no file
+        return False
     try:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except OSError:
@@ -333,7 +342,9 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
     """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
+        raise UserError(f"checkpoint {path} is a symbolic link to nothing (a dangling link or a loop)"
+                        if path.is_symlink() and not path.exists() else
+                        f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
     if path.stat().st_size == 0:
         raise UserError(f"checkpoint {path} is an empty file (a write that never finished?)")
     if _is_torchscript(path):  # torch.load would hand it to torch.jit.load

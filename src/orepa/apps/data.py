@@ -217,7 +217,7 @@ def load_image(path: str):
         with open(path, "rb") as f:
             img = Image.open(f)
             return img.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as exc:  # PIL.UnidentifiedImageError is an OSError
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # UnidentifiedImageError: OSError
         raise UserError(f"cannot read image {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]} "
                         "(remove or replace the file)") from None
 
@@ -353,6 +353,10 @@ def build_data(args, *, need_train: bool = True) -> Data:
 
 def default_workers(args, device: torch.device) -> int:
     if getattr(args, "workers", None) is not None:
+        cap = max(32, 4 * (os.cpu_count() or 1))  # each worker holds a copy of the process's memory
+        if args.workers > cap:
+            raise UserError(f"-j/--workers {args.workers}: more loader processes than this machine can hold "
+                            f"(at most {cap}: 4 per CPU, or 32)")
         return max(0, args.workers)
     if resolve_kind(args) == "fashion-mnist" and device.type == "cpu":
         return 0
@@ -376,13 +380,22 @@ def ignore_stop_signals(worker_id: int, owner: int | None = None) -> None:
         return
     if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: the default action (the parent's stop works)
         return
-    senders = {os.getppid(), owner}
+    senders = {os.getppid(), owner} - {1, None}  # pid 1: init, the parent of an orphan
     signal.pthread_sigmask(signal.SIG_BLOCK, others)  # every thread started later inherits the mask
+
+    def orphaned() -> bool:  # the loader's process is gone (killed): nobody else will stop this worker
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def take() -> None:
         while True:
             info = signal.sigwaitinfo(others)
-            if info.si_pid in senders:
+            if info.si_pid in senders or (owner is not None and orphaned()):
                 os._exit(0)  # as asked; 0: torch's SIGCHLD check in the parent reports any other code
 
     threading.Thread(target=take, name="orepa-stop-signals", daemon=True).start()

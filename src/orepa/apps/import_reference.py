@@ -29,7 +29,7 @@ from .checkpoint import (
     model_from_checkpoint,
     save_checkpoint,
 )
-from .common import UserError, add_run_arguments, apply_threads, count_params, fail
+from .common import UserError, add_run_arguments, apply_threads, count_params, fail, positive_float
 from .model_cfg import deploy, describe_cfg, model_cfg_of
 
 
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                           "the training form")
     p.add_argument("--fuse-bn", action="store_true", help="with --deploy: also fold every BN into its conv")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
-    p.add_argument("--rtol", type=float, default=1e-4,
+    p.add_argument("--rtol", type=positive_float, default=1e-4,
                    help="check tolerance: max|diff| <= rtol * (1 + max|logit|) on a random batch (1e-4)")
     add_run_arguments(p)
 
