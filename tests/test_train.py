@@ -410,6 +410,14 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, mon
         p.write_bytes(b"partial")
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0
     assert _load(ckpt)["model_cfg"]["method"] == "orepa"
+    # a run still writing the directory (its lock names a live process) keeps it; a dead one's lock goes
+    lock = run / ckpt_mod.RUN_LOCK
+    lock.write_text(f"{host}-{os.getpid()}")
+    before = ckpt.read_bytes()
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
+    assert "is being written by another run" in capsys.readouterr().err and ckpt.read_bytes() == before
+    lock.write_text(f"{host}-{int(gone.stdout)}")
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists()
     # the old run's files went, those reparam made from its checkpoint among them
     assert not (run / "deployed.pth").exists() and not (run / ".replaced-run").exists()
     assert not dead.exists() and live.exists() and remote.exists()

@@ -154,6 +154,43 @@ def _dead(tag: str) -> bool:
     return False
 
 
+#: the file that marks a run directory as being written by one process (``host-pid``)
+RUN_LOCK = ".orepa-run.lock"
+
+
+def lock_run_dir(directory: Path, flag: str = "--output-dir") -> Path:
+    """Take ``directory`` for this process's run (``RUN_LOCK``, made exclusively): a second run into
+    it (``--overwrite`` or ``--resume`` while the first still runs) would write over the first's
+    files. A lock whose process on this host is gone (a killed run) is taken over; another host's
+    is left to the user (a shared file system). Remove it with :func:`unlock_run_dir`."""
+    lock = directory / RUN_LOCK
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                tag = lock.read_text().strip()
+            except OSError:
+                tag = ""
+            if _dead(tag):
+                lock.unlink(missing_ok=True)
+                continue
+            raise UserError(f"{flag} {directory} is being written by another run (process {tag or 'unknown'}); "
+                            f"wait for it to end or choose another {flag} (a run that died on another machine "
+                            f"leaves {lock}: remove it)") from None
+        except OSError as exc:
+            raise UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(_writer_tag())
+        return lock
+    raise UserError(f"{flag} {directory}: another run took it at the same moment; choose another {flag}")
+
+
+def unlock_run_dir(lock: Path | None) -> None:
+    if lock is not None:
+        lock.unlink(missing_ok=True)
+
+
 def remove_stale_tmp(path: str | os.PathLike) -> list[Path]:
     """Delete the ``.<name>.<host>-<pid>.*.tmp`` files that interrupted atomic writes of ``path`` left
     behind: those whose writing process (on this host) no longer runs; a concurrent writer's stays."""

@@ -64,10 +64,12 @@ from .checkpoint import (
     check_output_path,
     load_checkpoint,
     load_model_state,
+    lock_run_dir,
     new_classifier_keys,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    unlock_run_dir,
 )
 from .common import (
     STOP_SIGNALS,
@@ -369,6 +371,7 @@ class Trainer:
         self.main = self.info.is_main
         self.t_start = time.perf_counter()
         self.replaced: list[str] = []  # the run --overwrite moved aside until this one's first checkpoint
+        self.lock: Path | None = None  # the output directory's lock (lock_run_dir), held by the main process
 
     def log(self, *msg) -> None:
         if self.main:
@@ -480,6 +483,7 @@ class Trainer:
                 self.out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise UserError(f"--output-dir {self.out}: cannot make the directory ({exc.strerror or exc})") from None
+            self.lock = lock_run_dir(self.out)  # before anything of this run is written there
 
         global_batch = args.batch_size * info.world_size
         if args.lr is None:
@@ -1100,6 +1104,7 @@ def train(args: argparse.Namespace) -> dict:
         trainer.restore_replaced_run()
         raise
     finally:
+        unlock_run_dir(trainer.lock)
         cleanup_distributed(trainer.info)
 
 
