@@ -458,6 +458,12 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         # an atomic write renames over its target: a device node (as root) would be replaced by a file
         (["reparam", str(ckpt), "-o", os.devnull, "--overwrite"], f"--output {os.devnull} is not a regular file"),
     ]
+    odd = tmp_path / "odd"  # val/ names another class than train/
+    _png_tree(odd)
+    (odd / "val" / "dog").rename(odd / "val" / "bird")
+    cases.append((["train", "--data-path", str(odd), "--output-dir", str(tmp_path / "o")],
+                  f"--data-path {odd}: train/ and val/ have different class folders (only in train/: dog; "
+                  "only in val/: bird)"))
     loop = tmp_path / "loop1.pth"  # a symbolic link loop, as an output and as an input
     loop.symlink_to(tmp_path / "loop2.pth")
     (tmp_path / "loop2.pth").symlink_to(loop)
@@ -465,6 +471,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["reparam", str(ckpt), "-o", str(loop)], f"--output {loop} is a symbolic link that leads back to itself"),
         (["eval", str(ckpt), "--json", str(loop)], f"--json {loop} is a symbolic link that leads back to itself"),
         (["reparam", str(loop)], f"checkpoint {loop} is a symbolic link to nothing"),
+        (["eval", str(ckpt), "--bogus"], "orepa eval: error: unrecognized arguments: --bogus (see orepa eval --help)"),
         (["import-reference", str(ckpt), "-o", str(tmp_path / "i.pth"), "--rtol", "-1"],
          "argument --rtol: must be a positive number, got -1"),
         (["eval", str(ckpt), "-j", "100000", "--val-subset", "16"], "-j/--workers 100000: more loader processes"),

@@ -48,10 +48,14 @@ def build_parser(argv_cmd: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, cmd: str) -> argparse.ArgumentParser:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+
+
 def given_flags(argv: list[str], cmd: str) -> frozenset[str]:
     """Destinations of the arguments present in ``argv`` (parsed again with every default suppressed)."""
     parser = build_parser(cmd)
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+    sub = _subparser(parser, cmd)
     for action in sub._actions:
         action.default = argparse.SUPPRESS
     sub._defaults.clear()
@@ -63,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(cmd if cmd in SUBCOMMANDS else None)
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # said by the subcommand's parser: its name and its --help
+            target = _subparser(parser, args.command) if args.command else parser
+            target.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # a bad argument (its one-line error is printed): the exit code; --help: exit
         if exc.code in (0, None):
             raise

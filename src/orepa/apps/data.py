@@ -201,8 +201,11 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
     except (FileNotFoundError, RuntimeError) as exc:
         raise UserError(f"--data-path {root}: {exc}") from None
     if train is not None and train.classes != val.classes:
-        raise UserError(f"--data-path {root}: train/ and val/ have different class folders "
-                        f"({len(train.classes)} vs {len(val.classes)})")
+        only_train = sorted(set(train.classes) - set(val.classes))
+        only_val = sorted(set(val.classes) - set(train.classes))
+        raise UserError(f"--data-path {root}: train/ and val/ have different class folders ("
+                        + "; ".join(f"only in {where}/: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                                    for where, names in (("train", only_train), ("val", only_val)) if names) + ")")
     if train is not None and len(train.classes) < 2:
         raise UserError(f"--data-path {root}: train/ has {len(train.classes)} class folder "
                         f"({', '.join(train.classes)}); a classifier needs at least 2")
