@@ -738,3 +738,19 @@ def test_ctrl_c_in_a_command_says_interrupted(monkeypatch, capsys):
     monkeypatch.setattr(reparam, "run", interrupted)
     assert main(["reparam", "x.pth"]) == 130
     assert capsys.readouterr().err == "orepa reparam: interrupted\n"
+
+
+@pytest.mark.parametrize("command,hint", [("analyze", False), ("eval", True)])
+def test_out_of_memory_names_the_batch_only_where_a_command_has_one(command, hint, monkeypatch, capsys):
+    import importlib
+
+    module = importlib.import_module(f"orepa.apps.{'evaluate' if command == 'eval' else command}")
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1 GiB free.")
+
+    monkeypatch.setattr(module, "run", out_of_memory)
+    assert main([command, "x.pth"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"orepa {command}: error: out of memory (CUDA out of memory") and err.count("\n") == 1
+    assert ("(-b)" in err) == hint, err

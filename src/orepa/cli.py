@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         oom = out_of_memory(exc)
         if oom is None:
             raise
-        return fail(args.command, UserError(f"{oom}; a smaller batch (-b) needs less"))
+        hint = "; a smaller batch (-b) needs less" if "batch_size" in vars(args) else ""  # analyze has none
+        return fail(args.command, UserError(f"{oom}{hint}"))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
         print(f"orepa {args.command}: {str(exc) or 'interrupted'}", file=sys.stderr, flush=True)
         return 130
