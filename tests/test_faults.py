@@ -471,6 +471,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["reparam", str(ckpt), "-o", str(loop)], f"--output {loop} is a symbolic link that leads back to itself"),
         (["eval", str(ckpt), "--json", str(loop)], f"--json {loop} is a symbolic link that leads back to itself"),
         (["reparam", str(loop)], f"checkpoint {loop} is a symbolic link to nothing"),
+        (["import-reference", str(ckpt), "-o", str(tmp_path / "i.pth"), "--device", "mps"],
+         "--device mps: orepa runs on cpu or cuda, not mps"),
         (["eval", str(ckpt), "--bogus"], "orepa eval: error: unrecognized arguments: --bogus (see orepa eval --help)"),
         (["import-reference", str(ckpt), "-o", str(tmp_path / "i.pth"), "--rtol", "-1"],
          "argument --rtol: must be a positive number, got -1"),

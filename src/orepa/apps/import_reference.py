@@ -29,7 +29,7 @@ from .checkpoint import (
     model_from_checkpoint,
     save_checkpoint,
 )
-from .common import UserError, add_run_arguments, apply_threads, count_params, fail, positive_float
+from .common import UserError, add_run_arguments, apply_threads, count_params, fail, parse_device, positive_float
 from .model_cfg import deploy, describe_cfg, model_cfg_of
 
 
@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def import_checkpoint(args: argparse.Namespace) -> dict:
     apply_threads(args)
+    device = parse_device(args.device)  # where the written checkpoint is checked against the imported model
     src, out = Path(args.checkpoint), Path(args.output)
     if args.fuse_bn and not args.deploy:
         raise UserError("--fuse-bn needs --deploy (a training-form checkpoint keeps its BNs)")
@@ -78,9 +79,9 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
             "import_args": args_dict(args)}
     # what is written must read back through the one checkpoint loader and compute the imported model
     reread, _, _ = model_from_checkpoint(ckpt, out, use_ema=False)
-    x = torch.randn(2, cfg["in_chans"], 64, 64)
+    x = torch.randn(2, cfg["in_chans"], 64, 64, device=device)
     with torch.no_grad():
-        ref, got = model(x), reread(x)
+        ref, got = model.to(device)(x), reread.to(device)(x)
     diff = (ref - got).abs().max().item()
     bound = args.rtol * (1 + ref.abs().max().item())
     if not diff <= bound:
