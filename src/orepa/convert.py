@@ -229,17 +229,16 @@ def _pairs_fx(model: nn.Module, left_out: dict[str, str] | None = None) -> list[
     for node in graph.nodes:
         if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
             continue
-        if node.args[0].op == "call_module" and node.args[0].target in read:
-            if left_out is not None:
-                left_out[node.args[0].target] = ("its weight or bias is also read outside it (a tied weight), "
-                                                 "which a block does not hold")
-            continue
         src = node.args[0]
         if src.op != "call_module" or len(src.users) != 1:
             continue
         conv, bn = modules[src.target], modules[node.target]
         if _is_conv(conv) and _foldable_bn(bn, conv) and calls[src.target] == 1 and calls[node.target] == 1:
-            pairs.append((src.target, node.target))
+            if src.target not in read:
+                pairs.append((src.target, node.target))
+            elif left_out is not None:
+                left_out[src.target] = "its weight or bias is also read outside it (a tied weight), which a block " \
+                                       "does not hold"
     return pairs
 
 
