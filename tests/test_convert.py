@@ -800,6 +800,11 @@ def test_convert_pairs_only_what_it_can_replace_whole():
     model, report = orepa.convert(_Aliased(), "dbb", return_report=True)
     assert report.converted == ["body.3"] and "registered at several places" in report.skipped["first_conv"]
     assert model.first_conv is model.body[0] and isinstance(model.body[1], nn.BatchNorm2d)
+    _, report = orepa.convert(_Aliased(), "orepa", without_bn=True, return_report=True)
+    assert "registered at several places" in report.skipped["first_conv"]
+    aliased = _Aliased().eval()  # fuse_conv_bn pairs by the same rule: nothing of the aliased pair is folded
+    with torch.no_grad(), pytest.warns(UserWarning, match="'first_conv' is registered at several places"):
+        tol_close(orepa.fuse_conv_bn(aliased)(x), aliased(x))
     model, report = orepa.convert(_TiedDecoder(), "orepa", return_report=True)
     assert report.converted == ["mid"] and "tied weight" in report.skipped["enc"]
     assert model(torch.randn(2, 3, 8, 8)).shape == (2, 3, 8, 8)

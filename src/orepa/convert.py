@@ -387,8 +387,35 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
     return pairs, left_out
 
 
+def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
+    """Why the modules ``names`` (a conv and its BN, or a lone conv) cannot be replaced: one is
+    registered at several places (:func:`_slots`), and swapping it under one name would leave the
+    other name holding the old module. None where they can."""
+    shared = [n for n in names if n is not None and slots[id(model.get_submodule(n))] > 1]
+    if not shared:
+        return None
+    return (f"{shared[0]!r} is registered at several places (another attribute holds the same module), so "
+            "replacing it under one name would split it")
+
+
 def _find_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
-    """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out."""
+    """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out. Whatever
+    the route, a pair with a module registered at several places is left out (:func:`_split_reason`):
+    neither ``convert`` nor ``fuse_conv_bn`` could replace it whole."""
+    pairs, how, left_out = _pairs_any_route(model, example_input)
+    slots = _slots(model)
+    kept = []
+    for conv_name, bn_name in pairs:
+        why = _split_reason(model, slots, (conv_name, bn_name))
+        if why is None:
+            kept.append((conv_name, bn_name))
+        else:
+            left_out[conv_name] = why
+    return kept, how, left_out
+
+
+def _pairs_any_route(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
+    """The pairs of the first route that works: torch.fx, forward hooks, the structural fallback."""
     left_out: dict[str, str] = {}
     try:
         return _pairs_fx(model, left_out), "torch.fx", left_out
@@ -519,10 +546,9 @@ def convert(
         if exclude is not None and exclude(conv_name, conv):
             report.skipped[conv_name] = "excluded by the caller"
             continue
-        shared = [n for n in (conv_name, bn_name) if n is not None and slots[id(model.get_submodule(n))] > 1]
-        if shared:  # one name would be swapped, the other left holding the plain module
-            report.skipped[conv_name] = (f"{shared[0]!r} is registered at several places (another attribute holds "
-                                         "the same module), so replacing it under one name would split it")
+        why = _split_reason(model, slots, (conv_name,)) if bn_name is None else None  # pairs: _find_pairs checked
+        if why is not None:
+            report.skipped[conv_name] = why
             continue
         try:
             block = make_block(method, conv, **options)
