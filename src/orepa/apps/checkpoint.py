@@ -331,7 +331,8 @@ def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def _is_torchscript(path: Path) -> bool:
+def is_torchscript(path: Path) -> bool:
+    """Whether ``path`` is a TorchScript archive (a zip with code, which a checkpoint has not)."""
     try:
         with zipfile.ZipFile(path) as z:
             return any(n.endswith("/constants.pkl") or "/code/" in n for n in z.namelist())
@@ -384,7 +385,7 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
                         f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
     if path.stat().st_size == 0:
         raise UserError(f"checkpoint {path} is an empty file (a write that never finished?)")
-    if _is_torchscript(path):  # torch.load would hand it to torch.jit.load
+    if is_torchscript(path):  # torch.load would hand it to torch.jit.load
         raise UserError(f"{path} is a TorchScript archive (a compiled program), not a checkpoint; "
                         "load it with torch.jit.load")
     if not lazy:
@@ -425,17 +426,13 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
 def _torch_load(path: Path, lazy: bool):
     with warnings.catch_warnings():  # a plain pickle's protocol: the error that follows says what the file is
         warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-        return _torch_load_quiet(path, lazy)
-
-
-def _torch_load_quiet(path: Path, lazy: bool):
-    if lazy:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:  # torch's legacy (non-zip) format cannot be mapped: read it whole
-            if "mmap" not in str(exc):
-                raise
-    return torch.load(path, map_location="cpu", weights_only=True)
+        if lazy:
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as exc:  # torch's legacy (non-zip) format cannot be mapped: read it whole
+                if "mmap" not in str(exc):
+                    raise
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def checkpoint_form(path: str | os.PathLike) -> str | None:

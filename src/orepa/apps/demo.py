@@ -32,7 +32,7 @@ from .checkpoint import atomic_write_text, check_output_path
 from .common import STOP_SIGNALS, UserError, available_cpus, nonneg_float, positive_float, positive_int, seed_int
 from .data import prepare_fashion_mnist
 from .model_cfg import build_model
-from .train import RUN_FILES
+from .train import run_files
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:  # before any pipeline starts: every model the demo would train can be built
         build_model({"model": args.model, "method": m, "num_classes": 10, "in_chans": 1, "small_input": True,
                      "width_mult": args.width_mult, "options": {}})
-        found = [n for n in RUN_FILES if (root / m / n).exists()]
+        found = run_files(root / m)
         if found and not (root / m / "demo.log").exists():  # a demo replaces its own runs, no other
             raise UserError(f"--output-dir {root}: {root / m} holds a run the demo did not make "
                             f"({', '.join(found)}); choose another --output-dir")

@@ -301,16 +301,10 @@ def is_export(path: Path, fmt: str) -> bool:
     """Whether ``path`` holds an earlier export of format ``fmt``: what export replaces without
     --overwrite (any other file is refused). TorchScript: a zip archive with code (a checkpoint has
     none); ONNX: a model with a graph (loaded without its external data)."""
-    import zipfile
-
     if not path.is_file():
         return False
     if fmt == "torchscript":
-        try:
-            with zipfile.ZipFile(path) as z:
-                return any("/code/" in n for n in z.namelist())
-        except (zipfile.BadZipFile, OSError):
-            return False
+        return ckpt_io.is_torchscript(path)
     try:
         import onnx
 

@@ -319,6 +319,14 @@ DERIVED_FILES = ("deployed.pth", "deployed-fused.pth")
 REPLACED_DIR = ".replaced-run"
 
 
+def run_files(directory: Path) -> list[str]:
+    """The files of the run ``directory`` holds, with those reparam made from its checkpoint; [] where
+    it holds none (reparam's outputs alone are no run)."""
+    found = ([n for n in RUN_FILES + DERIVED_FILES if (directory / n).exists()]
+             + sorted(p.name for p in directory.glob("model_*.pth")))
+    return found if any(n not in DERIVED_FILES for n in found) else []
+
+
 def _given(args: argparse.Namespace) -> frozenset[str]:
     """Flags given explicitly: ``args.given`` (set by ``orepa``), else those that differ from the defaults."""
     if getattr(args, "given", None) is not None:
@@ -610,9 +618,8 @@ class Trainer:
         that --overwrite will replace (:meth:`_clear_previous_run`, once this run is set up)."""
         args = self.args
         check_output_path(self.out, "--output-dir", directory=True)
-        found = ([n for n in RUN_FILES + DERIVED_FILES if (self.out / n).exists()]
-                 + sorted(p.name for p in self.out.glob("model_*.pth")))
-        if not [n for n in found if n not in DERIVED_FILES]:
+        found = run_files(self.out)
+        if not found:
             return []
         if self.start_path and Path(self.start_path).resolve().parent == self.out.resolve():
             # a new run would write over (or, with --overwrite, remove) the checkpoint it starts from

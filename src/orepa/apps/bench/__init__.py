@@ -105,14 +105,15 @@ def run(args: argparse.Namespace) -> int:
     if args.tag is not None and (Path(args.tag).name != args.tag or args.tag in ("", ".", "..")):
         raise UserError(f"--tag {args.tag!r} is a file stem in --output-dir, not a path")
     if args.from_json:
-        ignored = sorted(set(getattr(args, "given", None) or ()) - {"from_json", "output_dir", "no_plot"})
+        given = set(getattr(args, "given", None) or ())
+        ignored = sorted(given - {"from_json", "output_dir", "no_plot"})
         if ignored:  # said, not silently dropped: a re-rendered result keeps its own settings
             flags = ", ".join("--" + f.replace("_", "-") for f in ignored)
             raise UserError(f"--from-json re-renders a saved result as it was measured; {flags} do(es) not apply "
                             "(only --output-dir and --no-plot do)")
         try:
             # an --output-dir given on the command line takes the files; else they go next to FILE
-            out_dir = args.output_dir if "output_dir" in (getattr(args, "given", None) or ()) else None
+            out_dir = args.output_dir if "output_dir" in given else None
             result, files = rerender(args.from_json, plots=not args.no_plot, out_dir=out_dir)
         except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not a bench result
             raise UserError(f"--from-json {args.from_json}: {getattr(exc, 'strerror', None) or exc}") from None
