@@ -1,8 +1,11 @@
 """Export of deployed zoo models: ONNX round trip through onnxruntime, TorchScript, the CLI."""
 import importlib.util
 import inspect
+import json
+import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +73,24 @@ def test_torchscript_and_verification_failure(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt"]  # a failed check writes nothing
     # a TorchScript archive is not a checkpoint (torch.load would hand it to torch.jit.load)
     assert cli.main(["eval", str(tmp_path / "m.pt")]) == 2
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_export_writes_to_a_file_name_that_is_not_utf8(tmp_path, capsys):
+    """torch's C++ writers and onnxruntime take no such name (a TypeError deep in torch.jit.save);
+    a Linux file name is any bytes, which Python hands over as surrogates."""
+    odd = tmp_path / os.fsdecode(b"model-\xff")
+    try:
+        odd.write_bytes(b"")
+        odd.unlink()
+    except (OSError, UnicodeEncodeError):
+        pytest.skip("this file system takes no file name that is not UTF-8")
+    formats = ["torchscript"] + (["onnx"] if importlib.util.find_spec("onnxruntime") else [])
+    for fmt in formats:
+        out = f"{odd}.{fmt}"
+        assert cli.main(["export", *TINY_ARGS, "--format", fmt, "-o", out, "--threads", "1"]) == 0, fmt
+        assert "vs pytorch" in capsys.readouterr().out  # verified from the file written
+        assert export.is_export(Path(out), fmt)
 
 
 def test_cli_export_with_checkpoints(tmp_path, capsys):
@@ -159,6 +180,20 @@ def test_cli_export_takes_the_input_size_and_model_from_the_checkpoint(tmp_path,
     assert cli.main(["export", str(path), "-o", str(tmp_path / "m.pt"), "--format", "torchscript",
                      "--threads", "1", "--device", "cpu"]) == 0
     assert "input [1, 1, 28, 28]" in capsys.readouterr().out
+    # the class names a checkpoint holds go with the exported model
+    names = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Boot"]
+    named = save_checkpoint({**torch.load(path, weights_only=True), "classes": names}, tmp_path / "named.pth")
+    assert cli.main(["export", str(named), "-o", str(tmp_path / "named.pt"), "--format", "torchscript",
+                     "--threads", "1", "--no-verify"]) == 0
+    extra = {"classes": ""}
+    torch.jit.load(str(tmp_path / "named.pt"), _extra_files=extra)
+    assert json.loads(extra["classes"]) == names
+    if importlib.util.find_spec("onnx") is not None:
+        import onnx
+
+        assert cli.main(["export", str(named), "-o", str(tmp_path / "named.onnx"), "--threads", "1", "--no-verify"]) == 0
+        props = {p.key: p.value for p in onnx.load(str(tmp_path / "named.onnx")).metadata_props}
+        assert json.loads(props["classes"]) == names
 
 
 TINY = dict(num_classes=10, in_chans=1, small_input=True, width_mult=0.125)

@@ -431,6 +431,9 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["train", "--model-ema-decay", "1.5"], "argument --model-ema-decay: must be a number in [0, 1], got 1.5"),
         (["train", "--seed", str(2**64)], "argument --seed: must be an integer in [0, 2**32 - 1]"),
         (["demo", "--seed", "-1"], "argument --seed: must be an integer in [0, 2**32 - 1], got -1"),
+        # 5,000 threads on 2 cores evaluated 100x slower per batch, without a word
+        (["eval", str(ckpt), "--threads", "100000"], "argument --threads: must be a positive integer up to "),
+        (["demo", "--threads", "100000"], "argument --threads: must be a positive integer up to "),
         ([*new, "--dataset", "fashion-mnist", "--data-path", str(imgs), "--output-dir", str(tmp_path / "d")],
          f"--dataset fashion-mnist reads the Debian package's files (or those in $OREPA_FASHION_MNIST_DIR), "
          f"not --data-path {imgs}"),

@@ -130,6 +130,55 @@ def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
     assert "expected an ImageFolder tree" in err and "val" in err
 
 
+def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp_path, capsys):
+    """A folder holding some of the classes (or them in another order) is evaluated with each image's
+    label read by class name, not by its folder's rank; classes the model never saw are an error, and
+    a resumed run refuses a folder whose classes changed."""
+    import shutil
+
+    from orepa.apps.checkpoint import load_checkpoint, model_from_checkpoint
+
+    root, out = tmp_path / "imgs", tmp_path / "run"
+    _png_tree(root, classes=("cat", "dog", "fox"))
+    sizes = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32"]
+    assert main(["train", "--data-path", str(root), *TINY[:4], "--epochs", "2", "-b", "6", *sizes,
+                 "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard", "-j", "0", "--max-steps", "3",
+                 "--output-dir", str(out)]) == 0
+    ckpt_path = out / "checkpoint.pth"
+    ckpt = load_checkpoint(ckpt_path)
+    assert ckpt["classes"] == ["cat", "dog", "fox"]
+    assert main(["reparam", str(ckpt_path), "--no-progress", "-j", "0"]) == 0
+    assert _load(out / "deployed.pth")["classes"] == ["cat", "dog", "fox"]
+    # the model's own predictions on the validation images, labelled as in training
+    model = model_from_checkpoint(ckpt, ckpt_path)[0].eval()
+    val = data.imagefolder(str(root), 32, 36, 32, need_train=False)[1]
+    with torch.no_grad():
+        pred = {val.samples[i][0]: int(model(val[i][0][None]).argmax()) for i in range(len(val))}
+    # a folder with fox and cat only (ranks 1 and 0 there, 2 and 0 in training)
+    part = tmp_path / "part"
+    for c in ("fox", "cat"):
+        shutil.copytree(root / "val" / c, part / "val" / c)
+    right = [pred[str(root / "val" / c / f"{i}.png")] == k for c, k in (("cat", 0), ("fox", 2)) for i in range(2)]
+    for path in (ckpt_path, out / "deployed.pth"):
+        capsys.readouterr()
+        assert main(["eval", str(path), "--data-path", str(part), "--no-progress", "-j", "0",
+                     "--json", str(tmp_path / "e.json")]) == 0
+        assert json.loads((tmp_path / "e.json").read_text())["acc1"] == pytest.approx(100 * sum(right) / 4)
+        assert "the 2 classes of imagefolder read by name" in capsys.readouterr().out
+    shutil.copytree(root / "val" / "dog", part / "val" / "wolf")
+    assert main(["eval", str(ckpt_path), "--data-path", str(part), "--no-progress", "-j", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "trained on other classes" in err and "has 1 it never saw (wolf)" in err
+    # the training folder gained a class since the run began: resuming would relabel its images
+    shutil.copytree(root / "train" / "dog", root / "train" / "wolf")
+    shutil.copytree(root / "val" / "dog", root / "val" / "wolf")
+    before = ckpt_path.read_bytes()
+    assert main(["train", "--resume", str(ckpt_path), "--no-progress", "-j", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "no longer has the classes this run began with (new: wolf)" in err
+    assert ckpt_path.read_bytes() == before
+
+
 # --------------------------------------------------------------------------- recipe
 
 
@@ -429,6 +478,39 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, mon
     modes = {p.name: p.stat().st_mode & 0o777 for p in run.iterdir() if p.is_file()}
     assert set(modes) >= {"checkpoint.pth", "log.jsonl", "log.csv", "summary.json", "progress.json", "curves.png"}
     assert set(modes.values()) == {0o666 & ~mask}, modes
+
+
+def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_the_next(cache, tmp_path, capsys, monkeypatch):
+    """A first run that fails at its first steps (a corrupt image, a killed process) leaves only its
+    progress: the same command, run again, trains; a run still in its first epoch keeps its directory."""
+    run = tmp_path / "run"
+    real_epoch = train.Trainer.train_epoch
+
+    def fails_after_a_step(self):
+        self.args.max_steps = 1
+        real_epoch(self)
+        (self.out / "tb").mkdir(exist_ok=True)
+        raise train.UserError("cannot read image x.png")
+
+    with monkeypatch.context() as m:
+        m.setattr(train.Trainer, "train_epoch", fails_after_a_step)
+        assert _train(cache, run, "--epochs", "1", "--no-eval") == 2
+    assert "cannot read image" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["progress.json", "tb"]
+    # a live run in its first epoch holds the lock: its progress stays
+    lock = run / ckpt_mod.RUN_LOCK
+    lock.write_text(f"{ckpt_mod._host()}-{os.getpid()}")
+    assert _train(cache, run, "--epochs", "1", "--no-eval") == 2
+    assert "is being written by another run" in capsys.readouterr().err
+    assert (run / "progress.json").exists()
+    lock.unlink()
+    assert _train(cache, run, "--epochs", "1", "--no-eval") == 0
+    out = capsys.readouterr().out
+    assert "held only the progress of a run that ended before its first checkpoint" in out
+    assert (run / "checkpoint.pth").exists() and not (run / "tb").exists() and not (run / ".replaced-run").exists()
+    # with a checkpoint it is a run again: refused without --resume / --overwrite
+    assert _train(cache, run, "--epochs", "1", "--no-eval") == 2
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(cache, tmp_path, monkeypatch, capsys):

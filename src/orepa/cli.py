@@ -62,8 +62,17 @@ def given_flags(argv: list[str], cmd: str) -> frozenset[str]:
     return frozenset(vars(parser.parse_args(argv))) - {"command"}
 
 
+def _printable_streams() -> None:
+    """Any text reaches the terminal: a Linux file name is any bytes (Python hands those that are not
+    UTF-8 over as surrogates), and a strict stream would end a finished command at its last print."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _printable_streams()
     cmd = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(cmd if cmd in SUBCOMMANDS else None)
     try:

@@ -465,6 +465,9 @@ def _check_metadata(path: Path, ckpt: dict) -> None:
             raise UserError(f"{path}: damaged model_cfg: {exc}") from None
     if ckpt.get("args") is not None and not isinstance(ckpt["args"], dict):
         raise UserError(f"{path}: damaged args (a {type(ckpt['args']).__name__}, not a mapping)")
+    classes = ckpt.get("classes")
+    if classes is not None and (not isinstance(classes, (list, tuple)) or not all(isinstance(c, str) for c in classes)):
+        raise UserError(f"{path}: damaged classes ({type(classes).__name__}, not a list of class names)")
     for key in _COUNTERS:
         value = ckpt.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

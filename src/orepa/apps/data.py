@@ -24,12 +24,14 @@ checkpoint skips the samples already seen and continues with the very same batch
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import os
 import shutil
 import signal
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -38,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .checkpoint import atomic_write
-from .common import STOP_SIGNALS, DistInfo, UserError, nonneg_int, positive_int
+from .common import STOP_SIGNALS, DistInfo, UserError, nonneg_int, per_cpu_cap, positive_int
 
 FASHION_MNIST_FILES = (
     "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
@@ -143,6 +145,20 @@ class Compose:
         for f in self.fns:
             x = f(x)
         return x
+
+
+class Relabeled(Dataset):
+    """``ds`` with label ``y`` read as ``index[y]`` (another class order)."""
+
+    def __init__(self, ds: Dataset, index: Sequence[int]):
+        self.ds, self.index = ds, list(index)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        x, y = self.ds[i]
+        return x, self.index[y]
 
 
 class TensorImages(Dataset):
@@ -308,6 +324,22 @@ class Data:
     in_chans: int
     small_input: bool  # what the model should default to
     image_sizes: tuple[int, ...] = ()  # the square sizes the model is given: training crops, validation crops
+    classes: tuple[str, ...] = ()  # class names, label i is classes[i] (stored in checkpoints)
+
+    def read_as(self, classes: Sequence[str], source) -> Data:
+        """This data with the validation labels of a model trained on ``classes`` (from checkpoint
+        ``source``): a folder holding some of its classes, or them in another order, gets their
+        indices by name. A :class:`UserError` names the classes the model never saw."""
+        classes = tuple(classes)
+        if not classes or not self.classes or classes == self.classes:
+            return self
+        unknown = [c for c in self.classes if c not in classes]
+        if unknown:
+            raise UserError(f"{source} was trained on other classes: {self.name} has {len(unknown)} it never saw "
+                            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); its classes are "
+                            f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}")
+        index = [classes.index(c) for c in self.classes]
+        return dataclasses.replace(self, val=Relabeled(self.val, index), num_classes=len(classes), classes=classes)
 
 
 def resolve_kind(args) -> str:
@@ -351,12 +383,12 @@ def build_data(args, *, need_train: bool = True) -> Data:
         train = _subset(train, getattr(args, "train_subset", None), getattr(args, "seed", 0))
         train = SeededAugment(train, getattr(args, "seed", 0))
     val = _subset(val, getattr(args, "val_subset", None), None)
-    return Data(kind, train, val, len(classes), in_chans, small, sizes)
+    return Data(kind, train, val, len(classes), in_chans, small, sizes, tuple(classes))
 
 
 def default_workers(args, device: torch.device) -> int:
     if getattr(args, "workers", None) is not None:
-        cap = max(32, 4 * (os.cpu_count() or 1))  # each worker holds a copy of the process's memory
+        cap = per_cpu_cap()  # each worker holds a copy of the process's memory
         if args.workers > cap:
             raise UserError(f"-j/--workers {args.workers}: more loader processes than this machine can hold "
                             f"(at most {cap}: 4 per CPU, or 32)")

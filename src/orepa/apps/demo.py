@@ -29,10 +29,19 @@ import time
 from pathlib import Path
 
 from .checkpoint import atomic_write_text, check_output_path
-from .common import STOP_SIGNALS, UserError, available_cpus, nonneg_float, positive_float, positive_int, seed_int
+from .common import (
+    STOP_SIGNALS,
+    UserError,
+    available_cpus,
+    nonneg_float,
+    positive_float,
+    positive_int,
+    seed_int,
+    thread_count,
+)
 from .data import prepare_fashion_mnist
 from .model_cfg import build_model
-from .train import run_files
+from .train import PROGRESS_FILE, run_files
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="pipelines run at once (default: min(#methods, #CPUs)); each gets --threads/jobs threads")
     p.add_argument("--device", default=None, help="passed to train and reparam (default: cuda if available)")
-    p.add_argument("--threads", type=positive_int, default=None,
+    p.add_argument("--threads", type=thread_count, default=None,
                    help="torch threads of all pipelines together (default: the CPUs available)")
     p.add_argument("--output-dir", default="runs/demo",
                    help="where the runs go (runs/demo); a previous demo there is replaced (a run the demo did not make is refused)")
@@ -169,7 +178,7 @@ def _watch(pipes: list[_Pipeline], show: bool) -> None:
                     continue
                 bar = bars[p.method]
                 try:
-                    prog = json.loads((p.out / "progress.json").read_text())
+                    prog = json.loads((p.out / PROGRESS_FILE).read_text())
                 except (OSError, ValueError):
                     prog = None
                 if prog:
@@ -212,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     for m in methods:
         out = root / m
         out.mkdir(parents=True, exist_ok=True)
-        (out / "progress.json").unlink(missing_ok=True)
+        (out / PROGRESS_FILE).unlink(missing_ok=True)
         cmds = _commands(args, m, out, threads)
         for c in cmds:
             print("  $ " + shlex.join(["orepa", *c[3:]]), flush=True)

@@ -166,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
         ckpt = load_checkpoint(args.checkpoint)
         data_args_from_checkpoint(args, ckpt)
         data = build_data(args, need_train=False)
+        if data is not (read := data.read_as(ckpt.get("classes") or (), args.checkpoint)) and info.is_main:
+            print(f"note: the {len(data.classes)} classes of {data.name} read by name as {args.checkpoint}'s "
+                  f"{len(read.classes)}", flush=True)
+        data = read
         model, cfg, form = checkpoint_model(args, ckpt, data)
         model.to(device)
         if args.channels_last:

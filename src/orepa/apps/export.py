@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 import tempfile
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -168,7 +170,8 @@ def default_opset(dynamo: bool = False) -> int:
 
 
 def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: int | None = None, verify: bool = True,
-                atol: float = 1e-4, dynamic_batch: bool = True, dynamo: bool = False) -> ExportReport:
+                atol: float = 1e-4, dynamic_batch: bool = True, dynamo: bool = False,
+                metadata: Mapping[str, str] | None = None) -> ExportReport:
     """Deploy ``model`` and export it to ONNX at ``path`` (one self-contained file); verify with onnxruntime.
 
     Args:
@@ -180,6 +183,8 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
         verify: compare deployed vs training form and onnxruntime vs PyTorch (see module doc).
         atol: the bound is ``atol * (1 + max|y_ref|)`` on the max abs error.
         dynamo: use the torch.export-based exporter (slower); default the TorchScript-based one.
+        metadata: key -> text stored in the model's ``metadata_props`` (``export`` stores ``classes``,
+            the class names as a JSON list, where the checkpoint has them).
     """
     opset = default_opset(dynamo) if opset is None else opset
     check_onnx_request(opset, dynamo=dynamo, verify=verify)
@@ -197,10 +202,12 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     # The exporter may put the weights in side files named after its target (dynamo: "<target>.data"),
     # so it writes into a private temporary directory; the model is re-saved from there as one file.
     with tempfile.TemporaryDirectory(prefix="orepa-export-") as work:
-        raw = str(Path(work, Path(path).name))
+        raw = str(Path(work, "model.onnx"))  # torch's writers take no file name that is not UTF-8
         _export_raw(deployed, raw, x, opset, dynamic_batch, dynamo)
         proto = onnx.load(raw)  # with the weights of any external-data file
     report.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if metadata:
+        onnx.helper.set_model_props(proto, dict(metadata))
     with ckpt_io.atomic_path(path) as tmp:
         onnx.save_model(proto, str(tmp))
         if verify:
@@ -225,10 +232,11 @@ def _verify_onnx(model, deployed, path: str, x, input_shape, report, dynamic_bat
     import onnx
     import onnxruntime as ort
 
-    onnx.checker.check_model(path)
+    serialized = Path(path).read_bytes()  # as bytes: the C++ readers take no file name that is not UTF-8
+    onnx.checker.check_model(onnx.load_model_from_string(serialized))
     y_train, y_dep = model(x), deployed(x)
     _check(report, "deployed vs training form", y_dep, y_train)
-    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(serialized, providers=["CPUExecutionProvider"])
     xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
     for i, xi in enumerate(xs):
         y_ort = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0])
@@ -238,8 +246,10 @@ def _verify_onnx(model, deployed, path: str, x, input_shape, report, dynamic_bat
 
 @torch.no_grad()
 def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, verify: bool = True,
-                       atol: float = 1e-4) -> ExportReport:
-    """Deploy ``model``, ``torch.jit.trace`` it and save it at ``path``; verify the reloaded module."""
+                       atol: float = 1e-4, metadata: Mapping[str, str] | None = None) -> ExportReport:
+    """Deploy ``model``, ``torch.jit.trace`` it and save it at ``path``; verify the reloaded module.
+    ``metadata`` (key -> text) is saved as extra files of the archive (``torch.jit.load(path,
+    _extra_files={"classes": ""})`` reads them)."""
     model.eval()
     deployed = deploy(model)
     x = _example(input_shape, device=_device(model))
@@ -249,9 +259,11 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*deprecated.*")
         traced = torch.jit.trace(deployed, x)
-        torch.jit.save(traced, str(tmp))
+        with open(tmp, "wb") as f:  # a file object: torch's writer takes no file name that is not UTF-8
+            torch.jit.save(traced, f, _extra_files=dict(metadata or {}))
         if verify:
-            loaded = torch.jit.load(str(tmp))
+            with open(tmp, "rb") as f:
+                loaded = torch.jit.load(f)
             y_train, y_dep = model(x), deployed(x)
             _check(report, "deployed vs training form", y_dep, y_train)
             _check(report, "torchscript vs pytorch", loaded(x), y_dep)
@@ -381,12 +393,15 @@ def run(args: argparse.Namespace) -> int:
             f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")
         raise UserError(f"--output {out} {held}; pass --overwrite to replace it, or choose another --output")
     model.to(device)
+    # the class names, for whoever runs the exported model (label i is classes[i])
+    metadata = {"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else None
     try:
         if args.format == "onnx":
             report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.atol,
-                                 dynamo=args.dynamo)
+                                 dynamo=args.dynamo, metadata=metadata)
         else:
-            report = export_torchscript(model, out, shape, verify=not args.no_verify, atol=args.atol)
+            report = export_torchscript(model, out, shape, verify=not args.no_verify, atol=args.atol,
+                                        metadata=metadata)
     except ExportVerificationError as exc:
         print(f"orepa export: error: verification failed: {exc}", file=sys.stderr, flush=True)
         return 1

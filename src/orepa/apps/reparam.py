@@ -126,6 +126,7 @@ def reparam(args: argparse.Namespace) -> dict:
         return res
     save_checkpoint({
         "format": "orepa-checkpoint", "version": 1, "form": form_out, "model_cfg": cfg,
+        "classes": list(ckpt.get("classes") or []),
         "model": {k: v.detach().cpu() for k, v in deployed.state_dict().items()},
         "source": str(args.checkpoint), "ema": bool(args.use_ema), "args": ckpt.get("args", {}),
         "reparam_args": args_dict(args),

@@ -313,6 +313,8 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
 FIXED_ON_RESUME = ("batch_size", "data_path", "dataset", "train_subset")
 #: files that mark a directory as holding a run
 RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
+#: where a run is (written from its first step): alone, the trace of a run that wrote no checkpoint
+PROGRESS_FILE = "progress.json"
 #: made from a run's checkpoint by ``orepa reparam`` (its default outputs): --overwrite replaces them too
 DERIVED_FILES = ("deployed.pth", "deployed-fused.pth")
 #: where --overwrite keeps the run it replaces until the new run's first checkpoint
@@ -447,6 +449,14 @@ class Trainer:
             args = self.args
         source = self.start_flag or f"--resume {args.resume}"
         self.data = build_data(args)
+        if args.resume and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
+            # the folder changed since the run began: its labels would now name other classes
+            was, now = tuple(self.resume_ckpt["classes"]), self.data.classes
+            change = "; ".join(f"{what} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for what, names in (
+                ("new:", [c for c in now if c not in was]), ("gone:", [c for c in was if c not in now])) if names)
+            raise UserError(f"--resume {args.resume}: {self.data.name} no longer has the classes this run began with "
+                            f"({change or 'the same names in another order'}); put the folder back as it was, or "
+                            "start a new run from its weights with --init-from")
         # a starting point's class count is the data's (or --num-classes): fine-tuning on other classes
         # makes a new classifier
         new_head = self.start_weights is not None and saved_cfg is not None
@@ -627,6 +637,11 @@ class Trainer:
                             f"({self.start_flag}); a new run goes to another --output-dir")
         if args.resume and Path(args.resume).resolve().parent == self.out.resolve():
             return []  # continuing the run that lives here
+        if found == [PROGRESS_FILE]:
+            # a run that ended (failed, was killed) before its first checkpoint: nothing to continue or
+            # keep. Taken like --overwrite, after the directory's lock: a run still in its first epoch
+            # holds that lock and keeps its directory.
+            return found
         if not args.overwrite:
             what = f"a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
             hint = f"continue it with --resume {self.ckpt_path}, " if (self.out / "checkpoint.pth").exists() else ""
@@ -639,6 +654,12 @@ class Trainer:
         a checkpoint of its own (:meth:`_drop_replaced_run`), and put back if this run ends before
         (:meth:`restore_replaced_run`): a run that fails at its first step costs nothing."""
         if not found or not self.main:
+            return
+        if found == [PROGRESS_FILE] and not self.args.overwrite:
+            (self.out / PROGRESS_FILE).unlink(missing_ok=True)
+            shutil.rmtree(self.out / "tb", ignore_errors=True)  # its curves would run into this run's
+            self.log(f"note: {self.out} held only the progress of a run that ended before its first checkpoint; "
+                     "this run replaces it")
             return
         keep = self.out / REPLACED_DIR
         shutil.rmtree(keep, ignore_errors=True)  # one left by a run killed before its first checkpoint
@@ -736,6 +757,7 @@ class Trainer:
         s = self.state
         ckpt = {
             "format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": self.cfg,
+            "classes": list(self.data.classes),  # label i's name: eval reads other folders by name
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
             "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
@@ -884,7 +906,7 @@ class Trainer:
                "steps_per_epoch": self.iters_per_epoch, "global_step": s.global_step,
                "total_steps": self.args.epochs * self.iters_per_epoch, **self._running(acc, steps, t0),
                "elapsed_s": time.perf_counter() - self.t_start}
-        _atomic_json(self.out / "progress.json", row)
+        _atomic_json(self.out / PROGRESS_FILE, row)
         self._last_progress = time.perf_counter()
 
     def _flush_sums(self, acc: torch.Tensor) -> None:
@@ -978,7 +1000,7 @@ class Trainer:
         s.sums = [0.0, 0.0, 0.0]
         self.checkpoint("epoch")
         if self.main:
-            _atomic_json(self.out / "progress.json", {**row, "epochs": args.epochs, "step": 0,
+            _atomic_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": 0,
                                                       "steps_per_epoch": self.iters_per_epoch,
                                                       "global_step": s.global_step,
                                                       "total_steps": args.epochs * self.iters_per_epoch,

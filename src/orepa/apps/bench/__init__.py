@@ -26,6 +26,7 @@ from orepa.apps.common import (
     parse_device,
     positive_float,
     positive_int,
+    thread_count,
 )
 from orepa.apps.model_cfg import MODEL_CFG_KEYS, check_cfg_value, model_slug
 
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-classes", type=positive_int, default=1000)
     p.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                    help="zoo model option for every variant, e.g. width_mult=0.5 or small_input=True (repeatable)")
-    p.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads (CPU)")
+    p.add_argument("--threads", type=thread_count, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="SGD lr (momentum 0.9, wd 1e-4); cost does not depend on it, small keeps random-data steps finite")
     p.add_argument("--seed", type=nonneg_int, default=0)
