@@ -115,6 +115,17 @@ def test_cli_checkpoint(tmp_path, capsys):
     torch.testing.assert_close(torch.tensor(data["layers"][name]["cosine"]), torch.tensor(expect))
 
 
+def test_a_model_at_initialisation_gives_the_same_figures_for_the_same_seed(tmp_path):
+    from orepa.cli import main
+
+    runs = {}
+    for name, seed in (("a", "0"), ("b", "0"), ("c", "1")):
+        argv = ["analyze", "resnet18", "--width-mult", "0.0625", "--no-plot", "--output-dir", str(tmp_path / name)]
+        assert main([*argv, "--seed", seed] if name != "a" else argv) == 0  # --seed 0 is the default
+        runs[name] = json.loads((tmp_path / name / "analysis.json").read_text())["layers"]
+    assert runs["a"] == runs["b"] and runs["a"] != runs["c"]
+
+
 def test_checkpoint_mismatch_is_a_clear_error(tmp_path, capsys):
     from orepa.cli import main
 

@@ -441,6 +441,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
          "--num-classes 5 is fewer than the 10 classes of fashion-mnist"),
         (["export", "--model", "resnet18", "--input-size", "0"], "argument --input-size: must be a positive integer"),
         ([*new, "--branches", "kxk,nope", "--output-dir", str(tmp_path / "b")], "unknown branch name(s) ['nope']"),
+        ([*new, "--branches", " , ", "--output-dir", str(tmp_path / "b")], "--branches ' , ' names no branch"),
+        (["analyze", str(ckpt), "--branches", ""], "--branches '' names no branch"),
         (["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "4",
           "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress", "-j", "1",
           "--no-tensorboard", "--output-dir", str(tmp_path / "c")], "cannot read image " + str(imgs / "train" / "dog")),

@@ -23,7 +23,7 @@ from torch import nn
 
 from orepa.analysis import analyze_model
 from orepa.apps.checkpoint import atomic_write_text, check_output_path, load_checkpoint, state_dict_mismatch
-from orepa.apps.common import UserError, add_run_arguments, apply_threads, init_distributed
+from orepa.apps.common import UserError, add_run_arguments, apply_threads, init_distributed, seed_everything
 from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.model_cfg import add_model_arguments, build_model, describe_cfg, model_cfg_from_args, model_flags_given
 
@@ -155,7 +155,7 @@ def analyze(model: nn.Module, out_dir: str | Path | None = None, *, plots: bool 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="training-form checkpoint (.pt/.pth), or a model name to analyse at init")
     add_model_arguments(p)
-    add_run_arguments(p, seed=False)
+    add_run_arguments(p)  # --seed: the weights of a model analysed at initialisation
     p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="analysis",
                    help="where analysis.json and the plots go (analysis; --out-dir: older spelling)")
     p.add_argument("--no-plot", action="store_true")
@@ -186,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
         if args.model is None:
             args = argparse.Namespace(**{**vars(args), "model": args.target})
         cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)
+        seed_everything(args.seed)  # the same figures from the same command
         model = build_model(cfg)
-        source = f"{cfg['model']} at initialisation (no checkpoint)"
+        source = f"{cfg['model']} at initialisation (seed {args.seed}, no checkpoint)"
     options = {**cfg.get("options", {}), **{k: cfg[k] for k in ("small_input", "width_mult") if cfg.get(k)}}
     if options.get("width_mult") == 1.0:
         del options["width_mult"]

@@ -78,8 +78,10 @@ BLOCK_FLAGS = ("preset", "scaling", "post_bn", "deep_stem", "rep_1x1")
 
 def block_options_from_args(args: argparse.Namespace) -> dict:
     opts = {}
-    if getattr(args, "branches", None):
+    if getattr(args, "branches", None) is not None:
         opts["branches"] = [b.strip() for b in args.branches.split(",") if b.strip()]
+        if not opts["branches"]:  # not the default set, silently
+            raise UserError(f"--branches {args.branches!r} names no branch (e.g. --branches kxk,1x1,1x1_avg)")
     from orepa.models.zoo import branch_switches
 
     for key in (*BLOCK_FLAGS, *branch_switches()):
