@@ -179,6 +179,40 @@ def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp
     assert ckpt_path.read_bytes() == before
 
 
+def test_init_from_keeps_the_classifier_rows_of_the_classes_it_knows(tmp_path, capsys):
+    """Fine-tuning on a folder that shares classes with the checkpoint: their trained classifier rows
+    move to their new places (ImageFolder ranks folders by name, so one new folder shifts them)."""
+    from orepa.apps.checkpoint import classifier_rows_by_name
+
+    root, first = tmp_path / "imgs", tmp_path / "first"
+    _png_tree(root, classes=("cat", "dog", "fox"), n_train=2, n_val=1)
+    sizes = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32", "-j", "0",
+             "--no-progress", "--no-tensorboard", "--lr-warmup-epochs", "0", "--no-eval"]
+    assert main(["train", "--data-path", str(root), *TINY[:4], "-b", "2", *sizes, "--max-steps", "2",
+                 "--output-dir", str(first)]) == 0
+    start = _load(first / "checkpoint.pth")["model"]
+    other = tmp_path / "other"
+    _png_tree(other, classes=("bird", "cat", "fox"), n_train=2, n_val=1)
+    capsys.readouterr()
+    assert main(["train", "--data-path", str(other), *TINY[:4], "-b", "2", *sizes, "--max-steps", "1",
+                 "--lr", "1e-9", "--init-from", str(first / "checkpoint.pth"), "--output-dir", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    assert "a 3-class classifier whose rows for the 2 class(es) the checkpoint knows come from it (by name); " \
+           "new: bird" in out
+    tuned = _load(tmp_path / "t" / "checkpoint.pth")
+    assert tuned["classes"] == ["bird", "cat", "fox"]
+    for key in ("fc.weight", "fc.bias"):
+        torch.testing.assert_close(tuned["model"][key][1:], start[key][[0, 2]], rtol=0, atol=1e-6)
+        assert not torch.allclose(tuned["model"][key][0], start[key][1])  # bird: initialised, not dog's
+    # the same classes in another order (names given by the library's caller): rows permuted
+    model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    sd = {"1.weight": torch.arange(12.0).view(3, 4), "1.bias": torch.arange(3.0)}
+    moved, what = classifier_rows_by_name(model, sd, 3, ["a", "b", "c"], ["c", "a", "b"])
+    assert torch.equal(moved["1.weight"], sd["1.weight"][[2, 0, 1]]) and torch.equal(moved["1.bias"], torch.tensor([2., 0, 1]))
+    assert "class order" in what
+    assert classifier_rows_by_name(model, sd, 3, ["a", "b", "c"], ["x", "y", "z"]) == (sd, "")  # nothing in common
+
+
 # --------------------------------------------------------------------------- recipe
 
 

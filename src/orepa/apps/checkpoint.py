@@ -531,6 +531,39 @@ def new_classifier_keys(model: nn.Module, sd: dict, num_classes: int) -> list[st
             if key in sd and isinstance(sd[key], torch.Tensor) and sd[key].shape != own[key].shape]
 
 
+def classifier_rows_by_name(model: nn.Module, sd: dict, num_classes: int, saved: Sequence[str],
+                            classes: Sequence[str]) -> tuple[dict, str]:
+    """``sd`` with ``model``'s classifier rows taken from ``sd``'s by class name: the checkpoint was
+    trained on classes ``saved`` (its label j is ``saved[j]``), the model is for ``classes``. A class of
+    both keeps its trained row, wherever it sits in either; any other row keeps the model's
+    initialisation. Returns ``(sd, what was done)``; ``sd`` unchanged (and ``""``) where the names
+    say nothing (unnamed, the same list, or no class in common)."""
+    saved, classes = tuple(saved), tuple(classes)
+    common = [c for c in classes if c in saved]
+    if not saved or not classes or saved == classes or not common:
+        return sd, ""
+    own = model.state_dict()
+    keys = [key for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes
+            for key in (f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+            if isinstance(sd.get(key), torch.Tensor) and sd[key].dim() >= 1 and sd[key].shape[0] >= len(saved)
+            and sd[key].shape[1:] == own[key].shape[1:]]
+    if not keys:
+        return sd, ""
+    rows = torch.tensor([classes.index(c) for c in common])
+    from_rows = torch.tensor([saved.index(c) for c in common])
+    sd = dict(sd)
+    for key in keys:
+        t = own[key].detach().clone()
+        t[rows] = sd[key][from_rows].to(t.dtype)
+        sd[key] = t
+    new = [c for c in classes if c not in saved]
+    if not new and len(classes) == len(saved) == num_classes:
+        return sd, "its classifier's rows put in this data's class order (by name)"
+    return sd, (f"a {num_classes}-class classifier whose rows for the {len(common)} class(es) the checkpoint knows "
+                "come from it (by name)" + (f"; new: {', '.join(new[:3])}{', ...' if len(new) > 3 else ''}"
+                                             if new else ""))
+
+
 def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str | None = None,
                      keep: Sequence[str] = (), plain: bool = False) -> str:
     """Strict ``load_state_dict`` with an error naming both architectures when it does not fit;

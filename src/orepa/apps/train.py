@@ -62,6 +62,7 @@ from .checkpoint import (
     atomic_write_text,
     cfg_mismatch,
     check_output_path,
+    classifier_rows_by_name,
     load_checkpoint,
     load_model_state,
     lock_run_dir,
@@ -592,6 +593,8 @@ class Trainer:
         plain network (e.g. torchvision's or timm's weights, RGB ones adapted to the data's channels):
         every re-param block then starts as its conv."""
         sd, path = self.start_weights["model"], self.start_path
+        sd, by_name = classifier_rows_by_name(model, sd, self.cfg["num_classes"],
+                                              self.start_weights.get("classes") or (), self.data.classes)
         fresh = new_classifier_keys(model, sd, self.cfg["num_classes"])
         bare = "format" not in self.start_weights
         deployed = self.start_weights.get("form") == "deploy"
@@ -611,6 +614,8 @@ class Trainer:
         if fresh:
             head = (f"; a new {self.cfg['num_classes']}-class classifier ({', '.join(fresh)}) in place of "
                     f"the checkpoint's {tuple(sd[fresh[0]].shape)[0]}-class one")
+        if by_name:
+            head += f"; {by_name}"
         if adapted:
             name = {1: "gray", 3: "RGB"}.get(src, f"{src}-channel")
             how_made = f"summed over {name}" if self.cfg["in_chans"] == 1 else f"{name} repeated, scaled by {src} / channels"
