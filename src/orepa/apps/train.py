@@ -450,7 +450,7 @@ class Trainer:
             args = self.args
         source = self.start_flag or f"--resume {args.resume}"
         self.data = build_data(args)
-        if args.resume and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
+        if self.resume_ckpt is not None and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
             # the folder changed since the run began: its labels would now name other classes
             was, now = tuple(self.resume_ckpt["classes"]), self.data.classes
             change = "; ".join(f"{what} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for what, names in (
