@@ -91,6 +91,9 @@ def test_export_writes_to_a_file_name_that_is_not_utf8(tmp_path, capsys):
         assert cli.main(["export", *TINY_ARGS, "--format", fmt, "-o", out, "--threads", "1"]) == 0, fmt
         assert "vs pytorch" in capsys.readouterr().out  # verified from the file written
         assert export.is_export(Path(out), fmt)
+        # an export given where a checkpoint belongs is named as what it is
+        assert cli.main(["eval", out]) == 2
+        assert ("is an ONNX model" if fmt == "onnx" else "is a TorchScript archive") in capsys.readouterr().err
 
 
 def test_cli_export_with_checkpoints(tmp_path, capsys):

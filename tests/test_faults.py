@@ -402,6 +402,39 @@ def test_a_corrupt_image_read_by_loader_workers_ends_the_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is not"),
+    ({"WORLD_SIZE": "abc", "RANK": "0"}, "WORLD_SIZE='abc' in the environment is not an integer"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 in the environment: a run has at least one process"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "MASTER_ADDR and MASTER_PORT not set"),
+    # rank 3 of 2 waited for peers without end
+    ({"WORLD_SIZE": "2", "RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"},
+     "RANK=3, LOCAL_RANK=0 in the environment: a rank is in [0, WORLD_SIZE=2)"),
+])
+def test_a_wrong_torchrun_environment_is_one_line(env, message, tmp_path, capsys, monkeypatch):
+    """Was a KeyError / ValueError traceback, or a process waiting forever for peers."""
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["eval", str(tmp_path / "x.pth")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_one_process_commands_refuse_torchrun(tmp_path, capsys, monkeypatch):
+    """analyze and export under torchrun: each process wrote the same files (analyze waited for
+    peers when started alone with a WORLD_SIZE)."""
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29555"}.items():
+        monkeypatch.setenv(key, value)
+    for argv in (["analyze", "resnet18", "--width-mult", "0.0625", "--output-dir", str(tmp_path / "a")],
+                 ["export", "--model", "resnet18", "-o", str(tmp_path / "m.onnx")]):
+        assert main(argv) == 2
+        assert f"orepa {argv[0]} runs in one process (WORLD_SIZE=2 in the environment)" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+
+
 def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run), "--method",
@@ -428,7 +461,10 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["train", "--lr", "-0.1"], "argument --lr: must be a positive number, got -0.1"),
         (["train", "--epochs", "0"], "argument --epochs: must be a positive integer, got 0"),
         (["train", "--label-smoothing", "2"], "argument --label-smoothing: must be a number in [0, 1], got 2"),
-        (["train", "--model-ema-decay", "1.5"], "argument --model-ema-decay: must be a number in [0, 1], got 1.5"),
+        (["train", "--model-ema-decay", "1.5"], "argument --model-ema-decay: must be a number in [0, 1), got 1.5"),
+        (["train", "--model-ema-decay", "1"], "argument --model-ema-decay: must be a number in [0, 1), got 1"),
+        (["train", "--momentum", "1.5"], "argument --momentum: must be a number in [0, 1), got 1.5"),
+        (["train", "--lr-warmup-decay", "2"], "argument --lr-warmup-decay: must be a number in [0, 1], got 2"),
         (["train", "--seed", str(2**64)], "argument --seed: must be an integer in [0, 2**32 - 1]"),
         (["demo", "--seed", "-1"], "argument --seed: must be an integer in [0, 2**32 - 1], got -1"),
         # 5,000 threads on 2 cores evaluated 100x slower per batch, without a word
@@ -469,6 +505,12 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     cases.append((["train", "--data-path", str(odd), "--output-dir", str(tmp_path / "o")],
                   f"--data-path {odd}: train/ and val/ have different class folders (only in train/: dog; "
                   "only in val/: bird)"))
+    hollow = tmp_path / "hollow"  # a class folder of val/ without images: the split is named
+    _png_tree(hollow)
+    for f in (hollow / "val" / "dog").iterdir():
+        f.unlink()
+    cases.append((["train", "--data-path", str(hollow), "--output-dir", str(tmp_path / "h")],
+                  f"--data-path {hollow}: val/: Found no valid file for the classes dog"))
     loop = tmp_path / "loop1.pth"  # a symbolic link loop, as an output and as an input
     loop.symlink_to(tmp_path / "loop2.pth")
     (tmp_path / "loop2.pth").symlink_to(loop)

@@ -163,7 +163,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
-    device = init_distributed(args.device)[1]
+    device = init_distributed(args.device, one_process="orepa analyze")[1]
     check_output_path(args.output_dir, "--output-dir", directory=True)
     target = Path(args.target)
     if target.is_file():

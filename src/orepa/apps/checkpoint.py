@@ -340,6 +340,19 @@ def is_torchscript(path: Path) -> bool:
         return False
 
 
+def is_onnx(path: Path) -> bool:
+    """Whether ``path`` is an ONNX model (a graph; read without its external data). False where the
+    onnx package is missing: such a file is then only a file torch cannot read."""
+    try:
+        import onnx
+
+        with open(path, "rb") as f:  # a file object: onnx's path reader takes no name that is not UTF-8
+            proto = onnx.load_model(f, load_external_data=False)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError, or anything else a foreign file gives
+        return False
+    return proto.ir_version > 0 and len(proto.graph.node) > 0
+
+
 #: what an unreadable file is called, whichever way reading it failed (random bytes fail either way)
 _DAMAGED = "corrupt, truncated or not a PyTorch checkpoint"
 
@@ -392,9 +405,12 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
         _check_crcs(path)
     try:
         obj = _torch_load(path, lazy)
-    except pickle.UnpicklingError as exc:
-        raise _unpickling_error(path, exc) from None
     except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
+        if is_onnx(path):  # looked for only now: parsing a large checkpoint as protobuf costs its size
+            raise UserError(f"{path} is an ONNX model (an exported graph, for onnxruntime), not a checkpoint; "
+                            "give the checkpoint it was exported from") from None
+        if isinstance(exc, pickle.UnpicklingError):
+            raise _unpickling_error(path, exc) from None
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise UserError(
             f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg[:200] if msg else ''})"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import random
 import resource
@@ -89,6 +90,8 @@ nonneg_int = _number(int, 0, False, "an integer >= 0")
 positive_float = _number(float, 0.0, True, "a positive number")
 nonneg_float = _number(float, 0.0, False, "a number >= 0")
 fraction = _number(float, 0.0, False, "a number in [0, 1]", high=1.0)
+#: a decay or momentum: at 1 nothing is ever forgotten (SGD's velocity grows without end, an EMA never moves)
+below_one = _number(float, 0.0, False, "a number in [0, 1)", high=math.nextafter(1.0, 0.0))
 #: numpy's range for a seed (torch takes 64 bits, but the samplers add the epoch to it)
 seed_int = _number(int, 0, False, "an integer in [0, 2**32 - 1]", high=2**32 - 1)
 
@@ -287,12 +290,46 @@ def parse_device(device_arg: str | None) -> torch.device:
     return device
 
 
-def init_distributed(device_arg: str | None) -> tuple[DistInfo, torch.device]:
-    """Read torchrun's environment; init nccl (CUDA) or gloo (CPU). Returns (info, device)."""
+def _torchrun_env() -> tuple[int, int, int]:
+    """``(WORLD_SIZE, RANK, LOCAL_RANK)`` from torchrun's environment (1, 0, 0 without it); a
+    :class:`UserError` naming the variable that is missing or wrong (not a KeyError, or a process
+    that waits forever for peers that cannot come)."""
+    def number(name: str, default: str | None = None) -> int:
+        text = os.environ.get(name, default)
+        if text is None:
+            raise UserError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {name} is not: start the processes "
+                            "with torchrun, which sets both (or unset WORLD_SIZE for one process)")
+        try:
+            return int(text)
+        except ValueError:
+            raise UserError(f"{name}={text!r} in the environment is not an integer (torchrun sets it)") from None
+
+    world = number("WORLD_SIZE", "1")
+    if world < 1:
+        raise UserError(f"WORLD_SIZE={world} in the environment: a run has at least one process")
+    if world == 1:
+        return 1, 0, 0
+    rank, local = number("RANK"), number("LOCAL_RANK", "0")
+    if not 0 <= rank < world or local < 0:
+        raise UserError(f"RANK={rank}, LOCAL_RANK={local} in the environment: a rank is in [0, WORLD_SIZE={world})")
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise UserError(f"WORLD_SIZE={world} but {' and '.join(missing)} not set: the processes cannot find each "
+                        "other; start them with torchrun")
+    return world, rank, local
+
+
+def init_distributed(device_arg: str | None, *, one_process: str | None = None) -> tuple[DistInfo, torch.device]:
+    """Read torchrun's environment; init nccl (CUDA) or gloo (CPU). Returns (info, device).
+    ``one_process``: the command (e.g. ``"orepa export"``) runs in one process only: refused under
+    torchrun with more than one (each would write the same files)."""
     want_cuda = parse_device(device_arg).type == "cuda"
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, rank, local = _torchrun_env()
+    if world > 1 and one_process:
+        raise UserError(f"{one_process} runs in one process (WORLD_SIZE={world} in the environment): run it "
+                        "without torchrun")
     if world > 1:
-        info = DistInfo(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")), True)
+        info = DistInfo(rank, world, local, True)
         if want_cuda:
             torch.cuda.set_device(info.local_rank)
             device = torch.device("cuda", info.local_rank)

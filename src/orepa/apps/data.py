@@ -211,11 +211,14 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
                           T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
     val_tf = T.Compose([T.Resize(val_resize, antialias=True), T.CenterCrop(val_crop),
                         T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
-    try:
-        train = datasets.ImageFolder(str(root_p / "train"), train_tf, loader=load_image) if need_train else None
-        val = datasets.ImageFolder(str(root_p / "val"), val_tf, loader=load_image)
-    except (FileNotFoundError, RuntimeError) as exc:
-        raise UserError(f"--data-path {root}: {exc}") from None
+    def folder(split: str, tf):
+        try:
+            return datasets.ImageFolder(str(root_p / split), tf, loader=load_image)
+        except (FileNotFoundError, RuntimeError) as exc:  # torchvision's message names no split
+            raise UserError(f"--data-path {root}: {split}/: {exc}") from None
+
+    train = folder("train", train_tf) if need_train else None
+    val = folder("val", val_tf)
     if train is not None and train.classes != val.classes:
         only_train = sorted(set(train.classes) - set(val.classes))
         only_val = sorted(set(val.classes) - set(train.classes))

@@ -315,15 +315,7 @@ def is_export(path: Path, fmt: str) -> bool:
     none); ONNX: a model with a graph (loaded without its external data)."""
     if not path.is_file():
         return False
-    if fmt == "torchscript":
-        return ckpt_io.is_torchscript(path)
-    try:
-        import onnx
-
-        proto = onnx.load_model(str(path), load_external_data=False)
-    except Exception:  # protobuf's DecodeError, or anything else a foreign file gives: not an export
-        return False
-    return proto.ir_version > 0 and len(proto.graph.node) > 0
+    return ckpt_io.is_torchscript(path) if fmt == "torchscript" else ckpt_io.is_onnx(path)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -361,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "onnx":  # before the model is loaded: a missing package or a bad --opset fails at once
         args.opset = default_opset(args.dynamo) if args.opset is None else args.opset
         check_onnx_request(args.opset, dynamo=args.dynamo, verify=not args.no_verify)
-    device = init_distributed(args.device)[1]
+    device = init_distributed(args.device, one_process="orepa export")[1]
     path = args.checkpoint or args.checkpoint_opt
     ckpt = ckpt_io.load_checkpoint(path) if path else {}
     if path:

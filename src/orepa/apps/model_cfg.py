@@ -261,7 +261,8 @@ def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> 
     except ImportError as exc:
         raise UserError(f"model {name!r} needs the package {exc.name or source} (pip install {source})") from None
     except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"cannot build model {name!r}: {exc}") from None
+        given = f" (with --model-kwarg {', '.join(f'{k}={v!r}' for k, v in kwargs.items())})" if kwargs else ""
+        raise UserError(f"cannot build model {name!r}{given}: {exc}") from None
     if in_chans != 3:
         _adapt_input_conv(model, in_chans, name)
     return model

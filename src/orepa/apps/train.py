@@ -82,6 +82,7 @@ from .common import (
     add_tf32_matmul_argument,
     apply_tf32_matmul,
     apply_threads,
+    below_one,
     capture_cuda_graphs,
     cleanup_distributed,
     count_params,
@@ -167,7 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "machine the run is on, not taken from the checkpoint on --resume (1)")
     g.add_argument("--lr", type=positive_float, default=None,
                    help="peak learning rate (default: 0.1 x global batch / 256, the paper's rule)")
-    g.add_argument("--momentum", type=nonneg_float, default=0.9)
+    g.add_argument("--momentum", type=below_one, default=0.9)
     g.add_argument("--wd", "--weight-decay", dest="weight_decay", type=nonneg_float, default=1e-4,
                    help="weight decay of conv/linear weights (1e-4)")
     g.add_argument("--norm-weight-decay", type=nonneg_float, default=0.0,
@@ -179,7 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["cosineannealinglr", "cosine", "steplr", "step", "constant"])
     g.add_argument("--lr-warmup-epochs", type=nonneg_float, default=5.0,
                    help="linear warm-up epochs (5; fractions ok)")
-    g.add_argument("--lr-warmup-decay", type=nonneg_float, default=0.01, help="warm-up starts at lr x this (0.01)")
+    g.add_argument("--lr-warmup-decay", type=fraction, default=0.01, help="warm-up starts at lr x this (0.01)")
     g.add_argument("--lr-min", type=nonneg_float, default=0.0, help="cosine floor")
     g.add_argument("--lr-step-size", type=positive_int, default=30, help="steplr: epochs per decay")
     g.add_argument("--lr-gamma", type=positive_float, default=0.1, help="steplr: decay factor")
@@ -200,7 +201,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
-    g.add_argument("--model-ema-decay", type=fraction, default=0.99998,
+    g.add_argument("--model-ema-decay", type=below_one, default=0.99998,
                    help="EMA decay per step at batch 1 (adjusted like torchvision's reference script)")
     add_run_arguments(p)
     g = p.add_argument_group("outputs, checkpoints and budgets")
