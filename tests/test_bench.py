@@ -257,6 +257,10 @@ _BAD_CLI = [
     (["--from-json", "{tmp}/other.json", "--methods", "dbb", "--reps", "3"],
      "--from-json re-renders a saved result as it was measured; --methods, --reps do(es) not apply"),
     (["--tag", "../x"], "--tag '../x' is a file stem in --output-dir, not a path"),
+    (["--methods", ","], "--methods ',' names no variant"),
+    (["--methods", "orepa:builder"], "--methods orepa:builder: builder expects builder=VALUE"),
+    # a spec with options is split at commas too (it was not: 'grouped,dbb' read as the builder)
+    (["--methods", "orepa:builder=nope,dbb"], "cannot build variant 'orepa:builder=nope'"),
 ]
 
 
@@ -314,6 +318,43 @@ def test_from_json_writes_where_told(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["r.json", "r.md"]
     assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before
     assert "| orepa |" in capsys.readouterr().out
+    # a damaged result (hand-edited, another version's) is one line, and nothing is written
+    good = json.loads((src / "r.json").read_text())
+    damages = {"noconfig": lambda r: r.update(config={}),
+               "nosize": lambda r: r["config"].pop("image_size"),
+               "strresult": lambda r: r["results"].update(orepa="fast"),
+               "strtime": lambda r: r["results"]["orepa"].update(step_ms="fast")}
+    for name, damage in damages.items():
+        bad = json.loads(json.dumps(good))
+        damage(bad)
+        (src / f"{name}.json").write_text(json.dumps(bad))
+        dest = tmp_path / f"out-{name}"
+        capsys.readouterr()
+        assert main(["bench", "--from-json", str(src / f"{name}.json"), "--output-dir", str(dest), "--no-plot"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is not an orepa bench result as written by orepa bench" in err[0], (name, err)
+        assert not dest.exists(), name
+
+
+def test_a_result_of_other_variants_is_replaced_only_with_overwrite(tmp_path, capsys):
+    """The default file name says the model, batch, size and device, not the variants: a run of other
+    variants replaced an earlier result silently."""
+    from orepa.cli import main
+
+    cmd = ["bench", "-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32",
+           "--reps", "1", "--warmup", "0", "--no-inference", "--no-memory-profile", "--no-plot",
+           "--output-dir", str(tmp_path)]
+    path = tmp_path / "resnet18_b2_32_cpu.json"
+    assert main([*cmd, "--methods", "base", "orepa"]) == 0
+    assert main([*cmd, "--methods", "base,orepa"]) == 0  # the same variants: their result is renewed
+    before = path.read_bytes()
+    capsys.readouterr()
+    assert main([*cmd, "--methods", "base", "dbb"]) == 2
+    err = capsys.readouterr().err
+    assert "resnet18_b2_32_cpu.json holds a result of base, orepa; pass --overwrite" in err
+    assert path.read_bytes() == before
+    assert main([*cmd, "--methods", "base", "dbb", "--overwrite"]) == 0
+    assert json.loads(path.read_text())["config"]["methods"] == ["base", "dbb"]
 
 
 def test_cuda_code_path_with_stubbed_stats(monkeypatch):

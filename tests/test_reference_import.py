@@ -272,6 +272,11 @@ def test_damaged_tensors_are_refused_naming_the_key(tmp_path, capsys):
     nan["stage3.1.conv2.weight_orepa_origin"][0, 0, 0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"non-finite values \(nan or inf\) in 'stage3.1.conv2.weight_orepa_origin'"):
         orepa.import_reference(nan)
+    var = next(k for k in sd if k.endswith("running_var"))
+    negative = {**sd, var: sd[var].clone()}
+    negative[var][0] = -1.0  # imported, it gave nan logits and "max |diff| nan > nan"
+    with pytest.raises(ValueError, match=f"a negative running variance in '{var}'"):
+        orepa.import_reference(negative)
     avg = next(k for k in sd if k.endswith("weight_orepa_avg_avg"))
     ints = {**sd, avg: sd[avg].long()}
     with pytest.raises(ValueError, match=f"{avg} holds torch.int64 values"):

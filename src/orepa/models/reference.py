@@ -89,6 +89,10 @@ class _Reader:
         t = self.sd[key]
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(f"reference checkpoint holds non-finite values (nan or inf) in {key!r}")
+        if name.endswith("running_var") and t.is_floating_point() and bool((t < 0).any()):
+            # a variance below zero: the BN's sqrt gives nan, named here rather than as nan logits
+            raise ValueError(f"reference checkpoint holds a negative running variance in {key!r} "
+                             f"(min {t.min().item():.3g}): a damaged BatchNorm statistic")
         return t.to(torch.float64) if t.is_floating_point() else t.clone()
 
     def bn(self, name: str, into: str) -> dict[str, Tensor]:

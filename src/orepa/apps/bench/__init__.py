@@ -9,6 +9,7 @@ writes the table, the plots and the JSON. docs/benchmarks.md describes every col
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-classes", type=positive_int, default=1000)
     p.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
                    help="zoo model option for every variant, e.g. width_mult=0.5 or small_input=True (repeatable)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a result file of other variants (a rerun of the same variants replaces its own)")
     p.add_argument("--threads", type=thread_count, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="SGD lr (momentum 0.9, wd 1e-4); cost does not depend on it, small keeps random-data steps finite")
@@ -96,10 +99,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _methods(args) -> list[str]:
-    out = []
-    for m in args.methods:
-        out += m.split(",") if ":" not in m else [m]
-    return [m for m in out if m]
+    """The variant specs of ``--methods``: words, each a comma-separated list (option values never
+    hold commas: a branch list is written ``branches=kxk/1x1``)."""
+    out = [m.strip() for word in args.methods for m in word.split(",") if m.strip()]
+    if not out:
+        raise UserError(f"--methods {' '.join(args.methods)!r} names no variant (e.g. --methods base orepa dbb)")
+    return out
+
+
+def _check_result_file(path: Path, methods: list[str], overwrite: bool) -> None:
+    """Before measuring: a result file of other variants (the default name says the model, batch, size
+    and device, not the variants) is replaced only with --overwrite; a rerun of the same variants
+    replaces its own result."""
+    if overwrite or not path.is_file():
+        return
+    try:
+        held = json.loads(path.read_text()).get("config", {}).get("methods")
+    except (OSError, ValueError, AttributeError):
+        held = None
+    if held != methods:
+        what = f"a result of {', '.join(map(str, held))}" if isinstance(held, list) else "another file"
+        raise UserError(f"--output-dir {path.parent}: {path.name} holds {what}; pass --overwrite to replace it, or "
+                        "--tag NAME to write this run's result beside it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,6 +170,15 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--components with {model_flags}: {exc}") from None
     else:
         methods = _methods(args)
+    dev = "cuda" if str(device).startswith("cuda") else "cpu"
+    tag = args.tag or (f"{model_slug(args.model)}_b{args.batch_size}_{args.image_size}_{dev}"
+                       + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
+                       + ("_tf32" if args.tf32_matmul and dev == "cuda" else "")
+                       # "_compiled" names a torch.compile'd step: the compiled kernel builder is told apart
+                       + ("" if args.kernel_builder == "auto" else "_" + args.kernel_builder
+                          + ("-builder" if args.kernel_builder == "compiled" else ""))
+                       + ("_components" if args.components else ""))
+    _check_result_file(Path(args.output_dir) / f"{tag}.json", methods, args.overwrite)
     # built here, each in its own try: what goes wrong in a build is the spec's or the model's (an unknown
     # name or option, a bad value); errors of the measurement itself keep their traceback
     runners = []
@@ -173,14 +203,6 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise UserError(f"-b {args.batch_size} --image-size {args.image_size}: a training BatchNorm sees one value "
                         "per channel at the network's smallest feature map; use a larger batch or image") from None
-    dev = "cuda" if str(device).startswith("cuda") else "cpu"
-    tag = args.tag or (f"{model_slug(args.model)}_b{args.batch_size}_{args.image_size}_{dev}"
-                       + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
-                       + ("_tf32" if args.tf32_matmul and dev == "cuda" else "")
-                       # "_compiled" names a torch.compile'd step: the compiled kernel builder is told apart
-                       + ("" if args.kernel_builder == "auto" else "_" + args.kernel_builder
-                          + ("-builder" if args.kernel_builder == "compiled" else ""))
-                       + ("_components" if args.components else ""))
     print()
     print(format_header(result))
     print()

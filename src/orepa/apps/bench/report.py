@@ -179,5 +179,12 @@ def rerender(path: str | Path, plots: bool = True, out_dir: str | Path | None = 
             and isinstance(result.get("results"), dict) and "base" in result["results"]):
         raise ValueError(f"{path} is not an orepa bench result (JSON with config, environment and "
                          "the results of base)")
-    result["ratios"] = ratios(result["results"])
+    try:  # rendered in memory first: a damaged result is refused before any file is written
+        if not all(isinstance(r, dict) for r in result["results"].values()):
+            raise TypeError("a result that is not a mapping")
+        result["ratios"] = ratios(result["results"])
+        format_header(result), format_table(result)
+    except (KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
+        what = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"{path} is not an orepa bench result as written by orepa bench ({what})") from None
     return result, save(result, path.parent if out_dir is None else Path(out_dir), path.stem, plots=plots)

@@ -96,7 +96,9 @@ def split_run_options(spec: str, default: str) -> tuple[str, str, dict[str, bool
     builder, switches = default, {}
     kept = []
     for o in opts:
-        key, _, value = o.partition("=")
+        key, sep, value = o.partition("=")
+        if key in (BUILDER_OPTION, *SWITCH_OPTIONS) and not sep:
+            raise ValueError(f"--methods {spec}: {key} expects {key}=VALUE")
         if key == BUILDER_OPTION:
             builder = value
         elif key in SWITCH_OPTIONS:
