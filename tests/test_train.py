@@ -165,6 +165,9 @@ def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp
                      "--json", str(tmp_path / "e.json")]) == 0
         assert json.loads((tmp_path / "e.json").read_text())["acc1"] == pytest.approx(100 * sum(right) / 4)
         assert "the 2 classes of imagefolder read by name" in capsys.readouterr().out
+    assert main(["train", "--test-only", "--resume", str(ckpt_path), "--data-path", str(part), "--no-progress",
+                 "-j", "0"]) == 0  # torchvision-style evaluation reads them alike
+    assert f"top-1 {100 * sum(right) / 4:.2f}%" in capsys.readouterr().out
     shutil.copytree(root / "val" / "dog", part / "val" / "wolf")
     assert main(["eval", str(ckpt_path), "--data-path", str(part), "--no-progress", "-j", "0"]) == 2
     err = capsys.readouterr().err

@@ -143,6 +143,17 @@ def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:
             setattr(args, key, saved.get(key) or default)
 
 
+def checkpoint_data(args: argparse.Namespace, ckpt: dict, info: DistInfo):
+    """The validation data to evaluate the checkpoint on, each image labelled as the checkpoint's
+    classifier numbers its class (by name, where both name their classes: :meth:`Data.read_as`)."""
+    data = build_data(args, need_train=False)
+    read = data.read_as(ckpt.get("classes") or (), args.checkpoint)
+    if read is not data and info.is_main:
+        print(f"note: the {len(data.classes)} classes of {data.name} read by name as {args.checkpoint}'s "
+              f"{len(read.classes)}", flush=True)
+    return read
+
+
 def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Module, dict, str]:
     """The checkpoint's model (its model_cfg, or the model flags given), checked against ``data``."""
     cfg = None
@@ -165,11 +176,7 @@ def run(args: argparse.Namespace) -> int:
             check_output_path(args.json, "--json", text=True, not_over={"the input checkpoint": args.checkpoint})
         ckpt = load_checkpoint(args.checkpoint)
         data_args_from_checkpoint(args, ckpt)
-        data = build_data(args, need_train=False)
-        if data is not (read := data.read_as(ckpt.get("classes") or (), args.checkpoint)) and info.is_main:
-            print(f"note: the {len(data.classes)} classes of {data.name} read by name as {args.checkpoint}'s "
-                  f"{len(read.classes)}", flush=True)
-        data = read
+        data = checkpoint_data(args, ckpt, info)
         model, cfg, form = checkpoint_model(args, ckpt, data)
         model.to(device)
         if args.channels_last:

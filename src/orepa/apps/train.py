@@ -1077,7 +1077,7 @@ def print_summary(s: dict) -> None:
 
 def test_only(args: argparse.Namespace) -> dict:
     """``--test-only``: evaluate the --resume checkpoint (any form)."""
-    from .evaluate import checkpoint_model, data_args_from_checkpoint
+    from .evaluate import checkpoint_data, checkpoint_model, data_args_from_checkpoint
 
     if not args.resume:
         raise UserError("--test-only evaluates the checkpoint given with --resume")
@@ -1088,8 +1088,12 @@ def test_only(args: argparse.Namespace) -> dict:
         args.checkpoint, args.use_ema = args.resume, False
         if args.data_path == "fashion-mnist" and (ckpt.get("args") or {}).get("data_path"):
             args.data_path = None
+        given = _given(args)
+        for key in ("val_resize_size", "val_crop_size"):  # train's defaults: the checkpoint's sizes unless given
+            if key not in given:
+                setattr(args, key, None)
         data_args_from_checkpoint(args, ckpt)
-        data = build_data(args, need_train=False)
+        data = checkpoint_data(args, ckpt, info)
         model, cfg, form = checkpoint_model(args, ckpt, data)
         model.to(device)
         r = evaluate(model, val_loader(data, args, info, device), device, info=info, amp=args.amp,
