@@ -153,6 +153,12 @@ def test_blocks_with_feature_map_branches_need_same_padding():
     assert OREPAConv2d(8, 8, 3, padding=(1, 0)).padding == (1, 0)  # one per axis
     with pytest.raises(ValueError, match=r"only 'same' padding \(0, 1\) keeps branch centres aligned"):
         DBBConv2d(8, 8, (1, 3), padding=1)
+    # 'same' with a stride: nn.Conv2d refuses it; a block took it as the centred padding silently
+    with pytest.raises(ValueError, match=r"padding='same' is not supported with stride 2 .* give padding=1"):
+        OREPAConv2d(8, 8, 3, stride=2, padding="same")
+    with pytest.raises(ValueError, match="padding='same' is not supported for strided convolutions"):
+        nn.Conv2d(8, 8, 3, stride=2, padding="same")
+    assert OREPAConv2d(8, 8, 3, stride=2).padding == (1, 1) and OREPAConv2d(8, 8, 3, padding="same").padding == (1, 1)
 
 
 @pytest.mark.parametrize("method", list(FACTORIES))

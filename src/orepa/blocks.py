@@ -110,7 +110,8 @@ def check_conv_config(
     Returns ``((kh, kw), stride, (ph, pw), dilation)``. Supported: odd kernel
     sizes (square or not: 3x3, 1x7, 3x1), equal strides and dilations on both
     axes, ``groups`` dividing both channel counts and "same" padding
-    ``(kh // 2 * dilation, kw // 2 * dilation)`` (``None`` or ``"same"`` pick it).
+    ``(kh // 2 * dilation, kw // 2 * dilation)`` (``None`` picks it, and ``"same"`` at stride 1:
+    as in nn.Conv2d, a strided ``"same"`` is refused).
     ``any_padding``: any non-negative padding (``"valid"``: 0), for online
     blocks: they convolve with their squeezed kernel only, so their branches
     need no common centre on the feature map. Anything else raises a ValueError
@@ -139,6 +140,9 @@ def check_conv_config(
     same = (kh // 2 * dh, kw // 2 * dh)
     if padding == "valid":  # nn.Conv2d's name for no padding
         padding = (0, 0)
+    if padding == "same" and sh > 1:  # as nn.Conv2d: a strided output cannot keep the input's size
+        raise ValueError(f"padding='same' is not supported with stride {sh} (nn.Conv2d refuses it too); give "
+                         f"padding={same[0] if same[0] == same[1] else same} (centred, torchvision's choice) or None")
     if padding is None or padding == "same":
         pad = same
     else:
