@@ -48,7 +48,7 @@ from torch import nn
 import orepa
 
 from ..state_dicts import STATE_DICT_KEYS, find_state_dict, is_state_dict, strip_prefixes
-from .common import UserError
+from .common import UserError, some_of
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg
 
 FORMAT = "orepa-checkpoint"
@@ -492,11 +492,6 @@ def _check_metadata(path: Path, ckpt: dict) -> None:
         raise UserError(f"{path}: unknown model form {ckpt['form']!r} (expected one of {', '.join(FORMS)})")
 
 
-def _example(keys, n=3) -> str:
-    keys = list(keys)
-    return ", ".join(keys[:n]) + (", ..." if len(keys) > n else "")
-
-
 def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
     """Empty if ``sd`` fits ``model`` exactly, else a short description of the differences."""
     own = model.state_dict()
@@ -506,11 +501,11 @@ def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
               for k in own if k in sd and isinstance(sd[k], torch.Tensor) and sd[k].shape != own[k].shape]
     parts = []
     if missing:
-        parts.append(f"{len(missing)} missing key(s) ({_example(missing)})")
+        parts.append(f"{len(missing)} missing key(s) ({some_of(missing)})")
     if unexpected:
-        parts.append(f"{len(unexpected)} unexpected key(s) ({_example(unexpected)})")
+        parts.append(f"{len(unexpected)} unexpected key(s) ({some_of(unexpected)})")
     if shapes:
-        parts.append(f"{len(shapes)} shape mismatch(es) ({_example(shapes, 2)})")
+        parts.append(f"{len(shapes)} shape mismatch(es) ({some_of(shapes, 2)})")
     return "; ".join(parts)
 
 
@@ -542,9 +537,15 @@ def new_classifier_keys(model: nn.Module, sd: dict, num_classes: int) -> list[st
     """The keys of ``model``'s classifier that ``sd`` holds for another class count: the parameters
     of its ``nn.Linear`` layers with ``num_classes`` outputs whose shape differs from ``sd``'s."""
     own = model.state_dict()
-    return [key for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes
-            for key in (f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+    return [key for key in _classifier_keys(model, num_classes)
             if key in sd and isinstance(sd[key], torch.Tensor) and sd[key].shape != own[key].shape]
+
+
+def _classifier_keys(model: nn.Module, num_classes: int) -> list[str]:
+    """The state_dict keys of ``model``'s classifier: the parameters of its ``nn.Linear`` layers with
+    ``num_classes`` outputs."""
+    return [f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, nn.Linear)
+            and m.out_features == num_classes for p, _ in m.named_parameters(recurse=False)]
 
 
 def classifier_rows_by_name(model: nn.Module, sd: dict, num_classes: int, saved: Sequence[str],
@@ -559,8 +560,7 @@ def classifier_rows_by_name(model: nn.Module, sd: dict, num_classes: int, saved:
     if not saved or not classes or saved == classes or not common:
         return sd, ""
     own = model.state_dict()
-    keys = [key for name, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features == num_classes
-            for key in (f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+    keys = [key for key in _classifier_keys(model, num_classes)
             if isinstance(sd.get(key), torch.Tensor) and sd[key].dim() >= 1 and sd[key].shape[0] >= len(saved)
             and sd[key].shape[1:] == own[key].shape[1:]]
     if not keys:
@@ -576,8 +576,7 @@ def classifier_rows_by_name(model: nn.Module, sd: dict, num_classes: int, saved:
     if not new and len(classes) == len(saved) == num_classes:
         return sd, "its classifier's rows put in this data's class order (by name)"
     return sd, (f"a {num_classes}-class classifier whose rows for the {len(common)} class(es) the checkpoint knows "
-                "come from it (by name)" + (f"; new: {', '.join(new[:3])}{', ...' if len(new) > 3 else ''}"
-                                             if new else ""))
+                "come from it (by name)" + (f"; new: {some_of(new)}" if new else ""))
 
 
 def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str | None = None,

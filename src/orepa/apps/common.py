@@ -455,6 +455,12 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def some_of(items, n: int = 3) -> str:
+    """The first ``n`` of ``items`` for a message: ``"a, b, c, ..."``."""
+    items = list(items)
+    return ", ".join(items[:n]) + (", ..." if len(items) > n else "")
+
+
 def per_cpu_cap() -> int:
     """The most threads, or loader processes, a command starts: 4 per CPU, or 32. Beyond, they only
     contend (ResNet-18 evaluation with 5,000 threads on 2 cores: 100x slower per batch)."""

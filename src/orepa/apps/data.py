@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .checkpoint import atomic_write
-from .common import STOP_SIGNALS, DistInfo, UserError, nonneg_int, per_cpu_cap, positive_int
+from .common import STOP_SIGNALS, DistInfo, UserError, nonneg_int, per_cpu_cap, positive_int, some_of
 
 FASHION_MNIST_FILES = (
     "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
@@ -339,8 +339,7 @@ class Data:
         unknown = [c for c in self.classes if c not in classes]
         if unknown:
             raise UserError(f"{source} was trained on other classes: {self.name} has {len(unknown)} it never saw "
-                            f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); its classes are "
-                            f"{', '.join(classes[:5])}{', ...' if len(classes) > 5 else ''}")
+                            f"({some_of(unknown)}); its classes are {some_of(classes, 5)}")
         index = [classes.index(c) for c in self.classes]
         return dataclasses.replace(self, val=Relabeled(self.val, index), num_classes=len(classes), classes=classes)
 

@@ -99,6 +99,7 @@ from .common import (
     positive_float,
     positive_int,
     seed_everything,
+    some_of,
     split_params,
     state_hash,
 )
@@ -454,7 +455,7 @@ class Trainer:
         if self.resume_ckpt is not None and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
             # the folder changed since the run began: its labels would now name other classes
             was, now = tuple(self.resume_ckpt["classes"]), self.data.classes
-            change = "; ".join(f"{what} {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}" for what, names in (
+            change = "; ".join(f"{what} {some_of(names)}" for what, names in (
                 ("new:", [c for c in now if c not in was]), ("gone:", [c for c in was if c not in now])) if names)
             raise UserError(f"--resume {args.resume}: {self.data.name} no longer has the classes this run began with "
                             f"({change or 'the same names in another order'}); put the folder back as it was, or "
@@ -649,7 +650,7 @@ class Trainer:
             # holds that lock and keeps its directory.
             return found
         if not args.overwrite:
-            what = f"a run ({', '.join(found[:3])}{', ...' if len(found) > 3 else ''})"
+            what = f"a run ({some_of(found)})"
             hint = f"continue it with --resume {self.ckpt_path}, " if (self.out / "checkpoint.pth").exists() else ""
             raise UserError(f"--output-dir {self.out} already holds {what}; {hint}replace it with --overwrite, "
                             "or choose another --output-dir")
