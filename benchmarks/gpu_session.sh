@@ -136,7 +136,7 @@ modes)
     ;;
 builder)
     # the kernel builders side by side, paired with base in one process (orepa:builder=compiled is a variant);
-    # the first run compiles ResNet-18's 8 groups, later ones find them in inductor's cache (kernel shapes do
+    # the first run compiles ResNet-18's groups, later ones find them in inductor's cache (kernel shapes do
     # not depend on the batch); ResNet-50 compiles its 20 groups last. Each stage: at most its limit, see left().
     cuda_tests "$(left 120)"
     for run in "resnet18 64 140" "resnet18 64 90 --cuda-graphs" "resnet18 8 60" "resnet50 64 150"; do

@@ -534,7 +534,7 @@ def test_aten_ops_per_step_counted_and_guarded():
     """The host cost of an eager step: aten operators dispatched, base vs online OREPA (ResNet-18,
     batch 8, 64x64) on both kernel-builder routes, and of them the ones that launch a kernel.
     Deterministic; the bounds guard against regressions (measured: per-block 10.3x, grouped
-    3.7x packed and 4.5x unpacked with 2.4x base's kernels, compiled 1.2x packed: see the next
+    2.7x packed and 3.7x unpacked with 2.1x base's kernels, compiled 1.1x packed: see the next
     test; the goal is <= 2x). Packing saves one accumulation (a ``detach``) per parameter tensor
     it removes and the split of each role's gradient into the blocks', and adds a concatenation
     of gradients per parameter holding several roles."""
@@ -550,7 +550,7 @@ def test_aten_ops_per_step_counted_and_guarded():
         leaves[key] = len(list(r.model.parameters()))
     assert 250 <= ops["base"] <= 400 and 100 <= kernels["base"] < ops["base"]
     assert ops["per-block unpacked"] <= 12 * ops["base"], ops  # a CPU's route does not pack
-    assert ops["grouped"] <= 4 * ops["base"], ops  # the GPU route
+    assert ops["grouped"] <= 3 * ops["base"], ops  # the GPU route (groups spanning widths: 5, not 8)
     # packed: a concatenation of gradients per parameter that holds several roles (3 per group here)
     assert kernels["grouped unpacked"] < kernels["grouped"] <= kernels["grouped unpacked"] + 3 * 9 <= 3 * kernels["base"]
     assert leaves["grouped"] < 0.3 * leaves["grouped unpacked"]

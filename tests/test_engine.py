@@ -283,8 +283,9 @@ def test_the_first_block_of_a_forward_builds_every_group_and_checkpointed_blocks
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    a, b = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 8, 3).double()
-    c = OREPAConv2d(8, 8, 3).double()
+    # widths 4 and 6: blocks of one input width share a group only where one width is a multiple of the other
+    a, b = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 6, 3).double()
+    c = OREPAConv2d(6, 6, 3).double()
     net = nn.Sequential(a, b, c)
     groups = engine.group_kernels(net, "grouped")
     assert len(groups) == 3 and all(g.peers == groups for g in groups)
@@ -315,8 +316,8 @@ def test_a_networks_groups_build_as_one_node_and_train_as_one_node_per_group(mon
     group's gradients with the rest of the backward). Both train alike, and a group rebuilt alone
     (its block called twice) is a node of its own."""
     torch.manual_seed(0)
-    net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), nn.ReLU(), OREPAConv2d(4, 8, 3, padding=1), nn.ReLU(),
-                        OREPAConv2d(8, 8, 3, padding=1), OREPAConv2d(8, 8, 3, padding=1)).double()
+    net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), nn.ReLU(), OREPAConv2d(4, 6, 3, padding=1), nn.ReLU(),
+                        OREPAConv2d(6, 6, 3, padding=1), OREPAConv2d(6, 6, 3, padding=1)).double()
     apart = copy.deepcopy(net)
     assert len(engine.group_kernels(net, "grouped", pack=pack)) == 3
     engine.group_kernels(apart, "grouped", pack=pack, joint=False)
@@ -337,7 +338,7 @@ def test_a_networks_groups_build_as_one_node_and_train_as_one_node_per_group(mon
     for p, q in zip(net.parameters(), apart.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-13)
     nodes.clear()
-    net[4](net[4](torch.randn(1, 8, 5, 5, dtype=torch.float64))).sum().backward()  # the group of net[4] and net[5]
+    net[4](net[4](torch.randn(1, 6, 5, 5, dtype=torch.float64))).sum().backward()  # the group of net[4] and net[5]
     assert len(nodes[id(engine.kernel_groups(net)[0].peers)]) == 2  # the joint build, then that group's own
 
 
@@ -766,3 +767,68 @@ def test_a_packed_compiled_group_trains_as_a_packed_eager_one():
     assert groups[0]._compiled_for[1].plans == tuple(g.plan for g in groups)  # one compiled build for all
     for (name, p), q in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class _Fan(nn.Module):
+    """Blocks of one input width side by side (as a network's stage transitions are: 64 -> 64 and
+    64 -> 128), their outputs concatenated."""
+
+    def __init__(self, widths, k=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(OREPAConv2d(4, w, k, padding=k // 2) for w in widths)
+
+    def forward(self, x):
+        return torch.cat([b(x) for b in self.blocks], 1).flatten(1)
+
+
+@pytest.mark.parametrize("k", [3, 1])  # OREPA's six branches; Rep-1x1 (1x1 -> 1x1)
+@pytest.mark.parametrize("pack", [False, True])
+def test_blocks_of_several_widths_build_as_one_group_with_the_per_block_numbers(k, pack):
+    """Blocks whose widths are multiples of the smallest (at most 4x) share a group: its rows are
+    theirs concatenated, the input-side steps (1x1 -> kxk's 1x1, dw -> pw's dw) used once per
+    multiple. Outputs, gradients and SGD steps equal the per-block route's; the state_dict and the
+    deployed convs are the blocks' own."""
+    torch.manual_seed(0)
+    net, ref = _twins(_Fan([4, 8, 12, 4, 16, 20, 6], k), "per-block", "per-block")
+    before = {n: t.shape for n, t in net.state_dict().items()}
+    groups = engine.group_kernels(net, "grouped", pack=pack)
+    assert [[b.out_channels for b in g.blocks] for g in groups] == [[4, 8, 12, 4, 16], [6], [20]]
+    assert groups[0].plan.v == 11 and any(br.replicated for br in groups[0].plan.branches)
+    assert (groups[0].packed is not None) == pack
+    assert {n: t.shape for n, t in net.state_dict().items()} == before
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    y0, g0 = _grads(ref, x)
+    y1, g1 = _grads(net, x)
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-9, atol=1e-12, msg=name)
+    for m in (net, ref):
+        _sgd_steps(m, x, steps=3)
+    for (name, p), q in zip(ref.state_dict().items(), net.state_dict().values()):
+        torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12, msg=name)
+    deployed = orepa.reparameterize(copy.deepcopy(net).eval())
+    torch.testing.assert_close(deployed(x), ref.eval()(x), rtol=1e-9, atol=1e-10)
+
+
+def test_a_mixed_width_group_counts_fewer_operators_than_a_group_per_width():
+    """The point of sharing a group across widths: the kernel construction of a 64 -> 64 and a
+    64 -> 128 block costs the operators of one group, not two (a few more to replicate the
+    input-side steps)."""
+    def ops(widths_apart: bool) -> int:
+        torch.manual_seed(0)
+        net = _Fan([4, 8])
+        groups = engine.group_kernels(net, "grouped", pack=True)
+        if widths_apart:  # what grouping by exact signature made of them
+            for g, blk in zip([engine.KernelGroup([b], "grouped") for b in net.blocks], net.blocks):
+                blk._kernel_group = g
+            groups = engine.kernel_groups(net)
+            for g in groups:
+                g.peers = groups
+        x = torch.randn(1, 4, 5, 5)
+        net(x).sum().backward()
+        from orepa.apps.bench.measure import count_ops
+        return count_ops(lambda: net(x).sum().backward())[0]
+
+    together, apart = ops(False), ops(True)
+    assert together < apart - 30, (together, apart)

@@ -18,7 +18,11 @@ concatenation of theirs (each composition is block-diagonal in the blocks). A :c
 written for a list of blocks and a single block is the case ``B = 1``: one mechanism either way.
 A group makes those concatenations once, as its :class:`Storage`, and its blocks' tensors become
 views of it; there the branches that are a 1x1 and a fixed per-channel filter (a :class:`Family`)
-share one batched product.
+share one batched product. The blocks need not be equally wide: a signature leaves the output
+channels out, and blocks whose widths are multiples of the narrowest (a stage's 64 -> 64 blocks
+and its 64 -> 128 transition) are one group of *virtual blocks* as wide as the narrowest, each
+reading its block's rows and its block's input-side steps (those are replicated per virtual
+block at each build, their gradients summed back): one construction where there were two.
 
 Why group: on a GPU an eager online step is bound by the host issuing hundreds of tiny
 kernel-construction ops (~10-20 us each), not by their FLOPs; a group builds ``B`` kernels with
@@ -118,6 +122,15 @@ class _Branch(NamedTuple):
     # the branch kernel's centred window in the kh x kw kernel, rows [top, top + eh) and columns
     # [left, left + ew); None where it is the whole kernel (fixed per plan: no test per build)
     window: tuple[slice, slice] | None
+    # whether its first step is input-side (rows not the block's outputs: 1x1 -> kxk's 1x1, dw -> pw's
+    # dw) in a plan of blocks of several widths: replicated per virtual block at each build
+    replicated: bool = False
+
+
+def _per_channel(step: nn.Module) -> bool:
+    """Whether a kernel step filters each channel on its own (a depthwise kernel, multiplier 1)."""
+    w = _weight(step)
+    return w.shape[1] == 1 and step.groups == w.shape[0]
 
 
 class Family(NamedTuple):
@@ -195,7 +208,16 @@ class Plan:
         # writes short contractions out term by term (kernels.batched_product), which the compiler fuses too
         self.traced = traced
         kh, kw = blk.kernel_size
-        self.kernel_shape = (blk.out_channels, blk.in_channels // blk.groups, kh, kw)
+        # blocks may differ in their output channels (multiples of the smallest, see group_kernels):
+        # the compositions then run over *virtual blocks* of `unit` output rows each, every one
+        # with its block's input-side step (the first step of 1x1 -> kxk, dw -> pw) as operand
+        self.rows = tuple(b.out_channels for b in blocks)
+        unit = min(self.rows)
+        self._reps = tuple(r // unit for r in self.rows)
+        self.v = sum(self._reps)  # == n where the blocks are alike
+        self.kernel_shapes = tuple((r, blk.in_channels // blk.groups, kh, kw) for r in self.rows)
+        self.kernel_shape = self.kernel_shapes[0]
+        self._replicas: dict = {}  # (rows per block, device) -> the virtual blocks' rows (_replica_index)
         self.first = blk._first_full_branch(self.names)
         self.branches = []
         for name in self.names:
@@ -205,13 +227,15 @@ class Plan:
             self.branches.append(_Branch(
                 name, tuple(tuple(p[0][j] for p in per_block) for j in range(len(steps0))),
                 None if scale0 is None else tuple(p[1] for p in per_block),
-                tuple(st.groups * self.n for st in steps0),
+                tuple(st.groups * self.v for st in steps0),
                 tuple(_learnable(st) for st in steps0),
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
                 scale0 is not None and scale0.mode == "scalar",
                 None if (eh, ew) == (kh, kw) else (slice((kh - eh) // 2, (kh - eh) // 2 + eh),
-                                                   slice((kw - ew) // 2, (kw - ew) // 2 + ew))))
+                                                   slice((kw - ew) // 2, (kw - ew) // 2 + ew)),
+                len(steps0) == 2 and self.v != self.n and not _per_channel(steps0[1])))
         self._find_slots()
+        self._virtual = tuple(b for b, reps in enumerate(self._reps) for _ in range(reps))  # their blocks
         self.build = EagerBuild((self,))  # this plan's construction alone, as GroupsFunction runs it
         # per filter-family member (see Family): its roles (1x1 weight, fixed filter or None, scale)
         members, indices, role = [], [], 0
@@ -312,11 +336,11 @@ class Plan:
                 out = _fresh_kernel(ks, s)
                 break
         if out is None:
-            o, i, kh, kw = self.kernel_shape
-            out = ops[0][0][0].kernel.new_zeros(self.n * o, i, kh, kw)
+            _, i, kh, kw = self.kernel_shape
+            out = ops[0][0][0].kernel.new_zeros(sum(self.rows), i, kh, kw)
         for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
             if br.name != self.first and i not in skip:
-                _add_into(self._window(out, br), ks, s, self.traced)
+                _add_into(self._window(out, br), self._replicate(ks) if br.replicated else ks, s, self.traced)
         if family is not None:
             # out += sum_j (s_j W_j) F_j: per output channel [C_in/g, J] @ [J, kh*kw]
             ws, flat = (family.weights * family.scales).permute(1, 2, 0), out.view(out.shape[0], out.shape[1], -1)
@@ -329,11 +353,39 @@ class Plan:
     def kernels(self, stacked: Storage | None = None) -> tuple[Tensor, ...]:
         """:meth:`squeeze` as one kernel per block (views of it)."""
         w = self.squeeze(stacked)
-        return (w,) if self.n == 1 else w.split(self.kernel_shape[0])
+        return (w,) if self.n == 1 else w.split(self.kernel_shape[0] if self.v == self.n else self.rows)
 
     def kernels_vjp(self, grads: Sequence[Tensor], stacked: Storage | None = None) -> list[Tensor]:
         """:meth:`vjp` from the gradients of :meth:`kernels`, one per block."""
         return self.vjp(grads[0] if self.n == 1 else torch.cat(list(grads)), stacked)
+
+    def _replica_index(self, first: Tensor) -> Tensor:
+        """Rows of a replicated first step's concatenation that the virtual blocks read, in order.
+        Made by kernels on the device (no copy from the host: it may be inside a CUDA-graph capture)
+        and kept, except inside a capture (that memory is the graph's)."""
+        m = first.shape[0] // self.n
+        index = self._replicas.get((m, first.device))
+        if index is None:
+            index = torch.cat([torch.arange(b * m, (b + 1) * m, device=first.device) for b in self._virtual])
+            if not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self._replicas[(m, first.device)] = index
+        return index
+
+    def replica_indices(self, stacked: Storage) -> None:
+        """Make the replica indices for ``stacked``'s device ahead (a compiled build's trace then
+        takes them as constants instead of tracing their construction)."""
+        for br, (ks, _) in zip(self.branches, stacked.operands):
+            if br.replicated:
+                self._replica_index(ks[0].kernel)
+
+    def _replicate(self, ks: list[Operand]) -> list[Operand]:
+        """A branch's operands over the virtual blocks: its first step's rows once per virtual block."""
+        first = ks[0].kernel
+        return [ks[0]._replace(kernel=first.index_select(0, self._replica_index(first))), *ks[1:]]
+
+    def _gather(self, grad: Tensor, first: Tensor) -> Tensor:
+        """A replicated first step's gradient summed back onto its blocks' rows (undoes :meth:`_replicate`)."""
+        return grad.new_zeros(first.shape).index_add_(0, self._replica_index(first), grad)
 
     def _window(self, kernel: Tensor, br: _Branch) -> Tensor:
         """The branch's centred window of a kernel (no view op when it is the whole kernel)."""
@@ -354,11 +406,18 @@ class Plan:
                 if packed:  # the family's gradients come last, whole
                     continue
                 grads = list(next(members))
+            elif br.replicated:
+                grads = _kernel_vjp(self._replicate(ks), s, br.scalar, self._window(grad, br), self.launch_bound,
+                                    self.traced)
+                if grads[0] is not None:
+                    grads[0] = self._gather(grads[0], ks[0].kernel)
             else:
                 grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound, self.traced)
-            # learnable operands in the branch's parameters() order: its conv steps, then its scale
-            per_branch.append([g if packed else (g.split(g.shape[0] // n) if n > 1 else (g,))
-                               for g in grads if g is not None])
+            # learnable operands in the branch's parameters() order: its conv steps, then its scale;
+            # per block: output-side rows by the blocks' widths, a replicated first step's alike
+            per_branch.append([g if packed else (g,) if n == 1 else g.split(
+                g.shape[0] // n if self.v == n or (j == 0 and br.replicated) else self.rows)
+                for j, g in enumerate(grads) if g is not None])
         if packed:  # one gradient per packed parameter, in KernelGroup.pack's order
             flat = [g for gs in per_branch for g in gs]
             if family is not None:
@@ -492,7 +551,7 @@ class EagerBuild:
     def __init__(self, plans: Sequence[Plan]):
         self.plans = tuple(plans)
         self.n = sum(p.n for p in self.plans)
-        self.kernel_shapes = [p.kernel_shape for p in self.plans for _ in range(p.n)]
+        self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
 
     def kernels(self, storages: Sequence[Storage | None]) -> tuple[Tensor, ...]:
         return tuple(w for plan, stacked in zip(self.plans, storages) for w in plan.kernels(stacked))
@@ -878,14 +937,15 @@ class KernelGroup:
         starts = {r: (name, lo) for r, (name, lo, _) in roles.items()}  # role -> (parameter, block 0's first row)
         family = (where[len(operands) - 2], where[len(operands) - 1]) if stacked.family is not None else None
         for j, (w_role, _, s_role) in enumerate(plan.family):
-            size = plan.role_modules[w_role][0]._parameters["weight"].shape[0] * plan.n
+            size = sum(mod._parameters["weight"].shape[0] for mod in plan.role_modules[w_role])
             (w_name, w_lo, _), (s_name, s_lo, _) = family
             starts[w_role], starts[s_role] = (w_name, w_lo + j * size), (s_name, s_lo + j * size)
         for r, (name, start) in starts.items():
-            for b, mod in enumerate(plan.role_modules[r]):
+            for mod in plan.role_modules[r]:
                 size = mod._parameters["weight"].shape[0]
                 del mod._parameters["weight"]
-                mod._packed = PackedSlot(holder, name, start + b * size, size)
+                mod._packed = PackedSlot(holder, name, start, size)
+                start += size
         self.blocks[0].packed_parameters = holder
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
         self._replan()
@@ -1027,7 +1087,7 @@ class KernelGroup:
             placed: dict[int, Tensor] = {}
             if plan.family:
                 w0 = per_role[plan.family[0][0]][0]
-                rows, j = n * w0.shape[0], len(plan.family)
+                rows, j = sum(w.shape[0] for w in per_role[plan.family[0][0]]), len(plan.family)
                 weights, scales = w0.new_empty(j, rows, *w0.shape[1:]), w0.new_empty(j, rows)
                 for i, (w_role, _, s_role) in enumerate(plan.family):
                     placed[w_role], placed[s_role] = weights[i], scales[i]
@@ -1066,7 +1126,7 @@ def _concat(ts: list[Tensor], repoint: bool, out: Tensor | None = None) -> Tenso
         return ts[0].detach()
     stack = torch.cat([t.detach() for t in ts], out=out)
     if repoint:
-        for t, view in zip(ts, stack.split(ts[0].shape[0])):
+        for t, view in zip(ts, stack.split([t.shape[0] for t in ts])):
             t.data = view
     return stack
 
@@ -1093,8 +1153,10 @@ class CompiledBuild:
 
         self.plans = tuple(plans)  # held: the cache key names them by id
         self.n = sum(p.n for p in self.plans)
-        self.kernel_shapes = [p.kernel_shape for p in self.plans for _ in range(p.n)]
+        self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
         traced = [Plan(p.blocks, p.names, launch_bound=True, traced=True) for p in self.plans]
+        for plan, st in zip(traced, storages):
+            plan.replica_indices(st)
         layout = [(len(st.roles), len(self.inputs((st,))), st.packed) for st in storages]
 
         def parts(ts: Sequence[Tensor]):  # the traced function's inputs as each plan's Storage
@@ -1157,20 +1219,51 @@ def builds_together(policy: str, device: torch.device | str) -> bool:
 
 
 def _signature(block: nn.Module) -> tuple:
+    """What blocks must share to build their kernels together. Not their output channels where
+    their convolutions are ungrouped: a group's rows are the concatenation of its blocks' rows
+    (:class:`Plan`'s virtual blocks), so only the input side of each step has to match: a step's
+    input channels and kernel size, and the whole shape of a step that is not on the output side
+    (the first step of 1x1 -> kxk or dw -> pw)."""
     steps = []
+    free_rows = block.groups == 1
     for name, br in block.branches.items():
-        for st in br:
+        convs, scale = br._split()
+        input_side = len(convs) == 2 and not _per_channel(convs[1])
+        for j, st in enumerate([*convs, *((scale,) if scale is not None else ())]):
             w = getattr(st, "weight", None)
-            steps.append((name, type(st).__name__, getattr(st, "groups", None), getattr(st, "kind", None),
-                          getattr(st, "mode", None), None if w is None else tuple(w.shape)))
-    return (type(block).__name__, block.in_channels, block.out_channels, block.kernel_size, block.groups,
-            tuple(steps))
+            shape, groups = None if w is None else tuple(w.shape), getattr(st, "groups", None)
+            if shape is not None and free_rows and not (j == 0 and input_side):
+                # a per-channel filter's groups are its rows
+                shape, groups = shape[1:], (None if groups == shape[0] and shape[1] == 1 else groups)
+            steps.append((name, type(st).__name__, groups, getattr(st, "kind", None),
+                          getattr(st, "mode", None), shape))
+    return (type(block).__name__, block.in_channels, None if free_rows else block.out_channels, block.kernel_size,
+            block.groups, tuple(steps))
+
+
+#: blocks of one signature but several widths share a group where each width is at most this multiple
+#: of the group's smallest (the input-side steps are replicated per multiple at each build)
+_MAX_WIDTH_RATIO = 4
+
+
+def _by_width(blocks: list[nn.Module]) -> list[list[nn.Module]]:
+    """Blocks of one signature split into groups whose widths are multiples of the group's smallest
+    (at most :data:`_MAX_WIDTH_RATIO` times), each in module order."""
+    out, rest = [], blocks
+    while rest:
+        unit = min(b.out_channels for b in rest)
+        fits = [b.out_channels % unit == 0 and b.out_channels // unit <= _MAX_WIDTH_RATIO for b in rest]
+        out.append([b for b, f in zip(rest, fits) if f])
+        rest = [b for b, f in zip(rest, fits) if not f]
+    return out
 
 
 def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joint: bool = True) -> list[KernelGroup]:
-    """Group the online blocks under ``root`` by construction signature (channels, kernel size,
-    groups, branch set and step shapes) so each group builds its kernels together in training
-    forwards. Idempotent: regrouping replaces earlier groups (e.g. to change ``policy``), and
+    """Group the online blocks under ``root`` by construction signature (input channels, kernel
+    size, groups, branch set and step shapes; the output channels where the blocks' convs are
+    grouped) so each group builds its kernels together in training forwards. Blocks of one
+    signature but several widths share a group where their widths are multiples of the narrowest,
+    up to :data:`_MAX_WIDTH_RATIO` (see the module docstring). Idempotent: regrouping replaces earlier groups (e.g. to change ``policy``), and
     unpacks them first.
 
     Blocks with scalar scales stay alone (their scales do not concatenate per channel): a group
@@ -1203,7 +1296,7 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
             sig = (sig, id(m))
         by_signature.setdefault(sig, []).append(m)
     groups = []
-    for blocks in by_signature.values():
+    for blocks in (part for same in by_signature.values() for part in _by_width(same)):
         group = KernelGroup(blocks, policy)
         for blk in blocks:
             blk._kernel_group = group
