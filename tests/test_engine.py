@@ -454,12 +454,71 @@ def test_tensors_a_group_does_not_own_are_never_repointed():
     grouped(x)  # the storage is made from the group's own parameters
     theirs = {n: (p.detach() * 1.5).requires_grad_() for n, p in grouped.named_parameters()}
     where = {n: t.data_ptr() for n, t in theirs.items()}
+    mine = {n: t.detach().clone().requires_grad_() for n, t in theirs.items()}
     y1 = functional_call(grouped, theirs, (x,))
-    y0 = functional_call(ref, {n: t.detach().clone().requires_grad_() for n, t in theirs.items()}, (x,))
+    y0 = functional_call(ref, mine, (x,))
     torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
     y1.square().sum().backward()
+    y0.square().sum().backward()
     assert all(t.grad is not None for t in theirs.values())
     assert {n: t.data_ptr() for n, t in theirs.items()} == where
+    # the backward runs after functional_call gave the blocks their own tensors back: it must
+    # differentiate what the forward read (it read the blocks' again: every branch but the
+    # filter family's got the gradient at the model's own values)
+    for n in mine:
+        torch.testing.assert_close(theirs[n].grad, mine[n].grad, rtol=1e-7, atol=1e-10, msg=n)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_functional_call_backward_differentiates_the_tensors_passed(recompute):
+    """Each block's own route (a CPU's; the kernel rebuilt in backward or kept): the gradients are
+    those at the tensors functional_call passed, not at the block's own."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    block = OREPAConv2d(4, 8, 3, padding=1, recompute=recompute).double()
+    plain = copy.deepcopy(block)
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    theirs = {n: (p.detach() * 1.5 + 0.1).requires_grad_() for n, p in block.named_parameters()}
+    functional_call(block, theirs, (x,)).square().sum().backward()
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            p.copy_(theirs[n])
+    plain(x).square().sum().backward()
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(theirs[n].grad, p.grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("policy", ["grouped", "per-block"])
+def test_functional_call_by_state_dict_names_reaches_the_packed_steps_and_leaves_nothing_behind(policy):
+    """A packed model called through ``torch.func.functional_call`` with its state_dict's names (the
+    packed steps' own keys, as a checkpoint holds them): the steps read the tensors passed, on the
+    grouped and the per-block route, with their gradients; after the call they read their rows
+    again (they had been ignored, the output that of the model's own values, and a stale view of
+    the rows kept as each step's attribute: the old dtype after .to(), deepcopy refused)."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    ref = _Fan([4, 8]).double()
+    packed = copy.deepcopy(ref)
+    assert all(g.packed is not None for g in engine.group_kernels(packed, policy, pack=True))
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    own = packed(x)
+    theirs = {k: (v * 0.5).requires_grad_() for k, v in packed.state_dict().items() if v.is_floating_point()}
+    mine = {k: v.detach().clone().requires_grad_() for k, v in theirs.items()}
+    y1, y0 = functional_call(packed, theirs, (x,)), functional_call(ref, mine, (x,))
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(y1, own)
+    y1.square().sum().backward()
+    y0.square().sum().backward()
+    for k in mine:
+        if mine[k].grad is not None or theirs[k].grad is not None:
+            torch.testing.assert_close(theirs[k].grad, mine[k].grad, rtol=1e-9, atol=1e-12, msg=k)
+    assert sum(t.grad is not None for t in theirs.values()) > 20
+    assert not any("weight" in m.__dict__ for m in packed.modules())
+    torch.testing.assert_close(packed(x), own, rtol=0, atol=0)
+    packed.float()
+    assert {v.dtype for v in copy.deepcopy(packed).state_dict().values() if v.is_floating_point()} == {torch.float32}
 
 
 def _twins(net: nn.Module, policy: str, other: str) -> tuple[nn.Module, nn.Module]:

@@ -220,8 +220,20 @@ class PackableWeight:
         if name == "weight" and "weight" not in self.__dict__.get("_parameters", ()):
             slot = self.__dict__.get("_packed")
             if slot is not None:
-                return slot.view()
+                return slot[name]
         return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value) -> None:
+        slot = self.__dict__.get("_packed") if name == "weight" else None
+        if slot is None:
+            super().__setattr__(name, value)
+            return
+        # a packed step given a tensor for its weight: ``torch.func.functional_call`` with the
+        # state_dict's names swaps it in for the call and gives back what it read (its rows) after.
+        # The step reads that tensor until then (the engine too: orepa.engine.PackedSlot); set as a
+        # plain attribute it was ignored by the kernel build, and kept after the call a stale view
+        # (old device or dtype after .to(), a model deepcopy refused)
+        slot.override(value)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -162,16 +162,28 @@ class PackedSlot:
     """Where a packed step's weight lives: rows ``[lo, lo + size)`` of the packed parameter
     ``name`` of ``holder`` (see :meth:`KernelGroup.pack`). Read through the holder, so it follows
     ``.to()``, copies and pickles of the model; a :class:`Plan` reads it as it reads a module's
-    tensor dict (``slot["weight"]``)."""
+    tensor dict (``slot["weight"]``). ``overridden``: a tensor set in place of the rows (what
+    ``torch.func.functional_call`` swaps in by the step's state_dict name), read instead of them
+    until the rows are set back."""
 
     def __init__(self, holder: nn.Module, name: str, lo: int, size: int):
         self.holder, self.name, self.lo, self.size = holder, name, lo, size
+        self.overridden: Tensor | None = None
 
     def view(self) -> Tensor:
         return self.holder._parameters[self.name].narrow(0, self.lo, self.size)
 
     def __getitem__(self, key: str) -> Tensor:
-        return self.view()
+        return self.view() if self.overridden is None else self.overridden
+
+    def override(self, value: Tensor | None) -> None:
+        """Read ``value`` instead of the rows; the rows themselves (a view of them) or None end it."""
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"a packed weight can only be replaced by a tensor, got {type(value).__name__}")
+        rows = self.view()
+        own = value is None or (value.device == rows.device and value.dtype == rows.dtype and value.shape == rows.shape
+                                and value.stride() == rows.stride() and value.data_ptr() == rows.data_ptr())
+        self.overridden = None if own else value
 
 
 class PackedParameters(nn.Module):
@@ -318,6 +330,15 @@ class Plan:
                     s = _weight(br.scales[0]) if one else torch.cat([_weight(m) for m in br.scales])
             out.append(([Operand(*a) for a in zip(ts, br.groups, br.learnable, br.shared)], s))
         return out
+
+    def storage_from(self, leaves: Sequence[Tensor]) -> Storage:
+        """The operands of a build that read ``leaves`` (:meth:`params` order) and the blocks' fixed
+        kernels, concatenated over the blocks as a :class:`Storage` (no filter family)."""
+        it = iter(leaves)
+        per_block = [[next(it) if learnable else d[k] for (d, k), learnable in zip(slots, self.learnable_roles)]
+                     for slots in self._slots]
+        roles = [ts[0] if self.n == 1 else torch.cat(ts) for ts in zip(*per_block)]
+        return Storage(roles, None, self.operands(roles))
 
     def squeeze(self, stacked: Storage | None = None) -> Tensor:
         """Summed kernels of the named branches of the blocks, concatenated along the output
@@ -522,6 +543,9 @@ class GroupsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, build: EagerBuild | CompiledBuild, storages: tuple[Storage | None, ...], *params: Tensor):
         ctx.build, ctx.storages = build, storages
+        if any(st is None for st in storages):  # each plan's leaves among params (see backward)
+            ctx.counts = tuple(len(st.packed) if st is not None and st.packed else plan.n * sum(plan.learnable_roles)
+                               for plan, st in zip(build.plans, storages))
         # the parameters are kept (no memory; autograd checks they are unchanged at backward), and
         # the operands read again there: from the group's storage, whose memory is theirs, or
         # concatenated anew without one (keeping per-step concatenations instead held a copy of
@@ -534,9 +558,18 @@ class GroupsFunction(torch.autograd.Function):
     def backward(ctx, *grads: Tensor | None):
         # the kernels' graph is spent (their grad_fn is this ctx): a group must not hand them out again
         ctx.spent = True
-        ref = ctx.saved_tensors[0]
+        saved = ctx.saved_tensors
+        ref = saved[0]
         grads = [g if g is not None else ref.new_zeros(shape) for g, shape in zip(grads, ctx.build.kernel_shapes)]
-        return (None, None, *ctx.build.kernels_vjp(grads, ctx.storages))
+        # without a storage the operands are read anew, from the leaves the forward read: the blocks
+        # may hold other tensors by now (functional_call gives them their own back before backward)
+        storages, i = list(ctx.storages), 0
+        if any(st is None for st in storages):
+            for j, (plan, count) in enumerate(zip(ctx.build.plans, ctx.counts)):
+                if storages[j] is None:
+                    storages[j] = plan.storage_from(saved[i:i + count])
+                i += count
+        return (None, None, *ctx.build.kernels_vjp(grads, storages))
 
 
 def squeeze_kernels(plan: Plan, stacked: Storage | None, *params: Tensor) -> tuple[Tensor, ...]:
@@ -587,13 +620,14 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         block, dtype = ctx.block, ctx.conv_dtype
         plan = plan_of(block, ctx.names, _launch_bound(x))
-        w = plan.squeeze()
+        stacked = plan.storage_from(params)  # what the forward read (not what the block holds by now)
+        w = plan.squeeze(stacked)
         gx, gw, gb = torch.ops.aten.convolution_backward(
             grad_y.to(dtype), x.to(dtype), w.to(dtype), [block.out_channels] if ctx.has_bias else None,
             list(block.stride), list(block.padding), list(block.dilation), False, [0, 0], block.groups,
             [ctx.needs_input_grad[0], True, ctx.has_bias],
         )
-        grads = plan.vjp(gw.to(w.dtype))
+        grads = plan.vjp(gw.to(w.dtype), stacked)
         gx = None if gx is None else gx.to(x.dtype)
         gb = gb.to(w.dtype) if ctx.has_bias else None
         return (gx, None, None, gb, *grads)
@@ -789,6 +823,7 @@ class KernelGroup:
         self._packed_roles: dict[int, tuple[str, int, int]] = {}
         self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
         self._packed_layout: tuple[tuple[int, ...], ...] = ()
+        self._slots: tuple[PackedSlot, ...] = ()  # the packed steps' slots
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
@@ -832,16 +867,20 @@ class KernelGroup:
 
     def _versions(self, i: int) -> tuple:
         """Version counters of what block ``i``'s kernel is built from (its group's, when packed)."""
-        if self.packed is not None:
+        if self.packed is not None and not self._overridden():
             return tuple(map(_version, self.packed._parameters.values()))
         return self.plan.versions(i)
+
+    def _overridden(self) -> bool:
+        """Whether a packed step reads a tensor set in place of its rows (``functional_call``)."""
+        return any(slot.overridden is not None for slot in self._slots)
 
     def _operands(self) -> tuple[Storage | None, list[Tensor], tuple[tuple, ...]] | None:
         """What a build of this group's kernels reads: ``(storage, leaves, versions)``, the leaves
         getting the gradients and ``versions[j]`` the version counters block ``j``'s kernel is valid
         for; None where the blocks' tensors are on several devices or dtypes (:meth:`_build_apart`)."""
         plan = self.plan
-        if self.packed is not None:
+        if self.packed is not None and not self._overridden():
             leaves = list(self.packed._parameters.values())
             stacked = self._storage
             if stacked is None or not self._holds([*leaves, *self._fixed_tensors()]):
@@ -850,10 +889,13 @@ class KernelGroup:
         tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]  # block-major, every role
         leaves = [t for t, learnable in zip(tensors, itertools.cycle(plan.learnable_roles)) if learnable]
         ref = tensors[0]
-        held = self._holds(tensors)  # the common case: nothing moved since the storage was made
+        # the common case: nothing moved since the storage was made (not a packed group's storage,
+        # read here only while a step reads a tensor set in place of its rows)
+        held = self.packed is None and self._holds(tensors)
         if not held and not all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
             return None
-        stacked = self._storage if held else self._stacked(tensors)
+        # (a packed group's steps reading tensors set in their place: concatenated for this build only)
+        stacked = None if self.packed is not None else self._storage if held else self._stacked(tensors)
         m = len(leaves) // plan.n  # leaves are block-major: block j's are leaves[j*m:(j+1)*m]
         return stacked, leaves, tuple(tuple(map(_version, leaves[j * m:(j + 1) * m])) for j in range(plan.n))
 
@@ -883,7 +925,8 @@ class KernelGroup:
         is bound by that host time; ResNet-18's online blocks hold 249 parameters more than its convs,
         packed they hold five per group. Parameters of one kind and row shape keep what optimizers
         and weight-decay rules read (``ndim``, ``kinds``). The optimizer must be made after packing
-        (it holds the parameters it was given), and ``torch.func.functional_call`` takes the packed names. Returns
+        (it holds the parameters it was given); ``torch.func.functional_call`` takes the packed names or the
+        state_dict's (the steps' own, see :class:`PackedSlot`). Returns
         whether the group packed: a group of one block without a filter family has nothing to pack,
         and tensors on several devices or dtypes, frozen in some blocks only, or that the blocks do
         not own (``functional_call``, FSDP) stay as they are."""
@@ -948,6 +991,7 @@ class KernelGroup:
                 start += size
         self.blocks[0].packed_parameters = holder
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
+        self._slots = tuple(mod._packed for r in starts for mod in plan.role_modules[r])
         self._replan()
         self._packed_storage()
         return True
@@ -965,6 +1009,7 @@ class KernelGroup:
                     mod._parameters["weight"] = nn.Parameter(slot.view().detach(), leaf.requires_grad)
         del self.blocks[0]._modules["packed_parameters"]
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = None, {}, None, ()
+        self._slots = ()
         self._replan()
         self._storage = None
 
