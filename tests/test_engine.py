@@ -891,3 +891,14 @@ def test_a_mixed_width_group_counts_fewer_operators_than_a_group_per_width():
 
     together, apart = ops(False), ops(True)
     assert together < apart - 30, (together, apart)
+
+
+def test_frozen_blocks_and_trainable_ones_form_groups_of_their_own():
+    """Blocks of one signature but frozen apart (a detection backbone's frozen stage beside the
+    next stage's first block) build in groups of their own, so each can pack."""
+    net = _Fan([4, 4, 8, 8])
+    for p in [*net.blocks[0].parameters(), *net.blocks[2].parameters()]:
+        p.requires_grad_(False)
+    groups = engine.group_kernels(net, "grouped", pack=True)
+    assert [[list(net.blocks).index(b) for b in g.blocks] for g in groups] == [[0, 2], [1, 3]]
+    assert all(g.packed is not None for g in groups)

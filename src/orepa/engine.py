@@ -1282,8 +1282,11 @@ def _signature(block: nn.Module) -> tuple:
                 shape, groups = shape[1:], (None if groups == shape[0] and shape[1] == 1 else groups)
             steps.append((name, type(st).__name__, groups, getattr(st, "kind", None),
                           getattr(st, "mode", None), shape))
+    # which tensors train: a group of frozen and trainable blocks could not pack (KernelGroup.pack),
+    # e.g. a detection backbone's frozen 64 -> 64 stage beside the 64 -> 128 block after it
+    trains = tuple(p.requires_grad for p in block.parameters())
     return (type(block).__name__, block.in_channels, None if free_rows else block.out_channels, block.kernel_size,
-            block.groups, tuple(steps))
+            block.groups, tuple(steps), trains)
 
 
 #: blocks of one signature but several widths share a group where each width is at most this multiple
