@@ -797,13 +797,22 @@ def test_a_group_packs_one_parameter_per_kind_row_shape_and_trainability(frozen)
 
 
 def test_a_group_frozen_in_some_blocks_only_stays_unpacked():
+    """group_kernels groups blocks frozen apart apart (each group packs, its frozen rows in a
+    ``_frozen`` parameter without gradient); a group frozen in some blocks only (made by hand, or
+    frozen after grouping) does not pack: a role's rows in one parameter cannot say which train."""
     torch.manual_seed(0)
     net = nn.Sequential(*[OREPAConv2d(4, 4, 3) for _ in range(3)]).double()
     net[1].branches["kxk"].conv.weight.requires_grad_(False)
-    (group,) = engine.group_kernels(net, "grouped", pack=True)
-    assert group.packed is None and len(list(net.parameters())) == 3 * len(list(OREPAConv2d(4, 4, 3).parameters()))
+    groups = engine.group_kernels(net, "grouped", pack=True)
+    assert [[list(net).index(b) for b in g.blocks] for g in groups] == [[0, 2], [1]]
+    assert all(g.packed is not None for g in groups)
     net(torch.randn(2, 4, 6, 6, dtype=torch.float64)).sum().backward()
-    assert net[1].branches["kxk"].conv.weight.grad is None and net[0].branches["kxk"].conv.weight.grad is not None
+    frozen = dict(groups[1].packed.named_parameters())
+    assert [n for n, p in frozen.items() if not p.requires_grad] == ["weights_4x3x3_frozen"]
+    assert all((p.grad is None) != p.requires_grad for p in frozen.values())
+    engine.group_kernels(net, "grouped")  # unpacked again
+    mixed = engine.KernelGroup(list(net), "grouped")
+    assert not mixed.pack() and mixed.packed is None
     net[1].branches["kxk"].conv.weight.requires_grad_(True)
     (group,) = engine.group_kernels(net, "grouped", pack=True)
     assert group.packed is not None
@@ -832,9 +841,9 @@ class _Fan(nn.Module):
     """Blocks of one input width side by side (as a network's stage transitions are: 64 -> 64 and
     64 -> 128), their outputs concatenated."""
 
-    def __init__(self, widths, k=3):
+    def __init__(self, widths, k=3, **options):
         super().__init__()
-        self.blocks = nn.ModuleList(OREPAConv2d(4, w, k, padding=k // 2) for w in widths)
+        self.blocks = nn.ModuleList(OREPAConv2d(4, w, k, padding=k // 2, **options) for w in widths)
 
     def forward(self, x):
         return torch.cat([b(x) for b in self.blocks], 1).flatten(1)
@@ -902,3 +911,101 @@ def test_frozen_blocks_and_trainable_ones_form_groups_of_their_own():
     groups = engine.group_kernels(net, "grouped", pack=True)
     assert [[list(net.blocks).index(b) for b in g.blocks] for g in groups] == [[0, 2], [1, 3]]
     assert all(g.packed is not None for g in groups)
+
+
+@pytest.mark.parametrize("case", ["no scales", "one family member", "functional_call"])
+def test_a_group_whose_first_block_is_not_the_narrowest(case):
+    """Virtual blocks are as wide as the narrowest block wherever it sits (a per-channel filter's
+    groups are its block's rows: read off the first, wider block they made the compositions
+    fail to fit, where no filter-family storage took those branches)."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    opts = {"no scales": {"scaling": "none"}, "one family member": {"branches": ("kxk", "1x1_avg")},
+            "functional_call": {}}[case]
+    net = _Fan([8, 4, 12], **opts).double()
+    ref = copy.deepcopy(net)
+    assert len(engine.group_kernels(net, "grouped")) == 1
+    engine.group_kernels(ref, "per-block")
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    outs = []
+    for m in (net, ref):
+        theirs = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
+        y = functional_call(m, theirs, (x,)) if case == "functional_call" else m(x)
+        y.square().sum().backward()
+        grads = [theirs[n].grad for n in sorted(theirs)] if case == "functional_call" else \
+            [p.grad for _, p in sorted(m.named_parameters())]
+        outs.append((y, grads))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-10, atol=1e-12)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_torch_func_transforms_take_a_packed_models_state_dict_names():
+    """grad and vmap over functional_call with the state_dict's names (their tensors have no storage
+    to compare with the rows'): the unpacked model's numbers, nothing left behind."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    net = _Fan([4, 8]).double()
+    ref = copy.deepcopy(net)
+    engine.group_kernels(net, "grouped", pack=True)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    sd = {k: v.detach().clone() for k, v in net.state_dict().items() if v.is_floating_point()}
+
+    def loss(m):
+        return lambda p: functional_call(m, p, (x,)).square().sum()
+
+    ga, gb = grad(loss(net))(sd), grad(loss(ref))(sd)
+    for k in sd:
+        torch.testing.assert_close(ga[k], gb[k], rtol=1e-9, atol=1e-12, msg=k)
+    two = {k: torch.stack([v, v * 0.5]) for k, v in sd.items()}
+    torch.testing.assert_close(vmap(lambda p: functional_call(net, p, (x,)))(two),
+                               vmap(lambda p: functional_call(ref, p, (x,)))(two), rtol=1e-10, atol=1e-12)
+    assert not any(slot.overridden is not None for g in engine.kernel_groups(net) for slot in g._slots)
+
+
+def test_a_packed_steps_weight_set_through_its_packed_parameter_too_is_given_back():
+    """functional_call given the packed names and the state_dict's at once: each step is set back
+    to what it read before the swap (a view of the passed packed tensor), which ends its override;
+    a new nn.Parameter for a packed step's weight is refused (no optimizer or state_dict would see it)."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    net = _Fan([4, 8]).double()
+    engine.group_kernels(net, "grouped", pack=True)
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    before = net(x).detach()
+    both = {**{k: v.detach() * 0.5 for k, v in net.named_parameters()},
+            **{k: v.detach() * 0.5 for k, v in net.state_dict().items() if v.is_floating_point()}}
+    functional_call(net, both, (x,))
+    assert not any(slot.overridden is not None for g in engine.kernel_groups(net) for slot in g._slots)
+    torch.testing.assert_close(net(x), before, rtol=0, atol=0)
+    step = net.blocks[0].branches["kxk"].conv
+    with pytest.raises(TypeError, match="cannot be replaced by a new nn.Parameter; unpack first"):
+        step.weight = nn.Parameter(torch.zeros_like(step.weight))
+
+
+@pytest.mark.parametrize("policy", ["grouped", "per-block"])
+def test_fixed_kernels_passed_to_functional_call_are_the_ones_differentiated(policy):
+    """Buffers (the fixed filters) passed with other values: the backward reads those, not the
+    block's own that functional_call gave back before the backward ran."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    block = OREPAConv2d(4, 4, 3, padding=1, branches=("kxk", "1x1_avg", "1x1_prior")).double()
+    with torch.no_grad():  # off the initial values (zero scales would hide the filters' part)
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    plain = copy.deepcopy(block)
+    engine.group_kernels(nn.Sequential(block), policy)
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    theirs = {n: (p.detach() * 2).requires_grad_() for n, p in block.named_parameters()}
+    theirs.update((n, b * 2) for n, b in block.named_buffers())  # the filters: not in the state_dict
+    functional_call(block, theirs, (x,)).square().sum().backward()
+    with torch.no_grad():
+        for n, t in [*plain.named_parameters(), *plain.named_buffers()]:
+            t.copy_(theirs[n])
+    plain(x).square().sum().backward()
+    for n, p in plain.named_parameters():
+        torch.testing.assert_close(theirs[n].grad, p.grad, rtol=1e-9, atol=1e-12, msg=n)

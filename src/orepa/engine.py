@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import operator
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -169,20 +170,39 @@ class PackedSlot:
     def __init__(self, holder: nn.Module, name: str, lo: int, size: int):
         self.holder, self.name, self.lo, self.size = holder, name, lo, size
         self.overridden: Tensor | None = None
+        self._handed = None  # a weak reference to the last view of the rows handed out by [] (see override)
+
+    def __getstate__(self):  # pickles (torch.save of a model) take no weak reference
+        return {**self.__dict__, "_handed": None}
 
     def view(self) -> Tensor:
         return self.holder._parameters[self.name].narrow(0, self.lo, self.size)
 
     def __getitem__(self, key: str) -> Tensor:
-        return self.view() if self.overridden is None else self.overridden
+        if self.overridden is not None:
+            return self.overridden
+        rows = self.view()
+        self._handed = weakref.ref(rows)
+        return rows
 
     def override(self, value: Tensor | None) -> None:
-        """Read ``value`` instead of the rows; the rows themselves (a view of them) or None end it."""
-        if value is not None and not isinstance(value, Tensor):
+        """Read ``value`` instead of the rows. The rows themselves end it: a view of them handed out
+        by ``[]`` (what functional_call read before its swap and sets back after it, even where it
+        swapped the packed parameter too), one of the rows' memory, or None."""
+        if value is None or (self._handed is not None and self._handed() is value):
+            self.overridden = None
+            return
+        if isinstance(value, nn.Parameter):
+            raise TypeError("a packed step's weight is its rows of its group's packed parameter and cannot be "
+                            "replaced by a new nn.Parameter; unpack first (orepa.engine.group_kernels without pack)")
+        if not isinstance(value, Tensor):
             raise TypeError(f"a packed weight can only be replaced by a tensor, got {type(value).__name__}")
         rows = self.view()
-        own = value is None or (value.device == rows.device and value.dtype == rows.dtype and value.shape == rows.shape
-                                and value.stride() == rows.stride() and value.data_ptr() == rows.data_ptr())
+        try:
+            own = (value.device == rows.device and value.dtype == rows.dtype and value.shape == rows.shape
+                   and value.stride() == rows.stride() and value.data_ptr() == rows.data_ptr())
+        except RuntimeError:  # a tensor without storage (torch.func's grad/vmap wrap theirs): not the rows
+            own = False
         self.overridden = None if own else value
 
 
@@ -239,7 +259,8 @@ class Plan:
             self.branches.append(_Branch(
                 name, tuple(tuple(p[0][j] for p in per_block) for j in range(len(steps0))),
                 None if scale0 is None else tuple(p[1] for p in per_block),
-                tuple(st.groups * self.v for st in steps0),
+                # per virtual block: the narrowest block's groups (a per-channel filter's are its rows)
+                tuple(st.groups * self.v for st in per_block[self._reps.index(1)][0]),
                 tuple(_learnable(st) for st in steps0),
                 tuple(getattr(st, "kind", None) == "avg" for st in steps0),
                 scale0 is not None and scale0.mode == "scalar",
@@ -331,12 +352,17 @@ class Plan:
             out.append(([Operand(*a) for a in zip(ts, br.groups, br.learnable, br.shared)], s))
         return out
 
-    def storage_from(self, leaves: Sequence[Tensor]) -> Storage:
-        """The operands of a build that read ``leaves`` (:meth:`params` order) and the blocks' fixed
-        kernels, concatenated over the blocks as a :class:`Storage` (no filter family)."""
-        it = iter(leaves)
-        per_block = [[next(it) if learnable else d[k] for (d, k), learnable in zip(slots, self.learnable_roles)]
-                     for slots in self._slots]
+    def fixed(self) -> list[Tensor]:
+        """The blocks' fixed kernels (buffers) as they hold them now, block-major."""
+        return [d[k] for slots in self._slots for (d, k), learnable in zip(slots, self.learnable_roles)
+                if not learnable]
+
+    def storage_from(self, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> Storage:
+        """The operands of a build that read ``leaves`` (:meth:`params` order) and ``fixed``
+        (:meth:`fixed` then), concatenated over the blocks as a :class:`Storage` (no filter family)."""
+        its = iter(leaves), iter(fixed)
+        per_block = [[next(its[0]) if learnable else next(its[1]) for learnable in self.learnable_roles]
+                     for _ in range(self.n)]
         roles = [ts[0] if self.n == 1 else torch.cat(ts) for ts in zip(*per_block)]
         return Storage(roles, None, self.operands(roles))
 
@@ -543,9 +569,10 @@ class GroupsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, build: EagerBuild | CompiledBuild, storages: tuple[Storage | None, ...], *params: Tensor):
         ctx.build, ctx.storages = build, storages
-        if any(st is None for st in storages):  # each plan's leaves among params (see backward)
+        if any(st is None for st in storages):  # each plan's leaves among params and fixed kernels (see backward)
             ctx.counts = tuple(len(st.packed) if st is not None and st.packed else plan.n * sum(plan.learnable_roles)
                                for plan, st in zip(build.plans, storages))
+            ctx.fixed = tuple(plan.fixed() if st is None else () for plan, st in zip(build.plans, storages))
         # the parameters are kept (no memory; autograd checks they are unchanged at backward), and
         # the operands read again there: from the group's storage, whose memory is theirs, or
         # concatenated anew without one (keeping per-step concatenations instead held a copy of
@@ -565,9 +592,9 @@ class GroupsFunction(torch.autograd.Function):
         # may hold other tensors by now (functional_call gives them their own back before backward)
         storages, i = list(ctx.storages), 0
         if any(st is None for st in storages):
-            for j, (plan, count) in enumerate(zip(ctx.build.plans, ctx.counts)):
+            for j, (plan, count, fixed) in enumerate(zip(ctx.build.plans, ctx.counts, ctx.fixed)):
                 if storages[j] is None:
-                    storages[j] = plan.storage_from(saved[i:i + count])
+                    storages[j] = plan.storage_from(saved[i:i + count], fixed)
                 i += count
         return (None, None, *ctx.build.kernels_vjp(grads, storages))
 
@@ -603,7 +630,9 @@ class RecomputedSqueezeConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, block: nn.Module, names: tuple[str, ...], bias: Tensor | None, *params: Tensor):
-        w = plan_of(block, names, _launch_bound(x)).squeeze()
+        plan = plan_of(block, names, _launch_bound(x))
+        w = plan.squeeze()
+        ctx.fixed = plan.fixed()  # as read now (see GroupsFunction.backward)
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
@@ -620,7 +649,7 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         block, dtype = ctx.block, ctx.conv_dtype
         plan = plan_of(block, ctx.names, _launch_bound(x))
-        stacked = plan.storage_from(params)  # what the forward read (not what the block holds by now)
+        stacked = plan.storage_from(params, ctx.fixed)  # what the forward read (not what the block holds by now)
         w = plan.squeeze(stacked)
         gx, gw, gb = torch.ops.aten.convolution_backward(
             grad_y.to(dtype), x.to(dtype), w.to(dtype), [block.out_channels] if ctx.has_bias else None,
