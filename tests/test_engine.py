@@ -45,15 +45,15 @@ def _sgd_steps(model, x, steps=2):
         opt.step()
 
 
-def _assert_same_grads(ref, grouped):
+def _assert_same_grads(ref, grouped, x=None, rtol=1e-7, atol=1e-10):
     # train-mode BNs over few values amplify rounding: 4 images of 64x64 leave 16 values at the last stage
-    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64) if x is None else x
     y0, g0 = _grads(ref, x)
     y1, g1 = _grads(grouped, x)
     torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
     assert g0.keys() == g1.keys()
     for k in g0:
-        torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-10, msg=k)
+        torch.testing.assert_close(g1[k], g0[k], rtol=rtol, atol=atol, msg=k)
 
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50"])
@@ -865,12 +865,7 @@ def test_blocks_of_several_widths_build_as_one_group_with_the_per_block_numbers(
     assert (groups[0].packed is not None) == pack
     assert {n: t.shape for n, t in net.state_dict().items()} == before
     x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
-    y0, g0 = _grads(ref, x)
-    y1, g1 = _grads(net, x)
-    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
-    assert g0.keys() == g1.keys()
-    for name in g0:
-        torch.testing.assert_close(g1[name], g0[name], rtol=1e-9, atol=1e-12, msg=name)
+    _assert_same_grads(ref, net, x, rtol=1e-9, atol=1e-12)
     for m in (net, ref):
         _sgd_steps(m, x, steps=3)
     for (name, p), q in zip(ref.state_dict().items(), net.state_dict().values()):
