@@ -957,7 +957,7 @@ def test_torch_func_transforms_take_a_packed_models_state_dict_names():
     two = {k: torch.stack([v, v * 0.5]) for k, v in sd.items()}
     torch.testing.assert_close(vmap(lambda p: functional_call(net, p, (x,)))(two),
                                vmap(lambda p: functional_call(ref, p, (x,)))(two), rtol=1e-10, atol=1e-12)
-    assert not any(slot.overridden is not None for g in engine.kernel_groups(net) for slot in g._slots)
+    assert all(g.packed.overrides == 0 for g in engine.kernel_groups(net))
 
 
 def test_a_packed_steps_weight_set_through_its_packed_parameter_too_is_given_back():
@@ -974,7 +974,7 @@ def test_a_packed_steps_weight_set_through_its_packed_parameter_too_is_given_bac
     both = {**{k: v.detach() * 0.5 for k, v in net.named_parameters()},
             **{k: v.detach() * 0.5 for k, v in net.state_dict().items() if v.is_floating_point()}}
     functional_call(net, both, (x,))
-    assert not any(slot.overridden is not None for g in engine.kernel_groups(net) for slot in g._slots)
+    assert all(g.packed.overrides == 0 for g in engine.kernel_groups(net))
     torch.testing.assert_close(net(x), before, rtol=0, atol=0)
     step = net.blocks[0].branches["kxk"].conv
     with pytest.raises(TypeError, match="cannot be replaced by a new nn.Parameter; unpack first"):

@@ -190,7 +190,7 @@ class PackedSlot:
         by ``[]`` (what functional_call read before its swap and sets back after it, even where it
         swapped the packed parameter too), one of the rows' memory, or None."""
         if value is None or (self._handed is not None and self._handed() is value):
-            self.overridden = None
+            self._set(None)
             return
         if isinstance(value, nn.Parameter):
             raise TypeError("a packed step's weight is its rows of its group's packed parameter and cannot be "
@@ -203,7 +203,13 @@ class PackedSlot:
                    and value.stride() == rows.stride() and value.data_ptr() == rows.data_ptr())
         except RuntimeError:  # a tensor without storage (torch.func's grad/vmap wrap theirs): not the rows
             own = False
-        self.overridden = None if own else value
+        self._set(None if own else value)
+
+    def _set(self, value: Tensor | None) -> None:
+        # the holder counts its steps' overrides: a build asks it, not every slot (host time)
+        counts = self.holder.__dict__  # (a model pickled before the count existed has none)
+        counts["overrides"] = counts.get("overrides", 0) + (value is not None) - (self.overridden is not None)
+        self.overridden = value
 
 
 class PackedParameters(nn.Module):
@@ -216,6 +222,7 @@ class PackedParameters(nn.Module):
     def __init__(self):
         super().__init__()
         self.kinds: dict[str, str] = {}
+        self.overrides = 0  # how many of its steps read a tensor set in place of their rows (PackedSlot)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         return
@@ -368,7 +375,7 @@ class Plan:
 
     def squeeze(self, stacked: Storage | None = None) -> Tensor:
         """Summed kernels of the named branches of the blocks, concatenated along the output
-        channels: ``[B * C_out, C_in / groups, k, k]``. Call without grad.
+        channels: ``[sum of C_out, C_in / groups, k, k]``. Call without grad.
 
         A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every other branch
         is added into its centred window with its scale fused in (a storage's filter family: all
@@ -852,7 +859,6 @@ class KernelGroup:
         self._packed_roles: dict[int, tuple[str, int, int]] = {}
         self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
         self._packed_layout: tuple[tuple[int, ...], ...] = ()
-        self._slots: tuple[PackedSlot, ...] = ()  # the packed steps' slots
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
@@ -902,7 +908,7 @@ class KernelGroup:
 
     def _overridden(self) -> bool:
         """Whether a packed step reads a tensor set in place of its rows (``functional_call``)."""
-        return any(slot.overridden is not None for slot in self._slots)
+        return self.packed.__dict__.get("overrides", 0) > 0
 
     def _operands(self) -> tuple[Storage | None, list[Tensor], tuple[tuple, ...]] | None:
         """What a build of this group's kernels reads: ``(storage, leaves, versions)``, the leaves
@@ -1020,7 +1026,6 @@ class KernelGroup:
                 start += size
         self.blocks[0].packed_parameters = holder
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
-        self._slots = tuple(mod._packed for r in starts for mod in plan.role_modules[r])
         self._replan()
         self._packed_storage()
         return True
@@ -1038,7 +1043,6 @@ class KernelGroup:
                     mod._parameters["weight"] = nn.Parameter(slot.view().detach(), leaf.requires_grad)
         del self.blocks[0]._modules["packed_parameters"]
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = None, {}, None, ()
-        self._slots = ()
         self._replan()
         self._storage = None
 
