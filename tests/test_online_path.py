@@ -94,7 +94,9 @@ def test_closed_form_squeeze_passes_gradcheck():
      ((6, 4, 1, 1), 2, (6, 1, 3, 3), 6), ((4, 4, 1, 1), 1, (8, 4, 1, 1), 1),
      ((8, 2, 3, 3), 4, (6, 4, 1, 1), 2), ((12, 3, 1, 1), 2, (8, 6, 3, 3), 2),
      # dw x8 -> pw as in OREPA: an even and an odd number of fine groups (paired / unpaired products)
-     ((48, 1, 3, 3), 6, (5, 48, 1, 1), 1), ((40, 1, 3, 3), 5, (6, 40, 1, 1), 1), ((36, 2, 3, 3), 6, (6, 12, 1, 1), 3)],
+     ((48, 1, 3, 3), 6, (5, 48, 1, 1), 1), ((40, 1, 3, 3), 5, (6, 40, 1, 1), 1), ((36, 2, 3, 3), 6, (6, 12, 1, 1), 3),
+     # a pointwise W2 after W1 of the same groups (Rep-1x1's 1x1 -> 1x1, grouped; a 3x3 first)
+     ((8, 2, 1, 1), 2, (6, 4, 1, 1), 2), ((8, 2, 3, 3), 2, (6, 4, 1, 1), 2)],
 )
 def test_compose_vjp_matches_autograd(shapes):
     s1, g1, s2, g2 = shapes
@@ -188,7 +190,8 @@ def test_resnet_training_is_unchanged_by_the_fast_path():
 
 
 COMPOSE_CASES = [((8, 4, 1, 1), 1, (6, 8, 3, 3), 1), ((32, 1, 3, 3), 4, (6, 16, 1, 1), 2),
-                 ((6, 4, 1, 1), 2, (6, 1, 3, 3), 6), ((4, 4, 1, 1), 1, (8, 4, 1, 1), 1)]
+                 ((6, 4, 1, 1), 2, (6, 1, 3, 3), 6), ((4, 4, 1, 1), 1, (8, 4, 1, 1), 1), ((8, 2, 1, 1), 2, (6, 4, 1, 1), 2),
+                 ((8, 2, 3, 3), 2, (6, 4, 1, 1), 2)]
 
 
 @pytest.mark.parametrize("shapes", COMPOSE_CASES)

@@ -372,6 +372,17 @@ def compose_vjp(
     c1, c0g = w1.shape[:2]
     c2 = w2.shape[0]
     d1 = d2 = None
+    if case == "pointwise_after" and g1 == g2:
+        # 1x1 -> 1x1 of equal groups (Rep-1x1's branch): per group W2 [o, m] @ W1 [m, i*k*k] is the
+        # kernel in its own layout, so both gradients are products on views, with no reordered copy
+        o, m = c2 // g2, c1 // g1
+        g3 = grad.reshape(g2, o, -1)  # [G, o, i*k*k]
+        if need_w2:
+            d2 = torch.bmm(g3, w1.reshape(g2, m, -1).transpose(1, 2)).reshape(w2.shape)  # [G, o, m]
+        if need_w1:
+            w2s = w2.reshape(g2, o, m) if scale is None else w2.reshape(g2, o, m) * scale.reshape(g2, o, 1)
+            d1 = torch.bmm(w2s.transpose(1, 2), g3).reshape(w1.shape)  # [G, m, i*k*k]
+        return d1, d2
     if case == "pointwise_after":
         r, o, m = g1 // g2, c2 // g2, c1 // g1
         # the gradient as [G*r, i*k*k, o] (a strided view when G == 1): the product's long
@@ -431,6 +442,17 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
     if case == "depthwise_after_1x1":
         w1s = w1 if scale is None else scale_channels(w1, scale)
         out.addcmul_(w1s, w2)
+        return
+    if case == "pointwise_after" and g1 == g2 and out.is_contiguous() and tuple(out.shape[-2:]) == tuple(w1.shape[-2:]) \
+            and (scale is None or scale.numel() == out.shape[0]):
+        # 1x1 -> 1x1 of equal groups: the product per group is the kernel in its own layout
+        o = w2.shape[0] // g2
+        t = batched_product(w2.reshape(g2, o, -1), w1.reshape(g2, w1.shape[0] // g2, -1), traced)
+        flat = out.view(g2, o, -1)
+        if scale is None:
+            flat.add_(t)
+        else:
+            flat.addcmul_(t, scale.reshape(g2, o, 1))
         return
     if case == "pointwise_after" and scale is not None and scale.numel() == out.shape[0] and out.is_contiguous() \
             and tuple(out.shape[-2:]) == tuple(w1.shape[-2:]):
