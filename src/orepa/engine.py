@@ -326,6 +326,7 @@ class Plan:
         # per role, whether it is a parameter (the rest are fixed kernels, buffers)
         self.learnable_roles = tuple(r for br in self.branches
                                      for r in (*br.learnable, *((True,) if br.scales is not None else ())))
+        self._fixed_roles = tuple(r for r, learnable in enumerate(self.learnable_roles) if not learnable)
         self._slots, self._param_slots = [], []
         # per role, its module in every block (what KernelGroup.pack re-points)
         self.role_modules = [mods for br in self.branches for mods in (*br.steps, *((br.scales,) if br.scales else ()))]
@@ -361,8 +362,7 @@ class Plan:
 
     def fixed(self) -> list[Tensor]:
         """The blocks' fixed kernels (buffers) as they hold them now, block-major."""
-        return [d[k] for slots in self._slots for (d, k), learnable in zip(slots, self.learnable_roles)
-                if not learnable]
+        return [d[k] for slots in self._slots for d, k in (slots[r] for r in self._fixed_roles)]
 
     def storage_from(self, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> Storage:
         """The operands of a build that read ``leaves`` (:meth:`params` order) and ``fixed``
@@ -918,7 +918,7 @@ class KernelGroup:
         if self.packed is not None and not self._overridden():
             leaves = list(self.packed._parameters.values())
             stacked = self._storage
-            if stacked is None or not self._holds([*leaves, *self._fixed_tensors()]):
+            if stacked is None or not self._holds([*leaves, *self.plan.fixed()]):
                 stacked = self._packed_storage()
             return stacked, leaves, (tuple(map(_version, leaves)),) * plan.n
         tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]  # block-major, every role
@@ -939,12 +939,6 @@ class KernelGroup:
         plan = self.plan
         for j, one in enumerate(plan_of(b, self.names) for b in plan.blocks):
             self._pending[j] = (plan.versions(j), squeeze_kernels(one, None, *one.params())[0])
-
-    def _fixed_tensors(self) -> list[Tensor]:
-        """The blocks' fixed kernels (buffers), block-major: what a packed group does not pack."""
-        plan = self.plan
-        fixed = [r for r, learnable in enumerate(plan.learnable_roles) if not learnable]
-        return [d[k] for b in range(plan.n) for d, k in (plan._slots[b][r] for r in fixed)]
 
     def pack(self) -> bool:
         """Make the group's learnable operands a few ``nn.Parameter`` s, held by the child
@@ -1071,7 +1065,7 @@ class KernelGroup:
             family_wts = (w.view(j, -1, *w.shape[1:]), s_.view(j, -1))
             for i, (w_role, _, s_role) in enumerate(plan.family):
                 roles[w_role], roles[s_role] = family_wts[0][i], family_wts[1][i]
-        fixed = self._fixed_tensors()
+        fixed = self.plan.fixed()
         # inside a CUDA graph capture: made for this build only (its tensors are the graph's)
         capturing = bool(fixed) and fixed[0].is_cuda and torch.cuda.is_current_stream_capturing()
         per_block = len(fixed) // plan.n

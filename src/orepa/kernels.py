@@ -240,12 +240,12 @@ def _conv_compose(w1: Tensor, w2: Tensor, groups: int) -> Tensor:
 
 
 def _pw_after_operands(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor, Tensor]:
-    """``A [G*r, o, m]`` (a copy of W2) and ``B [G*r, m, i*k*k]`` (a view of W1), batched over
-    (coarse group G of W2, fine group r of W1 inside it); m = channels per fine group."""
+    """``A [G*r, o, m]`` (a copy of W2; a view where r == 1) and ``B [G*r, m, i*k*k]`` (a view of W1),
+    batched over (coarse group G of W2, fine group r of W1 inside it); m = channels per fine group."""
     c1, c0g = w1.shape[:2]
     r = g1 // g2  # each coarse group of W2 sees r fine groups of W1
-    m = c1 // g1
-    a = w2.reshape(g2, w2.shape[0] // g2, r, m).transpose(1, 2).reshape(g2 * r, w2.shape[0] // g2, m)
+    m, o = c1 // g1, w2.shape[0] // g2
+    a = w2.reshape(g2, o, m) if r == 1 else w2.reshape(g2, o, r, m).transpose(1, 2).reshape(g2 * r, o, m)
     b = w1.reshape(g2 * r, m, c0g * w1.shape[-2] * w1.shape[-1])
     return a, b
 
@@ -372,19 +372,18 @@ def compose_vjp(
     c1, c0g = w1.shape[:2]
     c2 = w2.shape[0]
     d1 = d2 = None
-    if case == "pointwise_after" and g1 == g2:
-        # 1x1 -> 1x1 of equal groups (Rep-1x1's branch): per group W2 [o, m] @ W1 [m, i*k*k] is the
-        # kernel in its own layout, so both gradients are products on views, with no reordered copy
-        o, m = c2 // g2, c1 // g1
-        g3 = grad.reshape(g2, o, -1)  # [G, o, i*k*k]
-        if need_w2:
-            d2 = torch.bmm(g3, w1.reshape(g2, m, -1).transpose(1, 2)).reshape(w2.shape)  # [G, o, m]
-        if need_w1:
-            w2s = w2.reshape(g2, o, m) if scale is None else w2.reshape(g2, o, m) * scale.reshape(g2, o, 1)
-            d1 = torch.bmm(w2s.transpose(1, 2), g3).reshape(w1.shape)  # [G, m, i*k*k]
-        return d1, d2
     if case == "pointwise_after":
         r, o, m = g1 // g2, c2 // g2, c1 // g1
+        if r == 1:
+            # W1 of W2's groups (Rep-1x1's 1x1 -> 1x1): per group W2 [o, m] @ W1 [m, i*k*k] is the kernel
+            # in its own layout, so both gradients are products on views, with no reordered copy
+            g3 = grad.reshape(g2, o, -1)  # [G, o, i*k*k]
+            if need_w2:
+                d2 = torch.bmm(g3, w1.reshape(g2, m, -1).transpose(1, 2)).reshape(w2.shape)  # [G, o, m]
+            if need_w1:
+                w2s = w2.reshape(g2, o, m) if scale is None else w2.reshape(g2, o, m) * scale.reshape(g2, o, 1)
+                d1 = torch.bmm(w2s.transpose(1, 2), g3).reshape(w1.shape)  # [G, m, i*k*k]
+            return d1, d2
         # the gradient as [G*r, i*k*k, o] (a strided view when G == 1): the product's long
         # dimension o is its output's contiguous one
         gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o) if need_w2 or launch_bound else None
@@ -443,24 +442,16 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
         w1s = w1 if scale is None else scale_channels(w1, scale)
         out.addcmul_(w1s, w2)
         return
-    if case == "pointwise_after" and g1 == g2 and out.is_contiguous() and tuple(out.shape[-2:]) == tuple(w1.shape[-2:]) \
-            and (scale is None or scale.numel() == out.shape[0]):
-        # 1x1 -> 1x1 of equal groups: the product per group is the kernel in its own layout
-        o = w2.shape[0] // g2
-        t = batched_product(w2.reshape(g2, o, -1), w1.reshape(g2, w1.shape[0] // g2, -1), traced)
-        flat = out.view(g2, o, -1)
-        if scale is None:
-            flat.add_(t)
-        else:
-            flat.addcmul_(t, scale.reshape(g2, o, 1))
-        return
     if case == "pointwise_after" and scale is not None and scale.numel() == out.shape[0] and out.is_contiguous() \
             and tuple(out.shape[-2:]) == tuple(w1.shape[-2:]):
         # the product's [G*r, o, i*k*k] read in place as out's [G, o, r, i*k*k]: no reordered copy
         a, b = _pw_after_operands(w1, g1, w2, g2)
         t = batched_product(a, b, traced)
         r, o = g1 // g2, w2.shape[0] // g2
-        out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2), scale.view(g2, o, 1, 1))
+        if r == 1:  # W1 of W2's groups (Rep-1x1's 1x1 -> 1x1): the product is the kernel in its own layout
+            out.view(g2, o, -1).addcmul_(t, scale.view(g2, o, 1))
+        else:
+            out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2), scale.view(g2, o, 1, 1))
         return
     composed = compose(w1, g1, w2, g2)[0]
     if scale is None:
