@@ -342,21 +342,13 @@ class Plan:
     def operands(self, stacked: Sequence[Tensor] | None = None) -> list[tuple[list[Operand], Tensor | None]]:
         """Per branch: its kernel steps and scale over the blocks, concatenated along dim 0.
 
-        ``stacked``: those concatenations already made, one per role (a :class:`Storage`'s roles)."""
-        one = self.n == 1
-        roles = iter(stacked) if stacked is not None else None
+        ``stacked``: those concatenations already made, one per role (a :class:`Storage`'s roles);
+        None: made now from what the blocks hold."""
+        roles = iter(self._roles(self.params(), self.fixed()) if stacked is None else stacked)
         out = []
         for br in self.branches:
-            if roles is not None:
-                ts = [next(roles) for _ in br.steps]
-            else:
-                ts = [_weight(st[0]) if one else torch.cat([_weight(m) for m in st]) for st in br.steps]
-            s = None
-            if br.scales is not None:
-                if roles is not None:
-                    s = next(roles)
-                else:
-                    s = _weight(br.scales[0]) if one else torch.cat([_weight(m) for m in br.scales])
+            ts = [next(roles) for _ in br.steps]
+            s = next(roles) if br.scales is not None else None
             out.append(([Operand(*a) for a in zip(ts, br.groups, br.learnable, br.shared)], s))
         return out
 
@@ -364,13 +356,18 @@ class Plan:
         """The blocks' fixed kernels (buffers) as they hold them now, block-major."""
         return [d[k] for slots in self._slots for d, k in (slots[r] for r in self._fixed_roles)]
 
-    def storage_from(self, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> Storage:
-        """The operands of a build that read ``leaves`` (:meth:`params` order) and ``fixed``
-        (:meth:`fixed` then), concatenated over the blocks as a :class:`Storage` (no filter family)."""
+    def _roles(self, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> list[Tensor]:
+        """Per role, the blocks' tensors concatenated, from ``leaves`` (:meth:`params` order) and
+        ``fixed`` (:meth:`fixed` order)."""
         its = iter(leaves), iter(fixed)
         per_block = [[next(its[0]) if learnable else next(its[1]) for learnable in self.learnable_roles]
                      for _ in range(self.n)]
-        roles = [ts[0] if self.n == 1 else torch.cat(ts) for ts in zip(*per_block)]
+        return [ts[0] if self.n == 1 else torch.cat(ts) for ts in zip(*per_block)]
+
+    def storage_from(self, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> Storage:
+        """The operands of a build that read ``leaves`` and ``fixed`` (see :meth:`_roles`) as a
+        :class:`Storage` (no filter family): what its backward differentiates."""
+        roles = self._roles(leaves, fixed)
         return Storage(roles, None, self.operands(roles))
 
     def squeeze(self, stacked: Storage | None = None) -> Tensor:
