@@ -2,6 +2,7 @@
 their kernels together and give the per-block route's numbers, state and behaviour."""
 import copy
 import json
+import operator
 
 import pytest
 import torch
@@ -573,7 +574,7 @@ def test_a_compiled_group_gives_the_eager_groups_numbers_and_compiles_once_per_l
             torch.testing.assert_close(gb[k], ga[k], rtol=1e-9, atol=1e-12, msg=k)
         assert len(calls) == 2  # the groups' squeeze and vjp, compiled at the first step only
     ops = {m: count_ops(lambda m=m, o=o: _step(m, o, x))[0] for m, o in zip((a, b), opts)}
-    assert ops[b] < 0.6 * ops[a], ops
+    assert ops[b] < 0.7 * ops[a], ops  # the eager groups keep their storage's views (kernels.keep_views)
     # a new layout (dtype) compiles again; a deep copy compiles its own
     twin = copy.deepcopy(b).float()
     assert all(not g._compiled for g in engine.kernel_groups(twin))
@@ -1009,8 +1010,8 @@ def test_fixed_kernels_passed_to_functional_call_are_the_ones_differentiated(pol
 def test_a_rep_1x1_group_builds_and_differentiates_its_kernels_in_few_operators():
     """Rep-1x1's 1x1 -> 1x1 branch of equal groups: per group the product of its two matrices is
     the kernel in its own layout, and both gradients are products on views (no reordered copies):
-    a train step of two grouped Rep-1x1 blocks dispatches at most 42 operators (52 with the
-    general dw -> pw evaluation)."""
+    a train step of two grouped Rep-1x1 blocks dispatches at most 32 operators (52 with the
+    general dw -> pw evaluation, 42 with the views of the group's storage made at every step)."""
     from orepa.apps.bench.measure import count_ops
 
     torch.manual_seed(0)
@@ -1019,4 +1020,36 @@ def test_a_rep_1x1_group_builds_and_differentiates_its_kernels_in_few_operators(
     x = torch.randn(1, 8, 4, 4)
     net(x).sum().backward()
     net.zero_grad(set_to_none=True)
-    assert count_ops(lambda: net(x).sum().backward())[0] <= 42
+    assert count_ops(lambda: net(x).sum().backward())[0] <= 32
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_group_storage_keeps_its_views_and_a_new_storage_makes_its_own(pack):
+    """The views a build takes of its group's storage are made once (kernels.keep_views) and read
+    the storage's current values: steps after in-place updates, and after a conversion that
+    makes a new storage, give the per-block numbers."""
+    torch.manual_seed(0)
+    a = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), OREPAConv2d(4, 8, 3, padding=1),
+                      OREPAConv2d(8, 8, 1)).double()
+    b = copy.deepcopy(a)
+    engine.group_kernels(a, "per-block")
+    groups = engine.group_kernels(b, "grouped", pack=pack)
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9) for m in (a, b)]
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    storages = []
+    for step in range(4):
+        if step == 2:  # a new dtype: new storages, whose views are their own
+            for m in (a, b):
+                m.float()
+            x = x.float()
+        ya, yb = a(x), b(x)
+        torch.testing.assert_close(yb, ya, **({"rtol": 1e-10, "atol": 1e-12} if step < 2 else {}))
+        for y, opt in ((ya, opts[0]), (yb, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+            opt.step()
+        stored = [g._storage for g in groups]
+        assert all(any(t._kept_views for t in st.roles) for st in stored)
+        storages.append(stored)
+    assert all(map(operator.is_, storages[0], storages[1]))  # kept across in-place updates
+    assert not any(map(operator.is_, storages[1], storages[2]))  # remade for the new dtype

@@ -233,3 +233,50 @@ def test_gradcheck_sequential_and_parallel_squeeze():
     assert torch.autograd.gradcheck(squeeze, (w1, w2, dw, pw, p1, s))
     w3 = torch.randn(4, 4, 3, 3, requires_grad=True)  # kxk -> kxk needs the flip
     assert torch.autograd.gradcheck(lambda a, b: K.compose(a, 1, b, 1)[0], (w3, w2))
+
+
+@pytest.mark.parametrize("w1_shape, g1, w2_shape, g2", [
+    ((16, 1, 3, 3), 4, (6, 8, 1, 1), 2),  # dw x4 -> pw, two blocks (groups of W2)
+    ((8, 4, 1, 1), 2, (6, 4, 3, 3), 2),  # 1x1 -> kxk
+    ((8, 4, 1, 1), 2, (6, 4, 1, 1), 2),  # 1x1 -> 1x1 (Rep-1x1)
+])
+def test_kept_views_give_the_same_numbers_and_are_made_once(w1_shape, g1, w2_shape, g2):
+    """Tensors marked by keep_views (a group storage's) keep the views the compositions take of
+    them: the same results as unmarked operands, each view made once, none under dynamo."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(w1_shape, dtype=torch.float64), torch.randn(w2_shape, dtype=torch.float64)
+    s = torch.randn(w2_shape[0], 1, 1, 1, dtype=torch.float64)
+    composed = K.compose(w1, g1, w2, g2)[0]
+    grad = torch.randn_like(composed)
+
+    def run(a, b, scale):
+        out = torch.zeros_like(composed)
+        K.compose_into(out, a, g1, b, g2, scale)
+        d = K.compose_vjp(a, g1, b, g2, grad, scale=scale, launch_bound=True)
+        return out, *d, K.rowdot(d[1].contiguous(), b)
+
+    plain = run(w1, w2, s)
+    marked = [K.keep_views(t.clone()) for t in (w1, w2, s)]
+    for _ in range(2):
+        for x, y in zip(run(*marked), plain):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    kept = {k: v for t in marked for k, v in t._kept_views.items()}
+    assert kept and all(v._base is not None for v in kept.values())  # views, not copies
+    again = [v for t in marked for v in t._kept_views.values()]
+    run(*marked)
+    assert [v for t in marked for v in t._kept_views.values()] == again  # not remade
+    assert K.kept_view(w1, ("k",), lambda t: t.view(-1)) is not K.kept_view(w1, ("k",), lambda t: t.view(-1))  # unmarked
+    fresh = [K.keep_views(t.clone()) for t in (w1, w2, s)]
+    compiled = torch.compile(run, backend="eager", fullgraph=True)
+    for x, y in zip(compiled(*fresh), plain):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    assert all(not t._kept_views for t in fresh)
+
+
+def test_a_reshape_that_copies_is_never_kept():
+    t = K.keep_views(torch.randn(4, 6).t())  # not contiguous: reshape(-1) copies
+    flat = K.kept_view(t, ("flat",), lambda x: x.reshape(-1))
+    t.mul_(2)
+    again = K.kept_view(t, ("flat",), lambda x: x.reshape(-1))
+    torch.testing.assert_close(again, t.reshape(-1))
+    assert flat is not again and not t._kept_views

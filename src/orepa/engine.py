@@ -394,7 +394,9 @@ class Plan:
                 _add_into(self._window(out, br), self._replicate(ks) if br.replicated else ks, s, self.traced)
         if family is not None:
             # out += sum_j (s_j W_j) F_j: per output channel [C_in/g, J] @ [J, kh*kw]
-            ws, flat = (family.weights * family.scales).permute(1, 2, 0), out.view(out.shape[0], out.shape[1], -1)
+            ws = torch.mul(K.kept_view(family.weights, ("rows,w,J",), lambda t: t.permute(1, 2, 0)),
+                           K.kept_view(family.scales, ("rows,w,J",), lambda t: t.permute(1, 2, 0)))
+            flat = out.view(out.shape[0], out.shape[1], -1)
             if self.traced:
                 flat.add_(K.batched_product(ws, family.filters, pointwise=True))
             else:
@@ -484,7 +486,8 @@ def _family_vjp(family: Family, grad: Tensor, traced: bool = False) -> tuple[Ten
     """The gradients of the family's 1x1 weights ``[J, rows, w]`` and scales ``[J, rows]``, member
     j's at index j (``traced``: see :class:`Plan`)."""
     rows, width = grad.shape[:2]
-    d = K.batched_product(grad.reshape(rows, width, -1), family.filters.transpose(1, 2), traced)
+    filters_t = K.kept_view(family.filters, ("rows,kk,J",), lambda t: t.transpose(1, 2))
+    d = K.batched_product(grad.reshape(rows, width, -1), filters_t, traced)
     d = d.permute(2, 0, 1)  # [J, rows, w]
     # the weights' gradients made contiguous (autograd then takes them as they are, without a copy)
     return K.mul_contiguous(d, family.scales, traced), (d * family.weights).sum(-1)
@@ -1079,7 +1082,8 @@ class KernelGroup:
                         packed: tuple = ()) -> Storage:
         """A :class:`Storage` from its roles' concatenations: the family's fixed filters built and
         the scales kept as ``[B * C_out, 1, 1, 1]`` views (they broadcast over kernels with no view
-        op per use)."""
+        op per use). Its tensors keep the views the construction takes of them (``kernels.keep_views``):
+        a storage outlives many builds."""
         plan = self.plan
         family = None
         if family_wts is not None:
@@ -1094,8 +1098,9 @@ class KernelGroup:
                         eh, ew = raw[f_role].shape[-2:]
                         top, left = (kh - eh) // 2, (kw - ew) // 2
                         filters[:, i, top:top + eh, left:left + ew] = raw[f_role][:, 0]
-            family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, kh * kw))
-        roles = [K.channel_column(s) if s.dim() == 1 else s for s in raw]
+            family = Family(*map(K.keep_views, (weights.view(j, rows, -1), scales.view(j, rows, 1),
+                                                filters.view(rows, j, kh * kw))))
+        roles = [K.keep_views(K.channel_column(s) if s.dim() == 1 else s) for s in raw]
         return Storage(roles, family, plan.operands(roles), packed)
 
     def _builder(self, plans: tuple[Plan, ...], storages: tuple[Storage | None, ...]) -> EagerBuild | CompiledBuild:

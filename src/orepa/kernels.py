@@ -25,6 +25,8 @@ __all__ = [
     "identity_init_1x1",
     "tiled_identity_1x1",
     "channel_column",
+    "keep_views",
+    "kept_view",
     "mul_contiguous",
     "scale_channels",
     "rowdot",
@@ -140,6 +142,30 @@ def freq_prior_kernel(channels: int, k, *, dtype=None, device=None) -> Tensor:
     return out.unsqueeze(1).to(dtype=dtype or torch.get_default_dtype(), device=device)
 
 
+def keep_views(t: Tensor) -> Tensor:
+    """Mark ``t`` as long-lived (a kernel group's storage in ``orepa.engine``: read by every
+    training step, never resized or re-pointed): the reshaped views this module takes of it are
+    then made once and kept on it, instead of once per use. On a GPU an eager step is bound by the
+    host issuing its operators, views included (each is a dispatched operator and a new tensor)."""
+    t._kept_views = {}
+    return t
+
+
+def kept_view(t: Tensor, key: tuple, make) -> Tensor:
+    """``make(t)``, a view of ``t``: made once per ``key`` where ``t`` is marked by :func:`keep_views`
+    (never in code being compiled: its tensors are the compiler's, and views are free there). A
+    copy (a reshape that cannot view ``t``) is never kept: it would not follow ``t``'s updates."""
+    kept = None if torch.compiler.is_compiling() else t.__dict__.get("_kept_views")
+    if kept is None:
+        return make(t)
+    view = kept.get(key)
+    if view is None:
+        view = make(t)
+        if view._is_view():
+            kept[key] = view
+    return view
+
+
 def channel_column(scale: Tensor) -> Tensor:
     """A per-output-channel vector ``[C]`` as ``[C, 1, 1, 1]``, broadcasting over a kernel (a
     scale already in that shape is returned as is: no view op)."""
@@ -184,7 +210,7 @@ def rowdot(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
     """
     n = a.shape[0]
     if a.is_contiguous() and b.is_contiguous() and not pointwise:
-        return torch.bmm(a.reshape(n, 1, -1), b.reshape(n, -1, 1)).reshape(n)
+        return torch.bmm(a.reshape(n, 1, -1), kept_view(b, ("column",), lambda t: t.reshape(n, -1, 1))).reshape(n)
     return torch.mul(a, b).sum(dim=tuple(range(1, a.dim())))
 
 
@@ -245,9 +271,11 @@ def _pw_after_operands(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor
     c1, c0g = w1.shape[:2]
     r = g1 // g2  # each coarse group of W2 sees r fine groups of W1
     m, o = c1 // g1, w2.shape[0] // g2
-    a = w2.reshape(g2, o, m) if r == 1 else w2.reshape(g2, o, r, m).transpose(1, 2).reshape(g2 * r, o, m)
-    b = w1.reshape(g2 * r, m, c0g * w1.shape[-2] * w1.shape[-1])
-    return a, b
+    if r == 1:
+        a = kept_view(w2, ("G,o,m", g2), lambda t: t.reshape(g2, o, m))
+    else:
+        a = kept_view(w2, ("G,r,o,m", g2, r), lambda t: t.reshape(g2, o, r, m).transpose(1, 2)).reshape(g2 * r, o, m)
+    return a, kept_view(w1, ("G*r,m,ikk", g2 * r), lambda t: t.reshape(g2 * r, m, -1))
 
 
 def _pw_after_unbatch(t: Tensor, g2: int, c2: int, c0g: int, kh: int, kw: int) -> Tensor:
@@ -271,15 +299,16 @@ def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None, traced: bool = 
     """``A [G, o*k*k, m]``: a copy of W2 with its taps before its channels (each output channel
     times ``scale``'s, in the same pass, where given; ``traced``: see :func:`mul_contiguous`)."""
     c2, mg, kh, kw = w2.shape
-    taps = w2.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3)
+    taps = kept_view(w2, ("G,o,kk,m", g), lambda t: t.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3))
     if scale is None:
         return taps.reshape(g, (c2 // g) * kh * kw, mg)
-    return mul_contiguous(taps, scale.reshape(g, c2 // g, 1, 1), traced).view(g, -1, mg)
+    return mul_contiguous(taps, kept_view(scale, ("G,o,1,1", g), lambda s: s.reshape(g, c2 // g, 1, 1)),
+                          traced).view(g, -1, mg)
 
 
 def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
     """``A [G, o*k*k, m]`` (:func:`_taps_first`) and ``B [G, m, i]`` (a view of W1)."""
-    return _taps_first(w2, g), w1.reshape(g, w2.shape[1], w1.shape[1])
+    return _taps_first(w2, g), kept_view(w1, ("G,m,i", g), lambda t: t.reshape(g, w2.shape[1], w1.shape[1]))
 
 
 def _pw_first_unbatch(t: Tensor, c2: int, kh: int, kw: int) -> Tensor:
@@ -379,25 +408,30 @@ def compose_vjp(
             # in its own layout, so both gradients are products on views, with no reordered copy
             g3 = grad.reshape(g2, o, -1)  # [G, o, i*k*k]
             if need_w2:
-                d2 = torch.bmm(g3, w1.reshape(g2, m, -1).transpose(1, 2)).reshape(w2.shape)  # [G, o, m]
+                w1t = kept_view(w1, ("G,ikk,m", g2), lambda t: t.reshape(g2, m, -1).transpose(1, 2))
+                d2 = torch.bmm(g3, w1t).reshape(w2.shape)  # [G, o, m]
             if need_w1:
-                w2s = w2.reshape(g2, o, m) if scale is None else w2.reshape(g2, o, m) * scale.reshape(g2, o, 1)
-                d1 = torch.bmm(w2s.transpose(1, 2), g3).reshape(w1.shape)  # [G, m, i*k*k]
+                w2t = kept_view(w2, ("G,m,o", g2), lambda t: t.reshape(g2, o, m).transpose(1, 2))  # scale * W2, transposed
+                if scale is not None:
+                    w2t = w2t * kept_view(scale, ("G,1,o", g2), lambda s: s.reshape(g2, 1, o))
+                d1 = torch.bmm(w2t, g3).reshape(w1.shape)  # [G, m, i*k*k]
             return d1, d2
         # the gradient as [G*r, i*k*k, o] (a strided view when G == 1): the product's long
         # dimension o is its output's contiguous one
         gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o) if need_w2 or launch_bound else None
         if need_w2:
-            d2t = batched_product(w1.reshape(g2 * r, m, -1), gt, traced)  # [G*r, m, o], over i*k*k
+            w1v = kept_view(w1, ("G*r,m,ikk", g2 * r), lambda t: t.reshape(g2 * r, m, -1))
+            d2t = batched_product(w1v, gt, traced)  # [G*r, m, o], over i*k*k
             # made contiguous: the scale's products and autograd's accumulation into the
             # parameter then run on matching strides (instead of slower mixed-stride passes)
             d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
         if need_w1 and launch_bound:  # one product per fine group: [m, o] @ [o, i*k*k]
-            a = w2.reshape(g2, o, r, m).permute(0, 2, 3, 1)
+            a = kept_view(w2, ("G,r,m,o", g2, r), lambda t: t.reshape(g2, o, r, m).permute(0, 2, 3, 1))
             if scale is None:
                 a = a.reshape(g2 * r, m, o)
             else:
-                a = mul_contiguous(a, scale.reshape(g2, 1, 1, o), traced).view(g2 * r, m, o)
+                a = mul_contiguous(a, kept_view(scale, ("G,1,1,o", g2), lambda s: s.reshape(g2, 1, 1, o)),
+                                   traced).view(g2 * r, m, o)
             d1 = torch.bmm(a, gt.transpose(1, 2)).reshape(w1.shape)
         elif need_w1:
             w2s = w2 if scale is None else scale_channels(w2, scale)
@@ -408,8 +442,8 @@ def compose_vjp(
         # the gradient with taps before channels [G, o*k*k, i] (one copy)
         gr = grad.reshape(g1, c2 // g1, c0g, kh * kw).transpose(2, 3).reshape(g1, -1, c0g)
         if need_w2:
-            b = w1.reshape(g1, c1 // g1, c0g)
-            d2 = torch.bmm(gr, b.transpose(1, 2))  # [G, o*k*k, m]
+            w1t = kept_view(w1, ("G,i,m", g1), lambda t: t.reshape(g1, c1 // g1, c0g).transpose(1, 2))
+            d2 = torch.bmm(gr, w1t)  # [G, o*k*k, m]
             d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape).contiguous()  # as above
         if need_w1:
             a = _taps_first(w2, g1, scale, traced)
@@ -449,9 +483,10 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
         t = batched_product(a, b, traced)
         r, o = g1 // g2, w2.shape[0] // g2
         if r == 1:  # W1 of W2's groups (Rep-1x1's 1x1 -> 1x1): the product is the kernel in its own layout
-            out.view(g2, o, -1).addcmul_(t, scale.view(g2, o, 1))
+            out.view(g2, o, -1).addcmul_(t, kept_view(scale, ("G,o,1", g2), lambda s: s.view(g2, o, 1)))
         else:
-            out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2), scale.view(g2, o, 1, 1))
+            out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2),
+                                            kept_view(scale, ("G,o,1,1", g2), lambda s: s.view(g2, o, 1, 1)))
         return
     composed = compose(w1, g1, w2, g2)[0]
     if scale is None:
