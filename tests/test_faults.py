@@ -177,7 +177,8 @@ def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path
     failed) and exits with 128 + the signal's number."""
     out = tmp_path / "demo"
     proc = subprocess.Popen([sys.executable, "-c", DEMO_IN_A_TERMINAL, "demo", "--output-dir", str(out),
-                             "--train-subset", "20000", "--val-subset", "64", "--no-progress", "--cache-dir", cache],
+                             "--train-subset", "20000", "--val-subset", "64", "--width-mult", "0.0625", "-b", "16",
+                             "--no-progress", "--cache-dir", cache],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline, steps = time.monotonic() + 180, [0, 0]
