@@ -61,7 +61,7 @@ def test_the_first_convolution_takes_the_data_channels():
 
 def test_the_command_line_trains_deploys_and_evaluates_a_torchvision_network(cache, tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
-    common = ["--train-subset", "64", "--val-subset", "32", "-b", "16", "--no-progress", "--cache-dir", cache]
+    common = ["--train-subset", "32", "--val-subset", "16", "-b", "16", "--no-progress", "--cache-dir", cache]
     assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--epochs", "1", "--no-tensorboard",
                  "--quiet", "--output-dir", str(run), *common]) == 0
     ckpt = torch.load(run / "checkpoint.pth", map_location="cpu", weights_only=True)
