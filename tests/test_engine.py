@@ -1,8 +1,10 @@
 """The network-level kernel builder (orepa.engine.group_kernels): blocks of one signature build
 their kernels together and give the per-block route's numbers, state and behaviour."""
 import copy
+import gc
 import json
 import operator
+import weakref
 
 import pytest
 import torch
@@ -1049,7 +1051,12 @@ def test_a_group_storage_keeps_its_views_and_a_new_storage_makes_its_own(pack):
             (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
             opt.step()
         stored = [g._storage for g in groups]
-        assert all(any(t._kept_views for t in st.roles) for st in stored)
+        assert all(any(st.kept) for st in stored)
         storages.append(stored)
     assert all(map(operator.is_, storages[0], storages[1]))  # kept across in-place updates
     assert not any(map(operator.is_, storages[1], storages[2]))  # remade for the new dtype
+    # a storage and its views are freed with the model (nothing refers back to them)
+    gone = [weakref.ref(t) for st in storages[0] + storages[-1] for t in st.roles]
+    del a, b, m, groups, opts, storages, stored, ya, yb, y, opt
+    gc.collect()
+    assert not [r for r in gone if r() is not None]

@@ -256,27 +256,49 @@ def test_kept_views_give_the_same_numbers_and_are_made_once(w1_shape, g1, w2_sha
         return out, *d, K.rowdot(d[1].contiguous(), b)
 
     plain = run(w1, w2, s)
-    marked = [K.keep_views(t.clone()) for t in (w1, w2, s)]
+    marked = [t.clone() for t in (w1, w2, s)]
+    holders = [K.keep_views(t) for t in marked]
     for _ in range(2):
         for x, y in zip(run(*marked), plain):
             torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
-    kept = {k: v for t in marked for k, v in t._kept_views.items()}
-    assert kept and all(v._base is not None for v in kept.values())  # views, not copies
-    again = [v for t in marked for v in t._kept_views.values()]
+    kept = [(t, v) for t, h in zip(marked, holders) for v in h.values()]
+    assert kept and all(v._base is not None and v.data_ptr() >= t.data_ptr() for t, v in kept)  # views
     run(*marked)
-    assert [v for t in marked for v in t._kept_views.values()] == again  # not remade
-    assert K.kept_view(w1, ("k",), lambda t: t.view(-1)) is not K.kept_view(w1, ("k",), lambda t: t.view(-1))  # unmarked
-    fresh = [K.keep_views(t.clone()) for t in (w1, w2, s)]
+    assert [v for h in holders for v in h.values()] == [v for _, v in kept]  # not remade
+    assert K.kept_view(w1, ("k",), lambda t: t.view(-1)) is not K.kept_view(w1, ("k",), lambda t: t.view(-1))
+    fresh = [t.clone() for t in (w1, w2, s)]
+    fresh_holders = [K.keep_views(t) for t in fresh]
     compiled = torch.compile(run, backend="eager", fullgraph=True)
     for x, y in zip(compiled(*fresh), plain):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
-    assert all(not t._kept_views for t in fresh)
+    assert not any(fresh_holders)  # nothing kept under dynamo
 
 
-def test_a_reshape_that_copies_is_never_kept():
-    t = K.keep_views(torch.randn(4, 6).t())  # not contiguous: reshape(-1) copies
-    flat = K.kept_view(t, ("flat",), lambda x: x.reshape(-1))
+@pytest.mark.parametrize("make", [
+    lambda x: x.reshape(-1),  # a copy
+    lambda x: x.reshape(4, 6).t(),  # a view of a copy
+])
+def test_what_does_not_read_the_tensors_memory_is_never_kept(make):
+    t = torch.randn(4, 6).t()  # not contiguous: its reshapes copy
+    holder = K.keep_views(t)
+    first = K.kept_view(t, ("k",), make)
     t.mul_(2)
-    again = K.kept_view(t, ("flat",), lambda x: x.reshape(-1))
-    torch.testing.assert_close(again, t.reshape(-1))
-    assert flat is not again and not t._kept_views
+    again = K.kept_view(t, ("k",), make)
+    torch.testing.assert_close(again, make(t))
+    assert first is not again and not holder
+
+
+def test_kept_views_do_not_keep_their_tensor_alive():
+    """The views live in the holder keep_views returns (the storage holds it), not on the tensor:
+    a view holds its base's C++ tensor, so views kept on the tensor would never let it be freed."""
+    import gc
+    import weakref
+
+    t = torch.zeros(100, 10)
+    holder = K.keep_views(t)
+    view = K.kept_view(t, ("k",), lambda x: x.view(10, 10, 10))
+    assert holder[("k",)] is view
+    alive = weakref.ref(t)
+    del t, view, holder
+    gc.collect()
+    assert alive() is None

@@ -157,6 +157,7 @@ class Storage(NamedTuple):
     family: Family | None
     operands: list[tuple[list[Operand], Tensor | None]]
     packed: tuple[tuple[int, ...], ...] = ()
+    kept: tuple[K.KeptViews, ...] = ()  # the views builds take of its tensors (kernels.keep_views)
 
 
 class PackedSlot:
@@ -1098,10 +1099,10 @@ class KernelGroup:
                         eh, ew = raw[f_role].shape[-2:]
                         top, left = (kh - eh) // 2, (kw - ew) // 2
                         filters[:, i, top:top + eh, left:left + ew] = raw[f_role][:, 0]
-            family = Family(*map(K.keep_views, (weights.view(j, rows, -1), scales.view(j, rows, 1),
-                                                filters.view(rows, j, kh * kw))))
-        roles = [K.keep_views(K.channel_column(s) if s.dim() == 1 else s) for s in raw]
-        return Storage(roles, family, plan.operands(roles), packed)
+            family = Family(weights.view(j, rows, -1), scales.view(j, rows, 1), filters.view(rows, j, kh * kw))
+        roles = [K.channel_column(s) if s.dim() == 1 else s for s in raw]
+        kept = tuple(K.keep_views(t) for t in (*roles, *(family or ())))
+        return Storage(roles, family, plan.operands(roles), packed, kept)
 
     def _builder(self, plans: tuple[Plan, ...], storages: tuple[Storage | None, ...]) -> EagerBuild | CompiledBuild:
         """How a build led by this group makes the kernels of ``plans`` (its own first, then its

@@ -12,6 +12,7 @@ eq. "merge-seq") and :func:`add_parallel` (parallel, centre aligned).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ __all__ = [
     "identity_init_1x1",
     "tiled_identity_1x1",
     "channel_column",
+    "KeptViews",
     "keep_views",
     "kept_view",
     "mul_contiguous",
@@ -142,26 +144,38 @@ def freq_prior_kernel(channels: int, k, *, dtype=None, device=None) -> Tensor:
     return out.unsqueeze(1).to(dtype=dtype or torch.get_default_dtype(), device=device)
 
 
-def keep_views(t: Tensor) -> Tensor:
+class KeptViews(dict):
+    """The views :func:`kept_view` took of one tensor (key -> view), kept while this holder is alive."""
+
+
+def keep_views(t: Tensor) -> KeptViews:
     """Mark ``t`` as long-lived (a kernel group's storage in ``orepa.engine``: read by every
     training step, never resized or re-pointed): the reshaped views this module takes of it are
-    then made once and kept on it, instead of once per use. On a GPU an eager step is bound by the
-    host issuing its operators, views included (each is a dispatched operator and a new tensor)."""
-    t._kept_views = {}
-    return t
+    then made once and kept, instead of once per use. On a GPU an eager step is bound by the
+    host issuing its operators, views included (each is a dispatched operator and a new tensor).
+
+    The views are kept in the returned holder, which the caller keeps as long as ``t`` (the
+    storage does); ``t`` refers to it weakly. Not on ``t`` itself: a view holds its base's C++
+    tensor, which keeps ``t``'s Python object alive, so a dict on ``t`` would be a cycle the
+    garbage collector cannot see, and ``t`` would never be freed."""
+    holder = KeptViews()
+    t._kept_views = weakref.ref(holder)
+    return holder
 
 
 def kept_view(t: Tensor, key: tuple, make) -> Tensor:
     """``make(t)``, a view of ``t``: made once per ``key`` where ``t`` is marked by :func:`keep_views`
-    (never in code being compiled: its tensors are the compiler's, and views are free there). A
-    copy (a reshape that cannot view ``t``) is never kept: it would not follow ``t``'s updates."""
-    kept = None if torch.compiler.is_compiling() else t.__dict__.get("_kept_views")
+    (never in code being compiled: its tensors are the compiler's, and views are free there). What
+    does not read ``t``'s memory (a reshape that had to copy, and any view of that copy) is never
+    kept: it would not follow ``t``'s updates."""
+    ref = None if torch.compiler.is_compiling() else t.__dict__.get("_kept_views")
+    kept = None if ref is None else ref()
     if kept is None:
         return make(t)
     view = kept.get(key)
     if view is None:
         view = make(t)
-        if view._is_view():
+        if view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             kept[key] = view
     return view
 
