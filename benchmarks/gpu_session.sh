@@ -38,8 +38,11 @@ R=${RESULTS:-/tmp/gpu}/$phase
 mkdir -p "$R"
 # tests/test_cuda.py without the compile comparison (minutes of compilation); $1: its time limit
 cuda_tests() {
-    # the whole log kept (a run cut off by its limit loses pytest's last line); its end shown
-    timeout "$1" python3 -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py -k "${CUDA_TESTS:-not compile}" 2>&1 \
+    # the whole log kept (a run cut off by its limit loses pytest's last line); its end shown. In this
+    # process (-o addopts=-q: no pytest-xdist workers; the device machine may not have xdist, and
+    # one device is shared anyway)
+    timeout "$1" python3 -m pytest -o addopts=-q -rA -p no:cacheprovider tests/test_cuda.py \
+        -k "${CUDA_TESTS:-not compile}" 2>&1 \
         | tee "$R/test_cuda.log" | tail -15
     pack  # after each stage: a run cut off by its time limit still returns what it measured
 }

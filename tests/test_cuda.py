@@ -4,7 +4,7 @@ one on the GPU.
 
 Run on a GPU machine with Fashion-MNIST at $OREPA_FASHION_MNIST_DIR (benchmarks/gpu_session.sh does)::
 
-    python -m pytest tests/test_cuda.py -v
+    python -m pytest -n 0 tests/test_cuda.py -v     # in one process (one device); -o addopts= without pytest-xdist
 """
 import json
 
