@@ -180,6 +180,11 @@ def kept_view(t: Tensor, key: tuple, make) -> Tensor:
     return view
 
 
+def _kept_reshape(t: Tensor, *shape: int) -> Tensor:
+    """``t.reshape(*shape)``, kept (:func:`kept_view`) under the shape itself as its key."""
+    return kept_view(t, shape, lambda x: x.reshape(shape))
+
+
 def channel_column(scale: Tensor) -> Tensor:
     """A per-output-channel vector ``[C]`` as ``[C, 1, 1, 1]``, broadcasting over a kernel (a
     scale already in that shape is returned as is: no view op)."""
@@ -224,7 +229,7 @@ def rowdot(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
     """
     n = a.shape[0]
     if a.is_contiguous() and b.is_contiguous() and not pointwise:
-        return torch.bmm(a.reshape(n, 1, -1), kept_view(b, ("column",), lambda t: t.reshape(n, -1, 1))).reshape(n)
+        return torch.bmm(a.reshape(n, 1, -1), _kept_reshape(b, n, -1, 1)).reshape(n)
     return torch.mul(a, b).sum(dim=tuple(range(1, a.dim())))
 
 
@@ -286,10 +291,10 @@ def _pw_after_operands(w1: Tensor, g1: int, w2: Tensor, g2: int) -> tuple[Tensor
     r = g1 // g2  # each coarse group of W2 sees r fine groups of W1
     m, o = c1 // g1, w2.shape[0] // g2
     if r == 1:
-        a = kept_view(w2, ("G,o,m", g2), lambda t: t.reshape(g2, o, m))
+        a = _kept_reshape(w2, g2, o, m)
     else:
         a = kept_view(w2, ("G,r,o,m", g2, r), lambda t: t.reshape(g2, o, r, m).transpose(1, 2)).reshape(g2 * r, o, m)
-    return a, kept_view(w1, ("G*r,m,ikk", g2 * r), lambda t: t.reshape(g2 * r, m, -1))
+    return a, _kept_reshape(w1, g2 * r, m, -1)
 
 
 def _pw_after_unbatch(t: Tensor, g2: int, c2: int, c0g: int, kh: int, kw: int) -> Tensor:
@@ -316,13 +321,12 @@ def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None, traced: bool = 
     taps = kept_view(w2, ("G,o,kk,m", g), lambda t: t.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3))
     if scale is None:
         return taps.reshape(g, (c2 // g) * kh * kw, mg)
-    return mul_contiguous(taps, kept_view(scale, ("G,o,1,1", g), lambda s: s.reshape(g, c2 // g, 1, 1)),
-                          traced).view(g, -1, mg)
+    return mul_contiguous(taps, _kept_reshape(scale, g, c2 // g, 1, 1), traced).view(g, -1, mg)
 
 
 def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
     """``A [G, o*k*k, m]`` (:func:`_taps_first`) and ``B [G, m, i]`` (a view of W1)."""
-    return _taps_first(w2, g), kept_view(w1, ("G,m,i", g), lambda t: t.reshape(g, w2.shape[1], w1.shape[1]))
+    return _taps_first(w2, g), _kept_reshape(w1, g, w2.shape[1], w1.shape[1])
 
 
 def _pw_first_unbatch(t: Tensor, c2: int, kh: int, kw: int) -> Tensor:
@@ -427,15 +431,14 @@ def compose_vjp(
             if need_w1:
                 w2t = kept_view(w2, ("G,m,o", g2), lambda t: t.reshape(g2, o, m).transpose(1, 2))  # scale * W2, transposed
                 if scale is not None:
-                    w2t = w2t * kept_view(scale, ("G,1,o", g2), lambda s: s.reshape(g2, 1, o))
+                    w2t = w2t * _kept_reshape(scale, g2, 1, o)
                 d1 = torch.bmm(w2t, g3).reshape(w1.shape)  # [G, m, i*k*k]
             return d1, d2
         # the gradient as [G*r, i*k*k, o] (a strided view when G == 1): the product's long
         # dimension o is its output's contiguous one
         gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o) if need_w2 or launch_bound else None
         if need_w2:
-            w1v = kept_view(w1, ("G*r,m,ikk", g2 * r), lambda t: t.reshape(g2 * r, m, -1))
-            d2t = batched_product(w1v, gt, traced)  # [G*r, m, o], over i*k*k
+            d2t = batched_product(_kept_reshape(w1, g2 * r, m, -1), gt, traced)  # [G*r, m, o], over i*k*k
             # made contiguous: the scale's products and autograd's accumulation into the
             # parameter then run on matching strides (instead of slower mixed-stride passes)
             d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
@@ -444,8 +447,7 @@ def compose_vjp(
             if scale is None:
                 a = a.reshape(g2 * r, m, o)
             else:
-                a = mul_contiguous(a, kept_view(scale, ("G,1,1,o", g2), lambda s: s.reshape(g2, 1, 1, o)),
-                                   traced).view(g2 * r, m, o)
+                a = mul_contiguous(a, _kept_reshape(scale, g2, 1, 1, o), traced).view(g2 * r, m, o)
             d1 = torch.bmm(a, gt.transpose(1, 2)).reshape(w1.shape)
         elif need_w1:
             w2s = w2 if scale is None else scale_channels(w2, scale)
@@ -497,10 +499,9 @@ def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: T
         t = batched_product(a, b, traced)
         r, o = g1 // g2, w2.shape[0] // g2
         if r == 1:  # W1 of W2's groups (Rep-1x1's 1x1 -> 1x1): the product is the kernel in its own layout
-            out.view(g2, o, -1).addcmul_(t, kept_view(scale, ("G,o,1", g2), lambda s: s.view(g2, o, 1)))
+            out.view(g2, o, -1).addcmul_(t, _kept_reshape(scale, g2, o, 1))
         else:
-            out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2),
-                                            kept_view(scale, ("G,o,1,1", g2), lambda s: s.view(g2, o, 1, 1)))
+            out.view(g2, o, r, -1).addcmul_(t.view(g2, r, o, -1).transpose(1, 2), _kept_reshape(scale, g2, o, 1, 1))
         return
     composed = compose(w1, g1, w2, g2)[0]
     if scale is None:
