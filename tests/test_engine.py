@@ -216,9 +216,7 @@ def test_a_block_skipped_then_run_after_a_backward_gets_a_fresh_kernel(policy, m
     block, run in the next step with unchanged parameters, must not take its kernel from that build;
     its gradients then equal the per-block route's."""
     if policy == "compiled":
-        from torch import _inductor
-
-        monkeypatch.setattr(_inductor, "compile", lambda gm, inputs: gm)  # the traced graphs, run as they are
+        monkeypatch.setattr(engine, "compile_graph", lambda gm, inputs: gm)  # the traced graphs, run as they are
     torch.manual_seed(0)
     a, b = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 4, 3).double()
     net = nn.Sequential(a, b)
@@ -545,10 +543,10 @@ def _compiled_pair(monkeypatch):
     a, b = _twins(nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(), OREPAConv2d(6, 6, 3, padding=1),
                                 nn.ReLU(), OREPAConv2d(6, 8, 3, padding=1, groups=2)), "grouped", "compiled")
     calls = []
-    compile_fx = torch._inductor.compile
+    compile_graph = engine.compile_graph
     # each call records whether the generated code checks its inputs' sizes (the cache key pins them)
-    monkeypatch.setattr(torch._inductor, "compile", lambda gm, inputs: calls.append(
-        torch._inductor.config.size_asserts) or compile_fx(gm, inputs))
+    monkeypatch.setattr(engine, "compile_graph", lambda gm, inputs: calls.append(
+        torch._inductor.config.size_asserts) or compile_graph(gm, inputs))
     return a, b, calls
 
 
@@ -596,7 +594,7 @@ def test_the_compiler_gets_no_short_reduction_and_the_same_numbers(monkeypatch):
     from orepa import kernels as K
 
     graphs = []
-    monkeypatch.setattr(torch._inductor, "compile", lambda gm, inputs: graphs.append(gm) or gm)  # run it traced
+    monkeypatch.setattr(engine, "compile_graph", lambda gm, inputs: graphs.append(gm) or gm)  # run it traced
     torch.manual_seed(0)
     # two 3x3 blocks (dw -> pw, the filter family) and a Rep-1x1 (1x1 -> 1x1 over 24 channels: a long contraction)
     ref, model = _twins(nn.Sequential(OREPAConv2d(24, 24, 3, padding=1), nn.ReLU(), OREPAConv2d(24, 24, 3, padding=1),
@@ -611,6 +609,9 @@ def test_the_compiler_gets_no_short_reduction_and_the_same_numbers(monkeypatch):
                   (torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default)]
     assert not reductions, reductions
     assert any(n.target == torch.ops.aten.bmm.default for n in graphs[1].graph.nodes)  # the Rep-1x1's
+    # the storages are the graphs' inputs, never their constants: the views a storage keeps
+    # (kernels.keep_views), taken in by a trace, were frozen at their values of the compile
+    assert not [n.target for g in graphs for n in g.graph.nodes if n.op == "get_attr"]
     # the unrolled product itself, against the matrix product; a long contraction (a Rep-1x1's
     # 1x1 -> 1x1) stays a matrix product, which a broadcast product would not become
     for depth in (1, 3, K.UNROLLED_CONTRACTION, K.UNROLLED_CONTRACTION + 1):
@@ -621,13 +622,34 @@ def test_the_compiler_gets_no_short_reduction_and_the_same_numbers(monkeypatch):
         assert (torch.ops.aten.bmm.default in ops) == (depth > K.UNROLLED_CONTRACTION)
 
 
+def test_a_second_model_of_the_same_layout_takes_its_construction_from_inductors_cache():
+    """The compiled constructions go through inductor's graph cache (on disk: a later process
+    compiles a ResNet-18's construction in seconds instead of most of a minute): a second model of
+    the same layout compiles no graph anew."""
+    from torch._dynamo.utils import counters
+
+    def compiled_model():
+        torch.manual_seed(0)
+        net = nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(), OREPAConv2d(6, 12, 3, padding=1)).double()
+        engine.group_kernels(net, "compiled", pack=True)
+        net(torch.randn(2, 6, 5, 5, dtype=torch.float64)).sum().backward()
+        return net
+
+    compiled_model()
+    before = dict(counters["inductor"])
+    compiled_model()
+    new = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss",
+                                                                  "fxgraph_cache_bypass")}
+    assert new == {"fxgraph_cache_hit": 2, "fxgraph_cache_miss": 0, "fxgraph_cache_bypass": 0}, new
+
+
 def test_a_failed_compilation_warns_and_the_group_builds_eagerly(monkeypatch):
     a, b, _ = _compiled_pair(monkeypatch)
 
     def no_compiler(gm, inputs):
         raise RuntimeError("no C++ compiler found\nmore detail")
 
-    monkeypatch.setattr(torch._inductor, "compile", no_compiler)
+    monkeypatch.setattr(engine, "compile_graph", no_compiler)
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match="compiling the kernel construction failed .RuntimeError: no C.. "
                                             "compiler found.; the kernels are built eagerly"):

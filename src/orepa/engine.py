@@ -1251,15 +1251,17 @@ class CompiledBuild:
                 i += plan.n
             return tuple(out)
 
-        inputs = self.inputs(storages)
+        # traced on aliases: the storage's own tensors carry their kept views (kernels.keep_views),
+        # which a trace would take as constants, frozen at their values of the compile
+        inputs = [t.detach() for t in self.inputs(storages)]
         grads = [inputs[0].new_zeros(shape) for shape in self.kernel_shapes]
         # no size/stride asserts in the generated code (one call per input and product, ~110 per
         # ResNet-18 step, 1-2% of a host-bound step): the build is only called on inputs of the
         # layout it was compiled for, which KernelGroup._builder's cache key pins
         with torch.no_grad(), torch.autocast(inputs[0].device.type, enabled=False), \
                 torch._inductor.config.patch(size_asserts=False):
-            self._kernels = torch._inductor.compile(make_fx(kernels)(*inputs), inputs)
-            self._vjp = torch._inductor.compile(make_fx(vjp)(*grads, *inputs), [*grads, *inputs])
+            self._kernels = compile_graph(make_fx(kernels)(*inputs), inputs)
+            self._vjp = compile_graph(make_fx(vjp)(*grads, *inputs), [*grads, *inputs])
 
     @staticmethod
     def inputs(storages: Sequence[Storage]) -> list[Tensor]:
@@ -1273,6 +1275,17 @@ class CompiledBuild:
     def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage]) -> list[Tensor]:
         with _autocast_off(grads[0]):
             return list(self._vjp(*(g.contiguous() for g in grads), *self.inputs(storages)))
+
+
+def compile_graph(gm: torch.fx.GraphModule, inputs: list[Tensor]):
+    """``gm`` (an aten graph of static shapes) compiled by inductor for ``inputs``' layouts: through
+    its standalone entry, whose compiled graphs persist in inductor's cache across processes (a
+    ResNet-18's construction: ~4 s in a later run instead of ~45 s; ``torch._inductor.compile``
+    bypasses that cache for a graph traced outside dynamo), where this torch has it."""
+    import torch._inductor
+    if hasattr(torch._inductor, "standalone_compile"):
+        return torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs")
+    return torch._inductor.compile(gm, inputs)
 
 
 def _autocast_off(t: Tensor):
