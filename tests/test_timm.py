@@ -24,6 +24,24 @@ def test_every_name_and_method_is_registered():
     assert timm.models.get_pretrained_cfg("orepa_resnet50").first_conv == "conv1"
 
 
+@pytest.mark.parametrize("first", ["orepa", "timm"])
+def test_the_zoo_is_registered_when_timm_is_imported_before_or_after_orepa(first):
+    """``import orepa`` does not import timm (every command would pay its import time); the zoo is
+    registered with timm when timm's import runs, or at once where timm is imported already."""
+    import subprocess
+    import sys
+
+    code = (f"import sys, {first}\n"
+            "import orepa.models as zoo\n"
+            "before = ('timm' in sys.modules, len(zoo.TIMM_REGISTERED))\n"
+            "import timm\n"
+            "m = timm.create_model('orepa_resnet18', num_classes=3, width_mult=0.25)\n"
+            "print(before, len(zoo.TIMM_REGISTERED), type(m.conv1).__name__, type(timm.__loader__).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert " ".join(out) == ("(False, 0) 57 OREPADeepStem SourceFileLoader" if first == "orepa"
+                             else "(True, 57) 57 OREPADeepStem SourceFileLoader"), out
+
+
 def test_create_model_passes_options_through():
     m = timm.create_model("orepa_resnet18", num_classes=10, in_chans=1, small_input=True, width_mult=0.25,
                           preset="online-only")

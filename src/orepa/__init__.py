@@ -9,7 +9,7 @@ Core library (depends on torch only):
 * :mod:`orepa.convert` - ``convert(model)`` / ``reparameterize(model)`` for any CNN,
 * :mod:`orepa.models`  - the model zoo: ``orepa.create_model(name, method)``, ``orepa.list_models()``,
   ``orepa.import_reference(path)`` for checkpoints trained with the paper's public code
-  (also registered with timm when timm is importable).
+  (also registered with timm, as soon as timm is imported: ``import orepa`` does not import it).
 
 Every re-param block follows timm's re-parameterization protocol (``fuse()`` returns the
 deployed module), so ``timm.utils.reparameterize_model`` deploys these models too.

@@ -5,9 +5,13 @@
     >>> deployed = orepa.reparameterize(model.eval())                          # torchvision layout
     >>> orepa.models.list_models()
 
-Pure torch (no torchvision). Importing this package registers the models with
-timm when timm is installed (see :mod:`orepa.models.timm_registry`).
+Pure torch (no torchvision). The models are registered with timm as soon as timm is imported,
+before or after this package (see :mod:`orepa.models.timm_registry`); importing this package does
+not import timm (about 1.7 s, paid otherwise by every ``orepa`` command).
 """
+import importlib.abc
+import sys
+
 from .reference import import_reference, read_reference_state_dict
 from .repvgg import REPVGG_CONFIGS, ConvBNReLU, RepVGG, build_repvgg
 from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck, ResNet, build_resnet
@@ -30,15 +34,57 @@ __all__ = [
     "RepVGG", "ConvBNReLU", "REPVGG_CONFIGS", "build_repvgg", "TIMM_REGISTERED",
 ]
 
-try:  # timm is optional: register the entry points when it is importable
-    from .timm_registry import register as _register_timm
-except ImportError:  # timm not installed
-    TIMM_REGISTERED: list[str] = []
-else:
+#: the timm names of the zoo, filled in place when timm is imported (see :func:`_register_with_timm`)
+TIMM_REGISTERED: list[str] = []
+
+
+def _register_with_timm() -> None:
+    """Register the zoo with timm (imported by now); an incompatible timm must not break the zoo."""
     try:
-        TIMM_REGISTERED = _register_timm()
-    except Exception as _exc:  # an incompatible timm must not break the zoo itself
+        from .timm_registry import register
+
+        TIMM_REGISTERED[:] = register()
+    except Exception as exc:  # noqa: BLE001
         import warnings
 
-        warnings.warn(f"orepa.models: timm registration failed ({type(_exc).__name__}: {_exc})", stacklevel=2)
-        TIMM_REGISTERED = []
+        warnings.warn(f"orepa.models: timm registration failed ({type(exc).__name__}: {exc})", stacklevel=2)
+
+
+class _AfterTimmImport(importlib.abc.MetaPathFinder):
+    """Registers the zoo right after timm's own import has run, wherever that import happens: an
+    import hook, since timm is optional and importing it here would cost every command its import
+    time. Removes itself once it has fired."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "timm":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        hook, exec_module = self, loader.exec_module
+
+        def exec_then_register(module):
+            loader.__dict__.pop("exec_module", None)  # this module only, should the loader be shared
+            exec_module(module)
+            if hook in sys.meta_path:
+                sys.meta_path.remove(hook)
+            _register_with_timm()
+
+        # on this spec's own loader object (made for this import), which otherwise stays as it is
+        # (its source for tracebacks, its resource reader)
+        loader.exec_module = exec_then_register
+        return spec
+
+
+if "timm" in sys.modules:
+    _register_with_timm()
+elif not any(isinstance(f, _AfterTimmImport) for f in sys.meta_path):
+    sys.meta_path.insert(0, _AfterTimmImport())

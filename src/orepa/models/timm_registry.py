@@ -1,4 +1,4 @@
-"""timm entry points for the model zoo (imported by :mod:`orepa.models` when timm is installed).
+"""timm entry points for the model zoo (registered by :mod:`orepa.models` when timm is imported, before or after it).
 
 Naming scheme: ``{method}_{name}`` with the method's dashes written as underscores::
 
