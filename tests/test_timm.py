@@ -42,6 +42,24 @@ def test_the_zoo_is_registered_when_timm_is_imported_before_or_after_orepa(first
                              else "(True, 57) 57 OREPADeepStem SourceFileLoader"), out
 
 
+def test_the_zoo_is_registered_once_after_orepa_models_ran_again():
+    """A second run of ``orepa.models`` (a reload, or ``sys.modules`` cleared and orepa imported
+    again) leaves one import hook: two asked each other for timm's spec without end."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, sys, orepa\n"
+            "for k in [k for k in sys.modules if k.split('.')[0] == 'orepa']: del sys.modules[k]\n"
+            "import orepa\n"
+            "importlib.reload(orepa.models)\n"
+            "hooks = lambda: sum(hasattr(f, '_orepa_after_timm') for f in sys.meta_path)\n"
+            "before = hooks()\n"
+            "import timm\n"
+            "print(before, len(orepa.models.TIMM_REGISTERED), hooks())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", "57", "0"], out
+
+
 def test_create_model_passes_options_through():
     m = timm.create_model("orepa_resnet18", num_classes=10, in_chans=1, small_input=True, width_mult=0.25,
                           preset="online-only")

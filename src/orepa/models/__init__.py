@@ -53,13 +53,17 @@ def _register_with_timm() -> None:
 class _AfterTimmImport(importlib.abc.MetaPathFinder):
     """Registers the zoo right after timm's own import has run, wherever that import happens: an
     import hook, since timm is optional and importing it here would cost every command its import
-    time. Removes itself once it has fired."""
+    time. Removes itself once it has fired. Known by its marker, not its class: a re-run of this
+    module (reload, a cleared ``sys.modules``) makes a new class, and two hooks asking each other
+    for timm's spec would recurse."""
+
+    _orepa_after_timm = True
 
     def find_spec(self, fullname, path, target=None):
         if fullname != "timm":
             return None
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, "_orepa_after_timm", False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -69,13 +73,12 @@ class _AfterTimmImport(importlib.abc.MetaPathFinder):
         loader = spec.loader
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
-        hook, exec_module = self, loader.exec_module
+        exec_module = loader.exec_module
 
         def exec_then_register(module):
             loader.__dict__.pop("exec_module", None)  # this module only, should the loader be shared
             exec_module(module)
-            if hook in sys.meta_path:
-                sys.meta_path.remove(hook)
+            _drop_hooks()
             _register_with_timm()
 
         # on this spec's own loader object (made for this import), which otherwise stays as it is
@@ -84,7 +87,12 @@ class _AfterTimmImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _drop_hooks() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "_orepa_after_timm", False)]
+
+
 if "timm" in sys.modules:
     _register_with_timm()
-elif not any(isinstance(f, _AfterTimmImport) for f in sys.meta_path):
+else:
+    _drop_hooks()  # one of an earlier run of this module
     sys.meta_path.insert(0, _AfterTimmImport())
