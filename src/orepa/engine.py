@@ -38,6 +38,7 @@ and one backward for the whole network).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import operator
 import warnings
@@ -1283,8 +1284,9 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: list[Tensor]):
     ResNet-18's construction: ~4 s in a later run instead of ~45 s; ``torch._inductor.compile``
     bypasses that cache for a graph traced outside dynamo), where this torch has it."""
     import torch._inductor
-    if hasattr(torch._inductor, "standalone_compile"):
-        return torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_example_inputs")
+    standalone = getattr(torch._inductor, "standalone_compile", None)
+    if standalone is not None and "dynamic_shapes" in inspect.signature(standalone).parameters:
+        return standalone(gm, inputs, dynamic_shapes="from_example_inputs")
     return torch._inductor.compile(gm, inputs)
 
 

@@ -521,8 +521,8 @@ class Trainer:
         self.n_groups = len(groups)
         if args.kernel_builder == "compiled" and groups:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
-                     "during the first training step (seconds per group; --kernel-builder auto builds them "
-                     "eagerly, uncompiled)")
+                     "during the first training step (seconds per group, taken from inductor's cache in later "
+                     "runs; --kernel-builder auto builds them eagerly, uncompiled)")
         if self.start_weights is not None:
             self._load_start_weights(model, saved_cfg, deploy_form)
         self.params_train = count_params(model)
