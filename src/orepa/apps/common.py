@@ -128,9 +128,9 @@ def default_kernel_builder(device: torch.device, whole_step_compiled: bool = Fal
     groups in every step mode (docs/benchmarks.md, H100: ResNet-18 b64 eager 1.61x against 1.85x
     base, with CUDA graphs 1.17x against 1.24x; ResNet-50 b64 eager 1.34x against 1.50x) for a
     compilation of about a minute at the first step (seconds where inductor's cache holds it from an
-    earlier run); ``"auto"`` on a CPU, where the per-block
-    routes chosen by FLOPs are faster at small batches (ResNet-18 b2: 2.87x against 3.92x) and no
-    slower at larger ones, and under ``--compile``, whose trace runs every block's own route."""
+    earlier run); ``"auto"`` on a CPU, where the per-block routes chosen by FLOPs are faster at
+    small batches (ResNet-18 b2: 2.87x against 3.92x) and no slower at larger ones, and under
+    ``--compile``, whose trace runs every block's own route."""
     if device.type != "cuda" or whole_step_compiled:
         return "auto", None
     import importlib.util
