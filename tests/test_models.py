@@ -374,6 +374,7 @@ def test_a_new_family_is_one_registration():
 
     if importlib.util.find_spec("timm"):
         import timm  # noqa: F401 - imported before the family is: the zoo's registration with timm has run
+
     class Tiny(nn.Sequential):
         def __init__(self, num_classes, in_chans, width=8):
             super().__init__(nn.Conv2d(in_chans, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
