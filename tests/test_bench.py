@@ -550,9 +550,10 @@ def test_aten_ops_per_step_counted_and_guarded():
     batch 8, 64x64) on both kernel-builder routes, and of them the ones that launch a kernel.
     Deterministic; the bounds guard against regressions (measured: per-block 10.3x, grouped
     2.4x packed and 3.4x unpacked with 2.1x base's kernels, compiled 1.1x packed: see the next
-    test; the goal is <= 2x, which ResNet-50 meets: the test after). Packing saves one accumulation (a ``detach``) per parameter tensor
-    it removes and the split of each role's gradient into the blocks', and adds a concatenation
-    of gradients per parameter holding several roles."""
+    test; the goal is <= 2x, which ResNet-50 meets: the test after). Packing saves one
+    accumulation (a ``detach``) per parameter tensor it removes and the split of each role's
+    gradient into the blocks', and adds a concatenation of gradients per parameter holding
+    several roles."""
     from orepa.apps.bench.measure import count_ops, make_runner
 
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))

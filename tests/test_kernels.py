@@ -242,7 +242,7 @@ def test_gradcheck_sequential_and_parallel_squeeze():
 ])
 def test_kept_views_give_the_same_numbers_and_are_made_once(w1_shape, g1, w2_shape, g2):
     """Tensors marked by keep_views (a group storage's) keep the views the compositions take of
-    them: the same results as unmarked operands, each view made once, none under dynamo."""
+    them: the same results as unmarked operands, each view made once, none under dynamo or make_fx."""
     torch.manual_seed(0)
     w1, w2 = torch.randn(w1_shape, dtype=torch.float64), torch.randn(w2_shape, dtype=torch.float64)
     s = torch.randn(w2_shape[0], 1, 1, 1, dtype=torch.float64)
@@ -272,6 +272,14 @@ def test_kept_views_give_the_same_numbers_and_are_made_once(w1_shape, g1, w2_sha
     for x, y in zip(compiled(*fresh), plain):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
     assert not any(fresh_holders)  # nothing kept under dynamo
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    traced = make_fx(run)(*fresh)  # nor in a make_fx trace: a kept view would be a constant of the graph
+    constants = [getattr(traced, n.target) for n in traced.graph.nodes if n.op == "get_attr"]  # grad, composed
+    marked_memory = {t.untyped_storage().data_ptr() for t in fresh}
+    assert not any(fresh_holders) and not [c for c in constants if c.untyped_storage().data_ptr() in marked_memory]
+    for x, y in zip(traced(*fresh), plain):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("make", [

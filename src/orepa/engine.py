@@ -1252,9 +1252,7 @@ class CompiledBuild:
                 i += plan.n
             return tuple(out)
 
-        # traced on aliases: the storage's own tensors carry their kept views (kernels.keep_views),
-        # which a trace would take as constants, frozen at their values of the compile
-        inputs = [t.detach() for t in self.inputs(storages)]
+        inputs = self.inputs(storages)
         grads = [inputs[0].new_zeros(shape) for shape in self.kernel_shapes]
         # no size/stride asserts in the generated code (one call per input and product, ~110 per
         # ResNet-18 step, 1-2% of a host-bound step): the build is only called on inputs of the

@@ -17,6 +17,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 __all__ = [
     "pad_to",
@@ -165,10 +166,12 @@ def keep_views(t: Tensor) -> KeptViews:
 
 def kept_view(t: Tensor, key: tuple, make) -> Tensor:
     """``make(t)``, a view of ``t``: made once per ``key`` where ``t`` is marked by :func:`keep_views`
-    (never in code being compiled: its tensors are the compiler's, and views are free there). What
-    does not read ``t``'s memory (a reshape that had to copy, and any view of that copy) is never
-    kept: it would not follow ``t``'s updates."""
-    ref = None if torch.compiler.is_compiling() else t.__dict__.get("_kept_views")
+    (never while traced, by dynamo or make_fx: a kept view is not seen to come from the traced input,
+    so the trace would take it in as a constant, frozen at its values; and views are free in
+    compiled code). What does not read ``t``'s memory (a reshape that had to copy, and any view of
+    that copy) is never kept: it would not follow ``t``'s updates."""
+    traced = torch.compiler.is_compiling() or get_proxy_mode() is not None
+    ref = None if traced else t.__dict__.get("_kept_views")
     kept = None if ref is None else ref()
     if kept is None:
         return make(t)
