@@ -533,7 +533,8 @@ def test_compiled_steps_are_timed_and_recorded():
 @pytest.mark.slow
 def test_an_eager_grouped_resnet50_step_dispatches_at_most_twice_base_operators():
     """ResNet-50 (Rep-1x1 on every 1x1, deep stem; 17 groups), packed, on the GPU's eager route:
-    at most 2x base's aten operators per train step (measured 1.89x: 1,388 against 736)."""
+    within the 2x goal of base's aten operators per train step, guarded at 1.8x (measured 1.68x:
+    1,234 against 736)."""
     from orepa.apps.bench.measure import count_ops, make_runner
 
     x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
@@ -542,15 +543,15 @@ def test_an_eager_grouped_resnet50_step_dispatches_at_most_twice_base_operators(
         r = make_runner("resnet50", spec, device=torch.device("cpu"), num_classes=10)
         r.step(x, y)
         ops[spec] = count_ops(lambda r=r: r.step(x, y))[0]
-    assert ops["orepa:builder=grouped"] <= 2 * ops["base"], ops
+    assert ops["orepa:builder=grouped"] <= 1.8 * ops["base"], ops
 
 
 def test_aten_ops_per_step_counted_and_guarded():
     """The host cost of an eager step: aten operators dispatched, base vs online OREPA (ResNet-18,
     batch 8, 64x64) on both kernel-builder routes, and of them the ones that launch a kernel.
     Deterministic; the bounds guard against regressions (measured: per-block 10.3x, grouped
-    2.4x packed and 3.4x unpacked with 2.1x base's kernels, compiled 1.1x packed: see the next
-    test; the goal is <= 2x, which ResNet-50 meets: the test after). Packing saves one
+    1.90x packed and 2.87x unpacked with 2.2x base's kernels, compiled 1.1x packed: see the next
+    test; the goal is <= 2x). Packing saves one
     accumulation (a ``detach``) per parameter tensor it removes and the split of each role's
     gradient into the blocks', and adds a concatenation of gradients per parameter holding
     several roles."""
@@ -566,7 +567,7 @@ def test_aten_ops_per_step_counted_and_guarded():
         leaves[key] = len(list(r.model.parameters()))
     assert 250 <= ops["base"] <= 400 and 100 <= kernels["base"] < ops["base"]
     assert ops["per-block unpacked"] <= 12 * ops["base"], ops  # a CPU's route does not pack
-    assert ops["grouped"] <= 2.6 * ops["base"], ops  # the GPU route (groups spanning widths: 5, not 8)
+    assert ops["grouped"] <= 2.0 * ops["base"], ops  # the GPU route: 5 groups, their builds in a Workspace
     # packed: a concatenation of gradients per parameter that holds several roles (3 per group here)
     assert kernels["grouped unpacked"] < kernels["grouped"] <= kernels["grouped unpacked"] + 3 * 9 <= 3 * kernels["base"]
     assert leaves["grouped"] < 0.3 * leaves["grouped unpacked"]

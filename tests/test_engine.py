@@ -375,7 +375,9 @@ def test_a_group_keeps_its_blocks_tensors_in_one_storage_and_trains_as_the_per_b
     ref, grouped = _pair()
     group = max(engine.kernel_groups(grouped), key=len)
     names_before = {n: id(p) for n, p in grouped.named_parameters()}
-    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    # 8 images of 64x64: train-mode BNs over 2 images of 32x32 (layer4: 2 values per channel) amplified the
+    # routes' float64 rounding ~1e4-fold per step, past any tolerance that still tests something
+    x = torch.randn(8, 3, 64, 64, dtype=torch.float64)
     opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (ref, grouped)]
     for _ in range(3):
         for m, opt in zip((ref, grouped), opts):
@@ -386,8 +388,8 @@ def test_a_group_keeps_its_blocks_tensors_in_one_storage_and_trains_as_the_per_b
     assert {n: id(p) for n, p in grouped.named_parameters()} == names_before
     sd0, sd1 = ref.state_dict(), grouped.state_dict()
     assert sd0.keys() == sd1.keys()
-    for k in sd0:  # train-mode BNs over 2 images amplify the routes' rounding (float64: ~1e-8 here)
-        torch.testing.assert_close(sd1[k], sd0[k], rtol=1e-6, atol=1e-7, msg=k)
+    for k in sd0:  # (measured: 4e-15)
+        torch.testing.assert_close(sd1[k], sd0[k], rtol=1e-10, atol=1e-12, msg=k)
     # the views' addresses are checked each build: the storage is not made again
     kept = [s.data_ptr() for s in group._storage.roles]
     grouped(x)
@@ -574,7 +576,8 @@ def test_a_compiled_group_gives_the_eager_groups_numbers_and_compiles_once_per_l
             torch.testing.assert_close(gb[k], ga[k], rtol=1e-9, atol=1e-12, msg=k)
         assert len(calls) == 2  # the groups' squeeze and vjp, compiled at the first step only
     ops = {m: count_ops(lambda m=m, o=o: _step(m, o, x))[0] for m, o in zip((a, b), opts)}
-    assert ops[b] < 0.7 * ops[a], ops  # the eager groups keep their storage's views (kernels.keep_views)
+    # fewer operators compiled (measured: 248 vs 341 eager, whose views are kept: kernels.keep_views, Workspace)
+    assert ops[b] < 0.8 * ops[a], ops
     # a new layout (dtype) compiles again; a deep copy compiles its own
     twin = copy.deepcopy(b).float()
     assert all(not g._compiled for g in engine.kernel_groups(twin))
@@ -1082,3 +1085,125 @@ def test_a_group_storage_keeps_its_views_and_a_new_storage_makes_its_own(pack):
     del a, b, m, groups, opts, storages, stored, ya, yb, y, opt
     gc.collect()
     assert not [r for r in gone if r() is not None]
+
+
+def _arena(model):
+    (arena,) = engine.kernel_groups(model)[0].workspace.arenas.values()
+    return arena
+
+
+def _in_arena(t, arena):
+    """Whether ``t`` is a view of the arena's memory (its storage one of the arena's)."""
+    return t.untyped_storage()._cdata in {st._cdata for st in arena.storages}
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_groups_intermediates_live_in_a_workspace_freed_between_builds(pack):
+    """The eager groups write their reordered copies and products into the network's workspace
+    (engine.Workspace): its memory exists only while a build runs (none between steps, so none
+    at a step's peak), its buffers are the same tensors at every step, nothing handed out (kernels,
+    gradients) lives there, and the numbers are the per-block route's."""
+    ref, grouped = _pair(pack=pack)
+    _assert_same_grads(ref, grouped)
+    arena = _arena(grouped)
+    assert all(st.nbytes() == 0 for st in arena.storages) and arena.owner is None and not arena.lock.locked()
+    assert sum(arena.elements) > 0
+    bufs = [id(t) for sc in engine.kernel_groups(grouped)[0].workspace.scratches.values()
+            for s in sc.values() for t in [*s.bufs.values(), *(u for b in s._branches.values() for u in b.bufs.values())]]
+    assert bufs
+    seen = []  # the kernels the blocks convolve with are not the arena's
+    conv2d = F.conv2d
+
+    def spy(x, w, *a, **k):
+        seen.append(_in_arena(w, arena))
+        return conv2d(x, w, *a, **k)
+
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    engine.F.conv2d, saved = spy, engine.F.conv2d
+    try:
+        _assert_same_grads(ref, grouped, x)
+    finally:
+        engine.F.conv2d = saved
+    assert len(seen) > 10 and not any(seen)
+    group = engine.kernel_groups(grouped)[0]
+    scratch = group.workspace.scratches[group.plan][(arena.base.device, arena.base.dtype), "backward"]
+    assert _in_arena(next(t for (key, _), t in scratch.bufs.items() if key == "grad"), arena)  # the check sees it
+    for p in grouped.parameters():  # no gradient is a view of the (freed) arena
+        assert p.grad is not None and not _in_arena(p.grad, arena)
+    assert [id(t) for sc in engine.kernel_groups(grouped)[0].workspace.scratches.values()
+            for s in sc.values() for t in [*s.bufs.values(), *(u for b in s._branches.values()
+                                                               for u in b.bufs.values())]] == bufs
+
+
+def test_the_workspace_saves_the_views_and_allocations_of_a_groups_eager_step():
+    """The same step without a workspace (the evaluation that allocates its intermediates)
+    dispatches more operators (measured on this model, packed, float64: 977 against 825) for the
+    same gradients."""
+    from orepa.apps.bench.measure import count_ops
+
+    ref, grouped = _pair(pack=True)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    _grads(grouped, x)
+    with_ws = count_ops(lambda: _grads(grouped, x))[0]
+    y1, g1 = _grads(grouped, x)
+    for g in engine.kernel_groups(grouped):
+        g.workspace = None
+    _grads(grouped, x)
+    without = count_ops(lambda: _grads(grouped, x))[0]
+    y0, g0 = _grads(grouped, x)
+    assert with_ws < 0.85 * without, (with_ws, without)
+    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-10, atol=1e-12, msg=k)
+
+
+def test_two_forwards_before_one_backward_and_a_failed_build_leave_the_workspace_sound():
+    """Builds share the workspace one after the other: two forwards then one backward give the
+    per-block gradients; a build that raises leaves the arena unlocked and readable (a traceback
+    may show its buffers), and the next build runs."""
+    ref, grouped = _pair()
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    for m in (ref, grouped):
+        m.zero_grad(set_to_none=True)
+        (m(x).square().sum() + m(x.flip(-1)).square().sum()).backward()
+    for (n, p), q in zip(grouped.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-10, msg=n)
+    arena = _arena(grouped)
+    plan = engine.kernel_groups(grouped)[0].plan
+    squeeze = engine.Plan.squeeze
+
+    def failing(self, *a, **k):
+        if self is plan:
+            raise RuntimeError("boom")
+        return squeeze(self, *a, **k)
+
+    engine.Plan.squeeze = failing
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            grouped(x)
+    finally:
+        engine.Plan.squeeze = squeeze
+    assert not arena.lock.locked() and arena.owner is None
+    _assert_same_grads(ref, grouped, x)
+    assert all(st.nbytes() == 0 for st in arena.storages)
+
+
+def test_copies_of_a_grouped_model_get_a_workspace_of_their_own():
+    """deepcopy and pickling (torch.save) give an empty workspace, shared by the copy's groups;
+    a dtype change builds in an arena of its own."""
+    import io
+
+    ref, grouped = _pair()
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    _assert_same_grads(ref, grouped, x)
+    buf = io.BytesIO()
+    torch.save(grouped, buf)
+    buf.seek(0)
+    for twin in (copy.deepcopy(grouped), torch.load(buf, weights_only=False)):
+        spaces = {id(g.workspace) for g in engine.kernel_groups(twin)}
+        assert len(spaces) == 1 and spaces != {id(engine.kernel_groups(grouped)[0].workspace)}
+        assert not engine.kernel_groups(twin)[0].workspace.arenas
+        _assert_same_grads(ref, twin, x)
+    grouped.float()
+    grouped(x.float()).sum().backward()
+    assert {k[1] for k in engine.kernel_groups(grouped)[0].workspace.arenas} == {torch.float64, torch.float32}

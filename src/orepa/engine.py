@@ -40,7 +40,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import math
 import operator
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -372,13 +374,14 @@ class Plan:
         roles = self._roles(leaves, fixed)
         return Storage(roles, None, self.operands(roles))
 
-    def squeeze(self, stacked: Storage | None = None) -> Tensor:
+    def squeeze(self, stacked: Storage | None = None, scratch: Scratch | None = None) -> Tensor:
         """Summed kernels of the named branches of the blocks, concatenated along the output
         channels: ``[sum of C_out, C_in / groups, k, k]``. Call without grad.
 
         A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every other branch
         is added into its centred window with its scale fused in (a storage's filter family: all
-        its members in one batched product).
+        its members in one batched product). ``scratch`` (a storage's build on a host-bound device,
+        :class:`Workspace`): the intermediates go to its buffers.
         """
         ops = stacked.operands if stacked is not None else self.operands()
         family = stacked.family if stacked is not None else None
@@ -393,11 +396,14 @@ class Plan:
             out = ops[0][0][0].kernel.new_zeros(sum(self.rows), i, kh, kw)
         for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
             if br.name != self.first and i not in skip:
-                _add_into(self._window(out, br), self._replicate(ks) if br.replicated else ks, s, self.traced)
+                sub = None if scratch is None else scratch.branch(i)
+                _add_into(self._window(out, br), self._replicate(ks, sub) if br.replicated else ks, s, self.traced,
+                          sub)
         if family is not None:
             # out += sum_j (s_j W_j) F_j: per output channel [C_in/g, J] @ [J, kh*kw]
-            ws = torch.mul(K.kept_view(family.weights, ("rows,w,J",), lambda t: t.permute(1, 2, 0)),
-                           K.kept_view(family.scales, ("rows,w,J",), lambda t: t.permute(1, 2, 0)))
+            w = K.kept_view(family.weights, ("rows,w,J",), lambda t: t.permute(1, 2, 0))
+            ws = torch.mul(w, K.kept_view(family.scales, ("rows,w,J",), lambda t: t.permute(1, 2, 0)),
+                           **({} if scratch is None else {"out": scratch.buf("family", w.shape)}))
             flat = out.view(out.shape[0], out.shape[1], -1)
             if self.traced:
                 flat.add_(K.batched_product(ws, family.filters, pointwise=True))
@@ -405,13 +411,18 @@ class Plan:
                 flat.baddbmm_(ws, family.filters)
         return out
 
-    def kernels(self, stacked: Storage | None = None) -> tuple[Tensor, ...]:
+    def kernels(self, stacked: Storage | None = None, scratch: Scratch | None = None) -> tuple[Tensor, ...]:
         """:meth:`squeeze` as one kernel per block (views of it)."""
-        w = self.squeeze(stacked)
+        w = self.squeeze(stacked, scratch)
         return (w,) if self.n == 1 else w.split(self.kernel_shape[0] if self.v == self.n else self.rows)
 
-    def kernels_vjp(self, grads: Sequence[Tensor], stacked: Storage | None = None) -> list[Tensor]:
-        """:meth:`vjp` from the gradients of :meth:`kernels`, one per block."""
+    def kernels_vjp(self, grads: Sequence[Tensor], stacked: Storage | None = None,
+                    scratch: Scratch | None = None) -> list[Tensor]:
+        """:meth:`vjp` from the gradients of :meth:`kernels`, one per block (with a ``scratch``: gathered
+        into its buffer, whose views are then kept)."""
+        if scratch is not None and grads[0].dtype == scratch.dtype:
+            shape = (sum(self.rows), *self.kernel_shape[1:])
+            return self.vjp(torch.cat(list(grads), out=scratch.buf("grad", shape)), stacked, scratch)
         return self.vjp(grads[0] if self.n == 1 else torch.cat(list(grads)), stacked)
 
     def _replica_index(self, first: Tensor) -> Tensor:
@@ -433,10 +444,15 @@ class Plan:
             if br.replicated:
                 self._replica_index(ks[0].kernel)
 
-    def _replicate(self, ks: list[Operand]) -> list[Operand]:
-        """A branch's operands over the virtual blocks: its first step's rows once per virtual block."""
+    def _replicate(self, ks: list[Operand], scratch=None) -> list[Operand]:
+        """A branch's operands over the virtual blocks: its first step's rows once per virtual block
+        (into the ``scratch`` buffer ``"replica"`` where given)."""
         first = ks[0].kernel
-        return [ks[0]._replace(kernel=first.index_select(0, self._replica_index(first))), *ks[1:]]
+        index = self._replica_index(first)
+        if scratch is None:
+            return [ks[0]._replace(kernel=first.index_select(0, index)), *ks[1:]]
+        out = scratch.buf("replica", (index.shape[0], *first.shape[1:]))
+        return [ks[0]._replace(kernel=torch.index_select(first, 0, index, out=out)), *ks[1:]]
 
     def _gather(self, grad: Tensor, first: Tensor) -> Tensor:
         """A replicated first step's gradient summed back onto its blocks' rows (undoes :meth:`_replicate`)."""
@@ -446,12 +462,13 @@ class Plan:
         """The branch's centred window of a kernel (no view op when it is the whole kernel)."""
         return kernel if br.window is None else kernel[:, :, br.window[0], br.window[1]]
 
-    def vjp(self, grad: Tensor, stacked: Storage | None = None) -> list[Tensor]:
-        """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order."""
+    def vjp(self, grad: Tensor, stacked: Storage | None = None, scratch: Scratch | None = None) -> list[Tensor]:
+        """Gradients of ``<grad, squeeze()>`` for :meth:`params`, in that order (``scratch``: see
+        :meth:`squeeze`; ``grad`` then one of its buffers)."""
         ops = stacked.operands if stacked is not None else self.operands()
         n = self.n
         family = stacked.family if stacked is not None else None
-        d_family = _family_vjp(family, grad, self.traced) if family is not None else None
+        d_family = _family_vjp(family, grad, self.traced, scratch) if family is not None else None
         packed = stacked is not None and stacked.packed
         members = iter(zip(d_family[0].view(*d_family[0].shape, 1, 1).unbind(0), d_family[1].unbind(0))
                        if family is not None and not packed else ())
@@ -462,12 +479,14 @@ class Plan:
                     continue
                 grads = list(next(members))
             elif br.replicated:
-                grads = _kernel_vjp(self._replicate(ks), s, br.scalar, self._window(grad, br), self.launch_bound,
-                                    self.traced)
+                sub = None if scratch is None else scratch.branch(i)
+                grads = _kernel_vjp(self._replicate(ks, sub), s, br.scalar, self._window(grad, br), self.launch_bound,
+                                    self.traced, sub)
                 if grads[0] is not None:
                     grads[0] = self._gather(grads[0], ks[0].kernel)
             else:
-                grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound, self.traced)
+                grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound, self.traced,
+                                    None if scratch is None else scratch.branch(i))
             # learnable operands in the branch's parameters() order: its conv steps, then its scale;
             # per block: output-side rows by the blocks' widths, a replicated first step's alike
             per_branch.append([g if packed else (g,) if n == 1 else g.split(
@@ -484,13 +503,18 @@ class Plan:
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
 
 
-def _family_vjp(family: Family, grad: Tensor, traced: bool = False) -> tuple[Tensor, Tensor]:
+def _family_vjp(family: Family, grad: Tensor, traced: bool = False, scratch: Scratch | None = None
+                ) -> tuple[Tensor, Tensor]:
     """The gradients of the family's 1x1 weights ``[J, rows, w]`` and scales ``[J, rows]``, member
-    j's at index j (``traced``: see :class:`Plan`)."""
+    j's at index j (``traced``, ``scratch``: see :class:`Plan`)."""
     rows, width = grad.shape[:2]
     filters_t = K.kept_view(family.filters, ("rows,kk,J",), lambda t: t.transpose(1, 2))
-    d = K.batched_product(grad.reshape(rows, width, -1), filters_t, traced)
-    d = d.permute(2, 0, 1)  # [J, rows, w]
+    g = K._kept_reshape(grad, rows, width, -1)
+    if scratch is None:
+        d = K.batched_product(g, filters_t, traced)
+    else:
+        d = torch.bmm(g, filters_t, out=scratch.buf("family d", (rows, width, filters_t.shape[2])))
+    d = K.kept_view(d, ("J,rows,w",), lambda t: t.permute(2, 0, 1))  # [J, rows, w]
     # the weights' gradients made contiguous (autograd then takes them as they are, without a copy)
     return K.mul_contiguous(d, family.scales, traced), (d * family.weights).sum(-1)
 
@@ -500,25 +524,31 @@ def _fresh_kernel(ks: list[Operand], s: Tensor | None) -> Tensor:
     return w.clone() if s is None else K.scale_channels(w, s)
 
 
-def _add_into(out: Tensor, ks: list[Operand], s: Tensor | None, traced: bool = False) -> None:
+def _add_into(out: Tensor, ks: list[Operand], s: Tensor | None, traced: bool = False, scratch=None) -> None:
     """``out += branch kernel`` in place; no temporary for a single kernel or a per-channel
-    filter after a 1x1, the scale fused into the addition."""
+    filter after a 1x1, the scale fused into the addition (``scratch``: see :class:`Scratch`)."""
     if len(ks) == 1:
         if s is None:
             out.add_(ks[0].kernel)
         else:
             out.addcmul_(ks[0].kernel, K.channel_column(s))
         return
-    K.compose_into(out, ks[0].kernel, ks[0].groups, ks[1].kernel, ks[1].groups, s, traced=traced)
+    K.compose_into(out, ks[0].kernel, ks[0].groups, ks[1].kernel, ks[1].groups, s, traced=traced, scratch=scratch)
 
 
 def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
-                launch_bound: bool = False, traced: bool = False) -> list[Tensor | None]:
+                launch_bound: bool = False, traced: bool = False, scratch=None) -> list[Tensor | None]:
     """Gradients of ``<grad, branch kernel>`` for ``[*steps, scale]`` (None: fixed or absent;
-    ``traced``: see :class:`Plan`)."""
+    ``traced``, ``scratch``: see :class:`Plan`)."""
     n = len(ks)
     out: list[Tensor | None] = [None] * (n + 1)
     last = ks[-1]
+    if scratch is not None and n == 2 and s is not None and not scalar and last.learnable:
+        first = ks[0]
+        grads = K.compose_vjp_scaled(first.kernel, first.groups, last.kernel, last.groups, s, grad, scratch,
+                                     need_w1=first.learnable)
+        if grads is not None:
+            return list(grads)
 
     def scale_grad(ds: Tensor) -> Tensor:
         return ds.sum(0, keepdim=True) if scalar else ds
@@ -551,7 +581,8 @@ def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
         if last.learnable:
             grad = K.scale_channels(grad, s)
     if last.learnable:
-        out[n - 1] = grad
+        # the kernel's own gradient (a kxk without scale) is a scratch buffer's: handed out as a copy
+        out[n - 1] = grad.clone() if scratch is not None and n == 1 and s is None else grad
     return out
 
 
@@ -615,22 +646,165 @@ def squeeze_kernels(plan: Plan, stacked: Storage | None, *params: Tensor) -> tup
 
 class EagerBuild:
     """The eager constructions of several groups, one after the other (interchangeable with a
-    :class:`CompiledBuild` in :class:`GroupsFunction`): ``plans[i]`` builds from ``storages[i]``."""
+    :class:`CompiledBuild` in :class:`GroupsFunction`): ``plans[i]`` builds from ``storages[i]``,
+    in the buffers of ``workspace`` where given (see :class:`Workspace`)."""
 
-    def __init__(self, plans: Sequence[Plan]):
+    def __init__(self, plans: Sequence[Plan], workspace: Workspace | None = None):
         self.plans = tuple(plans)
         self.n = sum(p.n for p in self.plans)
         self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
+        self.workspace = workspace
 
     def kernels(self, storages: Sequence[Storage | None]) -> tuple[Tensor, ...]:
-        return tuple(w for plan, stacked in zip(self.plans, storages) for w in plan.kernels(stacked))
+        with _scratches(self.workspace, self.plans, storages, "forward") as scratches:
+            return tuple(w for plan, stacked, sc in zip(self.plans, storages, scratches)
+                         for w in plan.kernels(stacked, sc))
 
     def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage | None]) -> list[Tensor]:
         out, i = [], 0
-        for plan, stacked in zip(self.plans, storages):
-            out.extend(plan.kernels_vjp(grads[i:i + plan.n], stacked))
-            i += plan.n
+        with _scratches(self.workspace, self.plans, storages, "backward") as scratches:
+            for plan, stacked, sc in zip(self.plans, storages, scratches):
+                out.extend(plan.kernels_vjp(grads[i:i + plan.n], stacked, sc))
+                i += plan.n
         return out
+
+
+class Scratch:
+    """One plan's buffers in an :class:`Arena`: ``buf(key, shape)`` is a contiguous tensor at a place
+    of the arena fixed at its first request, the same tensor at every call, marked to keep the views
+    taken of it (``kernels.keep_views``). ``branch(i)``: the buffers of branch ``i``, which are dead
+    once its part of a build is done (it returns fresh tensors): every branch's start at the same
+    place, of the arena's second pool."""
+
+    def __init__(self, arena: Arena, pool: int = 0, prefix=None):
+        self.arena, self.pool, self.prefix, self.dtype = arena, pool, prefix, arena.base.dtype
+        self.bufs: dict = {}
+        self.kept: list[K.KeptViews] = []  # the views taken of the buffers live as long as this
+        self.size = 0  # elements the buffers span, from the pool's start
+        self._branches: dict[int, Scratch] = {}
+
+    def buf(self, key, shape) -> Tensor:
+        key = (key, tuple(shape))
+        t = self.bufs.get(key)
+        if t is None:
+            t = self.arena.take(self.pool, self.size, key[1])
+            self.size += t.numel()
+            self.kept.append(K.keep_views(t))
+            self.bufs[key] = t
+        return t
+
+    def branch(self, i: int) -> Scratch:
+        sub = self._branches.get(i)
+        if sub is None:
+            sub = self._branches[i] = Scratch(self.arena, 1, i)
+        return sub
+
+
+class Arena:
+    """Memory for the :class:`Scratch` es of one device and dtype: two pools (a plan's own buffers,
+    its branches'), storages that every plan's buffers are placed in from their start (plans build
+    one after the other, and nothing a build returns lives there), allocated when a build begins
+    and freed when it ends (resized to nothing: the buffers, views of them, keep their places and
+    follow them), so they hold no memory at a step's peak. ``owner``: the thread building in it."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.base = torch.empty(0, device=device, dtype=dtype)
+        self.storages = (self.base.untyped_storage(), torch.empty(0, device=device, dtype=dtype).untyped_storage())
+        self.bases = (self.base, torch.empty(0, device=device, dtype=dtype).set_(self.storages[1]))
+        self.elements = [0, 0]  # per pool, what the largest build so far needed
+        self.lock = threading.Lock()
+        self.owner: int | None = None
+
+    def _reserve(self, pool: int) -> None:
+        nbytes = self.elements[pool] * self.base.element_size()
+        if self.storages[pool].nbytes() < nbytes:
+            self.storages[pool].resize_(nbytes)
+
+    def take(self, pool: int, offset: int, shape: tuple[int, ...]) -> Tensor:
+        self.elements[pool] = max(self.elements[pool], offset + math.prod(shape))
+        self._reserve(pool)
+        strides = [1] * len(shape)
+        for j in range(len(shape) - 2, -1, -1):
+            strides[j] = strides[j + 1] * shape[j + 1]
+        return self.bases[pool].as_strided(shape, strides, offset)
+
+    def __getstate__(self):
+        raise TypeError("an Arena is not copied (a Workspace copies as an empty one)")
+
+    def __enter__(self) -> Arena:
+        self.lock.acquire()
+        self.owner = threading.get_ident()
+        try:
+            self._reserve(0)
+            self._reserve(1)
+        except BaseException:
+            self.owner = None
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            if exc_type is None:  # (after a failure its buffers stay readable: tracebacks show them)
+                for st in self.storages:
+                    st.resize_(0)
+        finally:
+            self.owner = None
+            self.lock.release()
+
+
+class Workspace:
+    """Where the eager builds of a network's groups put their intermediates on a host-bound device:
+    per device and dtype an :class:`Arena`, per plan its :class:`Scratch` in it. Writing the
+    reordered copies and products of a construction through out= into buffers that are the same
+    tensors at every step lets every view of them be made once: an eager OREPA step dispatches a
+    third fewer operators (views, allocations) and its kernels are unchanged. Copies and pickles of
+    a model get an empty one."""
+
+    def __init__(self):
+        self.arenas: dict[tuple, Arena] = {}
+        self.scratches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan -> {arena key: Scratch}
+
+    def __reduce__(self):
+        return (Workspace, ())
+
+    def arena(self, key: tuple) -> Arena:
+        """The arena of ``key`` = (device, dtype)."""
+        arena = self.arenas.get(key)
+        if arena is None:
+            arena = self.arenas[key] = Arena(*key)
+        return arena
+
+    def scratch(self, plan: Plan, key: tuple, phase: str) -> Scratch:
+        """``plan`` 's buffers in the arena of ``key`` for its builds' ``phase`` (``"forward"`` or
+        ``"backward"``: never at once, so the two are placed alike, from the pools' starts)."""
+        per_plan = self.scratches.get(plan)
+        if per_plan is None:
+            per_plan = self.scratches[plan] = {}
+        sc = per_plan.get((key, phase))
+        if sc is None:
+            sc = per_plan[(key, phase)] = Scratch(self.arena(key))
+        return sc
+
+
+@contextlib.contextmanager
+def _scratches(workspace: Workspace | None, plans: Sequence[Plan], storages: Sequence[Storage | None], phase: str):
+    """Per plan its :class:`Scratch` for a build's ``phase`` from ``storages`` (None: no storage, or a plan traced for a
+    compiler), in the arena held for the build; all None without a workspace or inside a CUDA-graph
+    capture (a captured build must not resize memory the graph reads at replay)."""
+    ref = next((st.roles[0] for st in storages if st is not None), None)
+    if workspace is None or ref is None or (ref.is_cuda and torch.cuda.is_current_stream_capturing()):
+        yield (None,) * len(plans)
+        return
+    key = (ref.device, ref.dtype)
+    arena = workspace.arena(key)
+    if arena.owner == threading.get_ident():  # a build inside a build (none known): its own memory
+        yield (None,) * len(plans)
+        return
+    with arena:
+        yield tuple(None if st is None or plan.traced or st.roles[0].dtype != ref.dtype
+                    or st.roles[0].device != ref.device else workspace.scratch(plan, key, phase)
+                    for plan, st in zip(plans, storages))
 
 
 class RecomputedSqueezeConv(torch.autograd.Function):
@@ -854,6 +1028,8 @@ class KernelGroup:
         self._compiled: dict[tuple, CompiledBuild] = {}
         self._compiled_for: tuple[tuple[Storage, ...], CompiledBuild] | None = None
         self._compile_failed = False
+        # where its eager builds put their intermediates: one for the network's groups (group_kernels)
+        self.workspace: Workspace | None = None
         # pack(): the group's learnable operands as a few parameters; where each role's rows are in
         # them (name, first row, rows), the filter family's 1x1 weights' and scales', and what the
         # squeeze's packed gradients concatenate (Storage.packed)
@@ -871,6 +1047,7 @@ class KernelGroup:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("workspace", None)  # a group pickled before it had one
         self._index = {id(b): i for i, b in enumerate(self.blocks)}  # ids of the copied blocks
 
     def __len__(self) -> int:
@@ -1114,7 +1291,7 @@ class KernelGroup:
         if last is not None and len(last[0]) == len(storages) and all(map(operator.is_, last[0], storages)):
             return last[1]  # the common case: the storages of the last build
         if self.policy != "compiled" or self._compile_failed or any(st is None for st in storages):
-            return EagerBuild(plans)
+            return EagerBuild(plans, self.workspace)
         # a plan is made anew when its group's tensors move (_replan); the build holds its plans, so
         # their ids stay theirs while it is cached
         key = tuple((id(plan), st.packed, *((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
@@ -1126,7 +1303,7 @@ class KernelGroup:
             warnings.warn(f"kernel builder 'compiled': compiling the kernel construction failed ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); the kernels are built eagerly",
                           RuntimeWarning, stacklevel=2)
-            return EagerBuild(plans)
+            return EagerBuild(plans, self.workspace)
         self._compiled_for = (storages, build)
         return build
 
@@ -1392,8 +1569,9 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
         for blk in blocks:
             blk._kernel_group = group
         groups.append(group)
+    workspace = Workspace()
     for group in groups:
-        group.peers, group.joint = groups, joint
+        group.peers, group.joint, group.workspace = groups, joint, workspace
         if pack:
             group.pack()
     return groups

@@ -36,6 +36,7 @@ __all__ = [
     "expand_groups",
     "compose",
     "compose_vjp",
+    "compose_vjp_scaled",
     "compose_into",
     "compose_case",
     "cheap_vjp_groups",
@@ -146,7 +147,12 @@ def freq_prior_kernel(channels: int, k, *, dtype=None, device=None) -> Tensor:
 
 
 class KeptViews(dict):
-    """The views :func:`kept_view` took of one tensor (key -> view), kept while this holder is alive."""
+    """The views :func:`kept_view` took of one tensor (key -> view), kept while this holder is alive;
+    ``children``: per key, the holder of that view's own kept views."""
+
+    def __init__(self):
+        super().__init__()
+        self.children: dict[tuple, KeptViews] = {}
 
 
 def keep_views(t: Tensor) -> KeptViews:
@@ -180,6 +186,8 @@ def kept_view(t: Tensor, key: tuple, make) -> Tensor:
         view = make(t)
         if view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             kept[key] = view
+            # the views of a kept view are kept too, by a holder its parent's holder owns
+            view._kept_views = weakref.ref(kept.children.setdefault(key, KeptViews()))
     return view
 
 
@@ -232,7 +240,7 @@ def rowdot(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
     """
     n = a.shape[0]
     if a.is_contiguous() and b.is_contiguous() and not pointwise:
-        return torch.bmm(a.reshape(n, 1, -1), _kept_reshape(b, n, -1, 1)).reshape(n)
+        return torch.bmm(_kept_reshape(a, n, 1, -1), _kept_reshape(b, n, -1, 1)).reshape(n)
     return torch.mul(a, b).sum(dim=tuple(range(1, a.dim())))
 
 
@@ -317,14 +325,34 @@ def mul_contiguous(a: Tensor, b: Tensor, traced: bool = False) -> Tensor:
     return torch.mul(a, b, out=a.new_empty(a.shape))
 
 
-def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None, traced: bool = False) -> Tensor:
+def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None, traced: bool = False,
+                scratch=None) -> Tensor:
     """``A [G, o*k*k, m]``: a copy of W2 with its taps before its channels (each output channel
-    times ``scale``'s, in the same pass, where given; ``traced``: see :func:`mul_contiguous`)."""
+    times ``scale``'s, in the same pass, where given; ``traced``: see :func:`mul_contiguous`;
+    ``scratch``: the scaled copy written into its buffer ``"scaled taps"``, see :func:`compose_into`)."""
     c2, mg, kh, kw = w2.shape
     taps = kept_view(w2, ("G,o,kk,m", g), lambda t: t.reshape(g, c2 // g, mg, kh * kw).transpose(2, 3))
     if scale is None:
         return taps.reshape(g, (c2 // g) * kh * kw, mg)
-    return mul_contiguous(taps, _kept_reshape(scale, g, c2 // g, 1, 1), traced).view(g, -1, mg)
+    col = _kept_reshape(scale, g, c2 // g, 1, 1)
+    if scratch is not None:
+        return _kept_reshape(torch.mul(taps, col, out=scratch.buf("scaled taps", taps.shape)), g, -1, mg)
+    return mul_contiguous(taps, col, traced).view(g, -1, mg)
+
+
+def _scaled_pw_rows(w2: Tensor, g2: int, r: int, scale: Tensor, order: str, scratch) -> Tensor:
+    """``scale * W2`` of a pointwise W2 after ``r`` fine groups, reordered for the products batched
+    over (G, r): ``order`` ``"o,m"`` gives ``[G*r, o, m]`` (the composition), ``"m,o"`` ``[G*r, m, o]``
+    (W1's gradient); one pass into the scratch buffer of that order."""
+    o, m = w2.shape[0] // g2, w2.shape[1] // r
+    if order == "o,m":
+        rows = kept_view(w2, ("G,r,o,m", g2, r), lambda t: t.reshape(g2, o, r, m).transpose(1, 2))
+        col = _kept_reshape(scale, g2, 1, o, 1)
+    else:
+        rows = kept_view(w2, ("G,r,m,o", g2, r), lambda t: t.reshape(g2, o, r, m).permute(0, 2, 3, 1))
+        col = _kept_reshape(scale, g2, 1, 1, o)
+    out = torch.mul(rows, col, out=scratch.buf(("scaled pw", order), rows.shape))
+    return _kept_reshape(out, g2 * r, *rows.shape[2:])
 
 
 def _pw_first_operands(w1: Tensor, g: int, w2: Tensor) -> tuple[Tensor, Tensor]:
@@ -481,16 +509,81 @@ def compose_vjp(
     raise NotImplementedError(f"no closed-form vjp for the {case!r} composition")
 
 
+def compose_vjp_scaled(w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor, grad: Tensor, scratch, *,
+                       need_w1: bool = True) -> tuple[Tensor | None, Tensor, Tensor] | None:
+    """Gradients of ``<grad, scale * compose(w1, g1, w2, g2)>`` w.r.t. ``w1``, ``w2`` and the per-output-
+    channel ``scale`` (``[C2, 1, 1, 1]``), in closed form, for a host-bound device: the reordered copies
+    of ``grad`` and of the scaled W2 and the products are written into ``scratch``'s buffers (see
+    :func:`compose_into`), ``grad`` itself should be one (its views are then kept too). The returned
+    gradients are fresh tensors. None where this evaluation does not apply (other cases than
+    1x1 -> kxk and a pointwise W2 after finer groups, e.g. dw -> pw): :func:`compose_vjp` then."""
+    case = compose_case(w1.shape, g1, w2.shape, g2)
+    c1, c0g = w1.shape[:2]
+    c2 = w2.shape[0]
+    if case == "pointwise_first" and tuple(grad.shape[-2:]) == tuple(w2.shape[-2:]):
+        kh, kw = w2.shape[-2:]
+        o, m = c2 // g1, c1 // g1
+        gr = scratch.buf("grad taps", (g1, o, kh * kw, c0g))
+        gr.copy_(kept_view(grad, ("G,o,kk,i", g1), lambda t: t.view(g1, o, c0g, kh * kw).transpose(2, 3)))
+        gr = _kept_reshape(gr, g1, o * kh * kw, c0g)
+        w1t = kept_view(w1, ("G,i,m", g1), lambda t: t.reshape(g1, m, c0g).transpose(1, 2))
+        d2 = torch.bmm(gr, w1t, out=scratch.buf("d scaled w2", (g1, o * kh * kw, m)))  # of scale * W2, taps first
+        d2 = kept_view(d2, ("as w2",), lambda t: t.view(c2, kh * kw, m).transpose(1, 2).unflatten(2, (kh, kw)))
+        d1 = None
+        if need_w1:
+            a = _taps_first(w2, g1, scale, scratch=scratch)
+            d1 = torch.bmm(kept_view(a, ("T",), lambda t: t.transpose(1, 2)), gr).reshape(w1.shape)
+        d_scale = torch.mul(d2, w2).sum(dim=(1, 2, 3))
+        return d1, mul_contiguous(d2, channel_column(scale)), d_scale
+    r = g1 // g2 if g1 % g2 == 0 else 0
+    if case == "pointwise_after" and r > 1:
+        o, m = c2 // g2, c1 // g1
+        gt = scratch.buf("grad", (g2, r, grad.shape[1] * grad.shape[2] * grad.shape[3] // r, o))
+        gt.copy_(kept_view(grad, ("G,r,ikk,o", g2, r), lambda t: t.view(g2, o, r, -1).permute(0, 2, 3, 1)))
+        gt = _kept_reshape(gt, g2 * r, -1, o)
+        d2 = torch.bmm(_kept_reshape(w1, g2 * r, m, -1), gt, out=scratch.buf("d scaled w2", (g2 * r, m, o)))
+        d2 = kept_view(d2, ("G,o,r,m",), lambda t: t.view(g2, r, m, o).permute(0, 3, 1, 2))
+        d1 = None
+        if need_w1:
+            a = _scaled_pw_rows(w2, g2, r, scale, "m,o", scratch)
+            d1 = torch.bmm(a, kept_view(gt, ("T",), lambda t: t.transpose(1, 2))).reshape(w1.shape)
+        d_scale = torch.mul(d2, _kept_reshape(w2, g2, o, r, m)).sum(dim=(2, 3)).view(c2)
+        return d1, mul_contiguous(d2, _kept_reshape(scale, g2, o, 1, 1)).view(w2.shape), d_scale
+    return None
+
+
 def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor | None = None,
-                 traced: bool = False) -> None:
+                 traced: bool = False, scratch=None) -> None:
     """``out += scale * compose(w1, g1, w2, g2)`` in place (``scale`` per output channel).
 
     A per-channel filter after a 1x1 is a broadcast product: it is accumulated
     without building the composed kernel. Other cases compose, then add with the
     scale fused into the addition (one pass over ``out``). ``traced`` (code for a compiler):
     dw -> pw's short contraction written out term by term (:func:`batched_product`).
+
+    ``scratch`` (an object whose ``buf(key, shape)`` gives a contiguous tensor that lives as long as
+    the operands, the same one for the same key at every call; see ``orepa.engine.Scratch``): the
+    batched compositions (1x1 -> kxk, dw -> pw) write their reordered, scaled copy of W2 and their
+    product there through out=, so every view taken of them is made once (:func:`kept_view`) and
+    nothing is allocated: the fewest operators for a host-bound device. Same products.
     """
     case = compose_case(w1.shape, g1, w2.shape, g2)
+    if scratch is not None and scale is not None and scale.numel() == out.shape[0] \
+            and tuple(out.shape[-2:]) == tuple(w2.shape[-2:] if case == "pointwise_first" else w1.shape[-2:]):
+        if case == "pointwise_first":
+            c2, i, kh, kw = out.shape
+            a = _taps_first(w2, g1, scale, scratch=scratch)
+            b = _kept_reshape(w1, g1, w2.shape[1], w1.shape[1])
+            c = torch.bmm(a, b, out=scratch.buf("composed", (g1, a.shape[1], b.shape[2])))
+            out.add_(kept_view(c, ("kernel",), lambda t: _pw_first_unbatch(t, c2, kh, kw)))
+            return
+        r, o = g1 // g2, w2.shape[0] // g2
+        if case == "pointwise_after" and r > 1 and out.is_contiguous():
+            a = _scaled_pw_rows(w2, g2, r, scale, "o,m", scratch)
+            b = _kept_reshape(w1, g2 * r, w1.shape[0] // g1, -1)
+            t = torch.bmm(a, b, out=scratch.buf("composed", (g2 * r, o, b.shape[2])))
+            out.view(g2, o, r, -1).add_(kept_view(t, ("G,o,r,ikk",), lambda x: x.view(g2, r, o, -1).transpose(1, 2)))
+            return
     if case == "depthwise_after_1x1":
         w1s = w1 if scale is None else scale_channels(w1, scale)
         out.addcmul_(w1s, w2)
