@@ -310,3 +310,52 @@ def test_kept_views_do_not_keep_their_tensor_alive():
     del t, view, holder
     gc.collect()
     assert alive() is None
+
+
+class _DictScratch:
+    """A scratch (``orepa.engine.Scratch``'s interface): one persistent buffer per key, marked to
+    keep its views; counts the buffers made."""
+
+    def __init__(self):
+        self.bufs, self.holders = {}, []
+
+    def buf(self, key, shape):
+        key = (key, tuple(shape))
+        if key not in self.bufs:
+            self.bufs[key] = torch.full(key[1], float("nan"), dtype=torch.float64)  # garbage until written
+            self.holders.append(K.keep_views(self.bufs[key]))
+        return self.bufs[key]
+
+
+@pytest.mark.parametrize("w1_shape,g1,w2_shape,g2", [
+    ((32, 1, 3, 3), 4, (6, 16, 1, 1), 2),  # dw (x8) -> pw, two blocks of two fine groups each
+    ((8, 4, 1, 1), 2, (6, 4, 3, 3), 2),  # 1x1 -> kxk
+    ((8, 4, 1, 1), 2, (6, 4, 1, 1), 2),  # 1x1 -> 1x1 (Rep-1x1)
+])
+@pytest.mark.parametrize("into", [False, True])
+def test_the_scratch_evaluations_give_the_reference_numbers(w1_shape, g1, w2_shape, g2, into):
+    """compose_into and compose_vjp_scaled with a scratch (buffers written through out=, the
+    host-bound route) give the reference evaluations' kernel and gradients (compose_vjp with the
+    scale, rowdot), written into given places or fresh, and nothing they return is a buffer."""
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(w1_shape, dtype=torch.float64), torch.randn(w2_shape, dtype=torch.float64)
+    s = torch.randn(w2_shape[0], 1, 1, 1, dtype=torch.float64)
+    composed = s * K.compose(w1, g1, w2, g2)[0]
+    grad = torch.randn_like(composed)
+    d1, d_scaled = K.compose_vjp(w1, g1, w2, g2, grad, scale=s, launch_bound=True)
+    ref = (d1, d_scaled * s, K.rowdot(d_scaled.contiguous(), w2))
+    scratch = _DictScratch()
+    marked = [t.clone() for t in (w1, w2, s)]
+    holders = [K.keep_views(t) for t in marked]
+    for _ in range(2):  # the second time on the buffers and views of the first
+        out = torch.zeros_like(composed)
+        K.compose_into(out, marked[0], g1, marked[1], g2, marked[2], scratch=scratch)
+        torch.testing.assert_close(out, composed, rtol=1e-12, atol=1e-12)
+        g = scratch.buf("grad", grad.shape).copy_(grad)
+        places = tuple(torch.full_like(t, float("nan")) for t in ref) if into else (None, None, None)
+        got = K.compose_vjp_scaled(marked[0], g1, marked[1], g2, marked[2], g, scratch, outs=places)
+        for x, y, place in zip(got, ref, places):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+            assert x is place if into else all(x.untyped_storage()._cdata != b.untyped_storage()._cdata
+                                                for b in scratch.bufs.values())
+    assert scratch.bufs and any(holders) and any(h for h in scratch.holders)

@@ -331,6 +331,8 @@ class Plan:
         self.learnable_roles = tuple(r for br in self.branches
                                      for r in (*br.learnable, *((True,) if br.scales is not None else ())))
         self._fixed_roles = tuple(r for r, learnable in enumerate(self.learnable_roles) if not learnable)
+        ends = list(itertools.accumulate(len(br.steps) + (br.scales is not None) for br in self.branches))
+        self._scale_roles = frozenset(e - 1 for e, br in zip(ends, self.branches) if br.scales is not None)
         self._slots, self._param_slots = [], []
         # per role, its module in every block (what KernelGroup.pack re-points)
         self.role_modules = [mods for br in self.branches for mods in (*br.steps, *((br.scales,) if br.scales else ()))]
@@ -454,9 +456,41 @@ class Plan:
         out = scratch.buf("replica", (index.shape[0], *first.shape[1:]))
         return [ks[0]._replace(kernel=torch.index_select(first, 0, index, out=out)), *ks[1:]]
 
-    def _gather(self, grad: Tensor, first: Tensor) -> Tensor:
-        """A replicated first step's gradient summed back onto its blocks' rows (undoes :meth:`_replicate`)."""
-        return grad.new_zeros(first.shape).index_add_(0, self._replica_index(first), grad)
+    def _gather(self, grad: Tensor, first: Tensor, out: Tensor | None = None) -> Tensor:
+        """A replicated first step's gradient summed back onto its blocks' rows (undoes :meth:`_replicate`;
+        into ``out`` where given)."""
+        out = grad.new_zeros(first.shape) if out is None else out.zero_()
+        return out.index_add_(0, self._replica_index(first), grad)
+
+    def _packed_places(self, stacked: Storage, scratch: Scratch) -> tuple[list[Tensor], list[Tensor]]:
+        """Per packed parameter, the buffer of ``scratch`` its gradient is assembled in (None for a
+        parameter of one role: its gradient is made fresh), and per gradient of :meth:`vjp` 's packed
+        order (``Storage.packed``'s indices) its rows of that buffer in the gradient's shape (or None);
+        made once per scratch."""
+        places = scratch.cache.get("packed places")
+        if places is None:
+            in_family = {r for w, _, s_ in self.family for r in (w, s_)}
+            shapes = [(t.shape[0],) if r in self._scale_roles else tuple(t.shape) for r, t in enumerate(stacked.roles)
+                      if self.learnable_roles[r] and r not in in_family]
+            if stacked.family is not None:
+                j, rows, w = stacked.family.weights.shape
+                shapes += [(j * rows, w, 1, 1), (j * rows,)]
+            order: list[Tensor | None] = [None] * len(shapes)
+            buffers = []
+            for p, members in enumerate(stacked.packed):
+                if len(members) == 1:  # its one gradient is the parameter's, made fresh (no copy)
+                    buffers.append(None)
+                    continue
+                total = (sum(shapes[m][0] for m in members), *shapes[members[0]][1:])
+                buf = scratch.buf(("packed gradient", p), total)
+                lo = 0
+                for m in members:
+                    order[m] = K.kept_view(buf, ("rows", lo, shapes[m]),
+                                           lambda t, lo=lo, sh=shapes[m]: t.narrow(0, lo, sh[0]).view(sh))
+                    lo += shapes[m][0]
+                buffers.append(buf)
+            places = scratch.cache["packed places"] = (buffers, order)
+        return places
 
     def _window(self, kernel: Tensor, br: _Branch) -> Tensor:
         """The branch's centred window of a kernel (no view op when it is the whole kernel)."""
@@ -468,25 +502,34 @@ class Plan:
         ops = stacked.operands if stacked is not None else self.operands()
         n = self.n
         family = stacked.family if stacked is not None else None
-        d_family = _family_vjp(family, grad, self.traced, scratch) if family is not None else None
         packed = stacked is not None and stacked.packed
+        # packed, with a scratch: each gradient written into its rows of its packed parameter's
+        # gradient, assembled in the scratch (no concatenation, no allocation, views kept)
+        places = self._packed_places(stacked, scratch) if packed and scratch is not None else None
+        fam_outs = places[1][-2:] if places is not None and family is not None else None
+        d_family = _family_vjp(family, grad, self.traced, scratch, fam_outs) if family is not None else None
         members = iter(zip(d_family[0].view(*d_family[0].shape, 1, 1).unbind(0), d_family[1].unbind(0))
                        if family is not None and not packed else ())
+        slots = iter(places[1]) if places is not None else None
         per_branch = []
         for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
             if family is not None and i in self._family_branches:
                 if packed:  # the family's gradients come last, whole
                     continue
                 grads = list(next(members))
-            elif br.replicated:
-                sub = None if scratch is None else scratch.branch(i)
-                grads = _kernel_vjp(self._replicate(ks, sub), s, br.scalar, self._window(grad, br), self.launch_bound,
-                                    self.traced, sub)
-                if grads[0] is not None:
-                    grads[0] = self._gather(grads[0], ks[0].kernel)
             else:
-                grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound, self.traced,
-                                    None if scratch is None else scratch.branch(i))
+                outs = None if slots is None else [next(slots) if learnable else None for learnable in
+                                                   (*(k.learnable for k in ks), *((True,) if s is not None else ()))]
+                sub = None if scratch is None else scratch.branch(i)
+                if br.replicated:
+                    into = None if outs is None else outs[0]
+                    grads = _kernel_vjp(self._replicate(ks, sub), s, br.scalar, self._window(grad, br),
+                                        self.launch_bound, self.traced, sub, None if outs is None else [None, *outs[1:]])
+                    if grads[0] is not None:
+                        grads[0] = self._gather(grads[0], ks[0].kernel, into)
+                else:
+                    grads = _kernel_vjp(ks, s, br.scalar, self._window(grad, br), self.launch_bound, self.traced,
+                                        sub, outs)
             # learnable operands in the branch's parameters() order: its conv steps, then its scale;
             # per block: output-side rows by the blocks' widths, a replicated first step's alike
             per_branch.append([g if packed else (g,) if n == 1 else g.split(
@@ -494,19 +537,23 @@ class Plan:
                 for j, g in enumerate(grads) if g is not None])
         if packed:  # one gradient per packed parameter, in KernelGroup.pack's order
             flat = [g for gs in per_branch for g in gs]
-            if family is not None:
+            if family is not None:  # (in their packed shapes already where written into their places)
                 d_w, d_s = d_family
-                flat += [d_w.view(-1, *d_w.shape[2:], 1, 1), d_s.view(-1)]
+                flat += [d_w if d_w.dim() == 4 else d_w.view(-1, *d_w.shape[2:], 1, 1), d_s if d_s.dim() == 1 else d_s.view(-1)]
+            if places is not None:  # assembled ones handed out as fresh tensors (the next build reuses the scratch)
+                return [flat[members[0]] if buf is None else buf.clone()
+                        for buf, members in zip(places[0], stacked.packed)]
             # a parameter of several roles: their gradients concatenated (rows of one shape already)
             return [flat[members[0]] if len(members) == 1 else torch.cat([flat[m] for m in members])
                     for members in stacked.packed]
         return [g[i] for i in range(n) for gs in per_branch for g in gs]
 
 
-def _family_vjp(family: Family, grad: Tensor, traced: bool = False, scratch: Scratch | None = None
-                ) -> tuple[Tensor, Tensor]:
+def _family_vjp(family: Family, grad: Tensor, traced: bool = False, scratch: Scratch | None = None,
+                outs: Sequence[Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """The gradients of the family's 1x1 weights ``[J, rows, w]`` and scales ``[J, rows]``, member
-    j's at index j (``traced``, ``scratch``: see :class:`Plan`)."""
+    j's at index j (``traced``, ``scratch``: see :class:`Plan`; ``outs``: written into these, the
+    weights' ``[J * rows, w, 1, 1]`` and the scales' ``[J * rows]``, and returned as they are)."""
     rows, width = grad.shape[:2]
     filters_t = K.kept_view(family.filters, ("rows,kk,J",), lambda t: t.transpose(1, 2))
     g = K._kept_reshape(grad, rows, width, -1)
@@ -515,6 +562,19 @@ def _family_vjp(family: Family, grad: Tensor, traced: bool = False, scratch: Scr
     else:
         d = torch.bmm(g, filters_t, out=scratch.buf("family d", (rows, width, filters_t.shape[2])))
     d = K.kept_view(d, ("J,rows,w",), lambda t: t.permute(2, 0, 1))  # [J, rows, w]
+    if scratch is not None:  # (the same evaluation, written in place or not: packed or not, the same numbers)
+        j = d.shape[0]
+        terms = torch.mul(d, family.weights, out=scratch.buf("family scale terms", d.shape))
+        o_w, o_s = outs if outs is not None else (None, None)
+        if o_w is None:
+            d_w = K.mul_contiguous(d, family.scales)
+        else:
+            d_w = o_w
+            torch.mul(d, family.scales, out=K._kept_reshape(o_w, j, rows, width))
+        if o_s is None:
+            return d_w, terms.sum(-1)
+        torch.sum(terms, -1, out=K._kept_reshape(o_s, j, rows))
+        return d_w, o_s
     # the weights' gradients made contiguous (autograd then takes them as they are, without a copy)
     return K.mul_contiguous(d, family.scales, traced), (d * family.weights).sum(-1)
 
@@ -536,19 +596,34 @@ def _add_into(out: Tensor, ks: list[Operand], s: Tensor | None, traced: bool = F
     K.compose_into(out, ks[0].kernel, ks[0].groups, ks[1].kernel, ks[1].groups, s, traced=traced, scratch=scratch)
 
 
-def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
-                launch_bound: bool = False, traced: bool = False, scratch=None) -> list[Tensor | None]:
+def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor, launch_bound: bool = False,
+                traced: bool = False, scratch=None, outs: Sequence[Tensor | None] | None = None) -> list[Tensor | None]:
     """Gradients of ``<grad, branch kernel>`` for ``[*steps, scale]`` (None: fixed or absent;
-    ``traced``, ``scratch``: see :class:`Plan`)."""
+    ``traced``, ``scratch``: see :class:`Plan`; ``outs``: per gradient, where to write it, or None:
+    a fresh tensor)."""
+    grads = _branch_vjp(ks, s, scalar, grad, launch_bound, traced, scratch, outs)
+    for j, o in enumerate(outs or ()):
+        if o is not None and grads[j] is not None and grads[j] is not o:
+            grads[j] = o.copy_(grads[j])  # (an evaluation that does not write in place)
+    return grads
+
+
+def _branch_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor, launch_bound: bool,
+                traced: bool, scratch, outs) -> list[Tensor | None]:
     n = len(ks)
     out: list[Tensor | None] = [None] * (n + 1)
     last = ks[-1]
     if scratch is not None and n == 2 and s is not None and not scalar and last.learnable:
         first = ks[0]
         grads = K.compose_vjp_scaled(first.kernel, first.groups, last.kernel, last.groups, s, grad, scratch,
-                                     need_w1=first.learnable)
+                                     need_w1=first.learnable, outs=tuple(outs) if outs else (None,) * 3)
         if grads is not None:
             return list(grads)
+    if outs is not None and n == 1 and last.learnable and not scalar:  # a kxk: into its places
+        if s is not None:
+            K.rowdot(grad, last.kernel, out=outs[1])
+            return [torch.mul(grad, K.channel_column(s), out=outs[0]), outs[1]]
+        return [outs[0].copy_(grad), None]
 
     def scale_grad(ds: Tensor) -> Tensor:
         return ds.sum(0, keepdim=True) if scalar else ds
@@ -582,7 +657,7 @@ def _kernel_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
             grad = K.scale_channels(grad, s)
     if last.learnable:
         # the kernel's own gradient (a kxk without scale) is a scratch buffer's: handed out as a copy
-        out[n - 1] = grad.clone() if scratch is not None and n == 1 and s is None else grad
+        out[n - 1] = grad.clone() if scratch is not None and n == 1 and s is None and outs is None else grad
     return out
 
 
@@ -679,6 +754,7 @@ class Scratch:
     def __init__(self, arena: Arena, pool: int = 0, prefix=None):
         self.arena, self.pool, self.prefix, self.dtype = arena, pool, prefix, arena.base.dtype
         self.bufs: dict = {}
+        self.cache: dict = {}  # what a plan works out once about its buffers (Plan._packed_places)
         self.kept: list[K.KeptViews] = []  # the views taken of the buffers live as long as this
         self.size = 0  # elements the buffers span, from the pool's start
         self._branches: dict[int, Scratch] = {}

@@ -230,8 +230,8 @@ def batched_product(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
 UNROLLED_CONTRACTION = 16  # terms; a longer contraction is a matrix product (see batched_product)
 
 
-def rowdot(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
-    """Per-output-channel dot product ``sum(a[o] * b[o])``.
+def rowdot(a: Tensor, b: Tensor, pointwise: bool = False, out: Tensor | None = None) -> Tensor:
+    """Per-output-channel dot product ``sum(a[o] * b[o])`` (into ``out`` where given).
 
     Contiguous operands: a batched matmul of 1-row matrices (no full-size temporary).
     Strided ones (slices of a kernel gradient), or ``pointwise`` (code for a compiler, which fuses
@@ -240,8 +240,13 @@ def rowdot(a: Tensor, b: Tensor, pointwise: bool = False) -> Tensor:
     """
     n = a.shape[0]
     if a.is_contiguous() and b.is_contiguous() and not pointwise:
-        return torch.bmm(_kept_reshape(a, n, 1, -1), _kept_reshape(b, n, -1, 1)).reshape(n)
-    return torch.mul(a, b).sum(dim=tuple(range(1, a.dim())))
+        a, b = _kept_reshape(a, n, 1, -1), _kept_reshape(b, n, -1, 1)
+        if out is not None:
+            torch.bmm(a, b, out=_kept_reshape(out, n, 1, 1))
+            return out
+        return torch.bmm(a, b).reshape(n)
+    dims = tuple(range(1, a.dim()))
+    return torch.mul(a, b).sum(dim=dims) if out is None else torch.sum(torch.mul(a, b), dim=dims, out=out)
 
 
 def expand_groups(weight: Tensor, groups: int, new_groups: int) -> Tensor:
@@ -510,13 +515,16 @@ def compose_vjp(
 
 
 def compose_vjp_scaled(w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor, grad: Tensor, scratch, *,
-                       need_w1: bool = True) -> tuple[Tensor | None, Tensor, Tensor] | None:
+                       need_w1: bool = True, outs: tuple = (None, None, None)
+                       ) -> tuple[Tensor | None, Tensor, Tensor] | None:
     """Gradients of ``<grad, scale * compose(w1, g1, w2, g2)>`` w.r.t. ``w1``, ``w2`` and the per-output-
     channel ``scale`` (``[C2, 1, 1, 1]``), in closed form, for a host-bound device: the reordered copies
     of ``grad`` and of the scaled W2 and the products are written into ``scratch``'s buffers (see
     :func:`compose_into`), ``grad`` itself should be one (its views are then kept too). The returned
-    gradients are fresh tensors. None where this evaluation does not apply (other cases than
-    1x1 -> kxk and a pointwise W2 after finer groups, e.g. dw -> pw): :func:`compose_vjp` then."""
+    gradients are fresh tensors, or ``outs`` (the three written in place, each where not None).
+    None where this evaluation does not apply (other cases than 1x1 -> kxk and a pointwise W2 after
+    finer groups, e.g. dw -> pw): :func:`compose_vjp` then."""
+    o1, o2, o3 = outs
     case = compose_case(w1.shape, g1, w2.shape, g2)
     c1, c0g = w1.shape[:2]
     c2 = w2.shape[0]
@@ -531,11 +539,29 @@ def compose_vjp_scaled(w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor, 
         d2 = kept_view(d2, ("as w2",), lambda t: t.view(c2, kh * kw, m).transpose(1, 2).unflatten(2, (kh, kw)))
         d1 = None
         if need_w1:
-            a = _taps_first(w2, g1, scale, scratch=scratch)
-            d1 = torch.bmm(kept_view(a, ("T",), lambda t: t.transpose(1, 2)), gr).reshape(w1.shape)
-        d_scale = torch.mul(d2, w2).sum(dim=(1, 2, 3))
-        return d1, mul_contiguous(d2, channel_column(scale)), d_scale
+            at = kept_view(_taps_first(w2, g1, scale, scratch=scratch), ("T",), lambda t: t.transpose(1, 2))
+            d1 = torch.bmm(at, gr).reshape(w1.shape) if o1 is None else _bmm_into(at, gr, o1, (g1, m, c0g))
+        prod = torch.mul(d2, w2, out=scratch.buf("d scale terms", w2.shape))
+        d_scale = prod.sum(dim=(1, 2, 3)) if o3 is None else torch.sum(prod, dim=(1, 2, 3), out=o3)
+        col = channel_column(scale)
+        return d1, (mul_contiguous(d2, col) if o2 is None else torch.mul(d2, col, out=o2)), d_scale
     r = g1 // g2 if g1 % g2 == 0 else 0
+    if case == "pointwise_after" and r == 1:
+        # W1 of W2's groups (Rep-1x1's 1x1 -> 1x1): per group W2 [o, m] @ W1 [m, i*k*k] is the kernel in
+        # its own layout, so every gradient is a product on views
+        o, m = c2 // g2, c1 // g2
+        g3 = _kept_reshape(grad, g2, o, -1)
+        w1t = kept_view(w1, ("G,ikk,m", g2), lambda t: t.reshape(g2, m, -1).transpose(1, 2))
+        d2 = torch.bmm(g3, w1t, out=scratch.buf("d scaled w2", (g2, o, m)))  # of scale * W2
+        d1 = None
+        if need_w1:
+            rows = kept_view(w2, ("G,m,o", g2), lambda t: t.reshape(g2, o, m).transpose(1, 2))
+            a = torch.mul(rows, _kept_reshape(scale, g2, 1, o), out=scratch.buf(("scaled pw", "m,o"), rows.shape))
+            d1 = torch.bmm(a, g3).reshape(w1.shape) if o1 is None else _bmm_into(a, g3, o1, (g2, m, -1))
+        d2 = _kept_reshape(d2, *w2.shape)
+        d_scale = rowdot(d2, w2, out=o3)
+        col = channel_column(scale)
+        return d1, (torch.mul(d2, col) if o2 is None else torch.mul(d2, col, out=o2)), d_scale
     if case == "pointwise_after" and r > 1:
         o, m = c2 // g2, c1 // g1
         gt = scratch.buf("grad", (g2, r, grad.shape[1] * grad.shape[2] * grad.shape[3] // r, o))
@@ -546,10 +572,26 @@ def compose_vjp_scaled(w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor, 
         d1 = None
         if need_w1:
             a = _scaled_pw_rows(w2, g2, r, scale, "m,o", scratch)
-            d1 = torch.bmm(a, kept_view(gt, ("T",), lambda t: t.transpose(1, 2))).reshape(w1.shape)
-        d_scale = torch.mul(d2, _kept_reshape(w2, g2, o, r, m)).sum(dim=(2, 3)).view(c2)
-        return d1, mul_contiguous(d2, _kept_reshape(scale, g2, o, 1, 1)).view(w2.shape), d_scale
+            gtt = kept_view(gt, ("T",), lambda t: t.transpose(1, 2))
+            d1 = torch.bmm(a, gtt).reshape(w1.shape) if o1 is None else _bmm_into(a, gtt, o1, (g2 * r, m, -1))
+        prod = torch.mul(d2, _kept_reshape(w2, g2, o, r, m), out=scratch.buf("d scale terms", (g2, o, r, m)))
+        if o3 is None:
+            d_scale = prod.sum(dim=(2, 3)).view(c2)
+        else:
+            d_scale = o3
+            torch.sum(prod, dim=(2, 3), out=_kept_reshape(o3, g2, o))
+        col = _kept_reshape(scale, g2, o, 1, 1)
+        if o2 is None:
+            return d1, mul_contiguous(d2, col).view(w2.shape), d_scale
+        torch.mul(d2, col, out=_kept_reshape(o2, g2, o, r, m))
+        return d1, o2, d_scale
     return None
+
+
+def _bmm_into(a: Tensor, b: Tensor, out: Tensor, shape: tuple) -> Tensor:
+    """``a @ b`` written into ``out`` (a kernel-shaped tensor) through its kept view of ``shape``."""
+    torch.bmm(a, b, out=_kept_reshape(out, *shape))
+    return out
 
 
 def compose_into(out: Tensor, w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor | None = None,
