@@ -533,8 +533,8 @@ def test_compiled_steps_are_timed_and_recorded():
 @pytest.mark.slow
 def test_an_eager_grouped_resnet50_step_dispatches_at_most_twice_base_operators():
     """ResNet-50 (Rep-1x1 on every 1x1, deep stem; 17 groups), packed, on the GPU's eager route:
-    within the 2x goal of base's aten operators per train step, guarded at 1.8x (measured 1.68x:
-    1,234 against 736)."""
+    within the 2x goal of base's aten operators per train step, guarded at 1.7x (measured 1.55x:
+    1,142 against 736)."""
     from orepa.apps.bench.measure import count_ops, make_runner
 
     x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 10, (2,))
@@ -543,14 +543,14 @@ def test_an_eager_grouped_resnet50_step_dispatches_at_most_twice_base_operators(
         r = make_runner("resnet50", spec, device=torch.device("cpu"), num_classes=10)
         r.step(x, y)
         ops[spec] = count_ops(lambda r=r: r.step(x, y))[0]
-    assert ops["orepa:builder=grouped"] <= 1.8 * ops["base"], ops
+    assert ops["orepa:builder=grouped"] <= 1.7 * ops["base"], ops
 
 
 def test_aten_ops_per_step_counted_and_guarded():
     """The host cost of an eager step: aten operators dispatched, base vs online OREPA (ResNet-18,
     batch 8, 64x64) on both kernel-builder routes, and of them the ones that launch a kernel.
     Deterministic; the bounds guard against regressions (measured: per-block 10.3x, grouped
-    1.90x packed and 2.87x unpacked with 2.2x base's kernels, compiled 1.1x packed: see the next
+    1.79x packed and 2.87x unpacked with 2.2x base's kernels, compiled 1.1x packed: see the next
     test; the goal is <= 2x). Packing saves one
     accumulation (a ``detach``) per parameter tensor it removes and the split of each role's
     gradient into the blocks', and adds a concatenation of gradients per parameter holding

@@ -1100,12 +1100,16 @@ def _in_arena(t, arena):
 @pytest.mark.parametrize("pack", [False, True])
 def test_a_groups_intermediates_live_in_a_workspace_freed_between_builds(pack):
     """The eager groups write their reordered copies and products into the network's workspace
-    (engine.Workspace): its memory exists only while a build runs (none between steps, so none
-    at a step's peak), its buffers are the same tensors at every step, nothing handed out (kernels,
-    gradients) lives there, and the numbers are the per-block route's."""
+    (engine.Workspace): its buffers are the same tensors at every step, nothing handed out (kernels,
+    gradients) lives there, and the numbers are the per-block route's. Where the arena frees its
+    memory between builds (a CUDA device's default, here on a CPU by its switch) the buffers
+    keep their places and the next build takes the memory again: none held between steps."""
     ref, grouped = _pair(pack=pack)
     _assert_same_grads(ref, grouped)
     arena = _arena(grouped)
+    assert not arena.frees and all(st.nbytes() > 0 for st in arena.storages)  # a CPU's default: kept
+    arena.frees = True
+    _assert_same_grads(ref, grouped)
     assert all(st.nbytes() == 0 for st in arena.storages) and arena.owner is None and not arena.lock.locked()
     assert sum(arena.elements) > 0
     bufs = [id(t) for sc in engine.kernel_groups(grouped)[0].workspace.scratches.values()
@@ -1169,6 +1173,7 @@ def test_two_forwards_before_one_backward_and_a_failed_build_leave_the_workspace
     for (n, p), q in zip(grouped.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-7, atol=1e-10, msg=n)
     arena = _arena(grouped)
+    arena.frees = True  # as on a CUDA device
     plan = engine.kernel_groups(grouped)[0].plan
     squeeze = engine.Plan.squeeze
 
@@ -1184,6 +1189,7 @@ def test_two_forwards_before_one_backward_and_a_failed_build_leave_the_workspace
     finally:
         engine.Plan.squeeze = squeeze
     assert not arena.lock.locked() and arena.owner is None
+    assert all(st.nbytes() > 0 for st in arena.storages)  # not freed after the failure
     _assert_same_grads(ref, grouped, x)
     assert all(st.nbytes() == 0 for st in arena.storages)
 

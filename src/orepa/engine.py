@@ -10,7 +10,9 @@
   feature map, whichever costs fewer FLOPs for the input (:func:`route`), and kernel recomputation;
 * the network-level kernel builder (:func:`group_kernels`): blocks of one construction signature
   form a :class:`KernelGroup`, whose kernels are built together once per forward, every group's
-  at the forward's first online block.
+  at the forward's first online block, their intermediates written into the network's
+  :class:`Workspace` (buffers that are the same tensors at every step, in memory that exists only
+  while a build runs: their views are made once, nothing is allocated).
 
 Grouping rests on one identity: ``B`` blocks of the same signature, their operands concatenated
 along the output channels and their groups multiplied by ``B``, are ONE block whose kernel is the
@@ -780,14 +782,19 @@ class Arena:
     """Memory for the :class:`Scratch` es of one device and dtype: two pools (a plan's own buffers,
     its branches'), storages that every plan's buffers are placed in from their start (plans build
     one after the other, and nothing a build returns lives there), allocated when a build begins
-    and freed when it ends (resized to nothing: the buffers, views of them, keep their places and
-    follow them), so they hold no memory at a step's peak. ``owner``: the thread building in it."""
+    and, on a CUDA device, freed when it ends (resized to nothing: the buffers, views of them, keep
+    their places and follow them), so they hold no memory at a step's peak. ``owner``: the thread
+    building in it."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.base = torch.empty(0, device=device, dtype=dtype)
         self.storages = (self.base.untyped_storage(), torch.empty(0, device=device, dtype=dtype).untyped_storage())
         self.bases = (self.base, torch.empty(0, device=device, dtype=dtype).set_(self.storages[1]))
         self.elements = [0, 0]  # per pool, what the largest build so far needed
+        # freed after each build where its allocator caches freed memory (CUDA: taking it again costs
+        # ~nothing); a CPU's returns large blocks to the system, and taking them again costs page
+        # faults (ResNet-18's 243 MiB: +130 ms a step on one thread), so there the arena stays
+        self.frees = self.base.is_cuda
         self.lock = threading.Lock()
         self.owner: int | None = None
 
@@ -821,7 +828,8 @@ class Arena:
 
     def __exit__(self, exc_type, *exc) -> None:
         try:
-            if exc_type is None:  # (after a failure its buffers stay readable: tracebacks show them)
+            # (after a failure its buffers stay readable: tracebacks show them)
+            if exc_type is None and self.frees:
                 for st in self.storages:
                     st.resize_(0)
         finally:

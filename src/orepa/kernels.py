@@ -522,8 +522,8 @@ def compose_vjp_scaled(w1: Tensor, g1: int, w2: Tensor, g2: int, scale: Tensor, 
     of ``grad`` and of the scaled W2 and the products are written into ``scratch``'s buffers (see
     :func:`compose_into`), ``grad`` itself should be one (its views are then kept too). The returned
     gradients are fresh tensors, or ``outs`` (the three written in place, each where not None).
-    None where this evaluation does not apply (other cases than 1x1 -> kxk and a pointwise W2 after
-    finer groups, e.g. dw -> pw): :func:`compose_vjp` then."""
+    None where this evaluation does not apply (cases other than 1x1 -> kxk and a pointwise W2 after
+    a conv of its own or finer groups: Rep-1x1's 1x1 -> 1x1, dw -> pw): :func:`compose_vjp` then."""
     o1, o2, o3 = outs
     case = compose_case(w1.shape, g1, w2.shape, g2)
     c1, c0g = w1.shape[:2]
