@@ -1212,4 +1212,8 @@ def test_copies_of_a_grouped_model_get_a_workspace_of_their_own():
         _assert_same_grads(ref, twin, x)
     grouped.float()
     grouped(x.float()).sum().backward()
-    assert {k[1] for k in engine.kernel_groups(grouped)[0].workspace.arenas} == {torch.float64, torch.float32}
+    arenas = engine.kernel_groups(grouped)[0].workspace.arenas
+    assert {k[1] for k in arenas} == {torch.float64, torch.float32}
+    # the float64 arena (kept between builds on a CPU) let its memory go when the float32 one came
+    assert all(st.nbytes() == 0 for k, a in arenas.items() if k[1] == torch.float64 for st in a.storages)
+    assert all(st.nbytes() > 0 for k, a in arenas.items() if k[1] == torch.float32 for st in a.storages)

@@ -853,9 +853,17 @@ class Workspace:
         return (Workspace, ())
 
     def arena(self, key: tuple) -> Arena:
-        """The arena of ``key`` = (device, dtype)."""
+        """The arena of ``key`` = (device, dtype). A new one frees the memory of those before it that
+        no build holds (the model moved, ``.to()`` or ``.float()``: a CPU's arena would stay)."""
         arena = self.arenas.get(key)
         if arena is None:
+            for old in self.arenas.values():
+                if old.lock.acquire(blocking=False):
+                    try:
+                        for st in old.storages:
+                            st.resize_(0)
+                    finally:
+                        old.lock.release()
             arena = self.arenas[key] = Arena(*key)
         return arena
 
