@@ -826,12 +826,16 @@ class Arena:
             raise
         return self
 
+    def release(self) -> None:
+        """Its memory given back (the buffers keep their places; the next build takes it again)."""
+        for st in self.storages:
+            st.resize_(0)
+
     def __exit__(self, exc_type, *exc) -> None:
         try:
             # (after a failure its buffers stay readable: tracebacks show them)
             if exc_type is None and self.frees:
-                for st in self.storages:
-                    st.resize_(0)
+                self.release()
         finally:
             self.owner = None
             self.lock.release()
@@ -860,8 +864,7 @@ class Workspace:
             for old in self.arenas.values():
                 if old.lock.acquire(blocking=False):
                     try:
-                        for st in old.storages:
-                            st.resize_(0)
+                        old.release()
                     finally:
                         old.lock.release()
             arena = self.arenas[key] = Arena(*key)

@@ -345,17 +345,23 @@ def _taps_first(w2: Tensor, g: int, scale: Tensor | None = None, traced: bool = 
     return mul_contiguous(taps, col, traced).view(g, -1, mg)
 
 
-def _scaled_pw_rows(w2: Tensor, g2: int, r: int, scale: Tensor, order: str, scratch) -> Tensor:
+def _scaled_pw_rows(w2: Tensor, g2: int, r: int, scale: Tensor | None, order: str, scratch=None,
+                    traced: bool = False) -> Tensor:
     """``scale * W2`` of a pointwise W2 after ``r`` fine groups, reordered for the products batched
     over (G, r): ``order`` ``"o,m"`` gives ``[G*r, o, m]`` (the composition), ``"m,o"`` ``[G*r, m, o]``
-    (W1's gradient); one pass into the scratch buffer of that order."""
+    (W1's gradient); one pass, into the scratch buffer of that order where given (``traced``: see
+    :func:`mul_contiguous`). Without a scale: the reordered rows as they are (a copy where not a view)."""
     o, m = w2.shape[0] // g2, w2.shape[1] // r
     if order == "o,m":
         rows = kept_view(w2, ("G,r,o,m", g2, r), lambda t: t.reshape(g2, o, r, m).transpose(1, 2))
-        col = _kept_reshape(scale, g2, 1, o, 1)
+        col = None if scale is None else _kept_reshape(scale, g2, 1, o, 1)
     else:
         rows = kept_view(w2, ("G,r,m,o", g2, r), lambda t: t.reshape(g2, o, r, m).permute(0, 2, 3, 1))
-        col = _kept_reshape(scale, g2, 1, 1, o)
+        col = None if scale is None else _kept_reshape(scale, g2, 1, 1, o)
+    if col is None:
+        return rows.reshape(g2 * r, *rows.shape[2:])
+    if scratch is None:
+        return mul_contiguous(rows, col, traced).view(g2 * r, *rows.shape[2:])
     out = torch.mul(rows, col, out=scratch.buf(("scaled pw", order), rows.shape))
     return _kept_reshape(out, g2 * r, *rows.shape[2:])
 
@@ -479,11 +485,7 @@ def compose_vjp(
             # parameter then run on matching strides (instead of slower mixed-stride passes)
             d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
         if need_w1 and launch_bound:  # one product per fine group: [m, o] @ [o, i*k*k]
-            a = kept_view(w2, ("G,r,m,o", g2, r), lambda t: t.reshape(g2, o, r, m).permute(0, 2, 3, 1))
-            if scale is None:
-                a = a.reshape(g2 * r, m, o)
-            else:
-                a = mul_contiguous(a, _kept_reshape(scale, g2, 1, 1, o), traced).view(g2 * r, m, o)
+            a = _scaled_pw_rows(w2, g2, r, scale, "m,o", traced=traced)
             d1 = torch.bmm(a, gt.transpose(1, 2)).reshape(w1.shape)
         elif need_w1:
             w2s = w2 if scale is None else scale_channels(w2, scale)
