@@ -11,7 +11,11 @@ together: what runs on a GPU), "per-block" (each block its own FLOP-chosen route
 "compiled" (grouped, the groups' construction compiled by inductor: its fused kernels are not
 aten operators, only its products and allocations are; compiles for a minute first). The grouped
 routes pack their parameters (a few per group, as ``orepa train`` does where groups build)
-and are counted unpacked too ("unpacked": one parameter per step, one accumulation each)::
+and are counted unpacked too ("unpacked": one parameter per step, one accumulation each).
+"recorded" is the grouped route with its builds recorded as CUDA graphs (``group_kernels(...,
+graphs=True)``, ``orepa train --kernel-graphs``): a replay dispatches no operator, so it is counted
+with a recorder whose replay does nothing (the numbers of that step are not the point), which
+leaves what the host issues besides the two replays::
 
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json
 """
@@ -19,16 +23,40 @@ import json
 
 import torch
 
+from orepa import engine
 from orepa.apps.bench.measure import count_ops, make_runner
+
+
+class HostOnly:
+    """An engine.CudaGraphRecorder stand-in whose replays issue nothing (as a graph's issue no operator)."""
+
+    def __init__(self, device):
+        pass
+
+    @staticmethod
+    def supports(t):
+        return True
+
+    def warm(self, fn):
+        fn()
+
+    def record(self, fn):
+        return (lambda: None), fn()
+
 
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
     x, y = torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
     for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa:pack=false", "grouped"),
-                          ("orepa", "per-block"), ("orepa", "compiled"), ("orepa:pack=false", "compiled")):
+                          ("orepa", "recorded"), ("orepa", "per-block"), ("orepa", "compiled"),
+                          ("orepa:pack=false", "compiled")):
         key = f"{model} b{b} {spec.split(':')[0]}" + ("" if spec == "base" or spec == "dbb" else f" {builder}") + (
             " unpacked" if spec.endswith("pack=false") else "")
-        r = make_runner(model, spec, device=torch.device("cpu"), kernel_builder=builder)
+        r = make_runner(model, spec, device=torch.device("cpu"),
+                        kernel_builder="grouped" if builder == "recorded" else builder)
+        if builder == "recorded":
+            for group in engine.kernel_groups(r.model):
+                group.graphs, group.graph_recorder = True, HostOnly
         r.step(x, y)
         ops, kernels = count_ops(lambda r=r: r.step(x, y))
         out[key], out[f"{key} kernels"] = ops, kernels

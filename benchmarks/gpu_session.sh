@@ -24,6 +24,11 @@
 #                                        #   the configuration of the last H100 figures, paired with base:
 #                                        #   ResNet-18 b64 eager, the accuracy check of the default mode,
 #                                        #   ResNet-18 b8 eager, b64 CUDA graphs, ResNet-50 b64 eager
+#   benchmarks/gpu_session.sh graphs     # ~9.5 min, one call: the kernel builds recorded as CUDA graphs (group_kernels'
+#                                        #   graphs, --kernel-graphs) for eager steps. Their real-device tests, then
+#                                        #   base / OREPA eager groups / recorded / compiled / compiled and recorded /
+#                                        #   DBB paired in one process, eager steps: ResNet-18 b64, the accuracy check
+#                                        #   with --kernel-graphs, ResNet-18 b8, ResNet-50 b64 (TF32 matmuls)
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
@@ -31,7 +36,7 @@
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
 # and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh probe|compile|steps|modes|builder|defaults|long}
+phase=${1:?usage: gpu_session.sh probe|compile|steps|modes|builder|defaults|graphs|long}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
@@ -198,6 +203,31 @@ defaults)
         timeout "$limit" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
             ${4:-} ${5:-} --methods $methods --reps 25 \
             --warmup 5 --no-inference --output-dir "$R/bench" --no-plot 2>&1 | tail -7 | tee -a "$R/bench.log"
+        pack
+    done
+    ;;
+graphs)
+    # eager steps whose kernel construction is replayed (engine.GraphedBuild): what it saves against the eager
+    # and compiled groups, and what its held graph memory costs at the peak. Stage limits sum to ~9.6 min on
+    # the 560 s deadline; the accuracy check runs right after the first bench (eager steps gave 79.12%)
+    CUDA_TESTS="recorded or kernel-graphs" cuda_tests "$(left 150)"
+    for run in "resnet18 64 120" "accuracy" "resnet18 8 60" "resnet50 64 120"; do
+        set -- $run
+        if [ "$1" = accuracy ]; then
+            limit=$(left 100); [ "$limit" -gt 40 ] || continue
+            timeout "$limit" python3 -m orepa train --method orepa --epochs 1 --train-subset 25600 -b 256 -j 8 \
+                --seed 0 --lr-warmup-epochs 0.2 --no-progress --no-tensorboard --kernel-graphs \
+                --output-dir /tmp/acc_kernel_graphs 2>&1 | tail -8 | tee "$R/acc_orepa_kernel-graphs.log"
+            cp /tmp/acc_kernel_graphs/summary.json "$R/acc_orepa_kernel-graphs.json" 2>/dev/null
+            pack
+            continue
+        fi
+        limit=$(left "$3"); [ "$limit" -gt 20 ] || break
+        methods="base orepa orepa:graphs=true orepa:builder=compiled orepa:builder=compiled:graphs=true dbb"
+        [ "$1" = resnet50 ] && methods="base orepa orepa:graphs=true dbb"  # no compilation of 20 groups here
+        timeout "$limit" python3 -m orepa bench -m "$1" -b "$2" --image-size 224 --device cuda --cudnn-benchmark \
+            --tf32-matmul --methods $methods --reps 25 --warmup 5 --no-inference --output-dir "$R/bench" \
+            --no-plot 2>&1 | tail -9 | tee -a "$R/bench.log"
         pack
     done
     ;;

@@ -241,6 +241,9 @@ _BAD_CLI = [
     (["--compile", "nope"], "--compile nope: not a torch.compile backend"),
     (["-b", "1", "--image-size", "16"], "a training BatchNorm sees one value per channel"),
     (["--cuda-graphs", "--device", "cpu"], "(--cuda-graphs) need a CUDA device, got cpu"),
+    (["--methods", "orepa:graphs=true"], "graphs=true records the kernel construction as CUDA graphs, which "
+                                         "needs a CUDA device, got cpu"),
+    (["--methods", "orepa:graphs=maybe"], "graphs= takes true or false, got 'maybe'"),
     (["-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
     (["-b", "-2"], "argument -b/--batch-size: must be a positive integer, got -2"),
     (["--image-size", "0"], "argument --image-size: must be a positive integer"),
@@ -383,6 +386,14 @@ def test_cuda_graphs_need_cuda_and_steps_replay_the_captured_callable(monkeypatc
     with pytest.raises(ValueError, match="need a CUDA device"):
         bench.run_benchmark(tiny_net, ["base"], batch_size=2, image_size=16, device="cpu", reps=1, warmup=1,
                             num_classes=10, cuda_graphs=True, log=None)
+    # recorded kernel builds serve eager steps: refused beside whole-step graphs and compiled steps
+    recorded = bench.Runner("orepa:graphs=true", nn.Identity(), None, kernel_graphs=True)
+    for graphs, compile, what in ((True, None, "--cuda-graphs records the whole step"),
+                                  (False, "inductor", "--compile traces it")):
+        with pytest.raises(ValueError, match=f"orepa:graphs=true: graphs=true records the kernel construction "
+                                             f"of eager steps; {what}"):
+            bench.check_step_modes(torch.device("cuda"), graphs, compile, [recorded])
+    bench.check_step_modes(torch.device("cuda"), False, None, [recorded])
     # no GPU here: a stand-in for make_graphed_callables that records its calls
     replays = []
 

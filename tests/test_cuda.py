@@ -35,7 +35,7 @@ def _run(cache, out, *extra):
     return ckpt["model"], rows[-1]
 
 
-@pytest.mark.parametrize("mode", ["--cuda-graphs", "--compile"])
+@pytest.mark.parametrize("mode", ["--cuda-graphs", "--compile", "--kernel-graphs"])
 def test_fast_mode_steps_follow_eager_steps(mode, cache, tmp_path):
     """Weights, BN statistics and loss after 8 steps of a fast mode equal eager steps' to float noise
     (cuDNN's atomics and algorithm choice, TF32): measured on the weights' *updates*, which a doubled
@@ -186,3 +186,56 @@ def test_the_inductor_kernel_builder_equals_the_eager_groups_and_replays_under_c
                 for p, q in zip(net.parameters(), ref.parameters()):
                     p.mul_(0.9)
                     q.copy_(p)
+
+
+@pytest.mark.parametrize("policy,pack", [("grouped", False), ("grouped", True), ("compiled", True)])
+def test_recorded_kernel_builds_train_as_unrecorded_ones_at_any_batch_and_under_a_capture(policy, pack):
+    """group_kernels(graphs=True) on the GPU: SGD steps of varying batch (8, 5, then two micro-batches
+    accumulated) give the unrecorded groups' parameters, from one recording of the network's build;
+    a whole forward captured as a CUDA graph records the build inside it (no recording is
+    replayed there) and reads the parameters at replay; under fp16 autocast a step runs."""
+    import copy
+    import importlib.util
+
+    if policy == "compiled" and importlib.util.find_spec("triton") is None:
+        pytest.skip("the compiled builder needs Triton")
+    torch.manual_seed(0)
+    with full_float32():
+        m = create_model("resnet18", "orepa", num_classes=10, width_mult=0.25).cuda().double()
+        ref = copy.deepcopy(m)
+        groups = engine.group_kernels(m, policy, pack=pack, graphs=True)
+        engine.group_kernels(ref, policy, pack=pack)
+        opts = [torch.optim.SGD(n.parameters(), lr=0.01, momentum=0.9) for n in (m, ref)]
+        xs = [torch.randn(b, 3, 64, 64, device="cuda", dtype=torch.float64) for b in (8, 5, 4, 4)]
+        for batch in ([xs[0]], [xs[1]], xs[2:]):
+            for n, opt in zip((m, ref), opts):
+                opt.zero_grad(set_to_none=True)
+                for x in batch:
+                    n(x).square().mean().backward()
+                opt.step()
+        assert isinstance(groups[0]._graphed_for[1], engine.GraphedBuild) and groups[0]._recordings == 1
+        for (k, a), b in zip(m.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=k)
+        m.eval(), ref.eval()  # BN statistics fixed: the captured forward is compared with eager ones
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(xs[0])
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            y = m(xs[0])
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.1)
+            ref.load_state_dict(m.state_dict())
+        graph.replay()
+        torch.testing.assert_close(y, ref(xs[0]), rtol=1e-9, atol=1e-9)
+        assert groups[0]._recordings == 1
+    m.train().float()  # a new recording for the float32 storage, under autocast: kernels in float32
+    x = xs[0].float()
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = m(x).float().square().mean()
+    loss.backward()
+    assert torch.isfinite(loss) and groups[0]._recordings == 2
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in m.parameters())

@@ -25,11 +25,13 @@ def _pair(name="resnet18", policy="grouped", pack=False, **opts):
     return ref, grouped
 
 
-def _grads(model, x):
-    """Output and gradients by state_dict key (a packed step's: its rows of its packed parameter's)."""
+def _grads(model, *xs):
+    """Output and gradients by state_dict key (a packed step's: its rows of its packed parameter's);
+    several inputs: their gradients accumulated, one backward each, and the last output."""
     model.zero_grad(set_to_none=True)
-    y = model(x)
-    (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)).square().sum().backward()
+    for x in xs:
+        y = model(x)
+        (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)).square().sum().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if ".packed_parameters." not in n}
     for name, m in model.named_modules():
         slot = m.__dict__.get("_packed")
@@ -1217,3 +1219,183 @@ def test_copies_of_a_grouped_model_get_a_workspace_of_their_own():
     # the float64 arena (kept between builds on a CPU) let its memory go when the float32 one came
     assert all(st.nbytes() == 0 for k, a in arenas.items() if k[1] == torch.float64 for st in a.storages)
     assert all(st.nbytes() > 0 for k, a in arenas.items() if k[1] == torch.float32 for st in a.storages)
+
+
+# --------------------------------------------------------------------------- recorded (graphed) builds
+
+
+class _Rerun:
+    """A recorder that replays by running the recorded function again into the output it returned
+    first (a CUDA graph rewrites its output from the tensors it read): what GraphedBuild hands the
+    recording in and takes out of it is checked on any device. Counts recordings and replays."""
+
+    recorded: list = []
+    replays = 0
+
+    def __init__(self, device):
+        pass
+
+    @staticmethod
+    def supports(t):
+        return True
+
+    def warm(self, fn):
+        fn()
+
+    def record(self, fn):
+        outputs = fn()
+        type(self).recorded.extend(outputs)
+
+        def replay():
+            type(self).replays += 1
+            for out, new in zip(outputs, fn()):
+                out.copy_(new)
+
+        return replay, outputs
+
+
+def _recorded(model, policy="grouped", pack=False, joint=True, recorder=None):
+    groups = engine.group_kernels(model, policy, pack=pack, joint=joint, graphs=True)
+    recorder = recorder or type("Rec", (_Rerun,), {"recorded": [], "replays": 0})
+    for g in groups:
+        g.graph_recorder = recorder
+    return groups, recorder
+
+
+def _assert_same_state(a, b, tol=1e-10):
+    for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(v, w, rtol=tol, atol=tol, msg=k)
+
+
+@pytest.mark.parametrize("pack,joint", [(False, True), (True, True), (True, False)])
+def test_a_recorded_build_replays_one_recording_per_node_and_trains_as_the_per_block_route(pack, joint):
+    """graphs=True: each group's construction is recorded once, forward and vjp, and each step
+    replays each once, in one node for the network (joint) or one per group; three SGD steps give
+    the per-block route's parameters and BN statistics."""
+    ref, grouped = _pair()
+    groups, rec = _recorded(grouped, pack=pack, joint=joint)
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    for m in (ref, grouped):
+        _sgd_steps(m, x, steps=3)
+    _assert_same_state(ref, grouped)
+    leaders = [g for g in groups if g._graphed_for is not None]
+    assert len(leaders) == (1 if joint else len(groups)) and all(g._recordings == 1 for g in groups)
+    assert {len(g._graphed_for[1].recordings) for g in leaders} == ({len(groups)} if joint else {1})
+    assert rec.replays == 2 * 3 * len(groups)
+
+
+def test_recorded_kernels_and_gradients_are_copies_and_gradients_accumulate():
+    """What a replay writes is copied out: the kernels blocks get and the gradients autograd gets
+    share no memory with the recording's outputs, so two forwards and their backwards in turn
+    (micro-batches) accumulate the per-block gradients; a build's kernels stay as they were after
+    a later build."""
+    ref, grouped = _pair()
+    groups, rec = _recorded(grouped, pack=True)
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    (_, g0), (_, g1) = _grads(ref, x, x.flip(-1)), _grads(grouped, x, x.flip(-1))
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-10, msg=k)
+    outputs = {t.untyped_storage().data_ptr() for t in rec.recorded}
+    assert not {p.grad.untyped_storage().data_ptr() for p in grouped.parameters()} & outputs
+    engine._build_groups(groups)
+    first = [k for g in groups for _, k in g._pending.values()]
+    assert not {k.untyped_storage().data_ptr() for k in first} & outputs
+    kept = [k.clone() for k in first]
+    with torch.no_grad():
+        for p in grouped.parameters():
+            p.mul_(1.5)
+    for g in groups:
+        g._pending = {}
+    engine._build_groups(groups)  # a replay from the changed parameters
+    assert any(not torch.equal(k, v) for g in groups for (_, k), v in zip(g._pending.values(), kept))
+    for k, v in zip(first, kept):
+        assert torch.equal(k, v)
+
+
+def test_a_recorded_group_records_again_when_its_tensors_move_and_stops_after_a_few():
+    """Parameters given new memory (load_state_dict(assign=True), as a device move does) make the
+    group record its build anew for the new storage, with the right numbers; a group whose tensors
+    keep moving stops recording with one warning and builds as before."""
+    ref, grouped = _pair()
+    groups, rec = _recorded(grouped)
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    _assert_same_grads(ref, grouped, x)
+    leader = groups[0]
+    for moves in range(1, engine._MAX_RECORDINGS):
+        grouped.load_state_dict({k: v.clone() for k, v in grouped.state_dict().items()}, assign=True)
+        _assert_same_grads(ref, grouped, x)
+        assert all(g._recordings == moves + 1 for g in groups)
+    grouped.load_state_dict({k: v.clone() for k, v in grouped.state_dict().items()}, assign=True)
+    with pytest.warns(RuntimeWarning, match="kernel graphs: the group's parameters moved 4 times"):
+        _assert_same_grads(ref, grouped, x)
+    assert leader._graphs_off and leader._recordings == engine._MAX_RECORDINGS
+    replays = rec.replays
+    _assert_same_grads(ref, grouped, x)
+    assert rec.replays == replays
+
+
+def test_a_failed_recording_warns_and_the_group_builds_without_graphs():
+    class Failing(_Rerun):
+        def record(self, fn):
+            raise RuntimeError("operation not permitted when stream is capturing\ndetail")
+
+    ref, grouped = _pair()
+    groups, _ = _recorded(grouped, recorder=Failing)
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="recording the kernel construction failed .RuntimeError: operation "
+                                            "not permitted when stream is capturing.; the kernels are built without"):
+        _assert_same_grads(ref, grouped, x)
+    assert groups[0]._graphs_off and groups[0]._graphed_for is None
+    _assert_same_grads(ref, grouped, x)
+
+
+def test_graphs_where_the_recorder_cannot_record_build_as_before_and_copies_record_their_own():
+    """On a CPU (the CUDA recorder supports CUDA tensors outside a capture only) graphs=True builds
+    as without; a deep copy or pickle of a recorded model holds no recording and makes its own."""
+    import io
+
+    ref, grouped = _pair()
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    plain = copy.deepcopy(grouped)
+    groups = engine.group_kernels(plain, "grouped", graphs=True)
+    assert groups[0].graph_recorder is engine.CudaGraphRecorder and not engine.CudaGraphRecorder.supports(x)
+    _assert_same_grads(ref, plain, x)
+    assert all(g._graphed_for is None and g._recordings == 0 for g in groups)
+    _recorded(grouped, recorder=_Rerun)  # a class pickles by name
+    _assert_same_grads(ref, grouped, x)
+    buf = io.BytesIO()
+    torch.save(grouped, buf)
+    buf.seek(0)
+    for twin in (copy.deepcopy(grouped), torch.load(buf, weights_only=False)):
+        twin_groups = engine.kernel_groups(twin)
+        assert all(g._graphed_for is None and g.graphs for g in twin_groups)
+        _assert_same_grads(ref, twin, x)
+        assert twin_groups[0]._graphed_for is not None
+    _Rerun.recorded.clear()
+
+
+def test_a_recorded_step_dispatches_little_more_than_base_besides_its_replays():
+    """With its builds recorded, what an eager OREPA step issues from the host besides the two
+    replays (a recorder whose replays do nothing: a CUDA graph's issue no operator) is base's
+    step plus the copies in and out of the recordings (one ``_foreach_clone`` per group each way,
+    one ``_foreach_copy_``) and the packed parameters' accumulations: measured 1.08x base's
+    operators and 1.10x its kernels (ResNet-18 b64, benchmarks/aten_ops.py; the eager groups 1.79x
+    and 2.18x)."""
+    from orepa.apps.bench.measure import count_ops, make_runner
+
+    class HostOnly(_Rerun):
+        def record(self, fn):
+            return (lambda: None), fn()
+
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+    ops, kernels = {}, {}
+    for spec in ("base", "orepa:builder=grouped"):
+        r = make_runner("resnet18", spec, device=torch.device("cpu"), num_classes=10)
+        for group in engine.kernel_groups(r.model):
+            group.graphs, group.graph_recorder = True, HostOnly
+        r.step(x, y)
+        ops[spec], kernels[spec] = count_ops(lambda r=r: r.step(x, y))
+    assert engine.kernel_groups(r.model)[0]._graphed_for is not None
+    assert ops["orepa:builder=grouped"] <= 1.15 * ops["base"], ops
+    assert kernels["orepa:builder=grouped"] <= 1.15 * kernels["base"], kernels

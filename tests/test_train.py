@@ -653,9 +653,9 @@ def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_
     spy groups them eagerly, so that "compiled" costs no compilation on a CPU)."""
     seen = []
 
-    def spy(model, policy, pack, joint):
+    def spy(model, policy, pack, joint, graphs):
         seen.append(policy)
-        assert joint  # one process: the network's kernels as one node
+        assert joint and not graphs  # one process: the network's kernels as one node; recorded builds: off
         return real(model, "grouped", pack, joint)
 
     real = train.group_kernels
@@ -869,6 +869,8 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(cache, tmp_path, capsys):
     capsys.readouterr()
     assert _train(cache, tmp_path / "run", "--epochs", "1", "--cuda-graphs") == 2
     assert "--cuda-graphs needs a CUDA device" in capsys.readouterr().err
+    assert _train(cache, tmp_path / "run", "--epochs", "1", "--kernel-graphs") == 2
+    assert "--kernel-graphs needs a CUDA device" in capsys.readouterr().err
 
 
 def test_graph_capture_puts_back_what_its_warm_up_touched(monkeypatch):

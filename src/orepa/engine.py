@@ -35,7 +35,10 @@ space, kernel recomputation; :func:`route`) is kept. The policy says which:
 (:class:`CompiledBuild`: a few fused kernels per group instead of ~100 operators, after a
 compilation at the first training step). The first online block of a training forward builds
 every group's kernels, as one autograd node (:class:`GroupsFunction`; compiled, one call forward
-and one backward for the whole network).
+and one backward for the whole network). ``group_kernels(..., graphs=True)`` records each group's
+construction, eager or compiled, as two CUDA graphs (:class:`Recording`, replayed by a
+:class:`GraphedBuild`): it reads only parameters, whose memory stays put between steps, so a
+replay serves every eager step whatever its batch.
 """
 from __future__ import annotations
 
@@ -56,9 +59,9 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["POLICIES", "CompiledBuild", "KernelGroup", "PackedParameters", "Plan", "builds_together", "choose_route",
-           "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "route", "squeeze",
-           "squeeze_kernels", "train_forward", "train_kernel"]
+__all__ = ["POLICIES", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "PackedParameters", "Plan",
+           "Recording", "builds_together", "choose_route", "functorch_active", "group_kernels", "kernel_groups",
+           "needs_recompute", "plan_of", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -675,8 +678,8 @@ def squeeze(blocks: Sequence[nn.Module], names: Sequence[str]) -> Tensor:
 
 
 class GroupsFunction(torch.autograd.Function):
-    """Kernels as one autograd node: ``build`` (an :class:`EagerBuild` or a :class:`CompiledBuild`)
-    makes them from ``storages`` (one per plan; ``None``: its operands concatenated anew); ``params``
+    """Kernels as one autograd node: ``build`` (an :class:`EagerBuild`, :class:`CompiledBuild` or
+    :class:`GraphedBuild`) makes them from ``storages`` (one per plan; ``None``: its operands concatenated anew); ``params``
     are the plans' leaves in the same order, and get one gradient each. One block's plan, a group's,
     or a network's groups (see :func:`group_kernels`, ``joint``): their backward is one call too.
 
@@ -684,7 +687,8 @@ class GroupsFunction(torch.autograd.Function):
     operands is kept (for one block, the parameters themselves)."""
 
     @staticmethod
-    def forward(ctx, build: EagerBuild | CompiledBuild, storages: tuple[Storage | None, ...], *params: Tensor):
+    def forward(ctx, build: EagerBuild | CompiledBuild | GraphedBuild, storages: tuple[Storage | None, ...],
+                *params: Tensor):
         ctx.build, ctx.storages = build, storages
         if any(st is None for st in storages):  # each plan's leaves among params and fixed kernels (see backward)
             ctx.counts = tuple(len(st.packed) if st is not None and st.packed else plan.n * sum(plan.learnable_roles)
@@ -846,12 +850,19 @@ class Workspace:
     per device and dtype an :class:`Arena`, per plan its :class:`Scratch` in it. Writing the
     reordered copies and products of a construction through out= into buffers that are the same
     tensors at every step lets every view of them be made once: an eager OREPA step dispatches about
-    a quarter fewer operators (views and allocations; its kernels are the same). Copies and pickles
-    of a model get an empty one."""
+    a quarter fewer operators (views and allocations; its kernels are the same). It also holds the
+    network's recorders (:meth:`recorder`: the groups' recorded builds share their memory pool) and
+    the lock around their replays. Copies and pickles of a model get an empty one."""
 
     def __init__(self):
         self.arenas: dict[tuple, Arena] = {}
         self.scratches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan -> {arena key: Scratch}
+        self.recorders: dict[tuple, object] = {}
+        self.replay_lock = threading.Lock()  # one network build's copies in, replays and copies out at a time
+
+    def recorder(self, kind: type, device: torch.device):
+        """The network's recorder of type ``kind`` (e.g. :class:`CudaGraphRecorder`) for ``device``."""
+        return memo(self.recorders, (kind, device), lambda: kind(device))
 
     def __reduce__(self):
         return (Workspace, ())
@@ -1122,9 +1133,17 @@ class KernelGroup:
         # storage layouts, the one of the last build's storages, and whether compiling failed
         self._compiled: dict[tuple, CompiledBuild] = {}
         self._compiled_for: tuple[tuple[Storage, ...], CompiledBuild] | None = None
+        self._graphed_for: tuple[tuple[Storage, ...], GraphedBuild] | None = None
+        self._recording: Recording | None = None  # its construction recorded for its storage (graphs)
         self._compile_failed = False
         # where its eager builds put their intermediates: one for the network's groups (group_kernels)
         self.workspace: Workspace | None = None
+        # group_kernels' ``graphs``: its construction recorded (Recording) by the workspace's recorder of
+        # this type where it supports the tensors; how many recordings it made, and whether it stopped
+        self.graphs = False
+        self.graph_recorder: type = CudaGraphRecorder
+        self._recordings = 0
+        self._graphs_off = False
         # pack(): the group's learnable operands as a few parameters; where each role's rows are in
         # them (name, first row, rows), the filter family's 1x1 weights' and scales', and what the
         # squeeze's packed gradients concatenate (Storage.packed)
@@ -1138,11 +1157,14 @@ class KernelGroup:
         # tensors are remade into storage of their own at its first build (compiled code is not
         # picklable either; a copy compiles again)
         return {**self.__dict__, "_pending": {}, "_index": None, "_storage": None, "_addresses": (),
-                "_compiled": {}, "_compiled_for": None}
+                "_compiled": {}, "_compiled_for": None, "_graphed_for": None, "_recording": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self.__dict__.setdefault("workspace", None)  # a group pickled before it had one
+        for key, value in (("workspace", None), ("graphs", False), ("graph_recorder", CudaGraphRecorder),
+                           ("_recordings", 0), ("_graphs_off", False), ("_graphed_for", None),
+                           ("_recording", None)):
+            self.__dict__.setdefault(key, value)  # a group pickled before it had them
         self._index = {id(b): i for i, b in enumerate(self.blocks)}  # ids of the copied blocks
 
     def __len__(self) -> int:
@@ -1319,7 +1341,8 @@ class KernelGroup:
         self.plan = Plan(self.blocks, self.names, launch_bound=True)
         for b in self.blocks:
             b._plans.clear()
-        self._pending, self._compiled, self._compiled_for = {}, {}, None
+        self._pending, self._compiled, self._compiled_for, self._graphed_for = {}, {}, None, None
+        self._recording = None
 
     def _packed_storage(self) -> Storage:
         """The storage of a packed group: its packed parameters as they are (no copy), the fixed
@@ -1377,14 +1400,67 @@ class KernelGroup:
         kept = tuple(K.keep_views(t) for t in (*roles, *(family or ())))
         return Storage(roles, family, plan.operands(roles), packed, kept)
 
-    def _builder(self, plans: tuple[Plan, ...], storages: tuple[Storage | None, ...]) -> EagerBuild | CompiledBuild:
-        """How a build led by this group makes the kernels of ``plans`` (its own first, then its
-        peers'): eagerly, or (policy ``"compiled"``) by their construction compiled for these
-        storages' layouts, at its first use; eagerly, with one warning, where compiling fails (e.g.
-        no C++ compiler or Triton), and where a group has no storage (inside a capture)."""
-        last = self._compiled_for
+    def _builder(self, groups: Sequence[KernelGroup],
+                 storages: tuple[Storage | None, ...]) -> EagerBuild | CompiledBuild | GraphedBuild:
+        """How a build led by this group makes the kernels of ``groups`` (itself first, then its
+        peers) from ``storages``: eagerly, or (policy ``"compiled"``) by their construction compiled
+        for these storages' layouts, at its first use; eagerly, with one warning, where compiling
+        fails (e.g. no C++ compiler or Triton), and where a group has no storage (inside a capture).
+        With ``graphs``, each group's construction recorded for its storage (:meth:`_recorded`),
+        where the recorder supports them (on CUDA: not inside another capture, e.g. a graphed whole
+        step), replayed one after the other."""
+        plans = tuple(group.plan for group in groups)
+        graphable = (self.graphs and not self._graphs_off and self.workspace is not None
+                     and all(st is not None for st in storages) and self.graph_recorder.supports(storages[0].roles[0]))
+        last = self._graphed_for if graphable else self._compiled_for
         if last is not None and len(last[0]) == len(storages) and all(map(operator.is_, last[0], storages)):
             return last[1]  # the common case: the storages of the last build
+        if graphable:
+            self._graphed_for = None  # its recordings may be replaced: their memory goes first
+            recordings = []
+            for group, st in zip(groups, storages):
+                rec = group._recorded(st, self.graph_recorder)
+                if rec is None:
+                    break
+                recordings.append(rec)
+            else:
+                graphed = GraphedBuild(recordings, self.workspace.replay_lock)
+                self._graphed_for = (storages, graphed)
+                return graphed
+        return self._unrecorded_builder(plans, storages)
+
+    def _recorded(self, stacked: Storage, kind: type) -> Recording | None:
+        """This group's construction from ``stacked`` recorded by the network's recorder of type
+        ``kind`` (:class:`Recording`; the last one while ``stacked`` is its storage); None, with one
+        warning, where recording fails or the group has recorded :data:`_MAX_RECORDINGS` times (its
+        tensors keep moving): its builds are then unrecorded."""
+        if self._recording is not None and self._recording.storage is stacked:
+            return self._recording
+        if self._graphs_off:
+            return None
+        if self._recordings >= _MAX_RECORDINGS:
+            self._graphs_off = True
+            warnings.warn(f"kernel graphs: the group's parameters moved {self._recordings} times (each move "
+                          "records its construction anew); its kernels are built without graphs from now on",
+                          RuntimeWarning, stacklevel=4)
+            return None
+        build = self._unrecorded_builder((self.plan,), (stacked,))
+        if isinstance(build, EagerBuild):
+            build = EagerBuild(build.plans)  # recorded without the workspace: the graphs' pool holds its memory
+        self._recordings += 1
+        self._recording = None  # the last recording's memory goes before the next is made
+        try:
+            self._recording = Recording(build, stacked, self.workspace.recorder(kind, stacked.roles[0].device))
+        except Exception as e:  # noqa: BLE001 - a capture that fails leaves the unrecorded build
+            self._graphs_off = True
+            warnings.warn(f"kernel graphs: recording the kernel construction failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); the kernels are built without graphs",
+                          RuntimeWarning, stacklevel=4)
+        return self._recording
+
+    def _unrecorded_builder(self, plans: tuple[Plan, ...],
+                            storages: tuple[Storage | None, ...]) -> EagerBuild | CompiledBuild:
+        """:meth:`_builder` without graphs."""
         if self.policy != "compiled" or self._compile_failed or any(st is None for st in storages):
             return EagerBuild(plans, self.workspace)
         # a plan is made anew when its group's tensors move (_replan); the build holds its plans, so
@@ -1457,9 +1533,8 @@ def _build_groups(groups: Sequence[KernelGroup]) -> None:
             parts.append((group, *operands))
     if not parts:
         return
-    plans = tuple(group.plan for group, *_ in parts)
     storages = tuple(stacked for _, stacked, _, _ in parts)
-    build = parts[0][0]._builder(plans, storages)
+    build = parts[0][0]._builder([group for group, *_ in parts], storages)
     kernels = GroupsFunction.apply(build, storages, *(t for _, _, leaves, _ in parts for t in leaves))
     i = 0
     for group, _, _, versions in parts:
@@ -1567,6 +1642,123 @@ def _autocast_off(t: Tensor):
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
 
 
+class CudaGraphRecorder:
+    """How a :class:`Recording` records: ``record(fn)`` captures ``fn`` (no arguments; it reads
+    tensors that stay where they are and returns a tuple of tensors) as a CUDA graph and returns
+    ``(replay, outputs)``; a replay rewrites ``outputs`` from what the tensors hold then. The graphs
+    of one recorder (one per network and device, :meth:`Workspace.recorder`) share a memory pool: a
+    graph's temporaries may lie where a graph recorded later keeps its outputs, so each replay's
+    outputs are copied out before the next replay of any of them (:class:`GraphedBuild` does)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def supports(t: Tensor) -> bool:
+        """Whether builds from tensors like ``t`` can be recorded (not inside another capture)."""
+        return t.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+    def warm(self, fn) -> None:
+        """One run of ``fn`` on a side stream before its capture (lazy initialisations, e.g. cuBLAS
+        workspaces and cuDNN's choices, must not happen inside it)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def record(self, fn) -> tuple:
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a DataLoader's pin-memory thread may use the device meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            outputs = fn()
+        return graph.replay, outputs
+
+
+class Recording:
+    """One group's construction (``inner``: an :class:`EagerBuild` without workspace, or a
+    :class:`CompiledBuild`, of its plan) recorded for its ``storage`` by ``recorder`` (a
+    :class:`CudaGraphRecorder`) as two graphs: its kernels, and their vjp from the kernels'
+    gradients in fixed buffers (``grads_in``). :class:`GraphedBuild` replays the recordings of a build's
+    groups. The outputs are the construction's own (no concatenation): the graphs' pool holds the
+    kernels, the parameters' gradients and the larger phase's temporaries. The graphs read
+    ``storage``'s memory, so a recording serves only that storage (the group records anew when its
+    tensors move, :meth:`KernelGroup._recorded`). Both run with autocast off, in the parameters'
+    dtype, as compiled builds do."""
+
+    def __init__(self, inner: EagerBuild | CompiledBuild, storage: Storage, recorder: CudaGraphRecorder):
+        (self.plan,) = inner.plans
+        self.storage = storage  # held: the graphs read its memory
+        ref = storage.roles[0]
+        self.grads_in = [ref.new_zeros(shape) for shape in inner.kernel_shapes]
+
+        def forward() -> tuple[Tensor, ...]:
+            return tuple(inner.kernels((storage,)))
+
+        def backward() -> tuple[Tensor, ...]:
+            return tuple(inner.kernels_vjp(self.grads_in, (storage,)))
+
+        with torch.no_grad(), torch.autocast(ref.device.type, enabled=False):
+            recorder.warm(lambda: (forward(), backward()))
+            self.forward, self.kernels = recorder.record(forward)
+            self.backward, self.grads = recorder.record(backward)
+
+
+class GraphedBuild:
+    """The builds of several groups replayed from their :class:`Recording` s, interchangeable with
+    the builds they record in :class:`GroupsFunction`.
+
+    Why: on a GPU an eager step is bound by the host issuing the construction's operators (~230 for
+    ResNet-18, each ~10 us) or its compiled kernels; a replay issues a group's at once, and the
+    construction depends on no input, so it serves every step, whatever its batch, while the rest of
+    the step stays eager. A forward replays each group's kernels and copies them out right after
+    (one ``_foreach_clone`` each: the kernels are then ordinary tensors, which autograd and later
+    replays cannot overwrite, and no replay of a group recorded earlier, whose temporaries may lie
+    where a later recording's outputs are, can reach them first); a backward copies the kernels'
+    gradients in (one ``_foreach_copy_`` for all), then replays each group's vjp and copies its
+    parameters' gradients out (they accumulate, e.g. over micro-batches). Recordings per group, not
+    per build: the groups a build covers vary (a block skipped, by stochastic depth say, leaves its
+    group out of the next build) and each group's recording serves every build it is in. ``lock``
+    (the network's) keeps two threads' copies and replays apart."""
+
+    def __init__(self, recordings: Sequence[Recording], lock: threading.Lock):
+        self.recordings = tuple(recordings)
+        self.plans = tuple(rec.plan for rec in self.recordings)
+        self.n = sum(p.n for p in self.plans)
+        self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
+        self._grads_in = [g for rec in self.recordings for g in rec.grads_in]
+        self._lock = lock
+
+    def kernels(self, storages: Sequence[Storage]) -> tuple[Tensor, ...]:
+        out: list[Tensor] = []
+        with self._lock:
+            for rec in self.recordings:
+                rec.forward()
+                out.extend(_clones(rec.kernels))
+        return tuple(out)
+
+    def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage]) -> list[Tensor]:
+        out: list[Tensor] = []
+        with self._lock:
+            torch._foreach_copy_(self._grads_in, list(grads))
+            for rec in self.recordings:
+                rec.backward()
+                out.extend(_clones(rec.grads))
+        return out
+
+
+def _clones(ts: Sequence[Tensor]) -> list[Tensor]:
+    """Copies of ``ts`` (one operator where this torch has ``_foreach_clone``)."""
+    clone = getattr(torch, "_foreach_clone", None)
+    return list(clone(list(ts))) if clone is not None else [t.clone() for t in ts]
+
+
+#: recordings a group may make before it stops graphing (its parameters keep moving, e.g. an
+#: optimizer that replaces them: each recording costs a capture and its memory)
+_MAX_RECORDINGS = 4
+
+
 def builds_together(policy: str, device: torch.device | str) -> bool:
     """Whether blocks grouped with ``policy`` build their kernels as groups on ``device`` (outside a
     ``torch.compile`` trace): everywhere for ``grouped`` and ``compiled``, on a GPU for ``auto``
@@ -1621,7 +1813,8 @@ def _by_width(blocks: list[nn.Module]) -> list[list[nn.Module]]:
     return out
 
 
-def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joint: bool = True) -> list[KernelGroup]:
+def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joint: bool = True,
+                  graphs: bool = False) -> list[KernelGroup]:
     """Group the online blocks under ``root`` by construction signature (input channels, kernel
     size, groups, branch set and step shapes; the output channels where the blocks' convs are
     grouped) so each group builds its kernels together in training forwards. Blocks of one
@@ -1641,7 +1834,13 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     one call forward, one backward), the fewest calls for the host. Their parameters' gradients
     then all arrive at the end of the backward; ``joint=False`` (one node per group) gives each
     group's as soon as its blocks' backward is done, which DistributedDataParallel overlaps with
-    the rest of the backward. Returns the groups.
+    the rest of the backward.
+
+    ``graphs``: on a CUDA device, each group's construction (eager, or compiled) is recorded as two
+    CUDA graphs at its first build and replayed at every later one (:class:`Recording`,
+    :class:`GraphedBuild`): the construction's host time in an eager step becomes per group a replay
+    and a copy each way; its memory (the graphs' pool) is then held between steps. Outside a capture
+    only (a whole step recorded as a graph records the construction with it). Returns the groups.
     """
     if policy not in POLICIES:
         raise ValueError(f"kernel-builder policy must be one of {POLICIES}, got {policy!r}")
@@ -1666,7 +1865,7 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
         groups.append(group)
     workspace = Workspace()
     for group in groups:
-        group.peers, group.joint, group.workspace = groups, joint, workspace
+        group.peers, group.joint, group.workspace, group.graphs = groups, joint, workspace, graphs
         if pack:
             group.pack()
     return groups

@@ -151,6 +151,16 @@ def add_pack_argument(g) -> None:
                         "--kernel-builder grouped/compiled), not under --compile")
 
 
+def add_kernel_graphs_argument(g) -> None:
+    """``--kernel-graphs``: record the kernel builds as CUDA graphs (``group_kernels``' ``graphs``)."""
+    g.add_argument("--kernel-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="eager steps on CUDA: record each group's kernel construction (eager or compiled) "
+                        "as two CUDA graphs at the first step and replay them at every step, whatever the batch "
+                        "(the construction reads only the parameters); the graphs' memory is held between steps. "
+                        "Excludes --cuda-graphs (which records whole steps, the construction with them) and "
+                        "--compile. Default: off")
+
+
 def default_pack(kernel_builder: str, device: torch.device, whole_step_compiled: bool = False) -> bool:
     """Whether to pack when not told: where the groups build the kernels (a whole-step ``torch.compile``
     traces every block's own route instead, which would read packed rows through views)."""

@@ -77,6 +77,7 @@ from .common import (
     DistInfo,
     UserError,
     add_kernel_builder_argument,
+    add_kernel_graphs_argument,
     add_pack_argument,
     add_run_arguments,
     add_tf32_matmul_argument,
@@ -198,6 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "device, without --compile), with a one-line note where it cannot; --no-cuda-graphs: eager")
     add_kernel_builder_argument(g, default=None)
     add_pack_argument(g)
+    add_kernel_graphs_argument(g)
     add_tf32_matmul_argument(g, default=None)
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
@@ -404,6 +406,17 @@ class Trainer:
                if info.distributed else "and --compile exclude each other" if args.compile else
                # a graph's gradients land in its own buffers, which the next micro-batch's replay overwrites
                "and --micro-batches exclude each other" if args.micro_batches > 1 else None)
+        if args.kernel_graphs:  # recorded kernel builds serve eager steps
+            if device.type != "cuda" or args.compile:
+                raise UserError("--kernel-graphs " + ("needs a CUDA device" if device.type != "cuda"
+                                                      else "and --compile exclude each other"))
+            if args.cuda_graphs:
+                raise UserError("--kernel-graphs records the kernel construction of eager steps, --cuda-graphs "
+                                "whole steps (the construction with them): give one of them")
+            if args.cuda_graphs is None:
+                args.cuda_graphs = False
+                self.log("orepa train: eager steps with the kernel construction replayed as CUDA graphs "
+                         "(--kernel-graphs), not whole steps as graphs")
         if args.cuda_graphs is None:  # the default: the fastest exact mode where it can run
             args.cuda_graphs = why is None
             if why is not None and device.type == "cuda":
@@ -517,7 +530,8 @@ class Trainer:
             args.pack_parameters = not resumed_unpacked and default_pack(args.kernel_builder, device, bool(args.compile))
         # one autograd node for the network's kernels (the fewest host calls), except under DDP, whose
         # all-reduce of a group's gradients overlaps the rest of the backward only with a node per group
-        groups = group_kernels(model, args.kernel_builder, pack=args.pack_parameters, joint=not info.distributed)
+        groups = group_kernels(model, args.kernel_builder, pack=args.pack_parameters, joint=not info.distributed,
+                               graphs=args.kernel_graphs)
         self.n_groups = len(groups)
         if args.kernel_builder == "compiled" and groups:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "
@@ -950,6 +964,7 @@ class Trainer:
                  f"{', TF32 matmuls' if args.tf32_matmul and self.device.type == 'cuda' else ''}"
                  f"{f', kernel builder {args.kernel_builder}' if self.n_groups else ''}"
                  f"{', packed parameters' if args.pack_parameters and self.n_groups else ''}"
+                 f"{', kernel graphs' if args.kernel_graphs and self.n_groups else ''}"
                  f"{', EMA' if self.ema is not None else ''}; "
                  f"output {self.out}")
         tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)

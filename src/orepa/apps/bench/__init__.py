@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"({', '.join(LADDER)}, offline, offline+prior, ...); options as name:key=value, "
                         "builder=KERNEL_BUILDER a variant's own --kernel-builder (orepa orepa:builder=compiled "
                         "times both in one run), pack=true|false its own --pack-parameters, joint=false a node "
-                        "per group of online blocks instead of one for the network; comma-separated lists "
+                        "per group of online blocks instead of one for the network, graphs=true their builds "
+                        "recorded as CUDA graphs (eager steps on CUDA); comma-separated lists "
                         "are accepted")
     p.add_argument("--components", action="store_true",
                    help="the component ladder of Fig. 'budgets' (base, dbb, each rung online and offline)")
@@ -190,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
                                        compiled_step=bool(args.compile)))
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}") from None
+    try:
+        check_step_modes(device, args.cuda_graphs, args.compile, runners)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
     try:
         result = run_benchmark(
             args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,

@@ -184,6 +184,7 @@ class Runner:
     kernel_builder: str = "auto"  # the policy its online blocks were grouped with
     packed: bool = False  # its groups' parameters packed (engine.KernelGroup.pack)
     graphed: bool = False  # forward+backward replayed as CUDA graphs (static input shape)
+    kernel_graphs: bool = False  # its groups' builds recorded as CUDA graphs (engine.GraphedBuild)
     compiled: nn.Module | None = None  # torch.compile'd model for the timed steps (same parameters)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -312,16 +313,22 @@ def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000,
     names its own (``orepa:builder=compiled``); ``pack``: whether its groups pack their parameters
     (``orepa:pack=false``; None: where they build the kernels, as ``orepa train`` does, unless the
     timed steps are ``compiled_step`` s, torch.compile'd); ``orepa:joint=false``: a node per group
-    instead of one for the network (``group_kernels``' ``joint``)."""
+    instead of one for the network (``group_kernels``' ``joint``); ``orepa:graphs=true``: the groups'
+    builds recorded as CUDA graphs (``group_kernels``' ``graphs``; eager steps only)."""
     torch.manual_seed(seed)
     network, builder, switches = split_run_options(spec, kernel_builder)
     pack = switches.get("pack", pack)
     if pack is None:
         pack = default_pack(builder, torch.device(device), compiled_step)
     net = build_variant(model, network, num_classes, in_chans, model_options).to(device).train()
-    groups = group_kernels(net, builder, pack=pack, joint=switches.get("joint", True))
+    graphs = switches.get("graphs", False)
+    if graphs and torch.device(device).type != "cuda":
+        raise ValueError(f"--methods {spec}: graphs=true records the kernel construction as CUDA graphs, "
+                         f"which needs a CUDA device, got {device}")
+    groups = group_kernels(net, builder, pack=pack, joint=switches.get("joint", True), graphs=graphs)
     packed = any(g.packed is not None for g in groups)
-    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder, packed)
+    return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder, packed,
+                  kernel_graphs=graphs)
 
 
 def variant_specs(methods: Sequence[str]) -> list[str]:
@@ -333,8 +340,14 @@ def variant_specs(methods: Sequence[str]) -> list[str]:
     return specs
 
 
-def check_step_modes(device: torch.device, cuda_graphs: bool, compile: str | None) -> None:
-    """How the timed steps run: a ValueError for a combination that cannot."""
+def check_step_modes(device: torch.device, cuda_graphs: bool, compile: str | None,
+                     runners: Sequence[Runner] = ()) -> None:
+    """How the timed steps run: a ValueError for a combination that cannot (with ``runners``: also
+    for the variants it excludes)."""
+    recorded = [r.name for r in runners if r.kernel_graphs]
+    if recorded and (cuda_graphs or compile):
+        raise ValueError(f"{', '.join(recorded)}: graphs=true records the kernel construction of eager steps; "
+                         f"{'--cuda-graphs records the whole step' if cuda_graphs else '--compile traces it'}")
     if cuda_graphs and compile:
         raise ValueError("CUDA graphs (--cuda-graphs) and torch.compile (--compile) exclude each other "
                          "(torch.compile's mode='reduce-overhead' is its own CUDA-graph path)")
@@ -385,6 +398,7 @@ def run_benchmark(
     runners = list(runners)
     if [r.name for r in runners] != methods:
         raise ValueError(f"runners {[r.name for r in runners]} are not the variants {methods}")
+    check_step_modes(device, cuda_graphs, compile, runners)
     # after the builds (each seeds itself): the same data whether the runners came built or not
     torch.manual_seed(seed)
     x = torch.randn(batch_size, in_chans, image_size, image_size, device=device)
@@ -392,7 +406,8 @@ def run_benchmark(
 
     res: dict[str, dict] = {}
     for r in runners:
-        res[r.name] = {"train_params": count_params(r.model), "kernel_builder": r.kernel_builder, "packed": r.packed}
+        res[r.name] = {"train_params": count_params(r.model), "kernel_builder": r.kernel_builder, "packed": r.packed,
+                       "kernel_graphs": r.kernel_graphs}
         log(f"built {r.name}: {res[r.name]['train_params']:,} params")
 
     log(f"warm-up: {warmup} step(s) per variant")

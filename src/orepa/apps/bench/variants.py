@@ -84,8 +84,8 @@ def parse_spec(spec: str) -> tuple[str, dict]:
 
 #: the variant options that say how it runs, not what it is (not block options): its kernel builder,
 #: and the switches of engine.group_kernels (whether its groups pack their parameters, whether
-#: they build as one autograd node)
-BUILDER_OPTION, SWITCH_OPTIONS = "builder", ("pack", "joint")
+#: they build as one autograd node, whether their builds are recorded as CUDA graphs)
+BUILDER_OPTION, SWITCH_OPTIONS = "builder", ("pack", "joint", "graphs")
 
 
 def split_run_options(spec: str, default: str) -> tuple[str, str, dict[str, bool]]:
