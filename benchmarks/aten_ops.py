@@ -14,8 +14,8 @@ routes pack their parameters (a few per group, as ``orepa train`` does where gro
 and are counted unpacked too ("unpacked": one parameter per step, one accumulation each).
 "recorded" is the grouped route with its builds recorded as CUDA graphs (``group_kernels(...,
 graphs=True)``, ``orepa train --kernel-graphs``): a replay dispatches no operator, so it is counted
-with a recorder whose replay does nothing (the numbers of that step are not the point), which
-leaves what the host issues besides the two replays::
+with a recorder whose replays do nothing (``measure.UnreplayedRecorder``; the numbers of that step
+are not the point), which leaves what the host issues besides the replays::
 
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json
 """
@@ -23,26 +23,7 @@ import json
 
 import torch
 
-from orepa import engine
-from orepa.apps.bench.measure import count_ops, make_runner
-
-
-class HostOnly:
-    """An engine.CudaGraphRecorder stand-in whose replays issue nothing (as a graph's issue no operator)."""
-
-    def __init__(self, device):
-        pass
-
-    @staticmethod
-    def supports(t):
-        return True
-
-    def warm(self, fn):
-        fn()
-
-    def record(self, fn):
-        return (lambda: None), fn()
-
+from orepa.apps.bench.measure import count_ops, make_runner, record_without_replay
 
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
@@ -55,8 +36,7 @@ for model, b in (("resnet18", 64), ("resnet50", 32)):
         r = make_runner(model, spec, device=torch.device("cpu"),
                         kernel_builder="grouped" if builder == "recorded" else builder)
         if builder == "recorded":
-            for group in engine.kernel_groups(r.model):
-                group.graphs, group.graph_recorder = True, HostOnly
+            record_without_replay(r.model)
         r.step(x, y)
         ops, kernels = count_ops(lambda r=r: r.step(x, y))
         out[key], out[f"{key} kernels"] = ops, kernels

@@ -13,6 +13,7 @@ from torch import nn
 
 import orepa
 from orepa import engine
+from orepa.apps.bench.measure import UnreplayedRecorder
 from orepa.blocks import OREPAConv2d
 
 
@@ -1224,23 +1225,13 @@ def test_copies_of_a_grouped_model_get_a_workspace_of_their_own():
 # --------------------------------------------------------------------------- recorded (graphed) builds
 
 
-class _Rerun:
-    """A recorder that replays by running the recorded function again into the output it returned
-    first (a CUDA graph rewrites its output from the tensors it read): what GraphedBuild hands the
-    recording in and takes out of it is checked on any device. Counts recordings and replays."""
+class _Rerun(UnreplayedRecorder):
+    """A recorder that replays by running the recorded function again into the outputs it returned
+    first (a CUDA graph rewrites its outputs from the tensors it read): what GraphedBuild hands the
+    recordings in and takes out of them is checked on any device. Counts replays."""
 
     recorded: list = []
     replays = 0
-
-    def __init__(self, device):
-        pass
-
-    @staticmethod
-    def supports(t):
-        return True
-
-    def warm(self, fn):
-        fn()
 
     def record(self, fn):
         outputs = fn()
@@ -1382,18 +1373,13 @@ def test_a_recorded_step_dispatches_little_more_than_base_besides_its_replays():
     one ``_foreach_copy_``) and the packed parameters' accumulations: measured 1.08x base's
     operators and 1.10x its kernels (ResNet-18 b64, benchmarks/aten_ops.py; the eager groups 1.79x
     and 2.18x)."""
-    from orepa.apps.bench.measure import count_ops, make_runner
-
-    class HostOnly(_Rerun):
-        def record(self, fn):
-            return (lambda: None), fn()
+    from orepa.apps.bench.measure import count_ops, make_runner, record_without_replay
 
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
     ops, kernels = {}, {}
     for spec in ("base", "orepa:builder=grouped"):
         r = make_runner("resnet18", spec, device=torch.device("cpu"), num_classes=10)
-        for group in engine.kernel_groups(r.model):
-            group.graphs, group.graph_recorder = True, HostOnly
+        record_without_replay(r.model)
         r.step(x, y)
         ops[spec], kernels[spec] = count_ops(lambda r=r: r.step(x, y))
     assert engine.kernel_groups(r.model)[0]._graphed_for is not None

@@ -265,6 +265,34 @@ def count_ops(fn: Callable[[], object]) -> tuple[int, int]:
     return counter.count, counter.kernels
 
 
+class UnreplayedRecorder:
+    """A stand-in for ``orepa.engine.CudaGraphRecorder`` on any device, for counting what the host
+    issues in a step whose kernel builds are recorded (:func:`record_without_replay`): it records by
+    running the construction once and replays nothing, as a CUDA graph's replay dispatches no
+    operator. The kernels then stay those of the recording: for counting, never for training."""
+
+    def __init__(self, device):
+        self.device = device
+
+    @staticmethod
+    def supports(t: torch.Tensor) -> bool:
+        return True
+
+    def warm(self, fn) -> None:
+        fn()
+
+    def record(self, fn) -> tuple:
+        return (lambda: None), fn()
+
+
+def record_without_replay(model: nn.Module, recorder: type = UnreplayedRecorder) -> None:
+    """Make ``model``'s kernel groups record their builds with ``recorder`` (see :class:`UnreplayedRecorder`)."""
+    from orepa.engine import kernel_groups
+
+    for group in kernel_groups(model):
+        group.graphs, group.graph_recorder = True, recorder
+
+
 def _flops_forward(model: nn.Module, x: torch.Tensor) -> int:
     with flop_counter() as fc:
         model(x)
