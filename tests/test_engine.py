@@ -1385,3 +1385,52 @@ def test_a_recorded_step_dispatches_little_more_than_base_besides_its_replays():
     assert engine.kernel_groups(r.model)[0]._graphed_for is not None
     assert ops["orepa:builder=grouped"] <= 1.15 * ops["base"], ops
     assert kernels["orepa:builder=grouped"] <= 1.15 * kernels["base"], kernels
+
+
+def test_the_cuda_recorder_captures_on_its_devices_stream_and_replays_there(monkeypatch):
+    """No GPU here: torch.cuda's graph API stood in for, each call bound to the real signature.
+    The recorder warms up and captures on its own stream inside its device's guard, into its
+    pool, and replays inside that guard too (a capture records only its device's stream)."""
+    import contextlib
+    import inspect
+
+    calls = []
+    real_graph = inspect.signature(torch.cuda.graph)
+
+    @contextlib.contextmanager
+    def device(d):
+        calls.append(("device", d))
+        yield
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            inspect.signature(torch.cuda.Stream).bind(*args, **kwargs)
+
+        def wait_stream(self, other):
+            calls.append("wait")
+
+    class Graph:
+        def replay(self):
+            calls.append("replay")
+
+    @contextlib.contextmanager
+    def graph(*args, **kwargs):
+        bound = real_graph.bind(*args, **kwargs).arguments
+        calls.append(("capture", bound["pool"], type(bound["stream"]).__name__, bound["capture_error_mode"]))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    dev = torch.device("cuda", 1)
+    rec = engine.CudaGraphRecorder(dev)
+    rec.warm(lambda: calls.append("warm-up"))
+    replay, outputs = rec.record(lambda: (torch.ones(2),))
+    assert torch.equal(outputs[0], torch.ones(2))
+    replay()
+    assert calls == [("device", dev), "wait", "warm-up", "wait", ("device", dev),
+                     ("capture", "pool", "Stream", "thread_local"), ("device", dev), "replay"]

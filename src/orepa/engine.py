@@ -1411,7 +1411,9 @@ class KernelGroup:
         step), replayed one after the other."""
         plans = tuple(group.plan for group in groups)
         graphable = (self.graphs and not self._graphs_off and self.workspace is not None
-                     and all(st is not None for st in storages) and self.graph_recorder.supports(storages[0].roles[0]))
+                     and all(st is not None for st in storages) and self.graph_recorder.supports(storages[0].roles[0])
+                     # one device (the recordings of a build are replayed in one lock, on one device's stream)
+                     and all(st.roles[0].device == storages[0].roles[0].device for st in storages))
         last = self._graphed_for if graphable else self._compiled_for
         if last is not None and len(last[0]) == len(storages) and all(map(operator.is_, last[0], storages)):
             return last[1]  # the common case: the storages of the last build
@@ -1653,6 +1655,9 @@ class CudaGraphRecorder:
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        # the warm-ups' and captures' side stream, of this device (torch.cuda.graph's default capture
+        # stream is made once, on whichever device was current then)
+        self.stream = torch.cuda.Stream(device)
 
     @staticmethod
     def supports(t: Tensor) -> bool:
@@ -1662,18 +1667,26 @@ class CudaGraphRecorder:
     def warm(self, fn) -> None:
         """One run of ``fn`` on a side stream before its capture (lazy initialisations, e.g. cuBLAS
         workspaces and cuDNN's choices, must not happen inside it)."""
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        with torch.cuda.device(self.device):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                fn()
+            torch.cuda.current_stream().wait_stream(self.stream)
 
     def record(self, fn) -> tuple:
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a DataLoader's pin-memory thread may use the device meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            outputs = fn()
-        return graph.replay, outputs
+        # on the tensors' device, which need not be the current one: a capture records only the
+        # work of its own device's stream (work on another would run once, unrecorded)
+        with torch.cuda.device(self.device):
+            # thread_local: a DataLoader's pin-memory thread may use the device meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+                outputs = fn()
+
+        def replay() -> None:
+            with torch.cuda.device(self.device):  # on that device's current stream
+                graph.replay()
+
+        return replay, outputs
 
 
 class Recording:
