@@ -214,6 +214,9 @@ def test_recorded_kernel_builds_train_as_unrecorded_ones_at_any_batch_and_under_
                     n(x).square().mean().backward()
                 opt.step()
         assert isinstance(groups[0]._graphed_for[1], engine.GraphedBuild) and groups[0]._recordings == 1
+        # the pools hold at least the recordings' outputs: every kernel and every parameter's gradient
+        outputs = sum(t.nbytes for g in groups for t in (*g._recording.kernels, *g._recording.grads))
+        assert engine.recorded_bytes(m) >= outputs + sum(t.nbytes for g in groups for t in g._recording.grads_in)
         for (k, a), b in zip(m.state_dict().items(), ref.state_dict().values()):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=k)
         m.eval(), ref.eval()  # BN statistics fixed: the captured forward is compared with eager ones

@@ -3,6 +3,7 @@ their kernels together and give the per-block route's numbers, state and behavio
 import copy
 import gc
 import json
+import math
 import operator
 import weakref
 
@@ -1434,3 +1435,13 @@ def test_the_cuda_recorder_captures_on_its_devices_stream_and_replays_there(monk
     replay()
     assert calls == [("device", dev), "wait", "warm-up", "wait", ("device", dev),
                      ("capture", "pool", "Stream", "thread_local"), ("device", dev), "replay"]
+
+
+def test_the_memory_recorded_builds_hold_is_their_pools_and_inputs():
+    """recorded_bytes: the recorders' pools (a stand-in's: none) and the kernels' gradient inputs."""
+    _, grouped = _pair()
+    assert engine.recorded_bytes(grouped) == 0
+    groups, _ = _recorded(grouped)
+    grouped(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
+    kernels = sum(math.prod(shape) for g in groups for shape in g.plan.kernel_shapes)
+    assert engine.recorded_bytes(grouped) == 8 * kernels > 0

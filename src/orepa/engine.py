@@ -61,7 +61,8 @@ from . import kernels as K
 
 __all__ = ["POLICIES", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "PackedParameters", "Plan",
            "Recording", "builds_together", "choose_route", "functorch_active", "group_kernels", "kernel_groups",
-           "needs_recompute", "plan_of", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
+           "needs_recompute", "plan_of", "recorded_bytes", "route", "squeeze", "squeeze_kernels", "train_forward",
+           "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -1688,6 +1689,13 @@ class CudaGraphRecorder:
 
         return replay, outputs
 
+    def pool_bytes(self) -> int:
+        """The device memory of this recorder's pool (its segments' size: the recordings' outputs
+        and the temporaries their replays write, none of which the allocator lends elsewhere)."""
+        pool = tuple(self.pool)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", ())) == pool)
+
 
 class Recording:
     """One group's construction (``inner``: an :class:`EagerBuild` without workspace, or a
@@ -1882,6 +1890,15 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
         if pack:
             group.pack()
     return groups
+
+
+def recorded_bytes(root: nn.Module) -> int:
+    """The memory that the recorded builds of ``root``'s groups (``group_kernels(..., graphs=True)``)
+    hold between steps: their recorders' pools and the recordings' inputs (the kernels' gradients)."""
+    groups = kernel_groups(root)
+    spaces = {id(g.workspace): g.workspace for g in groups if g.workspace is not None}
+    pools = sum(rec.pool_bytes() for ws in spaces.values() for rec in ws.recorders.values())
+    return pools + sum(t.nbytes for g in groups if g._recording is not None for t in g._recording.grads_in)
 
 
 def kernel_groups(root: nn.Module) -> list[KernelGroup]:

@@ -64,7 +64,7 @@ from orepa.apps.common import (
     make_sgd,
     release_cuda_graphs,
 )
-from orepa.engine import group_kernels
+from orepa.engine import group_kernels, kernel_groups, recorded_bytes
 
 from .report import ratios
 from .variants import ModelSpec, build_variant, split_run_options
@@ -284,11 +284,12 @@ class UnreplayedRecorder:
     def record(self, fn) -> tuple:
         return (lambda: None), fn()
 
+    def pool_bytes(self) -> int:
+        return 0  # its outputs are ordinary tensors
+
 
 def record_without_replay(model: nn.Module, recorder: type = UnreplayedRecorder) -> None:
     """Make ``model``'s kernel groups record their builds with ``recorder`` (see :class:`UnreplayedRecorder`)."""
-    from orepa.engine import kernel_groups
-
     for group in kernel_groups(model):
         group.graphs, group.graph_recorder = True, recorder
 
@@ -321,7 +322,10 @@ def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory:
         r.step(x, y)
         _sync(device)
         above = torch.cuda.max_memory_allocated(device) - start
-        out.update(peak_bytes=state + above, peak_step_bytes=above, peak_source="torch.cuda.max_memory_allocated")
+        # recorded kernel builds hold their graphs' memory from step to step, so it is not above the start
+        held = recorded_bytes(r.model) if r.kernel_graphs else 0
+        out.update(peak_bytes=state + held + above, peak_step_bytes=above, kernel_graph_bytes=held,
+                   peak_source="torch.cuda.max_memory_allocated")
     elif profile_memory:
         above = _cpu_peak_above_start(lambda: r.step(x, y))
         out.update(peak_bytes=state + above, peak_step_bytes=above, peak_source="torch.profiler memory events")
