@@ -211,7 +211,7 @@ graphs)
     # and compiled groups, and what its held graph memory costs at the peak. Stage limits sum to ~9.6 min on
     # the 560 s deadline; the accuracy check runs right after the first bench (eager steps gave 79.12%)
     CUDA_TESTS="recorded or kernel-graphs" cuda_tests "$(left 150)"
-    for run in "resnet18 64 120" "accuracy" "resnet18 8 60" "resnet50 64 120"; do
+    for run in "resnet18 64 150" "accuracy" "resnet18 8 60" "resnet50 64 100"; do
         set -- $run
         if [ "$1" = accuracy ]; then
             limit=$(left 100); [ "$limit" -gt 40 ] || continue
