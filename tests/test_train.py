@@ -873,6 +873,22 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(cache, tmp_path, capsys):
     assert "--kernel-graphs needs a CUDA device" in capsys.readouterr().err
 
 
+def test_kernel_graphs_are_refused_beside_whole_step_graphs_and_compiled_steps(cache, tmp_path, capsys, monkeypatch):
+    """Recorded kernel builds serve eager steps: on a CUDA device (stood in for; the refusals come
+    before any CUDA work) --cuda-graphs or --compile beside --kernel-graphs is a one-line error."""
+    real = train.init_distributed
+    monkeypatch.setattr(train, "init_distributed", lambda device: (real("cpu")[0], torch.device("cuda")))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # put back after
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    for extra, message in ((["--cuda-graphs"], "--kernel-graphs records the kernel construction of eager steps, "
+                                               "--cuda-graphs whole steps (the construction with them): give one"),
+                           (["--compile"], "--kernel-graphs and --compile exclude each other")):
+        capsys.readouterr()
+        assert _train(cache, tmp_path / "run", "--epochs", "1", "--kernel-graphs", *extra) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 def test_graph_capture_puts_back_what_its_warm_up_touched(monkeypatch):
     """No GPU here: a stand-in for make_graphed_callables that, like the real one, runs warm-up
     forward+backward passes on the sample (moving BN statistics, accumulating gradients)."""
