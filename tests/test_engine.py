@@ -1445,3 +1445,49 @@ def test_the_memory_recorded_builds_hold_is_their_pools_and_inputs():
     grouped(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
     kernels = sum(math.prod(shape) for g in groups for shape in g.plan.kernel_shapes)
     assert engine.recorded_bytes(grouped) == 8 * kernels > 0
+
+
+class _Capturing(_Rerun):
+    """A recorder that cannot record now (as inside another CUDA-graph capture)."""
+
+    @staticmethod
+    def supports(t):
+        return False
+
+
+def test_recorded_groups_where_they_cannot_record_run_their_own_builds_in_turn():
+    """Where the recorder cannot record (inside a whole-step capture), a recorded network builds each
+    group with its own build in turn (engine.ChainedBuild), with the per-block numbers."""
+    ref, grouped = _pair(pack=True)
+    groups, _ = _recorded(grouped, recorder=_Capturing)
+    chained = []
+    builder = engine.KernelGroup._builder
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    try:
+        engine.KernelGroup._builder = lambda self, *a: chained.append(builder(self, *a)) or chained[-1]
+        _assert_same_grads(ref, grouped, x)
+    finally:
+        engine.KernelGroup._builder = builder
+    assert [type(b).__name__ for b in chained] == ["ChainedBuild"]
+    assert len(chained[0].builds) == len(groups) and all(g._recordings == 0 for g in groups)
+
+
+@pytest.mark.slow
+def test_a_recorded_compiled_network_compiles_per_group_and_nothing_where_it_cannot_record(monkeypatch):
+    """Policy compiled with graphs: each group's recording compiles that group's construction; where
+    the network cannot record (a whole-step capture), its groups run those compiled builds in turn,
+    so nothing compiles there (a compilation inside a capture would fail)."""
+    a, b, calls = _compiled_pair(monkeypatch)
+    groups, rec = _recorded(b, policy="compiled")
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    opt = torch.optim.SGD(a.parameters(), lr=0.0)
+    (ya, ga), (yb, gb) = _step(a, opt, x), _step(b, torch.optim.SGD(b.parameters(), lr=0.0), x)
+    assert len(calls) == 2 * len(groups) and rec.replays == 2 * len(groups)
+    for g in groups:
+        g.graph_recorder = _Capturing
+    (yc, gc) = _step(b, torch.optim.SGD(b.parameters(), lr=0.0), x)
+    assert len(calls) == 2 * len(groups)  # nothing compiled anew
+    for y, grads in ((yb, gb), (yc, gc)):
+        torch.testing.assert_close(y, ya, rtol=1e-10, atol=1e-12)
+        for k in ga:
+            torch.testing.assert_close(grads[k], ga[k], rtol=1e-9, atol=1e-12, msg=k)

@@ -59,10 +59,10 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["POLICIES", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "PackedParameters", "Plan",
-           "Recording", "builds_together", "choose_route", "functorch_active", "group_kernels", "kernel_groups",
-           "needs_recompute", "plan_of", "recorded_bytes", "route", "squeeze", "squeeze_kernels", "train_forward",
-           "train_kernel"]
+__all__ = ["POLICIES", "ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup",
+           "PackedParameters", "Plan", "Recording", "builds_together", "choose_route", "functorch_active",
+           "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes", "route", "squeeze",
+           "squeeze_kernels", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -679,17 +679,18 @@ def squeeze(blocks: Sequence[nn.Module], names: Sequence[str]) -> Tensor:
 
 
 class GroupsFunction(torch.autograd.Function):
-    """Kernels as one autograd node: ``build`` (an :class:`EagerBuild`, :class:`CompiledBuild` or
-    :class:`GraphedBuild`) makes them from ``storages`` (one per plan; ``None``: its operands concatenated anew); ``params``
-    are the plans' leaves in the same order, and get one gradient each. One block's plan, a group's,
-    or a network's groups (see :func:`group_kernels`, ``joint``): their backward is one call too.
+    """Kernels as one autograd node: ``build`` (an :class:`EagerBuild`, :class:`CompiledBuild`,
+    :class:`GraphedBuild` or :class:`ChainedBuild`) makes them from ``storages`` (one per plan;
+    ``None``: its operands concatenated anew); ``params`` are the plans' leaves in the same order,
+    and get one gradient each. One block's plan, a group's, or a network's groups (see
+    :func:`group_kernels`, ``joint``): their backward is one call too.
 
     Branch gradients come from dL/dW of the kernels through closed-form vjps: nothing but the
     operands is kept (for one block, the parameters themselves)."""
 
     @staticmethod
-    def forward(ctx, build: EagerBuild | CompiledBuild | GraphedBuild, storages: tuple[Storage | None, ...],
-                *params: Tensor):
+    def forward(ctx, build: EagerBuild | CompiledBuild | GraphedBuild | ChainedBuild,
+                storages: tuple[Storage | None, ...], *params: Tensor):
         ctx.build, ctx.storages = build, storages
         if any(st is None for st in storages):  # each plan's leaves among params and fixed kernels (see backward)
             ctx.counts = tuple(len(st.packed) if st is not None and st.packed else plan.n * sum(plan.learnable_roles)
@@ -1401,15 +1402,16 @@ class KernelGroup:
         kept = tuple(K.keep_views(t) for t in (*roles, *(family or ())))
         return Storage(roles, family, plan.operands(roles), packed, kept)
 
-    def _builder(self, groups: Sequence[KernelGroup],
-                 storages: tuple[Storage | None, ...]) -> EagerBuild | CompiledBuild | GraphedBuild:
+    def _builder(self, groups: Sequence[KernelGroup], storages: tuple[Storage | None, ...]
+                 ) -> EagerBuild | CompiledBuild | GraphedBuild | ChainedBuild:
         """How a build led by this group makes the kernels of ``groups`` (itself first, then its
         peers) from ``storages``: eagerly, or (policy ``"compiled"``) by their construction compiled
         for these storages' layouts, at its first use; eagerly, with one warning, where compiling
         fails (e.g. no C++ compiler or Triton), and where a group has no storage (inside a capture).
         With ``graphs``, each group's construction recorded for its storage (:meth:`_recorded`),
-        where the recorder supports them (on CUDA: not inside another capture, e.g. a graphed whole
-        step), replayed one after the other."""
+        where the recorder supports them, replayed one after the other; where it does not (on CUDA:
+        inside another capture, e.g. a graphed whole step), each group's own build in turn
+        (:class:`ChainedBuild`)."""
         plans = tuple(group.plan for group in groups)
         graphable = (self.graphs and not self._graphs_off and self.workspace is not None
                      and all(st is not None for st in storages) and self.graph_recorder.supports(storages[0].roles[0])
@@ -1430,6 +1432,11 @@ class KernelGroup:
                 graphed = GraphedBuild(recordings, self.workspace.replay_lock)
                 self._graphed_for = (storages, graphed)
                 return graphed
+        elif self.graphs and all(st is not None for st in storages):
+            # not recordable now (inside another capture): each group's own build, the one its recording
+            # was made of, so a compiled group compiles nothing inside the capture
+            return ChainedBuild([group._unrecorded_builder((group.plan,), (st,))
+                                 for group, st in zip(groups, storages)])
         return self._unrecorded_builder(plans, storages)
 
     def _recorded(self, stacked: Storage, kind: type) -> Recording | None:
@@ -1766,6 +1773,28 @@ class GraphedBuild:
             for rec in self.recordings:
                 rec.backward()
                 out.extend(_clones(rec.grads))
+        return out
+
+
+class ChainedBuild:
+    """Several groups' own builds (eager or compiled, one plan each) one after the other,
+    interchangeable with the others in :class:`GroupsFunction`: what groups that record their
+    builds run where they cannot record (inside another CUDA-graph capture)."""
+
+    def __init__(self, builds: Sequence[EagerBuild | CompiledBuild]):
+        self.builds = tuple(builds)
+        self.plans = tuple(p for b in self.builds for p in b.plans)
+        self.n = sum(b.n for b in self.builds)
+        self.kernel_shapes = [shape for b in self.builds for shape in b.kernel_shapes]
+
+    def kernels(self, storages: Sequence[Storage]) -> tuple[Tensor, ...]:
+        return tuple(k for b, st in zip(self.builds, storages) for k in b.kernels((st,)))
+
+    def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage]) -> list[Tensor]:
+        out, i = [], 0
+        for b, st in zip(self.builds, storages):
+            out.extend(b.kernels_vjp(grads[i:i + b.n], (st,)))
+            i += b.n
         return out
 
 
