@@ -1491,3 +1491,23 @@ def test_a_recorded_compiled_network_compiles_per_group_and_nothing_where_it_can
         torch.testing.assert_close(y, ya, rtol=1e-10, atol=1e-12)
         for k in ga:
             torch.testing.assert_close(grads[k], ga[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_recorded_builds_under_ddp_give_the_per_block_numbers(tmp_path):
+    """DistributedDataParallel (one gloo process; torchrun's nodes: one per group) over recorded
+    builds: its reducer takes the gradients the replays hand autograd, and two SGD steps give the
+    per-block route's parameters."""
+    import torch.distributed as dist
+
+    ref, grouped = _pair()
+    _recorded(grouped, pack=True, joint=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(grouped)
+        x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+        for m in (ref, ddp):
+            _sgd_steps(m, x)
+    finally:
+        dist.destroy_process_group()
+    _assert_same_state(ref, grouped)
+    assert all(g._recordings == 1 for g in engine.kernel_groups(grouped))
