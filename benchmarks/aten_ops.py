@@ -23,7 +23,7 @@ import json
 
 import torch
 
-from orepa.apps.bench.measure import count_ops, make_runner, record_without_replay
+from orepa.apps.bench.measure import count_ops, make_runner, record_builds
 
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
@@ -36,7 +36,7 @@ for model, b in (("resnet18", 64), ("resnet50", 32)):
         r = make_runner(model, spec, device=torch.device("cpu"),
                         kernel_builder="grouped" if builder == "recorded" else builder)
         if builder == "recorded":
-            record_without_replay(r.model)
+            record_builds(r.model)
         r.step(x, y)
         ops, kernels = count_ops(lambda r=r: r.step(x, y))
         out[key], out[f"{key} kernels"] = ops, kernels

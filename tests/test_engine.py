@@ -14,7 +14,7 @@ from torch import nn
 
 import orepa
 from orepa import engine
-from orepa.apps.bench.measure import UnreplayedRecorder
+from orepa.apps.bench.measure import UnreplayedRecorder, record_builds
 from orepa.blocks import OREPAConv2d
 
 
@@ -1249,8 +1249,7 @@ class _Rerun(UnreplayedRecorder):
 def _recorded(model, policy="grouped", pack=False, joint=True, recorder=None):
     groups = engine.group_kernels(model, policy, pack=pack, joint=joint, graphs=True)
     recorder = recorder or type("Rec", (_Rerun,), {"recorded": [], "replays": 0})
-    for g in groups:
-        g.graph_recorder = recorder
+    record_builds(model, recorder)
     return groups, recorder
 
 
@@ -1374,13 +1373,13 @@ def test_a_recorded_step_dispatches_little_more_than_base_besides_its_replays():
     one ``_foreach_copy_``) and the packed parameters' accumulations: measured 1.08x base's
     operators and 1.10x its kernels (ResNet-18 b64, benchmarks/aten_ops.py; the eager groups 1.79x
     and 2.18x)."""
-    from orepa.apps.bench.measure import count_ops, make_runner, record_without_replay
+    from orepa.apps.bench.measure import count_ops, make_runner
 
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
     ops, kernels = {}, {}
     for spec in ("base", "orepa:builder=grouped"):
         r = make_runner("resnet18", spec, device=torch.device("cpu"), num_classes=10)
-        record_without_replay(r.model)
+        record_builds(r.model)
         r.step(x, y)
         ops[spec], kernels[spec] = count_ops(lambda r=r: r.step(x, y))
     assert engine.kernel_groups(r.model)[0]._graphed_for is not None

@@ -727,15 +727,23 @@ def squeeze_kernels(plan: Plan, stacked: Storage | None, *params: Tensor) -> tup
     return GroupsFunction.apply(plan.build, (stacked,), *params)
 
 
-class EagerBuild:
+class _Build:
+    """What :class:`GroupsFunction` reads of every build (eager, compiled, graphed, chained): its
+    ``plans`` in order, their ``n`` blocks and those blocks' ``kernel_shapes``."""
+
+    def __init__(self, plans: Sequence[Plan]):
+        self.plans = tuple(plans)
+        self.n = sum(p.n for p in self.plans)
+        self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
+
+
+class EagerBuild(_Build):
     """The eager constructions of several groups, one after the other (interchangeable with a
     :class:`CompiledBuild` in :class:`GroupsFunction`): ``plans[i]`` builds from ``storages[i]``,
     in the buffers of ``workspace`` where given (see :class:`Workspace`)."""
 
     def __init__(self, plans: Sequence[Plan], workspace: Workspace | None = None):
-        self.plans = tuple(plans)
-        self.n = sum(p.n for p in self.plans)
-        self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
+        super().__init__(plans)
         self.workspace = workspace
 
     def kernels(self, storages: Sequence[Storage | None]) -> tuple[Tensor, ...]:
@@ -1569,7 +1577,7 @@ def _kind(step: nn.Module) -> str:
     return "scale" if _weight(step).dim() == 1 else "weight"
 
 
-class CompiledBuild:
+class CompiledBuild(_Build):
     """The constructions of one or several groups compiled for their storages' layouts (policy
     ``"compiled"``): the plans' squeezes and vjps traced once (``make_fx``) and compiled by
     inductor, so a training step runs the network's kernel construction as one call forward and
@@ -1584,9 +1592,7 @@ class CompiledBuild:
         import torch._inductor  # here, not at import: the eager routes never need the compiler
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        self.plans = tuple(plans)  # held: the cache key names them by id
-        self.n = sum(p.n for p in self.plans)
-        self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
+        super().__init__(plans)  # the plans held: the cache key names them by id
         traced = [Plan(p.blocks, p.names, launch_bound=True, traced=True) for p in self.plans]
         for plan, st in zip(traced, storages):
             plan.replica_indices(st)
@@ -1733,7 +1739,7 @@ class Recording:
             self.backward, self.grads = recorder.record(backward)
 
 
-class GraphedBuild:
+class GraphedBuild(_Build):
     """The builds of several groups replayed from their :class:`Recording` s, interchangeable with
     the builds they record in :class:`GroupsFunction`.
 
@@ -1752,9 +1758,7 @@ class GraphedBuild:
 
     def __init__(self, recordings: Sequence[Recording], lock: threading.Lock):
         self.recordings = tuple(recordings)
-        self.plans = tuple(rec.plan for rec in self.recordings)
-        self.n = sum(p.n for p in self.plans)
-        self.kernel_shapes = [shape for p in self.plans for shape in p.kernel_shapes]
+        super().__init__([rec.plan for rec in self.recordings])
         self._grads_in = [g for rec in self.recordings for g in rec.grads_in]
         self._lock = lock
 
@@ -1776,16 +1780,14 @@ class GraphedBuild:
         return out
 
 
-class ChainedBuild:
+class ChainedBuild(_Build):
     """Several groups' own builds (eager or compiled, one plan each) one after the other,
     interchangeable with the others in :class:`GroupsFunction`: what groups that record their
     builds run where they cannot record (inside another CUDA-graph capture)."""
 
     def __init__(self, builds: Sequence[EagerBuild | CompiledBuild]):
         self.builds = tuple(builds)
-        self.plans = tuple(p for b in self.builds for p in b.plans)
-        self.n = sum(b.n for b in self.builds)
-        self.kernel_shapes = [shape for b in self.builds for shape in b.kernel_shapes]
+        super().__init__([p for b in self.builds for p in b.plans])
 
     def kernels(self, storages: Sequence[Storage]) -> tuple[Tensor, ...]:
         return tuple(k for b, st in zip(self.builds, storages) for k in b.kernels((st,)))

@@ -267,7 +267,7 @@ def count_ops(fn: Callable[[], object]) -> tuple[int, int]:
 
 class UnreplayedRecorder:
     """A stand-in for ``orepa.engine.CudaGraphRecorder`` on any device, for counting what the host
-    issues in a step whose kernel builds are recorded (:func:`record_without_replay`): it records by
+    issues in a step whose kernel builds are recorded (:func:`record_builds`): it records by
     running the construction once and replays nothing, as a CUDA graph's replay dispatches no
     operator. The kernels then stay those of the recording: for counting, never for training."""
 
@@ -288,8 +288,9 @@ class UnreplayedRecorder:
         return 0  # its outputs are ordinary tensors
 
 
-def record_without_replay(model: nn.Module, recorder: type = UnreplayedRecorder) -> None:
-    """Make ``model``'s kernel groups record their builds with ``recorder`` (see :class:`UnreplayedRecorder`)."""
+def record_builds(model: nn.Module, recorder: type = UnreplayedRecorder) -> None:
+    """Make ``model``'s kernel groups record their builds with ``recorder`` (by default one that
+    never replays, to count a recorded step's host operators: :class:`UnreplayedRecorder`)."""
     for group in kernel_groups(model):
         group.graphs, group.graph_recorder = True, recorder
 
