@@ -34,13 +34,18 @@ def _grads(model, *xs):
     for x in xs:
         y = model(x)
         (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)).square().sum().backward()
+    return y, _named_grads(model)
+
+
+def _named_grads(model) -> dict:
+    """``model``'s gradients by state_dict key (a packed step's: its rows of its packed parameter's)."""
     grads = {n: p.grad for n, p in model.named_parameters() if ".packed_parameters." not in n}
     for name, m in model.named_modules():
         slot = m.__dict__.get("_packed")
         if slot is not None:
             grad = slot.holder._parameters[slot.name].grad
             grads[f"{name}.weight"] = None if grad is None else grad.narrow(0, slot.lo, slot.size)
-    return y, grads
+    return grads
 
 
 def _sgd_steps(model, x, steps=2):
@@ -233,6 +238,65 @@ def test_a_block_skipped_then_run_after_a_backward_gets_a_fresh_kernel(policy, m
         model[1](x).square().sum().backward()  # step 2: block a skipped, nothing updated in between
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
+
+def _reference_autograd(model):
+    """``model`` with every online block squeezed by plain autograd through orepa.kernels (the
+    reference path deployment uses), not by the engine."""
+    for m in model.modules():
+        if isinstance(m, OREPAConv2d):
+            m._closed_form = False
+    return model
+
+
+def _penalised_grads(model, x, wrt):
+    """Gradients by state_dict key of ``loss + |d loss / d wrt|^2`` (``wrt``: "params", a
+    penalty on the parameters' gradients, as in Hessian-vector products and meta-learning;
+    "input": on the input's, as in WGAN-GP and R1), and the first-order gradients as made
+    under ``create_graph=True``."""
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(wrt == "input")
+    y = model(x)
+    loss = (y * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype)).square().mean()
+    inputs = [x] if wrt == "input" else list(model.parameters())
+    first = torch.autograd.grad(loss, inputs, create_graph=True)
+    (loss + sum(g.square().sum() for g in first)).backward()
+    return [g.detach() for g in first], _named_grads(model)
+
+
+@pytest.mark.parametrize("wrt", ["params", "input"])
+@pytest.mark.parametrize("route", ["per-block", "per-block on a GPU", "grouped", "grouped packed",
+                                   "packed, a node per group", "recorded"])
+def test_gradients_made_with_create_graph_differentiate_as_plain_autograd(route, wrt, monkeypatch):
+    """Double backward (create_graph=True) through every route: the closed-form vjps write through
+    out= and the groups' intermediates live in a workspace, which autograd cannot follow, so such a
+    backward builds the kernels again in differentiable operators. The first-order gradients and
+    the penalty's match the reference path's (a backward whose gradients were cut from the graph
+    fails every "params" case; the unfixed engine raised an out= error there)."""
+    torch.manual_seed(0)
+    ref = _reference_autograd(orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125).double())
+    net = copy.deepcopy(ref)
+    for m in net.modules():
+        if isinstance(m, OREPAConv2d):
+            m._closed_form = True
+    if route == "per-block on a GPU":  # each block's GPU route: kernel space, kept, launch-bound plans
+        monkeypatch.setattr(engine, "_launch_bound", lambda t: True)
+        engine.group_kernels(net, "per-block")
+    elif route == "recorded":
+        _recorded(net)
+    else:
+        engine.group_kernels(net, "per-block" if route == "per-block" else "grouped", pack="packed" in route,
+                             joint=route != "packed, a node per group")
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    first0, g0 = _penalised_grads(ref, x, wrt)
+    first1, g1 = _penalised_grads(net, x, wrt)
+    assert g0.keys() == g1.keys()
+    # relative to the largest gradient: train-mode BNs over 2 images amplify rounding (~1e-11 seen)
+    scale = max(g.abs().max() for g in g0.values())
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=0, atol=1e-9 * scale, msg=k)
+    if wrt == "input":
+        torch.testing.assert_close(first1[0], first0[0], rtol=0, atol=1e-9 * first0[0].abs().max())
 
 
 def test_a_block_used_twice_in_one_forward_gets_both_gradients():

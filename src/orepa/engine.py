@@ -692,10 +692,8 @@ class GroupsFunction(torch.autograd.Function):
     def forward(ctx, build: EagerBuild | CompiledBuild | GraphedBuild | ChainedBuild,
                 storages: tuple[Storage | None, ...], *params: Tensor):
         ctx.build, ctx.storages = build, storages
-        if any(st is None for st in storages):  # each plan's leaves among params and fixed kernels (see backward)
-            ctx.counts = tuple(len(st.packed) if st is not None and st.packed else plan.n * sum(plan.learnable_roles)
-                               for plan, st in zip(build.plans, storages))
-            ctx.fixed = tuple(plan.fixed() if st is None else () for plan, st in zip(build.plans, storages))
+        # each plan's fixed kernels as read now, where no storage holds them (see backward)
+        ctx.fixed = tuple(plan.fixed() if st is None else None for plan, st in zip(build.plans, storages))
         # the parameters are kept (no memory; autograd checks they are unchanged at backward), and
         # the operands read again there: from the group's storage, whose memory is theirs, or
         # concatenated anew without one (keeping per-step concatenations instead held a copy of
@@ -711,15 +709,70 @@ class GroupsFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         ref = saved[0]
         grads = [g if g is not None else ref.new_zeros(shape) for g, shape in zip(grads, ctx.build.kernel_shapes)]
+        if torch.is_grad_enabled():  # create_graph=True: these gradients are differentiated in turn
+            return (None, None, *_differentiable_vjp(ctx.build.plans, ctx.storages, ctx.fixed, saved, grads))
         # without a storage the operands are read anew, from the leaves the forward read: the blocks
         # may hold other tensors by now (functional_call gives them their own back before backward)
-        storages, i = list(ctx.storages), 0
-        if any(st is None for st in storages):
-            for j, (plan, count, fixed) in enumerate(zip(ctx.build.plans, ctx.counts, ctx.fixed)):
-                if storages[j] is None:
-                    storages[j] = plan.storage_from(saved[i:i + count], fixed)
-                i += count
+        storages = [plan.storage_from(leaves, fixed) if st is None else st
+                    for plan, st, fixed, leaves in zip(ctx.build.plans, ctx.storages, ctx.fixed,
+                                                       _leaves_per_plan(ctx.build.plans, ctx.storages, saved))]
         return (None, None, *ctx.build.kernels_vjp(grads, storages))
+
+
+def _leaves_per_plan(plans: Sequence[Plan], storages: Sequence[Storage | None],
+                     leaves: Sequence[Tensor]) -> list[Sequence[Tensor]]:
+    """:class:`GroupsFunction`'s leaves split by plan: a packed storage's packed parameters, or every
+    block's parameters (:meth:`Plan.params` order)."""
+    out, i = [], 0
+    for plan, st in zip(plans, storages):
+        count = len(st.packed) if st is not None and st.packed else plan.n * sum(plan.learnable_roles)
+        out.append(leaves[i:i + count])
+        i += count
+    return out
+
+
+def autograd_twin(plan: Plan) -> Plan:
+    """``plan`` evaluated in plain differentiable operators (its traced form: nothing written through
+    out=, which autograd cannot follow), made once: for a backward that is itself differentiated."""
+    twin = plan.__dict__.get("_twin")
+    if twin is None:
+        twin = plan._twin = Plan(plan.blocks, plan.names, plan.launch_bound, traced=True)
+    return twin
+
+
+def _differentiable_vjp(plans: Sequence[Plan], storages: Sequence[Storage | None],
+                        fixed: Sequence[list[Tensor] | None], leaves: Sequence[Tensor],
+                        grads: Sequence[Tensor]) -> list[Tensor | None]:
+    """:class:`GroupsFunction`'s backward as a graph, under ``create_graph=True`` (gradient penalties,
+    Hessian-vector products, meta-learning): the kernels built again with autograd from the leaves
+    (each plan's :func:`autograd_twin`) and differentiated. The closed-form vjps' numbers, rounding
+    aside; that kind of backward alone pays the second construction."""
+    kernels = []
+    with torch.enable_grad():
+        for plan, st, fx, mine in zip(plans, storages, fixed, _leaves_per_plan(plans, storages, leaves)):
+            twin = autograd_twin(plan)
+            kernels.extend(twin.kernels(_storage_of_leaves(twin, st, mine, plan.fixed() if fx is None else fx)))
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(kernels, wanted, grads, create_graph=True, allow_unused=True))
+    return [next(got) if t.requires_grad else None for t in leaves]
+
+
+def _storage_of_leaves(plan: Plan, st: Storage | None, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> Storage:
+    """The operands of a build as differentiable functions of its ``leaves``: a packed storage's roles
+    (and filter family) as views of the packed parameters they are rows of, any other storage's as
+    the concatenations of the blocks' parameters (:meth:`Plan.storage_from`)."""
+    if st is None or not st.packed:
+        return plan.storage_from(leaves, fixed)
+    by_memory = {p.untyped_storage().data_ptr(): p for p in leaves}
+
+    def rows(t: Tensor) -> Tensor:  # a fixed kernel lies in no parameter: itself
+        p = by_memory.get(t.untyped_storage().data_ptr())
+        return t if p is None else p.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    roles = [rows(t) for t in st.roles]
+    family = None if st.family is None else st.family._replace(weights=rows(st.family.weights),
+                                                               scales=rows(st.family.scales))
+    return Storage(roles, family, plan.operands(roles))
 
 
 def squeeze_kernels(plan: Plan, stacked: Storage | None, *params: Tensor) -> tuple[Tensor, ...]:
@@ -948,6 +1001,8 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         block, dtype = ctx.block, ctx.conv_dtype
         plan = plan_of(block, ctx.names, _launch_bound(x))
+        if torch.is_grad_enabled():  # create_graph=True: the closed form in differentiable operators
+            plan = autograd_twin(plan)
         stacked = plan.storage_from(params, ctx.fixed)  # what the forward read (not what the block holds by now)
         w = plan.squeeze(stacked)
         gx, gw, gb = torch.ops.aten.convolution_backward(
