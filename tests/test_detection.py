@@ -329,6 +329,20 @@ def test_param_groups_stem_lr_and_no_decay():
     torch.optim.SGD(groups, lr=0.02, momentum=0.9)  # accepted as is
 
 
+def test_param_groups_refuse_packed_parameters_that_span_parts():
+    """Packed, a group's weights are one tensor held by its first block: the deep stem's 3x3 convs
+    and layer1's share one, which cannot take the stem's lr and the backbone's at once."""
+    from orepa.engine import group_kernels
+
+    model = D.fasterrcnn("resnet18", "orepa", num_classes=3, backbone_options=TINY, trainable_layers=5)
+    group_kernels(model, "grouped", pack=True)
+    with pytest.raises(ValueError, match=r"backbone and stem .*packed_parameters.*pack=False"):
+        D.param_groups(model, lr=0.02)
+    group_kernels(model, "grouped", pack=False)  # unpacked again: every block's own parameters
+    assert {id(p) for g in D.param_groups(model, lr=0.02) for p in g["params"]} == {
+        id(p) for p in model.parameters() if p.requires_grad}
+
+
 # --------------------------------------------------------------------------- pretrained weights
 
 

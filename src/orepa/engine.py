@@ -1935,7 +1935,9 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     ``pack``: every group's learnable operands become a few parameters, one per kind and row shape
     (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
     where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
-    afterwards.
+    afterwards; freeze stages and split parameters by module before: a module's ``parameters()``
+    then no longer hold its blocks' weights, which are their group's (held by its first block,
+    maybe in another stage).
 
     ``joint``: the groups built at a forward's first online block are one autograd node (compiled:
     one call forward, one backward), the fewest calls for the host. Their parameters' gradients

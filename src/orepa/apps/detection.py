@@ -57,6 +57,7 @@ from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
 from ..blocks import OREPADeepStem, ReparamConv2d
 from ..convert import load_plain_state_dict, pads_tf_same, reparameterize
+from ..engine import kernel_groups
 from .common import split_params
 
 __all__ = [
@@ -684,20 +685,33 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
 
     Returns a list of ``{"params", "lr", "weight_decay", "name"}`` dicts for
     ``torch.optim`` (empty groups dropped); ``group["name"]`` is e.g. ``"stem/no_decay"``.
+    Refuses a model whose packed parameters (``group_kernels(..., pack=True)``) hold the
+    weights of blocks in several of those parts: one tensor cannot take two learning rates.
     """
     decayed = {id(p) for p in split_params(model).decay}
     stems = _stem_prefixes(model)
     bodies = [p[: -len("conv1.")] for p in stems if p.endswith("conv1.")]
+
+    def part_of(name: str) -> str:
+        if any(name.startswith(s) for s in stems):
+            return "stem"
+        return "backbone" if any(name.startswith(b) for b in bodies) else "rest"
+
+    names = {id(m): n + "." for n, m in model.named_modules()}
+    for group in kernel_groups(model):
+        parts = {part_of(names[id(b)]) for b in group.plan.blocks}
+        if group.packed is not None and len(parts) > 1:
+            raise ValueError(
+                f"param_groups: packed parameters (group_kernels(..., pack=True)) hold the weights of online "
+                f"blocks in the {' and '.join(sorted(parts))} ({names[id(group.plan.blocks[0])]}packed_parameters), "
+                f"which take different learning rates; build the parameter groups of an unpacked model "
+                f"(orepa.engine.group_kernels(model, pack=False))")
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if any(name.startswith(s) for s in stems):
-            part, mult = "stem", stem_lr_mult
-        elif any(name.startswith(b) for b in bodies):
-            part, mult = "backbone", backbone_lr_mult
-        else:
-            part, mult = "rest", 1.0
+        part = part_of(name)
+        mult = {"stem": stem_lr_mult, "backbone": backbone_lr_mult, "rest": 1.0}[part]
         decay = id(p) in decayed
         key = f"{part}/{'decay' if decay else 'no_decay'}"
         g = groups.setdefault(key, {"params": [], "lr": lr * mult,
