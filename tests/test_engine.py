@@ -299,6 +299,58 @@ def test_gradients_made_with_create_graph_differentiate_as_plain_autograd(route,
         torch.testing.assert_close(first1[0], first0[0], rtol=0, atol=1e-9 * first0[0].abs().max())
 
 
+def _data_parallel_replica(model, scale=2.0):
+    """What ``torch.nn.parallel.replicate`` makes of ``model`` for one device, on any device: each
+    module's ``_replicate_for_data_parallel()`` (its dicts shared with the original's), its
+    parameters differentiable functions of the original's (``scale * p`` in place of Broadcast's
+    copy, so that reading the original's tensors instead shows)."""
+    modules = list(model.modules())
+    replicas = {id(m): m._replicate_for_data_parallel() for m in modules}
+    for m in modules:
+        r = replicas[id(m)]
+        for name, child in m._modules.items():
+            r._modules[name] = None if child is None else replicas[id(child)]
+        for name, p in m._parameters.items():
+            r._parameters[name] = None if p is None else p * scale
+    return replicas[id(model)]
+
+
+@pytest.mark.parametrize("policy", ["per-block", "grouped"])
+def test_a_data_parallel_replica_builds_from_its_own_tensors(policy):
+    """DataParallel's replicas share their original's dicts (its group, its plans) but hold the
+    tensors broadcast to their device: their kernels are built from those (per block), and the
+    gradients reach the original through them. Before, a grouped replica failed (its blocks are
+    not the group's) and a per-block one read the original's tensors (on another device: an error)."""
+    torch.manual_seed(0)
+    net = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125).double()
+    twice = copy.deepcopy(net)
+    with torch.no_grad():
+        for p in twice.parameters():
+            p.mul_(2)
+    engine.group_kernels(net, policy)
+    engine.group_kernels(twice, "per-block")
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    net(x)  # the original's own forward first: its plans and its group's storage are made
+    net.zero_grad(set_to_none=True)
+    y = _data_parallel_replica(net)(x)
+    twice.zero_grad(set_to_none=True)
+    y0 = twice(x)
+    torch.testing.assert_close(y, y0, rtol=1e-10, atol=1e-12)
+    y.square().mean().backward()
+    y0.square().mean().backward()
+    g, g0 = _named_grads(net), _named_grads(twice)
+    for k in g0:  # d/dp of f(2p) = 2 f'(2p)
+        torch.testing.assert_close(g[k], 2 * g0[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_a_data_parallel_replica_of_packed_groups_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    net = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    engine.group_kernels(net, "grouped", pack=True)
+    with pytest.raises(RuntimeError, match="DataParallel cannot replicate packed.*pack=False"):
+        _data_parallel_replica(net)(torch.randn(2, 3, 32, 32))
+
+
 def test_a_block_used_twice_in_one_forward_gets_both_gradients():
     torch.manual_seed(0)
     shared, other = OREPAConv2d(4, 4, 3).double(), OREPAConv2d(4, 4, 3).double()

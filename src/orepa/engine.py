@@ -669,7 +669,21 @@ def _branch_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
 
 def plan_of(block: nn.Module, names: Sequence[str], launch_bound: bool = False) -> Plan:
     """The (cached) plan of one block's named branches (``launch_bound``: see :class:`Plan`)."""
+    if _is_replica(block):
+        # a DataParallel replica (made anew at every forward) shares its original's dicts, plan cache
+        # included, but reads the tensors broadcast to its device: a plan of its own, uncached
+        if any(st.__dict__.get("_packed") is not None for br in block.branches.values() for st in br._split()[0]):
+            raise RuntimeError(
+                f"{type(block).__name__}: DataParallel cannot replicate packed parameters (their steps read the "
+                f"original's rows on its device); use DistributedDataParallel, or "
+                f"orepa.engine.group_kernels(model, pack=False) before wrapping")
+        return Plan((block,), names, launch_bound)
     return memo(block._plans, (tuple(names), launch_bound), lambda: Plan((block,), names, launch_bound))
+
+
+def _is_replica(module: nn.Module) -> bool:
+    """Whether ``module`` is a replica that ``torch.nn.DataParallel`` made for one of its devices."""
+    return module.__dict__.get("_is_replica", False)
 
 
 def squeeze(blocks: Sequence[nn.Module], names: Sequence[str]) -> Tensor:
@@ -1049,7 +1063,9 @@ def _recomputing() -> bool:
 
 def _grouped(block: nn.Module, ref: Tensor) -> KernelGroup | None:
     group = block._kernel_group
-    if group is None or not group.active(ref):
+    if group is None or not group.active(ref) or _is_replica(block):
+        # a DataParallel replica shares its original's group, which builds from the original's
+        # tensors: it takes its own route, from its own (see plan_of)
         return None
     if _recomputing():
         group.decline()
