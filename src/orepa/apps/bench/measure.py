@@ -421,7 +421,7 @@ def run_benchmark(
     device = torch.device(device)
     check_step_modes(device, cuda_graphs, compile)
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    git_start = _git_state()  # the code this process loaded (files edited during a run do not count)
+    git_start = git_state()  # the code this process loaded (files edited during a run do not count)
     methods = variant_specs(methods)
     if runners is None:
         runners = [make_runner(model, spec, device=device, num_classes=num_classes, in_chans=in_chans,
@@ -561,7 +561,7 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _git_state() -> dict | None:
+def git_state() -> dict | None:
     """Commit and modified files of the orepa checkout (tables depend on the core code's state)."""
     import subprocess
 
