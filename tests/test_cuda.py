@@ -244,3 +244,38 @@ def test_recorded_kernel_builds_train_as_unrecorded_ones_at_any_batch_and_under_
     loss.backward()
     assert torch.isfinite(loss) and all(g._recordings == 2 for g in groups)
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("route", ["grouped packed", "recorded"])
+def test_double_backward_on_the_gpu_matches_plain_autograd(route):
+    """create_graph=True on the GPU routes (the workspace's out= writes, recorded builds): the gradient
+    of a penalty on the parameters' gradients matches plain autograd through orepa.kernels."""
+    import copy
+
+    from orepa.blocks import OREPAConv2d
+
+    torch.manual_seed(0)
+    with full_float32():
+        ref = create_model("resnet18", "orepa", num_classes=10, width_mult=0.125).cuda().double()
+        net = copy.deepcopy(ref)
+        for m in ref.modules():
+            if isinstance(m, OREPAConv2d):
+                m._closed_form = False  # the reference path: plain autograd
+        engine.group_kernels(net, "grouped", pack=True, graphs=route == "recorded")
+        x = torch.randn(2, 3, 32, 32, device="cuda", dtype=torch.float64)
+        grads = []
+        for model in (ref, net):
+            for _ in range(2):  # the second step replays what the first recorded
+                model.zero_grad(set_to_none=True)
+                loss = model(x).square().mean()
+                first = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+                (loss + sum(g.square().sum() for g in first)).backward()
+            grads.append({k: v.grad for k, v in model.named_parameters() if ".packed_parameters." not in k})
+        for name, m in net.named_modules():  # a packed step's gradient: its rows of its packed parameter's
+            slot = m.__dict__.get("_packed")
+            if slot is not None:
+                grads[1][f"{name}.weight"] = slot.holder._parameters[slot.name].grad.narrow(0, slot.lo, slot.size)
+        scale = max(g.abs().max() for g in grads[0].values())
+        assert grads[0].keys() == grads[1].keys()
+        for k, g in grads[0].items():
+            torch.testing.assert_close(grads[1][k], g, rtol=0, atol=1e-9 * scale, msg=k)

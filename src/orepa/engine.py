@@ -745,7 +745,7 @@ def _leaves_per_plan(plans: Sequence[Plan], storages: Sequence[Storage | None],
     return out
 
 
-def autograd_twin(plan: Plan) -> Plan:
+def _autograd_twin(plan: Plan) -> Plan:
     """``plan`` evaluated in plain differentiable operators (its traced form: nothing written through
     out=, which autograd cannot follow), made once: for a backward that is itself differentiated."""
     twin = plan.__dict__.get("_twin")
@@ -759,12 +759,12 @@ def _differentiable_vjp(plans: Sequence[Plan], storages: Sequence[Storage | None
                         grads: Sequence[Tensor]) -> list[Tensor | None]:
     """:class:`GroupsFunction`'s backward as a graph, under ``create_graph=True`` (gradient penalties,
     Hessian-vector products, meta-learning): the kernels built again with autograd from the leaves
-    (each plan's :func:`autograd_twin`) and differentiated. The closed-form vjps' numbers, rounding
+    (each plan's :func:`_autograd_twin`) and differentiated. The closed-form vjps' numbers, rounding
     aside; that kind of backward alone pays the second construction."""
     kernels = []
     with torch.enable_grad():
         for plan, st, fx, mine in zip(plans, storages, fixed, _leaves_per_plan(plans, storages, leaves)):
-            twin = autograd_twin(plan)
+            twin = _autograd_twin(plan)
             kernels.extend(twin.kernels(_storage_of_leaves(twin, st, mine, plan.fixed() if fx is None else fx)))
         wanted = [t for t in leaves if t.requires_grad]
         got = iter(torch.autograd.grad(kernels, wanted, grads, create_graph=True, allow_unused=True))
@@ -1016,7 +1016,7 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         block, dtype = ctx.block, ctx.conv_dtype
         plan = plan_of(block, ctx.names, _launch_bound(x))
         if torch.is_grad_enabled():  # create_graph=True: the closed form in differentiable operators
-            plan = autograd_twin(plan)
+            plan = _autograd_twin(plan)
         stacked = plan.storage_from(params, ctx.fixed)  # what the forward read (not what the block holds by now)
         w = plan.squeeze(stacked)
         gx, gw, gb = torch.ops.aten.convolution_backward(
