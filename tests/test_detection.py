@@ -336,7 +336,7 @@ def test_param_groups_refuse_packed_parameters_that_span_parts():
 
     model = D.fasterrcnn("resnet18", "orepa", num_classes=3, backbone_options=TINY, trainable_layers=5)
     group_kernels(model, "grouped", pack=True)
-    with pytest.raises(ValueError, match=r"backbone and stem .*packed_parameters.*pack=False"):
+    with pytest.raises(ValueError, match=r"several parts \(backbone, stem; held by .*packed_parameters.*pack=False"):
         D.param_groups(model, lr=0.02)
     group_kernels(model, "grouped", pack=False)  # unpacked again: every block's own parameters
     assert {id(p) for g in D.param_groups(model, lr=0.02) for p in g["params"]} == {

@@ -699,11 +699,13 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
 
     names = {id(m): n + "." for n, m in model.named_modules()}
     for group in kernel_groups(model):
-        parts = {part_of(names[id(b)]) for b in group.plan.blocks}
+        # a group made over a larger module may also hold blocks outside this one
+        parts = {part_of(names[id(b)]) if id(b) in names else "outside the model" for b in group.plan.blocks}
         if group.packed is not None and len(parts) > 1:
+            first = names.get(id(group.plan.blocks[0]), "a block outside the model: its ")
             raise ValueError(
                 f"param_groups: packed parameters (group_kernels(..., pack=True)) hold the weights of online "
-                f"blocks in the {' and '.join(sorted(parts))} ({names[id(group.plan.blocks[0])]}packed_parameters), "
+                f"blocks in several parts ({', '.join(sorted(parts))}; held by {first}packed_parameters), "
                 f"which take different learning rates; build the parameter groups of an unpacked model "
                 f"(orepa.engine.group_kernels(model, pack=False))")
     groups: dict[str, dict] = {}
