@@ -669,16 +669,19 @@ def _branch_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
 
 def plan_of(block: nn.Module, names: Sequence[str], launch_bound: bool = False) -> Plan:
     """The (cached) plan of one block's named branches (``launch_bound``: see :class:`Plan`)."""
+    cache = block._plans
     if _is_replica(block):
         # a DataParallel replica (made anew at every forward) shares its original's dicts, plan cache
-        # included, but reads the tensors broadcast to its device: a plan of its own, uncached
-        if any(st.__dict__.get("_packed") is not None for br in block.branches.values() for st in br._split()[0]):
+        # included, but reads the tensors broadcast to its device: plans of its own (its forward's and
+        # its recomputing backward's)
+        group = block._kernel_group
+        if group is not None and group.packed is not None:
             raise RuntimeError(
                 f"{type(block).__name__}: DataParallel cannot replicate packed parameters (their steps read the "
                 f"original's rows on its device); use DistributedDataParallel, or "
                 f"orepa.engine.group_kernels(model, pack=False) before wrapping")
-        return Plan((block,), names, launch_bound)
-    return memo(block._plans, (tuple(names), launch_bound), lambda: Plan((block,), names, launch_bound))
+        cache = block.__dict__.setdefault("_replica_plans", {})
+    return memo(cache, (tuple(names), launch_bound), lambda: Plan((block,), names, launch_bound))
 
 
 def _is_replica(module: nn.Module) -> bool:
