@@ -699,21 +699,24 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
 
     names = {id(m): n + "." for n, m in model.named_modules()}
     for group in kernel_groups(model):
+        if group.packed is None:  # its blocks' parameters are their own
+            continue
         # a group made over a larger module may also hold blocks outside this one
         parts = {part_of(names[id(b)]) if id(b) in names else "outside the model" for b in group.plan.blocks}
-        if group.packed is not None and len(parts) > 1:
+        if len(parts) > 1:
             first = names.get(id(group.plan.blocks[0]), "a block outside the model: its ")
             raise ValueError(
                 f"param_groups: packed parameters (group_kernels(..., pack=True)) hold the weights of online "
                 f"blocks in several parts ({', '.join(sorted(parts))}; held by {first}packed_parameters), "
                 f"which take different learning rates; build the parameter groups of an unpacked model "
                 f"(orepa.engine.group_kernels(model, pack=False))")
+    mults = {"stem": stem_lr_mult, "backbone": backbone_lr_mult, "rest": 1.0}
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         part = part_of(name)
-        mult = {"stem": stem_lr_mult, "backbone": backbone_lr_mult, "rest": 1.0}[part]
+        mult = mults[part]
         decay = id(p) in decayed
         key = f"{part}/{'decay' if decay else 'no_decay'}"
         g = groups.setdefault(key, {"params": [], "lr": lr * mult,
