@@ -644,6 +644,33 @@ def test_functional_call_by_state_dict_names_reaches_the_packed_steps_and_leaves
     assert {v.dtype for v in copy.deepcopy(packed).state_dict().values() if v.is_floating_point()} == {torch.float32}
 
 
+def test_torch_compile_of_a_packed_model_gives_the_eager_gradients():
+    """``torch.compile`` of a model whose groups are packed: the blocks read their rows of the packed
+    parameters inside the traced autograd Function (dynamo failed there on the rows' bookkeeping
+    for functional_call, "an intermediate tensor ... aliases an input or output"). ``aot_eager``
+    traces and partitions as inductor would, without generating code."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _Fan([4, 8]).double()
+    with torch.no_grad():
+        for p in eager.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.group_kernels(eager, "grouped", pack=True)
+    net = copy.deepcopy(eager)
+    compiled = torch.compile(net, backend="aot_eager")
+    x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    for _ in range(2):  # the second call runs the compiled graph as it is
+        net.zero_grad(set_to_none=True)
+        y = compiled(x)
+        y.square().sum().backward()
+    eager(x).square().sum().backward()
+    torch.testing.assert_close(y, eager(x), rtol=1e-10, atol=1e-12)
+    grads = dict(eager.named_parameters())
+    assert sum(".packed_parameters." in n for n in grads) >= 4
+    for n, p in net.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
 def _twins(net: nn.Module, policy: str, other: str) -> tuple[nn.Module, nn.Module]:
     """``net`` in float64 with its parameters moved off their initial values (identities, zeros),
     and a deep copy of it; grouped with ``policy`` and ``other``."""

@@ -192,7 +192,8 @@ class PackedSlot:
         if self.overridden is not None:
             return self.overridden
         rows = self.view()
-        self._handed = weakref.ref(rows)
+        if not torch.compiler.is_compiling():  # (a traced side effect dynamo cannot carry out of a Function)
+            self._handed = weakref.ref(rows)
         return rows
 
     def override(self, value: Tensor | None) -> None:
