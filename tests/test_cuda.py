@@ -216,9 +216,14 @@ def test_recorded_kernel_builds_train_as_unrecorded_ones_at_any_batch_and_under_
                 opt.step()
         assert isinstance(groups[0]._graphed_for[1], engine.GraphedBuild)
         assert all(g._recordings == 1 for g in groups)
-        # the pools hold at least the recordings' outputs: every kernel and every parameter's gradient
-        outputs = sum(t.nbytes for g in groups for t in (*g._recording.kernels, *g._recording.grads))
-        assert engine.recorded_bytes(m) >= outputs + sum(t.nbytes for g in groups for t in g._recording.grads_in)
+        # held: the pool (temporaries), the kernels' gradient inputs and the one output buffer that
+        # every recording's kernels and gradients are views of
+        buffer = groups[0].workspace.output_buffer(next(m.parameters()).device).buffer
+        outputs = [t for g in groups for t in (*g._recording.kernels, *g._recording.grads)]
+        assert {t.untyped_storage().data_ptr() for t in outputs} == {buffer.untyped_storage().data_ptr()}
+        pools = sum(r.pool_bytes() for r in groups[0].workspace.recorders.values())
+        inputs = sum(t.nbytes for g in groups for t in g._recording.grads_in)
+        assert pools > 0 and engine.recorded_bytes(m) == pools + buffer.nbytes + inputs
         for (k, a), b in zip(m.state_dict().items(), ref.state_dict().values()):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=k)
         m.eval(), ref.eval()  # BN statistics fixed: the captured forward is compared with eager ones

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import orepa
 from orepa import engine
@@ -1579,14 +1580,39 @@ def test_the_cuda_recorder_captures_on_its_devices_stream_and_replays_there(monk
                      ("capture", "pool", "Stream", "thread_local"), ("device", dev), "replay"]
 
 
-def test_the_memory_recorded_builds_hold_is_their_pools_and_inputs():
-    """recorded_bytes: the recorders' pools (a stand-in's: none) and the kernels' gradient inputs."""
+class _Copies(TorchDispatchMode):
+    """The multi-tensor copies dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten._foreach_copy_
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_recordings_write_into_one_buffer_with_room_for_the_largest_groups_outputs(pack):
+    """Every recording's kernels and gradients are views of the network's one output buffer, sized
+    for the largest group's outputs instead of all of them; recorded_bytes is the recorders' pools
+    (a stand-in's: none), the kernels' gradient inputs and that buffer. An eager packed
+    construction writes its gradients there as it makes them (no copy at the end of its graph)."""
     _, grouped = _pair()
     assert engine.recorded_bytes(grouped) == 0
-    groups, _ = _recorded(grouped)
+    groups, _ = _recorded(grouped, pack=pack)
     grouped(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
+    recordings = [g._recording for g in groups]
+    outputs = [t for rec in recordings for t in (*rec.kernels, *rec.grads)]
+    buffer = groups[0].workspace.output_buffer(torch.device("cpu")).buffer
+    assert {t.untyped_storage().data_ptr() for t in outputs} == {buffer.untyped_storage().data_ptr()}
+    assert buffer.nbytes == max(g._output_bytes() for g in groups) < sum(t.nbytes for t in outputs) / 2
     kernels = sum(math.prod(shape) for g in groups for shape in g.plan.kernel_shapes)
-    assert engine.recorded_bytes(grouped) == 8 * kernels > 0
+    assert engine.recorded_bytes(grouped) == 8 * kernels + buffer.nbytes
+    for rec in recordings:
+        with _Copies() as copies:
+            rec.backward()  # the stand-in's replay runs the recorded function
+        assert copies.count == (0 if pack else 1)
 
 
 class _Capturing(_Rerun):
