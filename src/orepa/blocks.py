@@ -649,7 +649,7 @@ class ReparamConv2d(nn.Module):
     def _squeezed(self) -> Tensor:
         """The summed branch kernels of an online block (its bias excluded)."""
         names = tuple(self.branches)
-        if not self._closed_form or E.functorch_active():
+        if not self._closed_form or E.reference_path():
             w = self._fused_parts()[0]
         elif torch.is_grad_enabled():
             w = E.train_kernel(self)
@@ -669,7 +669,7 @@ class ReparamConv2d(nn.Module):
         if self.tf_same:
             x = pad_tf_same(x, self.kernel_size, self.stride, self.dilation)
         if self.mode == "online":
-            if self._closed_form and torch.is_grad_enabled() and not E.functorch_active():
+            if self._closed_form and torch.is_grad_enabled() and not E.reference_path():
                 return E.train_forward(self, x)  # the engine picks the route
             return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
         out = None

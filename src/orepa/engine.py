@@ -59,10 +59,10 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["POLICIES", "ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup",
-           "PackedParameters", "Plan", "Recording", "builds_together", "choose_route", "functorch_active",
-           "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes", "route", "squeeze",
-           "squeeze_kernels", "train_forward", "train_kernel"]
+__all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "OutputBuffer",
+           "POLICIES", "PackedParameters", "Plan", "Recording", "builds_together", "choose_route",
+           "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
+           "reference_path", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -1073,6 +1073,14 @@ def functorch_active() -> bool:
     Functions define no vmap rule, so blocks then squeeze by the plain-autograd reference path."""
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active and active())
+
+
+def reference_path() -> bool:
+    """Whether blocks squeeze by the plain-autograd reference path instead of the engine: inside a
+    ``torch.func`` transform (:func:`functorch_active`), or with forward-mode AD on (a
+    ``torch.autograd.forward_ad.dual_level``: the engine's autograd Functions define no jvp, and a
+    parameter may carry a tangent, e.g. forward gradients through ``functional_call``)."""
+    return functorch_active() or getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 def _recomputing() -> bool:
