@@ -1854,7 +1854,7 @@ class OutputBuffer:
 
     def views(self, like: Sequence[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
         """Contiguous tensors of these shapes and dtypes, side by side from the buffer's start."""
-        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in like]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in like]
         self.reserve(sum(map(_aligned, sizes)))
         out, lo = [], 0
         for (shape, dtype), n in zip(like, sizes):
@@ -1868,9 +1868,10 @@ class Recording:
     :class:`CompiledBuild`, of its plan) recorded for its ``storage`` by ``recorder`` (a
     :class:`CudaGraphRecorder`) as two graphs: its kernels, and their vjp from the kernels'
     gradients in fixed buffers (``grads_in``). :class:`GraphedBuild` replays the recordings of a build's
-    groups. Each graph ends by copying its outputs into ``outputs`` (the network's
-    :class:`OutputBuffer`, one multi-tensor copy), so the graphs' pool holds only the temporaries
-    of the largest phase. The graphs read ``storage``'s memory, so a recording serves only that
+    groups. The graphs' outputs lie in ``outputs`` (the network's :class:`OutputBuffer`): an eager
+    packed construction writes its parameters' gradients there as it makes them, and each graph
+    copies whatever else it made there at its end (one multi-tensor copy), so the graphs' pool
+    holds only the temporaries of the largest phase. The graphs read ``storage``'s memory, so a recording serves only that
     storage (the group records anew when its tensors move, :meth:`KernelGroup._recorded`). Both run
     with autocast off, in the parameters' dtype, as compiled builds do."""
 
