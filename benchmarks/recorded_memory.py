@@ -1,13 +1,11 @@
 """Memory that recorded kernel builds hold between steps, estimated on a CPU.
 
 A recorded build (``group_kernels(..., graphs=True)``, ``orepa train --kernel-graphs``) keeps, per
-network and device, one CUDA-graph memory pool for all its groups' recordings: whatever a
-recording's outputs occupy stays allocated, and the temporaries of every capture come from the pool
-too (a capture may reuse what an earlier one freed). Beside the pool it holds the recordings'
-fixed inputs (the kernels' gradients) and the shared output buffer the graphs write into
-(``engine.Recording``). Here the captures run on a CPU under a dispatch mode that follows every
-tensor they allocate (alive while a Python tensor of its storage is), which gives the pool's
-least size (its peak of live bytes over all captures, without the allocator's rounding and
+network and device, one CUDA-graph memory pool for all its groups' recordings, from which the
+temporaries of every capture come (a capture may reuse what an earlier one freed), and two buffers
+the recordings share: their kernels' gradients in, and their outputs (``engine.RecordingBuffer``).
+Here the captures run on a CPU under a dispatch mode that follows every tensor they allocate
+(alive while a Python tensor of its storage is), which gives the pool's least size (its peak of live bytes over all captures, without the allocator's rounding and
 fragmentation); ``torch.cuda`` reports the real figure on a GPU (``engine.recorded_bytes``,
 ``orepa bench`` variant ``orepa:graphs=true``)::
 
@@ -87,11 +85,13 @@ def estimate(arch: str) -> dict:
     r.step(x, y)
     groups = engine.kernel_groups(r.model)
     recordings = [g._recording for g in groups if g._recording is not None]
-    grads_in = sum(t.nbytes for rec in recordings for t in rec.grads_in)
-    held = engine.recorded_bytes(r.model)  # what is held beside the pool (its pool_bytes is 0 here)
+    buffers = {use: groups[0].workspace.recording_buffer(torch.device("cpu"), use).buffer.nbytes
+               for use in ("outputs", "gradients in")}
+    held = engine.recorded_bytes(r.model)  # the buffers (this recorder's pool_bytes is 0)
+    assert held == sum(buffers.values())
     pool = PoolEstimator.mode.peak
     return {"groups": len(groups), "recordings": len(recordings), "pool_mib": pool / MiB,
-            "gradient_inputs_mib": grads_in / MiB, "other_held_mib": (held - grads_in) / MiB,
+            "gradient_inputs_mib": buffers["gradients in"] / MiB, "outputs_mib": buffers["outputs"] / MiB,
             "total_mib": (pool + held) / MiB,
             "kernels_mib": sum(t.nbytes for rec in recordings for t in rec.kernels) / MiB,
             "parameter_gradients_mib": sum(t.nbytes for rec in recordings for t in rec.grads) / MiB}
@@ -102,11 +102,11 @@ if __name__ == "__main__":
     git = git_state()
     out = {"environment": environment(torch.device("cpu"), git), "dtype": "float32", "builder": "grouped (eager)",
            "models": {}}
-    print("| model | pool (least) | kernels' gradient inputs | other held | total | "
-          "recorded kernels / parameter gradients |\n|---|---|---|---|---|---|")
+    print("| model | pool (least) | kernels' gradients in | outputs | held | "
+          "all groups' kernels / parameter gradients |\n|---|---|---|---|---|---|")
     for arch in ("resnet18", "resnet50"):
         e = out["models"][arch] = estimate(arch)
-        print(f"| {arch} | {e['pool_mib']:.0f} MiB | {e['gradient_inputs_mib']:.0f} MiB | {e['other_held_mib']:.0f} MiB | "
+        print(f"| {arch} | {e['pool_mib']:.0f} MiB | {e['gradient_inputs_mib']:.0f} MiB | {e['outputs_mib']:.0f} MiB | "
               f"**{e['total_mib']:.0f} MiB** | {e['kernels_mib']:.0f} / {e['parameter_gradients_mib']:.0f} MiB |")
     with open("benchmarks/results/recorded_memory.json", "w") as f:
         json.dump(out, f, indent=1)

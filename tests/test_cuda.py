@@ -216,14 +216,15 @@ def test_recorded_kernel_builds_train_as_unrecorded_ones_at_any_batch_and_under_
                 opt.step()
         assert isinstance(groups[0]._graphed_for[1], engine.GraphedBuild)
         assert all(g._recordings == 1 for g in groups)
-        # held: the pool (temporaries), the kernels' gradient inputs and the one output buffer that
-        # every recording's kernels and gradients are views of
-        buffer = groups[0].workspace.output_buffer(next(m.parameters()).device).buffer
-        outputs = [t for g in groups for t in (*g._recording.kernels, *g._recording.grads)]
-        assert {t.untyped_storage().data_ptr() for t in outputs} == {buffer.untyped_storage().data_ptr()}
+        # held: the pool (temporaries) and the two buffers every recording's outputs (kernels and
+        # gradients) and kernels' gradients in are views of
+        device = next(m.parameters()).device
+        buffers = [groups[0].workspace.recording_buffer(device, use).buffer for use in ("outputs", "gradients in")]
+        for buffer, ts in zip(buffers, ([t for g in groups for t in (*g._recording.kernels, *g._recording.grads)],
+                                        [t for g in groups for t in g._recording.grads_in])):
+            assert {t.untyped_storage().data_ptr() for t in ts} == {buffer.untyped_storage().data_ptr()}
         pools = sum(r.pool_bytes() for r in groups[0].workspace.recorders.values())
-        inputs = sum(t.nbytes for g in groups for t in g._recording.grads_in)
-        assert pools > 0 and engine.recorded_bytes(m) == pools + buffer.nbytes + inputs
+        assert pools > 0 and engine.recorded_bytes(m) == pools + sum(b.nbytes for b in buffers)
         for (k, a), b in zip(m.state_dict().items(), ref.state_dict().values()):
             torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10, msg=k)
         m.eval(), ref.eval()  # BN statistics fixed: the captured forward is compared with eager ones

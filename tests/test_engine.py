@@ -3,7 +3,6 @@ their kernels together and give the per-block route's numbers, state and behavio
 import copy
 import gc
 import json
-import math
 import operator
 import weakref
 
@@ -1593,22 +1592,24 @@ class _Copies(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_recordings_write_into_one_buffer_with_room_for_the_largest_groups_outputs(pack):
-    """Every recording's kernels and gradients are views of the network's one output buffer, sized
-    for the largest group's outputs instead of all of them; recorded_bytes is the recorders' pools
-    (a stand-in's: none), the kernels' gradient inputs and that buffer. An eager packed
-    construction writes its gradients there as it makes them (no copy at the end of its graph)."""
+def test_recordings_share_one_buffer_for_their_outputs_and_one_for_their_gradients_in(pack):
+    """Every recording's kernels and gradients are views of the network's one output buffer, and its
+    kernels' gradients in of one input buffer, each sized for the largest group instead of all of
+    them; recorded_bytes is the recorders' pools (a stand-in's: none) and those buffers. An eager
+    packed construction writes its gradients into their rows as it makes them (no copy at the end
+    of its graph). The numbers: the other recorded tests."""
     _, grouped = _pair()
     assert engine.recorded_bytes(grouped) == 0
     groups, _ = _recorded(grouped, pack=pack)
     grouped(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
     recordings = [g._recording for g in groups]
-    outputs = [t for rec in recordings for t in (*rec.kernels, *rec.grads)]
-    buffer = groups[0].workspace.output_buffer(torch.device("cpu")).buffer
-    assert {t.untyped_storage().data_ptr() for t in outputs} == {buffer.untyped_storage().data_ptr()}
-    assert buffer.nbytes == max(g._output_bytes() for g in groups) < sum(t.nbytes for t in outputs) / 2
-    kernels = sum(math.prod(shape) for g in groups for shape in g.plan.kernel_shapes)
-    assert engine.recorded_bytes(grouped) == 8 * kernels + buffer.nbytes
+    cpu = torch.device("cpu")
+    outputs, inputs = (groups[0].workspace.recording_buffer(cpu, use).buffer for use in ("outputs", "gradients in"))
+    for buffer, ts, need in ((outputs, [t for rec in recordings for t in (*rec.kernels, *rec.grads)], "_output_bytes"),
+                             (inputs, [t for rec in recordings for t in rec.grads_in], "_input_bytes")):
+        assert {t.untyped_storage().data_ptr() for t in ts} == {buffer.untyped_storage().data_ptr()}
+        assert buffer.nbytes == max(getattr(g, need)() for g in groups) < 0.7 * sum(t.nbytes for t in ts)
+    assert engine.recorded_bytes(grouped) == outputs.nbytes + inputs.nbytes
     for rec in recordings:
         with _Copies() as copies:
             rec.backward()  # the stand-in's replay runs the recorded function

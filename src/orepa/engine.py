@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "OutputBuffer",
+__all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "RecordingBuffer",
            "POLICIES", "PackedParameters", "Plan", "Recording", "builds_together", "choose_route",
            "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
            "reference_path", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
@@ -955,16 +955,17 @@ class Workspace:
         self.arenas: dict[tuple, Arena] = {}
         self.scratches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # plan -> {arena key: Scratch}
         self.recorders: dict[tuple, object] = {}
-        self.outputs: dict[torch.device, OutputBuffer] = {}  # per device, what its recordings write into
+        self.buffers: dict[tuple, RecordingBuffer] = {}  # per device and use, what its recordings share
         self.replay_lock = threading.Lock()  # one network build's copies in, replays and copies out at a time
 
     def recorder(self, kind: type, device: torch.device):
         """The network's recorder of type ``kind`` (e.g. :class:`CudaGraphRecorder`) for ``device``."""
         return memo(self.recorders, (kind, device), lambda: kind(device))
 
-    def output_buffer(self, device: torch.device) -> OutputBuffer:
-        """The buffer the network's recordings on ``device`` write their outputs into (:class:`Recording`)."""
-        return memo(self.outputs, device, lambda: OutputBuffer(device))
+    def recording_buffer(self, device: torch.device, use: str) -> RecordingBuffer:
+        """The buffer the network's recordings on ``device`` share for ``use``: ``"outputs"`` (their kernels
+        and parameters' gradients) or ``"gradients in"`` (their kernels' gradients), see :class:`Recording`."""
+        return memo(self.buffers, (device, use), lambda: RecordingBuffer(device))
 
     def __reduce__(self):
         return (Workspace, ())
@@ -1535,9 +1536,10 @@ class KernelGroup:
         if graphable:
             self._graphed_for = None  # its recordings may be replaced: their memory goes first
             device = storages[0].roles[0].device
-            # room for the largest outputs of the network's groups there, before any records (see OutputBuffer)
-            self.workspace.output_buffer(device).reserve(max(
-                group._output_bytes() for group in (*groups, *self.peers) if group.plan.ref().device == device))
+            # room for the largest group of the network there, before any records (see RecordingBuffer)
+            there = [group for group in (*groups, *self.peers) if group.plan.ref().device == device]
+            self.workspace.recording_buffer(device, "outputs").reserve(max(g._output_bytes() for g in there))
+            self.workspace.recording_buffer(device, "gradients in").reserve(max(g._input_bytes() for g in there))
             recordings = []
             for group, st in zip(groups, storages):
                 rec = group._recorded(st, self.graph_recorder)
@@ -1555,14 +1557,17 @@ class KernelGroup:
                                  for group, st in zip(groups, storages)])
         return self._unrecorded_builder(plans, storages)
 
+    def _input_bytes(self) -> int:
+        """The room a recording of this group's build takes in the buffer of its kernels' gradients."""
+        size = self.plan.ref().element_size()
+        return sum(_aligned(math.prod(shape) * size) for shape in self.plan.kernel_shapes)
+
     def _output_bytes(self) -> int:
-        """The room a recording of this group's build takes in its :class:`OutputBuffer`: its kernels'
+        """The room a recording of this group's build takes in the buffer of its outputs: its kernels'
         or its parameters' gradients', the larger."""
         plan = self.plan
-        size = plan.ref().element_size()
         leaves = self.packed._parameters.values() if self.packed is not None else plan.params()
-        return max(sum(_aligned(math.prod(shape) * size) for shape in plan.kernel_shapes),
-                   sum(_aligned(p.numel() * p.element_size()) for p in leaves))
+        return max(self._input_bytes(), sum(_aligned(p.numel() * p.element_size()) for p in leaves))
 
     def _recorded(self, stacked: Storage, kind: type) -> Recording | None:
         """This group's construction from ``stacked`` recorded by the network's recorder of type
@@ -1586,8 +1591,9 @@ class KernelGroup:
         self._recording = None  # the last recording's memory goes before the next is made
         try:
             device = stacked.roles[0].device
-            self._recording = Recording(build, stacked, self.workspace.recorder(kind, device),
-                                        self.workspace.output_buffer(device))
+            ws = self.workspace
+            self._recording = Recording(build, stacked, ws.recorder(kind, device), ws.recording_buffer(device, "outputs"),
+                                        ws.recording_buffer(device, "gradients in"))
         except Exception as e:  # noqa: BLE001 - a capture that fails leaves the unrecorded build
             self._graphs_off = True
             warnings.warn(f"kernel graphs: recording the kernel construction failed ({type(e).__name__}: "
@@ -1830,17 +1836,18 @@ class CudaGraphRecorder:
 
 
 def _aligned(nbytes: int) -> int:
-    return -(-nbytes // OutputBuffer.ALIGN) * OutputBuffer.ALIGN
+    return -(-nbytes // RecordingBuffer.ALIGN) * RecordingBuffer.ALIGN
 
 
-class OutputBuffer:
-    """One device's memory that every recording of a network there writes its outputs into (the
-    kernels, or the parameters' gradients), from its start: each replay's outputs are copied out
-    before the next replay (:class:`GraphedBuild`), so the recordings need room for the largest
-    one's outputs only, where outputs of their own would hold every group's kernels and gradients
-    between steps (ResNet-18 in float32: 183 MiB, against 90 MiB for its largest group's; ResNet-50
-    343 against 90 MiB). :meth:`reserve` it for the network's groups before recording them: a
-    buffer that has to grow later is replaced, and recordings made before keep the old one."""
+class RecordingBuffer:
+    """One device's memory that every recording of a network there uses for one thing, from its
+    start: its outputs (the kernels, or the parameters' gradients), or its kernels' gradients in.
+    A replay's outputs are copied out before the next replay, and a recording's gradients are copied
+    in right before its replay (:class:`GraphedBuild`), so the recordings need room for the largest
+    one's only, where buffers of their own would hold every group's between steps (ResNet-18 in
+    float32: outputs 183 MiB and gradients in 42 MiB, against 90 and 27 MiB for its largest group;
+    ResNet-50 343 and 90 MiB against 90 and 27). :meth:`reserve` it for the network's groups before
+    recording them: a buffer that has to grow later is replaced, and recordings made before keep the old one."""
 
     ALIGN = 256  # bytes between the starts of two outputs (the CUDA caching allocator's rounding)
 
@@ -1868,7 +1875,8 @@ class Recording:
     :class:`CompiledBuild`, of its plan) recorded for its ``storage`` by ``recorder`` (a
     :class:`CudaGraphRecorder`) as two graphs: its kernels, and their vjp from the kernels'
     gradients in fixed buffers (``grads_in``). :class:`GraphedBuild` replays the recordings of a build's
-    groups. The graphs' outputs lie in ``outputs`` (the network's :class:`OutputBuffer`): an eager
+    groups. The graphs read the kernels' gradients from ``inputs`` and their outputs lie in ``outputs``
+    (the network's :class:`RecordingBuffer` s): an eager
     packed construction writes its parameters' gradients there as it makes them, and each graph
     copies whatever else it made there at its end (one multi-tensor copy), so the graphs' pool
     holds only the temporaries of the largest phase. The graphs read ``storage``'s memory, so a recording serves only that
@@ -1876,7 +1884,7 @@ class Recording:
     with autocast off, in the parameters' dtype, as compiled builds do."""
 
     def __init__(self, inner: EagerBuild | CompiledBuild, storage: Storage, recorder: CudaGraphRecorder,
-                 outputs: OutputBuffer):
+                 outputs: RecordingBuffer, inputs: RecordingBuffer):
         (plan,) = inner.plans
         self.plan = plan
         self.storage = storage  # held: the graphs read its memory
@@ -1884,10 +1892,10 @@ class Recording:
         shapes = inner.kernel_shapes
         eager = isinstance(inner, EagerBuild)
         if eager:  # the kernels' gradients side by side in one tensor, as the vjp reads them: no concatenation
-            whole = ref.new_zeros(sum(shape[0] for shape in shapes), *shapes[0][1:])
+            (whole,) = inputs.views([((sum(shape[0] for shape in shapes), *shapes[0][1:]), ref.dtype)])
             self.grads_in = list(whole.split([shape[0] for shape in shapes]))
         else:
-            self.grads_in = [ref.new_zeros(shape) for shape in shapes]
+            self.grads_in = inputs.views([(shape, ref.dtype) for shape in shapes])
         # an eager packed construction writes its parameters' gradients where they go, row by row
         # (Plan.vjp's ``into``); other outputs are copied there at the end of the graph
         places = eager and bool(storage.packed)
@@ -1937,7 +1945,6 @@ class GraphedBuild(_Build):
     def __init__(self, recordings: Sequence[Recording], lock: threading.Lock):
         self.recordings = tuple(recordings)
         super().__init__([rec.plan for rec in self.recordings])
-        self._grads_in = [g for rec in self.recordings for g in rec.grads_in]
         self._lock = lock
 
     def kernels(self, storages: Sequence[Storage]) -> tuple[Tensor, ...]:
@@ -1950,9 +1957,12 @@ class GraphedBuild(_Build):
 
     def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage]) -> list[Tensor]:
         out: list[Tensor] = []
+        i = 0
         with self._lock:
-            torch._foreach_copy_(self._grads_in, list(grads))
-            for rec in self.recordings:
+            for rec in self.recordings:  # (the recordings share the memory of their gradients in)
+                n = len(rec.grads_in)
+                torch._foreach_copy_(rec.grads_in, list(grads[i:i + n]))
+                i += n
                 rec.backward()
                 out.extend(_clones(rec.grads))
         return out

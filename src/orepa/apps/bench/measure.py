@@ -270,7 +270,7 @@ class UnreplayedRecorder:
     issues in a step whose kernel builds are recorded (:func:`record_builds`): it records by
     running the construction once and replays nothing, as a CUDA graph's replay dispatches no
     operator. The kernels are then whatever the recordings' shared output buffer holds
-    (``engine.OutputBuffer``): for counting and timing the host, never for training."""
+    (``engine.RecordingBuffer``): for counting and timing the host, never for training."""
 
     def __init__(self, device):
         self.device = device
