@@ -1875,13 +1875,13 @@ class Recording:
     :class:`CompiledBuild`, of its plan) recorded for its ``storage`` by ``recorder`` (a
     :class:`CudaGraphRecorder`) as two graphs: its kernels, and their vjp from the kernels'
     gradients in fixed buffers (``grads_in``). :class:`GraphedBuild` replays the recordings of a build's
-    groups. The graphs read the kernels' gradients from ``inputs`` and their outputs lie in ``outputs``
-    (the network's :class:`RecordingBuffer` s): an eager
-    packed construction writes its parameters' gradients there as it makes them, and each graph
-    copies whatever else it made there at its end (one multi-tensor copy), so the graphs' pool
-    holds only the temporaries of the largest phase. The graphs read ``storage``'s memory, so a recording serves only that
-    storage (the group records anew when its tensors move, :meth:`KernelGroup._recorded`). Both run
-    with autocast off, in the parameters' dtype, as compiled builds do."""
+    groups. The gradients in are views of ``inputs`` and the outputs views of ``outputs`` (the
+    network's :class:`RecordingBuffer` s): an eager packed construction writes its parameters'
+    gradients there as it makes them, and each graph copies whatever else it made there at its end
+    (one multi-tensor copy), so the graphs' pool holds only the temporaries of the largest phase.
+    The graphs read ``storage``'s memory, so a recording serves only that storage (the group records
+    anew when its tensors move, :meth:`KernelGroup._recorded`). Both run with autocast off, in the
+    parameters' dtype, as compiled builds do."""
 
     def __init__(self, inner: EagerBuild | CompiledBuild, storage: Storage, recorder: CudaGraphRecorder,
                  outputs: RecordingBuffer, inputs: RecordingBuffer):
