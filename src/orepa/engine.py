@@ -59,8 +59,8 @@ from torch import Tensor, nn
 
 from . import kernels as K
 
-__all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "RecordingBuffer",
-           "POLICIES", "PackedParameters", "Plan", "Recording", "builds_together", "choose_route",
+__all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "POLICIES",
+           "PackedParameters", "Plan", "Recording", "RecordingBuffer", "builds_together", "choose_route",
            "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
            "reference_path", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
 
@@ -579,9 +579,10 @@ def _family_vjp(family: Family, grad: Tensor, traced: bool = False, scratch: Scr
     else:
         d = torch.bmm(g, filters_t, out=scratch.buf("family d", (rows, width, filters_t.shape[2])))
     d = K.kept_view(d, ("J,rows,w",), lambda t: t.permute(2, 0, 1))  # [J, rows, w]
-    if scratch is not None:  # (the same evaluation, written in place or not: packed or not, the same numbers)
+    if scratch is not None or outs is not None:  # (the same evaluation, written in place or not: the same numbers)
         j = d.shape[0]
-        terms = torch.mul(d, family.weights, out=scratch.buf("family scale terms", d.shape))
+        terms = (d * family.weights if scratch is None
+                 else torch.mul(d, family.weights, out=scratch.buf("family scale terms", d.shape)))
         o_w, o_s = outs if outs is not None else (None, None)
         if o_w is None:
             d_w = K.mul_contiguous(d, family.scales)
@@ -592,12 +593,6 @@ def _family_vjp(family: Family, grad: Tensor, traced: bool = False, scratch: Scr
             return d_w, terms.sum(-1)
         torch.sum(terms, -1, out=K._kept_reshape(o_s, j, rows))
         return d_w, o_s
-    if outs is not None:  # (into given buffers, without a scratch: a recording's outputs)
-        j = d.shape[0]
-        o_w, o_s = outs
-        torch.mul(d, family.scales, out=o_w.view(j, rows, width))
-        torch.sum(d * family.weights, -1, out=o_s.view(j, rows))
-        return o_w, o_s
     # the weights' gradients made contiguous (autograd then takes them as they are, without a copy)
     return K.mul_contiguous(d, family.scales, traced), (d * family.weights).sum(-1)
 
@@ -1537,7 +1532,7 @@ class KernelGroup:
             self._graphed_for = None  # its recordings may be replaced: their memory goes first
             device = storages[0].roles[0].device
             # room for the largest group of the network there, before any records (see RecordingBuffer)
-            there = [group for group in (*groups, *self.peers) if group.plan.ref().device == device]
+            there = [group for group in self.peers if group.plan.ref().device == device]  # (groups among them)
             self.workspace.recording_buffer(device, "outputs").reserve(max(g._output_bytes() for g in there))
             self.workspace.recording_buffer(device, "gradients in").reserve(max(g._input_bytes() for g in there))
             recordings = []
@@ -1849,7 +1844,7 @@ class RecordingBuffer:
     ResNet-50 343 and 90 MiB against 90 and 27). :meth:`reserve` it for the network's groups before
     recording them: a buffer that has to grow later is replaced, and recordings made before keep the old one."""
 
-    ALIGN = 256  # bytes between the starts of two outputs (the CUDA caching allocator's rounding)
+    ALIGN = 256  # bytes between the starts of two of its tensors (the CUDA caching allocator's rounding)
 
     def __init__(self, device: torch.device):
         self.device = device
