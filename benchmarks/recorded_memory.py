@@ -15,70 +15,16 @@ The groups build eagerly here: the memory of a compiled construction (``--kernel
 compiled``) is allocated by inductor's generated code, which no dispatch mode sees.
 """
 import json
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from orepa import engine
-from orepa.apps.bench.measure import UnreplayedRecorder, environment, git_state, make_runner, record_builds
+from orepa.apps.bench.measure import PoolEstimator, environment, git_state, make_runner, record_builds
 
 MiB = 2 ** 20
 
 
-class _LiveBytes(TorchDispatchMode):
-    """Live bytes of the storages allocated under it (an op's output whose storage is none of its
-    inputs'), each alive while a Python tensor of that storage is; their peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, int] = {}  # storage address -> live tensors of it
-        self.sizes: dict[int, int] = {}
-        self.live = self.peak = 0
-
-    def _drop(self, ptr: int) -> None:
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            del self.refs[ptr]
-            self.live -= self.sizes.pop(ptr)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in inputs and ptr not in self.refs:
-                continue  # a view of, or a write into, memory from outside the captures
-            if ptr not in self.refs:
-                self.refs[ptr] = 0
-                self.sizes[ptr] = t.untyped_storage().nbytes()
-                self.live += self.sizes[ptr]
-                self.peak = max(self.peak, self.live)
-            self.refs[ptr] += 1
-            weakref.finalize(t, self._drop, ptr)
-        return out
-
-
-class PoolEstimator(UnreplayedRecorder):
-    """A stand-in recorder whose captures are followed by one :class:`_LiveBytes` (one pool for
-    the network's recordings, as ``engine.CudaGraphRecorder`` has); its replays do nothing."""
-
-    mode: _LiveBytes | None = None
-
-    def record(self, fn) -> tuple:
-        cls = type(self)
-        if cls.mode is None:
-            cls.mode = _LiveBytes()
-        with cls.mode:
-            outputs = fn()
-        return (lambda: None), outputs
-
-
 def estimate(arch: str) -> dict:
-    PoolEstimator.mode = None
     r = make_runner(arch, "orepa", device=torch.device("cpu"), kernel_builder="grouped")
     record_builds(r.model, PoolEstimator)
     x, y = torch.randn(2, 3, 64, 64), torch.randint(0, 1000, (2,))
@@ -89,7 +35,7 @@ def estimate(arch: str) -> dict:
                for use in ("outputs", "gradients in")}
     held = engine.recorded_bytes(r.model)  # the buffers (this recorder's pool_bytes is 0)
     assert held == sum(buffers.values())
-    pool = PoolEstimator.mode.peak
+    pool = groups[0].workspace.recorder(PoolEstimator, torch.device("cpu")).live.peak
     return {"groups": len(groups), "recordings": len(recordings), "pool_mib": pool / MiB,
             "gradient_inputs_mib": buffers["gradients in"] / MiB, "outputs_mib": buffers["outputs"] / MiB,
             "total_mib": (pool + held) / MiB,

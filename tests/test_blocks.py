@@ -38,16 +38,33 @@ def _cfg_id(c):
     return f"k{k if isinstance(k, int) else '{}x{}'.format(*k)}-s{s}-g{g}-d{d}-{ci}to{co}"
 
 
+def _defined(method, cfg) -> bool:
+    """Whether ``method``'s block exists for ``cfg``: RepVGG-style blocks need k >= 3, an identity
+    branch in == out and stride 1 (the blocks refuse the rest with the reason: tested below)."""
+    k, s, _, _, (ci, co) = cfg
+    return not ((method in NEEDS_K3 and k == 1) or (method in NEEDS_IDENTITY and (ci != co or s != 1)))
+
+
+# (method, cfg) pairs of blocks that exist: the grid's other cells are refusals, not tests to skip
+CASES = [pytest.param(m, c, id=f"{m}-{_cfg_id(c)}") for m in FACTORIES for c in GRID if _defined(m, c)]
+
+
 def _build(method, cfg):
     k, s, g, d, (ci, co) = cfg
     groups = ci if g == "dw" else g
-    if method in NEEDS_K3 and k == 1:
-        pytest.skip("block defined for k >= 3")
-    if method in NEEDS_IDENTITY and (ci != co or s != 1):
-        pytest.skip("identity branch needs in == out and stride 1")
-    if method == "orepa-vgg-offline" and k == 1:
-        pytest.skip("block defined for k >= 3")
     return FACTORIES[method](ci, co, k, s, dilation=d, groups=groups), ci
+
+
+def test_the_grids_other_cells_are_refused_with_the_reason():
+    reasons = r"needs kernel_size >= 3|a 1x1 block supports branches|identity branch needs in_channels == out_channels|the identity branch needs stride 1"
+    refused = 0
+    for method in FACTORIES:
+        for cfg in GRID:
+            if not _defined(method, cfg):
+                with pytest.raises(ValueError, match=reasons):
+                    _build(method, cfg)
+                refused += 1
+    assert refused == 276  # 3 k>=3 blocks x 24 1x1 cells, 2 identity blocks x 102 cells
 
 
 def _train(model, ci, steps=3):
@@ -62,8 +79,7 @@ def _train(model, ci, steps=3):
         opt.step()
 
 
-@pytest.mark.parametrize("cfg", GRID, ids=_cfg_id)
-@pytest.mark.parametrize("method", list(FACTORIES))
+@pytest.mark.parametrize(("method", "cfg"), CASES)
 def test_trained_block_deploys_exactly(method, cfg):
     block, ci = _build(method, cfg)
     model = nn.Sequential(block, nn.BatchNorm2d(block.out_channels))  # the post-addition norm
@@ -80,13 +96,13 @@ def test_trained_block_deploys_exactly(method, cfg):
         tol_close(plain(x), y)
 
 
-@pytest.mark.parametrize("cfg", GRID, ids=_cfg_id)
-@pytest.mark.parametrize("branches", [None, ("kxk", "1x1", "identity")], ids=["default", "repvgg-like"])
+@pytest.mark.parametrize(("cfg", "branches"), [
+    pytest.param(c, b, id=f"{_cfg_id(c)}-{name}") for c in GRID
+    for name, b in (("default", None), ("repvgg-like", ("kxk", "1x1", "identity")))
+    if b is None or _defined("repvgg-online", c)])
 def test_online_equals_offline_without_bn(cfg, branches):
     k, s, g, d, (ci, co) = cfg
     groups = ci if g == "dw" else g
-    if branches and (ci != co or s != 1 or k == 1):
-        pytest.skip("identity branch needs in == out and stride 1")
     on = OREPAConv2d(ci, co, k, s, dilation=d, groups=groups, branches=branches).double()
     with torch.no_grad():
         for p in on.parameters():

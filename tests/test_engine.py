@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import orepa
 from orepa import engine
-from orepa.apps.bench.measure import UnreplayedRecorder, record_builds
+from orepa.apps.bench.measure import PoolEstimator, UnreplayedRecorder, record_builds
 from orepa.blocks import OREPAConv2d
 
 
@@ -1597,7 +1597,8 @@ def test_recordings_share_one_buffer_for_their_outputs_and_one_for_their_gradien
     kernels' gradients in of one input buffer, each sized for the largest group instead of all of
     them; recorded_bytes is the recorders' pools (a stand-in's: none) and those buffers. An eager
     packed construction writes its gradients into their rows as it makes them (no copy at the end
-    of its graph). The numbers: the other recorded tests."""
+    of its graph), and every eager construction its kernels where they are handed out from (none at
+    the end of its forward graph either). The numbers: the other recorded tests."""
     _, grouped = _pair()
     assert engine.recorded_bytes(grouped) == 0
     groups, _ = _recorded(grouped, pack=pack)
@@ -1612,8 +1613,27 @@ def test_recordings_share_one_buffer_for_their_outputs_and_one_for_their_gradien
     assert engine.recorded_bytes(grouped) == outputs.nbytes + inputs.nbytes
     for rec in recordings:
         with _Copies() as copies:
-            rec.backward()  # the stand-in's replay runs the recorded function
+            rec.forward()  # the stand-in's replay runs the recorded function
+        assert copies.count == 0
+        with _Copies() as copies:
+            rec.backward()
         assert copies.count == (0 if pack else 1)
+
+
+@pytest.mark.parametrize("pack,bound", [(True, 2.25), (False, 5.0)])
+def test_a_recorded_construction_holds_few_temporaries_at_once(pack, bound):
+    """The pool of a network's CUDA graphs is as large as the most their captures hold alive at once
+    (PoolEstimator follows every tensor they allocate). An eager construction writes its kernels
+    where they are handed out from and drops each temporary once used, so at most about two copies
+    the size of the largest group's kernels live at once where parameters are packed (their
+    gradients then written into the outputs too). Before: 3.8x packed, 6.2x unpacked."""
+    torch.manual_seed(0)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125).double()
+    groups = engine.group_kernels(model, "grouped", pack=pack, graphs=True)
+    record_builds(model, PoolEstimator)
+    model(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
+    peak = groups[0].workspace.recorder(PoolEstimator, torch.device("cpu")).live.peak
+    assert 0 < peak <= bound * max(g._input_bytes() for g in groups)
 
 
 class _Capturing(_Rerun):

@@ -383,14 +383,16 @@ class Plan:
         roles = self._roles(leaves, fixed)
         return Storage(roles, None, self.operands(roles))
 
-    def squeeze(self, stacked: Storage | None = None, scratch: Scratch | None = None) -> Tensor:
+    def squeeze(self, stacked: Storage | None = None, scratch: Scratch | None = None,
+                into: Tensor | None = None) -> Tensor:
         """Summed kernels of the named branches of the blocks, concatenated along the output
         channels: ``[sum of C_out, C_in / groups, k, k]``. Call without grad.
 
-        A full-size single-kernel branch (kxk) starts the sum as a fresh tensor; every other branch
-        is added into its centred window with its scale fused in (a storage's filter family: all
-        its members in one batched product). ``scratch`` (a storage's build on a host-bound device,
-        :class:`Workspace`): the intermediates go to its buffers.
+        A full-size single-kernel branch (kxk) starts the sum as a fresh tensor (``into``: in that
+        tensor, e.g. a recording's output, :class:`Recording`); every other branch is added into its
+        centred window with its scale fused in (a storage's filter family: all its members in one
+        batched product). ``scratch`` (a storage's build on a host-bound device, :class:`Workspace`):
+        the intermediates go to its buffers.
         """
         ops = stacked.operands if stacked is not None else self.operands()
         family = stacked.family if stacked is not None else None
@@ -398,11 +400,11 @@ class Plan:
         out = None
         for br, (ks, s) in zip(self.branches, ops):
             if br.name == self.first:
-                out = _fresh_kernel(ks, s)
+                out = _fresh_kernel(ks, s, into)
                 break
         if out is None:
             _, i, kh, kw = self.kernel_shape
-            out = ops[0][0][0].kernel.new_zeros(sum(self.rows), i, kh, kw)
+            out = ops[0][0][0].kernel.new_zeros(sum(self.rows), i, kh, kw) if into is None else into.zero_()
         for i, (br, (ks, s)) in enumerate(zip(self.branches, ops)):
             if br.name != self.first and i not in skip:
                 sub = None if scratch is None else scratch.branch(i)
@@ -597,8 +599,10 @@ def _family_vjp(family: Family, grad: Tensor, traced: bool = False, scratch: Scr
     return K.mul_contiguous(d, family.scales, traced), (d * family.weights).sum(-1)
 
 
-def _fresh_kernel(ks: list[Operand], s: Tensor | None) -> Tensor:
+def _fresh_kernel(ks: list[Operand], s: Tensor | None, into: Tensor | None = None) -> Tensor:
     w = ks[0].kernel
+    if into is not None:
+        return into.copy_(w) if s is None else torch.mul(w, K.channel_column(s), out=into)
     return w.clone() if s is None else K.scale_channels(w, s)
 
 
@@ -662,17 +666,17 @@ def _branch_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
             if last.learnable:
                 out[1] = d_last
             return out
-        # d_last: the gradient of the scaled second kernel (the scaling fused into its reordering)
-        d_first, d_last = K.compose_vjp(first.kernel, first.groups, last.kernel, last.groups, grad,
-                                        need_w1=first.learnable, need_w2=last.learnable or s is not None,
-                                        shared_filter=last.shared and s is None, launch_bound=launch_bound,
-                                        scale=s, traced=traced)
-        out[0] = d_first if first.learnable else None
-        grad = d_last
+        # grad now: the gradient of the scaled second kernel (the scaling fused into its reordering),
+        # a fresh tensor, scaled in place below (no second copy of it lives at once)
+        out[0], grad = K.compose_vjp(first.kernel, first.groups, last.kernel, last.groups, grad,
+                                     need_w1=first.learnable, need_w2=last.learnable or s is not None,
+                                     shared_filter=last.shared and s is None, launch_bound=launch_bound,
+                                     scale=s, traced=traced)
     if s is not None:
         out[n] = scale_grad(K.rowdot(grad, last.kernel, traced))
         if last.learnable:
-            grad = K.scale_channels(grad, s)
+            fresh = n == 2 and not traced and not grad.requires_grad  # (autograd keeps no reference to it)
+            grad = grad.mul_(K.channel_column(s)) if fresh else K.scale_channels(grad, s)
     if last.learnable:
         # the kernel's own gradient (a kxk without scale) is a scratch buffer's: handed out as a copy
         out[n - 1] = grad.clone() if scratch is not None and n == 1 and s is None and outs is None else grad
@@ -1871,9 +1875,10 @@ class Recording:
     :class:`CudaGraphRecorder`) as two graphs: its kernels, and their vjp from the kernels'
     gradients in fixed buffers (``grads_in``). :class:`GraphedBuild` replays the recordings of a build's
     groups. The gradients in are views of ``inputs`` and the outputs views of ``outputs`` (the
-    network's :class:`RecordingBuffer` s): an eager packed construction writes its parameters'
-    gradients there as it makes them, and each graph copies whatever else it made there at its end
-    (one multi-tensor copy), so the graphs' pool holds only the temporaries of the largest phase.
+    network's :class:`RecordingBuffer` s): an eager construction makes its kernels there and, packed,
+    writes its parameters' gradients there as it makes them; each graph copies whatever else it made
+    there at its end (one multi-tensor copy), so the graphs' pool holds only the temporaries of the
+    largest phase (those a construction has alive at once: it drops each once used).
     The graphs read ``storage``'s memory, so a recording serves only that storage (the group records
     anew when its tensors move, :meth:`KernelGroup._recorded`). Both run with autocast off, in the
     parameters' dtype, as compiled builds do."""
@@ -1886,9 +1891,14 @@ class Recording:
         ref = storage.roles[0]
         shapes = inner.kernel_shapes
         eager = isinstance(inner, EagerBuild)
+        rows = [shape[0] for shape in shapes]
+        whole_shape = ((sum(rows), *shapes[0][1:]), ref.dtype)
         if eager:  # the kernels' gradients side by side in one tensor, as the vjp reads them: no concatenation
-            (whole,) = inputs.views([((sum(shape[0] for shape in shapes), *shapes[0][1:]), ref.dtype)])
-            self.grads_in = list(whole.split([shape[0] for shape in shapes]))
+            (whole,) = inputs.views([whole_shape])
+            self.grads_in = list(whole.split(rows))
+            # and the kernels made where they are handed out from (Plan.squeeze's ``into``): no copy
+            (made_kernels,) = outputs.views([whole_shape])
+            kernel_views = tuple(made_kernels.split(rows))
         else:
             self.grads_in = inputs.views([(shape, ref.dtype) for shape in shapes])
         # an eager packed construction writes its parameters' gradients where they go, row by row
@@ -1896,6 +1906,9 @@ class Recording:
         places = eager and bool(storage.packed)
 
         def forward() -> tuple[Tensor, ...]:
+            if eager:
+                plan.squeeze(storage, None, made_kernels)
+                return kernel_views
             return tuple(inner.kernels((storage,)))
 
         def backward(into: list[Tensor] | None = None) -> tuple[Tensor, ...]:
@@ -1915,7 +1928,8 @@ class Recording:
             made: list[list[tuple]] = []
             recorder.warm(lambda: made.extend([(t.shape, t.dtype) for t in ts] for ts in (forward(), backward())))
             # both phases' outputs from the buffer's start: the kernels are copied out before a backward
-            kernels, grads = (outputs.views(like) for like in made)
+            kernels = list(kernel_views) if eager else outputs.views(made[0])  # (eager: made there, no copy)
+            grads = outputs.views(made[1])
             self.forward, self.kernels = recorder.record(ending_in(kernels, forward))
             self.backward, self.grads = recorder.record(ending_in(grads, backward, grads if places else None))
 

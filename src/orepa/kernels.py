@@ -479,15 +479,20 @@ def compose_vjp(
         # the gradient as [G*r, i*k*k, o] (a strided view when G == 1): the product's long
         # dimension o is its output's contiguous one
         gt = grad.reshape(g2, o, r, -1).permute(0, 2, 3, 1).reshape(g2 * r, -1, o) if need_w2 or launch_bound else None
-        if need_w2:
-            d2t = batched_product(_kept_reshape(w1, g2 * r, m, -1), gt, traced)  # [G*r, m, o], over i*k*k
-            # made contiguous: the scale's products and autograd's accumulation into the
-            # parameter then run on matching strides (instead of slower mixed-stride passes)
-            d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
+        # (each temporary dropped once used: inside a CUDA-graph recording the largest group's
+        # live ones set the size of the graphs' memory pool)
         if need_w1 and launch_bound:  # one product per fine group: [m, o] @ [o, i*k*k]
             a = _scaled_pw_rows(w2, g2, r, scale, "m,o", traced=traced)
             d1 = torch.bmm(a, gt.transpose(1, 2)).reshape(w1.shape)
-        elif need_w1:
+            del a
+        if need_w2:
+            d2t = batched_product(_kept_reshape(w1, g2 * r, m, -1), gt, traced)  # [G*r, m, o], over i*k*k
+            del gt
+            # made contiguous: the scale's products and autograd's accumulation into the
+            # parameter then run on matching strides (instead of slower mixed-stride passes)
+            d2 = d2t.reshape(g2, r * m, o).transpose(1, 2).reshape(w2.shape).contiguous()
+            del d2t
+        if need_w1 and not launch_bound:
             w2s = w2 if scale is None else scale_channels(w2, scale)
             d1 = _pw_after_w1_grad(w2s, grad, g2, r, m, o).reshape(w1.shape)
         return d1, d2
@@ -495,13 +500,15 @@ def compose_vjp(
         kh, kw = w2.shape[-2:]
         # the gradient with taps before channels [G, o*k*k, i] (one copy)
         gr = grad.reshape(g1, c2 // g1, c0g, kh * kw).transpose(2, 3).reshape(g1, -1, c0g)
+        if need_w1:  # first, so that its copy of W2 is gone before W2's gradient is made (as above)
+            a = _taps_first(w2, g1, scale, traced)
+            d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)  # [G, m, i]
+            del a
         if need_w2:
             w1t = kept_view(w1, ("G,i,m", g1), lambda t: t.reshape(g1, c1 // g1, c0g).transpose(1, 2))
             d2 = torch.bmm(gr, w1t)  # [G, o*k*k, m]
+            del gr
             d2 = d2.reshape(c2, kh * kw, c1 // g1).transpose(1, 2).reshape(w2.shape).contiguous()  # as above
-        if need_w1:
-            a = _taps_first(w2, g1, scale, traced)
-            d1 = torch.bmm(a.transpose(1, 2), gr).reshape(w1.shape)  # [G, m, i]
         return d1, d2
     if case == "depthwise_after_1x1":
         if need_w1:

@@ -46,6 +46,7 @@ import os
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import orepa
 from orepa.apps.common import (
@@ -287,6 +289,57 @@ class UnreplayedRecorder:
 
     def pool_bytes(self) -> int:
         return 0  # its outputs are ordinary tensors
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live bytes of the storages allocated under it (an op's output whose storage is none of its
+    inputs'), each alive while a Python tensor of that storage is; ``peak``: their most at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, int] = {}  # storage address -> live tensors of it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _drop(self, ptr: int) -> None:
+        self.refs[ptr] -= 1
+        if not self.refs[ptr]:
+            del self.refs[ptr]
+            self.live -= self.sizes.pop(ptr)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in inputs and ptr not in self.refs:
+                continue  # a view of, or a write into, memory from outside
+            if ptr not in self.refs:
+                self.refs[ptr] = 0
+                self.sizes[ptr] = t.untyped_storage().nbytes()
+                self.live += self.sizes[ptr]
+                self.peak = max(self.peak, self.live)
+            self.refs[ptr] += 1
+            weakref.finalize(t, self._drop, ptr)
+        return out
+
+
+class PoolEstimator(UnreplayedRecorder):
+    """A stand-in recorder whose captures are followed by one :class:`LiveBytes` (``live``; a
+    network has one recorder per device, ``engine.Workspace.recorder``, as its CUDA graphs share one
+    pool): its ``peak`` is the least size of the pool those captures would need (without the
+    allocator's rounding). Its replays do nothing."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.live = LiveBytes()
+
+    def record(self, fn) -> tuple:
+        with self.live:
+            outputs = fn()
+        return (lambda: None), outputs
 
 
 def record_builds(model: nn.Module, recorder: type = UnreplayedRecorder) -> None:
