@@ -4,6 +4,7 @@ import copy
 import gc
 import json
 import operator
+import warnings
 import weakref
 
 import pytest
@@ -991,6 +992,31 @@ def test_a_group_frozen_in_some_blocks_only_stays_unpacked():
     net[1].branches["kxk"].conv.weight.requires_grad_(True)
     (group,) = engine.group_kernels(net, "grouped", pack=True)
     assert group.packed is not None
+
+
+def test_freezing_a_stage_after_packing_is_said_once_with_the_blocks_frozen_together():
+    """ResNet-18's layer3 frozen after packing: the 256-channel group's packed parameters (held by
+    layer3) hold layer4.0.conv1's rows too, so it is frozen with them; one warning per network names
+    the group's blocks. Frozen before packing, each block trains as it was told, without a warning."""
+    x = torch.randn(2, 3, 32, 32)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    engine.group_kernels(model, "grouped", pack=True)
+    model(x).sum().backward()
+    model.layer3.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"frozen after packing.*\(layer3\.0\.conv2, layer3\.1\.conv1, "
+                      r"layer3\.1\.conv2, layer4\.0\.conv1\)") as said:
+        for _ in range(2):
+            model(x).sum().backward()
+    assert sum("frozen after packing" in str(w.message) for w in said) == 1
+    before = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    before.layer3.requires_grad_(False)
+    engine.group_kernels(before, "grouped", pack=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        before(x).sum().backward()
+    grads = _named_grads(before)
+    assert all(g is None for k, g in grads.items() if k.startswith("layer3.") and ".conv" in k)
+    assert all(g is not None for k, g in grads.items() if k.startswith("layer4.0.conv1.branches."))
 
 
 @pytest.mark.slow

@@ -956,6 +956,7 @@ class Workspace:
         self.recorders: dict[tuple, object] = {}
         self.buffers: dict[tuple, RecordingBuffer] = {}  # per device and use, what its recordings share
         self.replay_lock = threading.Lock()  # one network build's copies in, replays and copies out at a time
+        self.said_frozen = False  # whether KernelGroup._frozen_after_packing has warned for this network
 
     def recorder(self, kind: type, device: torch.device):
         """The network's recorder of type ``kind`` (e.g. :class:`CudaGraphRecorder`) for ``device``."""
@@ -1265,6 +1266,9 @@ class KernelGroup:
         self._packed_roles: dict[int, tuple[str, int, int]] = {}
         self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
         self._packed_layout: tuple[tuple[int, ...], ...] = ()
+        self._trainable_packed: tuple[str, ...] = ()  # its packed parameters trainable when packed
+        # the blocks' names under the root group_kernels was given (for messages)
+        self.block_names: tuple[str, ...] = ()
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
@@ -1326,7 +1330,10 @@ class KernelGroup:
         for; None where the blocks' tensors are on several devices or dtypes (:meth:`_build_apart`)."""
         plan = self.plan
         if self.packed is not None and not self._overridden():
-            leaves = list(self.packed._parameters.values())
+            params = self.packed._parameters
+            if self._trainable_packed and not all(params[name].requires_grad for name in self._trainable_packed):
+                self._frozen_after_packing()
+            leaves = list(params.values())
             stacked = self._storage
             if stacked is None or not self._holds([*leaves, *self.plan.fixed()]):
                 stacked = self._packed_storage()
@@ -1343,6 +1350,26 @@ class KernelGroup:
         stacked = None if self.packed is not None else self._storage if held else self._stacked(tensors)
         m = len(leaves) // plan.n  # leaves are block-major: block j's are leaves[j*m:(j+1)*m]
         return stacked, leaves, tuple(tuple(map(_version, leaves[j * m:(j + 1) * m])) for j in range(plan.n))
+
+    def _frozen_after_packing(self) -> None:
+        """A packed parameter frozen after packing freezes the rows of every block it holds, which
+        may lie in other stages than its holder (a stage's first block groups with the stage before),
+        while a block whose group's parameters another module holds stays trainable: said once per
+        network, with the blocks frozen together, since freezing a stage so freezes more or less than it."""
+        frozen = [g for g in self.peers if g.packed is not None
+                  and not all(g.packed._parameters[name].requires_grad for name in g._trainable_packed)]
+        for group in frozen:
+            group._trainable_packed = ()  # (said once)
+        together = ["(" + ", ".join(g.block_names or (type(b).__name__ for b in g.blocks)) + ")"
+                    for g in frozen if len(g.blocks) > 1]
+        if together and self.workspace is not None and not self.workspace.said_frozen:
+            self.workspace.said_frozen = True
+            warnings.warn(
+                "packed parameters were frozen after packing: each holds the rows of every block of its group, "
+                "frozen together: " + ", ".join(together) + "; a module's parameters() hold its blocks' rows only "
+                "where it holds their group's. To freeze some blocks only, freeze them before packing "
+                "(orepa.engine.group_kernels(model, pack=True) packs frozen and trainable rows apart), or unpack "
+                "(group_kernels(model, policy, pack=False))", stacklevel=2)
 
     def _build_apart(self) -> None:
         """Blocks on several devices or dtypes: each builds its own kernel."""
@@ -1430,6 +1457,7 @@ class KernelGroup:
                 start += size
         self.blocks[0].packed_parameters = holder
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
+        self._trainable_packed = tuple(name for name, p in holder._parameters.items() if p.requires_grad)
         self._replan()
         self._packed_storage()
         return True
@@ -2109,8 +2137,10 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
             sig = (sig, id(m))
         by_signature.setdefault(sig, []).append(m)
     groups = []
+    names = {id(m): name for name, m in root.named_modules()}
     for blocks in (part for same in by_signature.values() for part in _by_width(same)):
         group = KernelGroup(blocks, policy)
+        group.block_names = tuple(names[id(b)] for b in blocks)
         for blk in blocks:
             blk._kernel_group = group
         groups.append(group)
