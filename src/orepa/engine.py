@@ -1281,8 +1281,11 @@ class KernelGroup:
         self.__dict__.update(state)
         for key, value in (("workspace", None), ("graphs", False), ("graph_recorder", CudaGraphRecorder),
                            ("_recordings", 0), ("_graphs_off", False), ("_graphed_for", None),
-                           ("_recording", None)):
+                           ("_recording", None), ("block_names", ())):
             self.__dict__.setdefault(key, value)  # a group pickled before it had them
+        if "_trainable_packed" not in self.__dict__:  # (as then: what is frozen now was frozen before packing)
+            packed = self.packed._parameters.items() if self.packed is not None else ()
+            self._trainable_packed = tuple(name for name, p in packed if p.requires_grad)
         self._index = {id(b): i for i, b in enumerate(self.blocks)}  # ids of the copied blocks
 
     def __len__(self) -> int:
