@@ -1284,8 +1284,7 @@ class KernelGroup:
                            ("_recording", None), ("block_names", ())):
             self.__dict__.setdefault(key, value)  # a group pickled before it had them
         if "_trainable_packed" not in self.__dict__:  # (as then: what is frozen now was frozen before packing)
-            packed = self.packed._parameters.items() if self.packed is not None else ()
-            self._trainable_packed = tuple(name for name, p in packed if p.requires_grad)
+            self._trainable_packed = self._packed_trainable()
         self._index = {id(b): i for i, b in enumerate(self.blocks)}  # ids of the copied blocks
 
     def __len__(self) -> int:
@@ -1333,10 +1332,9 @@ class KernelGroup:
         for; None where the blocks' tensors are on several devices or dtypes (:meth:`_build_apart`)."""
         plan = self.plan
         if self.packed is not None and not self._overridden():
-            params = self.packed._parameters
-            if self._trainable_packed and not all(params[name].requires_grad for name in self._trainable_packed):
+            if self._trainable_packed and self._frozen_since_packing():
                 self._frozen_after_packing()
-            leaves = list(params.values())
+            leaves = list(self.packed._parameters.values())
             stacked = self._storage
             if stacked is None or not self._holds([*leaves, *self.plan.fixed()]):
                 stacked = self._packed_storage()
@@ -1354,19 +1352,29 @@ class KernelGroup:
         m = len(leaves) // plan.n  # leaves are block-major: block j's are leaves[j*m:(j+1)*m]
         return stacked, leaves, tuple(tuple(map(_version, leaves[j * m:(j + 1) * m])) for j in range(plan.n))
 
+    def _packed_trainable(self) -> tuple[str, ...]:
+        """The names of the group's packed parameters that train now."""
+        packed = self.packed._parameters.items() if self.packed is not None else ()
+        return tuple(name for name, p in packed if p.requires_grad)
+
+    def _frozen_since_packing(self) -> bool:
+        """Whether a packed parameter that trained when packed is frozen now."""
+        params = self.packed._parameters
+        return not all(params[name].requires_grad for name in self._trainable_packed)
+
     def _frozen_after_packing(self) -> None:
         """A packed parameter frozen after packing freezes the rows of every block it holds, which
         may lie in other stages than its holder (a stage's first block groups with the stage before),
         while a block whose group's parameters another module holds stays trainable: said once per
         network, with the blocks frozen together, since freezing a stage so freezes more or less than it."""
-        frozen = [g for g in self.peers if g.packed is not None
-                  and not all(g.packed._parameters[name].requires_grad for name in g._trainable_packed)]
+        frozen = [g for g in self.peers if g.packed is not None and g._frozen_since_packing()]
         for group in frozen:
             group._trainable_packed = ()  # (said once)
         together = ["(" + ", ".join(g.block_names or (type(b).__name__ for b in g.blocks)) + ")"
                     for g in frozen if len(g.blocks) > 1]
-        if together and self.workspace is not None and not self.workspace.said_frozen:
-            self.workspace.said_frozen = True
+        if together and not (self.workspace is not None and self.workspace.said_frozen):
+            if self.workspace is not None:  # (a group made by hand has none: said for itself)
+                self.workspace.said_frozen = True
             warnings.warn(
                 "packed parameters were frozen after packing: each holds the rows of every block of its group, "
                 "frozen together: " + ", ".join(together) + "; a module's parameters() hold its blocks' rows only "
@@ -1460,7 +1468,7 @@ class KernelGroup:
                 start += size
         self.blocks[0].packed_parameters = holder
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
-        self._trainable_packed = tuple(name for name, p in holder._parameters.items() if p.requires_grad)
+        self._trainable_packed = self._packed_trainable()
         self._replan()
         self._packed_storage()
         return True
@@ -1922,9 +1930,9 @@ class Recording:
         ref = storage.roles[0]
         shapes = inner.kernel_shapes
         eager = isinstance(inner, EagerBuild)
-        rows = [shape[0] for shape in shapes]
-        whole_shape = ((sum(rows), *shapes[0][1:]), ref.dtype)
         if eager:  # the kernels' gradients side by side in one tensor, as the vjp reads them: no concatenation
+            rows = [shape[0] for shape in shapes]
+            whole_shape = ((sum(rows), *shapes[0][1:]), ref.dtype)
             (whole,) = inputs.views([whole_shape])
             self.grads_in = list(whole.split(rows))
             # and the kernels made where they are handed out from (Plan.squeeze's ``into``): no copy
