@@ -109,6 +109,7 @@ def test_compose_vjp_matches_autograd(shapes):
         got = K.compose_vjp(w1, g1, w2, g2, grad, launch_bound=launch_bound, traced=traced)
         for a, b in zip(got, ref):
             tol_close(a, b, rel=1e-12)
+            assert a.is_contiguous()  # (accumulated into the parameters' gradients as they are)
     # with a per-output-channel (and a scalar) scale on W2: the gradients of W1 and of the scaled W2
     for scale in (torch.rand(s2[0], dtype=torch.double) + 0.5, torch.tensor([0.7], dtype=torch.double)):
         w2s = K.scale_channels(w2.detach(), scale).requires_grad_()
@@ -219,7 +220,11 @@ def test_compose_vjp_skips_unneeded_and_shares_a_common_filter():
         tol_close(d1, ref, rel=1e-12)
     assert K.compose_vjp(w1, 1, avg, 6, grad, need_w1=False)[0] is None
     a, b = torch.randn(5, 7, dtype=torch.double), torch.randn(5, 7, dtype=torch.double)
-    tol_close(K.rowdot(a, b), (a * b).sum(1), rel=1e-12)
+    out = torch.empty(5, dtype=torch.double)
+    for launch_bound in (True, False):  # one batched product, or a product and a sum (CPU per-block route)
+        tol_close(K.rowdot(a, b, launch_bound=launch_bound), (a * b).sum(1), rel=1e-12)
+        assert K.rowdot(a, b, out=out, launch_bound=launch_bound) is out
+        tol_close(out, (a * b).sum(1), rel=1e-12)
 
 
 @pytest.mark.parametrize("n,h,stride", [(2, 7, 1), (2, 8, 2), (1, 45, 1), (64, 56, 1)])

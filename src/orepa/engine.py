@@ -660,7 +660,7 @@ def _branch_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
             d_w1s, d_last = K.compose_vjp(K.scale_channels(w1, s), first.groups, last.kernel, last.groups, grad,
                                           need_w2=last.learnable, shared_filter=last.shared, launch_bound=launch_bound,
                                           traced=traced)
-            out[2] = scale_grad(K.rowdot(d_w1s, w1, traced))
+            out[2] = scale_grad(K.rowdot(d_w1s, w1, traced, launch_bound=launch_bound))
             if first.learnable:
                 out[0] = K.scale_channels(d_w1s, s)
             if last.learnable:
@@ -673,7 +673,7 @@ def _branch_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
                                      shared_filter=last.shared and s is None, launch_bound=launch_bound,
                                      scale=s, traced=traced)
     if s is not None:
-        out[n] = scale_grad(K.rowdot(grad, last.kernel, traced))
+        out[n] = scale_grad(K.rowdot(grad, last.kernel, traced, launch_bound=launch_bound))
         if last.learnable:
             fresh = n == 2 and not traced and not grad.requires_grad  # (autograd keeps no reference to it)
             grad = grad.mul_(K.channel_column(s)) if fresh else K.scale_channels(grad, s)
