@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from orepa.apps import train
+from orepa.apps.checkpoint import RUN_LOCK
 from orepa.apps.common import STOP_SIGNALS
 from orepa.cli import main
 
@@ -136,10 +137,10 @@ sys.exit(main(sys.argv[3:]))
 
 
 @pytest.mark.slow  # a subprocess
-@pytest.mark.parametrize("sig,at,stops_at", [(signal.SIGINT, 2, 3), (signal.SIGTERM, 3, 4)])
+@pytest.mark.parametrize("sig,at,stops_at", [(signal.SIGINT, 2, 3), (signal.SIGTERM, 3, 4), (signal.SIGHUP, 3, 4)])
 def test_a_stop_signal_ends_the_step_writes_a_checkpoint_and_the_run_resumes_bit_identical(
         cache, reference, tmp_path, sig, at, stops_at):
-    """Ctrl-C or a scheduler's SIGTERM, with two loader workers: the step under way ends, the run
+    """Ctrl-C, a scheduler's SIGTERM or a closed terminal's SIGHUP, with two loader workers: the step under way ends, the run
     writes a checkpoint where it stands (mid-epoch, or at the epoch's end) and exits with 128 + the
     signal's number, the way to go on printed; --resume then ends as the uninterrupted run."""
     out = tmp_path / "run"
@@ -259,6 +260,99 @@ def test_stop_signals_are_recorded_then_a_second_ctrl_c_interrupts_and_the_handl
             time.sleep(1)
         assert signals.received == "SIGTERM"  # the first one stays the reason
     assert {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} == before
+
+
+def test_a_hangup_stops_a_run_unless_it_was_started_under_nohup():
+    """SIGHUP (a closed terminal, a dropped ssh session) stops a run as SIGTERM does; one started
+    ignoring it (nohup) keeps ignoring it: it is meant to outlive the terminal."""
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        with train.StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)
+            assert signals.received == "SIGHUP"
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        with train.StopSignals() as signals:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.01)
+            assert signals.received is None
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+PARENT_OF_A_RUN = """
+import os, subprocess, sys
+from orepa.apps.common import STOP_WITH_PARENT_ENV
+child = subprocess.Popen([sys.executable, "-m", "orepa", *sys.argv[1:]],
+                         env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # three processes
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_demo_command_whose_parent_is_killed_stops_with_a_checkpoint(cache, tmp_path):
+    """A command started as orepa demo starts its runs, whose parent then dies of SIGKILL (nothing
+    passes a stop on): the run gets SIGTERM, ends its step with a checkpoint and frees its output
+    directory, instead of training on as an orphan. Started after its parent died, it ends at once."""
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--train-subset", "20000", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_RUN, *argv], env=_env(), stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        child = int(parent.stdout.readline())
+        deadline, step = time.monotonic() + 180, 0
+        while step < 1 and time.monotonic() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+            try:
+                step = json.loads((out / "progress.json").read_text())["global_step"]
+            except (OSError, ValueError, KeyError):
+                pass
+        assert step >= 1 and parent.poll() is None, step
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 120
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(child)
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stop_signal"] == "SIGTERM" and summary["global_step"] >= 1
+    assert _load(out / "checkpoint.pth")["global_step"] == summary["global_step"]
+    assert not (out / RUN_LOCK).exists()
+    # the parent named is not this process's (it died before the signal was armed): ended at once
+    late = subprocess.run([sys.executable, "-m", "orepa", "eval", "--help"], capture_output=True, timeout=120,
+                          env={**_env(), "OREPA_STOP_WITH_PARENT": "1"})
+    assert late.returncode == -signal.SIGTERM and not late.stdout
+
+
+def test_resuming_a_complete_run_trains_and_rewrites_nothing(cache, tmp_path, capsys):
+    """--resume of a run at its last epoch: says it is complete and how to go on, exits 0, and leaves
+    every file as it was (it rewrote summary.json without the validation figures, train time 0)."""
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out / "checkpoint.pth"), "--no-progress", "--threads", "1"]) == 0
+    said = capsys.readouterr().out
+    assert f"{out / 'checkpoint.pth'} ends a complete run (1/1 epochs, 4 steps): nothing to train; --epochs N " \
+           "above 1 continues it" in said and "train time" in said
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == files
+    assert main(["train", "--resume", str(out / "checkpoint.pth"), "--epochs", "2", "--no-progress", "--quiet",
+                 "--threads", "1"]) == 0  # a longer run goes on
+    assert json.loads((out / "summary.json").read_text())["epochs_done"] == 2
 
 
 @pytest.mark.parametrize("when,stage", [("train", "train"), ("reparam", "reparam + test"), ("between", "reparam + test")])
@@ -456,6 +550,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     damaged.write_bytes(bytes(data))
     deployed = tmp_path / "deployed.pth"
     new = ["train", *TINY, "--cache-dir", cache]
+    external = ["train", "--model", "torchvision:resnet18", "--no-progress", "--cache-dir", cache]
     cases = [
         (["train", "-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
         (["train", "-b", "-4"], "argument -b/--batch-size: must be a positive integer, got -4"),
@@ -476,6 +571,24 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
          f"not --data-path {imgs}"),
         ([*new, "--num-classes", "5", "--output-dir", str(tmp_path / "n")],
          "--num-classes 5 is fewer than the 10 classes of fashion-mnist"),
+        # the class count as a block option went past the check: an IndexError in the first step's loss
+        ([*new, "--model-option", "num_classes=5", "--output-dir", str(tmp_path / "n")],
+         "--model-option num_classes=5 is fewer than the 10 classes of fashion-mnist"),
+        # a constructor keyword orepa passes itself: a TypeError traceback
+        ([*external, "--model-kwarg", "num_classes=10", "--output-dir",
+          str(tmp_path / "k")], "--model-kwarg num_classes=: orepa passes it to the constructor itself; give it "
+                                "as --num-classes"),
+        (["export", "--model", "torchvision:resnet18", "--model-kwarg", "in_chans=3"], "give it as --in-chans"),
+        (["export", "--model", "torchvision:resnet18", "--model-kwarg", "weights=DEFAULT"], "no weights are fetched"),
+        # timm takes any drop rate and fails in the first training step (a negative keep probability)
+        ([*external, "--model-kwarg", "drop_path_rate=5", "--output-dir",
+          str(tmp_path / "k")], "--model-kwarg drop_path_rate=5 for torchvision:resnet18: a drop probability, "
+                                "0 <= drop_path_rate < 1"),
+        # a cosine "floor" above the peak raised the learning rate over the run
+        ([*new, "--lr", "0.1", "--lr-min", "0.5", "--output-dir", str(tmp_path / "l")],
+         "--lr-min 0.5 is above the peak --lr 0.1: the cosine schedule would raise the learning rate"),
+        ([*new, "--pad-crop", "28", "--output-dir", str(tmp_path / "p")],
+         "--pad-crop 28: the padding must be smaller than Fashion-MNIST's 28-pixel images"),
         (["export", "--model", "resnet18", "--input-size", "0"], "argument --input-size: must be a positive integer"),
         ([*new, "--branches", "kxk,nope", "--output-dir", str(tmp_path / "b")], "unknown branch name(s) ['nope']"),
         ([*new, "--branches", " , ", "--output-dir", str(tmp_path / "b")], "--branches ' , ' names no branch"),
@@ -483,6 +596,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "4",
           "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress", "-j", "1",
           "--no-tensorboard", "--output-dir", str(tmp_path / "c")], "cannot read image " + str(imgs / "train" / "dog")),
+        (["eval", str(ckpt), "--data-path", str(imgs), "--val-resize-size", "32", "--val-crop-size", "40"],
+         "--val-crop-size 40 is larger than --val-resize-size 32: the validation crop would take black borders"),
         (["analyze", str(ckpt)], "has no re-param block"),
         (["eval", str(rgb), "--method", "base", "--width-mult", "0.0625", "--in-chans", "3", "--val-subset", "16",
           "--no-progress", "--cache-dir", cache], "takes 3-channel images but fashion-mnist has 1 channel"),

@@ -60,6 +60,48 @@ def test_a_torn_fashion_mnist_cache_file_is_extracted_again(cache, tmp_path):
     assert len(data.fashion_mnist(root)[1]) == 10000
 
 
+@pytest.mark.parametrize("damage", ["label", "header"])
+def test_a_damaged_fashion_mnist_cache_file_is_extracted_again(cache, tmp_path, damage):
+    """A cached IDX file of the right size with a label outside 0-9 (torch's loss failed at the
+    first step) or another header (torchvision's AssertionError) is un-gzipped again."""
+    import shutil
+
+    root = tmp_path / "cache"
+    shutil.copytree(Path(cache, "FashionMNIST"), root / "FashionMNIST")
+    name = "train-labels-idx1-ubyte" if damage == "label" else "t10k-images-idx3-ubyte"
+    f = root / "FashionMNIST" / "raw" / name
+    good = f.read_bytes()
+    bad = bytearray(good)
+    bad[100 if damage == "label" else 3] = 200
+    f.write_bytes(bytes(bad))
+    data.prepare_fashion_mnist(root)
+    assert f.read_bytes() == good
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncated", "cannot be read (EOFError: "), ("not gzip", "cannot be read (BadGzipFile: "),
+    ("foreign", "is not its t10k-labels-idx1-ubyte (3 bytes, not 10008)")])
+def test_a_damaged_fashion_mnist_source_file_is_named(cache, tmp_path, monkeypatch, damage, message):
+    """A package file cut short, not gzip, or of other content: a UserError naming it and how to
+    reinstall (a traceback, or "cannot write" the cache, before), and nothing put in the cache."""
+    import gzip
+    import shutil
+
+    root, source = tmp_path / "cache", tmp_path / "source"
+    shutil.copytree(Path(cache, "FashionMNIST"), root / "FashionMNIST")
+    (root / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte").unlink()
+    source.mkdir()
+    gz = source / "t10k-labels-idx1-ubyte.gz"
+    good = gzip.compress(Path(cache, "FashionMNIST", "raw", "t10k-labels-idx1-ubyte").read_bytes())
+    gz.write_bytes({"truncated": good[:len(good) // 2], "not gzip": b"<html>404</html>",
+                    "foreign": gzip.compress(b"abc")}[damage])
+    monkeypatch.setenv("OREPA_FASHION_MNIST_DIR", str(source))
+    with pytest.raises(common.UserError, match="apt-get install --reinstall dataset-fashion-mnist") as err:
+        data.prepare_fashion_mnist(root)
+    assert f"Fashion-MNIST file {gz} " + message in str(err.value)
+    assert not (root / "FashionMNIST" / "raw" / "t10k-labels-idx1-ubyte").exists()
+
+
 def test_fashion_mnist_is_ungzipped_once_and_read_by_torchvision(cache):
     raw = Path(cache, "FashionMNIST", "raw")
     assert sorted(p.name for p in raw.iterdir()) == sorted(data.FASHION_MNIST_FILES)

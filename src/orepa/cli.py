@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     _printable_streams()
     cmd = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(cmd if cmd in SUBCOMMANDS else None)
+    if cmd in SUBCOMMANDS:  # (the subcommand's module, imported above, imports torch and this anyway)
+        from .apps.common import stop_with_parent
+
+        stop_with_parent()
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # said by the subcommand's parser: its name and its --help

@@ -39,8 +39,39 @@ class UserError(Exception):
 
 #: the signals that ask a training run to stop at the next step with a checkpoint: Ctrl-C, a
 #: scheduler's or ``kill``'s SIGTERM (SLURM sends it, then SIGKILL after its KillWait), SLURM's
-#: ``--signal=USR1@SECONDS`` warning; data-loading workers ignore them (the main process stops them)
-STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, n))
+#: ``--signal=USR1@SECONDS`` warning, the SIGHUP of a closed terminal or dropped ssh session;
+#: data-loading workers ignore them (the main process stops them)
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP") if hasattr(signal, n))
+
+
+def stop_signals_to_catch() -> tuple[int, ...]:
+    """The :data:`STOP_SIGNALS` a command takes over: all but a SIGHUP it was started ignoring
+    (``nohup``: the run is meant to outlive its terminal)."""
+    hup = getattr(signal, "SIGHUP", None)
+    return tuple(s for s in STOP_SIGNALS if s != hup or signal.getsignal(s) is not signal.SIG_IGN)
+
+
+#: set by ``orepa demo`` in its commands' environment to its pid: such a command stops (SIGTERM, the
+#: checkpoint of a scheduler's stop) when the demo dies without passing a stop on (SIGKILL, the OOM
+#: killer), instead of training on as an orphan that holds its output directory
+STOP_WITH_PARENT_ENV = "OREPA_STOP_WITH_PARENT"
+
+
+def stop_with_parent() -> None:
+    """Under ``orepa demo`` (:data:`STOP_WITH_PARENT_ENV`): a SIGTERM when the demo's process goes
+    (Linux's parent-death signal; elsewhere nothing). A demo already gone ends this command now."""
+    parent = os.environ.pop(STOP_WITH_PARENT_ENV, None)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:  # the demo died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def out_of_memory(exc: BaseException) -> str | None:

@@ -28,9 +28,10 @@ import dataclasses
 import gzip
 import hashlib
 import os
-import shutil
 import signal
+import struct
 import threading
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -84,7 +85,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def prepare_fashion_mnist(cache_dir: str | os.PathLike | None = None, source: str | None = None) -> Path:
-    """Un-gzip the Debian package's files into ``cache_dir/FashionMNIST/raw`` (once); return ``cache_dir``.
+    """Un-gzip the Debian package's files into ``cache_dir/FashionMNIST/raw`` (once, and again for a
+    cached file that is torn, foreign or has a damaged header or label); return ``cache_dir``.
 
     Safe under concurrency (several ranks): each file is written to a temporary
     name and renamed into place.
@@ -92,8 +94,7 @@ def prepare_fashion_mnist(cache_dir: str | os.PathLike | None = None, source: st
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     source = Path(source or os.environ.get("OREPA_FASHION_MNIST_DIR", FASHION_MNIST_SOURCE))
     raw = root / "FashionMNIST" / "raw"
-    missing = [n for n in FASHION_MNIST_FILES
-               if not (raw / n).is_file() or (raw / n).stat().st_size != FASHION_MNIST_BYTES[n]]
+    missing = [n for n in FASHION_MNIST_FILES if _cached_idx_problem(raw / n, n) is not None]
     if not missing:
         return root
     absent = [n for n in missing if not (source / f"{n}.gz").is_file()]
@@ -104,9 +105,49 @@ def prepare_fashion_mnist(cache_dir: str | os.PathLike | None = None, source: st
             "to a directory holding the four *-ubyte.gz files, or pass --data-path DIR for an ImageFolder tree"
         )
     for name in missing:
-        with gzip.open(source / f"{name}.gz", "rb") as src:
-            atomic_write(raw / name, lambda dst: shutil.copyfileobj(src, dst))
+        gz = source / f"{name}.gz"
+        try:
+            with gzip.open(gz, "rb") as src:
+                data = src.read()
+        except (OSError, EOFError, zlib.error) as exc:  # not gzip (BadGzipFile), truncated, damaged
+            raise UserError(f"Fashion-MNIST file {gz} cannot be read ({type(exc).__name__}: {exc or 'truncated'}); "
+                            "reinstall it (`sudo apt-get install --reinstall dataset-fashion-mnist`) or point "
+                            "OREPA_FASHION_MNIST_DIR at good copies") from None
+        problem = _idx_problem(name, len(data), data)
+        if problem:
+            raise UserError(f"Fashion-MNIST file {gz} is not its {name} ({problem}); reinstall it (`sudo apt-get "
+                            "install --reinstall dataset-fashion-mnist`) or point OREPA_FASHION_MNIST_DIR at good "
+                            "copies")
+        atomic_write(raw / name, lambda dst: dst.write(data))
     return root
+
+
+def _idx_problem(name: str, size: int, head: bytes) -> str | None:
+    """What makes a file of ``size`` bytes that begins with ``head`` not Fashion-MNIST's IDX file
+    ``name`` (its size; its header: magic number and shape; a label outside 0-9, for which ``head``
+    holds the whole label file), else None. A pixel's damage cannot be told from an image."""
+    if size != FASHION_MNIST_BYTES[name]:
+        return f"{size} bytes, not {FASHION_MNIST_BYTES[name]}"
+    labels = "labels" in name
+    n = (size - (8 if labels else 16)) // (1 if labels else 784)
+    header = struct.pack(">II", 2049, n) if labels else struct.pack(">IIII", 2051, n, 28, 28)
+    if head[:len(header)] != header:
+        return "another IDX header"
+    if labels and max(head[8:]) > 9:
+        return "a label outside 0-9"
+    return None
+
+
+def _cached_idx_problem(path: Path, name: str) -> str | None:
+    """:func:`_idx_problem` of an un-gzipped file in the cache (a torn or foreign copy is extracted
+    again)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(FASHION_MNIST_BYTES[name] if "labels" in name else 16)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return _idx_problem(name, size, head)
 
 
 class PadCropFlip:
@@ -179,6 +220,9 @@ class TensorImages(Dataset):
 def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
     from torchvision.datasets import FashionMNIST
 
+    if pad_crop >= 28:  # a crop could then hold no pixel of the image
+        raise UserError(f"--pad-crop {pad_crop}: the padding must be smaller than Fashion-MNIST's 28-pixel images "
+                        "(the default: 2)")
     root = prepare_fashion_mnist(cache_dir)
     sets = []
     for train in (True, False):
@@ -206,6 +250,9 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
             f"{root}/val/<class>/*.jpg; missing: {', '.join(str(root_p / d) for d in missing)} "
             "(or use --data-path fashion-mnist)"
         )
+    if val_crop > val_resize:  # torchvision's CenterCrop pads what the image lacks with zeros
+        raise UserError(f"--val-crop-size {val_crop} is larger than --val-resize-size {val_resize}: the validation "
+                        "crop would take black borders (the paper: resize 256, crop 224)")
     norm = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     train_tf = T.Compose([T.RandomResizedCrop(train_crop, antialias=True), T.RandomHorizontalFlip(),
                           T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
@@ -408,7 +455,7 @@ def ignore_stop_signals(worker_id: int, owner: int | None = None) -> None:
     The worker's own parent is still obeyed: torch's DataLoader and multiprocessing's exit stop
     workers that do not leave by themselves with SIGTERM, and a worker that ignored it would make
     the main process wait for it forever (a run that failed on a corrupt image never exited). So
-    where the sender can be told (``sigwaitinfo``), SIGTERM and SIGUSR1 stay blocked and one thread
+    where the sender can be told (``sigwaitinfo``), the other stop signals stay blocked and one thread
     takes them: from the parent they end the worker, from anyone else they are dropped. ``owner``:
     the process that made the loader (a forkserver's or spawn's worker has another parent)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's; a parent never sends it

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -31,12 +32,14 @@ from pathlib import Path
 from .checkpoint import atomic_write_text, check_output_path
 from .common import (
     STOP_SIGNALS,
+    STOP_WITH_PARENT_ENV,
     UserError,
     available_cpus,
     nonneg_float,
     positive_float,
     positive_int,
     seed_int,
+    stop_signals_to_catch,
     thread_count,
 )
 from .data import prepare_fashion_mnist
@@ -144,7 +147,8 @@ class _Pipeline(threading.Thread):
                             with redirect_stdout(log), redirect_stderr(log):
                                 self.rc = main(cmd[3:])
                         else:
-                            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+                            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={
+                                **os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
                             if self._halt.is_set():  # interrupted while it started
                                 self._proc.send_signal(signal.SIGTERM)
                             self.rc = self._proc.wait()
@@ -241,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
             raise KeyboardInterrupt
 
     on_main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, on_stop) for s in STOP_SIGNALS if s != signal.SIGINT} if on_main else {}
+    previous = {s: signal.signal(s, on_stop) for s in stop_signals_to_catch() if s != signal.SIGINT} if on_main else {}
     try:
         if args.in_process:
             for p in pipes:

@@ -268,6 +268,25 @@ def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> 
     return model
 
 
+#: constructor keywords orepa sets itself, and the flag that sets them
+OWN_KWARGS = {"num_classes": "--num-classes", "in_chans": "--in-chans", "weights": None, "pretrained": None}
+
+
+def check_model_kwargs(name: str, kwargs: dict) -> None:
+    """A :class:`UserError` for a ``--model-kwarg`` that orepa sets itself (the class count, the input
+    channels, pretrained weights: none are fetched), and for a drop rate outside [0, 1), which timm
+    accepts and fails on only in the first training step."""
+    for key, value in kwargs.items():
+        if key in OWN_KWARGS:
+            flag = OWN_KWARGS[key]
+            raise UserError(f"--model-kwarg {key}=: " + (f"orepa passes it to the constructor itself; give it as {flag}" if flag else
+                            "orepa builds every network randomly initialised (no weights are fetched); start from "
+                            "a checkpoint with orepa train --init-from"))
+        if "drop" in key and key.endswith("rate") and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1):
+            raise UserError(f"--model-kwarg {key}={value!r} for {name}: a drop probability, 0 <= {key} < 1")
+
+
 def _adapt_input_conv(model: nn.Module, in_chans: int, name: str) -> None:
     first = next(((n, m) for n, m in model.named_modules() if type(m) is nn.Conv2d), None)
     if first is None or first[1].in_channels != 3 or first[1].groups != 1:
@@ -296,6 +315,7 @@ def build_model(cfg: dict) -> nn.Module:
         kwargs = options.pop(MODEL_KWARGS, {})
         if not isinstance(kwargs, dict):
             raise UserError(f"{MODEL_KWARGS} must be a mapping of constructor keywords, got {kwargs!r}")
+        check_model_kwargs(cfg["model"], kwargs)
         model = external_model(cfg["model"], cfg["num_classes"], cfg["in_chans"], **kwargs)
         if cfg["method"] == "base":
             if options:

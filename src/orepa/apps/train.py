@@ -73,7 +73,6 @@ from .checkpoint import (
     unlock_run_dir,
 )
 from .common import (
-    STOP_SIGNALS,
     DistInfo,
     UserError,
     add_kernel_builder_argument,
@@ -103,6 +102,7 @@ from .common import (
     some_of,
     split_params,
     state_hash,
+    stop_signals_to_catch,
 )
 from .data import add_data_arguments, build_data, train_loader, val_loader
 from .evaluate import autocast_context, evaluate
@@ -142,7 +142,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in stop_signals_to_catch()}
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -495,13 +495,23 @@ class Trainer:
                     + (["other block options"] if saved_cfg["options"] != cfg["options"] else []))
                 self.cfg, expected = cfg, plain_expected
         n, have = self.cfg["num_classes"], self.data.num_classes
-        if getattr(args, "num_classes", None) == n and n < have:  # the flag's count, not a checkpoint's
-            raise UserError(f"--num-classes {n} is fewer than the {have} classes of {self.data.name}")
+        if saved_cfg is None and n < have:  # a new run's count (a checkpoint's is checked below)
+            flag = "--num-classes" if getattr(args, "num_classes", None) == n else "--model-option num_classes="
+            raise UserError(f"{flag}{'' if flag.endswith('=') else ' '}{n} is fewer than the {have} classes of "
+                            f"{self.data.name}")
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
         if saved_cfg is not None:  # its settings won over the data's: they must fit the data
             check_model_fits_data(self.cfg, self.data, source)
+        global_batch = args.batch_size * info.world_size
+        if args.lr is None:
+            args.lr = 0.1 * global_batch / 256
+        self.global_batch = global_batch
+        if args.lr_min > args.lr and args.lr_scheduler in ("cosineannealinglr", "cosine"):
+            raise UserError(f"--lr-min {args.lr_min:g} is above the peak --lr {args.lr:g}"
+                            + ("" if "lr" in _given(args) else " (0.1 x global batch / 256)")
+                            + ": the cosine schedule would raise the learning rate")
         if args.output_dir is None:
             args.output_dir = f"runs/{self.data.name}-{model_slug(self.cfg['model'])}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
@@ -518,11 +528,6 @@ class Trainer:
             except OSError as exc:
                 raise UserError(f"--output-dir {self.out}: cannot make the directory ({exc.strerror or exc})") from None
             self.lock = lock_run_dir(self.out)  # before anything of this run is written there
-
-        global_batch = args.batch_size * info.world_size
-        if args.lr is None:
-            args.lr = 0.1 * global_batch / 256
-        self.global_batch = global_batch
 
         if args.pack_parameters is None:
             # a run resumed from before packing existed holds per-block optimizer state
@@ -952,6 +957,8 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         args, s, info = self.args, self.state, self.info
+        if s.epoch >= args.epochs:  # resumed at its end: nothing to train, nothing of it rewritten
+            return self._complete_run()
         self.session_time, self.session_steps = 0.0, 0
         self.log(f"orepa train: {describe_cfg(self.cfg)}")
         self.log(f"  params: {self.params_train:,} training form, {self.params_deploy:,} deployed; "
@@ -993,6 +1000,22 @@ class Trainer:
         finally:
             tb.close()
         return self.summary(stop, last)
+
+    def _complete_run(self) -> dict:
+        """The summary of a run resumed after its last epoch (its summary.json; rebuilt from its
+        history when that is gone)."""
+        s = self.state
+        self.log(f"orepa train: {self.ckpt_path} ends a complete run ({s.epoch}/{self.args.epochs} epochs, "
+                 f"{s.global_step} steps): nothing to train; --epochs N above {self.args.epochs} continues it")
+        try:
+            saved = json.loads((self.out / "summary.json").read_text())
+            if isinstance(saved, dict) and saved.get("global_step") == s.global_step:
+                if self.main:
+                    print_summary(saved)
+                return saved
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return self.summary(None, s.history[-1] if s.history else {})
 
     def end_epoch(self, tb: TensorBoard) -> dict:
         args, s, info = self.args, self.state, self.info
