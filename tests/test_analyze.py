@@ -185,3 +185,27 @@ def test_checkpoint_with_model_cfg_needs_no_flags(tmp_path):
     assert all("scale" not in k for k in model.state_dict())  # scaling="none" really applied
     torch.save({**ckpt, "form": "deploy"}, tmp_path / "dep.pth")
     assert main(["analyze", str(tmp_path / "dep.pth"), "--output-dir", str(tmp_path / "o2")]) == 2
+
+
+def test_a_directory_is_not_taken_for_a_checkpoint_or_a_model(tmp_path, capsys, monkeypatch):
+    """A run directory was read as a model name ('unknown model') or 'no checkpoint file' (it exists)."""
+    from orepa.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.chdir(tmp_path)
+    for target in ("run", "run/", str(run)):
+        assert main(["analyze", target, "--output-dir", str(tmp_path / "a")]) == 2, target
+        err = capsys.readouterr().err
+        assert f"{target} is a directory; give a checkpoint file in it" in err and err.count("\n") == 1, err
+        assert "unknown model" not in err
+    _zoo_checkpoint(run)
+    (run / "orepa.pt").rename(run / "checkpoint.pth")
+    assert main(["analyze", "run", "--output-dir", str(tmp_path / "a")]) == 2
+    assert "run is a directory; give a checkpoint file in it, e.g. run/checkpoint.pth" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path / "nope")]) == 2
+    assert f"checkpoint file {str(tmp_path / 'nope')!r} does not exist" in capsys.readouterr().err
+    # a model name is analysed as one, whatever folder of that name is here
+    (tmp_path / "resnet18").mkdir()
+    assert main(["analyze", "resnet18", "--width-mult", "0.0625", "--no-plot", "--output-dir", str(tmp_path / "m")]) == 0
+    assert not (tmp_path / "a").exists()  # refused before anything is written

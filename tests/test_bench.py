@@ -339,6 +339,38 @@ def test_from_json_writes_where_told(tmp_path, capsys):
         assert not dest.exists(), name
 
 
+def _result_json(results) -> dict:
+    """A bench result as written, around ``results`` (what --from-json needs to render a header)."""
+    return {"config": {"model": "resnet18", "batch_size": 2, "image_size": 32, "reps": 1, "warmup": 0,
+                       "methods": list(results) if isinstance(results, dict) else []},
+            "environment": {"device": "cpu", "threads": 1, "torch": torch.__version__}, "results": results}
+
+
+@pytest.mark.parametrize("results", [{}, []], ids=["dict", "list"])
+def test_from_json_of_a_result_without_results_is_one_line(results, tmp_path, capsys):
+    from orepa.cli import main
+
+    (tmp_path / "r.json").write_text(json.dumps(_result_json(results)))
+    before = (tmp_path / "r.json").read_bytes()
+    assert main(["bench", "--from-json", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / 'r.json'} holds no results" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"] and (tmp_path / "r.json").read_bytes() == before
+
+
+def test_from_json_with_nothing_to_plot_prints_the_table_and_says_why(tmp_path, capsys):
+    """A result whose rows have no value to take a ratio of: the table and the JSON, no plot, and a
+    note why (it was a matplotlib error, after the table and JSON had been written)."""
+    from orepa.cli import main
+
+    (tmp_path / "r.json").write_text(json.dumps(_result_json({"base": {}})))
+    out = tmp_path / "out"
+    assert main(["bench", "--from-json", str(tmp_path / "r.json"), "--output-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| base |" in text and "note: no ratio plot: no metric has a ratio to base" in text
+    assert sorted(p.name for p in out.iterdir()) == ["r.json", "r.md"]
+
+
 def test_a_result_of_other_variants_is_replaced_only_with_overwrite(tmp_path, capsys):
     """The default file name says the model, batch, size and device, not the variants: a run of other
     variants replaced an earlier result silently."""

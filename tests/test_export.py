@@ -292,3 +292,47 @@ def test_report_says_when_the_opset_written_is_not_the_one_asked_for():
     assert "opset 18 written, not the 17 asked for" in str(report)
     same = ExportReport("m.onnx", "onnx", (1, 3, 8, 8), 10, 5, opset=17, opset_requested=17)
     assert "note:" not in str(same)
+
+
+# --------------------------------------------------------------------------- a run's checkpoint
+
+
+def _run_checkpoint(path: Path, **kw) -> Path:
+    """A checkpoint as ``orepa train`` writes it: training form, model_cfg and the optimizer's state
+    (a run resumes from it)."""
+    from orepa.apps.model_cfg import model_cfg_of
+
+    model = _trained("resnet18", "orepa", **{**TINY, **kw})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+    model(torch.randn(2, 1, 28, 28)).square().mean().backward()
+    opt.step()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": model_cfg_of(model),
+                "model": model.eval().state_dict(), "optimizer": opt.state_dict(), "epoch": 1, "step_in_epoch": 0,
+                "global_step": 1}, path)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_cli_export_never_replaces_a_run_checkpoint(tmp_path, capsys):
+    """--overwrite replaced a run's checkpoint.pth with the export (its resumable state gone)."""
+    run = _run_checkpoint(tmp_path / "run" / "checkpoint.pth")
+    src = tmp_path / "src.pth"
+    src.write_bytes(run.read_bytes())
+    before = run.read_bytes()
+    for argv in (["--overwrite"], ["--overwrite", "--format", "torchscript"], []):
+        capsys.readouterr()
+        assert cli.main(["export", str(src), "-o", str(run), *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"--output {run} is the training checkpoint of a run" in err and "choose another --output" in err
+        assert "pass --overwrite" not in err  # it would not help
+    assert run.read_bytes() == before
+    # weights without optimizer state (no run resumes from them) are replaced with --overwrite
+    ckpt = torch.load(src, weights_only=True)
+    del ckpt["optimizer"]
+    torch.save(ckpt, tmp_path / "weights.pth")
+    assert cli.main(["export", str(src), "-o", str(tmp_path / "weights.pth"), "--format", "torchscript",
+                     "--overwrite"]) == 0
+    assert export.is_export(tmp_path / "weights.pth", "torchscript")

@@ -596,6 +596,9 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "4",
           "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress", "-j", "1",
           "--no-tensorboard", "--output-dir", str(tmp_path / "c")], "cannot read image " + str(imgs / "train" / "dog")),
+        # the training set's flags: eval and reparam read the validation set only (they took and ignored them)
+        (["eval", str(ckpt), "--train-subset", "5"], "unrecognized arguments: --train-subset 5 (see orepa eval --help)"),
+        (["reparam", str(ckpt), "--pad-crop", "3"], "unrecognized arguments: --pad-crop 3 (see orepa reparam --help)"),
         (["eval", str(ckpt), "--data-path", str(imgs), "--val-resize-size", "32", "--val-crop-size", "40"],
          "--val-crop-size 40 is larger than --val-resize-size 32: the validation crop would take black borders"),
         (["analyze", str(ckpt)], "has no re-param block"),

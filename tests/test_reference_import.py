@@ -212,6 +212,35 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     assert out.read_bytes() == b"keep me" and not (tmp_path / "new.pth").exists()
 
 
+def test_cli_never_replaces_a_run_checkpoint(tmp_path, capsys):
+    """--overwrite replaced a run's checkpoint.pth (its optimizer state: the run's resumable state)."""
+    from orepa.apps.model_cfg import model_cfg_of
+    from orepa.cli import main
+
+    src = tmp_path / "ref.pth"
+    torch.save(make_resnet("base", [2, 2, 2, 2], [4, 8, 16, 32], seed=13), src)
+    model = orepa.models.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    opt.step()
+    run = tmp_path / "run" / "checkpoint.pth"  # as orepa train writes it
+    run.parent.mkdir()
+    torch.save({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": model_cfg_of(model),
+                "model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, run)
+    before = run.read_bytes()
+    for extra in (["--overwrite"], ["--overwrite", "--deploy"], []):
+        capsys.readouterr()
+        assert main(["import-reference", str(src), "-o", str(run), *extra]) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--output {run} is the training checkpoint of a run" in err[0], err
+        assert "pass --overwrite" not in err[0]
+    assert run.read_bytes() == before
+    # an earlier import (no optimizer state) is still replaced with --overwrite
+    assert main(["import-reference", str(src), "-o", str(tmp_path / "imp.pth")]) == 0
+    assert main(["import-reference", str(src), "-o", str(tmp_path / "imp.pth"), "--overwrite", "--deploy"]) == 0
+    assert torch.load(tmp_path / "imp.pth", weights_only=True)["form"] == "deploy"
+
+
 @pytest.mark.parametrize("flag,classes", [("--resume", 2), ("--init-from", 5)])
 def test_train_fine_tunes_an_imported_checkpoint(tmp_path, capsys, flag, classes):
     """`orepa train --resume` or `--init-from` on an import-reference checkpoint starts a run from its

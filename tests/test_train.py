@@ -491,19 +491,22 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert "already holds a run" in err and f"--resume {ckpt}" in err and "--overwrite" in err
     assert ckpt.read_bytes() == before
-    # reparam never writes over its input, nor over a training checkpoint without --overwrite
+    # reparam never writes over its input, nor over a run's training checkpoint (--overwrite or not:
+    # it is what --resume continues), nor over another checkpoint without --overwrite
     other = tmp_path / "other.pth"
     other.write_bytes(before)
-    for out, msg in ((ckpt, "is the input checkpoint"), (other, "is not a deployed checkpoint (a train checkpoint)")):
-        assert main(["reparam", str(ckpt), "-o", str(out), "--no-verify"]) == 2
+    run_ckpt = "is the training checkpoint of a run (it holds optimizer state"
+    for out, extra, msg in ((ckpt, [], "is the input checkpoint"), (other, [], run_ckpt),
+                            (other, ["--overwrite"], run_ckpt)):
+        assert main(["reparam", str(ckpt), "-o", str(out), "--no-verify", *extra]) == 2
         assert msg in capsys.readouterr().err
     assert ckpt.read_bytes() == other.read_bytes() == before
     bare = tmp_path / "bare.pth"
     torch.save(_load(ckpt)["model"], bare)
     assert main(["reparam", str(ckpt), "-o", str(bare), "--no-verify"]) == 2
     assert "is not a deployed checkpoint (a bare state_dict)" in capsys.readouterr().err
-    assert main(["reparam", str(ckpt), "-o", str(other), "--no-verify", "--overwrite"]) == 0
-    assert _load(other)["form"] == "deploy"
+    assert main(["reparam", str(ckpt), "-o", str(bare), "--no-verify", "--overwrite"]) == 0
+    assert _load(bare)["form"] == "deploy"
     assert main(["reparam", str(ckpt), "--no-verify"]) == 0 and main(["reparam", str(ckpt), "--no-verify"]) == 0
     # --overwrite replaces the run only once the new one is set up: a command that fails on its
     # flags (an unknown method, a batch larger than the data) leaves the old run as it was
@@ -998,3 +1001,49 @@ def test_compiled_orepa_training_runs_and_saves_the_plain_model(cache, tmp_path,
     ck = _load(out / "checkpoint.pth")
     assert not any(k.startswith("_orig_mod.") for k in ck["model"])  # the plain model is saved
     assert main(["reparam", str(out / "checkpoint.pth"), "--no-progress", "-j", "0", "--val-subset", "16"]) == 0
+
+
+def test_eval_warns_of_non_finite_weights(cache, tmp_path, capsys):
+    """A checkpoint with NaN weights was evaluated to an accuracy without a word; a warning on
+    stderr names the first such tensor (eval still reports: looking at a diverged run is fair)."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--method", "base") == 0
+    ckpt = _load(run / "checkpoint.pth")
+    ckpt["model"]["fc.weight"].fill_(float("nan"))
+    torch.save(ckpt, tmp_path / "nan.pth")
+    for path, bad in ((run / "checkpoint.pth", None), (tmp_path / "nan.pth", "parameter fc.weight")):
+        capsys.readouterr()
+        assert main(["eval", str(path), "--cache-dir", cache, "--val-subset", "16", "--no-progress", "--json",
+                     str(tmp_path / "r.json")]) == 0
+        out = capsys.readouterr()
+        assert ("non-finite" in out.err) == (bad is not None) and "top-1" in out.out
+        assert json.loads((tmp_path / "r.json").read_text())["nonfinite"] == bad
+    assert f"warning: {tmp_path / 'nan.pth'} holds non-finite values (NaN/inf), first in parameter fc.weight" \
+        in out.err
+
+
+def test_reparam_whose_check_fails_exits_1_and_writes_nothing(cache, tmp_path, capsys, monkeypatch):
+    """A failed verification is a failed check, not a usage error: exit code 1 (as export's), said in
+    --help; nothing is written."""
+    from orepa.apps import reparam
+
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval") == 0
+    files = sorted(p.name for p in run.iterdir())
+    real = reparam.deploy
+
+    def off(model, form):  # a deployment that computes other logits
+        out = real(model, form)
+        with torch.no_grad():
+            out.fc.bias.add_(1.0)
+        return out
+
+    monkeypatch.setattr(reparam, "deploy", off)
+    capsys.readouterr()
+    assert main(["reparam", str(run / "checkpoint.pth"), "--cache-dir", cache, "--val-subset", "16",
+                 "--no-progress", "--json", str(tmp_path / "r.json")]) == 1
+    assert "outputs differ from the training form's beyond the tolerance; nothing written" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == files and not (tmp_path / "r.json").exists()
+    with pytest.raises(SystemExit):
+        main(["reparam", "--help"])
+    assert "exit code is 1" in " ".join(capsys.readouterr().out.split())

@@ -25,7 +25,15 @@ from orepa.analysis import analyze_model
 from orepa.apps.checkpoint import atomic_write_text, check_output_path, load_checkpoint, state_dict_mismatch
 from orepa.apps.common import UserError, add_run_arguments, apply_threads, init_distributed, seed_everything
 from orepa.apps.logs import pyplot, save_figure
-from orepa.apps.model_cfg import add_model_arguments, build_model, describe_cfg, model_cfg_from_args, model_flags_given
+from orepa.apps.model_cfg import (
+    EXTERNAL_SOURCES,
+    add_model_arguments,
+    build_model,
+    describe_cfg,
+    model_cfg_from_args,
+    model_flags_given,
+)
+from orepa.models import list_models
 
 
 def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:
@@ -180,8 +188,12 @@ def run(args: argparse.Namespace) -> int:
                                       saved=ckpt.get("model_cfg"))
         model = check_and_load(build_model(cfg), sd, _flags(cfg))
         source = str(target)
+    elif target.is_dir() and not _names_a_model(args.target):  # a model name wins over a folder of that name
+        raise UserError(f"{args.target} is a directory; give a checkpoint file in it"
+                        + (f", e.g. {target / 'checkpoint.pth'}" if (target / "checkpoint.pth").is_file() else
+                           " (a .pth written by orepa train)") + ", or a model name to analyse at initialisation")
     elif target.suffix in (".pt", ".pth", ".ckpt", ".bin") or "/" in args.target:
-        raise UserError(f"no checkpoint file {args.target!r}")
+        raise UserError(f"checkpoint file {args.target!r} does not exist")
     else:
         if args.model is None:
             args = argparse.Namespace(**{**vars(args), "model": args.target})
@@ -206,6 +218,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{_short(name):<44}{len(v['branches']):>9}{v['mean_off_diagonal_cosine']:>10.3f}  {shares}")
     print("wrote " + ", ".join(result.get("files", {}).values()))
     return 0
+
+
+def _names_a_model(name: str) -> bool:
+    """Whether ``name`` is what the model-name argument takes (a zoo name, torchvision:NAME, timm:NAME)."""
+    source, sep, arch = name.partition(":")
+    return name in list_models() or bool(sep and arch and source in EXTERNAL_SOURCES)
 
 
 def _flags(cfg: dict) -> str:

@@ -462,6 +462,22 @@ def checkpoint_form(path: str | os.PathLike) -> str | None:
     return ckpt.get("form", "train") if "format" in ckpt else "state_dict"
 
 
+def refuse_run_checkpoint(path: str | os.PathLike, flag: str = "--output") -> None:
+    """A :class:`UserError` where ``path`` is a training run's checkpoint (training form with optimizer
+    state: ``orepa train``'s ``checkpoint.pth``, ``model_N.pth``, or another tool's): it is that run's
+    resumable state, so no ``--overwrite`` replaces it. Reads the metadata only (a lazy load)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    try:
+        held = load_checkpoint(path, lazy=True)
+    except UserError:  # not a checkpoint the loader reads: no run resumes from it
+        return
+    if "optimizer" in held and held.get("form", "train") == "train":
+        raise UserError(f"{flag} {path} is the training checkpoint of a run (it holds optimizer state: the run's "
+                        f"resumable state) and is never replaced, not even with --overwrite; choose another {flag}")
+
+
 #: integer fields of a training checkpoint (where it stopped)
 _COUNTERS = ("epoch", "step_in_epoch", "global_step")
 

@@ -61,7 +61,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orepa"
 
 
-def add_data_arguments(p: argparse.ArgumentParser) -> None:
+def add_data_arguments(p: argparse.ArgumentParser, training_set: bool = True) -> None:
+    """The data flags; without ``training_set`` (commands that read the validation set only) not
+    those of the training set, which such a command would accept and ignore."""
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default="fashion-mnist",
                    help="'fashion-mnist' (default; Debian package dataset-fashion-mnist) or an ImageFolder root "
@@ -72,13 +74,16 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    help="where Fashion-MNIST is un-gzipped once (default $OREPA_CACHE or ~/.cache/orepa)")
     g.add_argument("-j", "--workers", type=nonneg_int, default=None,
                    help="data loading processes per rank (default: 0 for Fashion-MNIST on CPU, else min(8, CPUs))")
-    g.add_argument("--train-subset", type=positive_int, default=None,
-                   help="train on a fixed random subset of N images")
+    if training_set:
+        g.add_argument("--train-subset", type=positive_int, default=None,
+                       help="train on a fixed random subset of N images")
     g.add_argument("--val-subset", type=positive_int, default=None, help="evaluate on the first N validation images")
-    g.add_argument("--train-crop-size", type=positive_int, default=224, help="ImageFolder: RandomResizedCrop size")
+    if training_set:
+        g.add_argument("--train-crop-size", type=positive_int, default=224, help="ImageFolder: RandomResizedCrop size")
     g.add_argument("--val-resize-size", type=positive_int, default=256, help="ImageFolder: validation resize")
     g.add_argument("--val-crop-size", type=positive_int, default=224, help="ImageFolder: validation centre crop")
-    g.add_argument("--pad-crop", type=nonneg_int, default=2, help="Fashion-MNIST: zero padding of the random crop")
+    if training_set:
+        g.add_argument("--pad-crop", type=nonneg_int, default=2, help="Fashion-MNIST: zero padding of the random crop")
 
 
 # --------------------------------------------------------------------------- Fashion-MNIST

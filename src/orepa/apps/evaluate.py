@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import sys
 import time
 
 import torch
@@ -55,8 +56,6 @@ def autocast_context(device: torch.device, enabled: bool, dtype: str = "auto", c
 def _progress(iterable, total, desc, enabled):
     if not enabled:
         return iterable
-    import sys
-
     from tqdm import tqdm
 
     return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True,
@@ -111,11 +110,10 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
 
 # --------------------------------------------------------------------------- the subcommand
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a training checkpoint (orepa train), a deployed one (orepa reparam) "
                                       "or a bare state_dict (then give --model/--method/...)")
-    add_data_arguments(p)
+    add_data_arguments(p, training_set=False)
     # unset: the data the checkpoint was trained on
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
     add_model_arguments(p)
@@ -166,6 +164,13 @@ def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Mod
     return model, cfg, form
 
 
+def nonfinite_tensor(model: nn.Module) -> str | None:
+    """The first parameter or buffer of ``model`` holding NaN/inf (its name), else None."""
+    from .train import first_nonfinite  # here: train imports this module
+
+    return first_nonfinite(model)
+
+
 def run(args: argparse.Namespace) -> int:
     info = DistInfo()
     apply_threads(args)
@@ -178,6 +183,12 @@ def run(args: argparse.Namespace) -> int:
         data_args_from_checkpoint(args, ckpt)
         data = checkpoint_data(args, ckpt, info)
         model, cfg, form = checkpoint_model(args, ckpt, data)
+        bad = nonfinite_tensor(model)
+        if bad and info.is_main:
+            # a warning, not an error: eval reports what the weights compute, and looking at a diverged
+            # run (or a non-finite buffer the forward never reads) is legitimate; the numbers may be garbage
+            print(f"warning: {args.checkpoint} holds non-finite values (NaN/inf), first in {bad}: the accuracy "
+                  "and loss below may be meaningless (a diverged run?)", file=sys.stderr, flush=True)
         model.to(device)
         if args.channels_last:
             model.to(memory_format=torch.channels_last)
@@ -188,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
                        channels_last=args.channels_last, progress=not args.no_progress)
         mem, mem_kind = peak_memory(device)
         res.update(checkpoint=str(args.checkpoint), form=form, model=describe_cfg(cfg), params=count_params(model),
-                   peak_memory_mib=mem, peak_memory_kind=mem_kind, dataset=data.name, ema=args.use_ema)
+                   peak_memory_mib=mem, peak_memory_kind=mem_kind, dataset=data.name, ema=args.use_ema,
+                   nonfinite=bad)
         if info.is_main:
             print(f"{args.checkpoint}: {describe_cfg(cfg)}, {form} form{' (EMA)' if args.use_ema else ''}, "
                   f"{res['params']:,} params")

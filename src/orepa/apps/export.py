@@ -331,7 +331,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p, seed=False)
     p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}.onnx / .pt)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --output when it holds anything but an earlier export of this --format")
+                   help="replace --output when it holds anything but an earlier export of this --format (never "
+                        "a run's training checkpoint)")
     p.add_argument("--input-size", type=positive_int, default=None,
                    help="height = width of the example input (default: the checkpoint's training size, "
                         "28 for Fashion-MNIST; else 224)")
@@ -380,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output or f"{model_slug(cfg['model'])}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
     ckpt_io.check_output_path(out, "--output", not_over={
         "the input checkpoint (export never writes over its input)": path or None})
+    ckpt_io.refuse_run_checkpoint(out)
     if out.exists() and not args.overwrite and not is_export(out, args.format):
         held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
             f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")

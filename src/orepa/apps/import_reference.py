@@ -27,6 +27,7 @@ from .checkpoint import (
     check_output_path,
     load_checkpoint,
     model_from_checkpoint,
+    refuse_run_checkpoint,
     save_checkpoint,
 )
 from .common import UserError, add_run_arguments, apply_threads, count_params, fail, parse_device, positive_float
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deploy", action="store_true", help="write the deployed model (vanilla layout) instead of "
                                                           "the training form")
     p.add_argument("--fuse-bn", action="store_true", help="with --deploy: also fold every BN into its conv")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output (never a run's training checkpoint)")
     p.add_argument("--rtol", type=positive_float, default=1e-4,
                    help="check tolerance: max|diff| <= rtol * (1 + max|logit|) on a random batch (1e-4)")
     add_run_arguments(p)
@@ -53,6 +55,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     if args.fuse_bn and not args.deploy:
         raise UserError("--fuse-bn needs --deploy (a training-form checkpoint keeps its BNs)")
     check_output_path(out, "--output", not_over={"the input checkpoint": src})
+    refuse_run_checkpoint(out)
     if out.exists() and not args.overwrite:
         raise UserError(f"--output {out} exists; pass --overwrite to replace it, or choose another --output")
     import orepa

@@ -6,10 +6,11 @@ ResNet family, torchvision's module names and state_dict keys), or with
 the training-form and the deployed model on the validation set (or ``--val-subset``
 images of it) and checks that the logits agree to float32 tolerance
 (max |diff| <= ``--rtol`` x (1 + max |logit|)); it reports both accuracies and how
-many predictions differ. Exit code 1 if the outputs disagree.
+many predictions differ. Exit code 1 if the outputs disagree (a failed check, as
+``orepa export``'s verification, not a usage error: those exit 2), nothing written.
 
-It never writes over its input, nor replaces a file that is not a deployed checkpoint
-(e.g. a training checkpoint) unless ``--overwrite`` is given.
+It never writes over its input or a run's training checkpoint (one with optimizer state), and
+replaces another file that is not a deployed checkpoint only with ``--overwrite``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .checkpoint import (
     checkpoint_form,
     load_checkpoint,
     model_from_checkpoint,
+    refuse_run_checkpoint,
     save_checkpoint,
 )
 from .common import (
@@ -47,13 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None,
                    help="deployed checkpoint to write (default: <checkpoint dir>/deployed[-fused].pth)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --output even when it is not a deployed checkpoint (never the input)")
+                   help="replace --output even when it is not a deployed checkpoint (never the input, nor a run's "
+                        "training checkpoint)")
     p.add_argument("--fuse-bn", action="store_true", help="also fold every BN into its conv (fastest inference)")
     p.add_argument("--use-ema", action="store_true", help="deploy the EMA weights")
     p.add_argument("--rtol", type=positive_float, default=1e-4,
-                   help="verification tolerance: max|diff| <= rtol * (1 + max|logit|) (1e-4)")
+                   help="verification tolerance: max|diff| <= rtol * (1 + max|logit|) (1e-4); beyond it nothing "
+                        "is written and the exit code is 1 (a failed check, as in export), not 2 (a usage error)")
     p.add_argument("--no-verify", action="store_true", help="skip the verification on data")
-    add_data_arguments(p)
+    add_data_arguments(p, training_set=False)
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
     p.add_argument("-b", "--batch-size", type=positive_int, default=256)
     add_run_arguments(p)
@@ -82,6 +86,7 @@ def _check_output(out: Path, args) -> None:
     if args.json:
         check_output_path(args.json, "--json", text=True,
                           not_over={"the input checkpoint": args.checkpoint, "--output": out})
+    refuse_run_checkpoint(out)
     form = checkpoint_form(out) if out.exists() and not args.overwrite else "deploy"
     if form not in ("deploy", "deploy-fused"):
         held = {None: "not an orepa checkpoint", "state_dict": "a bare state_dict"}.get(form, f"a {form} checkpoint")

@@ -43,7 +43,7 @@ from .measure import (
     tally_saved,
     variant_specs,
 )
-from .report import format_header, format_table, plot_budgets, plot_ratios, ratios, rerender, save
+from .report import format_header, format_table, no_plot_reason, plot_budgets, plot_ratios, ratios, rerender, save
 from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_options, parse_spec
 
 __all__ = [
@@ -124,6 +124,12 @@ def _check_result_file(path: Path, methods: list[str], overwrite: bool) -> None:
                         "--tag NAME to write this run's result beside it")
 
 
+def _say_no_plot(result: dict, no_plot: bool) -> None:
+    reason = None if no_plot else no_plot_reason(result)
+    if reason:
+        print(f"note: no ratio plot: {reason}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.tag is not None and (Path(args.tag).name != args.tag or args.tag in ("", ".", "..")):
         raise UserError(f"--tag {args.tag!r} is a file stem in --output-dir, not a path")
@@ -142,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--from-json {args.from_json}: {getattr(exc, 'strerror', None) or exc}") from None
         print(format_header(result) + "\n\n" + format_table(result))
         print("\nwrote " + ", ".join(str(f) for f in files))
+        _say_no_plot(result, args.no_plot)
         return 0
     # every check on the flags before the first build: a bad one fails in seconds, not after minutes
     apply_threads(args)
@@ -214,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result))
     files = save(result, args.output_dir, tag, plots=not args.no_plot)
     print("\nwrote " + ", ".join(str(f) for f in files))
+    _say_no_plot(result, args.no_plot)
     diverged = [n for n, r in result["results"].items() if not math.isfinite(r["deploy_err"])]
     off = [n for n, r in result["results"].items() if math.isfinite(r["deploy_err"]) and r["deploy_err"] > 1e-3]
     if diverged:

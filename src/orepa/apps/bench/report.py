@@ -100,15 +100,32 @@ def format_header(result: dict) -> str:
             f"after {c['warmup']} warm-up{graphs}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
 
 
+#: the panels of the ratio plot: metric -> title
+RATIO_PLOTS = (("step_ms", "train step time"), ("saved_bytes", "saved for backward"), ("peak_bytes", "peak memory"),
+               ("train_flops", "train FLOPs"), ("infer_ms", "deployed inference"))
+
+
+def ratio_metrics(result: dict) -> list[tuple[str, str]]:
+    """The panels of :func:`plot_ratios` that have a value: the metrics some variant has a ratio of."""
+    rat = result["ratios"]
+    return [(k, t) for k, t in RATIO_PLOTS if any(rat[n].get(k) is not None for n in rat)]
+
+
+def no_plot_reason(result: dict) -> str | None:
+    """Why :func:`save` draws no ratio plot for ``result`` (None where it does)."""
+    return None if ratio_metrics(result) else ("no metric has a ratio to base (every value is missing or base's "
+                                               "is 0)")
+
+
 def plot_ratios(result: dict, path: str | Path) -> Path:
     """Bar charts of the cost ratios to base, one panel per metric."""
     plt = pyplot()
 
     rat = result["ratios"]
     names = list(rat)
-    metrics = [("step_ms", "train step time"), ("saved_bytes", "saved for backward"),
-               ("peak_bytes", "peak memory"), ("train_flops", "train FLOPs"), ("infer_ms", "deployed inference")]
-    metrics = [(k, t) for k, t in metrics if any(rat[n][k] is not None for n in names)]
+    metrics = ratio_metrics(result)
+    if not metrics:
+        raise ValueError("no cost ratio to base to plot")
     fig, axes = plt.subplots(1, len(metrics), figsize=(3.2 * len(metrics), 3.6), squeeze=False)
     for ax, (k, title) in zip(axes[0], metrics):
         vals = [rat[n][k] or 0.0 for n in names]
@@ -163,7 +180,7 @@ def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> lis
     out_dir = Path(out_dir)
     files = [atomic_write_text(out_dir / f"{tag}.json", json.dumps(result, indent=1)),
              atomic_write_text(out_dir / f"{tag}.md", format_header(result) + "\n\n" + format_table(result) + "\n")]
-    if plots:
+    if plots and no_plot_reason(result) is None:  # a result without a ratio has only its table
         files.append(plot_ratios(result, out_dir / f"{tag}_ratios.png"))
         if any(n in LADDER for n in result["results"]):
             files.append(plot_budgets(result, out_dir / f"{tag}_budgets.png"))
@@ -175,6 +192,9 @@ def rerender(path: str | Path, plots: bool = True, out_dir: str | Path | None = 
     next to it, replacing its table and JSON)."""
     path = Path(path)
     result = json.loads(path.read_text())
+    if isinstance(result, dict) and result.get("results") in ({}, []):
+        raise ValueError(f"{path} holds no results (no variant was measured): nothing to render; "
+                         "measure again with orepa bench")
     if not (isinstance(result, dict) and all(isinstance(result.get(k), dict) for k in ("config", "environment"))
             and isinstance(result.get("results"), dict) and "base" in result["results"]):
         raise ValueError(f"{path} is not an orepa bench result (JSON with config, environment and "
