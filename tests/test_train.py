@@ -172,6 +172,29 @@ def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
     assert "expected an ImageFolder tree" in err and "val" in err
 
 
+def test_a_relative_data_path_from_a_checkpoint_is_named_as_the_checkpoints(tmp_path, capsys, monkeypatch):
+    """A run trained on --data-path imgs (relative), evaluated or resumed from another directory:
+    the message says the path is the checkpoint's, relative to where its run started (it named a
+    --data-path the user never gave); a reparam without verification needs no data."""
+    _png_tree(tmp_path / "imgs", n_train=4, n_val=1)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--data-path", "imgs", "--model", "resnet18", "--width-mult", "0.0625", "--epochs", "1",
+                 "-b", "4", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
+                 "--no-eval", "--no-progress", "--no-tensorboard", "-j", "0", "--output-dir", "run"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ckpt = str(tmp_path / "run" / "checkpoint.pth")
+    for argv, source in ((["eval", ckpt], ckpt), (["train", "--resume", ckpt, "--epochs", "2"], f"--resume {ckpt}")):
+        capsys.readouterr()
+        assert main([*argv, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert f"{source} was trained on --data-path imgs, a path relative to the directory its run was started " \
+               f"in; there is no imgs under {elsewhere}" in err, err
+    assert main(["reparam", ckpt, "--no-verify"]) == 0
+    assert main(["eval", ckpt, "--data-path", str(tmp_path / "imgs"), "--no-progress", "-j", "0"]) == 0
+
+
 def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp_path, capsys):
     """A folder holding some of the classes (or them in another order) is evaluated with each image's
     label read by class name, not by its folder's rank; classes the model never saw are an error, and

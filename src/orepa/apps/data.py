@@ -408,6 +408,17 @@ def resolve_kind(args) -> str:
     return kind
 
 
+def check_saved_data_path(args, source: str) -> None:
+    """``args.data_path``, a setting of checkpoint ``source`` (``args._data_path_of``), names a folder
+    from here: a relative one is relative to where its run was started, which a :class:`UserError`
+    says (the ImageFolder check would name a --data-path the user never gave)."""
+    path = Path(str(args.data_path))
+    if resolve_kind(args) == "imagefolder" and not path.is_absolute() and not path.is_dir():
+        raise UserError(f"{source} was trained on --data-path {path}, a path relative to the directory its run "
+                        f"was started in; there is no {path} under {Path.cwd()}: run from that directory or give "
+                        "--data-path")
+
+
 def _subset(ds, n: int | None, seed: int | None):
     if n is None or n >= len(ds):
         return ds
@@ -424,6 +435,8 @@ def _subset(ds, n: int | None, seed: int | None):
 
 def build_data(args, *, need_train: bool = True) -> Data:
     kind = resolve_kind(args)
+    if getattr(args, "_data_path_of", None):  # the path is a checkpoint's setting, not a flag given here
+        check_saved_data_path(args, args._data_path_of)
     if kind == "fashion-mnist":
         train, val = fashion_mnist(getattr(args, "cache_dir", None), getattr(args, "pad_crop", 2))
         in_chans, small, sizes = 1, True, (28,)

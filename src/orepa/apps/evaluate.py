@@ -136,6 +136,7 @@ def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:
             args.dataset = saved["dataset"]
         if args.cache_dir is None:
             args.cache_dir = saved.get("cache_dir")
+        args._data_path_of = args.checkpoint  # (build_data's message names where the path came from)
     for key, default in (("val_resize_size", 256), ("val_crop_size", 224)):
         if getattr(args, key, None) is None:
             setattr(args, key, saved.get(key) or default)

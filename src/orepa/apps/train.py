@@ -366,6 +366,8 @@ def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespa
             setattr(out, key, value)
     if "output_dir" not in given:
         out.output_dir = str(Path(args.resume).parent)
+    if "data_path" not in given:
+        out._data_path_of = f"--resume {args.resume}"
     done = int(ckpt.get("epoch", 0)) + (int(ckpt.get("step_in_epoch", 0)) > 0)  # begun epochs
     if out.epochs < done:
         raise UserError(f"--resume {args.resume}: --epochs {out.epochs} is fewer than the {done} epoch(s) this run "
