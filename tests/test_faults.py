@@ -339,19 +339,30 @@ def test_a_demo_command_whose_parent_is_killed_stops_with_a_checkpoint(cache, tm
 
 
 def test_resuming_a_complete_run_trains_and_rewrites_nothing(cache, tmp_path, capsys):
-    """--resume of a run at its last epoch: says it is complete and how to go on, exits 0, and leaves
-    every file as it was (it rewrote summary.json without the validation figures, train time 0)."""
-    out = tmp_path / "run"
-    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
-    files = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
-    capsys.readouterr()
-    assert main(["train", "--resume", str(out / "checkpoint.pth"), "--no-progress", "--threads", "1"]) == 0
-    said = capsys.readouterr().out
-    assert f"{out / 'checkpoint.pth'} ends a complete run (1/1 epochs, 4 steps): nothing to train; --epochs N " \
-           "above 1 continues it" in said and "train time" in said
-    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == files
-    assert main(["train", "--resume", str(out / "checkpoint.pth"), "--epochs", "2", "--no-progress", "--quiet",
-                 "--threads", "1"]) == 0  # a longer run goes on
+    """--resume of a run at its last epoch, or at the --max-steps given: says so and how to go on,
+    exits 0, and leaves every file as it was (it rewrote summary.json without the validation
+    figures, train time 0)."""
+    out, ckpt = tmp_path / "run", str(tmp_path / "run" / "checkpoint.pth")
+
+    def files():
+        return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+
+    resume = ["train", "--resume", ckpt, "--no-progress", "--threads", "1"]
+    assert main(["train", *TINY, "--epochs", "1", "--max-steps", "2", "--cache-dir", cache, "--output-dir",
+                 str(out)]) == 0
+    for argv, said in (([*resume, "--max-steps", "2"], f"{ckpt} is at step 2, the --max-steps 2 given: nothing to "
+                                                        "train; a higher --max-steps, or none, continues the run"),
+                       (resume, None),  # the rest of the epoch
+                       (resume, f"{ckpt} ends a complete run (1/1 epochs, 4 steps): nothing to train; --epochs N "
+                                "above 1 continues it")):
+        before = files()
+        capsys.readouterr()
+        assert main(argv) == 0
+        if said is not None:
+            printed = capsys.readouterr().out
+            assert said in printed and "train time" in printed, printed
+            assert files() == before
+    assert main([*resume, "--epochs", "2", "--quiet"]) == 0  # a longer run goes on
     assert json.loads((out / "summary.json").read_text())["epochs_done"] == 2
 
 

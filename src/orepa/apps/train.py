@@ -960,7 +960,11 @@ class Trainer:
     def fit(self) -> dict:
         args, s, info = self.args, self.state, self.info
         if s.epoch >= args.epochs:  # resumed at its end: nothing to train, nothing of it rewritten
-            return self._complete_run()
+            return self._complete_run(f"ends a complete run ({s.epoch}/{args.epochs} epochs, {s.global_step} steps): "
+                                      f"nothing to train; --epochs N above {args.epochs} continues it")
+        if args.max_steps is not None and s.global_step >= args.max_steps and self.resume_ckpt is not None:
+            return self._complete_run(f"is at step {s.global_step}, the --max-steps {args.max_steps} given: nothing "
+                                      "to train; a higher --max-steps, or none, continues the run")
         self.session_time, self.session_steps = 0.0, 0
         self.log(f"orepa train: {describe_cfg(self.cfg)}")
         self.log(f"  params: {self.params_train:,} training form, {self.params_deploy:,} deployed; "
@@ -1003,18 +1007,17 @@ class Trainer:
             tb.close()
         return self.summary(stop, last)
 
-    def _complete_run(self) -> dict:
-        """The summary of a run resumed after its last epoch (its summary.json; rebuilt from its
-        history when that is gone)."""
+    def _complete_run(self, why: str) -> dict:
+        """The summary of a run resumed where there is nothing to train (after its last epoch, at its
+        step budget): its summary.json, rebuilt from its history when that is gone."""
         s = self.state
-        self.log(f"orepa train: {self.ckpt_path} ends a complete run ({s.epoch}/{self.args.epochs} epochs, "
-                 f"{s.global_step} steps): nothing to train; --epochs N above {self.args.epochs} continues it")
+        self.log(f"orepa train: {self.ckpt_path} {why}")
         try:
             saved = json.loads((self.out / "summary.json").read_text())
             if isinstance(saved, dict) and saved.get("global_step") == s.global_step:
                 if self.main:
                     print_summary(saved)
-                return saved
+                return {**saved, "stop_signal": None}  # (no signal stopped this command: its exit code is 0)
         except (OSError, ValueError, KeyError, TypeError):
             pass
         return self.summary(None, s.history[-1] if s.history else {})
