@@ -362,6 +362,9 @@ def test_resuming_a_complete_run_trains_and_rewrites_nothing(cache, tmp_path, ca
             printed = capsys.readouterr().out
             assert said in printed and "train time" in printed, printed
             assert files() == before
+    (out / "summary.json").unlink()  # gone: rebuilt from the checkpoint's history, the run untouched
+    assert main(resume) == 0
+    assert json.loads((out / "summary.json").read_text())["epochs_done"] == 1
     assert main([*resume, "--epochs", "2", "--quiet"]) == 0  # a longer run goes on
     assert json.loads((out / "summary.json").read_text())["epochs_done"] == 2
 

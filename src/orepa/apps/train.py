@@ -959,13 +959,13 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         args, s, info = self.args, self.state, self.info
+        self.session_time, self.session_steps = 0.0, 0
         if s.epoch >= args.epochs:  # resumed at its end: nothing to train, nothing of it rewritten
             return self._complete_run(f"ends a complete run ({s.epoch}/{args.epochs} epochs, {s.global_step} steps): "
                                       f"nothing to train; --epochs N above {args.epochs} continues it")
         if args.max_steps is not None and s.global_step >= args.max_steps and self.resume_ckpt is not None:
             return self._complete_run(f"is at step {s.global_step}, the --max-steps {args.max_steps} given: nothing "
                                       "to train; a higher --max-steps, or none, continues the run")
-        self.session_time, self.session_steps = 0.0, 0
         self.log(f"orepa train: {describe_cfg(self.cfg)}")
         self.log(f"  params: {self.params_train:,} training form, {self.params_deploy:,} deployed; "
                  f"data: {self.data.name}, {len(self.data.train)} train / {len(self.data.val)} val images")
@@ -1012,15 +1012,23 @@ class Trainer:
         step budget): its summary.json, rebuilt from its history when that is gone."""
         s = self.state
         self.log(f"orepa train: {self.ckpt_path} {why}")
-        try:
-            saved = json.loads((self.out / "summary.json").read_text())
-            if isinstance(saved, dict) and saved.get("global_step") == s.global_step:
-                if self.main:
-                    print_summary(saved)
-                return {**saved, "stop_signal": None}  # (no signal stopped this command: its exit code is 0)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        return self.summary(None, s.history[-1] if s.history else {})
+        saved = None
+        if self.main:
+            try:
+                saved = json.loads((self.out / "summary.json").read_text())
+            except (OSError, ValueError):
+                pass
+            if not (isinstance(saved, dict) and saved.get("global_step") == s.global_step):
+                saved = None
+        if self.info.distributed:  # rank 0's file decides for every rank (summary() below is collective)
+            box = [saved]
+            dist.broadcast_object_list(box, 0)
+            saved = box[0]
+        if saved is None:
+            return self.summary(None, s.history[-1] if s.history else {})
+        if self.main:
+            print_summary(saved)
+        return {**saved, "stop_signal": None}  # (no signal stopped this command: its exit code is 0)
 
     def end_epoch(self, tb: TensorBoard) -> dict:
         args, s, info = self.args, self.state, self.info
