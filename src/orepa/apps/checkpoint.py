@@ -215,8 +215,9 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     """Before any long computation: ``path`` can be written as a file (or, ``directory``, made a
     directory). A :class:`UserError` naming ``flag`` where it is a directory (a file), where what
     would hold it is a file or cannot be written into, where it is one of the files ``not_over``
-    names (``{"the input checkpoint": path, ...}``: the same file by any name), or where a
-    ``text`` output (a JSON report) would replace a checkpoint."""
+    names (``{"the input checkpoint": path, ...}``: the same file by any name), where a
+    ``text`` output (a JSON report) would replace a checkpoint, or where a file output would
+    replace a run's training checkpoint (``--overwrite`` or not)."""
     path = Path(path)
     if path.is_symlink():
         try:
@@ -229,6 +230,9 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
             raise UserError(f"{flag} {path} is {what}; choose another path")
     if text and path.is_file() and zipfile.is_zipfile(path):
         raise UserError(f"{flag} {path} is a checkpoint (a zip archive), not a report to replace; choose another path")
+    if not text and not directory and path.is_file() and _is_run_checkpoint(path):  # what --resume continues
+        raise UserError(f"{flag} {path} is the training checkpoint of a run (it holds optimizer state: the run's "
+                        f"resumable state) and is never replaced, not even with --overwrite; choose another {flag}")
     if path.exists() and not (path.is_file() or path.is_dir()):  # an atomic write would replace a device node
         raise UserError(f"{flag} {path} is not a regular file (a device, pipe or socket); choose another path")
     if path.exists() and path.is_dir() != directory:
@@ -462,20 +466,14 @@ def checkpoint_form(path: str | os.PathLike) -> str | None:
     return ckpt.get("form", "train") if "format" in ckpt else "state_dict"
 
 
-def refuse_run_checkpoint(path: str | os.PathLike, flag: str = "--output") -> None:
-    """A :class:`UserError` where ``path`` is a training run's checkpoint (training form with optimizer
-    state: ``orepa train``'s ``checkpoint.pth``, ``model_N.pth``, or another tool's): it is that run's
-    resumable state, so no ``--overwrite`` replaces it. Reads the metadata only (a lazy load)."""
-    path = Path(path)
-    if not path.is_file():
-        return
+def _is_run_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a training run's checkpoint (training form with optimizer state:
+    ``orepa train``'s ``checkpoint.pth``, ``model_N.pth``, or another tool's). Reads the metadata only."""
     try:
         held = load_checkpoint(path, lazy=True)
     except UserError:  # not a checkpoint the loader reads: no run resumes from it
-        return
-    if "optimizer" in held and held.get("form", "train") == "train":
-        raise UserError(f"{flag} {path} is the training checkpoint of a run (it holds optimizer state: the run's "
-                        f"resumable state) and is never replaced, not even with --overwrite; choose another {flag}")
+        return False
+    return "optimizer" in held and held.get("form", "train") == "train"
 
 
 #: integer fields of a training checkpoint (where it stopped)

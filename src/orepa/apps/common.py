@@ -87,6 +87,23 @@ def out_of_memory(exc: BaseException) -> str | None:
     return f"out of memory ({what})"
 
 
+def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema=None) -> str | None:
+    """Name of the first parameter, buffer, optimizer-state or EMA tensor holding NaN/inf, else None."""
+    named = [(f"parameter {n}", t) for n, t in model.named_parameters()]
+    named += [(f"buffer {n}", t) for n, t in model.named_buffers()]
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, st in optimizer.state.items():
+            named += [(f"optimizer {k} of {names.get(id(p), '?')}", v) for k, v in st.items()
+                      if isinstance(v, torch.Tensor)]
+    if ema is not None:
+        named += [(f"EMA {n}", t) for n, t in ema.module.state_dict().items()]
+    for name, t in named:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
 def fail(prog: str, exc: BaseException) -> int:
     """Print ``exc`` as one ``error:`` line on stderr; return exit code 2."""
     msg = str(exc).strip()

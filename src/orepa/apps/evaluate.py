@@ -25,6 +25,7 @@ from .common import (
     apply_threads,
     cleanup_distributed,
     count_params,
+    first_nonfinite,
     init_distributed,
     peak_memory,
     positive_int,
@@ -165,13 +166,6 @@ def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Mod
     return model, cfg, form
 
 
-def nonfinite_tensor(model: nn.Module) -> str | None:
-    """The first parameter or buffer of ``model`` holding NaN/inf (its name), else None."""
-    from .train import first_nonfinite  # here: train imports this module
-
-    return first_nonfinite(model)
-
-
 def run(args: argparse.Namespace) -> int:
     info = DistInfo()
     apply_threads(args)
@@ -184,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         data_args_from_checkpoint(args, ckpt)
         data = checkpoint_data(args, ckpt, info)
         model, cfg, form = checkpoint_model(args, ckpt, data)
-        bad = nonfinite_tensor(model)
+        bad = first_nonfinite(model)
         if bad and info.is_main:
             # a warning, not an error: eval reports what the weights compute, and looking at a diverged
             # run (or a non-finite buffer the forward never reads) is legitimate; the numbers may be garbage

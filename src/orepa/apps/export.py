@@ -381,7 +381,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output or f"{model_slug(cfg['model'])}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
     ckpt_io.check_output_path(out, "--output", not_over={
         "the input checkpoint (export never writes over its input)": path or None})
-    ckpt_io.refuse_run_checkpoint(out)
     if out.exists() and not args.overwrite and not is_export(out, args.format):
         held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
             f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")

@@ -27,7 +27,6 @@ from .checkpoint import (
     check_output_path,
     load_checkpoint,
     model_from_checkpoint,
-    refuse_run_checkpoint,
     save_checkpoint,
 )
 from .common import UserError, add_run_arguments, apply_threads, count_params, fail, parse_device, positive_float
@@ -55,7 +54,6 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     if args.fuse_bn and not args.deploy:
         raise UserError("--fuse-bn needs --deploy (a training-form checkpoint keeps its BNs)")
     check_output_path(out, "--output", not_over={"the input checkpoint": src})
-    refuse_run_checkpoint(out)
     if out.exists() and not args.overwrite:
         raise UserError(f"--output {out} exists; pass --overwrite to replace it, or choose another --output")
     import orepa

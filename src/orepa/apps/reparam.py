@@ -26,7 +26,6 @@ from .checkpoint import (
     checkpoint_form,
     load_checkpoint,
     model_from_checkpoint,
-    refuse_run_checkpoint,
     save_checkpoint,
 )
 from .common import (
@@ -86,7 +85,6 @@ def _check_output(out: Path, args) -> None:
     if args.json:
         check_output_path(args.json, "--json", text=True,
                           not_over={"the input checkpoint": args.checkpoint, "--output": out})
-    refuse_run_checkpoint(out)
     form = checkpoint_form(out) if out.exists() and not args.overwrite else "deploy"
     if form not in ("deploy", "deploy-fused"):
         held = {None: "not an orepa checkpoint", "state_dict": "a bare state_dict"}.get(form, f"a {form} checkpoint")

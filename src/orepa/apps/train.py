@@ -89,6 +89,7 @@ from .common import (
     default_kernel_builder,
     default_pack,
     fail,
+    first_nonfinite,
     fraction,
     init_distributed,
     make_sgd,
@@ -292,23 +293,6 @@ def _atomic_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj))
 
 
-def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema=None) -> str | None:
-    """Name of the first parameter, buffer, optimizer-state or EMA tensor holding NaN/inf, else None."""
-    named = [(f"parameter {n}", t) for n, t in model.named_parameters()]
-    named += [(f"buffer {n}", t) for n, t in model.named_buffers()]
-    if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        for p, st in optimizer.state.items():
-            named += [(f"optimizer {k} of {names.get(id(p), '?')}", v) for k, v in st.items()
-                      if isinstance(v, torch.Tensor)]
-    if ema is not None:
-        named += [(f"EMA {n}", t) for n, t in ema.module.state_dict().items()]
-    for name, t in named:
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            return name
-    return None
-
-
 #: flags of one session, never taken from the checkpoint on --resume
 SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
                            "micro_batches",
@@ -498,9 +482,8 @@ class Trainer:
                 self.cfg, expected = cfg, plain_expected
         n, have = self.cfg["num_classes"], self.data.num_classes
         if saved_cfg is None and n < have:  # a new run's count (a checkpoint's is checked below)
-            flag = "--num-classes" if getattr(args, "num_classes", None) == n else "--model-option num_classes="
-            raise UserError(f"{flag}{'' if flag.endswith('=') else ' '}{n} is fewer than the {have} classes of "
-                            f"{self.data.name}")
+            flag = "--num-classes " if getattr(args, "num_classes", None) == n else "--model-option num_classes="
+            raise UserError(f"{flag}{n} is fewer than the {have} classes of {self.data.name}")
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
