@@ -1,4 +1,6 @@
 """timm interop: registered names, create_model pass-through, features_only, reparameterize_model."""
+import copy
+
 import pytest
 import torch
 from conftest import tol_close
@@ -189,5 +191,37 @@ def test_timm_cnns_with_norm_act_layers_convert_train_and_deploy_exactly(name):
         assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
         tol_close(fresh(xd), y, rel=1e-9)
         tol_close(orepa.reparameterize(model, fuse_bn=True)(xd), y, rel=1e-9)
-    with pytest.raises(ValueError, match="BatchNormAct2d: the dbb block absorbs the BN after it"):
-        orepa.convert(timm.create_model(name, num_classes=10), "dbb")
+
+
+@pytest.mark.parametrize("method", ["dbb", "repvgg"])
+def test_blocks_that_absorb_a_norm_act_keep_its_activation_and_deploy_to_the_timm_model(method):
+    """DBB / RepVGG hold their own BNs: the BatchNormAct2d after their conv becomes a placeholder
+    that keeps its dropout and activation (an activation with parameters, PReLU here, keeps its
+    keys), and deployment gives it back as a BatchNormAct2d: the vanilla timm model, exactly."""
+    torch.manual_seed(0)
+    name = "efficientnet_b0"
+    plain = timm.create_model(name, num_classes=10)
+    plain.bn1.act = nn.PReLU(plain.bn1.num_features)  # a parametrised activation, as timm's act_layer="prelu"
+    keys = set(plain.state_dict())
+    model = orepa.convert(copy.deepcopy(plain), method)
+    absorbed = [m for m in model.modules() if isinstance(m, orepa.AbsorbedNorm)]
+    assert len(absorbed) > 10 and set(model.state_dict()) >= {k for k in keys if k.startswith("bn1.act.")}
+    assert isinstance(model.bn1.act, nn.PReLU) and "then its drop and act" in repr(model.bn1)
+    x = torch.randn(2, 3, 64, 64)
+    model.train()
+    model(x).square().mean().backward()
+    assert model.bn1.act.weight.grad is not None
+    with torch.no_grad():
+        model(x + 0.1 * torch.randn_like(x))  # BN statistics off their init
+        model = model.double().eval()
+        xd = x.double()
+        y = model(xd)
+        deployed = orepa.reparameterize(model)
+        assert set(deployed.state_dict()) == keys
+        assert [(n, type(m)) for n, m in plain.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
+        fresh = copy.deepcopy(plain).double().eval()
+        fresh.load_state_dict(deployed.state_dict(), strict=True)
+        tol_close(fresh(xd), y, rel=1e-9)
+        tol_close(orepa.reparameterize(model, fuse_bn=True)(xd), y, rel=1e-9)
+        model.bn1.act = nn.Identity()  # the placeholder runs its activation: without it the output moves
+        assert not torch.allclose(model(xd), y)

@@ -33,6 +33,7 @@ block; it is the single mechanism behind squeezing, BN folding and deployment.
 """
 from __future__ import annotations
 
+import copy
 import math
 import uuid
 from collections import OrderedDict
@@ -1187,6 +1188,11 @@ class AbsorbedNorm(nn.Identity):
     The token is shared by the placeholder and its block; ``copy.deepcopy`` gives
     a block and placeholder copied together one new token, so every copy of a
     converted layer stays paired with its own placeholder.
+
+    ``norm_act``: ``bn`` is a norm followed by its own dropout and activation (timm's
+    BatchNormAct2d, ``bn.drop`` then ``bn.act``): the placeholder keeps those two, under the same
+    names (an activation's parameters keep their keys), and runs them; it is restored as a module
+    of ``bn``'s own class holding them.
     """
 
     class Token(str):
@@ -1196,8 +1202,14 @@ class AbsorbedNorm(nn.Identity):
         def __deepcopy__(self, memo) -> AbsorbedNorm.Token:
             return type(self)(uuid.uuid4().hex)
 
-    def __init__(self, bn: nn.BatchNorm2d, token: str | None = None):
+    def __init__(self, bn: nn.BatchNorm2d, token: str | None = None, norm_act: bool = False):
         super().__init__()
+        if norm_act:
+            self.drop, self.act = bn.drop, bn.act
+            # bn's class and configuration, without its dropout and activation (those live here) and
+            # outside the module tree (no state_dict key, not moved by .to(): restore() places it)
+            blank = {id(bn.drop): nn.Identity(), id(bn.act): nn.Identity()}
+            self.__dict__["_norm_act_template"] = copy.deepcopy(bn, blank)
         self.num_features, self.eps, self.momentum = bn.num_features, bn.eps, bn.momentum
         self.affine, self.track_running_stats = bn.affine, bn.track_running_stats
         self.sync = isinstance(bn, nn.SyncBatchNorm)  # restored as the kind it was
@@ -1218,8 +1230,14 @@ class AbsorbedNorm(nn.Identity):
         with this placeholder's dtype, device and training flag."""
         like = getattr(self, "_like", shift)  # placeholders pickled before _like existed: the shift's
         factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
-        kind = nn.SyncBatchNorm if getattr(self, "sync", False) else nn.BatchNorm2d  # older pickles: BatchNorm2d
-        bn = kind(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats, **factory)
+        template = self.__dict__.get("_norm_act_template")
+        if template is None:
+            kind = nn.SyncBatchNorm if getattr(self, "sync", False) else nn.BatchNorm2d  # older pickles: BatchNorm2d
+            bn = kind(self.num_features, self.eps, self.momentum, self.affine, self.track_running_stats, **factory)
+        else:
+            bn = copy.deepcopy(template).to(**factory)
+            bn.reset_parameters()  # the running statistics and the affine at their init, as a new BN's
+            bn.drop, bn.act = self.drop, self.act
         with torch.no_grad():
             # (x - mean) / sqrt(var + eps): var = 1 - eps makes the denominator 1
             bn.running_var.fill_(1.0 - self.eps)
@@ -1229,5 +1247,9 @@ class AbsorbedNorm(nn.Identity):
             bn.requires_grad_(False)
         return bn.train(self.training)
 
+    def forward(self, x: Tensor) -> Tensor:
+        return x if self.__dict__.get("_norm_act_template") is None else self.act(self.drop(x))
+
     def extra_repr(self) -> str:
-        return f"{self.num_features}, absorbed into its conv's re-param block"
+        return f"{self.num_features}, absorbed into its conv's re-param block" + (
+            "" if self.__dict__.get("_norm_act_template") is None else ", then its drop and act")

@@ -561,15 +561,9 @@ def convert(
             report.converted.append(conv_name)
             report.without_bn.append(conv_name)
             continue
-        bn = model.get_submodule(bn_name)
-        if block.has_norm and _norm_then_act(bn):
-            # no BN name in the reason: the error of a network with nothing to convert names each reason once
-            report.skipped[conv_name] = (f"followed by a {type(bn).__name__}: the {method} block absorbs the BN after "
-                                         "it, and this one's activation has no place to stay (orepa keeps the BN and "
-                                         "converts it)")
-            continue
-        if block.has_norm:  # the block brings its own BNs: the one after it is absorbed
-            absorbed = AbsorbedNorm(model.get_submodule(bn_name))
+        if block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
+            bn = model.get_submodule(bn_name)
+            absorbed = AbsorbedNorm(bn, norm_act=_norm_then_act(bn))
             block.absorbed_token = absorbed.token
             _set_submodule(model, bn_name, absorbed)
         _set_submodule(model, conv_name, block)
