@@ -180,17 +180,25 @@ def test_timm_cnns_with_norm_act_layers_convert_train_and_deploy_exactly(name):
     model(x).square().mean().backward()
     blocks = [m for m in model.modules() if isinstance(m, orepa.ReparamConv2d)]
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for b in blocks for p in b.parameters())
-    with torch.no_grad():
-        model(x + 0.1 * torch.randn_like(x))  # BN statistics off their init
-        model = model.double().eval()
-        xd = x.double()
-        y = model(xd)
-        deployed = orepa.reparameterize(model)
-        fresh = timm.create_model(name, num_classes=10).double().eval()
-        fresh.load_state_dict(deployed.state_dict(), strict=True)
-        assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
-        tol_close(fresh(xd), y, rel=1e-9)
-        tol_close(orepa.reparameterize(model, fuse_bn=True)(xd), y, rel=1e-9)
+    _deploys_exactly_into(model, timm.create_model(name, num_classes=10), x)
+
+
+@torch.no_grad()
+def _deploys_exactly_into(model, plain, x):
+    """``model``'s BN statistics moved off their init, then in float64 eval mode: its deployed form
+    has ``plain``'s modules, loads strictly into it and gives the training form's output, as does
+    its BN-folded form. Returns the float64 model, input and output."""
+    model(x + 0.1 * torch.randn_like(x))
+    model = model.double().eval()
+    xd = x.double()
+    y = model(xd)
+    deployed = orepa.reparameterize(model)
+    fresh = plain.double().eval()
+    fresh.load_state_dict(deployed.state_dict(), strict=True)
+    assert [(n, type(m)) for n, m in fresh.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
+    tol_close(fresh(xd), y, rel=1e-9)
+    tol_close(orepa.reparameterize(model, fuse_bn=True)(xd), y, rel=1e-9)
+    return model, xd, y
 
 
 @pytest.mark.parametrize("method", ["dbb", "repvgg"])
@@ -211,17 +219,7 @@ def test_blocks_that_absorb_a_norm_act_keep_its_activation_and_deploy_to_the_tim
     model.train()
     model(x).square().mean().backward()
     assert model.bn1.act.weight.grad is not None
+    model, xd, y = _deploys_exactly_into(model, plain, x)  # (strict loading: the keys are plain's)
     with torch.no_grad():
-        model(x + 0.1 * torch.randn_like(x))  # BN statistics off their init
-        model = model.double().eval()
-        xd = x.double()
-        y = model(xd)
-        deployed = orepa.reparameterize(model)
-        assert set(deployed.state_dict()) == keys
-        assert [(n, type(m)) for n, m in plain.named_modules()] == [(n, type(m)) for n, m in deployed.named_modules()]
-        fresh = copy.deepcopy(plain).double().eval()
-        fresh.load_state_dict(deployed.state_dict(), strict=True)
-        tol_close(fresh(xd), y, rel=1e-9)
-        tol_close(orepa.reparameterize(model, fuse_bn=True)(xd), y, rel=1e-9)
         model.bn1.act = nn.Identity()  # the placeholder runs its activation: without it the output moves
         assert not torch.allclose(model(xd), y)
