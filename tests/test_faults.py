@@ -544,6 +544,18 @@ def test_one_process_commands_refuse_torchrun(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "a").exists()
 
 
+def _each_exits_2_with_one_line(cases, ckpt, capsys) -> None:
+    """Each ``(argv, message)`` case exits 2 with one line on stderr holding ``message``, as does
+    a deployment into /proc where there is one."""
+    if Path("/proc/self").is_dir():  # procfs takes no new files, though os.access says yes to root
+        cases = [*cases, (["reparam", str(ckpt), "-o", "/proc/orepa-deployed.pth"], "cannot create files in /proc")]
+    for argv, msg in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+
+
 def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run), "--method",
@@ -659,13 +671,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["eval", str(ckpt), "-j", "100000", "--val-subset", "16"], "-j/--workers 100000: more loader processes"),
     ]
     before = ckpt.read_bytes()
-    if Path("/proc/self").is_dir():  # procfs takes no new files, though os.access says yes to root
-        cases.append((["reparam", str(ckpt), "-o", "/proc/orepa-deployed.pth"], "cannot create files in /proc"))
-    for argv, msg in cases:
-        capsys.readouterr()
-        assert main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    _each_exits_2_with_one_line(cases, ckpt, capsys)
     assert ckpt.read_bytes() == before and not deployed.exists()  # nothing replaced, nothing written
     # the same through a real process: exit status 2, one line on stderr; and a plain pickle: one
     # line, not torch's warning about its protocol first (pytest hides warnings in-process). The two
@@ -763,13 +769,7 @@ def test_damaged_settings_and_unwritable_paths_exit_2_with_one_line(cache, refer
         (["train", "--data-path", str(one_class), "--model", "resnet18", "--width-mult", "0.0625", "-b", "1",
           "--no-progress", "--output-dir", str(tmp_path / "c")], "a classifier needs at least 2"),
     ]
-    if Path("/proc/self").is_dir():  # procfs takes no new files, though os.access says yes to root
-        cases.append((["reparam", str(ckpt), "-o", "/proc/orepa-deployed.pth"], "cannot create files in /proc"))
-    for argv, msg in cases:
-        capsys.readouterr()
-        assert main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    _each_exits_2_with_one_line(cases, ckpt, capsys)
     assert a_file.read_text() == "keep me" and not any(a_dir.iterdir())
     assert not (tmp_path / "imp.pth").exists() and not (tmp_path / "new").exists()
 
