@@ -235,7 +235,8 @@ _BAD_CLI = [
     (["--methods", "base:scaling=vector"], "cannot build variant 'base:scaling=vector'"),
     (["--model-option", "foo"], "--model-option expects KEY=VALUE, got 'foo'"),
     (["--model-option", "small_input=maybe"], "model setting small_input='maybe' is not true or false"),
-    (["-m", "nope"], "cannot build variant 'base' (-m nope --model-option width_mult=0.0625)"),
+    # a name of nothing is said as such, not as what its model options cannot do
+    (["-m", "nope"], "unknown model 'nope'; choose from resnet18"),
     (["--components", "-m", "mobilenet_v2"], "--components with -m mobilenet_v2"),
     (["--cuda-graphs", "--compile"], "(--cuda-graphs) and torch.compile (--compile) exclude each other"),
     (["--compile", "nope"], "--compile nope: not a torch.compile backend"),

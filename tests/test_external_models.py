@@ -101,7 +101,9 @@ def test_constructor_keywords_reach_the_network_and_stay_in_its_settings():
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["-m", "torchvision:nope"], "cannot build model 'torchvision:nope'"),
+    (["-m", "torchvision:nope"], "torchvision has no model 'nope' (torchvision.models.list_models())"),
+    # the unknown name first, not the zoo options it could not take
+    (["-m", "torchvision:nope", "--width-mult", "0.5"], "torchvision has no model 'nope'"),
     (["-m", "timm:nope"], "timm has no model 'nope'"),
     (["-m", "foo:bar"], "unknown model 'foo:bar'; choose from resnet18"),
     (["-m", "torchvision:resnet18", "--width-mult", "0.5"], "width_mult=0.5: options of the zoo's models"),

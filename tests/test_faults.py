@@ -936,3 +936,291 @@ def test_out_of_memory_names_the_batch_only_where_a_command_has_one(command, hin
     err = capsys.readouterr().err
     assert err.startswith(f"orepa {command}: error: out of memory (CUDA out of memory") and err.count("\n") == 1
     assert ("(-b)" in err) == hint, err
+
+
+# --------------------------------------------------------------------------- a resumed run's data and settings
+
+IMGS = ["--model", "resnet18", "--width-mult", "0.0625", "--train-crop-size", "32", "--val-resize-size", "32",
+        "--val-crop-size", "32", "--no-eval", "--no-progress", "--no-tensorboard", "-j", "0", "--threads", "1"]
+
+
+def _one_error_line(argv, capsys) -> str:
+    """``main(argv)`` exits 2 with one line on stderr, which is returned."""
+    capsys.readouterr()
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, (argv, err)
+    return err
+
+
+def test_a_resume_refuses_a_training_folder_of_another_size(tmp_path, capsys):
+    """The same class folders with images added or removed: the epoch's order, and the position
+    in it, would be those of other images (the run went on as if nothing had changed, or stopped
+    at a step past the end of the now shorter epoch)."""
+    imgs, out = tmp_path / "imgs", tmp_path / "run"
+    _png_tree(imgs)  # 8 training images: 4 steps of 2 an epoch
+    assert main(["train", "--data-path", str(imgs), *IMGS, "-b", "2", "--epochs", "1", "--max-steps", "3",
+                 "--output-dir", str(out)]) == 0
+    ckpt = out / "checkpoint.pth"
+    saved = _load(ckpt)
+    assert saved["train_images"] == 8 and saved["step_in_epoch"] == 3
+    resume = ["train", "--resume", str(ckpt), "--no-progress"]
+    (imgs / "train" / "cat" / "4.png").write_bytes((imgs / "train" / "cat" / "0.png").read_bytes())
+    before = ckpt.read_bytes()
+    err = _one_error_line(resume, capsys)
+    assert f"--resume {ckpt}: " in err and "has 9 training images, this run began with 8" in err, err
+    assert "--init-from" in err and ckpt.read_bytes() == before
+    # a checkpoint from before the count was recorded, whose training set shrank to 2 steps an epoch
+    del saved["train_images"]
+    torch.save(saved, ckpt)
+    for f in ("cat/4.png", "cat/3.png", "cat/2.png", "dog/3.png", "dog/2.png"):
+        (imgs / "train" / f).unlink()
+    before = ckpt.read_bytes()
+    err = _one_error_line(resume, capsys)
+    assert "it stopped at step 3 of an epoch, but an epoch of" in err and "now has 2" in err, err
+    assert ckpt.read_bytes() == before
+    # a --train-subset run counts the folder's images, not the subset's: its seeded choice of 6 of 9
+    # images would be another than of 6 of 8
+    imgs, out = tmp_path / "imgs2", tmp_path / "run2"
+    _png_tree(imgs)
+    assert main(["train", "--data-path", str(imgs), *IMGS, "-b", "2", "--train-subset", "6", "--epochs", "1",
+                 "--max-steps", "1", "--output-dir", str(out)]) == 0
+    assert _load(out / "checkpoint.pth")["train_images"] == 8
+    (imgs / "train" / "cat" / "4.png").write_bytes((imgs / "train" / "cat" / "0.png").read_bytes())
+    err = _one_error_line(["train", "--resume", str(out / "checkpoint.pth"), "--no-progress"], capsys)
+    assert "has 9 training images, this run began with 8" in err, err
+
+
+def test_a_relative_data_path_resumes_from_another_directory_given_its_place(tmp_path, capsys, monkeypatch):
+    """A run started on --data-path imgs (relative), resumed from elsewhere with the folder's
+    absolute path: the same classes and images, so the run goes on and the override is printed
+    (the data path was fixed on resume: the run could not be continued from anywhere else)."""
+    _png_tree(tmp_path / "imgs")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--data-path", "imgs", *IMGS, "-b", "4", "--epochs", "1", "--output-dir", "run"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    ckpt, imgs = str(tmp_path / "run" / "checkpoint.pth"), str(tmp_path / "imgs")
+    capsys.readouterr()
+    assert main(["train", "--resume", ckpt, "--epochs", "2", "--data-path", imgs, "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"data_path 'imgs' -> {imgs!r}" in printed, printed
+    assert _load(ckpt)["global_step"] == 4 and not any(elsewhere.iterdir())
+
+
+def _damaged_copy(ckpt: dict, path: Path, **fields) -> str:
+    """``ckpt`` with ``fields`` replaced, saved at ``path``."""
+    torch.save({**ckpt, **fields}, path)
+    return str(path)
+
+
+def test_damaged_run_settings_and_states_of_a_checkpoint_are_one_line(reference, tmp_path, capsys):
+    """A hand-edited or damaged checkpoint's run settings and states: one line naming the field,
+    before any step, the file left as it was (a run setting no flag would make went into the run:
+    a negative batch, a schedule of no name that trained on without one and exited 0; a state that
+    is no mapping failed deep in load_state_dict with a traceback)."""
+    d = tmp_path / "damaged"
+    d.mkdir()
+    saved = reference["args"]
+    rng = dict(reference["rng"])
+    rng["torch"] = torch.zeros(3, dtype=torch.uint8)
+
+    def resume(name, **fields):
+        return ["train", "--resume", _damaged_copy(reference, d / f"{name}.pth", **fields), "--no-progress"]
+
+    cases = [
+        (resume("batch", args={**saved, "batch_size": -3}), "damaged run setting batch_size"),
+        (resume("batch", args={**saved, "batch_size": -3}), "start a new run from its weights with --init-from"),
+        (resume("epochs", args={**saved, "epochs": "ten"}), "damaged run setting epochs"),
+        (resume("option", args={**saved, "model_option": 5}), "damaged run setting model_option"),
+        (resume("sched", args={**saved, "lr_scheduler": "bogus"}), "damaged run setting lr_scheduler"),
+        (resume("no_args", args={}), "records no run settings"),
+        (resume("opt", optimizer="zzz"), "damaged optimizer (a str, not a mapping)"),
+        (resume("rng_str", rng="x"), "damaged rng"),
+        (resume("history", history="x"), "damaged history"),
+        (resume("sums", epoch_sums="x"), "damaged epoch_sums"),
+        (resume("rng_torch", rng=rng), "damaged rng (the random generators' state"),
+    ]
+    without_args = {k: v for k, v in reference.items() if k != "args"}
+    torch.save(without_args, d / "args_missing.pth")
+    cases.append((["train", "--resume", str(d / "args_missing.pth"), "--no-progress"], "records no run settings"))
+    cases.append((["eval", str(d / "opt.pth")], "damaged optimizer (a str, not a mapping)"))
+    files = {p.name: p.read_bytes() for p in d.iterdir()}
+    for argv, msg in cases:
+        err = _one_error_line(argv, capsys)
+        assert msg in err, (argv, err)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == files  # nothing changed, nothing written
+
+
+def test_the_epoch_count_of_a_damaged_checkpoint_can_be_replaced(reference, tmp_path, cache, capsys):
+    """The fix the message gives for a damaged setting that is no position (--epochs N) works."""
+    path = _damaged_copy(reference, tmp_path / "checkpoint.pth", args={**reference["args"], "epochs": "ten"})
+    err = _one_error_line(["train", "--resume", path, "--no-progress"], capsys)
+    assert "give --epochs to replace it" in err, err
+    assert main(["train", "--resume", path, "--epochs", "2", "--no-progress", "--cache-dir", cache]) == 0
+
+
+class RunsAShell:
+    """Unpickling this runs a shell command: ``os.system`` makes a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {str(self.marker)!r}",)
+
+
+def test_a_pickle_that_runs_a_shell_command_is_refused(tmp_path, capsys):
+    """torch's other wording (a global of a module it blocks: os / posix) is named as such, not as a
+    corrupt file; whichever way it was saved, nothing runs."""
+    marker = tmp_path / "marker"
+    payload = {"model": {"w": torch.zeros(1)}, "payload": RunsAShell(marker)}
+    zipped, legacy, plain = tmp_path / "zip.pth", tmp_path / "legacy.pth", tmp_path / "plain.pkl"
+    torch.save(payload, zipped)
+    torch.save(payload, legacy, _use_new_zipfile_serialization=False)
+    plain.write_bytes(pickle.dumps({"payload": RunsAShell(marker)}, protocol=2))
+    for path in (zipped, legacy, plain):
+        for argv in (["eval", str(path)], ["train", "--resume", str(path), "--epochs", "1", "--no-progress"]):
+            err = _one_error_line(argv, capsys)
+            assert "holds Python objects (" in err and "refused" in err, err
+    # pickle's default protocol: torch's reader stops at its first opcode, before any global
+    newer = tmp_path / "newer.pkl"
+    newer.write_bytes(pickle.dumps({"payload": RunsAShell(marker)}))
+    assert "not a PyTorch checkpoint" in _one_error_line(["eval", str(newer)], capsys)
+    assert not marker.exists()
+
+
+def test_an_empty_fashion_mnist_dir_variable_counts_as_unset(tmp_path, monkeypatch):
+    """OREPA_FASHION_MNIST_DIR= (set, empty): the package's directory, not the current one (the
+    error named ./train-images-idx3-ubyte.gz)."""
+    from orepa.apps import data
+    from orepa.apps.common import UserError
+
+    absent = tmp_path / "absent"
+    monkeypatch.setattr(data, "FASHION_MNIST_SOURCE", str(absent))
+    monkeypatch.setenv("OREPA_FASHION_MNIST_DIR", "")
+    (tmp_path / "cache").mkdir()
+    with pytest.raises(UserError) as err:
+        data.prepare_fashion_mnist(tmp_path / "cache")
+    assert f"{absent}/train-images-idx3-ubyte.gz is missing" in str(err.value)
+    assert "./train-images" not in str(err.value)
+
+
+def test_the_demo_checks_its_batch_first_and_runs_each_method_once(tmp_path, capsys, monkeypatch):
+    """A batch larger than the training subset: said before any pipeline starts (each run failed
+    after the other had started); a method named twice is one pipeline (two shared one directory)."""
+    from orepa.apps import demo
+
+    monkeypatch.setattr(demo, "prepare_fashion_mnist", lambda d: None)
+    out = tmp_path / "demo"
+    for methods in ("base,orepa", "base,base"):
+        err = _one_error_line(["demo", "--methods", methods, "-b", "8", "--train-subset", "4", "--output-dir",
+                               str(out), "--no-progress"], capsys)
+        assert "gets 4 training images, fewer than one batch (-b 8)" in err, err
+    assert not out.exists()
+    made = []
+
+    def commands(args, method, out, threads):
+        made.append(method)
+        return [["false"]]  # a stage that fails at once: no training
+
+    monkeypatch.setattr(demo, "_commands", commands)
+    capsys.readouterr()
+    assert main(["demo", "--methods", "orepa, orepa,orepa", "--output-dir", str(out), "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert made == ["orepa"] and "methods orepa;" in captured.out, captured.out
+    assert captured.err.count("orepa failed (exit 1)") == 1, captured.err
+    assert sorted(p.name for p in out.iterdir()) == ["orepa"]
+
+
+def test_a_checkpoint_of_nan_weights_is_refused_except_by_eval(reference, tmp_path, cache, capsys):
+    """Weights holding NaN (another tool's diverged run, a damaged file): resuming, fine-tuning,
+    deploying, exporting or analysing them is one line and writes nothing (they trained on, or
+    wrote a deployed model of NaN); eval reports what they compute, in strict JSON (its loss NaN
+    was written as the bare word NaN, which JSON readers other than Python's refuse)."""
+    model = dict(reference["model"])
+    name = next(k for k, v in model.items() if k.endswith("weight") and v.is_floating_point())
+    model[name] = torch.full_like(model[name], float("nan"))
+    d = tmp_path / "nan"
+    d.mkdir()
+    path = _damaged_copy(reference, d / "nan.pth", model=model)
+    before = Path(path).read_bytes()
+    err = _one_error_line(["train", "--resume", path, "--no-progress", "--cache-dir", cache], capsys)
+    assert f"{path} holds non-finite values (NaN/inf), first in" in err, err
+    assert "the run cannot continue from it" in err, err
+    for argv in (["train", *TINY, "--init-from", path, "--epochs", "1", "--cache-dir", cache, "--output-dir",
+                  str(tmp_path / "new")],
+                 ["reparam", path, "-o", str(tmp_path / "deployed.pth"), "--cache-dir", cache, "--val-subset", "16"],
+                 ["export", path, "-o", str(tmp_path / "m.onnx"), "--input-size", "28"],
+                 ["analyze", path, "--output-dir", str(tmp_path / "analysis")]):
+        err = _one_error_line(argv, capsys)
+        assert "holds non-finite values (NaN/inf), first in" in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan"]
+    assert sorted(p.name for p in d.iterdir()) == ["nan.pth"] and Path(path).read_bytes() == before
+    report = tmp_path / "out.json"
+    capsys.readouterr()
+    assert main(["eval", path, "--json", str(report), "--val-subset", "16", "--no-progress", "--cache-dir",
+                 cache]) == 0
+    assert "warning: " in capsys.readouterr().err
+    res = json.loads(report.read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert res["loss"] is None and res["nonfinite"], res
+
+
+def test_a_run_that_fails_in_setup_leaves_no_directory_it_made(cache, tmp_path, capsys):
+    """-b larger than the training set fails after the output directory was made: the directories
+    the run made go again (an empty tree was left behind); one that existed before stays."""
+    too_large = ["train", *TINY, "-b", "128", "--cache-dir", cache]
+    err = _one_error_line([*too_large, "--output-dir", str(tmp_path / "new" / "deeper")], capsys)
+    assert "fewer than one batch (-b 128)" in err, err
+    assert not (tmp_path / "new").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _one_error_line([*too_large, "--output-dir", str(empty)], capsys)
+    assert empty.is_dir() and not any(empty.iterdir())
+
+
+def test_a_model_name_its_library_lacks_is_said_first(tmp_path, capsys):
+    """The name of nothing, with options: that the name names nothing (it said what the options
+    could not do for it)."""
+    err = _one_error_line(["train", "-m", "torchvision:nonexist", "--width-mult", "0.125", "--no-progress",
+                           "--output-dir", str(tmp_path / "t")], capsys)
+    assert "torchvision has no model 'nonexist'" in err, err
+    err = _one_error_line(["bench", "-m", "nope", "--model-option", "width_mult=0.125", "--output-dir",
+                           str(tmp_path / "b")], capsys)
+    assert "unknown model 'nope'" in err, err
+    assert not any(tmp_path.iterdir())
+
+
+def test_out_of_memory_in_export_names_the_batch_and_the_input_size(monkeypatch, capsys):
+    """export's tensors are sized by -b and --input-size: the hint names both."""
+    from orepa.apps import export
+
+    def out_of_memory(args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 1 GiB free.")
+
+    monkeypatch.setattr(export, "run", out_of_memory)
+    err = _one_error_line(["export", "x.pth"], capsys)
+    assert err.startswith("orepa export: error: out of memory (CUDA out of memory")
+    assert err.endswith("; a smaller batch (-b) or --input-size needs less\n"), err
+
+
+def test_the_data_flags_of_the_other_kind_of_data_are_refused(reference, cache, tmp_path, capsys):
+    """--pad-crop on an ImageFolder tree, crop sizes on Fashion-MNIST: taken and ignored before;
+    --sync-bn in one process says it does nothing."""
+    imgs = tmp_path / "imgs"
+    _png_tree(imgs)
+    ckpt = _damaged_copy(reference, tmp_path / "fmnist.pth")
+    for argv, msg in (
+            (["train", "--data-path", str(imgs), *IMGS, "-b", "2", "--pad-crop", "3", "--output-dir",
+              str(tmp_path / "p")], "--pad-crop applies to Fashion-MNIST"),
+            (["eval", ckpt, "--val-crop-size", "20", "--cache-dir", cache], "applies to ImageFolder trees"),
+            (["train", *TINY, "--train-crop-size", "20", "--cache-dir", cache, "--output-dir", str(tmp_path / "c")],
+             "applies to ImageFolder trees")):
+        err = _one_error_line(argv, capsys)
+        assert msg in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fmnist.pth", "imgs"]
+    capsys.readouterr()
+    assert main(["train", *TINY, "--sync-bn", "--epochs", "1", "--max-steps", "1", "--cache-dir", cache,
+                 "--output-dir", str(tmp_path / "s")]) == 0
+    assert "note: --sync-bn has no effect in one process" in capsys.readouterr().out

@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         oom = out_of_memory(exc)
         if oom is None:
             raise
-        hint = "; a smaller batch (-b) needs less" if "batch_size" in vars(args) else ""  # analyze has none
+        # what sizes the tensors here: the batch, and the images where a flag sets them (analyze has neither)
+        sizes = [f for k, f in (("batch_size", "batch (-b)"), ("input_size", "--input-size"), ("image_size", "--image-size"))
+                 if k in vars(args)]
+        hint = f"; a smaller {' or '.join(sizes)} needs less" if sizes else ""
         return fail(args.command, UserError(f"{oom}{hint}"))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
         print(f"orepa {args.command}: {str(exc) or 'interrupted'}", file=sys.stderr, flush=True)

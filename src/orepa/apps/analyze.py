@@ -14,7 +14,6 @@ From Python: :func:`analyze` takes an in-memory model.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -22,7 +21,14 @@ import torch
 from torch import nn
 
 from orepa.analysis import analyze_model
-from orepa.apps.checkpoint import atomic_write_text, check_output_path, load_checkpoint, state_dict_mismatch
+from orepa.apps.checkpoint import (
+    atomic_write_text,
+    check_finite,
+    check_output_path,
+    json_text,
+    load_checkpoint,
+    state_dict_mismatch,
+)
 from orepa.apps.common import UserError, add_run_arguments, apply_threads, init_distributed, seed_everything
 from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.model_cfg import (
@@ -156,7 +162,7 @@ def analyze(model: nn.Module, out_dir: str | Path | None = None, *, plots: bool 
             files["norms"] = plot_norms(result, out / "norms.png")
             files["summary"] = plot_summary(result, out / "summary.png")
         result["files"] = {k: str(v) for k, v in files.items()}
-        atomic_write_text(files["json"], json.dumps(result, indent=1))
+        atomic_write_text(files["json"], json_text(result, indent=1))
     return result
 
 
@@ -187,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = model_cfg_from_args(args, num_classes=infer_num_classes(sd) or 1000, in_chans=3, small_input=False,
                                       saved=ckpt.get("model_cfg"))
         model = check_and_load(build_model(cfg), sd, _flags(cfg))
+        check_finite(model, target, "its branch statistics would be NaN")
         source = str(target)
     elif target.is_dir() and not _names_a_model(args.target):  # a model name wins over a folder of that name
         raise UserError(f"{args.target} is a directory; give a checkpoint file in it"

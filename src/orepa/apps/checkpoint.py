@@ -30,6 +30,8 @@ next write of that file.
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import pickle
 import random
@@ -48,7 +50,7 @@ from torch import nn
 import orepa
 
 from ..state_dicts import STATE_DICT_KEYS, find_state_dict, is_state_dict, strip_prefixes
-from .common import UserError, some_of
+from .common import UserError, first_nonfinite, some_of
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg
 
 FORMAT = "orepa-checkpoint"
@@ -330,6 +332,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def _strict_json(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict_json(v) for v in obj]
+    return obj
+
+
+def json_text(obj, indent: int | None = None) -> str:
+    """``obj`` as strict JSON, the text every JSON file orepa writes holds: NaN and inf (a diverged
+    run's loss, a ratio of nothing) become null, since JSON has no such numbers and readers other
+    than Python's refuse the file."""
+    return json.dumps(_strict_json(obj), indent=indent, allow_nan=False)
+
+
 def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
     """``torch.save`` through :func:`atomic_write`."""
     return atomic_write(path, lambda f: torch.save(obj, f))
@@ -363,7 +382,8 @@ _DAMAGED = "corrupt, truncated or not a PyTorch checkpoint"
 
 def _unpickling_error(path: Path, exc: Exception) -> UserError:
     text = str(exc)
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    # torch's two wordings: a global it does not allow, and one from a module it blocks (os, posix, ...)
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([^\s,]+)", text)
     if found:
         return UserError(
             f"checkpoint {path} holds Python objects ({found.group(1)}), not only tensors and plain values: "
@@ -416,8 +436,9 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
         if isinstance(exc, pickle.UnpicklingError):
             raise _unpickling_error(path, exc) from None
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        msg = msg if len(msg) <= 200 else msg[:200].rsplit(" ", 1)[0] + " ..."  # cut at a word, and said so
         raise UserError(
-            f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg[:200] if msg else ''})"
+            f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg if msg else ''})"
         ) from None
     if is_state_dict(obj):
         return {"model": strip_prefixes(obj)}
@@ -476,8 +497,9 @@ def _is_run_checkpoint(path: Path) -> bool:
     return "optimizer" in held and held.get("form", "train") == "train"
 
 
-#: integer fields of a training checkpoint (where it stopped)
-_COUNTERS = ("epoch", "step_in_epoch", "global_step")
+#: integer fields of a training checkpoint (where it stopped, and the size of its training set)
+_COUNTERS = ("epoch", "step_in_epoch", "global_step", "train_images")
+_MAPPINGS = ("model", "model_ema", "optimizer", "lr_scheduler", "scaler", "rng")
 
 
 def _check_metadata(path: Path, ckpt: dict) -> None:
@@ -504,6 +526,29 @@ def _check_metadata(path: Path, ckpt: dict) -> None:
             raise UserError(f"{path}: damaged {key} ({value!r}, not a count)")
     if ckpt.get("form") is not None and ckpt["form"] not in FORMS:
         raise UserError(f"{path}: unknown model form {ckpt['form']!r} (expected one of {', '.join(FORMS)})")
+    if "format" not in ckpt:  # another tool's checkpoint: its other fields are not orepa's to judge
+        return
+    for key in _MAPPINGS:  # states handed to load_state_dict / set_rng_state
+        if ckpt.get(key) is not None and not isinstance(ckpt[key], dict):
+            raise UserError(f"{path}: damaged {key} (a {type(ckpt[key]).__name__}, not a mapping)")
+    history = ckpt.get("history", [])
+    if not isinstance(history, list) or not all(isinstance(row, dict) for row in history):
+        raise UserError(f"{path}: damaged history (not a list of per-epoch records)")
+    sums = ckpt.get("epoch_sums", [0.0, 0.0, 0.0])
+    if not isinstance(sums, (list, tuple)) or len(sums) != 3 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in sums):
+        raise UserError(f"{path}: damaged epoch_sums ({repr(sums)[:60]}, not three numbers: the epoch's loss "
+                        "sum, correct predictions and images)")
+
+
+def check_finite(model: nn.Module, path, use: str, *, optimizer=None, ema=None) -> None:
+    """A :class:`UserError` where the weights loaded from checkpoint ``path`` into ``model`` hold
+    NaN/inf (orepa writes none: such a file is damaged, or another tool's diverged run); ``use``:
+    what this command would have made of them."""
+    bad = first_nonfinite(model, optimizer, ema)
+    if bad:
+        raise UserError(f"{path} holds non-finite values (NaN/inf), first in {bad}: {use}; give a checkpoint "
+                        "from before the run diverged (`orepa eval` still reports what it computes)")
 
 
 def state_dict_mismatch(model: nn.Module, sd: dict) -> str:

@@ -48,7 +48,9 @@ FASHION_MNIST_FILES = (
 )
 #: bytes of each un-gzipped IDX file (16- / 8-byte header, then 28x28 images / labels): a cached file of
 #: another size is a torn or foreign copy, extracted again
-FASHION_MNIST_BYTES = dict(zip(FASHION_MNIST_FILES, (16 + 60000 * 784, 8 + 60000, 16 + 10000 * 784, 8 + 10000)))
+FASHION_MNIST_TRAIN, FASHION_MNIST_TEST = 60000, 10000  # images
+FASHION_MNIST_BYTES = dict(zip(FASHION_MNIST_FILES, (16 + FASHION_MNIST_TRAIN * 784, 8 + FASHION_MNIST_TRAIN,
+                                                     16 + FASHION_MNIST_TEST * 784, 8 + FASHION_MNIST_TEST)))
 FASHION_MNIST_SOURCE = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -97,7 +99,7 @@ def prepare_fashion_mnist(cache_dir: str | os.PathLike | None = None, source: st
     name and renamed into place.
     """
     root = Path(cache_dir) if cache_dir else default_cache_dir()
-    source = Path(source or os.environ.get("OREPA_FASHION_MNIST_DIR", FASHION_MNIST_SOURCE))
+    source = Path(source or os.environ.get("OREPA_FASHION_MNIST_DIR") or FASHION_MNIST_SOURCE)  # set empty: unset
     raw = root / "FashionMNIST" / "raw"
     missing = [n for n in FASHION_MNIST_FILES if _cached_idx_problem(raw / n, n) is not None]
     if not missing:
@@ -380,6 +382,7 @@ class Data:
     small_input: bool  # what the model should default to
     image_sizes: tuple[int, ...] = ()  # the square sizes the model is given: training crops, validation crops
     classes: tuple[str, ...] = ()  # class names, label i is classes[i] (stored in checkpoints)
+    train_images: int = 0  # images of the training set before any --train-subset (stored in checkpoints)
 
     def read_as(self, classes: Sequence[str], source) -> Data:
         """This data with the validation labels of a model trained on ``classes`` (from checkpoint
@@ -433,8 +436,21 @@ def _subset(ds, n: int | None, seed: int | None):
     return sub
 
 
+#: the data flags of one kind of data: given for the other kind, they would be taken and ignored
+KIND_FLAGS = {"pad_crop": "fashion-mnist", "train_crop_size": "imagefolder", "val_resize_size": "imagefolder",
+              "val_crop_size": "imagefolder"}
+
+
 def build_data(args, *, need_train: bool = True) -> Data:
     kind = resolve_kind(args)
+    stray = sorted(k for k in getattr(args, "given", None) or () if KIND_FLAGS.get(k, kind) != kind)
+    if stray:
+        flags = " / ".join(f"--{k.replace('_', '-')}" for k in stray)
+        raise UserError(f"{flags} appl{'ies' if len(stray) == 1 else 'y'} to " + (
+            "Fashion-MNIST (the zero padding of its random crop), not to an ImageFolder tree, whose training images "
+            "are random resized crops of --train-crop-size" if kind == "imagefolder" else
+            "ImageFolder trees (--data-path DIR), not to Fashion-MNIST, whose 28x28 images are read at their size "
+            "(--pad-crop: the padding of its random crop)"))
     if getattr(args, "_data_path_of", None):  # the path is a checkpoint's setting, not a flag given here
         check_saved_data_path(args, args._data_path_of)
     if kind == "fashion-mnist":
@@ -446,11 +462,13 @@ def build_data(args, *, need_train: bool = True) -> Data:
                                  need_train=need_train)
         in_chans, small, sizes = 3, False, tuple(sorted({train_crop, val_crop} if need_train else {val_crop}))
     classes = val.classes
+    total = 0
     if need_train:
+        total = len(train)  # a subset of other images than the run's would have the same size
         train = _subset(train, getattr(args, "train_subset", None), getattr(args, "seed", 0))
         train = SeededAugment(train, getattr(args, "seed", 0))
     val = _subset(val, getattr(args, "val_subset", None), None)
-    return Data(kind, train, val, len(classes), in_chans, small, sizes, tuple(classes))
+    return Data(kind, train, val, len(classes), in_chans, small, sizes, tuple(classes), total)
 
 
 def default_workers(args, device: torch.device) -> int:
@@ -503,11 +521,17 @@ def ignore_stop_signals(worker_id: int, owner: int | None = None) -> None:
     threading.Thread(target=take, name="orepa-stop-signals", daemon=True).start()
 
 
+def check_batch_fits(per_process: int, batch_size: int, processes: int = 1) -> None:
+    """A :class:`UserError` where a process's share of the training images fills no batch (the loader
+    drops the last incomplete one: an epoch of no step)."""
+    if per_process < batch_size:
+        raise UserError(f"each of the {processes} process(es) gets {per_process} training images, "
+                        f"fewer than one batch (-b {batch_size}); use a smaller batch or more data")
+
+
 def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tuple[DataLoader, EpochSampler]:
     sampler = EpochSampler(data.train, num_replicas=info.world_size, rank=info.rank, seed=args.seed)
-    if sampler.num_samples < args.batch_size:
-        raise UserError(f"each of the {info.world_size} process(es) gets {sampler.num_samples} training images, "
-                        f"fewer than one batch (-b {args.batch_size}); use a smaller batch or more data")
+    check_batch_fits(sampler.num_samples, args.batch_size, info.world_size)
     workers = default_workers(args, device)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
                         pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0,

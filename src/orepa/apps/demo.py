@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from .checkpoint import atomic_write_text, check_output_path
+from .checkpoint import atomic_write_text, check_output_path, json_text
 from .common import (
     STOP_SIGNALS,
     STOP_WITH_PARENT_ENV,
@@ -42,7 +42,7 @@ from .common import (
     stop_signals_to_catch,
     thread_count,
 )
-from .data import prepare_fashion_mnist
+from .data import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, check_batch_fits, prepare_fashion_mnist
 from .model_cfg import build_model
 from .train import PROGRESS_FILE, run_files
 
@@ -201,9 +201,11 @@ def _watch(pipes: list[_Pipeline], show: bool) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prepare_fashion_mnist(args.cache_dir)  # fails early, with the install hint, if the package is missing
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    # each once: two pipelines of one method would share its directory
+    methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
     if not methods:
         raise UserError(f"--methods {args.methods!r} names no method (e.g. base,orepa)")
+    check_batch_fits(min(args.train_subset or FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN), args.batch_size)
     check_output_path(args.output_dir, "--output-dir", directory=True)
     root = Path(args.output_dir)
     for m in methods:  # before any pipeline starts: every model the demo would train can be built
@@ -218,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     threads = max(1, cpus // jobs)
     print(f"orepa demo: Fashion-MNIST, {args.model} x{args.width_mult:g} width, small-input stem, 1 channel; "
           f"methods {', '.join(methods)}; {args.epochs} epoch(s) on "
-          f"{args.train_subset or 60000} training images, tested on {args.val_subset or 10000}; "
+          f"{args.train_subset or FASHION_MNIST_TRAIN} training images, tested on {args.val_subset or FASHION_MNIST_TEST}; "
           f"{jobs} pipeline(s) at once, {threads} thread(s) each", flush=True)
     gate = threading.Semaphore(jobs)
     pipes = []
@@ -298,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         rows[p.method] = (s, r, p.t1 - p.t0)
     print_table(rows, wall, args)
     results = {m: {"summary": s, "reparam": r, "pipeline_s": t} for m, (s, r, t) in rows.items()}
-    atomic_write_text(root / "demo.json", json.dumps({"wall_s": wall, "results": results}, indent=2))
+    atomic_write_text(root / "demo.json", json_text({"wall_s": wall, "results": results}, indent=2))
     ok = all(r["outputs_match"] and r["accuracy_equal"] for _, r, _ in rows.values())
     print(f"\ndeployed accuracy == training-form accuracy for every model: {'yes' if ok else 'NO'}; "
           f"total {wall / 60:.1f} min. Results in {root}/ (demo.json, <method>/log.csv, curves.png, "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import atomic_write_text, check_output_path, load_checkpoint, model_from_checkpoint
+from .checkpoint import atomic_write_text, check_output_path, json_text, load_checkpoint, model_from_checkpoint
 from .common import (
     DistInfo,
     UserError,
@@ -203,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                   f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch, peak memory {mem:.0f} MiB "
                   f"[{mem_kind}])")
             if args.json:
-                atomic_write_text(args.json, json.dumps(res, indent=2))
+                atomic_write_text(args.json, json_text(res, indent=2))
         return 0
     finally:
         cleanup_distributed(info)

@@ -366,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
             cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False,
                                       saved=ckpt.get("model_cfg"))
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
+        ckpt_io.check_finite(model, path, "an exported model would compute nothing useful")
         print(f"loaded {path}{' (its EMA weights)' if args.use_ema else ''} as the {FORM_NAMES[form]} of "
               f"{describe_cfg(cfg)}")
     else:

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
-from .checkpoint import atomic_write
+from .checkpoint import atomic_write, json_text
 from .checkpoint import atomic_write_text as _atomic_write
 
 
 def write_history(out_dir: Path, history: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_dir / "log.jsonl", "".join(json.dumps(row) + "\n" for row in history))
+    _atomic_write(out_dir / "log.jsonl", "".join(json_text(row) + "\n" for row in history))
     keys: list[str] = []
     for row in history:
         keys += [k for k in row if k not in keys]

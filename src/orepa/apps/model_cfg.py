@@ -229,20 +229,38 @@ def model_slug(name: str) -> str:
 TORCHVISION_AUX_HEADS = ("googlenet", "inception_v3")
 
 
+def check_external_name(name: str) -> None:
+    """A :class:`UserError` for a ``torchvision:NAME`` / ``timm:NAME`` its library lacks (or a library
+    not installed): said before anything else about the model's settings."""
+    source, _, arch = name.partition(":")
+    if source not in EXTERNAL_SOURCES or not arch:
+        raise unknown_model(name)
+    try:
+        if source == "timm":
+            import timm
+
+            known, listing = timm.is_model(arch), "timm.list_models()"
+        else:
+            import torchvision
+
+            known, listing = arch in torchvision.models.list_models(), "torchvision.models.list_models()"
+    except ImportError as exc:
+        raise UserError(f"model {name!r} needs the package {exc.name or source} (pip install {source})") from None
+    if not known:
+        raise UserError(f"{source} has no model {arch!r} ({listing})")
+
+
 def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> nn.Module:
     """The plain network ``torchvision:NAME`` or ``timm:NAME``, randomly initialised (no weights
     are fetched; ``kwargs`` go to its constructor). timm makes ``in_chans`` itself; in a torchvision
     model the first conv that takes 3 channels is replaced by one that takes ``in_chans`` (same
     geometry, initialised afresh)."""
+    check_external_name(name)  # (timm's own error for a name it lacks is a bare RuntimeError)
     source, _, arch = name.partition(":")
-    if source not in EXTERNAL_SOURCES or not arch:
-        raise _unknown_model(name)
     try:
         if source == "timm":
             import timm
 
-            if not timm.is_model(arch):  # timm's own error for a name it lacks is a bare RuntimeError
-                raise ValueError(f"timm has no model {arch!r} (timm.list_models())")
             return timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans, **kwargs)
         import torchvision
 
@@ -298,7 +316,7 @@ def _adapt_input_conv(model: nn.Module, in_chans: int, name: str) -> None:
     setattr(model.get_submodule(parent), attr, new)
 
 
-def _unknown_model(name: str) -> UserError:
+def unknown_model(name: str) -> UserError:
     return UserError(f"unknown model {name!r}; choose from {', '.join(zoo.list_models())}, or "
                      f"{' / '.join(s + ':NAME' for s in EXTERNAL_SOURCES)} for a network of those libraries")
 
@@ -308,6 +326,7 @@ def build_model(cfg: dict) -> nn.Module:
     torchvision / timm network (:func:`external_model`) turned into ``method`` by :func:`orepa.convert`
     with the block options of ``cfg["options"]``."""
     if external_source(cfg["model"]) is not None:
+        check_external_name(cfg["model"])
         zoo_only = [f"{k}={cfg[k]}" for k, plain in (("width_mult", 1.0), ("small_input", False)) if cfg[k] != plain]
         if zoo_only:
             raise UserError(f"{', '.join(zoo_only)}: options of the zoo's models, not of {cfg['model']}")
@@ -330,7 +349,7 @@ def build_model(cfg: dict) -> nn.Module:
             flag = " (--model-option without_bn=true)" if "without_bn=True converts" in str(exc) else ""
             raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}{flag}") from None
     if cfg["model"] not in zoo.list_models():
-        raise _unknown_model(cfg["model"])
+        raise unknown_model(cfg["model"])
     if MODEL_KWARGS in cfg.get("options", {}):
         raise UserError(f"--model-kwarg passes keywords to a torchvision:NAME / timm:NAME network's constructor; "
                         f"{cfg['model']} is a zoo model (its options: --model-option KEY=VALUE)")

@@ -15,15 +15,16 @@ replaces another file that is not a deployed checkpoint only with ``--overwrite`
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from .checkpoint import (
     args_dict,
     atomic_write_text,
+    check_finite,
     check_output_path,
     checkpoint_form,
+    json_text,
     load_checkpoint,
     model_from_checkpoint,
     save_checkpoint,
@@ -116,6 +117,7 @@ def reparam(args: argparse.Namespace) -> dict:
         model, cfg, form = checkpoint_model(args, ckpt, data)
     if form != "train":
         raise UserError(f"{args.checkpoint} holds deployed weights ({form}); nothing to reparameterize")
+    check_finite(model, args.checkpoint, "its deployed form would compute nothing useful")
     form_out = "deploy-fused" if args.fuse_bn else "deploy"
     model.to(device).eval()
     deployed = deploy(model, form_out).to(device).eval()
@@ -153,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"  wrote {res['output']}")
     if args.json:
-        atomic_write_text(args.json, json.dumps(res, indent=2))
+        atomic_write_text(args.json, json_text(res, indent=2))
     return 0
 
 

@@ -61,8 +61,10 @@ from .checkpoint import (
     args_dict,
     atomic_write_text,
     cfg_mismatch,
+    check_finite,
     check_output_path,
     classifier_rows_by_name,
+    json_text,
     load_checkpoint,
     load_model_state,
     lock_run_dir,
@@ -290,7 +292,7 @@ def _sync_buffers(model: nn.Module, info: DistInfo) -> None:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    atomic_write_text(path, json.dumps(obj))
+    atomic_write_text(path, json_text(obj))
 
 
 #: flags of one session, never taken from the checkpoint on --resume
@@ -298,8 +300,10 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
                            "micro_batches",
                            "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
                            "given", "command"})
-#: settings a resumed run cannot change: the position in the run is counted in their units
-FIXED_ON_RESUME = ("batch_size", "data_path", "dataset", "train_subset")
+#: settings a resumed run cannot change: the position in the run is counted in their units. (The data's
+#: place may change: a moved folder, or a path relative to another directory, is the same data where it
+#: holds the same classes and number of training images, which setup checks.)
+FIXED_ON_RESUME = ("batch_size", "dataset", "train_subset")
 #: files that mark a directory as holding a run
 RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
 #: where a run is (written from its first step): alone, the trace of a run that wrote no checkpoint
@@ -328,11 +332,53 @@ def _given(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(k for k, v in vars(args).items() if k in defaults and defaults[k] != v)
 
 
+def _as_parsed(actions: list[argparse.Action], value):
+    """A saved setting as the parser makes it from the command line (its type, bounds and choices
+    checked); a ValueError says why it is none the parser would make."""
+    if value is None and any(a.default is None for a in actions):
+        return None
+    a = actions[0]
+    if a.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise ValueError("not true or false")
+        return value
+    if isinstance(a, argparse._AppendAction):  # a repeatable flag: the list of what was given
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ValueError("not a list of texts")
+        return value
+    if a.type is None:
+        if not isinstance(value, str):
+            raise ValueError(f"a {type(value).__name__}, not a text")
+        parsed = value
+    else:
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ValueError(f"a {type(value).__name__}, not {getattr(a.type, '__name__', 'a value')}")
+        try:
+            parsed = a.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+    if a.choices is not None and parsed not in a.choices:
+        raise ValueError(f"not one of {', '.join(map(str, a.choices))}")
+    return parsed
+
+
 def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespace, list[str]]:
     """This command's settings on ``--resume``: the checkpoint's run settings, except the flags given
-    explicitly (overrides) and the per-session ones. Returns ``(settings, override descriptions)``."""
+    explicitly (overrides) and the per-session ones. Returns ``(settings, override descriptions)``.
+    A saved setting the parser would not make (a damaged or hand-edited checkpoint) is a
+    :class:`UserError` naming it, not an error deep inside the run."""
     given = _given(args)
-    saved = ckpt.get("args") or {}
+    saved = ckpt.get("args")
+    if not saved and "data_path" not in given:
+        raise UserError(f"--resume {args.resume}: it records no run settings (no 'args'), so not which data it "
+                        "was trained on: give --data-path (an ImageFolder root, or fashion-mnist) and the flags its "
+                        "run was started with")
+    saved = saved or {}
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    actions: dict[str, list[argparse.Action]] = {}
+    for a in p._actions:
+        actions.setdefault(a.dest, []).append(a)
     out = argparse.Namespace(**vars(args))
     overrides = []
     for key, value in saved.items():
@@ -346,6 +392,15 @@ def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespa
                         f"this run (it was started with {value!r}; the position in the run is counted in its "
                         "steps and data); start a new run with another --output-dir instead")
                 overrides.append(f"{key} {value!r} -> {getattr(args, key)!r}")
+        elif key in actions:
+            try:
+                setattr(out, key, _as_parsed(actions[key], value))
+            except ValueError as exc:
+                fix = ("the run cannot continue from it (its position is counted in this setting's units): start "
+                       "a new run from its weights with --init-from" if key in FIXED_ON_RESUME else
+                       f"give --{key.replace('_', '-')} to replace it")
+                raise UserError(f"--resume {args.resume}: damaged run setting {key} ({str(value)[:40]!r}: {exc}); "
+                                + fix) from None
         else:
             setattr(out, key, value)
     if "output_dir" not in given:
@@ -373,6 +428,7 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.replaced: list[str] = []  # the run --overwrite moved aside until this one's first checkpoint
         self.lock: Path | None = None  # the output directory's lock (lock_run_dir), held by the main process
+        self.made_dirs: list[Path] = []
 
     def log(self, *msg) -> None:
         if self.main:
@@ -459,6 +515,13 @@ class Trainer:
             raise UserError(f"--resume {args.resume}: {self.data.name} no longer has the classes this run began with "
                             f"({change or 'the same names in another order'}); put the folder back as it was, or "
                             "start a new run from its weights with --init-from")
+        saved_size = None if self.resume_ckpt is None else self.resume_ckpt.get("train_images")
+        if saved_size is not None and saved_size != self.data.train_images:
+            # other images under the same classes: the epoch's order (and a --train-subset's choice), and the
+            # position in it, would be others'
+            raise UserError(f"--resume {args.resume}: {self.data.name} has {self.data.train_images:,} training images, "
+                            f"this run began with {saved_size:,}; put the folder back as it was, or start a new "
+                            "run from its weights with --init-from")
         # a starting point's class count is the data's (or --num-classes): fine-tuning on other classes
         # makes a new classifier
         new_head = self.start_weights is not None and saved_cfg is not None
@@ -508,6 +571,9 @@ class Trainer:
         deploy_form = build_model_form(self.cfg, "deploy")  # its size, and the plain layout's shapes
         check_model_takes_images(deploy_form, self.data, describe_cfg(self.cfg))
         if self.main:
+            # the directories this run makes, deepest first: a run that fails before writing anything
+            # leaves none of them (remove_made_dirs)
+            self.made_dirs = [d for d in (self.out, *self.out.parents) if not d.exists()]
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -531,6 +597,9 @@ class Trainer:
             self._load_start_weights(model, saved_cfg, deploy_form)
         self.params_train = count_params(model)
         self.params_deploy = count_params(deploy_form)
+        if args.sync_bn and not info.distributed:
+            self.log("note: --sync-bn has no effect in one process (it shares BN statistics between the processes "
+                     "of a torchrun run)")
         if args.sync_bn and info.distributed:
             if device.type != "cuda":
                 raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm has no CPU implementation)")
@@ -547,6 +616,12 @@ class Trainer:
         self.optimizer = make_sgd(groups, lr=args.lr, momentum=args.momentum)
         self.loader, self.sampler = train_loader(self.data, args, info, device)
         self.iters_per_epoch = len(self.loader)
+        if self.resume_ckpt is not None and int(self.resume_ckpt.get("step_in_epoch", 0)) > self.iters_per_epoch:
+            # a checkpoint from before the image count was recorded, whose training set shrank since
+            raise UserError(f"--resume {args.resume}: it stopped at step {self.resume_ckpt['step_in_epoch']} of an "
+                            f"epoch, but an epoch of {self.data.name} now has {self.iters_per_epoch} steps (the training "
+                            "set changed since the run began); put the folder back as it was, or start a new run "
+                            "from its weights with --init-from")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
         amp_fp16 = args.amp and device.type == "cuda" and args.amp_dtype in ("auto", "float16")
         self.scaler = torch.amp.GradScaler("cuda", enabled=amp_fp16) if device.type == "cuda" else None
@@ -615,6 +690,7 @@ class Trainer:
         how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
                                plain=bare or self.plain_start)
+        check_finite(model, path, "a run started from it would train on NaN")
         source = self.start_weights.get("source")
         head = ""
         if fresh:
@@ -687,6 +763,15 @@ class Trainer:
             shutil.rmtree(self.out / REPLACED_DIR, ignore_errors=True)
             self.replaced = []
 
+    def remove_made_dirs(self) -> None:
+        """After a failed setup or run (its lock released): the directories it made that stayed empty."""
+        for d in self.made_dirs:
+            try:
+                d.rmdir()
+            except OSError:  # it holds something (this run's files, another's): kept, and so its parents
+                break
+        self.made_dirs = []
+
     def restore_replaced_run(self) -> None:
         """This run ended before its first checkpoint: its own files go, the previous run's come back."""
         if not self.replaced:
@@ -714,7 +799,7 @@ class Trainer:
         try:
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.scheduler.load_state_dict(ckpt["lr_scheduler"])
-        except (ValueError, KeyError, RuntimeError) as exc:
+        except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
             packed = bool((ckpt.get("args") or {}).get("pack_parameters"))
             hint = (f"; it was saved {'with' if packed else 'without'} packed parameters: resume with "
                     f"--{'' if packed else 'no-'}pack-parameters" if packed != bool(args.pack_parameters) else "")
@@ -741,12 +826,21 @@ class Trainer:
                               list(ckpt.get("history", [])),
                               list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])) if self.main else [0.0, 0.0, 0.0])
         if "rng" in ckpt:
-            set_rng_state(ckpt["rng"])
+            try:
+                set_rng_state(ckpt["rng"])
+            except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
+                why = " ".join(str(exc).split())
+                raise UserError(f"--resume {args.resume}: damaged rng (the random generators' state: "
+                                f"{type(exc).__name__}: {why[:160]}); the run cannot continue exactly from it: "
+                                "start a new run from its weights with --init-from") from None
+        check_finite(self.model, args.resume, "the run cannot continue from it", optimizer=self.optimizer,
+                     ema=self.ema)
         saved = ckpt.get("args") or {}
         if saved.get("world_size") not in (None, self.info.world_size):
             self.overrides.append(f"world size {saved['world_size']} -> {self.info.world_size}")
         self.log(f"resumed {args.resume}: epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}, "
-                 f"global step {self.state.global_step}, with its settings; "
+                 f"global step {self.state.global_step}, "
+                 + ("with its settings; " if saved else "with this command's settings (it records none); ")
                  + (f"overrides: {', '.join(self.overrides)}" if self.overrides else "no overrides"))
 
     # ------------------------------------------------------------------ checkpoints
@@ -769,6 +863,7 @@ class Trainer:
         ckpt = {
             "format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": self.cfg,
             "classes": list(self.data.classes),  # label i's name: eval reads other folders by name
+            "train_images": self.data.train_images,  # a resumed run's data must be the same (setup)
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
             "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
@@ -1084,7 +1179,7 @@ class Trainer:
             if k in last:
                 out[k] = last[k]
         if self.main:
-            atomic_write_text(self.out / "summary.json", json.dumps(out, indent=2))
+            atomic_write_text(self.out / "summary.json", json_text(out, indent=2))
             print_summary(out)
         return out
 
@@ -1176,6 +1271,9 @@ def train(args: argparse.Namespace) -> dict:
                                                  else "no checkpoint had been written yet")) from None
     except BaseException:
         trainer.restore_replaced_run()
+        unlock_run_dir(trainer.lock)
+        trainer.lock = None  # released: the finally below must not remove a lock another run took since
+        trainer.remove_made_dirs()
         raise
     finally:
         unlock_run_dir(trainer.lock)

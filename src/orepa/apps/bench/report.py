@@ -5,7 +5,7 @@ import json
 import statistics
 from pathlib import Path
 
-from orepa.apps.checkpoint import atomic_write_text
+from orepa.apps.checkpoint import atomic_write_text, json_text
 from orepa.apps.logs import pyplot, save_figure
 
 from .variants import LADDER, offline_rung
@@ -178,7 +178,7 @@ def plot_budgets(result: dict, path: str | Path) -> Path:
 
 def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> list[Path]:
     out_dir = Path(out_dir)
-    files = [atomic_write_text(out_dir / f"{tag}.json", json.dumps(result, indent=1)),
+    files = [atomic_write_text(out_dir / f"{tag}.json", json_text(result, indent=1)),
              atomic_write_text(out_dir / f"{tag}.md", format_header(result) + "\n\n" + format_table(result) + "\n")]
     if plots and no_plot_reason(result) is None:  # a result without a ratio has only its table
         files.append(plot_ratios(result, out_dir / f"{tag}_ratios.png"))

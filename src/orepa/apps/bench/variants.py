@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 import orepa
-from orepa.apps.common import parse_key_values, parse_value
-from orepa.apps.model_cfg import external_model, external_source
+from orepa.apps.common import UserError, parse_key_values, parse_value
+from orepa.apps.model_cfg import check_external_name, external_model, external_source, unknown_model
 from orepa.models import create_model, model_family
 
 ModelSpec = str | Callable[[], nn.Module]
@@ -61,11 +61,17 @@ def base_model(model: ModelSpec, num_classes: int = 1000, in_chans: int = 3, mod
         return model()
     if in_zoo(model):
         return create_model(model, method="base", num_classes=num_classes, in_chans=in_chans, **(model_options or {}))
+    name = model if external_source(model) else f"torchvision:{model}"  # a bare name the zoo lacks is torchvision's
     if model_options:
+        try:  # a name of nothing is said first, before what its options cannot do
+            check_external_name(name)
+        except UserError:
+            if external_source(model) is not None:
+                raise
+            raise unknown_model(model) from None
         raise ValueError(f"model options {sorted(model_options)} need a model of the zoo; {model!r} is not one "
                          "(block options go into a variant: --methods orepa:KEY=VALUE)")
-    # a bare name the zoo lacks is torchvision's
-    return external_model(model if external_source(model) else f"torchvision:{model}", num_classes, in_chans)
+    return external_model(name, num_classes, in_chans)
 
 
 def parse_options(items: Iterable[str], flag: str) -> dict:
