@@ -829,3 +829,121 @@ def test_convert_pairs_only_what_it_can_replace_whole():
     assert not converted.training and converted.main[1].training and not converted.aux[1].training
     _, report = orepa.convert(model, "orepa", example_input=torch.randn(2, 8, 8, 8), return_report=True)
     assert model.main[1].training and not model.main[0].training  # the run by hooks left the modes too
+
+
+# --------------------------------------------------------------------------- what convert must not pair or take
+
+
+class _TiedConvs(nn.Module):
+    """Two conv -> BN pairs whose convs share one weight Parameter, then a third pair of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3)
+        self.c2, self.b2 = nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3)
+        self.c2.weight = self.c1.weight
+        self.c3, self.b3 = nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.b3(self.c3(self.b2(self.c2(torch.relu(self.b1(self.c1(x)))))))
+
+
+class _ReadBesideBnInEval(nn.Module):
+    """A conv whose output only the BN reads in training, and the forward too in eval mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3)
+        self.c2, self.bn2 = nn.Conv2d(3, 3, 3, padding=1, bias=False), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        y = self.c(x)
+        z = self.bn(y)
+        z = z if self.training else z + y
+        return self.bn2(self.c2(z))
+
+
+@pytest.mark.parametrize("method", ["orepa", "dbb"])
+def test_tied_convs_and_convs_read_beside_their_bn_in_one_mode_are_left_as_they_are(method):
+    """Converted, a tied pair trained two weights and deployed one (relative error 1.4); a conv whose
+    output the eval forward also reads was absorbed with its BN (0.42): both are skipped, said why,
+    and the rest of the network converts, deploying to the same function."""
+    for net, skipped, converted, why in (
+            (_TiedConvs(), ("c1", "c2"), ["c3"], "is tied (another module holds the same Parameter)"),
+            (_ReadBesideBnInEval(), ("c",), ["c2"], "alone in training mode, but the eval mode's forward")):
+        net = net.double()
+        model, report = orepa.convert(net, method, return_report=True)
+        assert set(skipped) <= set(report.skipped) and all(why in report.skipped[n] for n in skipped), report.skipped
+        assert all(type(getattr(model, n)) is nn.Conv2d for n in skipped)
+        assert report.converted == converted
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            model.train()(x).square().mean().backward()
+            opt.step()
+        model.eval()
+        deployed = orepa.reparameterize(model)
+        plain = copy.deepcopy(net)
+        plain.load_state_dict(deployed.state_dict(), strict=True)
+        with torch.no_grad():
+            torch.testing.assert_close(plain.eval()(x), model(x), rtol=1e-9, atol=1e-9)
+
+
+def test_what_convert_and_reparameterize_cannot_take_is_a_type_error():
+    """A string, a TorchScript module, or a conv whose channel counts are numpy integers (nn.Conv2d
+    takes them): one clear error or a skipped conv with its reason, not an AttributeError or a
+    TypeError from inside the package; a traced training form names the deployed model to trace."""
+    np = pytest.importorskip("numpy")
+    scripted = torch.jit.script(nn.Conv2d(3, 3, 3))
+    for fn in (orepa.convert, orepa.reparameterize):
+        with pytest.raises(TypeError, match="takes an nn.Module, got str"):
+            fn("resnet18")
+        with pytest.raises(TypeError, match="not a TorchScript module .* reparameterize the model first"):
+            fn(scripted)
+    net = nn.Sequential(nn.Conv2d(3, np.int64(4), 3, padding=1), nn.BatchNorm2d(4),
+                        nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+    _, report = orepa.convert(net, "orepa", return_report=True)
+    assert report.converted == ["2"] and "out_channels must be an int" in report.skipped["0"]
+    block = orepa.OREPAConv2d(4, 4, 3).eval()
+    with pytest.raises(RuntimeError, match=r"trace the deployed model, orepa.reparameterize\(model\)"):
+        torch.jit.trace(block, torch.randn(1, 4, 8, 8))
+
+
+def test_a_bare_block_deploys_in_its_mode_and_frozen_as_inside_a_model():
+    block = orepa.OREPAConv2d(4, 4, 3).eval().requires_grad_(False)
+    conv = orepa.reparameterize(block)
+    assert not conv.training and not any(p.requires_grad for p in conv.parameters())
+    assert orepa.reparameterize(orepa.OREPAConv2d(4, 4, 3)).training
+
+
+def test_what_convert_skips_and_refuses_says_so_plainly():
+    """A BN without running statistics is named as such (it was 'not followed by a BatchNorm2d it
+    alone feeds'); a deep stem's padding refusal no longer says online blocks take any padding."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4, track_running_stats=False),
+                        nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4))
+    _, report = orepa.convert(net, "orepa", return_report=True)
+    assert "without running statistics (track_running_stats=False)" in report.skipped["0"]
+    with pytest.raises(ValueError, match=r"only 'same' padding 3 .* \(a deep stem's stacked convs need it, online"):
+        orepa.OREPADeepStem(3, 8, 7, 2, padding=0)
+
+
+@pytest.mark.parametrize("method", ["orepa", "dbb"])
+def test_load_plain_state_dict_takes_what_torch_takes_and_names_a_wrapper_prefix(method):
+    """No num_batches_tracked (torch's strict load of such a state_dict fills them in); a DataParallel
+    / torch.compile prefix gets the hint that removes it; no mapping, or no tensors, is a TypeError."""
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4),
+                          nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)).double()
+    _random_bn_state(plain)
+    model = orepa.convert(plain, method)
+    sd = {k: v for k, v in plain.state_dict().items() if not k.endswith("num_batches_tracked")}
+    orepa.load_plain_state_dict(model, sd)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), plain.eval()(x), rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match=r"every key starts with 'module\.'.*strip_prefixes"):
+        orepa.load_plain_state_dict(model, {f"module.{k}": v for k, v in sd.items()})
+    with pytest.raises(TypeError, match="takes a state_dict"):
+        orepa.load_plain_state_dict(model, list(sd.items()))
+    with pytest.raises(TypeError, match="values that are not tensors: 0.weight"):
+        orepa.load_plain_state_dict(model, {**sd, "0.weight": sd["0.weight"].tolist()})

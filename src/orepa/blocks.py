@@ -105,6 +105,7 @@ def check_conv_config(
     padding_mode: str = "zeros",
     *,
     any_padding: bool = False,
+    same_padding_because: str = "online OREPA blocks take any padding",
 ) -> tuple[tuple[int, int], int, tuple[int, int], int]:
     """Validate a conv configuration a re-param block can squeeze exactly.
 
@@ -154,7 +155,7 @@ def check_conv_config(
             raise ValueError(
                 f"unsupported padding {padding!r} for kernel_size={kh}x{kw}, dilation={dh}: "
                 f"only 'same' padding {same[0] if same[0] == same[1] else same} keeps branch centres aligned "
-                "(online OREPA blocks take any padding)"
+                f"({same_padding_because})"
             )
     if padding_mode != "zeros":
         raise ValueError(f"unsupported padding_mode {padding_mode!r}: only 'zeros' is linear in the kernel")
@@ -670,6 +671,9 @@ class ReparamConv2d(nn.Module):
         if self.tf_same:
             x = pad_tf_same(x, self.kernel_size, self.stride, self.dilation)
         if self.mode == "online":
+            if torch.jit.is_tracing():  # its kernel comes from autograd Functions and caches a trace cannot record
+                raise RuntimeError(f"torch.jit.trace of an online {type(self).__name__}: trace the deployed model, "
+                                   "orepa.reparameterize(model), which computes the same function as plain convs")
             if self._closed_form and torch.is_grad_enabled() and not E.reference_path():
                 return E.train_forward(self, x)  # the engine picks the route
             return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
@@ -1156,7 +1160,8 @@ class OREPADeepStem(ReparamConv2d):
 
     def __init__(self, in_channels, out_channels, kernel_size=7, stride=2, padding=None, dilation=1, groups=1,
                  bias=False, *, mid_channels: int | None = None, mode: str = "online", **orepa_options):
-        kh, kw = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
+        kh, kw = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                                   same_padding_because="a deep stem's stacked convs need it, online too")[0]
         if kh != kw or kh < 5 or groups != 1:
             raise ValueError(f"a deep stem needs a square kernel_size >= 5 and groups=1, got k={_size_str((kh, kw))}, "
                              f"groups={groups}")

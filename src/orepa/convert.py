@@ -212,11 +212,8 @@ def _in_mode(model: nn.Module, training: bool):
             m.training = mode
 
 
-def _pairs_fx(model: nn.Module, left_out: dict[str, str] | None = None) -> list[tuple[str, str]]:
-    """The conv -> BN pairs of ``model``'s traced graph; ``left_out`` takes ``{conv: why}`` for the
-    convs that a BN follows but whose tensors the forward also reads."""
-    with _in_mode(model, True):  # the training graph: branches that run in training only (aux heads) too
-        graph = _LeafTracer().trace(model)
+def _graph_pairs(model: nn.Module, graph, left_out: dict[str, str] | None) -> tuple[list[tuple[str, str]], set[str]]:
+    """The conv -> BN pairs of one traced graph of ``model``, and the modules that graph calls."""
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
     for node in graph.nodes:
@@ -239,6 +236,33 @@ def _pairs_fx(model: nn.Module, left_out: dict[str, str] | None = None) -> list[
             elif left_out is not None:
                 left_out[src.target] = "its weight or bias is also read outside it (a tied weight), which a block " \
                                        "does not hold"
+    return pairs, set(calls)
+
+
+def _pairs_fx(model: nn.Module, left_out: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The conv -> BN pairs of ``model``'s traced graphs; ``left_out`` takes ``{conv: why}`` for the
+    convs that a BN follows but whose tensors the forward also reads.
+
+    Both modes' graphs: a branch that runs in training only (an aux head) is paired by the training
+    graph, and a pair holds only where the graph of the other mode, if it calls the conv at all,
+    pairs it too (a forward that also reads the conv's output in eval mode only would compute
+    another function once the BN is absorbed). An eval graph torch.fx cannot trace leaves the
+    training graph's pairs."""
+    with _in_mode(model, True):
+        train_pairs, train_calls = _graph_pairs(model, _LeafTracer().trace(model), left_out)
+    try:
+        with _in_mode(model, False):
+            eval_pairs, eval_calls = _graph_pairs(model, _LeafTracer().trace(model), left_out)
+    except Exception:  # noqa: BLE001 - control flow fx cannot follow in eval mode only
+        return train_pairs
+    pairs = [p for p in train_pairs if p in eval_pairs or p[0] not in eval_calls]
+    pairs += [p for p in eval_pairs if p not in train_pairs and p[0] not in train_calls]
+    if left_out is not None:
+        for (conv, bn), mode, other in [*((p, "training", "eval") for p in train_pairs),
+                                        *((p, "eval", "training") for p in eval_pairs)]:
+            if (conv, bn) not in pairs and conv not in left_out:
+                left_out[conv] = (f"its output goes to {bn!r} alone in {mode} mode, but the {other} mode's forward "
+                                  "reads it otherwise too, which a block replacing both would change")
     return pairs
 
 
@@ -298,9 +322,9 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
     return [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
 
 
-def _followed_by_bn_subclass(model: nn.Module) -> dict[str, str]:
-    """``{conv name: why}`` for each plain conv registered right before a BatchNorm2d subclass:
-    the reason it is skipped (see :func:`_is_bn`)."""
+def _followed_by_unfoldable_bn(model: nn.Module) -> dict[str, str]:
+    """``{conv name: why}`` for each plain conv registered right before a BatchNorm2d subclass (see
+    :func:`_is_bn`) or a BN without running statistics: the reason it is skipped."""
     out = {}
     for parent_name, parent in model.named_modules():
         children = list(parent.named_children())
@@ -310,14 +334,18 @@ def _followed_by_bn_subclass(model: nn.Module) -> dict[str, str]:
                 out[prefix + cn] = (f"followed by a {type(bn).__name__}: only BatchNorm2d, "
                                     "SyncBatchNorm and timm's BatchNormAct2d are folded or absorbed, since another "
                                     "subclass may do more than normalise")
+            elif _convertible(c) and _is_bn(bn) and not bn.track_running_stats:
+                out[prefix + cn] = ("followed by a BatchNorm2d without running statistics (track_running_stats="
+                                    "False), which normalises by the batch in eval mode too: no conv folds it")
     return out
 
 
 def _slots(model: nn.Module) -> dict[int, int]:
-    """id(module) -> at how many places (parent, attribute) of the model it is registered."""
+    """id(module or Parameter) -> at how many places (parent, attribute) of the model it is registered."""
     count: dict[int, int] = {}
     for parent in model.modules():
-        for child in parent._modules.values():  # children() would count a child held twice by one parent once
+        # children() would count a child held twice by one parent once
+        for child in [*parent._modules.values(), *parent._parameters.values()]:
             if child is not None:
                 count[id(child)] = count.get(id(child), 0) + 1
     return count
@@ -389,13 +417,21 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
 
 def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
     """Why the modules ``names`` (a conv and its BN, or a lone conv) cannot be replaced: one is
-    registered at several places (:func:`_slots`), and swapping it under one name would leave the
-    other name holding the old module. None where they can."""
+    registered at several places (:func:`_slots`), or holds a parameter another module holds too
+    (a tied weight: ``c2.weight = c1.weight``); swapping it under one name would leave the other
+    name, or the other module, holding the old tensors. None where they can."""
     shared = [n for n in names if n is not None and slots[id(model.get_submodule(n))] > 1]
-    if not shared:
-        return None
-    return (f"{shared[0]!r} is registered at several places (another attribute holds the same module), so "
-            "replacing it under one name would split it")
+    if shared:
+        return (f"{shared[0]!r} is registered at several places (another attribute holds the same module), so "
+                "replacing it under one name would split it")
+    for n in names:
+        if n is None:
+            continue
+        for pname, p in model.get_submodule(n)._parameters.items():
+            if p is not None and slots.get(id(p), 1) > 1:
+                return (f"{n}.{pname} is tied (another module holds the same Parameter), which a block would "
+                        "train and deploy apart from it")
+    return None
 
 
 def _find_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
@@ -491,7 +527,9 @@ def convert(
     and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d; timm's
     ``Conv2dSame`` is the exception, an online OREPA block with ``tf_same=True``),
     convs that carry hooks (``torch.nn.utils.weight_norm`` / ``spectral_norm``: a block would drop
-    them), convs and BNs registered at several places (replacing one name would split the module),
+    them), convs and BNs registered at several places (replacing one name would split the module)
+    or holding a Parameter another module holds too (a tied weight), convs whose output the
+    forward of one mode (training or eval) reads beside their BN,
     and convs followed by a BatchNorm2d subclass, which may do more than normalise
     (timm's BatchNormAct2d / SyncBatchNormAct are the exception: blocks that keep
     the BN after them, such as OREPA's, take them); the report says why for each.
@@ -509,6 +547,7 @@ def convert(
             supported conv -> BN pair, and no re-param block from an earlier
             ``convert``): the message lists every conv and why it was skipped.
     """
+    _check_module(model, "convert")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     if without_bn and method != "orepa":
@@ -528,7 +567,7 @@ def convert(
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
     had_blocks = any(isinstance(m, ReparamConv2d) for m in model.modules())
-    subclassed = _followed_by_bn_subclass(model)
+    subclassed = _followed_by_unfoldable_bn(model)
     for name, m in model.named_modules():
         if _convertible(m) and name not in paired:
             report.skipped[name] = left_out.get(name) or subclassed.get(name) or \
@@ -552,7 +591,7 @@ def convert(
             continue
         try:
             block = make_block(method, conv, **options)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: a setting of another type (numpy channel counts)
             report.skipped[conv_name] = str(exc)
             continue
         if bn_name is None:  # without_bn: orepa's block, which leaves what follows it as it is
@@ -596,6 +635,12 @@ def load_plain_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], ke
     keys, shapes, a block that cannot start as a conv such as a linear deep stem); the model may
     then be partly loaded.
     """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"load_plain_state_dict takes a state_dict (a mapping of names to tensors), got "
+                        f"{type(state_dict).__name__}")
+    not_tensors = [k for k, v in state_dict.items() if not isinstance(v, Tensor)]
+    if not_tensors:
+        raise TypeError(f"the plain state_dict holds values that are not tensors: {', '.join(map(str, not_tensors[:4]))}")
     blocks = _top_level_blocks(model)
     absorbed, _ = _absorbed_pairing(model, blocks)
     keep = set(keep)
@@ -621,7 +666,9 @@ def load_plain_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], ke
     inside = tuple(f"{name}." for name, _ in blocks)
     own = {k for k in model.state_dict() if not k.startswith(inside)} - keep
     rest = {k: v for k, v in sd.items() if k not in taken}
-    missing, unexpected = sorted(own - set(rest)), sorted(set(rest) - own)
+    # a BN's batch count is optional, as in torch's own load of a state_dict without version metadata
+    missing = sorted(k for k in own - set(rest) if not k.endswith(".num_batches_tracked"))
+    unexpected = sorted(set(rest) - own)
     if missing:
         problems.append(f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     if unexpected:
@@ -632,7 +679,10 @@ def load_plain_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], ke
         except ValueError as exc:
             problems.append(f"{name}: {exc}")
     if problems:
-        raise ValueError("the plain state_dict does not fit this model: " + "; ".join(problems))
+        prefixed = next((p for p in ("module.", "_orig_mod.") if sd and all(k.startswith(p) for k in sd)), None)
+        hint = (f" (every key starts with {prefixed!r}, a wrapper's: DataParallel / DDP, torch.compile; "
+                "orepa.state_dicts.strip_prefixes(state_dict) removes it)") if prefixed else ""
+        raise ValueError("the plain state_dict does not fit this model: " + "; ".join(problems) + hint)
     try:
         model.load_state_dict(rest, strict=False)  # the blocks' keys were given above, by load_conv
     except RuntimeError as exc:  # shapes
@@ -705,6 +755,25 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
     return model
 
 
+def _check_module(model, caller: str) -> None:
+    """A TypeError for what ``caller`` cannot take: no nn.Module, or a TorchScript one (compiled code,
+    whose blocks it cannot replace: it is made from the deployed model, not the reverse)."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(f"{caller} takes the nn.Module, not a TorchScript module (torch.jit.trace / script): "
+                        "reparameterize the model first, then trace or script the deployed one")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller} takes an nn.Module, got {type(model).__name__}")
+
+
+def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
+    """``block`` as its plain conv, in the block's mode, and frozen where the block is (a frozen
+    stage deploys frozen)."""
+    conv = block.to_conv().train(block.training)
+    if not any(p.requires_grad for p in block.parameters()):
+        conv.requires_grad_(False)
+    return conv
+
+
 @torch.no_grad()
 def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = False, example_input=None) -> nn.Module:
     """Turn every re-param block into a plain ``nn.Conv2d`` (eval-mode equivalent).
@@ -715,16 +784,15 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     every conv-BN pair is folded as well (fastest inference form).
     A bare block passed directly is returned as its ``nn.Conv2d``.
     """
+    _check_module(model, "reparameterize")
     if isinstance(model, ReparamConv2d):
-        return model.to_conv()
+        return _deployed_conv(model)
     if not inplace:
         model = copy.deepcopy(model)
     blocks = _top_level_blocks(model)
     absorbed, orphans = _absorbed_pairing(model, blocks)
     for name, block in blocks:
-        conv = block.to_conv().train(block.training)
-        if not any(p.requires_grad for p in block.parameters()):
-            conv.requires_grad_(False)  # a frozen stage deploys frozen
+        conv = _deployed_conv(block)
         norm_name = absorbed.get(block.absorbed_token)
         if norm_name is not None:
             # the conv keeps the original conv's bias (if any); the rest moves into the restored BN
