@@ -232,6 +232,11 @@ _BAD_CLI = [
     (["--methods", "orepa:scaling=nope"], "cannot build variant 'orepa:scaling=nope'"),
     (["--methods", "orepa:builder=fast"], "kernel-builder policy must be one of"),
     (["--methods", "orepa:foo"], "--methods orepa:foo expects KEY=VALUE, got 'foo'"),
+    (["--methods", "orepa:scaling=none:scaling=vector"], "gives scaling twice ('none', then 'vector'): give it once"),
+    (["--from-json", ""], "--from-json '' names no file"),
+    (["--cudnn-benchmark", "--device", "cpu"], "--cudnn-benchmark applies to CUDA devices, not cpu"),
+    (["--device", ""], "--device '' names no device"),
+    (["--components", "--methods", "base", "orepa"], "give it or --methods, not both"),
     (["--methods", "base:scaling=vector"], "cannot build variant 'base:scaling=vector'"),
     (["--model-option", "foo"], "--model-option expects KEY=VALUE, got 'foo'"),
     (["--model-option", "small_input=maybe"], "model setting small_input='maybe' is not true or false"),
@@ -616,3 +621,54 @@ def test_aten_ops_per_step_counted_and_guarded():
     assert kernels["grouped unpacked"] < kernels["grouped"] <= kernels["grouped unpacked"] + 3 * 9 <= 3 * kernels["base"]
     assert leaves["grouped"] < 0.3 * leaves["grouped unpacked"]
     assert ops["grouped unpacked"] - ops["grouped"] >= 0.8 * (leaves["grouped unpacked"] - leaves["grouped"]), (ops, leaves)
+
+
+def test_bench_checks_every_output_file_before_it_measures(tmp_path, capsys):
+    """A rerun of the same variants (base implied) replaces its own result; a table or plot of the
+    result's names beside no result of these variants, a name taken by a directory, and another file
+    where a re-rendering goes are refused before any measurement (they were replaced without a word,
+    or found only after measuring, leaving half a result), --overwrite replacing them."""
+    from orepa.cli import main
+
+    out = tmp_path / "o"
+    run = ["bench", "-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32",
+           "--reps", "1", "--warmup", "0", "--no-inference", "--no-plot", "--no-memory-profile", "--methods", "orepa"]
+    for _ in range(2):
+        assert main([*run, "--output-dir", str(out)]) == 0
+    result = out / "resnet18_b2_32_cpu.json"
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "resnet18_b2_32_cpu.md").write_text("my notes")
+    (tmp_path / "dir" / "resnet18_b2_32_cpu_ratios.png").mkdir(parents=True)
+    for where, msg in ((notes, "resnet18_b2_32_cpu.md exist(s) beside no result of these variants"),
+                       (tmp_path / "dir", "resnet18_b2_32_cpu_ratios.png is a directory")):
+        capsys.readouterr()
+        assert main([*run, "--output-dir", str(where)]) == 2
+        assert msg in capsys.readouterr().err
+    assert (notes / "resnet18_b2_32_cpu.md").read_text() == "my notes" and len(list(notes.iterdir())) == 1
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / result.name).write_text("not a result")
+    rerender = ["bench", "--from-json", str(result), "--no-plot", "--output-dir", str(other)]
+    capsys.readouterr()
+    assert main(rerender) == 2
+    assert "holds another file; pass --overwrite to replace it, or another --output-dir" in capsys.readouterr().err
+    assert (other / result.name).read_text() == "not a result"
+    assert main([*rerender, "--overwrite"]) == 0 and json.loads((other / result.name).read_text())["results"]
+    assert main(["bench", "--from-json", str(result), "--no-plot"]) == 0  # next to itself: its own files
+
+
+def test_a_network_that_cannot_take_the_image_size_is_one_line(tmp_path, capsys):
+    """A network that downsamples the images to nothing: said before anything is built or measured
+    (a traceback from inside its forward)."""
+    from orepa.cli import main
+
+    for argv, msg in ((["bench", "-m", "torchvision:inception_v3", "--image-size", "32", "-b", "2", "--output-dir",
+                        str(tmp_path / "b")], "-m torchvision:inception_v3 cannot take --image-size 32 (32x32 images)"),
+                      (["export", "-m", "torchvision:inception_v3", "--method", "base", "--input-size", "32", "-o",
+                        str(tmp_path / "m.onnx")], "cannot take --input-size 32 (32x32 images)")):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())

@@ -241,9 +241,11 @@ def test_dynamo_export_is_one_self_contained_file(tmp_path, capsys):
     written = next(o.version for o in onnx.load(str(elsewhere / "m.onnx")).opset_import if o.domain in ("", "ai.onnx"))
     assert written == 18 and f"exported onnx opset {written} to" in out and "asked for" not in out
     assert "Traceback" not in captured.err
-    # 17 asked for explicitly: the exporter still writes its lowest, and the report says so
-    report = export_onnx(model, tmp_path / "asked17.onnx", (1, 1, 28, 28), opset=17, dynamo=True)
-    assert report.opset == 18 and "opset 18 written, not the 17 asked for" in str(report)
+    # 17 asked for explicitly: refused before any work (the exporter logged a failed down-conversion's
+    # traceback and wrote its lowest, 18)
+    with pytest.raises(UserError, match=r"--opset 17 is outside the opsets 18\.\."):
+        export_onnx(model, tmp_path / "asked17.onnx", (1, 1, 28, 28), opset=17, dynamo=True)
+    assert not (tmp_path / "asked17.onnx").exists()
 
     # a failed export leaves the old file as it was and nothing temporary beside it
     old = elsewhere / "m.onnx"
@@ -277,7 +279,9 @@ def test_cli_export_rejects_an_opset_the_exporter_does_not_support(tmp_path, cap
              ([f"--opset={low - 1}"], f"--opset {low - 1} is outside the opsets {low}..{high}")]
     if _dynamo_available():
         dlow, dhigh = onnx_opset_range(dynamo=True)
+        dlow = max(dlow, 18)  # the dynamo exporter's lowest
         cases.append((["--dynamo", "--opset", str(dhigh + 1)], f"outside the opsets {dlow}..{dhigh} that the dynamo"))
+        cases.append((["--dynamo", "--opset", "17"], f"--opset 17 is outside the opsets {dlow}..{dhigh}"))
     for flags, msg in cases:
         capsys.readouterr()
         assert cli.main(["export", *TINY_ARGS, *flags, "-o", str(tmp_path / "m.onnx")]) == 2, flags

@@ -1224,3 +1224,33 @@ def test_the_data_flags_of_the_other_kind_of_data_are_refused(reference, cache, 
     assert main(["train", *TINY, "--sync-bn", "--epochs", "1", "--max-steps", "1", "--cache-dir", cache,
                  "--output-dir", str(tmp_path / "s")]) == 0
     assert "note: --sync-bn has no effect in one process" in capsys.readouterr().out
+
+
+def test_two_names_for_one_input_and_a_name_too_long_are_one_line(reference, tmp_path, capsys):
+    """analyze's target and -m, export's checkpoint and --checkpoint: one was dropped without a word;
+    a file name over the file system's limit was a traceback (OSError) wherever it was first used."""
+    ckpt = _damaged_copy(reference, tmp_path / "a.pth")
+    long = str(tmp_path / ("x" * 300 + ".onnx"))
+    for argv, msg in ((["analyze", "resnet34", "-m", "resnet18"], "two models: resnet34 and -m resnet18"),
+                      (["export", ckpt, "--checkpoint", str(tmp_path / "b.pth")], "two checkpoints"),
+                      (["export", ckpt, "-o", long], "File name too long"),
+                      (["analyze", long.replace(".onnx", ".pth")], "File name too long")):
+        assert msg in _one_error_line(argv, capsys), argv
+
+
+def test_the_option_value_none_of_scaling_is_the_name_not_python_none():
+    """``--model-option scaling=none`` (the no-scaling ablation) read as None was refused; a key
+    given twice is an error, not the last value winning."""
+    from orepa.apps.common import UserError, parse_key_values
+
+    assert parse_key_values(["scaling=none", "internal_channels=none"]) == {"scaling": "none",
+                                                                            "internal_channels": None}
+    with pytest.raises(UserError, match="--model-option gives width_mult twice"):
+        parse_key_values(["width_mult=0.5", "width-mult=0.25"])
+
+
+def test_the_dynamo_exporter_opsets_below_its_lowest_are_refused_first(capsys):
+    """Asked for opset 17 it logged a failed down-conversion's traceback, wrote 18 and exited 0."""
+    pytest.importorskip("onnxscript")
+    err = _one_error_line(["export", "-m", "resnet18", "--dynamo", "--opset", "17", "-o", "x.onnx"], capsys)
+    assert "--opset 17 is outside the opsets 18.." in err, err

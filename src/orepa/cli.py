@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                  if k in vars(args)]
         hint = f"; a smaller {' or '.join(sizes)} needs less" if sizes else ""
         return fail(args.command, UserError(f"{oom}{hint}"))
+    except OSError as exc:  # a path the system refuses (a name too long, ...) that no check before named
+        if exc.filename is None:
+            raise
+        return fail(args.command, UserError(f"{exc.filename}: {exc.strerror or exc}"))
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
         print(f"orepa {args.command}: {str(exc) or 'interrupted'}", file=sys.stderr, flush=True)
         return 130

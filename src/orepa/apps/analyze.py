@@ -202,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
     elif target.suffix in (".pt", ".pth", ".ckpt", ".bin") or "/" in args.target:
         raise UserError(f"checkpoint file {args.target!r} does not exist")
     else:
+        if args.model is not None and args.model != args.target:
+            raise UserError(f"two models: {args.target} and -m {args.model}; give one (the target names the model "
+                            "to analyse at initialisation)")
         if args.model is None:
             args = argparse.Namespace(**{**vars(args), "model": args.target})
         cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)

@@ -262,7 +262,12 @@ def parse_key_values(items: Iterable[str] | None, flag: str = "--model-option") 
         if not sep or not key.strip():
             raise UserError(f"{flag} expects KEY=VALUE, got {item!r}")
         value = parse_value(value)
-        out[key.strip().replace("-", "_")] = list(value) if isinstance(value, tuple) else value
+        key = key.strip().replace("-", "_")
+        if key == "scaling" and value is None:  # the block option's value 'none' (no scaling layer), not None
+            value = "none"
+        if key in out:  # the last would win without a word
+            raise UserError(f"{flag} gives {key} twice ({out[key]!r}, then {value!r}): give it once")
+        out[key] = list(value) if isinstance(value, tuple) else value
     return out
 
 
@@ -334,6 +339,8 @@ class DistInfo:
 def parse_device(device_arg: str | None) -> torch.device:
     """``--device`` as a device this machine has: ``cpu``, ``cuda`` or ``cuda:N`` (default: cuda if
     available); anything else is a :class:`UserError` naming the flag."""
+    if device_arg is not None and not device_arg.strip():
+        raise UserError("--device '' names no device: give cpu, cuda or cuda:N, or leave the flag out")
     text = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(text)

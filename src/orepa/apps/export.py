@@ -52,6 +52,7 @@ from .common import (
 from .model_cfg import (
     add_model_arguments,
     build_model,
+    check_model_takes,
     describe_cfg,
     model_cfg_from_args,
     model_flags_given,
@@ -155,6 +156,8 @@ def check_onnx_request(opset: int, *, dynamo: bool = False, verify: bool = True)
         raise UserError(f"missing package(s) {what}: pip install {' '.join(m for m, _ in missing)} "
                         f"(or the apps extra: pip install 'orepa[apps]'){hint}")
     bounds = onnx_opset_range(dynamo)
+    if dynamo and bounds:  # its lowest (asked for less it logs a failed down-conversion and writes 18)
+        bounds = (max(bounds[0], default_opset(True)), bounds[1])
     if bounds and not bounds[0] <= opset <= bounds[1]:
         exporter = "dynamo (--dynamo)" if dynamo else "TorchScript-based"
         raise UserError(f"--opset {opset} is outside the opsets {bounds[0]}..{bounds[1]} that the {exporter} ONNX "
@@ -355,6 +358,8 @@ def run(args: argparse.Namespace) -> int:
         args.opset = default_opset(args.dynamo) if args.opset is None else args.opset
         check_onnx_request(args.opset, dynamo=args.dynamo, verify=not args.no_verify)
     device = init_distributed(args.device, one_process="orepa export")[1]
+    if args.checkpoint and args.checkpoint_opt and args.checkpoint != args.checkpoint_opt:
+        raise UserError(f"two checkpoints: {args.checkpoint} and --checkpoint {args.checkpoint_opt}; give one")
     path = args.checkpoint or args.checkpoint_opt
     ckpt = ckpt_io.load_checkpoint(path) if path else {}
     if path:
@@ -386,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
         held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
             f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")
         raise UserError(f"--output {out} {held}; pass --overwrite to replace it, or choose another --output")
+    check_model_takes(model, (size,), cfg["in_chans"], describe_cfg(cfg),
+                      lambda s: f"--input-size {s} ({s}x{s} images)")
     model.to(device)
     # the class names, for whoever runs the exported model (label i is classes[i])
     metadata = {"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else None

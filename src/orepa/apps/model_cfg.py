@@ -108,22 +108,28 @@ def check_model_fits_data(cfg: dict, data, source) -> None:
 
 
 def check_model_takes_images(model: nn.Module, data, what: str) -> None:
-    """One blank image of each size ``data`` gives through ``model`` (eval mode, no gradients, on the
+    """One blank image of each size ``data`` gives through ``model``: see :func:`check_model_takes`."""
+    check_model_takes(model, data.image_sizes, data.in_chans, what, lambda size: f"{data.name}'s {size}x{size} images")
+
+
+def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images) -> None:
+    """One blank image of each of ``sizes`` through ``model`` (eval mode, no gradients, on the
     model's device): a network that cannot take them (one that downsamples a 28x28 image to nothing,
-    a fixed-size one) gives a :class:`UserError` naming the size, not a traceback at the first batch.
-    Any error of that forward is the model's on that input, so it is reported as such."""
+    a fixed-size one) gives a :class:`UserError` naming the size (``images(size)`` says what they
+    are), not a traceback at the first batch. Any error of that forward is the model's on that
+    input, so it is reported as such."""
     was = model.training
     param = next(model.parameters(), None)
     model.eval()
     try:
         with torch.no_grad():
-            for size in data.image_sizes:
-                x = torch.zeros(1, data.in_chans, size, size, device=param.device if param is not None else None)
+            for size in sizes:
+                x = torch.zeros(1, in_chans, size, size, device=param.device if param is not None else None)
                 try:
                     out = model(x)
-                except (RuntimeError, ValueError) as exc:
+                except (RuntimeError, ValueError, AssertionError) as exc:  # AssertionError: timm's fixed-size models
                     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    raise UserError(f"{what} cannot take {data.name}'s {size}x{size} images: {first}") from None
+                    raise UserError(f"{what} cannot take {images(size)}: {first}") from None
                 if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 1:
                     got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                     raise UserError(f"{what} gives {got} for one image, not a row of class logits: these commands "

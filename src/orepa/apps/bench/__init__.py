@@ -29,7 +29,7 @@ from orepa.apps.common import (
     positive_int,
     thread_count,
 )
-from orepa.apps.model_cfg import MODEL_CFG_KEYS, check_cfg_value, model_slug
+from orepa.apps.model_cfg import MODEL_CFG_KEYS, check_cfg_value, check_model_takes, model_slug
 
 from .measure import (
     Runner,
@@ -108,20 +108,35 @@ def _methods(args) -> list[str]:
     return out
 
 
-def _check_result_file(path: Path, methods: list[str], overwrite: bool) -> None:
-    """Before measuring: a result file of other variants (the default name says the model, batch, size
-    and device, not the variants) is replaced only with --overwrite; a rerun of the same variants
-    replaces its own result."""
-    if overwrite or not path.is_file():
+#: the files one result is written as (:func:`orepa.apps.bench.report.save`): TAG + each suffix
+RESULT_SUFFIXES = (".json", ".md", "_ratios.png", "_budgets.png")
+
+
+def _check_result_files(out_dir: Path, tag: str, methods: list[str] | None, overwrite: bool,
+                        replacing: Path | None = None) -> None:
+    """Before measuring (or re-rendering): where this result goes. A file of its names that is a
+    directory stops it; a result file of other variants (the default name says the model, batch,
+    size and device, not the variants), or a table or plot of its names beside no result of these
+    variants, is replaced only with --overwrite; a rerun of the same variants replaces its own.
+    ``replacing``: the result being re-rendered, whose own files these may be."""
+    paths = [out_dir / f"{tag}{suffix}" for suffix in RESULT_SUFFIXES]
+    for path in paths:
+        if path.is_dir():
+            raise UserError(f"--output-dir {out_dir}: {path.name} is a directory; remove it, or give --tag NAME")
+    result = paths[0]
+    if overwrite or not any(p.exists() for p in paths) or (replacing is not None and result.exists()
+                                                           and result.resolve() == replacing.resolve()):
         return
     try:
-        held = json.loads(path.read_text()).get("config", {}).get("methods")
+        held = json.loads(result.read_text()).get("config", {}).get("methods")
     except (OSError, ValueError, AttributeError):
         held = None
-    if held != methods:
-        what = f"a result of {', '.join(map(str, held))}" if isinstance(held, list) else "another file"
-        raise UserError(f"--output-dir {path.parent}: {path.name} holds {what}; pass --overwrite to replace it, or "
-                        "--tag NAME to write this run's result beside it")
+    if methods is None or held is None or variant_specs(held) != variant_specs(methods):
+        what = (f"{result.name} holds a result of {', '.join(map(str, held))}" if isinstance(held, list) else
+                f"{result.name} holds another file" if result.exists() else
+                f"{', '.join(p.name for p in paths if p.exists())} exist(s) beside no result of these variants")
+        elsewhere = "another --output-dir" if replacing is not None else "--tag NAME to write this run's result beside it"
+        raise UserError(f"--output-dir {out_dir}: {what}; pass --overwrite to replace it, or {elsewhere}")
 
 
 def _say_no_plot(result: dict, no_plot: bool) -> None:
@@ -133,16 +148,28 @@ def _say_no_plot(result: dict, no_plot: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.tag is not None and (Path(args.tag).name != args.tag or args.tag in ("", ".", "..")):
         raise UserError(f"--tag {args.tag!r} is a file stem in --output-dir, not a path")
-    if args.from_json:
+    if args.from_json is not None:
+        if not args.from_json.strip():
+            raise UserError("--from-json '' names no file (a result JSON written by orepa bench)")
         given = set(getattr(args, "given", None) or ())
-        ignored = sorted(given - {"from_json", "output_dir", "no_plot"})
+        ignored = sorted(given - {"from_json", "output_dir", "no_plot", "overwrite"})
         if ignored:  # said, not silently dropped: a re-rendered result keeps its own settings
             flags = ", ".join("--" + f.replace("_", "-") for f in ignored)
             raise UserError(f"--from-json re-renders a saved result as it was measured; {flags} do(es) not apply "
-                            "(only --output-dir and --no-plot do)")
+                            "(only --output-dir, --overwrite and --no-plot do)")
+        source = Path(args.from_json)
+        # an --output-dir given on the command line takes the files; else they go next to FILE
+        out_dir = args.output_dir if "output_dir" in given else None
+        if out_dir is not None:
+            check_output_path(out_dir, "--output-dir", directory=True)
         try:
-            # an --output-dir given on the command line takes the files; else they go next to FILE
-            out_dir = args.output_dir if "output_dir" in given else None
+            held = json.loads(source.read_text()).get("config", {}).get("methods")
+        except (OSError, ValueError, AttributeError):
+            held = None  # rerender says what is wrong with the file
+        if source.is_file():
+            _check_result_files(Path(out_dir) if out_dir is not None else source.parent, source.stem,
+                                held if isinstance(held, list) else None, args.overwrite, replacing=source)
+        try:
             result, files = rerender(args.from_json, plots=not args.no_plot, out_dir=out_dir)
         except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not a bench result
             raise UserError(f"--from-json {args.from_json}: {getattr(exc, 'strerror', None) or exc}") from None
@@ -164,6 +191,11 @@ def run(args: argparse.Namespace) -> int:
         if args.compile not in known:
             raise UserError(f"--compile {args.compile}: not a torch.compile backend; e.g. {', '.join(sorted(known)[:6])}")
     check_output_path(args.output_dir, "--output-dir", directory=True)
+    cuda_only = [f for f, on in (("--cudnn-benchmark", args.cudnn_benchmark), ("--tf32-matmul", args.tf32_matmul))
+                 if on]
+    if cuda_only and device.type != "cuda":  # said, as --cuda-graphs is, not taken and ignored
+        raise UserError(f"{' and '.join(cuda_only)} appl{'y' if len(cuda_only) > 1 else 'ies'} to CUDA devices, "
+                        f"not {device}")
     if args.cudnn_benchmark:
         torch.backends.cudnn.benchmark = True
     apply_tf32_matmul(args.tf32_matmul, device)
@@ -172,6 +204,9 @@ def run(args: argparse.Namespace) -> int:
         mopts[key] = check_cfg_value(key, mopts[key])
     model_flags = f"-m {args.model}" + "".join(f" --model-option {o}" for o in args.model_option)
     if args.components:
+        if "methods" in set(getattr(args, "given", None) or ()):
+            raise UserError("--components measures the ladder of the paper's components (its own variants): give "
+                            "it or --methods, not both")
         try:
             methods = component_variants(args.model, args.num_classes, 3, mopts)
         except (ValueError, TypeError, KeyError) as exc:
@@ -186,7 +221,17 @@ def run(args: argparse.Namespace) -> int:
                        + ("" if args.kernel_builder == "auto" else "_" + args.kernel_builder
                           + ("-builder" if args.kernel_builder == "compiled" else ""))
                        + ("_components" if args.components else ""))
-    _check_result_file(Path(args.output_dir) / f"{tag}.json", methods, args.overwrite)
+    if len(tag.encode()) > 240:  # the file system's 255 bytes, with the longest suffix: said before measuring
+        raise UserError(f"--tag: {tag[:40]}... is too long for a file name (at most 240 bytes)")
+    _check_result_files(Path(args.output_dir), tag, methods, args.overwrite)
+    if not callable(args.model):  # a network that cannot take the images: said before any variant is built
+        try:
+            plain = base_model(args.model, args.num_classes, 3, mopts)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UserError(f"cannot build variant 'base' ({model_flags}): {exc}") from None
+        check_model_takes(plain, (args.image_size,), 3, model_flags,
+                          lambda size: f"--image-size {size} ({size}x{size} images)")
+        del plain
     # built here, each in its own try: what goes wrong in a build is the spec's or the model's (an unknown
     # name or option, a bad value); errors of the measurement itself keep their traceback
     runners = []
