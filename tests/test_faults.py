@@ -1254,3 +1254,12 @@ def test_the_dynamo_exporter_opsets_below_its_lowest_are_refused_first(capsys):
     pytest.importorskip("onnxscript")
     err = _one_error_line(["export", "-m", "resnet18", "--dynamo", "--opset", "17", "-o", "x.onnx"], capsys)
     assert "--opset 17 is outside the opsets 18.." in err, err
+
+
+def test_analyze_says_why_a_model_has_nothing_to_analyse(tmp_path, capsys):
+    """One branch per block is not a base model (the hint said to train with --method orepa)."""
+    err = _one_error_line(["analyze", "resnet18", "--model-option", "width_mult=0.0625", "--branches", "kxk",
+                           "--output-dir", str(tmp_path / "a"), "--no-plot"], capsys)
+    assert "its blocks have one branch each (--branches)" in err and "a base" not in err, err
+    err = _one_error_line(["analyze", "resnet18", "--method", "base", "--output-dir", str(tmp_path / "b")], capsys)
+    assert "analyse one trained with --method orepa" in err, err

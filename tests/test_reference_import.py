@@ -310,6 +310,9 @@ def test_damaged_tensors_are_refused_naming_the_key(tmp_path, capsys):
     ints = {**sd, avg: sd[avg].long()}
     with pytest.raises(ValueError, match=f"{avg} holds torch.int64 values"):
         orepa.import_reference(ints)
+    head = next(k for k in sd if k.endswith("weight") and sd[k].dim() == 2)  # the classifier: was cast silently
+    with pytest.raises(ValueError, match=f"{head} holds torch.int64 values, where a float weight"):
+        orepa.import_reference({**sd, head: sd[head].long()})
     key = "stage1.0.conv1.weight_orepa_origin"
     flat = {**sd, key: sd[key].flatten()}  # a tensor of the wrong rank
     torch.save(flat, tmp_path / "flat.pth")
@@ -332,3 +335,22 @@ def test_train_resume_of_an_import_that_does_not_fit_the_data_is_one_line(tmp_pa
                "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "takes 3-channel images but fashion-mnist has 1 channel(s)" in err[0]
+
+
+def test_a_checkpoint_of_the_papers_code_given_to_another_command_names_import_reference(tmp_path, capsys):
+    """Its keys fit no model of this package: every other command listed hundreds of unexpected keys
+    (or asked for --model, which could not help); now each names the command that reads it."""
+    from orepa.cli import main
+
+    sd = make_resnet("orepa", [2, 2, 2, 2], [4, 8, 16, 32], bottleneck=False, seed=3)
+    src = tmp_path / "ref.pth.tar"
+    torch.save({"state_dict": sd, "epoch": 1}, src)
+    for argv in (["eval", str(src)], ["export", str(src), "-o", str(tmp_path / "m.onnx")],
+                 ["analyze", str(src), "--output-dir", str(tmp_path / "a")],
+                 ["train", "--init-from", str(src), "--output-dir", str(tmp_path / "t")]):
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "holds a model in the layout of the paper's own code" in err and \
+            f"orepa import-reference {src} -o OUT.pth" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.pth.tar"]

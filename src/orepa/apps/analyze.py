@@ -218,8 +218,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = analyze(model.to(device).eval(), args.output_dir, plots=not args.no_plot, meta=meta)
     except ValueError as exc:  # no block to analyse
-        raise UserError(f"{source}: {describe_cfg(cfg)}: {exc}, so there is nothing to analyse (a base "
-                        "model?); analyse one trained with --method orepa, dbb, ...") from None
+        hint = ("analyse one trained with --method orepa, dbb, ..." if cfg["method"] == "base" else
+                "its blocks have one branch each (--branches): analyse a model of two or more")
+        raise UserError(f"{source}: {describe_cfg(cfg)}: {exc}, so there is nothing to analyse; {hint}") from None
     print(f"{source}: {result['summary']['blocks']} blocks, mean off-diagonal cosine "
           f"{result['summary']['mean_off_diagonal_cosine']:.3f}")
     print(f"{'block':<44}{'branches':>9}{'mean cos':>10}  mean share per branch")

@@ -49,6 +49,7 @@ from torch import nn
 
 import orepa
 
+from ..models.reference import REFERENCE_KEY_ENDINGS, is_reference_state_dict
 from ..state_dicts import STATE_DICT_KEYS, find_state_dict, is_state_dict, strip_prefixes
 from .common import UserError, first_nonfinite, some_of
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg
@@ -407,13 +408,14 @@ def _check_crcs(path: Path) -> None:
                         "after it was written)")
 
 
-def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
+def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: bool = False) -> dict:
     """Read a checkpoint with ``weights_only=True`` (no code in the file runs).
 
     Returns a dict whose ``"model"`` is a state_dict without wrapper prefixes: an orepa
     checkpoint as saved, or ``{"model": sd}`` for a bare / wrapped state_dict of another tool.
     Raises :class:`UserError` naming what is wrong with the file. ``lazy``: for a look at the
     metadata only; the tensors are memory-mapped, not read, nor checked against their CRCs.
+    ``reference``: a state_dict of the paper's own code is read too (``orepa import-reference``).
     """
     path = Path(path)
     if not path.is_file():
@@ -441,7 +443,7 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
             f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg if msg else ''})"
         ) from None
     if is_state_dict(obj):
-        return {"model": strip_prefixes(obj)}
+        return {"model": _not_the_references(path, strip_prefixes(obj), reference)}
     if not isinstance(obj, dict):
         raise UserError(f"{path} is not an orepa checkpoint nor a state_dict (it holds a {type(obj).__name__})")
     if obj.get("format", FORMAT) != FORMAT:
@@ -457,11 +459,22 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
         raise UserError(f"{path} holds no state_dict: expected a dict of tensors, or one under "
                         f"{' / '.join(map(repr, STATE_DICT_KEYS))} (found keys {', '.join(map(str, list(obj)[:6]))})")
     out = dict(obj)
-    out["model"] = strip_prefixes(obj[key])
+    out["model"] = _not_the_references(path, strip_prefixes(obj[key]), reference)
     if "model_ema" in out and is_state_dict(out["model_ema"]):
         out["model_ema"] = strip_prefixes(out["model_ema"])
     _check_metadata(path, out)
     return out
+
+
+def _not_the_references(path: Path, sd: dict, reference: bool) -> dict:
+    """``sd``, unless it is in the layout of the paper's own code and ``reference`` is not set: a
+    :class:`UserError` naming the command that reads it (every other command's message would be a
+    list of unexpected keys)."""
+    if not reference and is_reference_state_dict(sd):
+        raise UserError(f"{path} holds a model in the layout of the paper's own code (e.g. "
+                        f"{next(k for k in sd if k.endswith(REFERENCE_KEY_ENDINGS))}): convert it first with "
+                        f"`orepa import-reference {path} -o OUT.pth`, then give OUT.pth")
+    return sd
 
 
 def _torch_load(path: Path, lazy: bool):
@@ -481,7 +494,7 @@ def checkpoint_form(path: str | os.PathLike) -> str | None:
     form (``"train"``, ``"deploy"``, ``"deploy-fused"``), ``"state_dict"`` for another tool's
     state_dict, ``None`` for anything else. Reads the metadata only (see ``load_checkpoint``'s ``lazy``)."""
     try:
-        ckpt = load_checkpoint(path, lazy=True)
+        ckpt = load_checkpoint(path, lazy=True, reference=True)
     except UserError:
         return None
     return ckpt.get("form", "train") if "format" in ckpt else "state_dict"
@@ -491,7 +504,7 @@ def _is_run_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a training run's checkpoint (training form with optimizer state:
     ``orepa train``'s ``checkpoint.pth``, ``model_N.pth``, or another tool's). Reads the metadata only."""
     try:
-        held = load_checkpoint(path, lazy=True)
+        held = load_checkpoint(path, lazy=True, reference=True)
     except UserError:  # not a checkpoint the loader reads: no run resumes from it
         return False
     return "optimizer" in held and held.get("form", "train") == "train"

@@ -330,7 +330,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "folded), bare or wrapped; default: a randomly initialised --model")
     p.add_argument("--checkpoint", dest="checkpoint_opt", default=None, metavar="CHECKPOINT",
                    help=argparse.SUPPRESS)  # the older spelling of the positional argument
-    add_model_arguments(p)
+    add_model_arguments(p, model_default="the checkpoint's; without a checkpoint, required (a randomly initialised "
+                                          "zoo model)")
     add_run_arguments(p, seed=False)
     p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}.onnx / .pt)")
     p.add_argument("--overwrite", action="store_true",

@@ -60,7 +60,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
 
     # the one checkpoint reader: a missing, damaged, foreign or TorchScript file and pickled objects
     # are reported as for every command; the reference's state_dict comes back as "model"
-    state = load_checkpoint(src)["model"]
+    state = load_checkpoint(src, reference=True)["model"]
     torch.manual_seed(args.seed)
     try:
         model = orepa.import_reference(state)

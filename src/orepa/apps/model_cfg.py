@@ -28,12 +28,13 @@ MODEL_CFG_KEYS = ("model", "method", "num_classes", "in_chans", "small_input", "
 DEFAULT_MODEL, DEFAULT_METHOD = "resnet18", "orepa"
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Model flags. Unset ones (None) come from the checkpoint being resumed/evaluated, else the defaults."""
+def add_model_arguments(p: argparse.ArgumentParser, model_default: str = f"default {DEFAULT_MODEL}") -> None:
+    """Model flags. Unset ones (None) come from the checkpoint being resumed/evaluated, else the defaults
+    (``model_default``: what the help says of --model's)."""
     g = p.add_argument_group("model (the zoo's orepa.models.create_model, or a torchvision / timm network)")
     g.add_argument("-m", "--model", default=None,
                    help=f"architecture: a zoo name (orepa.models.list_models()), or torchvision:NAME / timm:NAME, "
-                        f"any network of those libraries turned into --method by orepa.convert; default {DEFAULT_MODEL}")
+                        f"any network of those libraries turned into --method by orepa.convert; {model_default}")
     g.add_argument("--method", default=None,
                    help="re-param method: base, orepa, orepa-offline, dbb (ResNets); base, repvgg, orepa-vgg, ... "
                         f"(RepVGG); default {DEFAULT_METHOD}")

@@ -87,6 +87,9 @@ class _Reader:
             raise ValueError(f"reference checkpoint lacks {key!r}")
         self.consumed.add(key)
         t = self.sd[key]
+        if not t.is_floating_point() and not name.endswith("num_batches_tracked"):  # only a BN's count is one
+            raise ValueError(f"reference checkpoint: {key} holds {t.dtype} values, where a float weight or "
+                             "statistic belongs")
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise ValueError(f"reference checkpoint holds non-finite values (nan or inf) in {key!r}")
         if name.endswith("running_var") and t.is_floating_point() and bool((t < 0).any()):
@@ -103,6 +106,17 @@ class _Reader:
 #: reference module kind -> its main conv weight (key under the module's prefix); first match wins
 _MAIN_WEIGHT = {"orepa": "weight_orepa_origin", "rep_1x1": "weight_or1x1_origin", "dbb": "dbb_origin.conv.weight",
                 "orepa_vgg": "rbr_dense.weight_rbr_origin", "repvgg": "rbr_dense.conv.weight", "conv_bn": "conv.weight"}
+
+
+#: key endings only the authors' training-form modules write
+REFERENCE_KEY_ENDINGS = ("weight_orepa_origin", "weight_or1x1_origin", "dbb_origin.conv.weight",
+                         "weight_rbr_origin")
+
+
+def is_reference_state_dict(sd: Mapping[str, Tensor]) -> bool:
+    """Whether ``sd`` is a training-form state_dict of the paper's own code (read by
+    :func:`import_reference`), not of this package."""
+    return any(isinstance(k, str) and k.endswith(REFERENCE_KEY_ENDINGS) for k in sd)
 
 
 def _site_kind(sd: Mapping[str, Tensor], prefix: str) -> str | None:

@@ -152,6 +152,14 @@ def build_variant(model: ModelSpec, spec: str, num_classes: int = 1000, in_chans
     if mopts and not zoo:
         raise ValueError(f"model options {sorted(mopts)} need a model of the zoo; {model!r} is not one "
                          "(block options go into a variant: --methods orepa:KEY=VALUE)")
+    # what the command sets itself, or the ladder's rung does, is no variant option: said, not a
+    # keyword given twice deep in create_model
+    taken = sorted(set(options) & ({"num_classes", "in_chans"} | set(mopts)
+                                   | ({"preset"} if ladder_rung(name) is not None else set())))
+    if taken:
+        where = {k: "--model-option" if k in mopts else "--num-classes" if k == "num_classes" else
+                 "the image channels" if k == "in_chans" else f"the rung {name!r}" for k in taken}
+        raise ValueError("; ".join(f"{k} is set by {where[k]}, not in the variant" for k in taken))
     rung = ladder_rung(name)
     if rung is not None:
         if not zoo:
@@ -189,6 +197,9 @@ def component_variants(model: str, num_classes: int = 1000, in_chans: int = 3,
     """
     if not in_zoo(model):
         raise ValueError(f"the component ladder needs a model of the zoo (orepa.models); {model!r} is not one")
+    if model_family(model) != "resnet":  # its references include DBB, whose blocks the VGG family lacks
+        raise ValueError(f"the component ladder (table \"components\") is the paper's for ResNets; {model!r} is "
+                         "not one (measure its variants with --methods)")
     net = base_model(model, num_classes, in_chans, model_options)
     rungs = ["online", "+prior", "+dw"]
     if _has_large_stem(net):
