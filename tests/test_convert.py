@@ -947,3 +947,14 @@ def test_load_plain_state_dict_takes_what_torch_takes_and_names_a_wrapper_prefix
         orepa.load_plain_state_dict(model, list(sd.items()))
     with pytest.raises(TypeError, match="values that are not tensors: 0.weight"):
         orepa.load_plain_state_dict(model, {**sd, "0.weight": sd["0.weight"].tolist()})
+
+
+def test_the_without_bn_hint_is_given_only_where_it_would_convert_something():
+    """A ViT's patch embedding (a 16x16 conv, no BN after it): without_bn=True could not make it a
+    block either, so the hint that sent users there is not given."""
+    patch = nn.Sequential(nn.Conv2d(3, 8, 16, stride=16), nn.Flatten())
+    with pytest.raises(ValueError, match="not followed by a BatchNorm2d it alone feeds") as err:
+        orepa.convert(patch, "orepa")
+    assert "without_bn" not in str(err.value)
+    with pytest.raises(ValueError, match=r"without_bn=True converts"):
+        orepa.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten()), "orepa")

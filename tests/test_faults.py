@@ -1263,3 +1263,14 @@ def test_analyze_says_why_a_model_has_nothing_to_analyse(tmp_path, capsys):
     assert "its blocks have one branch each (--branches)" in err and "a base" not in err, err
     err = _one_error_line(["analyze", "resnet18", "--method", "base", "--output-dir", str(tmp_path / "b")], capsys)
     assert "analyse one trained with --method orepa" in err, err
+
+
+def test_a_dash_for_an_output_is_not_taken_for_a_file_named_dash(reference, tmp_path, capsys, monkeypatch):
+    """``-o -`` (standard output, to a shell user) wrote a file named "-"; ``./-`` still does."""
+    monkeypatch.chdir(tmp_path)
+    ckpt = _damaged_copy(reference, tmp_path / "a.pth")
+    for argv, flag in ((["export", ckpt, "-o", "-"], "--output -"), (["analyze", ckpt, "--output-dir", "-"],
+                                                                    "--output-dir -")):
+        err = _one_error_line(argv, capsys)
+        assert f"{flag}: orepa writes files, not to standard output" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pth"]

@@ -130,6 +130,16 @@ METHODS: dict[str, Callable[..., ReparamConv2d]] = {
 }
 
 
+def _block_could_take(conv: nn.Module) -> bool:
+    """Whether an online OREPA block can replace ``conv`` (its kernel, stride, padding, groups)."""
+    try:
+        check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                          conv.dilation, conv.groups, conv.padding_mode, any_padding=True)
+    except (ValueError, TypeError):
+        return False
+    return _convertible(conv)
+
+
 def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
     """The ``method`` block replacing ``conv`` (same device, dtype, mode, and frozen where the conv's
     weight is: a frozen stage stays frozen); ValueError if unsupported."""
@@ -613,7 +623,9 @@ def convert(
             by_reason.setdefault(reason, []).append(name or type(model).__name__)
         why = "; ".join(f"{', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}: {reason}"
                         for reason, names in by_reason.items())
-        unpaired = any(r.startswith("not followed by a BatchNorm2d") for r in by_reason)
+        # the hint only where it would convert something: a ViT's 16x16 patch conv is no block either way
+        unpaired = any(r.startswith("not followed by a BatchNorm2d") and _block_could_take(model.get_submodule(n))
+                       for n, r in report.skipped.items() if n)
         hint = " (without_bn=True converts the convs that no BatchNorm2d follows too)" \
             if unpaired and method == "orepa" else ""
         raise ValueError(f"convert(method={method!r}) found nothing to convert in {type(model).__name__}: "

@@ -221,6 +221,9 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     names (``{"the input checkpoint": path, ...}``: the same file by any name), where a
     ``text`` output (a JSON report) would replace a checkpoint, or where a file output would
     replace a run's training checkpoint (``--overwrite`` or not)."""
+    if str(path) == "-":  # the shell's spelling of standard output, which would be a file named "-" here
+        raise UserError(f"{flag} -: orepa writes files, not to standard output; give a path (./- for a "
+                        f"{'directory' if directory else 'file'} named '-')")
     path = Path(path)
     if path.is_symlink():
         try:
