@@ -130,11 +130,16 @@ METHODS: dict[str, Callable[..., ReparamConv2d]] = {
 }
 
 
+def _check_conv_of(conv: nn.Module, method: str) -> None:
+    """:func:`check_conv_config` of ``conv``'s settings for a ``method`` block (online OREPA takes any padding)."""
+    check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                      conv.dilation, conv.groups, conv.padding_mode, any_padding=method == "orepa")
+
+
 def _block_could_take(conv: nn.Module) -> bool:
     """Whether an online OREPA block can replace ``conv`` (its kernel, stride, padding, groups)."""
     try:
-        check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                          conv.dilation, conv.groups, conv.padding_mode, any_padding=True)
+        _check_conv_of(conv, "orepa")
     except (ValueError, TypeError):
         return False
     return _convertible(conv)
@@ -158,8 +163,7 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
     if hooks:  # weight_norm / spectral_norm (torch.nn.utils) compute the weight in a pre-hook
         raise ValueError(f"it carries {', '.join(hooks)} (torch.nn.utils.weight_norm / spectral_norm, or a "
                          "caller's), which a block would drop")
-    check_conv_config(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                      conv.dilation, conv.groups, conv.padding_mode, any_padding=method == "orepa")
+    _check_conv_of(conv, method)
     block = METHODS[method](conv, **options)
     if type(conv) is not nn.Conv2d:
         block.deploy_class = type(conv)  # deployed back to the class it replaced

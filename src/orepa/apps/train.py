@@ -304,6 +304,8 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
 #: place may change: a moved folder, or a path relative to another directory, is the same data where it
 #: holds the same classes and number of training images, which setup checks.)
 FIXED_ON_RESUME = ("batch_size", "dataset", "train_subset")
+#: what load_state_dict / set_rng_state raise for a saved state that does not fit (or is damaged)
+_UNFIT_STATE = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError)
 #: files that mark a directory as holding a run
 RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
 #: where a run is (written from its first step): alone, the trace of a run that wrote no checkpoint
@@ -322,13 +324,18 @@ def run_files(directory: Path) -> list[str]:
     return found if any(n not in DERIVED_FILES for n in found) else []
 
 
+def _parser() -> argparse.ArgumentParser:
+    """``orepa train``'s flags alone: their defaults, types and choices."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p
+
+
 def _given(args: argparse.Namespace) -> frozenset[str]:
     """Flags given explicitly: ``args.given`` (set by ``orepa``), else those that differ from the defaults."""
     if getattr(args, "given", None) is not None:
         return frozenset(args.given)
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([]))
+    defaults = vars(_parser().parse_args([]))
     return frozenset(k for k, v in vars(args).items() if k in defaults and defaults[k] != v)
 
 
@@ -374,10 +381,8 @@ def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespa
                         "was trained on: give --data-path (an ImageFolder root, or fashion-mnist) and the flags its "
                         "run was started with")
     saved = saved or {}
-    p = argparse.ArgumentParser()
-    add_arguments(p)
     actions: dict[str, list[argparse.Action]] = {}
-    for a in p._actions:
+    for a in _parser()._actions:
         actions.setdefault(a.dest, []).append(a)
     out = argparse.Namespace(**vars(args))
     overrides = []
@@ -799,7 +804,7 @@ class Trainer:
         try:
             self.optimizer.load_state_dict(ckpt["optimizer"])
             self.scheduler.load_state_dict(ckpt["lr_scheduler"])
-        except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
+        except _UNFIT_STATE as exc:
             packed = bool((ckpt.get("args") or {}).get("pack_parameters"))
             hint = (f"; it was saved {'with' if packed else 'without'} packed parameters: resume with "
                     f"--{'' if packed else 'no-'}pack-parameters" if packed != bool(args.pack_parameters) else "")
@@ -828,7 +833,7 @@ class Trainer:
         if "rng" in ckpt:
             try:
                 set_rng_state(ckpt["rng"])
-            except (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError) as exc:
+            except _UNFIT_STATE as exc:
                 why = " ".join(str(exc).split())
                 raise UserError(f"--resume {args.resume}: damaged rng (the random generators' state: "
                                 f"{type(exc).__name__}: {why[:160]}); the run cannot continue exactly from it: "

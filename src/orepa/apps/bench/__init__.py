@@ -224,14 +224,6 @@ def run(args: argparse.Namespace) -> int:
     if len(tag.encode()) > 240:  # the file system's 255 bytes, with the longest suffix: said before measuring
         raise UserError(f"--tag: {tag[:40]}... is too long for a file name (at most 240 bytes)")
     _check_result_files(Path(args.output_dir), tag, methods, args.overwrite)
-    if not callable(args.model):  # a network that cannot take the images: said before any variant is built
-        try:
-            plain = base_model(args.model, args.num_classes, 3, mopts)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"cannot build variant 'base' ({model_flags}): {exc}") from None
-        check_model_takes(plain, (args.image_size,), 3, model_flags,
-                          lambda size: f"--image-size {size} ({size}x{size} images)")
-        del plain
     # built here, each in its own try: what goes wrong in a build is the spec's or the model's (an unknown
     # name or option, a bad value); errors of the measurement itself keep their traceback
     runners = []
@@ -243,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
                                        compiled_step=bool(args.compile)))
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}") from None
+    # a network that cannot take the images (the plain one: variant_specs puts base first), said before
+    # anything is measured
+    check_model_takes(runners[0].model, (args.image_size,), 3, model_flags,
+                      lambda size: f"--image-size {size} ({size}x{size} images)")
     try:
         check_step_modes(device, args.cuda_graphs, args.compile, runners)
     except ValueError as exc:
