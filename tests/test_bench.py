@@ -336,7 +336,16 @@ def test_from_json_writes_where_told(tmp_path, capsys):
     damages = {"noconfig": lambda r: r.update(config={}),
                "nosize": lambda r: r["config"].pop("image_size"),
                "strresult": lambda r: r["results"].update(orepa="fast"),
-               "strtime": lambda r: r["results"]["orepa"].update(step_ms="fast")}
+               "strtime": lambda r: r["results"]["orepa"].update(step_ms="fast"),
+               # numbers no bench writes: each named by its field (they used to fail inside a ratio)
+               "zerotime": lambda r: r["results"]["base"]["step_times_s"].__setitem__(0, 0),
+               "negbytes": lambda r: r["results"]["orepa"].update(peak_bytes=-1),
+               "strbatch": lambda r: r["config"].update(batch_size="2"),
+               "strload": lambda r: r["environment"].update(loadavg_1m="high")}
+    named = {"strtime": "results['orepa']['step_ms'] is 'fast'",
+             "zerotime": "results['base']['step_times_s'][0] is 0, not a time > 0",
+             "negbytes": "results['orepa']['peak_bytes'] is -1", "strbatch": "config['batch_size'] is '2'",
+             "strload": "environment['loadavg_1m'] is 'high'"}
     for name, damage in damages.items():
         bad = json.loads(json.dumps(good))
         damage(bad)
@@ -346,6 +355,7 @@ def test_from_json_writes_where_told(tmp_path, capsys):
         assert main(["bench", "--from-json", str(src / f"{name}.json"), "--output-dir", str(dest), "--no-plot"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is not an orepa bench result as written by orepa bench" in err[0], (name, err)
+        assert named.get(name, "") in err[0] and "Error" not in err[0], (name, err)
         assert not dest.exists(), name
 
 

@@ -145,7 +145,7 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
     ]
     bare = tmp_path / "bare.pt"
     torch.save(zoo.create_model("resnet18", "base", num_classes=10, width_mult=0.25).state_dict(), bare)
-    cases.append(([str(bare)], "bare state_dict: pass --model"))
+    cases.append(([str(bare)], "bare state_dict (it records no model): pass --model"))
     cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25", "-o",
                    str(bare)], "is the input checkpoint"))
     other = tmp_path / "other.pt"

@@ -759,6 +759,9 @@ def test_damaged_settings_and_unwritable_paths_exit_2_with_one_line(cache, refer
         ([*new, "--width-mult", "0.5", "--model-option", "width_mult=0.25"], "width_mult is given twice"),
         (["eval", str(empty)], "is an empty file"),
         (["reparam", str(bare), "--no-verify"], "is a bare state_dict; reparam needs an orepa training checkpoint"),
+        # a bare state_dict records no model: eval/analyze/export ask for the flags instead of guessing resnet18
+        *((([cmd, str(bare), "--cache-dir", cache] if cmd == "eval" else [cmd, str(bare)]),
+           "is a bare state_dict (it records no model): pass --model") for cmd in ("eval", "analyze", "export")),
         (["reparam", str(ckpt), "-o", str(a_dir)], f"--output {a_dir} is a directory, not a file"),
         (["reparam", str(ckpt), "-o", str(a_file / "x.pth")], f"{a_file} is a file, not a directory"),
         (["eval", str(ckpt), "--json", str(a_dir), "--cache-dir", cache], f"--json {a_dir} is a directory"),

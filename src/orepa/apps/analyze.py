@@ -35,9 +35,9 @@ from orepa.apps.model_cfg import (
     EXTERNAL_SOURCES,
     add_model_arguments,
     build_model,
+    checkpoint_cfg,
     describe_cfg,
     model_cfg_from_args,
-    model_flags_given,
 )
 from orepa.models import list_models
 
@@ -187,11 +187,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{target} holds a deployed model (form {form!r}): its branches are gone; "
                             "analyse the training-form checkpoint")
         sd = ckpt["model"]
-        if "model_cfg" in ckpt and not model_flags_given(args):
-            cfg = ckpt["model_cfg"]
-        else:
-            cfg = model_cfg_from_args(args, num_classes=infer_num_classes(sd) or 1000, in_chans=3, small_input=False,
-                                      saved=ckpt.get("model_cfg"))
+        cfg = checkpoint_cfg(args, ckpt, target, num_classes=infer_num_classes(sd) or 1000, in_chans=3,
+                             small_input=False) or ckpt["model_cfg"]
         model = check_and_load(build_model(cfg), sd, _flags(cfg))
         check_finite(model, target, "its branch statistics would be NaN")
         source = str(target)

@@ -34,9 +34,8 @@ from .model_cfg import (
     add_model_arguments,
     check_model_fits_data,
     check_model_takes_images,
+    checkpoint_cfg,
     describe_cfg,
-    model_cfg_from_args,
-    model_flags_given,
 )
 
 
@@ -155,10 +154,8 @@ def checkpoint_data(args: argparse.Namespace, ckpt: dict, info: DistInfo):
 
 def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Module, dict, str]:
     """The checkpoint's model (its model_cfg, or the model flags given), checked against ``data``."""
-    cfg = None
-    if model_flags_given(args) or "model_cfg" not in ckpt:
-        cfg = model_cfg_from_args(args, num_classes=data.num_classes, in_chans=data.in_chans,
-                                  small_input=data.small_input, saved=ckpt.get("model_cfg"))
+    cfg = checkpoint_cfg(args, ckpt, args.checkpoint, num_classes=data.num_classes, in_chans=data.in_chans,
+                         small_input=data.small_input)
     model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
     check_model_fits_data(cfg, data, args.checkpoint)
     check_model_takes_images(model, data, f"{args.checkpoint} ({describe_cfg(cfg)})")

@@ -53,9 +53,9 @@ from .model_cfg import (
     add_model_arguments,
     build_model,
     check_model_takes,
+    checkpoint_cfg,
     describe_cfg,
     model_cfg_from_args,
-    model_flags_given,
     model_slug,
 )
 from .model_cfg import deploy as deploy_form
@@ -364,13 +364,7 @@ def run(args: argparse.Namespace) -> int:
     path = args.checkpoint or args.checkpoint_opt
     ckpt = ckpt_io.load_checkpoint(path) if path else {}
     if path:
-        cfg = None
-        if model_flags_given(args) or "model_cfg" not in ckpt:
-            if args.model is None and "model_cfg" not in ckpt:
-                raise UserError(f"{path} is a bare state_dict: pass --model (and --method, --num-classes, "
-                                "--in-chans, ... as it was trained) to say what it holds")
-            cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False,
-                                      saved=ckpt.get("model_cfg"))
+        cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
         ckpt_io.check_finite(model, path, "an exported model would compute nothing useful")
         print(f"loaded {path}{' (its EMA weights)' if args.use_ema else ''} as the {FORM_NAMES[form]} of "

@@ -208,6 +208,20 @@ def model_flags_given(args: argparse.Namespace) -> bool:
     return any(getattr(args, k, None) is not None for k in MODEL_CFG_KEYS[:-1]) or bool(block_options_from_args(args))
 
 
+def checkpoint_cfg(args: argparse.Namespace, ckpt: dict, path, *, num_classes: int, in_chans: int,
+                   small_input: bool) -> dict | None:
+    """The model_cfg a checkpoint is loaded with: the model flags given over its saved model_cfg, or
+    None where none is given (its own). A bare state_dict records no model, so it needs the flags:
+    guessing the defaults only ended in a long key mismatch against the wrong network."""
+    if not model_flags_given(args):
+        if "model_cfg" in ckpt:
+            return None
+        raise UserError(f"{path} is a bare state_dict (it records no model): pass --model (and --method, "
+                        "--num-classes, --in-chans, ... as it was trained) to say what it holds")
+    return model_cfg_from_args(args, num_classes=num_classes, in_chans=in_chans, small_input=small_input,
+                               saved=ckpt.get("model_cfg"))
+
+
 def describe_cfg(cfg: dict) -> str:
     extra = "".join(f", {k}={v}" for k, v in sorted(cfg.get("options", {}).items()))
     return (f"{cfg['model']}/{cfg['method']} (width x{cfg['width_mult']:g}, {cfg['in_chans']} input channel(s), "

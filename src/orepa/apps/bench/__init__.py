@@ -172,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             result, files = rerender(args.from_json, plots=not args.no_plot, out_dir=out_dir)
         except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not a bench result
-            raise UserError(f"--from-json {args.from_json}: {getattr(exc, 'strerror', None) or exc}") from None
+            said = str(getattr(exc, "strerror", None) or exc)  # rerender's messages name the file themselves
+            raise UserError(f"--from-json {said}" if said.startswith(str(source)) else
+                            f"--from-json {args.from_json}: {said}") from None
         print(format_header(result) + "\n\n" + format_table(result))
         print("\nwrote " + ", ".join(str(f) for f in files))
         _say_no_plot(result, args.no_plot)

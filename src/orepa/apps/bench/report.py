@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -187,6 +188,51 @@ def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> lis
     return files
 
 
+#: what a saved result's numbers must be, so that a hand-edited or damaged file is named field by
+#: field instead of failing inside a ratio or a format: counts and sizes (None where not measured)
+RESULT_NUMBERS = (*RATIO_KEYS, "saved_param_bytes", "saved_tensors", "fwd_flops", "peak_step_bytes", "state_bytes",
+                  "deploy_err")
+#: the config fields the header prints (positive, or >= 0 for the counts of steps)
+CONFIG_COUNTS = {"batch_size": 1, "image_size": 1, "reps": 0, "warmup": 0}
+
+
+def _number(v, least: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= least
+
+
+def damaged_field(result: dict) -> str | None:
+    """The first field of a saved bench result that no orepa bench writes (a wrong type, a negative
+    or infinite count, a time that is not positive), said as ``results['orepa']['step_ms'] is ...``;
+    None where every field it renders is sound."""
+    c = result["config"]
+    if not isinstance(c.get("model"), str):
+        return f"config['model'] is {c.get('model')!r}, not a model name"
+    for k, least in CONFIG_COUNTS.items():
+        if not (_number(c.get(k), least) and float(c[k]).is_integer()):
+            return f"config[{k!r}] is {c.get(k)!r}, not a whole number >= {least}"
+    e = result["environment"]
+    if not isinstance(e.get("device"), str):
+        return f"environment['device'] is {e.get('device')!r}, not a device name"
+    if e.get("loadavg_1m") is not None and not _number(e["loadavg_1m"], 0):
+        return f"environment['loadavg_1m'] is {e['loadavg_1m']!r}, not a number >= 0"
+    for name, r in result["results"].items():
+        if not isinstance(r, dict):
+            return f"results[{name!r}] is {r!r}, not a variant's measurements"
+        for k in RESULT_NUMBERS:
+            if r.get(k) is not None and not _number(r[k], 0):
+                return f"results[{name!r}][{k!r}] is {r[k]!r}, not a number >= 0"
+        for k in ("step_times_s", "infer_times_s"):
+            times = r.get(k)
+            if times is None:
+                continue
+            if not isinstance(times, list):
+                return f"results[{name!r}][{k!r}] is {times!r}, not a list of times"
+            for i, t in enumerate(times):
+                if not _number(t, 0) or t == 0:
+                    return f"results[{name!r}][{k!r}][{i}] is {t!r}, not a time > 0"
+    return None
+
+
 def rerender(path: str | Path, plots: bool = True, out_dir: str | Path | None = None) -> tuple[dict, list[Path]]:
     """Recompute ratios, table and plots of a saved result JSON, written to ``out_dir`` (default:
     next to it, replacing its table and JSON)."""
@@ -200,11 +246,13 @@ def rerender(path: str | Path, plots: bool = True, out_dir: str | Path | None = 
         raise ValueError(f"{path} is not an orepa bench result (JSON with config, environment and "
                          "the results of base)")
     try:  # rendered in memory first: a damaged result is refused before any file is written
-        if not all(isinstance(r, dict) for r in result["results"].values()):
-            raise TypeError("a result that is not a mapping")
+        bad = damaged_field(result)
+        if bad:
+            raise ValueError(bad)
         result["ratios"] = ratios(result["results"])
         format_header(result), format_table(result)
     except (KeyError, TypeError, AttributeError, ValueError, ZeroDivisionError) as exc:
-        what = f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        what = (f"no {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc) if isinstance(exc, ValueError)
+                else f"{type(exc).__name__}: {exc}")
         raise ValueError(f"{path} is not an orepa bench result as written by orepa bench ({what})") from None
     return result, save(result, path.parent if out_dir is None else Path(out_dir), path.stem, plots=plots)
