@@ -1,5 +1,6 @@
 """convert / reparameterize on real architectures: vanilla layout and exact outputs."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -908,6 +909,15 @@ def test_what_convert_and_reparameterize_cannot_take_is_a_type_error():
     block = orepa.OREPAConv2d(4, 4, 3).eval()
     with pytest.raises(RuntimeError, match=r"trace the deployed model, orepa.reparameterize\(model\)"):
         torch.jit.trace(block, torch.randn(1, 4, 8, 8))
+    # scripted likewise (it failed inside TorchScript on a memo's tuple keys); the deployed net scripts
+    net = nn.Sequential(orepa.DBBConv2d(4, 4, 3, padding=1), nn.ReLU())
+    x = torch.randn(1, 4, 8, 8)
+    deployed = orepa.reparameterize(net.eval())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated in newer torch
+        with pytest.raises(RuntimeError, match=r"script of a training-form DBBConv2d .* orepa.reparameterize"):
+            torch.jit.script(net)
+        torch.testing.assert_close(torch.jit.script(deployed)(x), deployed(x))
 
 
 def test_a_bare_block_deploys_in_its_mode_and_frozen_as_inside_a_model():

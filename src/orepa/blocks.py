@@ -663,6 +663,13 @@ class ReparamConv2d(nn.Module):
         # used when this block is a step inside another block's branch
         return F.conv2d(x, self.kernel(), None, stride, padding, dilation, self.groups)
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: a training form (memo dicts keyed by tuples, autograd
+        # Functions, the engine's groups) is no TorchScript; its deployed conv is
+        raise RuntimeError(f"torch.jit.script of a training-form {type(self).__name__} ({self.mode}): script the "
+                           "deployed model, orepa.reparameterize(model), which computes the same function as plain "
+                           "convs")
+
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
