@@ -30,6 +30,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from orepa.apps.bench import make_runner, parse_spec
+from orepa.apps.bench.measure import quiet_cpu_profiler
 from orepa.apps.common import UserError, add_kernel_builder_argument
 
 # operator name (without "aten::") -> category; anything else is "other"
@@ -109,6 +110,8 @@ def _profile(model, methods, batch_size, image_size, steps, warmup, num_classes,
         for r in runners:
             r.step(x, y)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type != "cuda":
+        quiet_cpu_profiler()
     on_gpu = device.type == "cuda"
     ops: dict[str, dict[tuple, list]] = {r.name: defaultdict(lambda: [0.0, 0, 0.0]) for r in runners}
     for _ in range(steps):

@@ -159,10 +159,19 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return _nbytes(model.parameters()) + _nbytes(model.buffers()) + _nbytes(state)
 
 
+def quiet_cpu_profiler() -> None:
+    """Hush kineto (torch.profiler's backend) for CPU-only profiles: it logs a line at each profile's
+    start and stop and, with a CUDA build on a machine without a GPU, an ERROR that it found none,
+    noise between a bench's lines. Read at the first profile of the process; a KINETO_LOG_LEVEL the
+    user set wins. (CUDA profiles keep kineto's messages: there a CUPTI error means something.)"""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def _cpu_peak_above_start(fn: Callable[[], None]) -> int:
     """Peak bytes allocated above the start while ``fn`` runs (CPU, torch.profiler events)."""
     from torch.profiler import ProfilerActivity, profile
 
+    quiet_cpu_profiler()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
