@@ -32,6 +32,9 @@
 #   EPOCHS=N [TRAIN_EXTRA=--no-cuda-graphs] benchmarks/gpu_session.sh long
 #                                        # full-width OREPA ResNet-18 on Fashion-MNIST, N epochs at batch 256,
 #                                        #   then reparam (verified) and the branch analysis of the trained model
+#   GPU_SESSION_DRY=1 benchmarks/gpu_session.sh PHASE
+#                                        # on any machine, before a session: every command of PHASE checked, not
+#                                        #   run (benchmarks/gpu_session_check.py; tests/test_gpu_session.py)
 # Fashion-MNIST is read from $OREPA_FASHION_MNIST_DIR (default .gpu/fmnist: the Debian package's .gz files
 # copied there, since the GPU machine cannot install packages). Results go to $RESULTS (default /tmp/gpu)
 # and, where $OUT is set, into one tarball $OUT/<phase>.tgz.
@@ -41,6 +44,17 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export OREPA_FASHION_MNIST_DIR=${OREPA_FASHION_MNIST_DIR:-$PWD/.gpu/fmnist} OREPA_CACHE=${OREPA_CACHE:-/tmp/orepa-cache}
 R=${RESULTS:-/tmp/gpu}/$phase
 mkdir -p "$R"
+if [ -n "${GPU_SESSION_DRY:-}" ]; then
+    # a dry run, on any machine: each command is written down instead of run, then checked at the end by
+    # benchmarks/gpu_session_check.py (flags, bench variants, pytest -k selections), so that a typo does not
+    # cost a lent GPU's minutes
+    : > "$R/dry_commands"
+    record() { printf '%q ' "$@" >> "$R/dry_commands"; echo >> "$R/dry_commands"; }
+    timeout() { shift; "$@"; }
+    python3() { if [ "$1" = -c ]; then echo "dry run: python3 -c not run"; else record python3 "$@"; fi; }
+    torchrun() { record torchrun "$@"; }
+    nvidia-smi() { echo "dry run: no GPU"; }
+fi
 # tests/test_cuda.py without the compile comparison (minutes of compilation); $1: its time limit
 cuda_tests() {
     # the whole log kept (a run cut off by its limit loses pytest's last line); its end shown. In this
@@ -244,3 +258,7 @@ long)
     ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
+if [ -n "${GPU_SESSION_DRY:-}" ]; then  # GPU_SESSION_DRY=record: the commands written down, not checked
+    [ "$GPU_SESSION_DRY" = record ] || command python3 benchmarks/gpu_session_check.py "$R/dry_commands"
+    exit $?
+fi

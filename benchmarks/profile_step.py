@@ -171,7 +171,7 @@ def format_report(result: dict, top: int = 20) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> dict:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="resnet18")
     ap.add_argument("--methods", nargs="+", default=["base", "orepa"])
@@ -185,7 +185,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--json", default=None)
     add_kernel_builder_argument(ap)  # with 'compiled', its fused kernels are category 'fused'
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     result = profile_variants(args.model, args.methods, batch_size=args.batch_size, image_size=args.image_size,

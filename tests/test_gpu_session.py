@@ -1,0 +1,67 @@
+"""The lent-GPU script (benchmarks/gpu_session.sh) checked on any machine: every command of every phase
+parses with its command's own parser, every bench variant builds, every ``pytest -k`` selects tests. A GPU
+is lent for minutes, by chance; a typo found there costs the session's measurements."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
+PHASES = ("probe", "compile", "steps", "modes", "builder", "defaults", "graphs", "long")
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="benchmarks/gpu_session.sh needs bash")
+
+
+def _checker():
+    spec = importlib.util.spec_from_file_location("gpu_session_check", ROOT / "benchmarks" / "gpu_session_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _recorded(phase: str, results: Path) -> list[str]:
+    """The commands ``phase`` would run, as the script writes them in a dry run."""
+    env = {**os.environ, "GPU_SESSION_DRY": "record", "RESULTS": str(results), "EPOCHS": "1",
+           # python3 is this interpreter where the script runs one (it is only written down here)
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("OUT", None)
+    out = subprocess.run(["bash", str(SCRIPT), phase], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, (phase, out.stdout[-2000:], out.stderr[-2000:])
+    return [line for line in (results / phase / "dry_commands").read_text().splitlines() if line.strip()]
+
+
+def test_every_command_of_every_phase_would_run(tmp_path):
+    import shlex
+
+    check = _checker().check
+    lines = {phase: _recorded(phase, tmp_path) for phase in PHASES}
+    for phase, commands in lines.items():
+        assert commands, f"phase {phase} runs no command"
+    seen: dict[str, str] = {}
+    for phase, commands in lines.items():
+        for line in commands:
+            if line not in seen:  # phases share commands (step_times, the accuracy runs)
+                seen[line] = check(shlex.split(line))
+    assert any("variants built" in v for v in seen.values()) and any("tests selected" in v for v in seen.values())
+
+
+def test_the_check_names_what_would_fail():
+    import shlex
+
+    check = _checker().check
+    bad = {"python3 -m orepa bench -m resnet18 --methods base orepa:graphz=true --device cuda": "graphz",
+           "python3 -m orepa bench -m resnet18 --methods base orepa:builder=compield": "compield",
+           "python3 -m orepa train --epochs 1 --kernel-graphz": "--kernel-graphz",
+           "python3 -m orepa bench -m resnet18 --reps ten": "ten",
+           "python3 -m pytest tests/test_cuda.py -k no_such_test_name": "selects no test",
+           "python3 benchmarks/profile_step.py --device cuda --stepz 3": "--stepz",
+           "torchrun --nproc_per_node=1 -m orepa train --amp --sync-bn --bogus": "--bogus"}
+    for line, word in bad.items():
+        with pytest.raises(Exception, match=word.replace("-", r"\-")):
+            check(shlex.split(line))
