@@ -7,6 +7,7 @@ whole detector / segmenter must give the same eval outputs.
 import pytest
 import torch
 import torch.nn.functional as F
+import torchvision
 from conftest import tol_close
 from torch import nn
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
@@ -412,3 +413,29 @@ def test_old_module_path_is_the_same_module():
     with pytest.warns(DeprecationWarning, match="orepa.apps.detection"):
         old = importlib.import_module("orepa.detection")
     assert old is D and old.fasterrcnn is D.fasterrcnn
+
+
+def test_frozen_batchnorm_convs_are_skipped_with_their_reason_and_the_batchnorm_route_starts_as_them():
+    """A network whose norms are torchvision's FrozenBatchNorm2d (its pretrained detectors') is not
+    converted (a block's own BNs would train where the norm is fixed): the reason names it, and the
+    without_bn hint (which would leave each fixed norm after an unnormalised block) is not given. The
+    documented route, the same network with BatchNorm2d converted and started from the frozen
+    network's state_dict, computes what the frozen network does."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    torch.manual_seed(0)
+    frozen = torchvision.models.resnet18(norm_layer=FrozenBatchNorm2d, num_classes=10).eval()
+    for m in frozen.modules():
+        if isinstance(m, FrozenBatchNorm2d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.uniform_(0.5, 1.5)
+    with pytest.raises(ValueError, match="followed by a FrozenBatchNorm2d") as err:
+        orepa.convert(frozen, "orepa")
+    assert "without_bn" not in str(err.value) and "conv1, layer1.0.conv1, layer1.0.conv2 and 17 more" in str(err.value)
+    model = orepa.convert(torchvision.models.resnet18(num_classes=10), "orepa")
+    orepa.load_plain_state_dict(model, frozen.state_dict())
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.double().eval()(x.double()), frozen.double()(x.double()), rtol=1e-9,
+                                   atol=1e-9)

@@ -1277,3 +1277,74 @@ def test_a_dash_for_an_output_is_not_taken_for_a_file_named_dash(reference, tmp_
         err = _one_error_line(argv, capsys)
         assert f"{flag}: orepa writes files, not to standard output" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pth"]
+
+
+def test_a_dead_loader_worker_or_peer_is_one_line_with_the_checkpoint(cache, tmp_path, capsys, monkeypatch):
+    """Faults of the machine met in the loop: a data-loading worker killed (the OOM killer's usual
+    target) or, in a run of several processes, a peer gone (its collective fails here): one line with
+    where the run was and the checkpoint that continues it, not torch's traceback. A bug stays one."""
+    from orepa.apps.common import run_fault
+
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+    ckpt = out / "checkpoint.pth"
+    killed = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+    real_step = torch.optim.SGD.step
+    monkeypatch.setattr(torch.optim.SGD, "step", lambda self, *a, **k: (_ for _ in ()).throw(killed))
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"orepa train: error: a data-loading worker died (DataLoader worker (pid 4242) is killed by "
+                   f"signal: Killed.): the system may be out of memory; fewer workers (-j) need less at epoch 2, "
+                   f"step 1; the last checkpoint is {ckpt}: --resume {ckpt} continues the run"], err
+    assert _load(ckpt)["global_step"] == 4 and not (out / RUN_LOCK).exists()
+    peer = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                        "[127.0.0.1]:40211")
+    assert run_fault(peer, 2) == ("another process of the run failed or stopped answering ([../third_party/gloo/"
+                                  "gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40211)")
+    assert run_fault(peer, 1) is None and run_fault(RuntimeError("shape mismatch"), 2) is None
+    monkeypatch.setattr(torch.optim.SGD, "step", lambda self, *a, **k: (_ for _ in ()).throw(
+        RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["train", "--resume", str(ckpt), "--epochs", "2", "--no-progress"])
+    monkeypatch.setattr(torch.optim.SGD, "step", real_step)
+
+
+def test_an_unreadable_image_met_while_training_names_the_checkpoint_and_keeps_the_epoch(
+        cache, tmp_path, capsys, monkeypatch):
+    """A bad image read while training says how to go on; one read by the end-of-epoch evaluation
+    keeps the epoch just trained (a checkpoint at its last step: --resume evaluates it again) instead
+    of ending the run with it unsaved; and the cleanup of a failed run (its lock, on a file system
+    gone read-only) never replaces the error that ended it."""
+    out = tmp_path / "run"
+    ckpt = out / "checkpoint.pth"
+    real_evaluate = train.evaluate
+
+    def unreadable(*a, **k):
+        raise train.UserError("cannot read image val/cat/3.jpg: truncated (remove or replace the file)")
+
+    monkeypatch.setattr(train, "evaluate", unreadable)
+    evaluated = [a for a in TINY if a != "--no-eval"]
+    assert main(["train", *evaluated, "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"orepa train: error: cannot read image val/cat/3.jpg: truncated (remove or replace the file); "
+                   f"the last checkpoint is {ckpt}: --resume {ckpt} continues the run"], err
+    kept = _load(ckpt)
+    assert (kept["epoch"], kept["step_in_epoch"], kept["global_step"], kept["history"]) == (0, 4, 4, [])
+    monkeypatch.setattr(train, "evaluate", real_evaluate)
+    assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet"]) == 0
+    done = _load(ckpt)
+    assert done["epoch"] == 2 and done["global_step"] == 8 and "val_acc1" in done["history"][0]
+    # the cleanup's own failure: the run's error is the one said
+    monkeypatch.setattr(train.Trainer, "train_epoch", lambda self: (_ for _ in ()).throw(
+        train.UserError("cannot write progress.json: Read-only file system")))
+
+    def read_only(lock):
+        if lock is not None:
+            raise OSError(30, "Read-only file system", str(lock))
+
+    monkeypatch.setattr(train, "unlock_run_dir", read_only)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--epochs", "3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write progress.json: Read-only file system" in err and "lock" not in err, err

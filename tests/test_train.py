@@ -494,7 +494,9 @@ def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     assert {g["name"]: g["weight_decay"] for g in groups}["decay"] == 1e-3
     assert ck["lr_scheduler"]["base_lrs"] == [0.05] * len(groups)
     before = ckpt.read_bytes()
-    for argv, msg in ((["-b", "8"], "--batch-size 8 cannot apply to this run (it was started with 16"),
+    for argv, msg in ((["-b", "8"], "this run's global batch is 1 x 16 = 16 images, this command's 1 x 8 = 8 (the "
+                                    "position in the run and its schedule are counted in steps of that batch); -b 16 "
+                                    "with 1 process(es) keeps it"),
                       (["--train-subset", "32"], "--train-subset 32 cannot apply"),
                       (["--width-mult", "0.125"], "was trained as resnet18/orepa"),
                       (["--epochs", "1"], "--epochs 1 is fewer than the 2 epoch(s) this run has begun")):
@@ -502,6 +504,17 @@ def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
         assert main(["train", "--resume", str(ckpt), *argv, "--no-progress"]) == 2
         assert msg in capsys.readouterr().err
     assert ckpt.read_bytes() == before
+    # another number of processes sharing the same global batch resumes (each rank's share of an epoch's
+    # order is then the same images); saved as 2 x 8 and resumed in one process: -b 16, not the saved 8
+    two = tmp_path / "two.pth"
+    torch.save({**_load(ckpt), "args": {**_load(ckpt)["args"], "batch_size": 8, "world_size": 2}}, two)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(two), "--output-dir", str(tmp_path / "two"), "--no-progress"]) == 2
+    assert "this run's global batch is 2 x 8 = 16 images, this command's 1 x 8 = 8" in capsys.readouterr().err
+    assert main(["train", "--resume", str(two), "-b", "16", "--output-dir", str(tmp_path / "two"), "--epochs", "3",
+                 "--no-progress"]) == 0
+    assert "world size 2 -> 1" in capsys.readouterr().out
+    assert _load(tmp_path / "two" / "checkpoint.pth")["global_step"] == 12
 
 
 def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, monkeypatch):
@@ -564,12 +577,24 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, mon
         p.write_bytes(b"partial")
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0
     assert _load(ckpt)["model_cfg"]["method"] == "orepa"
-    # a run still writing the directory (its lock names a live process) keeps it; a dead one's lock goes
+    # a run still writing the directory (its lock names a live process) keeps it; a dead one's lock goes,
+    # and so does one whose pid now runs another process (started at another time: a pid handed out
+    # again, as a restarted container's pid 1) or this one (a previous incarnation's)
     lock = run / ckpt_mod.RUN_LOCK
-    lock.write_text(f"{host}-{os.getpid()}")
     before = ckpt.read_bytes()
-    assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
-    assert "is being written by another run" in capsys.readouterr().err and ckpt.read_bytes() == before
+    with subprocess.Popen(["sleep", "60"]) as other:
+        try:
+            for held in (f"{host}-{other.pid}", f"{host}-{other.pid} {ckpt_mod._started(other.pid)}"):
+                lock.write_text(held)
+                assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
+                assert "is being written by another run" in capsys.readouterr().err and ckpt.read_bytes() == before
+            if ckpt_mod._started(other.pid) is not None:  # (where /proc tells when a process started)
+                lock.write_text(f"{host}-{other.pid} another-boot:1")
+                assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists()
+        finally:
+            other.kill()
+    lock.write_text(f"{host}-{os.getpid()}")
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists()
     lock.write_text(f"{host}-{int(gone.stdout)}")
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists()
     # the old run's files went, those reparam made from its checkpoint among them
@@ -604,8 +629,10 @@ def test_a_run_that_ended_before_its_first_checkpoint_does_not_block_the_next(ca
     assert sorted(p.name for p in run.iterdir()) == ["progress.json", "tb"]
     # a live run in its first epoch holds the lock: its progress stays
     lock = run / ckpt_mod.RUN_LOCK
-    lock.write_text(f"{ckpt_mod._host()}-{os.getpid()}")
-    assert _train(cache, run, "--epochs", "1", "--no-eval") == 2
+    with subprocess.Popen(["sleep", "60"]) as other:
+        lock.write_text(f"{ckpt_mod._host()}-{other.pid}")
+        assert _train(cache, run, "--epochs", "1", "--no-eval") == 2
+        other.kill()
     assert "is being written by another run" in capsys.readouterr().err
     assert (run / "progress.json").exists()
     lock.unlink()

@@ -336,6 +336,13 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
     return [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
 
 
+def _frozen_bn(m: nn.Module) -> bool:
+    """torchvision's ``FrozenBatchNorm2d`` (and others of that name, e.g. detectron2's): a BN whose
+    statistics and affine are buffers (no torchvision import in the library: by its name and buffers)."""
+    return type(m).__name__ == "FrozenBatchNorm2d" and all(
+        isinstance(getattr(m, k, None), torch.Tensor) for k in ("weight", "bias", "running_mean", "running_var"))
+
+
 def _followed_by_unfoldable_bn(model: nn.Module) -> dict[str, str]:
     """``{conv name: why}`` for each plain conv registered right before a BatchNorm2d subclass (see
     :func:`_is_bn`) or a BN without running statistics: the reason it is skipped."""
@@ -344,7 +351,11 @@ def _followed_by_unfoldable_bn(model: nn.Module) -> dict[str, str]:
         children = list(parent.named_children())
         prefix = f"{parent_name}." if parent_name else ""
         for (cn, c), (_, bn) in zip(children, children[1:]):
-            if _convertible(c) and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
+            if _convertible(c) and _frozen_bn(bn):
+                out[prefix + cn] = (f"followed by a {type(bn).__name__} (fixed statistics and affine, as torchvision's "
+                                    "pretrained detectors have): a block's own BNs would train where it is fixed; build "
+                                    "the network with nn.BatchNorm2d, load its weights, then convert (docs/detection.md)")
+            elif _convertible(c) and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
                 out[prefix + cn] = (f"followed by a {type(bn).__name__}: only BatchNorm2d, "
                                     "SyncBatchNorm and timm's BatchNormAct2d are folded or absorbed, since another "
                                     "subclass may do more than normalise")

@@ -157,7 +157,34 @@ def _dead(tag: str) -> bool:
     return False
 
 
-#: the file that marks a run directory as being written by one process (``host-pid``)
+def _started(pid: int) -> str | None:
+    """When process ``pid`` of this host started (``boot id:clock ticks since boot``, Linux's /proc),
+    or None where that cannot be read: what tells a process from a later one that got its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # (the name in parentheses may hold spaces)
+    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
+
+
+def _lock_stale(held: str) -> bool:
+    """Whether a run lock's writer (``host-pid [start]``) is a process of this host that is gone: its
+    pid no longer runs, or runs a process that started at another time (a pid handed out again, as
+    in a restarted container whose command is pid 1 each time), or is this very process (which has
+    not taken the lock yet: a previous incarnation's)."""
+    tag, _, start = held.partition(" ")
+    host, _, pid = tag.rpartition("-")
+    if host != _host() or not pid.isdigit():
+        return False
+    if int(pid) == os.getpid() or _dead(tag):
+        return True
+    now = _started(int(pid))
+    return bool(start) and now is not None and now != start
+
+
+#: the file that marks a run directory as being written by one process (``host-pid start``)
 RUN_LOCK = ".orepa-run.lock"
 
 
@@ -175,16 +202,17 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> Path:
                 tag = lock.read_text().strip()
             except OSError:
                 tag = ""
-            if _dead(tag):
+            if _lock_stale(tag):
                 lock.unlink(missing_ok=True)
                 continue
+            tag = tag.partition(" ")[0]
             raise UserError(f"{flag} {directory} is being written by another run (process {tag or 'unknown'}); "
                             f"wait for it to end or choose another {flag} (a run that died on another machine "
                             f"leaves {lock}: remove it)") from None
         except OSError as exc:
             raise UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})") from None
         with os.fdopen(fd, "w") as f:
-            f.write(_writer_tag())
+            f.write(" ".join(filter(None, (_writer_tag(), _started(os.getpid())))))
         return lock
     raise UserError(f"{flag} {directory}: another run took it at the same moment; choose another {flag}")
 

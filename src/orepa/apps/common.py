@@ -58,9 +58,14 @@ STOP_WITH_PARENT_ENV = "OREPA_STOP_WITH_PARENT"
 
 
 def stop_with_parent() -> None:
-    """Under ``orepa demo`` (:data:`STOP_WITH_PARENT_ENV`): a SIGTERM when the demo's process goes
-    (Linux's parent-death signal; elsewhere nothing). A demo already gone ends this command now."""
+    """Under ``orepa demo`` (:data:`STOP_WITH_PARENT_ENV`) or a torchrun launcher (its
+    ``TORCHELASTIC_RUN_ID``): a SIGTERM when that process goes (Linux's parent-death signal;
+    elsewhere nothing), so a launcher killed outright (SIGKILL, the OOM killer) does not leave its
+    workers training on, holding the run's directory: they stop at their next step, with a
+    checkpoint. A parent already gone ends this command now."""
     parent = os.environ.pop(STOP_WITH_PARENT_ENV, None)
+    if not parent and os.environ.get("TORCHELASTIC_RUN_ID"):
+        parent = str(os.getppid())  # the launcher's agent started this worker
     if not parent or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -87,6 +92,24 @@ def out_of_memory(exc: BaseException) -> str | None:
     return f"out of memory ({what})"
 
 
+def run_fault(exc: BaseException, world_size: int) -> str | None:
+    """A fault of the machine or of a peer met in a training loop, as a short clause: a data-loading
+    worker that died (the out-of-memory killer's usual target), another process of a distributed run
+    that failed or went away (its collective then fails here: gloo's "Connection closed by peer",
+    NCCL's errors, a timeout); None for any other error (a bug: its traceback stays)."""
+    text = str(exc)
+    first = " ".join(text.strip().splitlines()[0].split())[:200] if text.strip() else type(exc).__name__
+    if "DataLoader worker" in text and ("killed by signal" in text or "exited unexpectedly" in text):
+        return (f"a data-loading worker died ({first}): the system may be out of memory; fewer workers (-j) "
+                "need less")
+    dist_error = getattr(torch.distributed, "DistError", ())
+    if world_size > 1 and (isinstance(exc, dist_error) or any(
+            w in text for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL",
+                                "gloo", "Timed out", "timed out"))):
+        return f"another process of the run failed or stopped answering ({first})"
+    return None
+
+
 def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema=None) -> str | None:
     """Name of the first parameter, buffer, optimizer-state or EMA tensor holding NaN/inf, else None."""
     named = [(f"parameter {n}", t) for n, t in model.named_parameters()]
@@ -104,15 +127,19 @@ def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     return None
 
 
-def fail(prog: str, exc: BaseException) -> int:
-    """Print ``exc`` as one ``error:`` line on stderr; return exit code 2."""
+def user_message(exc: BaseException) -> str:
+    """``exc``'s message as one line (one re-raised from a DataLoader worker: its original message)."""
     msg = str(exc).strip()
     if "\nOriginal Traceback" in msg:  # re-raised from a DataLoader worker: keep the original message
         last = msg.splitlines()[-1]
         head, sep, rest = last.partition(": ")
         msg = rest if sep and head.split(".")[-1] == type(exc).__name__ else last
-    msg = " ".join(msg.split())
-    print(f"orepa {prog}: error: {msg}", file=sys.stderr, flush=True)
+    return " ".join(msg.split())
+
+
+def fail(prog: str, exc: BaseException) -> int:
+    """Print ``exc`` as one ``error:`` line on stderr; return exit code 2."""
+    print(f"orepa {prog}: error: {user_message(exc)}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -101,11 +101,13 @@ from .common import (
     peak_memory,
     positive_float,
     positive_int,
+    run_fault,
     seed_everything,
     some_of,
     split_params,
     state_hash,
     stop_signals_to_catch,
+    user_message,
 )
 from .data import add_data_arguments, build_data, train_loader, val_loader
 from .evaluate import autocast_context, evaluate
@@ -303,7 +305,7 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
 #: settings a resumed run cannot change: the position in the run is counted in their units. (The data's
 #: place may change: a moved folder, or a path relative to another directory, is the same data where it
 #: holds the same classes and number of training images, which setup checks.)
-FIXED_ON_RESUME = ("batch_size", "dataset", "train_subset")
+FIXED_ON_RESUME = ("dataset", "train_subset")  # (and the global batch: Trainer._restore)
 #: what load_state_dict / set_rng_state raise for a saved state that does not fit (or is damaged)
 _UNFIT_STATE = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError)
 #: files that mark a directory as holding a run
@@ -402,7 +404,7 @@ def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespa
                 setattr(out, key, _as_parsed(actions[key], value))
             except ValueError as exc:
                 fix = ("the run cannot continue from it (its position is counted in this setting's units): start "
-                       "a new run from its weights with --init-from" if key in FIXED_ON_RESUME else
+                       "a new run from its weights with --init-from" if key in (*FIXED_ON_RESUME, "batch_size") else
                        f"give --{key.replace('_', '-')} to replace it")
                 raise UserError(f"--resume {args.resume}: damaged run setting {key} ({str(value)[:40]!r}: {exc}); "
                                 + fix) from None
@@ -841,8 +843,21 @@ class Trainer:
         check_finite(self.model, args.resume, "the run cannot continue from it", optimizer=self.optimizer,
                      ema=self.ema)
         saved = ckpt.get("args") or {}
-        if saved.get("world_size") not in (None, self.info.world_size):
-            self.overrides.append(f"world size {saved['world_size']} -> {self.info.world_size}")
+        # the position in the run (its sampler's, its schedule's) is counted in steps of the global batch:
+        # that stays, however many processes share it (each rank's part of an epoch's permutation is then
+        # the same images: DistributedSampler's shards of one order)
+        world, b0 = self.info.world_size, saved.get("batch_size")
+        w0 = saved.get("world_size") or world
+        if isinstance(b0, int) and not isinstance(b0, bool) and b0 > 0 and b0 * w0 != self.global_batch:
+            share = b0 * w0 / world
+            keep = (f"-b {share:.0f} with {world} process(es) keeps it" if share.is_integer() else
+                    f"{world} process(es) cannot share it evenly")
+            raise UserError(f"--resume {args.resume}: this run's global batch is {w0} x {b0} = {b0 * w0} images, "
+                            f"this command's {world} x {args.batch_size} = {self.global_batch} (the position in the "
+                            f"run and its schedule are counted in steps of that batch); {keep}, or start a new run "
+                            "from its weights with --init-from")
+        if saved.get("world_size") not in (None, world):
+            self.overrides.append(f"world size {saved['world_size']} -> {world}")
         self.log(f"resumed {args.resume}: epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}, "
                  f"global step {self.state.global_step}, "
                  + ("with its settings; " if saved else "with this command's settings (it records none); ")
@@ -904,78 +919,78 @@ class Trainer:
         t0 = time.perf_counter()
         stop = None
         steps = 0
-        for images, target in self.loader:
-            images = images.to(device, non_blocking=True)
-            if args.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            target = target.to(device, non_blocking=True)
-            if args.cuda_graphs and not self.graphs_captured:  # captured on the first batch (static shapes)
-                with autocast_context(device, args.amp, args.amp_dtype, cache_enabled=False):
-                    capture_cuda_graphs(self.model, images, self.optimizer)
-                self.graphs_captured = True
-            # None, never zeros: with CUDA graphs a kept .grad aliases the graph's gradient buffer
-            # and would be doubled (see capture_cuda_graphs)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss, sums = self._forward_backward(images, target)
-            # one all-reduce a step: every rank stops at the same step (a signal may reach one rank only)
-            # (the host's two flags in one copy to the device)
-            host = [float(self._time_up()), float(self.signals.received is not None)]
-            flags = torch.cat([(~torch.isfinite(loss)).to(torch.float64).view(1),
-                               torch.tensor(host, dtype=torch.float64, device=device)])
-            if info.distributed:
-                dist.all_reduce(flags)
-            if flags[0].item() > 0:  # before the step: the weights stay those of the last good step
+        try:
+            for images, target in self.loader:
+                images = images.to(device, non_blocking=True)
+                if args.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                target = target.to(device, non_blocking=True)
+                if args.cuda_graphs and not self.graphs_captured:  # captured on the first batch (static shapes)
+                    with autocast_context(device, args.amp, args.amp_dtype, cache_enabled=False):
+                        capture_cuda_graphs(self.model, images, self.optimizer)
+                    self.graphs_captured = True
+                # None, never zeros: with CUDA graphs a kept .grad aliases the graph's gradient buffer
+                # and would be doubled (see capture_cuda_graphs)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss, sums = self._forward_backward(images, target)
+                # one all-reduce a step: every rank stops at the same step (a signal may reach one rank only)
+                # (the host's two flags in one copy to the device)
+                host = [float(self._time_up()), float(self.signals.received is not None)]
+                flags = torch.cat([(~torch.isfinite(loss)).to(torch.float64).view(1),
+                                   torch.tensor(host, dtype=torch.float64, device=device)])
+                if info.distributed:
+                    dist.all_reduce(flags)
+                if flags[0].item() > 0:  # before the step: the weights stay those of the last good step
+                    raise NonFiniteLoss(f"loss is {loss.item()} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1} "
+                                        f"(global step {s.global_step + 1})" +
+                                        (" on some rank" if info.distributed else ""))
+                if self.scaler is not None and self.scaler.is_enabled():
+                    if args.clip_grad_norm:
+                        self.scaler.unscale_(self.optimizer)
+                        nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
+                    self.scaler.step(self.optimizer)
+                    self.scaler.update()
+                else:
+                    if args.clip_grad_norm:
+                        nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
+                    self.optimizer.step()
+                self.scheduler.step()
+                if self.ema is not None and s.global_step % args.model_ema_steps == 0:
+                    self.ema.update_parameters(self.model)
+                    if s.epoch < args.lr_warmup_epochs:
+                        self.ema.n_averaged.fill_(0)  # torchvision: restart the average during warm-up
+                acc += sums
+                s.step_in_epoch += 1
+                s.global_step += 1
+                steps += 1
                 if bar is not None:
-                    bar.close()
-                raise NonFiniteLoss(f"loss is {loss.item()} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1} "
-                                    f"(global step {s.global_step + 1})" +
-                                    (" on some rank" if info.distributed else ""))
-            if self.scaler is not None and self.scaler.is_enabled():
-                if args.clip_grad_norm:
-                    self.scaler.unscale_(self.optimizer)
-                    nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                if args.clip_grad_norm:
-                    nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
-                self.optimizer.step()
-            self.scheduler.step()
-            if self.ema is not None and s.global_step % args.model_ema_steps == 0:
-                self.ema.update_parameters(self.model)
-                if s.epoch < args.lr_warmup_epochs:
-                    self.ema.n_averaged.fill_(0)  # torchvision: restart the average during warm-up
-            acc += sums
-            s.step_in_epoch += 1
-            s.global_step += 1
-            steps += 1
+                    bar.update(1)
+                    if steps % args.print_freq == 0 or steps == steps_left:
+                        m = self._running(acc, steps, t0)
+                        bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc1']:.1f}%", img_s=f"{m['images_per_s']:.0f}",
+                                        lr=f"{m['lr']:.3g}")
+                if self.main and time.perf_counter() - self._last_progress > 5.0:
+                    self._write_progress(acc, steps, t0)
+                if args.save_every and s.global_step % args.save_every == 0 and s.step_in_epoch < self.iters_per_epoch:
+                    self._flush_sums(acc)
+                    self.checkpoint("step")
+                if args.max_steps is not None and s.global_step >= args.max_steps:
+                    stop = f"--max-steps {args.max_steps} reached"
+                elif flags[1].item() > 0:
+                    stop = f"--time-limit {args.time_limit:g} min reached"
+                elif flags[2].item() > 0:
+                    stop = self._signal_stop()
+                if stop:
+                    break
+        finally:  # a fault in the loop (an unreadable image, a peer gone) ends the bar's line first
             if bar is not None:
-                bar.update(1)
-                if steps % args.print_freq == 0 or steps == steps_left:
-                    m = self._running(acc, steps, t0)
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc1']:.1f}%", img_s=f"{m['images_per_s']:.0f}",
-                                    lr=f"{m['lr']:.3g}")
-            if self.main and time.perf_counter() - self._last_progress > 5.0:
-                self._write_progress(acc, steps, t0)
-            if args.save_every and s.global_step % args.save_every == 0 and s.step_in_epoch < self.iters_per_epoch:
-                self._flush_sums(acc)
-                self.checkpoint("step")
-            if args.max_steps is not None and s.global_step >= args.max_steps:
-                stop = f"--max-steps {args.max_steps} reached"
-            elif flags[1].item() > 0:
-                stop = f"--time-limit {args.time_limit:g} min reached"
-            elif flags[2].item() > 0:
-                stop = self._signal_stop()
-            if stop:
-                break
+                bar.close()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.epoch_time = time.perf_counter() - t0
         self.epoch_steps = steps
         self.session_time += self.epoch_time
         self.session_steps += steps
-        if bar is not None:
-            bar.close()
         self._flush_sums(acc)
         return stop
 
@@ -1040,6 +1055,12 @@ class Trainer:
         return got.item() > 0
 
     # ------------------------------------------------------------------ the loop
+    def how_to_go_on(self) -> str:
+        """After a fault: the checkpoint that is still good, and the command that continues from it."""
+        if self.ckpt_path.exists():
+            return f"the last checkpoint is {self.ckpt_path}: --resume {self.ckpt_path} continues the run"
+        return "no checkpoint had been written yet"
+
     def fit(self) -> dict:
         args, s, info = self.args, self.state, self.info
         self.session_time, self.session_steps = 0.0, 0
@@ -1127,14 +1148,21 @@ class Trainer:
             row["resumed_at_step"] = self.iters_per_epoch - self.epoch_steps
         _sync_buffers(self.model, info)
         if self.val is not None:
-            r = evaluate(self.model, self.val, self.device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
-                         channels_last=args.channels_last, progress=not args.no_progress, desc="eval")
-            row.update(val_loss=r["loss"], val_acc1=r["acc1"], val_acc5=r["acc5"])
-            if self.ema is not None:
-                r = evaluate(self.ema.module, self.val, self.device, info=info, amp=args.amp,
-                             amp_dtype=args.amp_dtype, channels_last=args.channels_last,
-                             progress=not args.no_progress, desc="eval EMA")
-                row.update(ema_val_acc1=r["acc1"], ema_val_acc5=r["acc5"])
+            try:
+                r = evaluate(self.model, self.val, self.device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
+                             channels_last=args.channels_last, progress=not args.no_progress, desc="eval")
+                row.update(val_loss=r["loss"], val_acc1=r["acc1"], val_acc5=r["acc5"])
+                if self.ema is not None:
+                    r = evaluate(self.ema.module, self.val, self.device, info=info, amp=args.amp,
+                                 amp_dtype=args.amp_dtype, channels_last=args.channels_last,
+                                 progress=not args.no_progress, desc="eval EMA")
+                    row.update(ema_val_acc1=r["acc1"], ema_val_acc5=r["acc5"])
+            except UserError:  # an unreadable validation image: the epoch's training is kept, at its last step
+                # (--resume evaluates it again); one process only, since the save is collective and a
+                # peer may still be inside the evaluation
+                if not info.distributed:
+                    self.checkpoint("trained")
+                raise
         s.history.append(row)
         s.epoch += 1
         s.step_in_epoch = 0
@@ -1259,10 +1287,17 @@ def train(args: argparse.Namespace) -> dict:
                      else f"no checkpoint had been written yet; start again with e.g. --lr {lower} or "
                           "--clip-grad-norm, and --overwrite")
             raise NonFiniteLoss(f"{exc}: training stopped; {where}") from None
+        except UserError as exc:  # a fault met while training (an unreadable image, a full disk): how to go on
+            raise UserError(f"{user_message(exc)}; {trainer.how_to_go_on()}") from None
         except RuntimeError as exc:  # out of memory: where, and the checkpoint that is still good
             oom = out_of_memory(exc)
             if oom is None:
-                raise
+                fault = run_fault(exc, trainer.info.world_size)
+                if fault is None:
+                    raise
+                s = trainer.state
+                raise UserError(f"{fault} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1}; "
+                                f"{trainer.how_to_go_on()}") from None
             s, last = trainer.state, trainer.ckpt_path if trainer.ckpt_path.exists() else None
             raise UserError(f"{oom}; at epoch {s.epoch + 1}, step {s.step_in_epoch + 1}, batch "
                             f"{trainer.args.batch_size} per process in {trainer.args.micro_batches} micro-batch(es); " +
@@ -1275,10 +1310,18 @@ def train(args: argparse.Namespace) -> dict:
             raise Interrupted("interrupted; " + (f"continue from the last checkpoint with --resume {last}" if last
                                                  else "no checkpoint had been written yet")) from None
     except BaseException:
-        trainer.restore_replaced_run()
-        unlock_run_dir(trainer.lock)
+        # the cleanup of a failed run says what it could not do but never replaces the failure itself
+        # (a file system gone read-only refuses the lock's removal as it refused the run's write)
+        try:
+            trainer.restore_replaced_run()
+        except OSError as exc:
+            print(f"warning: the previous run's files stay in {trainer.out / REPLACED_DIR} ({exc.strerror or exc})",
+                  file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            unlock_run_dir(trainer.lock)
         trainer.lock = None  # released: the finally below must not remove a lock another run took since
-        trainer.remove_made_dirs()
+        with contextlib.suppress(OSError):
+            trainer.remove_made_dirs()
         raise
     finally:
         unlock_run_dir(trainer.lock)
