@@ -415,27 +415,47 @@ def test_old_module_path_is_the_same_module():
     assert old is D and old.fasterrcnn is D.fasterrcnn
 
 
-def test_frozen_batchnorm_convs_are_skipped_with_their_reason_and_the_batchnorm_route_starts_as_them():
-    """A network whose norms are torchvision's FrozenBatchNorm2d (its pretrained detectors') is not
-    converted (a block's own BNs would train where the norm is fixed): the reason names it, and the
-    without_bn hint (which would leave each fixed norm after an unnormalised block) is not given. The
-    documented route, the same network with BatchNorm2d converted and started from the frozen
-    network's state_dict, computes what the frozen network does."""
+def test_frozen_batchnorm_pairs_become_orepa_blocks_that_start_as_their_conv_and_deploy_exactly():
+    """A network whose norms are torchvision's FrozenBatchNorm2d (its pretrained detectors'): OREPA
+    blocks, which keep the norm after them, start as the conv its fixed statistics were taken from
+    (the same function), train with the norm fixed, keep frozen stages frozen and deploy to the
+    vanilla layout (FrozenBatchNorm2d and all), exactly; fuse_bn folds the fixed norms. Methods whose
+    blocks bring BNs of their own skip such convs, saying why."""
     from torchvision.ops.misc import FrozenBatchNorm2d
 
     torch.manual_seed(0)
-    frozen = torchvision.models.resnet18(norm_layer=FrozenBatchNorm2d, num_classes=10).eval()
+    frozen = torchvision.models.resnet18(norm_layer=FrozenBatchNorm2d, num_classes=10).double()
     for m in frozen.modules():
         if isinstance(m, FrozenBatchNorm2d):
             m.running_mean.uniform_(-0.1, 0.1)
             m.running_var.uniform_(0.5, 2.0)
             m.weight.uniform_(0.5, 1.5)
-    with pytest.raises(ValueError, match="followed by a FrozenBatchNorm2d") as err:
-        orepa.convert(frozen, "orepa")
-    assert "without_bn" not in str(err.value) and "conv1, layer1.0.conv1, layer1.0.conv2 and 17 more" in str(err.value)
-    model = orepa.convert(torchvision.models.resnet18(num_classes=10), "orepa")
-    orepa.load_plain_state_dict(model, frozen.state_dict())
-    x = torch.randn(2, 3, 64, 64)
+    frozen.conv1.requires_grad_(False)  # a frozen stem, as torchvision's trainable_layers leaves it
+    model, report = orepa.convert(frozen, "orepa", return_report=True)
+    assert len(report.converted) == len(report.frozen_norm) == 20 and not report.skipped
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
     with torch.no_grad():
-        torch.testing.assert_close(model.double().eval()(x.double()), frozen.double()(x.double()), rtol=1e-9,
-                                   atol=1e-9)
+        torch.testing.assert_close(model.eval()(x), frozen.eval()(x), rtol=1e-12, atol=1e-12)
+    assert not any(p.requires_grad for p in model.conv1.parameters())
+    stats = {k: v.clone() for k, v in model.state_dict().items() if k.endswith(("running_mean", "running_var"))}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    model.train()
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), torch.tensor([1, 7])).backward()
+        opt.step()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stats.items())  # the norms stayed fixed
+    model.eval()
+    deployed = orepa.reparameterize(model)
+    assert isinstance(deployed.layer1[0].bn1, FrozenBatchNorm2d)
+    vanilla = torchvision.models.resnet18(norm_layer=FrozenBatchNorm2d, num_classes=10).double()
+    vanilla.load_state_dict(deployed.state_dict(), strict=True)
+    with torch.no_grad():
+        want = model(x)
+        assert not torch.allclose(want, frozen(x))  # it trained
+        fused = orepa.reparameterize(model, fuse_bn=True)
+        assert not any(isinstance(m, FrozenBatchNorm2d) for m in fused.modules())
+        for net in (deployed, vanilla.eval(), fused):
+            torch.testing.assert_close(net(x), want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="'dbb' blocks bring BNs of their own, which would train where the norm is"):
+        orepa.convert(frozen, "dbb")

@@ -54,9 +54,13 @@ class ConversionReport:
     skipped: dict[str, str] = field(default_factory=dict)
     #: the converted convs that no BatchNorm2d follows (``without_bn=True``)
     without_bn: list[str] = field(default_factory=list)
+    #: the converted convs a FrozenBatchNorm2d follows: their blocks start as the plain conv
+    frozen_norm: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         unnormed = f" ({len(self.without_bn)} without a BatchNorm2d after them)" if self.without_bn else ""
+        if self.frozen_norm:
+            unnormed += f" ({len(self.frozen_norm)} before a FrozenBatchNorm2d, started as their conv)"
         lines = [f"convert(method={self.method!r}): {len(self.converted)} converted{unnormed}, "
                  f"{len(self.skipped)} skipped; pairs found by {self.pairing}"]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
@@ -177,8 +181,8 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
 
 class _LeafTracer(torch.fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, (ReparamConv2d, AbsorbedNorm)) or _norm_then_act(m) or _tf_same(m) or \
-            super().is_leaf_module(m, qualname)
+        return isinstance(m, (ReparamConv2d, AbsorbedNorm)) or _norm_then_act(m) or _tf_same(m) or _frozen_bn(m) \
+            or super().is_leaf_module(m, qualname)
 
 
 def _is_conv(m: nn.Module) -> bool:
@@ -210,6 +214,8 @@ def _is_bn(m: nn.Module) -> bool:
 
 
 def _foldable_bn(bn: nn.Module, conv: nn.Module) -> bool:
+    if _frozen_bn(bn):  # fixed statistics: folds as a BN in eval mode does
+        return bn.running_mean.numel() == conv.out_channels
     return _is_bn(bn) and bn.track_running_stats and bn.num_features == conv.out_channels
 
 
@@ -312,14 +318,15 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
     def hook(name):
         def fn(mod, args, out):
             calls[name] = calls.get(name, 0) + 1
-            if _is_bn(mod) and args and isinstance(args[0], torch.Tensor) and outputs.get(id(args[0])) is args[0]:
+            if (_is_bn(mod) or _frozen_bn(mod)) and args and isinstance(args[0], torch.Tensor) and \
+                    outputs.get(id(args[0])) is args[0]:
                 bn_input[name] = args[0]
             if _is_conv(mod) and isinstance(out, torch.Tensor):
                 outputs[id(out)], conv_of[id(out)] = out, name
         return fn
 
     for name, m in model.named_modules():
-        if _is_conv(m) or _is_bn(m):
+        if _is_conv(m) or _is_bn(m) or _frozen_bn(m):
             handles.append(m.register_forward_hook(hook(name)))
     counter = _UseCounter(outputs)
     try:
@@ -351,11 +358,7 @@ def _followed_by_unfoldable_bn(model: nn.Module) -> dict[str, str]:
         children = list(parent.named_children())
         prefix = f"{parent_name}." if parent_name else ""
         for (cn, c), (_, bn) in zip(children, children[1:]):
-            if _convertible(c) and _frozen_bn(bn):
-                out[prefix + cn] = (f"followed by a {type(bn).__name__} (fixed statistics and affine, as torchvision's "
-                                    "pretrained detectors have): a block's own BNs would train where it is fixed; build "
-                                    "the network with nn.BatchNorm2d, load its weights, then convert (docs/detection.md)")
-            elif _convertible(c) and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
+            if _convertible(c) and isinstance(bn, BATCH_NORMS) and not _is_bn(bn):
                 out[prefix + cn] = (f"followed by a {type(bn).__name__}: only BatchNorm2d, "
                                     "SyncBatchNorm and timm's BatchNormAct2d are folded or absorbed, since another "
                                     "subclass may do more than normalise")
@@ -560,7 +563,11 @@ def convert(
     the BN after them, such as OREPA's, take them); the report says why for each.
 
     The blocks are initialised afresh (the method's initialisation): a kernel
-    does not split back into branches. To start as the plain network instead
+    does not split back into branches. A conv followed by a ``FrozenBatchNorm2d``
+    (torchvision's pretrained detectors; fixed statistics and affine) is the exception: an
+    ``"orepa"`` block, which keeps the norm after it, starts as that conv (its main branch the
+    conv, the others at zero), since the fixed statistics fit those weights only; the blocks of
+    the other methods hold BNs of their own and skip such convs. To start as the plain network instead
     (pretrained weights), pass its state_dict to :func:`load_plain_state_dict`
     after converting: each block's main branch takes its conv, the others start
     at zero. Convs whose weight does not require grad (frozen
@@ -625,8 +632,22 @@ def convert(
             report.converted.append(conv_name)
             report.without_bn.append(conv_name)
             continue
+        bn = model.get_submodule(bn_name)
+        if _frozen_bn(bn):
+            if block.has_norm:
+                report.skipped[conv_name] = (
+                    f"followed by a {type(bn).__name__} (fixed statistics, as torchvision's pretrained detectors "
+                    f"have): {method!r} blocks bring BNs of their own, which would train where the norm is fixed; "
+                    "method 'orepa' keeps it after its block")
+                continue
+            # a fixed norm fits only the weights its statistics were taken from: the block starts as its
+            # conv (a fresh block's output scale would meet statistics of another, several times off)
+            block.load_conv(conv.weight, conv.bias)
+            _set_submodule(model, conv_name, block)
+            report.converted.append(conv_name)
+            report.frozen_norm.append(conv_name)
+            continue
         if block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
-            bn = model.get_submodule(bn_name)
             absorbed = AbsorbedNorm(bn, norm_act=_norm_then_act(bn))
             block.absorbed_token = absorbed.token
             _set_submodule(model, bn_name, absorbed)

@@ -36,6 +36,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import socket
 import tempfile
 import warnings
@@ -328,7 +329,14 @@ def _writing(path: Path) -> Iterator[Path]:
         # torch.save reports a failed write (a full disk) as a RuntimeError of its zip writer
         if not any(mark in str(exc) for mark in ("inline_container", "PytorchStreamWriter")):
             raise
-        raise UserError(f"cannot write {path} (out of disk space?): {str(exc).splitlines()[0][:200]}") from None
+        # (its own text, e.g. "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0", says
+        # nothing to a user; the disk's free space does)
+        try:
+            free = f"{shutil.disk_usage(path.parent).free / 2**20:,.1f} MiB free there"
+        except OSError:
+            free = "the disk may be full"
+        raise UserError(f"cannot write {path}: torch's writer failed ({free}); the file before it, if any, is "
+                        "kept") from None
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
@@ -704,7 +712,10 @@ def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str
             return "plain"
         except ValueError as exc:
             problem += f"; nor is it the plain network's ({exc})"
-    origin = f" (it was saved for {saved})" if saved else ""
+            if any(isinstance(m, orepa.OREPADeepStem) for m in model.modules()) and "deep stem" in str(exc):
+                problem += ("; --no-deep-stem builds the stem as one block, which starts as the checkpoint's stem "
+                            "conv")
+    origin = f" (it was saved for {saved})" if saved and saved != built else ""
     raise UserError(f"checkpoint {path} does not fit the model built, {built}{origin}: {problem}")
 
 

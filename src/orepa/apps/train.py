@@ -69,6 +69,7 @@ from .checkpoint import (
     load_model_state,
     lock_run_dir,
     new_classifier_keys,
+    remove_stale_tmp,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -1118,6 +1119,8 @@ class Trainer:
         self.log(f"orepa train: {self.ckpt_path} {why}")
         saved = None
         if self.main:
+            for name in RUN_FILES:  # what a run killed after its last checkpoint left half-written
+                remove_stale_tmp(self.out / name)
             try:
                 saved = json.loads((self.out / "summary.json").read_text())
             except (OSError, ValueError):
@@ -1128,7 +1131,9 @@ class Trainer:
             box = [saved]
             dist.broadcast_object_list(box, 0)
             saved = box[0]
-        if saved is None:
+        if saved is None:  # rebuilt: the run's time is its epochs' (this command trained nothing)
+            self.session_time = sum(r.get("epoch_time_s") or 0.0 for r in s.history if isinstance(r, dict))
+            self.session_steps = s.global_step
             return self.summary(None, s.history[-1] if s.history else {})
         if self.main:
             print_summary(saved)
