@@ -1370,3 +1370,23 @@ def test_a_deployed_stem_given_to_a_linear_deep_stem_names_no_deep_stem():
         load_model_state(model, plain, path="deployed.pth", built="resnet18/orepa", saved="resnet18/orepa", plain=True)
     assert "--no-deep-stem builds the stem as one block" in str(err.value)
     assert "saved for" not in str(err.value)
+
+
+def test_dist_timeout_sets_the_collectives_timeout_and_is_not_a_setting_of_the_run(monkeypatch):
+    """--dist-timeout MIN: how long a process waits for a stuck peer (torch's default, 30 min with
+    gloo, when not given); a setting of the invocation, not of the run (a resume does not keep it)."""
+    import datetime
+
+    from orepa.apps import common
+
+    for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29556"}.items():
+        monkeypatch.setenv(key, value)
+    seen = []
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(common.dist, "init_process_group", lambda backend, **kw: seen.append((backend, kw)))
+    common.init_distributed("cpu", timeout_min=0.5)
+    common.init_distributed("cpu")
+    assert seen == [("gloo", {"timeout": datetime.timedelta(seconds=30)}), ("gloo", {})]
+    assert "dist_timeout" in train.SESSION_FLAGS
+    assert train._parser().parse_args(["--dist-timeout", "2.5"]).dist_timeout == 2.5

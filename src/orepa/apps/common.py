@@ -412,10 +412,12 @@ def _torchrun_env() -> tuple[int, int, int]:
     return world, rank, local
 
 
-def init_distributed(device_arg: str | None, *, one_process: str | None = None) -> tuple[DistInfo, torch.device]:
+def init_distributed(device_arg: str | None, *, one_process: str | None = None, timeout_min: float | None = None
+                     ) -> tuple[DistInfo, torch.device]:
     """Read torchrun's environment; init nccl (CUDA) or gloo (CPU). Returns (info, device).
     ``one_process``: the command (e.g. ``"orepa export"``) runs in one process only: refused under
-    torchrun with more than one (each would write the same files)."""
+    torchrun with more than one (each would write the same files). ``timeout_min``: the collectives'
+    timeout (None: torch's default)."""
     want_cuda = parse_device(device_arg).type == "cuda"
     world, rank, local = _torchrun_env()
     if world > 1 and one_process:
@@ -429,8 +431,12 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None) 
         else:
             device = torch.device("cpu")
         if not dist.is_initialized():
+            import datetime
+
             dist.init_process_group("nccl" if want_cuda else "gloo",
-                                    **({"device_id": device} if want_cuda else {}))
+                                    **({"device_id": device} if want_cuda else {}),
+                                    **({} if timeout_min is None else
+                                       {"timeout": datetime.timedelta(minutes=timeout_min)}))
         return info, device
     device = parse_device(device_arg)
     if device.type == "cuda" and device.index is not None:

@@ -208,6 +208,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_kernel_graphs_argument(g)
     add_tf32_matmul_argument(g, default=None)
     g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
+    g.add_argument("--dist-timeout", type=positive_float, default=None, metavar="MIN",
+                   help="under torchrun: how long a process waits for the others in a collective before the run "
+                        "fails (a peer stuck on I/O or stopped); default torch's (30 min with gloo, NCCL's own)")
     g.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=False, help="keep an exponential moving average of the weights")
     g.add_argument("--model-ema-steps", type=positive_int, default=32, help="EMA update every N steps (32)")
     g.add_argument("--model-ema-decay", type=below_one, default=0.99998,
@@ -300,6 +303,7 @@ def _atomic_json(path: Path, obj) -> None:
 
 #: flags of one session, never taken from the checkpoint on --resume
 SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
+                           "dist_timeout",
                            "micro_batches",
                            "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
                            "given", "command"})
@@ -431,7 +435,7 @@ class Trainer:
         self._last_progress = 0.0
         self.signals = StopSignals()  # set up for the training loop by fit()
         self.signal_stopped = False
-        self.info, self.device = init_distributed(args.device)
+        self.info, self.device = init_distributed(args.device, timeout_min=args.dist_timeout)
         self.main = self.info.is_main
         self.t_start = time.perf_counter()
         self.replaced: list[str] = []  # the run --overwrite moved aside until this one's first checkpoint
@@ -1250,7 +1254,7 @@ def test_only(args: argparse.Namespace) -> dict:
     if not args.resume:
         raise UserError("--test-only evaluates the checkpoint given with --resume")
     args = argparse.Namespace(**vars(args))
-    info, device = init_distributed(args.device)
+    info, device = init_distributed(args.device, timeout_min=args.dist_timeout)
     try:
         ckpt = load_checkpoint(args.resume)
         args.checkpoint, args.use_ema = args.resume, False
