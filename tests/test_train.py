@@ -972,7 +972,7 @@ def test_kernel_graphs_are_refused_beside_whole_step_graphs_and_compiled_steps(c
     """Recorded kernel builds serve eager steps: on a CUDA device (stood in for; the refusals come
     before any CUDA work) --cuda-graphs or --compile beside --kernel-graphs is a one-line error."""
     real = train.init_distributed
-    monkeypatch.setattr(train, "init_distributed", lambda device: (real("cpu")[0], torch.device("cuda")))
+    monkeypatch.setattr(train, "init_distributed", lambda device, **kw: (real("cpu")[0], torch.device("cuda")))
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)  # put back after
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
     for extra, message in ((["--cuda-graphs"], "--kernel-graphs records the kernel construction of eager steps, "
