@@ -258,6 +258,10 @@ long)
     ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
+# the GPU goals against what this phase measured (benchmarks/gpu_goals.py): the verdict at a glance
+if [ -d "$R/bench" ] || [ -n "${GPU_SESSION_DRY:-}" ]; then
+    python3 benchmarks/gpu_goals.py "$R/bench" --json "$R/goals.json" 2>&1 | tee "$R/goals.md"
+fi
 if [ -n "${GPU_SESSION_DRY:-}" ]; then  # GPU_SESSION_DRY=record: the commands written down, not checked
     [ "$GPU_SESSION_DRY" = record ] || command python3 benchmarks/gpu_session_check.py "$R/dry_commands"
     exit $?

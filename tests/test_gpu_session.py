@@ -65,3 +65,28 @@ def test_the_check_names_what_would_fail():
     for line, word in bad.items():
         with pytest.raises(Exception, match=word.replace("-", r"\-")):
             check(shlex.split(line))
+
+
+def test_the_goals_table_reads_the_recorded_gpu_results(tmp_path, capsys):
+    """benchmarks/gpu_goals.py on the H100 results in the repository: each OREPA variant's paired
+    ratios against the goals (eager <= 1.25x at batch 64, <= 2.0x at batch 8, the fastest mode
+    <= 1.15x at batch 64, peak <= 1.10x, faster than DBB)."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("gpu_goals", ROOT / "benchmarks" / "gpu_goals.py")
+    goals = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(goals)
+    folder = ROOT / "benchmarks" / "results" / "gpu-h100-builders"
+    assert goals.main([str(folder), "--json", str(tmp_path / "goals.json")]) == 0
+    rows = {(r["model"], r["batch"], r["mode"], r["variant"]): r for r in json.loads((tmp_path / "goals.json").read_text())}
+    eager = rows[("resnet18", 64, "eager", "orepa:builder=compiled")]
+    assert eager["step_ratio"] == pytest.approx(1.61, abs=0.005) and eager["step_goal"] == 1.25
+    assert eager["step_met"] is False and eager["faster_than_dbb"] is True
+    graphs = rows[("resnet18", 64, "CUDA graphs", "orepa:builder=compiled")]
+    assert graphs["step_goal"] == 1.15 and graphs["step_ratio"] == pytest.approx(1.17, abs=0.005)
+    assert rows[("resnet18", 8, "eager", "orepa")]["step_goal"] == 2.0
+    assert rows[("resnet18", 8, "CUDA graphs", "orepa")]["step_goal"] is None
+    assert rows[("resnet50", 64, "eager", "orepa")]["peak_met"] is True
+    out = capsys.readouterr().out
+    assert "NVIDIA H100" in out and "| resnet18 b64 eager | orepa:builder=compiled | 1.61x (<= 1.25x) **no** |" in out
+    assert goals.main([str(tmp_path)]) == 1  # no result there

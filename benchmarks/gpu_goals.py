@@ -1,0 +1,120 @@
+"""The GPU goals of online training at GPU speed, checked against ``orepa bench`` results.
+
+Reads every bench result JSON in the folders given (what ``benchmarks/gpu_session.sh`` writes to
+``$RESULTS/<phase>/bench``) and prints, per setting (model, batch, step mode) and OREPA variant, the
+paired step-time ratio to base with the goal it has, the peak-memory ratio (goal <= 1.10x) and
+whether the variant is faster than DBB in the same run:
+
+* eager steps: <= 1.25x base at batch 64 (ResNet-18, ResNet-50), <= 2.0x at batch 8;
+* the fastest mode (CUDA graphs, or torch.compile'd steps): <= 1.15x base in that same mode.
+
+    python3 benchmarks/gpu_goals.py benchmarks/results/gpu-h100-builders [--json goals.json]
+
+Ratios are the bench's paired ratios (the median over rounds of a variant's step over base's in the
+same round), so they hold for one run on one machine; a result without base has none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PEAK_GOAL = 1.10
+
+
+def step_goal(cfg: dict) -> tuple[str, float | None]:
+    """The step mode of a result and the ratio the goals ask for in it (None: no goal there)."""
+    small = cfg.get("batch_size", 0) <= 8
+    if cfg.get("cuda_graphs") or cfg.get("compile"):  # (the fastest mode's goal is set at batch 64)
+        return ("CUDA graphs" if cfg.get("cuda_graphs") else f"torch.compile ({cfg['compile']})"), \
+            None if small else 1.15
+    return "eager", 2.0 if small else 1.25
+
+
+def rows_of(result: dict, source: str) -> list[dict]:
+    cfg, res, rat = result["config"], result["results"], result.get("ratios") or {}
+    mode, goal = step_goal(cfg)
+    dbb = (rat.get("dbb") or {}).get("step_paired")
+    out = []
+    for name, r in rat.items():
+        if not name.startswith("orepa"):
+            continue
+        step, peak = r.get("step_paired"), r.get("peak_bytes")
+        out.append({
+            "model": cfg["model"], "batch": cfg["batch_size"], "mode": mode, "variant": name, "source": source,
+            "step_ratio": step, "step_goal": goal, "step_met": None if step is None or goal is None else step <= goal,
+            "peak_ratio": peak, "peak_met": None if peak is None else peak <= PEAK_GOAL,
+            "dbb_ratio": dbb, "faster_than_dbb": None if step is None or dbb is None else step < dbb,
+            "tf32_matmul": bool(cfg.get("tf32_matmul")), "device": result.get("environment", {}).get("gpu"),
+            "commit": (result.get("environment", {}).get("git") or {}).get("commit"),
+            "measured": name in res,
+        })
+    return out
+
+
+def collect(folders: list[str]) -> list[dict]:
+    rows = []
+    for folder in folders:
+        path = Path(folder)
+        files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+        for f in files:
+            try:
+                result = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if not (isinstance(result, dict) and isinstance(result.get("config"), dict)
+                    and "base" in (result.get("ratios") or {})
+                    and "cuda" in str(result.get("environment", {}).get("device", ""))):
+                continue  # not a CUDA bench result with base (a summary, an accuracy file, a CPU run)
+            rows.extend(rows_of(result, f"{f.parent.name}/{f.name}"))
+    return rows
+
+
+def _x(v, nd: int = 2) -> str:
+    return "n/a" if v is None else f"{v:.{nd}f}x"
+
+
+def _met(v) -> str:
+    return "" if v is None else (" yes" if v else " **no**")
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| setting | variant | step / base (goal) | peak / base (goal 1.10x) | DBB step / base | commit | file |",
+             "|---|---|---|---|---|---|---|"]
+    order = {"eager": 0}
+    for r in sorted(rows, key=lambda r: (r["model"], -r["batch"], order.get(r["mode"], 1), r["variant"])):
+        goal = "" if r["step_goal"] is None else f" (<= {r['step_goal']:.2f}x)"
+        dbb = "n/a" if r["dbb_ratio"] is None else (
+            f"{_x(r['dbb_ratio'])}: OREPA {'faster' if r['faster_than_dbb'] else '**slower**'}")
+        lines.append(f"| {r['model']} b{r['batch']} {r['mode']}{', TF32' if r['tf32_matmul'] else ''} | "
+                     f"{r['variant']} | {_x(r['step_ratio'])}{goal}{_met(r['step_met'])} | "
+                     f"{_x(r['peak_ratio'], 3)}{_met(r['peak_met'])} | {dbb} | {r['commit'] or '?'} | {r['source']} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folders", nargs="+", help="folders of bench result JSONs (or JSON files)")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    rows = collect(args.folders)
+    if not rows:
+        print(f"no CUDA bench result with base and an OREPA variant in {' '.join(args.folders)}", file=sys.stderr)
+        return 1
+    devices = sorted({r["device"] for r in rows if r["device"]})
+    commits = sorted({r["commit"] for r in rows if r["commit"]})
+    print(f"GPU goals on {', '.join(devices) or 'an unnamed GPU'} (orepa {', '.join(commits) or '?'}); "
+          "paired step ratios to base in the same run\n")
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
