@@ -459,3 +459,13 @@ def test_frozen_batchnorm_pairs_become_orepa_blocks_that_start_as_their_conv_and
             torch.testing.assert_close(net(x), want, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="'dbb' blocks bring BNs of their own, which would train where the norm is"):
         orepa.convert(frozen, "dbb")
+    with pytest.raises(ValueError, match=r"these 'orepa' blocks \(BNs in their branches\) bring BNs"):
+        orepa.convert(frozen, "orepa", mode="offline", branch_norm=True)
+    # a branch set with no full-size conv for a 3x3 cannot start as it: skipped with the reason, the model intact
+    with torch.no_grad():
+        want = frozen.eval()(x)
+    _, report = orepa.convert(frozen, "orepa", inplace=True, branches=("1x1", "1x1_avg"), return_report=True)
+    assert "so its block must start as the conv, which it cannot" in report.skipped["layer1.0.conv1"]
+    assert report.frozen_norm == ["layer2.0.downsample.0", "layer3.0.downsample.0", "layer4.0.downsample.0"]
+    with torch.no_grad():
+        torch.testing.assert_close(frozen.eval()(x), want, rtol=1e-12, atol=1e-12)

@@ -1301,14 +1301,21 @@ def test_a_dead_loader_worker_or_peer_is_one_line_with_the_checkpoint(cache, tmp
     assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"orepa train: error: a data-loading worker died (DataLoader worker (pid 4242) is killed by "
-                   f"signal: Killed.): the system may be out of memory; fewer workers (-j) need less at epoch 2, "
-                   f"step 1; the last checkpoint is {ckpt}: --resume {ckpt} continues the run"], err
+                   f"signal: Killed.) at epoch 2, step 1; the system may be out of memory: fewer workers (-j) need "
+                   f"less; the last checkpoint is {ckpt}: --resume {ckpt} continues the run"], err
     assert _load(ckpt)["global_step"] == 4 and not (out / RUN_LOCK).exists()
     peer = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
                         "[127.0.0.1]:40211")
     assert run_fault(peer, 2) == ("another process of the run failed or stopped answering ([../third_party/gloo/"
-                                  "gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40211)")
+                                  "gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:40211)", "")
     assert run_fault(peer, 1) is None and run_fault(RuntimeError("shape mismatch"), 2) is None
+    # met by the end-of-epoch evaluation: said so, not as a step past the epoch's last
+    monkeypatch.setattr(torch.optim.SGD, "step", real_step)
+    monkeypatch.setattr(train, "evaluate", lambda *a, **k: (_ for _ in ()).throw(killed))
+    evaluated = [a for a in TINY if a != "--no-eval"]
+    assert main(["train", *evaluated, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(tmp_path / "e")]) == 2
+    assert "died (DataLoader worker (pid 4242) is killed by signal: Killed.) in the evaluation after epoch 1;" in \
+        capsys.readouterr().err
     monkeypatch.setattr(torch.optim.SGD, "step", lambda self, *a, **k: (_ for _ in ()).throw(
         RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):

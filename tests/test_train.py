@@ -515,6 +515,18 @@ def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
                  "--no-progress"]) == 0
     assert "world size 2 -> 1" in capsys.readouterr().out
     assert _load(tmp_path / "two" / "checkpoint.pth")["global_step"] == 12
+    # but not where the processes' shares round to other steps per epoch (or the checkpoint does not say)
+    saved = _load(ckpt)
+    for steps, said in ((3, "an epoch of this run has 3 steps, here it would have 4 (1 x -b 16 over 64 images"),
+                        (None, "it records no steps per epoch (an older checkpoint)")):
+        fields = {k: v for k, v in saved.items() if k != "steps_per_epoch"}
+        torch.save({**fields, **({} if steps is None else {"steps_per_epoch": steps}),
+                    "args": {**saved["args"], "batch_size": 8, "world_size": 2}}, two)
+        capsys.readouterr()
+        assert main(["train", "--resume", str(two), "-b", "16", "--output-dir", str(tmp_path / "three"), "--epochs", "3",
+                     "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "resume with 2 process(es)" in err, err
 
 
 def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, monkeypatch):
@@ -577,26 +589,35 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, mon
         p.write_bytes(b"partial")
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0
     assert _load(ckpt)["model_cfg"]["method"] == "orepa"
-    # a run still writing the directory (its lock names a live process) keeps it; a dead one's lock goes,
-    # and so does one whose pid now runs another process (started at another time: a pid handed out
-    # again, as a restarted container's pid 1) or this one (a previous incarnation's)
+    # a run still writing the directory holds its lock (a flock for as long as it runs): refused,
+    # whatever pid it has; a lock nobody holds goes, whatever pid it names (a live one too: a restarted
+    # container's pid 1, or a pid of another container's pid space); an older orepa's lock (no flock)
+    # goes only where its pid is gone
+    import fcntl
+
     lock = run / ckpt_mod.RUN_LOCK
     before = ckpt.read_bytes()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); "
+                               "f.write(sys.argv[2]); f.flush(); fcntl.flock(f, fcntl.LOCK_EX); print(1, flush=True); "
+                               "time.sleep(60)", str(lock), f"{host}-1 flock"], stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()
+        assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
+        assert "is being written by another run (process " + f"{host}-1)" in capsys.readouterr().err
+        assert ckpt.read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    for held in (f"{host}-1 flock", f"{host}-{os.getpid()} flock", f"{host}-{int(gone.stdout)}", ""):
+        lock.write_text(held)
+        assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists(), held
     with subprocess.Popen(["sleep", "60"]) as other:
-        try:
-            for held in (f"{host}-{other.pid}", f"{host}-{other.pid} {ckpt_mod._started(other.pid)}"):
-                lock.write_text(held)
-                assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
-                assert "is being written by another run" in capsys.readouterr().err and ckpt.read_bytes() == before
-            if ckpt_mod._started(other.pid) is not None:  # (where /proc tells when a process started)
-                lock.write_text(f"{host}-{other.pid} another-boot:1")
-                assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists()
-        finally:
-            other.kill()
-    lock.write_text(f"{host}-{os.getpid()}")
-    assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists()
-    lock.write_text(f"{host}-{int(gone.stdout)}")
-    assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists()
+        lock.write_text(f"{host}-{other.pid}")  # no flock word: its pid's word, which says it runs
+        assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
+        other.kill()
+    assert "is being written by another run" in capsys.readouterr().err
+    lock.unlink()
+    assert fcntl is not None
     # the old run's files went, those reparam made from its checkpoint among them
     assert not (run / "deployed.pth").exists() and not (run / ".replaced-run").exists()
     assert not dead.exists() and live.exists() and remote.exists()

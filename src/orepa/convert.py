@@ -634,15 +634,19 @@ def convert(
             continue
         bn = model.get_submodule(bn_name)
         if _frozen_bn(bn):
+            frozen = f"followed by a {type(bn).__name__} (fixed statistics, as torchvision's pretrained detectors have)"
             if block.has_norm:
-                report.skipped[conv_name] = (
-                    f"followed by a {type(bn).__name__} (fixed statistics, as torchvision's pretrained detectors "
-                    f"have): {method!r} blocks bring BNs of their own, which would train where the norm is fixed; "
-                    "method 'orepa' keeps it after its block")
+                these = f"{method!r} blocks" if method != "orepa" else "these 'orepa' blocks (BNs in their branches)"
+                report.skipped[conv_name] = (f"{frozen}: {these} bring BNs of their own, which would train where the "
+                                             "norm is fixed; online 'orepa' blocks keep it after them")
                 continue
             # a fixed norm fits only the weights its statistics were taken from: the block starts as its
             # conv (a fresh block's output scale would meet statistics of another, several times off)
-            block.load_conv(conv.weight, conv.bias)
+            try:
+                block.load_conv(conv.weight, conv.bias)
+            except ValueError as exc:  # (a branch set without a full-size conv to start from)
+                report.skipped[conv_name] = f"{frozen}, so its block must start as the conv, which it cannot: {exc}"
+                continue
             _set_submodule(model, conv_name, block)
             report.converted.append(conv_name)
             report.frozen_norm.append(conv_name)

@@ -158,69 +158,95 @@ def _dead(tag: str) -> bool:
     return False
 
 
-def _started(pid: int) -> str | None:
-    """When process ``pid`` of this host started (``boot id:clock ticks since boot``, Linux's /proc),
-    or None where that cannot be read: what tells a process from a later one that got its pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()  # (the name in parentheses may hold spaces)
-    return f"{boot}:{fields[19]}" if len(fields) > 19 else None
-
-
-def _lock_stale(held: str) -> bool:
-    """Whether a run lock's writer (``host-pid [start]``) is a process of this host that is gone: its
-    pid no longer runs, or runs a process that started at another time (a pid handed out again, as
-    in a restarted container whose command is pid 1 each time), or is this very process (which has
-    not taken the lock yet: a previous incarnation's)."""
-    tag, _, start = held.partition(" ")
-    host, _, pid = tag.rpartition("-")
-    if host != _host() or not pid.isdigit():
-        return False
-    if int(pid) == os.getpid() or _dead(tag):
-        return True
-    now = _started(int(pid))
-    return bool(start) and now is not None and now != start
-
-
-#: the file that marks a run directory as being written by one process (``host-pid start``)
+#: the file that marks a run directory as being written by one process (``host-pid flock``)
 RUN_LOCK = ".orepa-run.lock"
+#: the word in a lock that says its writer holds it with ``flock`` for as long as it runs
+_FLOCKED = "flock"
 
 
-def lock_run_dir(directory: Path, flag: str = "--output-dir") -> Path:
-    """Take ``directory`` for this process's run (``RUN_LOCK``, made exclusively): a second run into
-    it (``--overwrite`` or ``--resume`` while the first still runs) would write over the first's
-    files. A lock whose process on this host is gone (a killed run) is taken over; another host's
-    is left to the user (a shared file system). Remove it with :func:`unlock_run_dir`."""
+class RunLock:
+    """A run directory's lock, held by this process (:func:`lock_run_dir`): the lock file, and its
+    open descriptor, which holds the file's ``flock`` until :func:`unlock_run_dir` (or this process's
+    end, however it ends: the kernel releases it)."""
+
+    def __init__(self, path: Path, fd: int | None):
+        self.path, self.fd = path, fd
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+
+def _refuse(directory: Path, flag: str, held: str, lock: Path) -> UserError:
+    who = held.split(" ")[0] if held else "unknown"
+    return UserError(f"{flag} {directory} is being written by another run (process {who}); wait for it to end or "
+                     f"choose another {flag} (a run that died on another machine leaves {lock}: remove it)")
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the file open as ``fd`` is the one at ``path`` (not removed or replaced meanwhile)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
+    """Take ``directory`` for this process's run (``RUN_LOCK``): a second run into it (``--overwrite``
+    or ``--resume`` while the first still runs) would write over the first's files.
+
+    The lock is an exclusive ``flock`` on the file, held for the whole run: a run killed outright
+    releases it with its process, so its lock is taken over, whatever pid the next run has (a
+    restarted container's command is pid 1 each time; containers that share a host name have pid
+    spaces of their own, where a pid says nothing). A lock another host wrote is left to the user
+    (a shared file system's locks need not reach across hosts). Where the file system has no
+    ``flock``, or the lock was written without one (an older orepa's), a lock is taken over only
+    where its host is this one and its pid no longer runs. Release it with :func:`unlock_run_dir`."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: the pid's word alone
+        fcntl = None
     lock = directory / RUN_LOCK
-    for _ in range(2):
+    for _ in range(5):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                tag = lock.read_text().strip()
-            except OSError:
-                tag = ""
-            if _lock_stale(tag):
-                lock.unlink(missing_ok=True)
-                continue
-            tag = tag.partition(" ")[0]
-            raise UserError(f"{flag} {directory} is being written by another run (process {tag or 'unknown'}); "
-                            f"wait for it to end or choose another {flag} (a run that died on another machine "
-                            f"leaves {lock}: remove it)") from None
+            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError as exc:
             raise UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(" ".join(filter(None, (_writer_tag(), _started(os.getpid())))))
-        return lock
+        flocked = fcntl is not None
+        if flocked:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live run holds it
+                held = os.read(fd, 4096).decode(errors="replace").strip()
+                os.close(fd)
+                raise _refuse(directory, flag, held, lock) from None
+            except OSError:  # this file system has no flock
+                flocked = False
+        if not _still_at(fd, lock):  # removed (a run ending) or replaced while we opened it: again
+            os.close(fd)
+            continue
+        held = os.read(fd, 4096).decode(errors="replace").strip()
+        tag = held.split(" ")[0] if held else ""
+        host = tag.rpartition("-")[0]
+        gone = (not held or (host == _host() and (held.split(" ")[-1] == _FLOCKED and flocked or _dead(tag))))
+        if not gone:  # another host's, or one an older orepa wrote, or no flock here: its pid's word
+            os.close(fd)
+            raise _refuse(directory, flag, held, lock)
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, f"{_writer_tag()}{' ' + _FLOCKED if flocked else ''}".encode())
+        return RunLock(lock, fd)
     raise UserError(f"{flag} {directory}: another run took it at the same moment; choose another {flag}")
 
 
-def unlock_run_dir(lock: Path | None) -> None:
+def unlock_run_dir(lock: RunLock | None) -> None:
     if lock is not None:
-        lock.unlink(missing_ok=True)
+        try:
+            Path(lock.path).unlink(missing_ok=True)  # before the flock goes: no one takes a file about to go
+        finally:
+            if lock.fd is not None:
+                os.close(lock.fd)
+                lock.fd = None
 
 
 def remove_stale_tmp(path: str | os.PathLike) -> list[Path]:

@@ -92,21 +92,21 @@ def out_of_memory(exc: BaseException) -> str | None:
     return f"out of memory ({what})"
 
 
-def run_fault(exc: BaseException, world_size: int) -> str | None:
-    """A fault of the machine or of a peer met in a training loop, as a short clause: a data-loading
-    worker that died (the out-of-memory killer's usual target), another process of a distributed run
-    that failed or went away (its collective then fails here: gloo's "Connection closed by peer",
-    NCCL's errors, a timeout); None for any other error (a bug: its traceback stays)."""
+def run_fault(exc: BaseException, world_size: int) -> tuple[str, str] | None:
+    """A fault of the machine or of a peer met in a training loop, as ``(what happened, what to
+    change)`` clauses: a data-loading worker that died (the out-of-memory killer's usual target),
+    another process of a distributed run that failed or went away (its collective then fails here:
+    gloo's "Connection closed by peer", NCCL's errors, a timeout); None for any other error (a bug:
+    its traceback stays)."""
     text = str(exc)
     first = " ".join(text.strip().splitlines()[0].split())[:200] if text.strip() else type(exc).__name__
     if "DataLoader worker" in text and ("killed by signal" in text or "exited unexpectedly" in text):
-        return (f"a data-loading worker died ({first}): the system may be out of memory; fewer workers (-j) "
-                "need less")
+        return f"a data-loading worker died ({first})", "the system may be out of memory: fewer workers (-j) need less"
     dist_error = getattr(torch.distributed, "DistError", ())
     if world_size > 1 and (isinstance(exc, dist_error) or any(
             w in text for w in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL",
                                 "gloo", "Timed out", "timed out"))):
-        return f"another process of the run failed or stopped answering ({first})"
+        return f"another process of the run failed or stopped answering ({first})", ""
     return None
 
 

@@ -861,6 +861,19 @@ class Trainer:
                             f"this command's {world} x {args.batch_size} = {self.global_batch} (the position in the "
                             f"run and its schedule are counted in steps of that batch); {keep}, or start a new run "
                             "from its weights with --init-from")
+        # and so is an epoch's step count, which the processes' shares of the images round (a sampler
+        # pads each rank's share to the same size): the same global batch may still give other steps
+        spe = ckpt.get("steps_per_epoch")
+        spe = spe if isinstance(spe, int) and not isinstance(spe, bool) else None
+        if w0 != world and (spe or 0) != self.iters_per_epoch:
+            had = (f"an epoch of this run has {spe} steps, here it would have {self.iters_per_epoch} ({world} x "
+                   f"-b {args.batch_size} over {len(self.data.train):,} images: the processes' shares round "
+                   "differently)" if spe else
+                   f"it records no steps per epoch (an older checkpoint), so not whether {world} process(es) "
+                   "give as many")
+            raise UserError(f"--resume {args.resume}: {had}; the position in the run and its schedule are counted in "
+                            f"those steps: resume with {w0} process(es), or start a new run from its weights with "
+                            "--init-from")
         if saved.get("world_size") not in (None, world):
             self.overrides.append(f"world size {saved['world_size']} -> {world}")
         self.log(f"resumed {args.resume}: epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}, "
@@ -892,6 +905,7 @@ class Trainer:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
             "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
+            "steps_per_epoch": self.iters_per_epoch,  # a resume with another process count must have as many
             "epoch_sums": sums.tolist(), "history": s.history, "rng": rng_state(),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
         }
@@ -1060,6 +1074,13 @@ class Trainer:
         return got.item() > 0
 
     # ------------------------------------------------------------------ the loop
+    def where(self) -> str:
+        """Where the run is, for a fault's message: a step of an epoch, or its evaluation."""
+        s = self.state
+        if s.step_in_epoch >= self.iters_per_epoch:
+            return f"in the evaluation after epoch {s.epoch + 1}"
+        return f"at epoch {s.epoch + 1}, step {s.step_in_epoch + 1}"
+
     def how_to_go_on(self) -> str:
         """After a fault: the checkpoint that is still good, and the command that continues from it."""
         if self.ckpt_path.exists():
@@ -1304,11 +1325,11 @@ def train(args: argparse.Namespace) -> dict:
                 fault = run_fault(exc, trainer.info.world_size)
                 if fault is None:
                     raise
-                s = trainer.state
-                raise UserError(f"{fault} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1}; "
-                                f"{trainer.how_to_go_on()}") from None
-            s, last = trainer.state, trainer.ckpt_path if trainer.ckpt_path.exists() else None
-            raise UserError(f"{oom}; at epoch {s.epoch + 1}, step {s.step_in_epoch + 1}, batch "
+                what, change = fault
+                raise UserError(f"{what} {trainer.where()}; " + (f"{change}; " if change else "")
+                                + trainer.how_to_go_on()) from None
+            last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
+            raise UserError(f"{oom}; {trainer.where()}, batch "
                             f"{trainer.args.batch_size} per process in {trainer.args.micro_batches} micro-batch(es); " +
                             (f"--resume {last} --micro-batches N continues the run with each batch in N pieces "
                              "(less memory, the same batch)" if last else
