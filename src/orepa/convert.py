@@ -318,15 +318,14 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
     def hook(name):
         def fn(mod, args, out):
             calls[name] = calls.get(name, 0) + 1
-            if (_is_bn(mod) or _frozen_bn(mod)) and args and isinstance(args[0], torch.Tensor) and \
-                    outputs.get(id(args[0])) is args[0]:
+            if _pairs_with_conv(mod) and args and isinstance(args[0], torch.Tensor) and outputs.get(id(args[0])) is args[0]:
                 bn_input[name] = args[0]
             if _is_conv(mod) and isinstance(out, torch.Tensor):
                 outputs[id(out)], conv_of[id(out)] = out, name
         return fn
 
     for name, m in model.named_modules():
-        if _is_conv(m) or _is_bn(m) or _frozen_bn(m):
+        if _is_conv(m) or _pairs_with_conv(m):
             handles.append(m.register_forward_hook(hook(name)))
     counter = _UseCounter(outputs)
     try:
@@ -348,6 +347,11 @@ def _frozen_bn(m: nn.Module) -> bool:
     statistics and affine are buffers (no torchvision import in the library: by its name and buffers)."""
     return type(m).__name__ == "FrozenBatchNorm2d" and all(
         isinstance(getattr(m, k, None), torch.Tensor) for k in ("weight", "bias", "running_mean", "running_var"))
+
+
+def _pairs_with_conv(m: nn.Module) -> bool:
+    """A norm a conv -> norm pair may end in: a BN :func:`_is_bn` takes, or a frozen one."""
+    return _is_bn(m) or _frozen_bn(m)
 
 
 def _followed_by_unfoldable_bn(model: nn.Module) -> dict[str, str]:
@@ -647,11 +651,8 @@ def convert(
             except ValueError as exc:  # (a branch set without a full-size conv to start from)
                 report.skipped[conv_name] = f"{frozen}, so its block must start as the conv, which it cannot: {exc}"
                 continue
-            _set_submodule(model, conv_name, block)
-            report.converted.append(conv_name)
-            report.frozen_norm.append(conv_name)
-            continue
-        if block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
+            report.frozen_norm.append(conv_name)  # (the norm stays where it is)
+        elif block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
             absorbed = AbsorbedNorm(bn, norm_act=_norm_then_act(bn))
             block.absorbed_token = absorbed.token
             _set_submodule(model, bn_name, absorbed)

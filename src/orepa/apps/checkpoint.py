@@ -172,9 +172,6 @@ class RunLock:
     def __init__(self, path: Path, fd: int | None):
         self.path, self.fd = path, fd
 
-    def __fspath__(self) -> str:
-        return str(self.path)
-
 
 def _refuse(directory: Path, flag: str, held: str, lock: Path) -> UserError:
     who = held.split(" ")[0] if held else "unknown"

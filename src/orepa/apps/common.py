@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import datetime
 import json
 import math
 import os
@@ -431,8 +432,6 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
         else:
             device = torch.device("cpu")
         if not dist.is_initialized():
-            import datetime
-
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     **({"device_id": device} if want_cuda else {}),
                                     **({} if timeout_min is None else

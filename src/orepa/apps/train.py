@@ -960,8 +960,7 @@ class Trainer:
                 if info.distributed:
                     dist.all_reduce(flags)
                 if flags[0].item() > 0:  # before the step: the weights stay those of the last good step
-                    raise NonFiniteLoss(f"loss is {loss.item()} at epoch {s.epoch + 1}, step {s.step_in_epoch + 1} "
-                                        f"(global step {s.global_step + 1})" +
+                    raise NonFiniteLoss(f"loss is {loss.item()} {self.where()} (global step {s.global_step + 1})" +
                                         (" on some rank" if info.distributed else ""))
                 if self.scaler is not None and self.scaler.is_enabled():
                     if args.clip_grad_norm:
