@@ -593,6 +593,38 @@ def test_compiled_steps_are_timed_and_recorded():
         assert r["deploy_err"] < 1e-4
 
 
+def test_compiled_launches_are_read_off_inductors_generated_code():
+    """``compiled_launches``: the calls a generated module's ``call()`` makes, by kind, in the shapes
+    inductor writes them on a CPU (C++ kernels) and a GPU (Triton kernels' ``.run``); the kernels'
+    definitions before ``call()`` are not launches."""
+    from orepa.apps.bench.measure import compiled_launches
+
+    forward = "\n".join([
+        "cpp_fused_add_0 = async_compile.cpp_pybinding(['float*'], 'source')",
+        "triton_poi_fused_mul_1 = async_compile.triton('triton_poi_fused_mul_1', 'source')",
+        "def call(args):",
+        "    arg0_1, arg1_1 = args",
+        "    buf0 = empty_strided_cpu((4, 4), (4, 1), torch.float32)",
+        "    cpp_fused_add_0(arg0_1, buf0)",
+        "    extern_kernels.bmm(buf0, arg1_1, out=buf1)",
+        "    triton_poi_fused_mul_1.run(buf0, buf2, 16, stream=stream0)",
+        "    buf3 = extern_kernels.convolution(buf2, arg1_1, stride=(1, 1))",
+        "    return (buf3, )",
+    ])
+    backward = "\n".join([
+        "def call(args):",
+        "    buf4 = torch.ops.aten.convolution_backward.default(arg0_1, arg1_1, arg2_1)",
+        "    buf5, buf6 = torch.ops.aten.max_pool2d_with_indices_backward.default(buf4)",
+        "    extern_kernels.bmm(buf5, buf6, out=buf7)",
+        "    del buf4",
+    ])
+    got = compiled_launches([forward, backward])
+    assert got["forward"] == {"fused": 2, "extern": 2, "aten": 0, "by_name": {"bmm": 1, "convolution": 1}}
+    assert got["backward"] == {"fused": 0, "extern": 1, "aten": 2,
+                               "by_name": {"convolution_backward": 1, "max_pool2d_with_indices_backward": 1, "bmm": 1}}
+    assert got["total"] == 7
+
+
 @pytest.mark.slow
 def test_an_eager_grouped_resnet50_step_dispatches_at_most_twice_base_operators():
     """ResNet-50 (Rep-1x1 on every 1x1, deep stem; 17 groups), packed, on the GPU's eager route:

@@ -316,6 +316,42 @@ def test_torch_compile_traces_the_online_path(recompute, n, hw):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("launch_bound", [True, False])
+def test_torch_compile_traces_the_form_written_for_a_compiler(monkeypatch, launch_bound):
+    """Traced by dynamo, a block squeezes in the form written for a compiler (as a compiled group
+    does): its short contractions and the scales' gradients as element-wise products and sums,
+    which inductor fuses, so only the long contractions stay matrix products (1x1 -> kxk's
+    composition forward and its two gradients, dw -> pw's depthwise gradient: 4 per block, where
+    the launch-bound eager form issues 11). The same values and gradients as eager, GPU route
+    (every branch in kernel space) and CPU route alike."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "_launch_bound", lambda t: launch_bound)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        def keep(gm, _):
+            graphs.append(gm)
+            return make_boxed_func(gm)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+
+    torch.manual_seed(0)
+    block = _randomized(orepa.OREPAConv2d(32, 32, 3, recompute=False)).double()
+    x = torch.randn(16, 32, 8, 8, dtype=torch.double, requires_grad=True)
+    gy = torch.randn(16, 32, 8, 8, dtype=torch.double)
+    assert engine.route(block, x, False)[1] == []  # every branch in kernel space, CPU route too
+    y, grads = _grads(torch.compile(block, backend=backend), x, gy)
+    y_ref, ref = _grads(block, x, gy)
+    tol_close(y, y_ref, rel=1e-12)
+    for a, b in zip(grads, ref):
+        tol_close(a, b, rel=1e-10)
+    products = sum(n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+                   for gm in graphs for n in gm.graph.nodes)
+    assert len(graphs) == 2 and products <= 4, products
+
+
 def test_a_functional_call_first_leaves_every_weight_learnable():
     """``torch.func.functional_call`` swaps plain tensors into the parameter slots; a plan made under
     it must still treat the convs as learnable (it is kept for the block's life): the functional

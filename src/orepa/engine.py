@@ -697,6 +697,10 @@ def plan_of(block: nn.Module, names: Sequence[str], launch_bound: bool = False) 
                 f"original's rows on its device); use DistributedDataParallel, or "
                 f"orepa.engine.group_kernels(model, pack=False) before wrapping")
         cache = block.__dict__.setdefault("_replica_plans", {})
+    if torch.compiler.is_compiling():
+        # traced by dynamo (a torch.compile'd model): the form written for a compiler, whose short
+        # contractions and scale gradients inductor fuses into the element-wise passes around them
+        return Plan((block,), names, launch_bound, traced=True)
     return memo(cache, (tuple(names), launch_bound), lambda: Plan((block,), names, launch_bound))
 
 

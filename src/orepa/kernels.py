@@ -522,7 +522,7 @@ def compose_vjp(
             if shared_filter:
                 d1 = (grad.reshape(-1, taps) @ w2[0].reshape(taps)).reshape(w1.shape)
             else:
-                d1 = torch.bmm(grad.reshape(c2, c0g, taps), w2.reshape(c2, taps, 1)).reshape(w1.shape)
+                d1 = batched_product(grad.reshape(c2, c0g, taps), w2.reshape(c2, taps, 1), traced).reshape(w1.shape)
         if need_w2:
             d2 = torch.bmm(w1.reshape(c2, 1, c0g), grad.reshape(c2, c0g, -1)).reshape(w2.shape[0], 1, *grad.shape[-2:])
         return d1, d2

@@ -28,6 +28,10 @@ thermal state, allocator warm-up) hits all of them alike. Per variant:
   the start of the step. CUDA: ``torch.cuda.max_memory_allocated``; CPU: the
   allocation events of ``torch.profiler`` (``profile_memory=True``), which count
   requested bytes and do not depend on the allocator's caching.
+* ``compiled_launches`` (``compile="inductor"``): the launches of inductor's code per train step,
+  forward and backward: its own fused kernels, the calls it leaves to libraries
+  (``extern_kernels``: products, convolutions) and to aten (:func:`compiled_launches`); a
+  compiled model dispatches no aten operators to count, these are its host cost on a GPU.
 * ``fwd_flops`` / ``train_flops``: ``torch.utils.flop_counter.FlopCounterMode``
   over the forward and over forward + backward, with the backward of grouped
   convolutions counted correctly (:func:`flop_counter`).
@@ -44,6 +48,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import re
 import statistics
 import time
 import weakref
@@ -436,6 +441,33 @@ def variant_specs(methods: Sequence[str]) -> list[str]:
     return specs
 
 
+_LAUNCH = re.compile(r"^\s+(?:[\w, ]+ = )?(extern_kernels\.\w+|torch\.ops\.aten\.\w+\.\w+|aten\.\w+\.\w+|"
+                     r"cpp_fused_\w+|triton_\w+)(?:\.run)?\(", re.M)
+
+
+def compiled_launches(codes: Sequence[str]) -> dict:
+    """The launches of inductor's generated modules (``torch._inductor.utils.run_and_get_code``'s
+    sources: one forward, one backward): per module the calls its ``call()`` makes, as ``fused`` (its
+    own C++ or Triton kernels), ``extern`` (library calls: products, convolutions) and ``aten``
+    (fallbacks, e.g. the convolutions' backward), and ``by_name`` for the extern and aten ones;
+    ``total``: their sum over the modules."""
+    out, total = {}, 0
+    for i, code in enumerate(codes):
+        phase = ("forward", "backward")[i] if len(codes) == 2 else f"module {i}"
+        kinds, by_name = {"fused": 0, "extern": 0, "aten": 0}, {}
+        for name in _LAUNCH.findall(code[code.find("def call("):]):
+            kind = ("fused" if name.startswith(("cpp_fused_", "triton_")) else
+                    "extern" if name.startswith("extern_kernels.") else "aten")
+            kinds[kind] += 1
+            if kind != "fused":
+                key = name.split(".")[1] if kind == "extern" else name.split(".")[-2]
+                by_name[key] = by_name.get(key, 0) + 1
+        out[phase] = {**kinds, "by_name": by_name}
+        total += sum(kinds.values())
+    out["total"] = total
+    return out
+
+
 def check_step_modes(device: torch.device, cuda_graphs: bool, compile: str | None,
                      runners: Sequence[Runner] = ()) -> None:
     """How the timed steps run: a ValueError for a combination that cannot (with ``runners``: also
@@ -527,11 +559,18 @@ def run_benchmark(
         for r in runners:
             t0 = time.perf_counter()
             r.compile(compile)
-            for _ in range(max(warmup, 1)):  # the first call compiles; warm the compiled code too
+            launches = None
+            if compile == "inductor":  # the first call compiles: its generated code read as it is made
+                from torch._inductor.utils import run_and_get_code
+
+                _, codes = run_and_get_code(r.step, x, y)
+                launches = res[r.name]["compiled_launches"] = compiled_launches(codes)
+            for _ in range(max(warmup, 1) - (launches is not None)):  # warm the compiled code too
                 r.step(x, y)
             _sync(device)
             res[r.name]["compile_s"] = time.perf_counter() - t0
-            log(f"compiled {r.name} ({compile}): {res[r.name]['compile_s']:.0f} s")
+            log(f"compiled {r.name} ({compile}): {res[r.name]['compile_s']:.0f} s" +
+                (f", {launches['total']} launches per step" if launches else ""))
 
     times: dict[str, list[float]] = {r.name: [] for r in runners}
     gc.collect()
