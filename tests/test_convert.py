@@ -968,3 +968,42 @@ def test_the_without_bn_hint_is_given_only_where_it_would_convert_something():
     assert "without_bn" not in str(err.value)
     with pytest.raises(ValueError, match=r"without_bn=True converts"):
         orepa.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten()), "orepa")
+
+
+def test_a_second_convert_keeps_the_blocks_there_and_says_so():
+    """Blocks do not split back into branches: converting a converted model to another method keeps
+    its blocks, which the report lists and a warning names (the same method again: no warning)."""
+    model = orepa.convert(torchvision.models.resnet18(), "orepa")
+    with pytest.warns(UserWarning, match=r"method='dbb'\) kept the online OREPA blocks .*20 of them"):
+        again, report = orepa.convert(model, "dbb", return_report=True)
+    assert report.converted == [] and len(report.kept) == 20 and set(report.kept.values()) == {"online OREPA"}
+    assert "20 re-param blocks already there kept as they are" in str(report)
+    assert not any(isinstance(m, orepa.DBBConv2d) for m in again.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, report = orepa.convert(model, "orepa", return_report=True)
+    assert len(report.kept) == 20
+    dbb = orepa.convert(torchvision.models.resnet18(), "dbb", exclude=lambda n, c: n == "conv1")
+    with pytest.warns(UserWarning, match="kept the DBB blocks"):
+        _, report = orepa.convert(dbb, "orepa", return_report=True)  # the plain convs convert, the DBB blocks stay
+    assert report.converted == ["conv1", *(f"layer{i}.0.downsample.0" for i in (2, 3, 4))]  # (DBB skips 1x1s)
+    assert list(report.kept.values()) == ["DBB"] * 16
+
+
+@pytest.mark.parametrize("fuse_bn", [False, True])
+def test_a_channels_last_model_deploys_to_channels_last_convs(fuse_bn):
+    """A model moved with ``.to(memory_format=torch.channels_last)`` deploys to convs laid out so (their
+    weights came back contiguous: the same numbers, a layout change at every conv of a channels_last
+    inference); a contiguous model keeps contiguous ones."""
+    torch.manual_seed(0)
+    model = orepa.convert(torchvision.models.resnet18(num_classes=10), "orepa").eval()
+    x = torch.randn(2, 3, 32, 32)
+    y = model(x)
+    plain = orepa.reparameterize(model, fuse_bn=fuse_bn)
+    assert all(p.is_contiguous() for p in plain.parameters())
+    model = model.to(memory_format=torch.channels_last)
+    deployed = orepa.reparameterize(model, fuse_bn=fuse_bn)
+    kernels = [m.weight for m in deployed.modules() if isinstance(m, nn.Conv2d) and m.kernel_size != (1, 1)]
+    assert len(kernels) == 17 and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+                                      for w in kernels)
+    tol_close(deployed(x.to(memory_format=torch.channels_last)), y, rel=1e-5)

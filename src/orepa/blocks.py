@@ -195,6 +195,19 @@ def _check_mode(mode: str, tf_same: bool, padding) -> None:
                          f"online blocks that pad nothing else; got mode={mode!r}, padding={padding!r}")
 
 
+def _channels_last(t: Tensor) -> bool:
+    """Whether ``t`` is a 4-D tensor laid out channels_last (and not also contiguous, as a 1x1 kernel is both)."""
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def keep_layout(conv: nn.Conv2d, like: Iterable[Tensor]) -> nn.Conv2d:
+    """``conv`` with its weight channels_last where a 4-D tensor of ``like`` is (a model moved with
+    ``.to(memory_format=torch.channels_last)`` deploys to convs laid out as its own were)."""
+    if any(_channels_last(t) for t in like):
+        conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
+    return conv
+
+
 class Conv2dTFSame(nn.Conv2d):
     """An ``nn.Conv2d`` with TensorFlow's "SAME" padding (:func:`pad_tf_same`): what a block made
     with ``tf_same=True`` deploys to (``orepa.convert`` deploys such blocks to the class they
@@ -704,7 +717,7 @@ class ReparamConv2d(nn.Module):
         conv.weight.copy_(w)
         if b is not None:
             conv.bias.copy_(b)
-        return conv
+        return keep_layout(conv, self.parameters())
 
     @torch.no_grad()
     def load_conv(self, weight: Tensor, bias: Tensor | None = None, norm: Mapping[str, Tensor] | None = None

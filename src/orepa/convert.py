@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -32,11 +33,13 @@ from .blocks import (
     Conv2dTFSame,
     DBBConv2d,
     OREPAConv2d,
+    OREPADeepStem,
     OREPAVGGBlock,
     ReparamConv2d,
     RepVGGBlock,
     check_block_options,
     check_conv_config,
+    keep_layout,
 )
 from .engine import group_kernels
 
@@ -56,6 +59,8 @@ class ConversionReport:
     without_bn: list[str] = field(default_factory=list)
     #: the converted convs a FrozenBatchNorm2d follows: their blocks start as the plain conv
     frozen_norm: list[str] = field(default_factory=list)
+    #: re-param blocks the model held already (an earlier ``convert``, the zoo), kept as they are: name -> kind
+    kept: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         unnormed = f" ({len(self.without_bn)} without a BatchNorm2d after them)" if self.without_bn else ""
@@ -63,6 +68,10 @@ class ConversionReport:
             unnormed += f" ({len(self.frozen_norm)} before a FrozenBatchNorm2d, started as their conv)"
         lines = [f"convert(method={self.method!r}): {len(self.converted)} converted{unnormed}, "
                  f"{len(self.skipped)} skipped; pairs found by {self.pairing}"]
+        if self.kept:
+            kinds = Counter(self.kept.values())
+            lines[0] += (f"; {len(self.kept)} re-param blocks already there kept as they are ("
+                         + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")")
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -602,7 +611,9 @@ def convert(
     pairs, how, left_out = _find_pairs(model, example_input)
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
-    had_blocks = any(isinstance(m, ReparamConv2d) for m in model.modules())
+    for name, block in _top_level_blocks(model):
+        report.kept[name] = _block_kind(block)
+    had_blocks = bool(report.kept)
     subclassed = _followed_by_unfoldable_bn(model)
     for name, m in model.named_modules():
         if _convertible(m) and name not in paired:
@@ -671,8 +682,31 @@ def convert(
             if unpaired and method == "orepa" else ""
         raise ValueError(f"convert(method={method!r}) found nothing to convert in {type(model).__name__}: "
                          + (why or "it has no nn.Conv2d followed by a BatchNorm2d") + hint)
+    other = sorted({kind for kind in report.kept.values() if kind != _METHOD_KIND[method]})
+    if other:
+        # a second convert does not change blocks: a kernel does not split back into branches
+        warnings.warn(f"convert(method={method!r}) kept the {', '.join(other)} blocks the model already had "
+                      f"({sum(k in other for k in report.kept.values())} of them, e.g. "
+                      f"{next(n for n, k in report.kept.items() if k in other) or type(model).__name__!r}); to change "
+                      "their method, convert the plain network, or the one reparameterize(model) deploys",
+                      stacklevel=2)
     group_kernels(model)  # online blocks of one signature build their kernels together on GPUs
     return (model, report) if return_report else model
+
+
+#: the kind of block each method makes (:func:`_block_kind`)
+_METHOD_KIND = {"orepa": "online OREPA", "orepa-offline": "offline OREPA", "dbb": "DBB", "repvgg": "RepVGG",
+                "orepa-vgg": "OREPA-VGG"}
+
+
+def _block_kind(block: ReparamConv2d) -> str:
+    """Which method's kind of block ``block`` is (:data:`_METHOD_KIND`'s words), or its class's name."""
+    if isinstance(block, (OREPAConv2d, OREPADeepStem)):
+        return f"{block.mode} OREPA"
+    for cls, kind in ((DBBConv2d, "DBB"), (RepVGGBlock, "RepVGG"), (OREPAVGGBlock, "OREPA-VGG")):
+        if isinstance(block, cls):
+            return kind
+    return type(block).__name__
 
 
 def load_plain_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], keep: Iterable[str] = ()) -> None:
@@ -803,7 +837,7 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
                                conv.dilation, conv.groups, bias=True, **mode).to(dtype=w.dtype)
         fused.weight.copy_(w)
         fused.bias.copy_(b)
-        _set_submodule(model, conv_name, fused.train(conv.training))
+        _set_submodule(model, conv_name, keep_layout(fused, (conv.weight,)).train(conv.training))
         _set_submodule(model, bn_name, _tail(bn))
     return model
 
