@@ -1049,6 +1049,7 @@ def test_damaged_run_settings_and_states_of_a_checkpoint_are_one_line(reference,
         (resume("rng_str", rng="x"), "damaged rng"),
         (resume("history", history="x"), "damaged history"),
         (resume("sums", epoch_sums="x"), "damaged epoch_sums"),
+        (resume("timed", epoch_timed=[-1.0, 3]), "damaged epoch_timed"),
         (resume("rng_torch", rng=rng), "damaged rng (the random generators' state"),
     ]
     without_args = {k: v for k, v in reference.items() if k != "args"}
@@ -1344,10 +1345,15 @@ def test_an_unreadable_image_met_while_training_names_the_checkpoint_and_keeps_t
                    f"the last checkpoint is {ckpt}: --resume {ckpt} continues the run"], err
     kept = _load(ckpt)
     assert (kept["epoch"], kept["step_in_epoch"], kept["global_step"], kept["history"]) == (0, 4, 4, [])
+    seconds, steps = kept["epoch_timed"]  # the epoch's training time goes with it
+    assert seconds > 0 and steps == 4
     monkeypatch.setattr(train, "evaluate", real_evaluate)
     assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet"]) == 0
     done = _load(ckpt)
     assert done["epoch"] == 2 and done["global_step"] == 8 and "val_acc1" in done["history"][0]
+    first = done["history"][0]  # (it was ~0 s: the resumed command trained none of it)
+    assert first["epoch_time_s"] >= seconds and first["time_per_batch_s"] == pytest.approx(first["epoch_time_s"] / 4)
+    assert done["epoch_timed"] == [0.0, 0]
     # the cleanup's own failure: the run's error is the one said
     monkeypatch.setattr(train.Trainer, "train_epoch", lambda self: (_ for _ in ()).throw(
         train.UserError("cannot write progress.json: Read-only file system")))
@@ -1397,3 +1403,43 @@ def test_dist_timeout_sets_the_collectives_timeout_and_is_not_a_setting_of_the_r
     assert seen == [("gloo", {"timeout": datetime.timedelta(seconds=30)}), ("gloo", {})]
     assert "dist_timeout" in train.SESSION_FLAGS
     assert train._parser().parse_args(["--dist-timeout", "2.5"]).dist_timeout == 2.5
+
+
+def test_without_flock_runs_starting_at_once_take_the_lock_once(tmp_path, monkeypatch):
+    """On a file system without flock the lock is taken by creating it (O_EXCL): of runs starting into
+    one directory at the same moment exactly one gets it (each read the other's empty file as free);
+    a lock found empty is waited for, then refused with how to remove it."""
+    import fcntl
+    import threading
+
+    from orepa.apps.checkpoint import lock_run_dir, unlock_run_dir
+    from orepa.apps.common import UserError
+
+    def no_flock(fd, op):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    for trial in range(5):
+        run = tmp_path / f"run{trial}"
+        run.mkdir()
+        start, taken, refused = threading.Barrier(6), [], []
+
+        def take():
+            start.wait()
+            try:
+                taken.append(lock_run_dir(run))
+            except UserError as exc:
+                refused.append(str(exc))
+
+        threads = [threading.Thread(target=take) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(taken) == 1 and len(refused) == 5, (taken, refused)
+        assert all("is being written by another run" in r for r in refused)
+        unlock_run_dir(taken[0])
+        assert not (run / RUN_LOCK).exists()
+    (tmp_path / "run0" / RUN_LOCK).write_text("")
+    with pytest.raises(UserError, match=r"another run \(process unknown\).*remove it"):
+        lock_run_dir(tmp_path / "run0")

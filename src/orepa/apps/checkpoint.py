@@ -39,6 +39,7 @@ import re
 import shutil
 import socket
 import tempfile
+import time
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -204,9 +205,18 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
     except ImportError:  # not a POSIX system: the pid's word alone
         fcntl = None
     lock = directory / RUN_LOCK
-    for _ in range(5):
+    for attempt in range(20):
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+            # made by this call, or opened as it is: a file this call made is its own (where the file
+            # system has no flock, the only word two runs starting at once have)
+            created, fd = True, os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+        except FileExistsError:
+            try:
+                created, fd = False, os.open(lock, os.O_RDWR)
+            except FileNotFoundError:  # removed meanwhile (a run ending): again
+                continue
+            except OSError as exc:
+                raise UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})") from None
         except OSError as exc:
             raise UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})") from None
         flocked = fcntl is not None
@@ -223,9 +233,16 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
             os.close(fd)
             continue
         held = os.read(fd, 4096).decode(errors="replace").strip()
+        if not held and not created and not flocked and attempt < 19:
+            # without flock an empty lock is another run's, made a moment ago and not yet written: wait for
+            # its word (a lock left empty for good is refused below, with how to remove it)
+            os.close(fd)
+            time.sleep(0.05)
+            continue
         tag = held.split(" ")[0] if held else ""
         host = tag.rpartition("-")[0]
-        gone = (not held or (host == _host() and (held.split(" ")[-1] == _FLOCKED and flocked or _dead(tag))))
+        gone = created or (not held and flocked) or \
+            (host == _host() and (held.split(" ")[-1] == _FLOCKED and flocked or _dead(tag)))
         if not gone:  # another host's, or one an older orepa wrote, or no flock here: its pid's word
             os.close(fd)
             raise _refuse(directory, flag, held, lock)
@@ -614,6 +631,11 @@ def _check_metadata(path: Path, ckpt: dict) -> None:
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in sums):
         raise UserError(f"{path}: damaged epoch_sums ({repr(sums)[:60]}, not three numbers: the epoch's loss "
                         "sum, correct predictions and images)")
+    timed = ckpt.get("epoch_timed", [0.0, 0])
+    if not isinstance(timed, (list, tuple)) or len(timed) != 2 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in timed):
+        raise UserError(f"{path}: damaged epoch_timed ({repr(timed)[:60]}, not two counts: the seconds and steps "
+                        "of the epoch trained so far)")
 
 
 def check_finite(model: nn.Module, path, use: str, *, optimizer=None, ema=None) -> None:

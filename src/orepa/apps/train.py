@@ -288,6 +288,9 @@ class Progress:
     global_step: int = 0
     history: list = field(default_factory=list)
     sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, images of the epoch so far
+    # seconds and steps of the epoch in progress trained before this command (the runs it resumed):
+    # an epoch's time is its own, however many commands trained it
+    timed: list = field(default_factory=lambda: [0.0, 0])
 
 
 def _sync_buffers(model: nn.Module, info: DistInfo) -> None:
@@ -435,6 +438,7 @@ class Trainer:
         self._last_progress = 0.0
         self.signals = StopSignals()  # set up for the training loop by fit()
         self.signal_stopped = False
+        self.epoch_time, self.epoch_steps, self._epoch_t0 = 0.0, 0, None  # this command's part of the epoch
         self.info, self.device = init_distributed(args.device, timeout_min=args.dist_timeout)
         self.main = self.info.is_main
         self.t_start = time.perf_counter()
@@ -836,7 +840,8 @@ class Trainer:
                 self.log(f"note: {args.resume} has no EMA weights; the EMA restarts from the resumed weights")
         self.state = Progress(int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0)), int(ckpt.get("global_step", 0)),
                               list(ckpt.get("history", [])),
-                              list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])) if self.main else [0.0, 0.0, 0.0])
+                              list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])) if self.main else [0.0, 0.0, 0.0],
+                              list(ckpt.get("epoch_timed", [0.0, 0])) if int(ckpt.get("step_in_epoch", 0)) else [0.0, 0])
         if "rng" in ckpt:
             try:
                 set_rng_state(ckpt["rng"])
@@ -906,7 +911,8 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
             "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
             "steps_per_epoch": self.iters_per_epoch,  # a resume with another process count must have as many
-            "epoch_sums": sums.tolist(), "history": s.history, "rng": rng_state(),
+            "epoch_sums": sums.tolist(), "epoch_timed": self._epoch_timed() if s.step_in_epoch else [0.0, 0],
+            "history": s.history, "rng": rng_state(),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
         }
         if self.ema is not None:
@@ -935,9 +941,9 @@ class Trainer:
             bar = tqdm(total=self.iters_per_epoch, initial=s.step_in_epoch, desc=f"epoch {s.epoch + 1}/{args.epochs}",
                        dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 30)
         acc = torch.zeros(3, dtype=torch.float64, device=device)  # this session's loss sum, correct, images
-        t0 = time.perf_counter()
+        self._epoch_t0 = t0 = time.perf_counter()
         stop = None
-        steps = 0
+        steps = self.epoch_steps = 0
         try:
             for images, target in self.loader:
                 images = images.to(device, non_blocking=True)
@@ -981,6 +987,7 @@ class Trainer:
                 s.step_in_epoch += 1
                 s.global_step += 1
                 steps += 1
+                self.epoch_steps = steps
                 if bar is not None:
                     bar.update(1)
                     if steps % args.print_freq == 0 or steps == steps_left:
@@ -1006,7 +1013,7 @@ class Trainer:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.epoch_time = time.perf_counter() - t0
-        self.epoch_steps = steps
+        self._epoch_t0 = None
         self.session_time += self.epoch_time
         self.session_steps += steps
         self._flush_sums(acc)
@@ -1052,6 +1059,11 @@ class Trainer:
                "elapsed_s": time.perf_counter() - self.t_start}
         _atomic_json(self.out / PROGRESS_FILE, row)
         self._last_progress = time.perf_counter()
+
+    def _epoch_timed(self) -> list:
+        """[seconds, steps] of the epoch in progress trained so far, by this command and the runs it resumed."""
+        t = self.epoch_time if self._epoch_t0 is None else time.perf_counter() - self._epoch_t0
+        return [self.state.timed[0] + t, self.state.timed[1] + self.epoch_steps]
 
     def _flush_sums(self, acc: torch.Tensor) -> None:
         self.state.sums = [a + b for a, b in zip(self.state.sums, acc.tolist())]
@@ -1169,10 +1181,11 @@ class Trainer:
         if info.distributed:
             dist.all_reduce(sums)
         loss_sum, c, n = sums.tolist()
+        seconds, timed_steps = self._epoch_timed()
         row = {"epoch": s.epoch + 1, "lr": self.optimizer.param_groups[0]["lr"],
                "train_loss": loss_sum / max(n, 1), "train_acc1": 100 * c / max(n, 1),
-               "epoch_time_s": self.epoch_time, "time_per_batch_s": self.epoch_time / max(self.epoch_steps, 1),
-               "images_per_s": self.epoch_steps * self.global_batch / max(self.epoch_time, 1e-9)}
+               "epoch_time_s": seconds, "time_per_batch_s": seconds / max(timed_steps, 1),
+               "images_per_s": timed_steps * self.global_batch / max(seconds, 1e-9)}
         if self.epoch_steps < self.iters_per_epoch:
             row["resumed_at_step"] = self.iters_per_epoch - self.epoch_steps
         _sync_buffers(self.model, info)
@@ -1195,7 +1208,7 @@ class Trainer:
         s.history.append(row)
         s.epoch += 1
         s.step_in_epoch = 0
-        s.sums = [0.0, 0.0, 0.0]
+        s.sums, s.timed = [0.0, 0.0, 0.0], [0.0, 0]
         self.checkpoint("epoch")
         if self.main:
             _atomic_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": 0,
