@@ -4,7 +4,7 @@ A compiled model has no aten operators to count (``aten_ops.py`` counts eager st
 cost on a GPU is the launches its generated code makes, one per fused kernel and one per call it
 leaves to an external library (``extern_kernels.*``: matrix products, convolutions) or to aten
 (a fallback, e.g. the convolutions' backward). Counted in inductor's generated forward and backward
-(``torch._inductor.utils.run_and_get_code``) for one zero_grad-free forward + cross-entropy +
+(``orepa.apps.bench.measure.inductor_code``) for one zero_grad-free forward + cross-entropy +
 backward of ResNet-18 (10 classes, batch 8, 64x64).
 
 Inside a compiled graph the online blocks build their kernels block by block (groups stand aside),
@@ -19,10 +19,9 @@ the GPU's. Compiles each model once (about 2 minutes for OREPA on 2 cores)::
 import json
 
 import torch
-from torch._inductor.utils import run_and_get_code
 
 from orepa import engine
-from orepa.apps.bench.measure import compiled_launches, environment, git_state
+from orepa.apps.bench.measure import compiled_launches, environment, git_state, inductor_code
 from orepa.models import create_model
 
 engine._launch_bound = lambda t: True  # the route of a CUDA device: every branch in kernel space (see above)
@@ -40,7 +39,8 @@ for method in ("base", "orepa"):
     def step():
         torch.nn.functional.cross_entropy(compiled(x), y).backward()
 
-    _, codes = run_and_get_code(step)
+    with inductor_code() as codes:
+        step()
     if len(codes) != 2:
         raise SystemExit(f"{method}: expected one forward and one backward module, got {len(codes)}")
     row = compiled_launches(codes)

@@ -593,6 +593,23 @@ def test_compiled_steps_are_timed_and_recorded():
         assert r["deploy_err"] < 1e-4
 
 
+@pytest.mark.slow
+def test_inductor_steps_record_their_launches_and_compile_once():
+    """``--compile`` with inductor records each variant's launches per step (``compiled_launches``), read
+    off the code as it is generated, without dropping the variants compiled before it (which then
+    compiled again inside the timed steps)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    result = bench.run_benchmark(tiny_net, ["base", "orepa"], batch_size=2, image_size=16, reps=2, warmup=1,
+                                 num_classes=10, compile="inductor", log=None)
+    assert counters["stats"]["unique_graphs"] == 2  # one graph a model, none compiled again
+    base, orepa = (result["results"][k]["compiled_launches"] for k in ("base", "orepa"))
+    assert set(base) == {"forward", "backward", "total"} and 0 < base["total"] < orepa["total"]
+    assert base["forward"]["by_name"]["convolution"] == 4  # the net's four convs (OREPA: more, on the CPU's route)
+
+
 def test_compiled_launches_are_read_off_inductors_generated_code():
     """``compiled_launches``: the calls a generated module's ``call()`` makes, by kind, in the shapes
     inductor writes them on a CPU (C++ kernels) and a GPU (Triton kernels' ``.run``); the kernels'

@@ -990,13 +990,16 @@ def test_a_second_convert_keeps_the_blocks_there_and_says_so():
     assert list(report.kept.values()) == ["DBB"] * 16
 
 
-@pytest.mark.parametrize("fuse_bn", [False, True])
-def test_a_channels_last_model_deploys_to_channels_last_convs(fuse_bn):
+@pytest.mark.parametrize("fuse_bn,pack", [(False, False), (True, False), (False, True)])
+def test_a_channels_last_model_deploys_to_channels_last_convs(fuse_bn, pack):
     """A model moved with ``.to(memory_format=torch.channels_last)`` deploys to convs laid out so (their
     weights came back contiguous: the same numbers, a layout change at every conv of a channels_last
-    inference); a contiguous model keeps contiguous ones."""
+    inference), packed groups too (their blocks' steps hold rows of the group's parameters); a
+    contiguous model keeps contiguous ones."""
     torch.manual_seed(0)
     model = orepa.convert(torchvision.models.resnet18(num_classes=10), "orepa").eval()
+    if pack:
+        orepa.engine.group_kernels(model, "grouped", pack=True)
     x = torch.randn(2, 3, 32, 32)
     y = model(x)
     plain = orepa.reparameterize(model, fuse_bn=fuse_bn)

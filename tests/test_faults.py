@@ -1406,23 +1406,27 @@ def test_dist_timeout_sets_the_collectives_timeout_and_is_not_a_setting_of_the_r
 
 
 def test_without_flock_runs_starting_at_once_take_the_lock_once(tmp_path, monkeypatch):
-    """On a file system without flock the lock is taken by creating it (O_EXCL): of runs starting into
-    one directory at the same moment exactly one gets it (each read the other's empty file as free);
-    a lock found empty is waited for, then refused with how to remove it."""
+    """On a file system without flock a lock is taken only by making it (O_EXCL): of runs starting into
+    one directory at the same moment exactly one gets it, in a new directory (each read the other's
+    empty file as free) and where a dead run's lock lies (each found it stale and wrote its own); a lock
+    found empty is waited for, then refused with how to remove it."""
     import fcntl
     import threading
 
-    from orepa.apps.checkpoint import lock_run_dir, unlock_run_dir
+    from orepa.apps.checkpoint import _host, lock_run_dir, unlock_run_dir
     from orepa.apps.common import UserError
 
     def no_flock(fd, op):
         raise OSError(37, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
-    for trial in range(5):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for trial in range(10):
         run = tmp_path / f"run{trial}"
         run.mkdir()
-        start, taken, refused = threading.Barrier(6), [], []
+        if trial % 2:
+            (run / RUN_LOCK).write_text(f"{_host()}-{int(dead.stdout)}")  # a dead run's lock
+        start, taken, refused = threading.Barrier(4), [], []
 
         def take():
             start.wait()
@@ -1431,15 +1435,15 @@ def test_without_flock_runs_starting_at_once_take_the_lock_once(tmp_path, monkey
             except UserError as exc:
                 refused.append(str(exc))
 
-        threads = [threading.Thread(target=take) for _ in range(6)]
+        threads = [threading.Thread(target=take) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert len(taken) == 1 and len(refused) == 5, (taken, refused)
+        assert len(taken) == 1 and len(refused) == 3, (trial, taken, refused)
         assert all("is being written by another run" in r for r in refused)
         unlock_run_dir(taken[0])
         assert not (run / RUN_LOCK).exists()
     (tmp_path / "run0" / RUN_LOCK).write_text("")
-    with pytest.raises(UserError, match=r"another run \(process unknown\).*remove it"):
+    with pytest.raises(UserError, match=r"its lock .* stayed empty .*remove it if no run writes there"):
         lock_run_dir(tmp_path / "run0")

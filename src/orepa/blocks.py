@@ -717,7 +717,8 @@ class ReparamConv2d(nn.Module):
         conv.weight.copy_(w)
         if b is not None:
             conv.bias.copy_(b)
-        return keep_layout(conv, self.parameters())
+        # the steps' weights, not parameters(): a packed group's steps hold rows of parameters the group keeps
+        return keep_layout(conv, (m.weight for m in self.modules() if isinstance(getattr(m, "weight", None), Tensor)))
 
     @torch.no_grad()
     def load_conv(self, weight: Tensor, bias: Tensor | None = None, norm: Mapping[str, Tensor] | None = None

@@ -682,7 +682,8 @@ def convert(
             if unpaired and method == "orepa" else ""
         raise ValueError(f"convert(method={method!r}) found nothing to convert in {type(model).__name__}: "
                          + (why or "it has no nn.Conv2d followed by a BatchNorm2d") + hint)
-    other = sorted({kind for kind in report.kept.values() if kind != _METHOD_KIND[method]})
+    made = "offline OREPA" if method == "orepa" and options.get("mode") == "offline" else _METHOD_KIND[method]
+    other = sorted({kind for kind in report.kept.values() if kind != made})
     if other:
         # a second convert does not change blocks: a kernel does not split back into branches
         warnings.warn(f"convert(method={method!r}) kept the {', '.join(other)} blocks the model already had "

@@ -43,7 +43,7 @@ import time
 import warnings
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -233,12 +233,14 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
             os.close(fd)
             continue
         held = os.read(fd, 4096).decode(errors="replace").strip()
-        if not held and not created and not flocked and attempt < 19:
-            # without flock an empty lock is another run's, made a moment ago and not yet written: wait for
-            # its word (a lock left empty for good is refused below, with how to remove it)
+        if not held and not created and not flocked:
+            # without flock an empty lock is another run's, made a moment ago and not yet written: wait for its word
             os.close(fd)
-            time.sleep(0.05)
-            continue
+            if attempt < 19:
+                time.sleep(0.05)
+                continue
+            raise UserError(f"{flag} {directory}: its lock {lock} stayed empty (a run that died while making it "
+                            "leaves it so on a file system without flock); remove it if no run writes there")
         tag = held.split(" ")[0] if held else ""
         host = tag.rpartition("-")[0]
         gone = created or (not held and flocked) or \
@@ -246,9 +248,24 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
         if not gone:  # another host's, or one an older orepa wrote, or no flock here: its pid's word
             os.close(fd)
             raise _refuse(directory, flag, held, lock)
+        if not flocked and not created:
+            # without flock a lock is taken only by making it (O_EXCL): a stale one goes first, and of the runs
+            # that found it stale the one that makes the next file has it
+            if _still_at(fd, lock):
+                with suppress(FileNotFoundError):
+                    os.unlink(lock)
+            os.close(fd)
+            continue
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, f"{_writer_tag()}{' ' + _FLOCKED if flocked else ''}".encode())
+        if not flocked:
+            # a run that found the stale lock an instant ago may remove this one as that: look again once the
+            # instant is past (if it went, that run makes the lock)
+            time.sleep(0.05)
+            if not _still_at(fd, lock):
+                os.close(fd)
+                continue
         return RunLock(lock, fd)
     raise UserError(f"{flag} {directory}: another run took it at the same moment; choose another {flag}")
 
@@ -632,8 +649,9 @@ def _check_metadata(path: Path, ckpt: dict) -> None:
         raise UserError(f"{path}: damaged epoch_sums ({repr(sums)[:60]}, not three numbers: the epoch's loss "
                         "sum, correct predictions and images)")
     timed = ckpt.get("epoch_timed", [0.0, 0])
-    if not isinstance(timed, (list, tuple)) or len(timed) != 2 or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in timed):
+    if not (isinstance(timed, (list, tuple)) and len(timed) == 2
+            and isinstance(timed[0], (int, float)) and not isinstance(timed[0], bool) and 0 <= timed[0] < math.inf
+            and isinstance(timed[1], int) and not isinstance(timed[1], bool) and timed[1] >= 0):
         raise UserError(f"{path}: damaged epoch_timed ({repr(timed)[:60]}, not two counts: the seconds and steps "
                         "of the epoch trained so far)")
 

@@ -53,6 +53,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -445,12 +446,28 @@ _LAUNCH = re.compile(r"^\s+(?:[\w, ]+ = )?(extern_kernels\.\w+|torch\.ops\.aten\
                      r"cpp_fused_\w+|triton_\w+)(?:\.run)?\(", re.M)
 
 
+@contextmanager
+def inductor_code() -> Iterator[list[str]]:
+    """The source of every module inductor generates (or takes from its cache) inside the block, in
+    order: what ``torch._inductor.utils.run_and_get_code`` collects, without the ``torch._dynamo.reset()``
+    it starts with, which would drop every model compiled before (their next calls compiling again)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        yield codes
+
+
 def compiled_launches(codes: Sequence[str]) -> dict:
     """The launches of inductor's generated modules (``torch._inductor.utils.run_and_get_code``'s
     sources: one forward, one backward): per module the calls its ``call()`` makes, as ``fused`` (its
     own C++ or Triton kernels), ``extern`` (library calls: products, convolutions) and ``aten``
     (fallbacks, e.g. the convolutions' backward), and ``by_name`` for the extern and aten ones;
-    ``total``: their sum over the modules."""
+    ``total``: their sum over the modules. The modules of torch.compile's default mode: with
+    ``mode="reduce-overhead"`` (CUDA graphs) the kernels are called from graph partitions, not from
+    ``call()``, and are not counted."""
     out, total = {}, 0
     for i, code in enumerate(codes):
         phase = ("forward", "backward")[i] if len(codes) == 2 else f"module {i}"
@@ -561,9 +578,8 @@ def run_benchmark(
             r.compile(compile)
             launches = None
             if compile == "inductor":  # the first call compiles: its generated code read as it is made
-                from torch._inductor.utils import run_and_get_code
-
-                _, codes = run_and_get_code(r.step, x, y)
+                with inductor_code() as codes:
+                    r.step(x, y)
                 launches = res[r.name]["compiled_launches"] = compiled_launches(codes)
             for _ in range(max(warmup, 1) - (launches is not None)):  # warm the compiled code too
                 r.step(x, y)
