@@ -461,8 +461,8 @@ def inductor_code() -> Iterator[list[str]]:
 
 
 def compiled_launches(codes: Sequence[str]) -> dict:
-    """The launches of inductor's generated modules (``torch._inductor.utils.run_and_get_code``'s
-    sources: one forward, one backward): per module the calls its ``call()`` makes, as ``fused`` (its
+    """The launches of inductor's generated modules (the sources :func:`inductor_code` collects: one
+    forward, one backward): per module the calls its ``call()`` makes, as ``fused`` (its
     own C++ or Triton kernels), ``extern`` (library calls: products, convolutions) and ``aten``
     (fallbacks, e.g. the convolutions' backward), and ``by_name`` for the extern and aten ones;
     ``total``: their sum over the modules. The modules of torch.compile's default mode: with
