@@ -5,18 +5,24 @@ cost on a GPU is the launches its generated code makes, one per fused kernel and
 leaves to an external library (``extern_kernels.*``: matrix products, convolutions) or to aten
 (a fallback, e.g. the convolutions' backward). Counted in inductor's generated forward and backward
 (``orepa.apps.bench.measure.inductor_code``) for one zero_grad-free forward + cross-entropy +
-backward of ResNet-18 (10 classes, batch 8, 64x64).
+backward of ResNet-18 (10 classes, batch 8, 64x64; another zoo model with `-m`).
 
-Inside a compiled graph the online blocks build their kernels block by block (groups stand aside),
-on the route a CUDA device takes (every branch in kernel space); on a CPU the route is chosen by
-FLOPs per input, so this script sets the engine's device test to the GPU's answer. The code is
+OREPA three ways: grouped as on a CUDA device (the network's groups build their kernels together
+inside the graph), unpacked and packed, and block by block (policy ``per-block``), each block on
+the route a CUDA device takes (every branch in kernel space); on a CPU the route is chosen by
+FLOPs per input and ``auto`` does not group, so this script sets the engine's device test to the
+GPU's answer and groups with policy ``grouped``. The code is
 inductor's CPU code, whose choices depend on the sizes (at 1/4 width it turns more small products
 into fused loops of its own) and differ from its GPU code's: a count to compare variants by, not
-the GPU's. Compiles each model once (about 2 minutes for OREPA on 2 cores)::
+the GPU's. Compiles each model once (1-2 minutes for OREPA on 2 cores; the first step's time is
+recorded, inductor's caches off)::
 
     python3 benchmarks/compiled_model_launches.py   # -> benchmarks/results/compiled_model_launches.json
+    python3 benchmarks/compiled_model_launches.py -m resnet50   # -> ..._resnet50.json
 """
+import argparse
 import json
+import time
 
 import torch
 
@@ -24,35 +30,47 @@ from orepa import engine
 from orepa.apps.bench.measure import compiled_launches, environment, git_state, inductor_code
 from orepa.models import create_model
 
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("-m", "--model", default="resnet18", help="a zoo model with an orepa method (default resnet18)")
+args = parser.parse_args()
 engine._launch_bound = lambda t: True  # the route of a CUDA device: every branch in kernel space (see above)
 torch.set_num_threads(2)
+torch._inductor.config.force_disable_caches = True  # each compilation from scratch: its time is recorded
 git = git_state()
 out = {"environment": environment(torch.device("cpu"), git),
-       "setting": "resnet18, 10 classes, batch 8, 64x64, torch.compile (inductor), GPU route",
+       "setting": f"{args.model}, 10 classes, batch 8, 64x64, torch.compile (inductor), GPU route",
        "models": {}}
-for method in ("base", "orepa"):
+# OREPA as a GPU groups it (policy "auto" there, "grouped" here), unpacked and packed, and block by block
+VARIANTS = {"base": ("base", None, False), "orepa": ("orepa", "grouped", False),
+            "orepa, packed": ("orepa", "grouped", True), "orepa, per-block": ("orepa", "per-block", False)}
+for name, (method, policy, pack) in VARIANTS.items():
     torch.manual_seed(0)
-    model = create_model("resnet18", method, num_classes=10).train()
+    model = create_model(args.model, method, num_classes=10).train()
+    if policy is not None:
+        engine.group_kernels(model, policy, pack=pack)
     compiled = torch.compile(model)
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
 
     def step():
         torch.nn.functional.cross_entropy(compiled(x), y).backward()
 
+    start = time.perf_counter()
     with inductor_code() as codes:
         step()
+    seconds = time.perf_counter() - start  # the first step: tracing and compiling
     if len(codes) != 2:
-        raise SystemExit(f"{method}: expected one forward and one backward module, got {len(codes)}")
-    row = compiled_launches(codes)
-    out["models"][method] = row
+        raise SystemExit(f"{name}: expected one forward and one backward module, got {len(codes)}")
+    row = {**compiled_launches(codes), "first_step_s": round(seconds, 1)}
+    out["models"][name] = row
     torch._dynamo.reset()
 
 print(out["setting"])
-print("| model | forward: fused / extern / aten | backward: fused / extern / aten | launches per step |")
-print("|---|---|---|---|")
+print("| model | forward: fused / extern / aten | backward: fused / extern / aten | launches per step | first step |")
+print("|---|---|---|---|---|")
 for method, row in out["models"].items():
     f, b = row["forward"], row["backward"]
     print(f"| {method} | {f['fused']} / {f['extern']} / {f['aten']} | {b['fused']} / {b['extern']} / {b['aten']} "
-          f"| {row['total']} ({row['total'] / out['models']['base']['total']:.2f}x) |")
-with open("benchmarks/results/compiled_model_launches.json", "w") as fh:
+          f"| {row['total']} ({row['total'] / out['models']['base']['total']:.2f}x) | {row['first_step_s']:.0f} s |")
+suffix = "" if args.model == "resnet18" else f"_{args.model}"
+with open(f"benchmarks/results/compiled_model_launches{suffix}.json", "w") as fh:
     json.dump(out, fh, indent=1)

@@ -69,3 +69,23 @@ def cache(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("fmnist-cache")
     data.prepare_fashion_mnist(root)
     return str(root)
+
+
+def aot_graph_backend(graphs: list):
+    """A ``torch.compile`` backend that traces and partitions forward and backward as inductor would
+    (AOTAutograd) and runs them as traced, appending each graph module to ``graphs``."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    def backend(gm, example_inputs):
+        def keep(gm, _):
+            graphs.append(gm)
+            return make_boxed_func(gm)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
+    return backend
+
+
+def matrix_products(graphs) -> int:
+    """The matrix products (``mm``, ``bmm``) in traced graph modules."""
+    return sum(n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
+               for gm in graphs for n in gm.graph.nodes)

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import aot_graph_backend, matrix_products
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -670,6 +671,128 @@ def test_torch_compile_of_a_packed_model_gives_the_eager_gradients():
     assert sum(".packed_parameters." in n for n in grads) >= 4
     for n, p in net.named_parameters():
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-9, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_a_compiled_model_builds_its_groups_kernels_together_inside_the_graph(pack):
+    """``torch.compile`` of a grouped ResNet-18 (policy ``grouped``: what ``auto`` does on a GPU):
+    inside the graph the network's groups build their kernels together, as they do eagerly, instead
+    of block by block: at most 4 matrix products per group forward and backward (block by block
+    the same model's graphs held 180), the per-block numbers, one compilation for two steps, and no kernel
+    left in the workspace after a forward."""
+    torch._dynamo.reset()
+    ref, grouped = _pair("resnet18", "grouped", pack=pack)
+    groups = engine.kernel_groups(grouped)
+    graphs = []
+    compiled = torch.compile(grouped, backend=aot_graph_backend(graphs))
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    for _ in range(2):
+        y1, g1 = _grads(compiled, x)
+    g1 = _named_grads(grouped)
+    y0, g0 = _grads(ref, x)
+    torch.testing.assert_close(y1, y0, rtol=1e-9, atol=1e-9)
+    assert g0.keys() == g1.keys()
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-7, atol=1e-10, msg=k)
+    assert len(graphs) == 2  # one forward, one backward: compiled once
+    # (+ 2: the classifier's gradients)
+    assert matrix_products(graphs) <= 4 * len(groups) + 2, (matrix_products(graphs), len(groups))
+    workspace = groups[0].workspace
+    assert workspace.traced == {} and not workspace.forward_open
+
+
+class _Graphed(nn.Module):
+    """Four blocks of one signature: ``a`` -> ``b`` -> ``c`` (``b`` checkpointed, or after a graph
+    break), ``unused`` never called."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.a, self.b, self.c, self.unused = (OREPAConv2d(6, 6, 3, padding=1) for _ in range(4))
+        self.how = how
+
+    def forward(self, x):
+        x = self.a(x).relu()
+        if self.how == "graph break":
+            torch._dynamo.graph_break()
+        if self.how == "checkpoint":
+            x = torch.utils.checkpoint.checkpoint(self.b, x, use_reentrant=False).relu()
+        else:
+            x = self.b(x).relu()
+        return self.c(x).flatten(1)
+
+
+@pytest.mark.parametrize("how,frames", [("plain", 1), ("graph break", 2), ("checkpoint", 1)])
+def test_kernels_traced_into_a_graph_serve_across_graph_breaks_and_checkpoints(how, frames):
+    """The kernels the first block builds inside a trace reach the blocks after a graph break (as
+    the first graph's outputs) and inside an activation-checkpointed region (read, not changed there:
+    a side effect would break the graph), with the eager groups' numbers, no recompilation over three
+    calls, and nothing left after the forward (the unused block's kernel included)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net, ref = _twins(_Graphed(how), "grouped", "grouped")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(net, backend=counter, fullgraph=how == "plain")
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    for _ in range(3):
+        y1, g1 = _grads(compiled, x)
+    y0, g0 = _grads(ref, x)
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+    for (k, a), b in zip(net.named_parameters(), g0.values()):
+        torch.testing.assert_close(a.grad, b, rtol=1e-9, atol=1e-12, msg=k)
+    assert counter.frame_count == frames
+    workspace = net.a._kernel_group.workspace
+    assert workspace.traced == {} and not workspace.forward_open
+
+
+def test_a_block_compiled_outside_its_roots_forward_builds_its_own_kernel(monkeypatch):
+    """Compiled and called by itself (not within the grouped root's forward, whose hooks scope the
+    traced kernels) a block builds its own kernel in the graph; compiled as part of the root's forward
+    (the root's hooks run eagerly around the compiled submodule), the network's kernels are built
+    there and the eager block after it takes its own from them. Both with the per-block numbers."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net, ref = _twins(nn.Sequential(nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU()),
+                                    OREPAConv2d(6, 6, 3, padding=1), nn.Flatten()), "grouped", "per-block")
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    alone = []
+    block = torch.compile(nn.Sequential(net[0], nn.Flatten()), backend=aot_graph_backend(alone))
+    y1, _ = _grads(block, x)
+    y0, _ = _grads(nn.Sequential(ref[0], nn.Flatten()), x)
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+    for (k, a), b in zip(net[0].named_parameters(), ref[0].parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12, msg=k)
+    # its graph reads its own tensors and the input only (not its group's other block's)
+    reads = sum(n.op == "placeholder" for n in alone[0].graph.nodes)
+    assert reads <= len([*net[0].parameters(), *net[0].buffers()]) + 1, reads
+    inner, eager_builds = [], []
+    net[0] = torch.compile(net[0], backend=aot_graph_backend(inner))
+    build_groups = engine._build_groups
+    monkeypatch.setattr(engine, "_build_groups", lambda groups: eager_builds.append(groups) or build_groups(groups))
+    y1, _ = _grads(net, x)
+    y0, g0 = _grads(ref, x)
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+    for (k, a), b in zip(net.named_parameters(), g0.values()):
+        torch.testing.assert_close(a.grad, b, rtol=1e-9, atol=1e-12, msg=k)
+    assert matrix_products(inner) > 0 and not eager_builds
+    assert net[1]._kernel_group.workspace.traced == {}
+
+
+def test_the_forward_scope_hooks_follow_regrouping_copies_and_deployment():
+    """``group_kernels`` gives its root one pair of hooks (regrouping replaces them), a deep copy's
+    hooks open its own workspace, and a deployed model carries none."""
+    torch.manual_seed(0)
+    net = nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), OREPAConv2d(6, 6, 3, padding=1))
+    engine.group_kernels(net, "grouped")
+    engine.group_kernels(net, "per-block", pack=False)
+    assert len(net._forward_pre_hooks) == 1 and len(net._forward_hooks) == 1
+    twin = copy.deepcopy(net)
+    (hook,) = twin._forward_pre_hooks.values()
+    assert hook.args[0] is twin[0]._kernel_group.workspace is not net[0]._kernel_group.workspace
+    deployed = orepa.reparameterize(twin)
+    assert not deployed._forward_pre_hooks and not deployed._forward_hooks and not deployed._forward_hooks_always_called
+    assert len(twin._forward_pre_hooks) == 1  # (a copy was deployed)
 
 
 def _twins(net: nn.Module, policy: str, other: str) -> tuple[nn.Module, nn.Module]:

@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tol_close
+from conftest import aot_graph_backend, matrix_products, tol_close
 from torch import nn
 
 import orepa
@@ -324,19 +324,10 @@ def test_torch_compile_traces_the_form_written_for_a_compiler(monkeypatch, launc
     composition forward and its two gradients, dw -> pw's depthwise gradient: 4 per block, where
     the launch-bound eager form issues 11). The same values and gradients as eager, GPU route
     (every branch in kernel space) and CPU route alike."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
     torch._dynamo.reset()
     monkeypatch.setattr(engine, "_launch_bound", lambda t: launch_bound)
     graphs = []
-
-    def backend(gm, example_inputs):
-        def keep(gm, _):
-            graphs.append(gm)
-            return make_boxed_func(gm)
-        return aot_module_simplified(gm, example_inputs, fw_compiler=keep, bw_compiler=keep)
-
+    backend = aot_graph_backend(graphs)
     torch.manual_seed(0)
     block = _randomized(orepa.OREPAConv2d(32, 32, 3, recompute=False)).double()
     x = torch.randn(16, 32, 8, 8, dtype=torch.double, requires_grad=True)
@@ -347,8 +338,7 @@ def test_torch_compile_traces_the_form_written_for_a_compiler(monkeypatch, launc
     tol_close(y, y_ref, rel=1e-12)
     for a, b in zip(grads, ref):
         tol_close(a, b, rel=1e-10)
-    products = sum(n.target in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default)
-                   for gm in graphs for n in gm.graph.nodes)
+    products = matrix_products(graphs)
     assert len(graphs) == 2 and products <= 4, products
 
 

@@ -41,7 +41,7 @@ from .blocks import (
     check_conv_config,
     keep_layout,
 )
-from .engine import group_kernels
+from .engine import forward_scope, group_kernels
 
 __all__ = ["convert", "reparameterize", "load_plain_state_dict", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport",
            "METHODS", "make_block"]
@@ -896,6 +896,7 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
         _set_submodule(model, name, conv)
     for name in orphans:  # placeholders whose block was not found: plain BN, identity-like
         _set_submodule(model, name, model.get_submodule(name).restore(None))
+    forward_scope(model, None)  # the engine's hooks (group_kernels) leave with the blocks
     if fuse_bn:
         model = fuse_conv_bn(model, inplace=True, example_input=example_input)
     return model

@@ -38,11 +38,14 @@ every group's kernels, as one autograd node (:class:`GroupsFunction`; compiled, 
 and one backward for the whole network). ``group_kernels(..., graphs=True)`` records each group's
 construction, eager or compiled, as two CUDA graphs (:class:`Recording`, replayed by a
 :class:`GraphedBuild`): it reads only parameters, whose memory stays put between steps, so a
-replay serves every eager step whatever its batch.
+replay serves every eager step whatever its batch. Inside a ``torch.compile`` trace of the root's
+forward the groups build together too, traced into the graph in the form written for a compiler
+(:meth:`KernelGroup._traced_kernel_of`).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import math
@@ -61,7 +64,7 @@ from . import kernels as K
 
 __all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "POLICIES",
            "PackedParameters", "Plan", "Recording", "RecordingBuffer", "builds_together", "choose_route",
-           "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
+           "forward_scope", "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
            "reference_path", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
@@ -439,12 +442,13 @@ class Plan:
     def _replica_index(self, first: Tensor) -> Tensor:
         """Rows of a replicated first step's concatenation that the virtual blocks read, in order.
         Made by kernels on the device (no copy from the host: it may be inside a CUDA-graph capture)
-        and kept, except inside a capture (that memory is the graph's)."""
+        and kept, except inside a capture (that memory is the graph's) and a dynamo trace (where keeping
+        it would make the graph guard on the cache: the compiler folds it into the gather instead)."""
         m = first.shape[0] // self.n
         index = self._replicas.get((m, first.device))
         if index is None:
             index = torch.cat([torch.arange(b * m, (b + 1) * m, device=first.device) for b in self._virtual])
-            if not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
+            if not (first.is_cuda and torch.cuda.is_current_stream_capturing()) and not torch.compiler.is_compiling():
                 self._replicas[(m, first.device)] = index
         return index
 
@@ -960,6 +964,10 @@ class Workspace:
         self.recorders: dict[tuple, object] = {}
         self.buffers: dict[tuple, RecordingBuffer] = {}  # per device and use, what its recordings share
         self.replay_lock = threading.Lock()  # one network build's copies in, replays and copies out at a time
+        # the kernels built inside a dynamo trace, per (group, block) until their block takes them, and
+        # whether a forward of the grouped root is running (its hooks: KernelGroup.traces_together)
+        self.traced: dict[tuple[int, int], Tensor] = {}
+        self.forward_open = False
         self.said_frozen = False  # whether KernelGroup._frozen_after_packing has warned for this network
 
     def recorder(self, kind: type, device: torch.device):
@@ -1101,6 +1109,8 @@ def _recomputing() -> bool:
 
 def _grouped(block: nn.Module, ref: Tensor) -> KernelGroup | None:
     group = block._kernel_group
+    if group is not None and torch.compiler.is_compiling():
+        return group if group.traces_together(ref) and not _is_replica(block) else None
     if group is None or not group.active(ref) or _is_replica(block):
         # a DataParallel replica shares its original's group, which builds from the original's
         # tensors: it takes its own route, from its own (see plan_of)
@@ -1118,7 +1128,8 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
     kernel, a plain conv. Otherwise each block takes its own route: per branch the cheaper
     matrix-chain order for this input (:func:`route`), the squeezed part optionally rebuilt in
     backward instead of kept (:func:`needs_recompute`). On a GPU (per-block policy, a checkpointed
-    region, a torch.compile'd model) that route is the group's, block by block: launches decide.
+    region, a block compiled outside its root's forward) that route is the group's, block by block:
+    launches decide.
     """
     group = _grouped(block, x)
     if group is not None:
@@ -1273,6 +1284,7 @@ class KernelGroup:
         self._trainable_packed: tuple[str, ...] = ()  # its packed parameters trainable when packed
         # the blocks' names under the root group_kernels was given (for messages)
         self.block_names: tuple[str, ...] = ()
+        self.index_in_peers = 0  # its place among its peers (group_kernels): its kernels' key in a trace
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
@@ -1285,7 +1297,7 @@ class KernelGroup:
         self.__dict__.update(state)
         for key, value in (("workspace", None), ("graphs", False), ("graph_recorder", CudaGraphRecorder),
                            ("_recordings", 0), ("_graphs_off", False), ("_graphed_for", None),
-                           ("_recording", None), ("block_names", ())):
+                           ("_recording", None), ("block_names", ()), ("index_in_peers", 0)):
             self.__dict__.setdefault(key, value)  # a group pickled before it had them
         if "_trainable_packed" not in self.__dict__:  # (as then: what is frozen now was frozen before packing)
             self._trainable_packed = self._packed_trainable()
@@ -1298,8 +1310,47 @@ class KernelGroup:
         """Whether blocks on ``ref``'s device build their kernels here (training forwards only)."""
         return not torch.compiler.is_compiling() and builds_together(self.policy, ref.device)
 
+    def traces_together(self, ref: Tensor) -> bool:
+        """Inside a dynamo trace: whether this group's blocks take their kernels from a build of the
+        network's groups traced into the graph (:meth:`_traced_kernel_of`): where its eager blocks
+        would build as a group, and only within a forward of the root that :func:`group_kernels` was
+        given (its hooks open and close the scope the traced kernels live in)."""
+        ws = self.workspace
+        return ws is not None and ws.forward_open and builds_together(self.policy, ref.device)
+
+    def _traced_kernel_of(self, i: int) -> Tensor:
+        """Block ``i``'s kernel inside a dynamo trace: the first block to ask builds the kernels of
+        every group of the network that traces together (one :class:`GroupsFunction` over their
+        plans' traced twins, :func:`_autograd_twin`; only its own group's without ``joint``), keeping
+        them in the workspace for their blocks to read. Between graphs (a graph break) they stay there
+        as the graph's outputs; the root's hooks drop them at the forward's start and end, so no kernel
+        outlives its forward (parameters change between forwards, not within one)."""
+        held = self.workspace.traced
+        key = (self.index_in_peers, i)
+        if key not in held:
+            groups = [self, *(g for g in self.peers if self.joint and g is not self and g.prebuild
+                              and g.traces_together(g.plan.ref()))]
+            plans = [_autograd_twin(g.plan) for g in groups]
+            kernels = GroupsFunction.apply(EagerBuild(plans), (None,) * len(plans),
+                                           *(t for plan in plans for t in plan.params()))
+            k = 0
+            for g, plan in zip(groups, plans):
+                for j in range(plan.n):
+                    held[(g.index_in_peers, j)] = kernels[k + j]
+                k += plan.n
+        # read, not popped: a block inside a higher-order operator's body (activation checkpointing)
+        # may read what the graph holds but not change it; a block called twice reuses its kernel
+        return held[key]
+
     def kernel_of(self, block: nn.Module) -> Tensor:
         i = self._index[id(block)]
+        if torch.compiler.is_compiling():
+            return self._traced_kernel_of(i)
+        if self.workspace is not None and self.workspace.traced:
+            # built in a compiled part of this forward (a compiled submodule before this block)
+            traced = self.workspace.traced.get((self.index_in_peers, i))
+            if traced is not None:
+                return traced
         entry = self._pending.pop(i, None)
         # still valid: the parameters unchanged and the build's graph not yet through a backward
         # (blocks skipped in one step and run in the next, gradients accumulated in between)
@@ -1496,6 +1547,7 @@ class KernelGroup:
     def _replan(self) -> None:
         """New plans after the steps' weights moved (plans hold where each tensor lives)."""
         self.plan = Plan(self.blocks, self.names, launch_bound=True)
+        _autograd_twin(self.plan)
         for b in self.blocks:
             b._plans.clear()
         self._pending, self._compiled, self._compiled_for, self._graphed_for = {}, {}, None, None
@@ -2160,11 +2212,40 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
             blk._kernel_group = group
         groups.append(group)
     workspace = Workspace()
-    for group in groups:
+    for index, group in enumerate(groups):
         group.peers, group.joint, group.workspace, group.graphs = groups, joint, workspace, graphs
+        group.index_in_peers = index
+        _autograd_twin(group.plan)  # made here, not inside a trace (see KernelGroup._traced_kernel_of)
         if pack:
             group.pack()
+    forward_scope(root, workspace if groups else None)
     return groups
+
+
+def forward_scope(root: nn.Module, workspace: Workspace | None) -> None:
+    """Make ``root``'s forward the scope of the kernels that its groups build inside a dynamo trace
+    (:meth:`KernelGroup._traced_kernel_of`): a pair of hooks that open and close it in ``workspace``.
+    The hooks of an earlier grouping go first (found by their function, so a copied model's are
+    found too); ``None`` only removes them (a deployed model carries nothing of the engine)."""
+    for hooks in (root._forward_pre_hooks, root._forward_hooks):
+        for key in [k for k, h in hooks.items() if getattr(h, "func", None) in (_open_forward, _close_forward)]:
+            del hooks[key]
+            root._forward_hooks_always_called.pop(key, None)
+    if workspace is not None:
+        root.register_forward_pre_hook(functools.partial(_open_forward, workspace))
+        root.register_forward_hook(functools.partial(_close_forward, workspace), always_call=True)
+
+
+def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
+    """The grouped root's forward begins: kernels traced into a compiled graph may be built and kept
+    until their blocks take them (none is left from a forward that stopped halfway)."""
+    workspace.traced.clear()
+    workspace.forward_open = True
+
+
+def _close_forward(workspace: Workspace, module: nn.Module, args, output) -> None:
+    workspace.traced.clear()
+    workspace.forward_open = False
 
 
 def recorded_bytes(root: nn.Module) -> int:

@@ -206,7 +206,7 @@ def default_kernel_builder(device: torch.device, whole_step_compiled: bool = Fal
     compilation of about a minute at the first step (seconds where inductor's cache holds it from an
     earlier run); ``"auto"`` on a CPU, where the per-block routes chosen by FLOPs are faster at
     small batches (ResNet-18 b2: 2.87x against 3.92x) and no slower at larger ones, and under
-    ``--compile``, whose trace runs every block's own route."""
+    ``--compile``, whose trace builds the groups' kernels itself (where ``auto`` groups: a CUDA device)."""
     if device.type != "cuda" or whole_step_compiled:
         return "auto", None
     import importlib.util
@@ -238,8 +238,10 @@ def add_kernel_graphs_argument(g) -> None:
 
 
 def default_pack(kernel_builder: str, device: torch.device, whole_step_compiled: bool = False) -> bool:
-    """Whether to pack when not told: where the groups build the kernels (a whole-step ``torch.compile``
-    traces every block's own route instead, which would read packed rows through views)."""
+    """Whether to pack when not told: where the groups build the kernels, but not under a whole-step
+    ``torch.compile``, which takes no per-parameter host cost away and whose graph then reads packed
+    rows through views (ResNet-18: 135 launches per step against 130 unpacked,
+    ``benchmarks/compiled_model_launches.py``)."""
     return builds_together(kernel_builder, device) and not whole_step_compiled
 
 
