@@ -47,7 +47,7 @@ for name, (method, policy, pack) in VARIANTS.items():
     torch.manual_seed(0)
     model = create_model(args.model, method, num_classes=10).train()
     if policy is not None:
-        engine.group_kernels(model, policy, pack=pack)
+        engine.group_kernels(model, policy, pack=pack, traced=True)
     compiled = torch.compile(model)
     x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
 

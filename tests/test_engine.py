@@ -675,14 +675,14 @@ def test_torch_compile_of_a_packed_model_gives_the_eager_gradients():
 
 @pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
 def test_a_compiled_model_builds_its_groups_kernels_together_inside_the_graph(pack):
-    """``torch.compile`` of a grouped ResNet-18 (policy ``grouped``: what ``auto`` does on a GPU):
-    inside the graph the network's groups build their kernels together, as they do eagerly, instead
+    """``torch.compile`` of a grouped ResNet-18 (policy ``grouped``: what ``auto`` does on a GPU;
+    ``traced=True``): inside the graph the network's groups build their kernels together, as they do eagerly, instead
     of block by block: at most 4 matrix products per group forward and backward (block by block
     the same model's graphs held 180), the per-block numbers, one compilation for two steps, and no kernel
     left in the workspace after a forward."""
     torch._dynamo.reset()
     ref, grouped = _pair("resnet18", "grouped", pack=pack)
-    groups = engine.kernel_groups(grouped)
+    groups = engine.group_kernels(grouped, "grouped", pack=pack, traced=True)
     graphs = []
     compiled = torch.compile(grouped, backend=aot_graph_backend(graphs))
     x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
@@ -732,6 +732,7 @@ def test_kernels_traced_into_a_graph_serve_across_graph_breaks_and_checkpoints(h
     torch._dynamo.reset()
     torch.manual_seed(0)
     net, ref = _twins(_Graphed(how), "grouped", "grouped")
+    engine.group_kernels(net, "grouped", traced=True)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(net, backend=counter, fullgraph=how == "plain")
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
@@ -746,15 +747,16 @@ def test_kernels_traced_into_a_graph_serve_across_graph_breaks_and_checkpoints(h
     assert workspace.traced == {} and not workspace.forward_open
 
 
-def test_a_block_compiled_outside_its_roots_forward_builds_its_own_kernel(monkeypatch):
+def test_a_block_compiled_outside_its_roots_forward_builds_its_own_kernel():
     """Compiled and called by itself (not within the grouped root's forward, whose hooks scope the
     traced kernels) a block builds its own kernel in the graph; compiled as part of the root's forward
     (the root's hooks run eagerly around the compiled submodule), the network's kernels are built
-    there and the eager block after it takes its own from them. Both with the per-block numbers."""
+    there. Both with the per-block numbers."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     net, ref = _twins(nn.Sequential(nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU()),
                                     OREPAConv2d(6, 6, 3, padding=1), nn.Flatten()), "grouped", "per-block")
+    engine.group_kernels(net, "grouped", traced=True)
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
     alone = []
     block = torch.compile(nn.Sequential(net[0], nn.Flatten()), backend=aot_graph_backend(alone))
@@ -766,33 +768,124 @@ def test_a_block_compiled_outside_its_roots_forward_builds_its_own_kernel(monkey
     # its graph reads its own tensors and the input only (not its group's other block's)
     reads = sum(n.op == "placeholder" for n in alone[0].graph.nodes)
     assert reads <= len([*net[0].parameters(), *net[0].buffers()]) + 1, reads
-    inner, eager_builds = [], []
+    inner = []
     net[0] = torch.compile(net[0], backend=aot_graph_backend(inner))
-    build_groups = engine._build_groups
-    monkeypatch.setattr(engine, "_build_groups", lambda groups: eager_builds.append(groups) or build_groups(groups))
     y1, _ = _grads(net, x)
     y0, g0 = _grads(ref, x)
     torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
     for (k, a), b in zip(net.named_parameters(), g0.values()):
         torch.testing.assert_close(a.grad, b, rtol=1e-9, atol=1e-12, msg=k)
-    assert matrix_products(inner) > 0 and not eager_builds
+    reads = sum(n.op == "placeholder" for n in inner[0].graph.nodes)
+    assert reads > len([*net[1].parameters(), *net[1].buffers()]) + 1, reads  # the other block's too
     assert net[1]._kernel_group.workspace.traced == {}
 
 
+def _scope_hooks(m: nn.Module) -> list[str]:
+    """The modules of ``m`` that hold forward hooks, by name."""
+    return [n for n, sub in m.named_modules() if sub._forward_pre_hooks or sub._forward_hooks]
+
+
 def test_the_forward_scope_hooks_follow_regrouping_copies_and_deployment():
-    """``group_kernels`` gives its root one pair of hooks (regrouping replaces them), a deep copy's
-    hooks open its own workspace, and a deployed model carries none."""
+    """Only ``traced=True`` gives the root hooks: one pair (regrouping, also at a wider root, replaces
+    them), a deep copy's open its own workspace, and a deployed model carries none, by
+    ``reparameterize`` or by timm's protocol (``fuse()``), so TorchScript takes it."""
     torch.manual_seed(0)
-    net = nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), OREPAConv2d(6, 6, 3, padding=1))
+    net = nn.Sequential(nn.Sequential(OREPAConv2d(6, 6, 3, padding=1)), OREPAConv2d(6, 6, 3, padding=1))
     engine.group_kernels(net, "grouped")
-    engine.group_kernels(net, "per-block", pack=False)
-    assert len(net._forward_pre_hooks) == 1 and len(net._forward_hooks) == 1
+    assert _scope_hooks(net) == []
+    engine.group_kernels(net[0], "grouped", traced=True)
+    engine.group_kernels(net, "per-block", traced=True)
+    assert _scope_hooks(net) == [""] and len(net._forward_pre_hooks) == len(net._forward_hooks) == 1
     twin = copy.deepcopy(net)
     (hook,) = twin._forward_pre_hooks.values()
-    assert hook.args[0] is twin[0]._kernel_group.workspace is not net[0]._kernel_group.workspace
+    assert hook.args[0] is twin[1]._kernel_group.workspace is not net[1]._kernel_group.workspace
     deployed = orepa.reparameterize(twin)
-    assert not deployed._forward_pre_hooks and not deployed._forward_hooks and not deployed._forward_hooks_always_called
-    assert len(twin._forward_pre_hooks) == 1  # (a copy was deployed)
+    assert _scope_hooks(deployed) == [] and not deployed._forward_hooks_always_called
+    assert _scope_hooks(twin) == [""]  # (a copy was deployed)
+    torch.jit.script(deployed)
+    for parent, name in ((twin[0], "0"), (twin, "1")):  # what timm.utils.reparameterize_model does
+        setattr(parent, name, getattr(parent, name).fuse())
+    assert _scope_hooks(twin) == []
+    torch.jit.script(twin)
+
+
+class _TwoPasses(nn.Module):
+    """A submodule run twice in one forward, the second time with other tensors (a MAML inner step,
+    a mean teacher)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(), OREPAConv2d(6, 6, 3, padding=1))
+
+    def forward(self, x, other):
+        return (self.net(x) + torch.func.functional_call(self.net, other, (x,))).flatten(1)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_a_traced_kernel_serves_only_the_tensors_it_was_built_from(pack):
+    """Within one compiled forward a block that reads other tensors (``functional_call``) builds
+    again: the eager groups' output and gradients, the substituted tensors' included."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net, ref = _twins(_TwoPasses(), "grouped", "grouped")
+    engine.group_kernels(net, "grouped", pack=pack, traced=True)
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    other = {k: (v + 0.3 * torch.randn_like(v)).detach().requires_grad_() for k, v in ref.net.named_parameters()}
+
+    def run(model):
+        for t in other.values():
+            t.grad = None
+        y = model(x, other)
+        y.square().sum().backward()
+        return y, {k: t.grad.clone() for k, t in other.items()}
+
+    y1, g1 = run(torch.compile(net, backend="aot_eager"))
+    y0, g0 = run(ref)
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+class _Mixed(nn.Module):
+    """Two blocks of one signature, one in float64 and one in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = OREPAConv2d(6, 6, 3, padding=1).double(), OREPAConv2d(6, 6, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(self.a(x).float())
+
+
+def test_traced_groups_of_mixed_dtypes_build_block_by_block_and_held_groups_build_once():
+    """A group whose blocks differ in dtype builds block by block in the graph (as eagerly: it failed
+    to compile); a group that declined prebuilding and is reached after another group's build
+    builds itself only (it built the other again)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mixed = _Mixed()
+    engine.group_kernels(mixed, "grouped", traced=True)
+    assert len(engine.kernel_groups(mixed)) == 1
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    y = torch.compile(mixed, backend="aot_eager")(x)
+    torch.testing.assert_close(y, mixed(x), rtol=1e-5, atol=1e-6)
+
+    torch._dynamo.reset()
+    net = _Fan([6, 6])
+    net.blocks.append(OREPAConv2d(4, 8, 3, padding=1, groups=2))
+    net, _ = _twins(net, "grouped", "grouped")
+    groups = engine.group_kernels(net, "grouped", traced=True)
+    assert len(groups) == 2
+    graphs = []
+    counts = []
+    for declined in (False, True):
+        graphs.clear()
+        torch._dynamo.reset()
+        if declined:
+            groups[1].decline()
+        torch.compile(net, backend=aot_graph_backend(graphs))(torch.randn(2, 4, 5, 5, dtype=torch.float64)).sum().backward()
+        counts.append(matrix_products(graphs))
+    assert counts[0] == counts[1], counts
 
 
 def _twins(net: nn.Module, policy: str, other: str) -> tuple[nn.Module, nn.Module]:

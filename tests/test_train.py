@@ -769,9 +769,10 @@ def test_train_without_a_kernel_builder_groups_with_the_default_pick(cache, tmp_
     spy groups them eagerly, so that "compiled" costs no compilation on a CPU)."""
     seen = []
 
-    def spy(model, policy, pack, joint, graphs):
+    def spy(model, policy, pack, joint, graphs, traced):
         seen.append(policy)
-        assert joint and not graphs  # one process: the network's kernels as one node; recorded builds: off
+        # one process: the network's kernels as one node; recorded builds off; not compiled: nothing traced
+        assert joint and not graphs and not traced
         return real(model, "grouped", pack, joint)
 
     real = train.group_kernels

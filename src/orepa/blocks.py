@@ -792,7 +792,9 @@ class ReparamConv2d(nn.Module):
     def fuse(self) -> nn.Conv2d:
         """timm's re-parameterization protocol (``timm.utils.reparameterize_model`` replaces a
         child by its ``fuse()``): :meth:`to_conv`. The BN a block absorbed is carried in this
-        conv's bias; its :class:`AbsorbedNorm` placeholder fuses to an identity BatchNorm2d."""
+        conv's bias; its :class:`AbsorbedNorm` placeholder fuses to an identity BatchNorm2d. Its
+        network's root loses the engine's hooks (``group_kernels(..., traced=True)``)."""
+        E.release_scope(getattr(getattr(self, "_kernel_group", None), "workspace", None))
         return self.to_conv().train(self.training)
 
     def extra_repr(self) -> str:

@@ -41,7 +41,7 @@ from .blocks import (
     check_conv_config,
     keep_layout,
 )
-from .engine import forward_scope, group_kernels
+from .engine import group_kernels, release_scope
 
 __all__ = ["convert", "reparameterize", "load_plain_state_dict", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport",
            "METHODS", "make_block"]
@@ -856,6 +856,7 @@ def _check_module(model, caller: str) -> None:
 def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
     """``block`` as its plain conv, in the block's mode, and frozen where the block is (a frozen
     stage deploys frozen)."""
+    release_scope(getattr(getattr(block, "_kernel_group", None), "workspace", None))  # its root's hooks (group_kernels(traced=True))
     conv = block.to_conv().train(block.training)
     if not any(p.requires_grad for p in block.parameters()):
         conv.requires_grad_(False)
@@ -896,7 +897,6 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
         _set_submodule(model, name, conv)
     for name in orphans:  # placeholders whose block was not found: plain BN, identity-like
         _set_submodule(model, name, model.get_submodule(name).restore(None))
-    forward_scope(model, None)  # the engine's hooks (group_kernels) leave with the blocks
     if fuse_bn:
         model = fuse_conv_bn(model, inplace=True, example_input=example_input)
     return model

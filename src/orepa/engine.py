@@ -38,9 +38,9 @@ every group's kernels, as one autograd node (:class:`GroupsFunction`; compiled, 
 and one backward for the whole network). ``group_kernels(..., graphs=True)`` records each group's
 construction, eager or compiled, as two CUDA graphs (:class:`Recording`, replayed by a
 :class:`GraphedBuild`): it reads only parameters, whose memory stays put between steps, so a
-replay serves every eager step whatever its batch. Inside a ``torch.compile`` trace of the root's
-forward the groups build together too, traced into the graph in the form written for a compiler
-(:meth:`KernelGroup._traced_kernel_of`).
+replay serves every eager step whatever its batch. ``group_kernels(..., traced=True)``: inside a
+``torch.compile`` trace of the root's forward the groups build together too, traced into the graph
+in the form written for a compiler (:meth:`KernelGroup._traced_kernel_of`).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ from . import kernels as K
 __all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "POLICIES",
            "PackedParameters", "Plan", "Recording", "RecordingBuffer", "builds_together", "choose_route",
            "forward_scope", "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
-           "reference_path", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
+           "reference_path", "release_scope", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -964,10 +964,12 @@ class Workspace:
         self.recorders: dict[tuple, object] = {}
         self.buffers: dict[tuple, RecordingBuffer] = {}  # per device and use, what its recordings share
         self.replay_lock = threading.Lock()  # one network build's copies in, replays and copies out at a time
-        # the kernels built inside a dynamo trace, per (group, block) until their block takes them, and
-        # whether a forward of the grouped root is running (its hooks: KernelGroup.traces_together)
-        self.traced: dict[tuple[int, int], Tensor] = {}
+        # group_kernels(traced=True): the kernels built inside a dynamo trace during the root's forward, per
+        # (group, block) with the tensors each was built from; whether that forward is running (opened and
+        # closed by the root's hooks, whose handles these are: KernelGroup.traces_together)
+        self.traced: dict[tuple[int, int], tuple[Tensor, tuple[Tensor, ...]]] = {}
         self.forward_open = False
+        self.scope_hooks: tuple = ()
         self.said_frozen = False  # whether KernelGroup._frozen_after_packing has warned for this network
 
     def recorder(self, kind: type, device: torch.device):
@@ -980,7 +982,9 @@ class Workspace:
         return memo(self.buffers, (device, use), lambda: RecordingBuffer(device))
 
     def __reduce__(self):
-        return (Workspace, ())
+        # a copy starts empty but for its root's hooks' handles (copied with the root, so a copied model's
+        # deployment removes its own hooks)
+        return (Workspace, (), {"scope_hooks": self.scope_hooks})
 
     def arena(self, key: tuple) -> Arena:
         """The arena of ``key`` = (device, dtype). A new one frees the memory of those before it that
@@ -1312,11 +1316,23 @@ class KernelGroup:
 
     def traces_together(self, ref: Tensor) -> bool:
         """Inside a dynamo trace: whether this group's blocks take their kernels from a build of the
-        network's groups traced into the graph (:meth:`_traced_kernel_of`): where its eager blocks
-        would build as a group, and only within a forward of the root that :func:`group_kernels` was
-        given (its hooks open and close the scope the traced kernels live in)."""
+        network's groups traced into the graph (:meth:`_traced_kernel_of`): grouped with ``traced=True``,
+        where its eager blocks would build as a group, its tensors on one device and of one dtype (else
+        each block builds its own, as eagerly), and only within a forward of the root that
+        :func:`group_kernels` was given (its hooks open and close the scope the traced kernels live in)."""
         ws = self.workspace
-        return ws is not None and ws.forward_open and builds_together(self.policy, ref.device)
+        if ws is None or not ws.forward_open or not builds_together(self.policy, ref.device):
+            return False
+        return all(t.device == ref.device and t.dtype == ref.dtype
+                   for b in range(self.plan.n) for t in self.plan.tensors_of(b))
+
+    def _sources(self, b: int) -> tuple[Tensor, ...]:
+        """What block ``b``'s kernel is built from, as objects: its packed parameters (unless a step reads
+        a tensor set in place of its rows) or its own tensors, then its fixed kernels."""
+        if self.packed is not None and not self._overridden():
+            fixed = (t for t, learnable in zip(self.plan.tensors_of(b), self.plan.learnable_roles) if not learnable)
+            return (*self.packed._parameters.values(), *fixed)
+        return tuple(self.plan.tensors_of(b))
 
     def _traced_kernel_of(self, i: int) -> Tensor:
         """Block ``i``'s kernel inside a dynamo trace: the first block to ask builds the kernels of
@@ -1324,33 +1340,37 @@ class KernelGroup:
         plans' traced twins, :func:`_autograd_twin`; only its own group's without ``joint``), keeping
         them in the workspace for their blocks to read. Between graphs (a graph break) they stay there
         as the graph's outputs; the root's hooks drop them at the forward's start and end, so no kernel
-        outlives its forward (parameters change between forwards, not within one)."""
+        outlives its forward. A kernel serves while its block reads the tensors it was built from (the
+        same objects: a second pass with other tensors, e.g. ``functional_call``, builds again); their
+        values do not change within a forward (the optimizer steps between forwards).
+
+        Read, not taken out: a block inside a higher-order operator's body (an activation-checkpointed
+        region) may read what the graph holds but not change it, and a block called twice reuses its
+        kernel. A build inside such a region (its first online block) changes the workspace: dynamo
+        then breaks the graph there and runs the region eagerly."""
         held = self.workspace.traced
         key = (self.index_in_peers, i)
-        if key not in held:
+        entry = held.get(key)
+        mine = self._sources(i)
+        if entry is None or len(entry[1]) != len(mine) or not all(a is b for a, b in zip(entry[1], mine)):
+            # this group, and every group of the network that traces together and holds no kernels yet
             groups = [self, *(g for g in self.peers if self.joint and g is not self and g.prebuild
-                              and g.traces_together(g.plan.ref()))]
+                              and (g.index_in_peers, 0) not in held and g.traces_together(g.plan.ref()))]
             plans = [_autograd_twin(g.plan) for g in groups]
             kernels = GroupsFunction.apply(EagerBuild(plans), (None,) * len(plans),
                                            *(t for plan in plans for t in plan.params()))
             k = 0
             for g, plan in zip(groups, plans):
                 for j in range(plan.n):
-                    held[(g.index_in_peers, j)] = kernels[k + j]
+                    held[(g.index_in_peers, j)] = (kernels[k + j], g._sources(j))
                 k += plan.n
-        # read, not popped: a block inside a higher-order operator's body (activation checkpointing)
-        # may read what the graph holds but not change it; a block called twice reuses its kernel
-        return held[key]
+            entry = held[key]
+        return entry[0]
 
     def kernel_of(self, block: nn.Module) -> Tensor:
         i = self._index[id(block)]
         if torch.compiler.is_compiling():
             return self._traced_kernel_of(i)
-        if self.workspace is not None and self.workspace.traced:
-            # built in a compiled part of this forward (a compiled submodule before this block)
-            traced = self.workspace.traced.get((self.index_in_peers, i))
-            if traced is not None:
-                return traced
         entry = self._pending.pop(i, None)
         # still valid: the parameters unchanged and the build's graph not yet through a backward
         # (blocks skipped in one step and run in the next, gradients accumulated in between)
@@ -2158,7 +2178,7 @@ def _by_width(blocks: list[nn.Module]) -> list[list[nn.Module]]:
 
 
 def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joint: bool = True,
-                  graphs: bool = False) -> list[KernelGroup]:
+                  graphs: bool = False, traced: bool = False) -> list[KernelGroup]:
     """Group the online blocks under ``root`` by construction signature (input channels, kernel
     size, groups, branch set and step shapes; the output channels where the blocks' convs are
     grouped) so each group builds its kernels together in training forwards. Blocks of one
@@ -2186,12 +2206,23 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     CUDA graphs at its first build and replayed at every later one (:class:`Recording`,
     :class:`GraphedBuild`): the construction's host time in an eager step becomes per group a replay
     and a copy each way; its memory (the graphs' pool) is then held between steps. Outside a capture
-    only (a whole step recorded as a graph records the construction with it). Returns the groups.
+    only (a whole step recorded as a graph records the construction with it).
+
+    ``traced``: a ``torch.compile`` of ``root`` (or of parts of it, called within its forward) builds
+    the groups' kernels together inside the graph, where they build as groups (:meth:`KernelGroup.
+    traces_together`), instead of block by block: ResNet-18's compiled train step launches 130 kernels
+    instead of 224 (base 81). ``root`` gets a forward pre-hook and forward hook that scope those kernels
+    to its forward (:func:`forward_scope`; deployment removes them). Not with activation checkpointing
+    in or around the compiled code: a compiled region called inside an eagerly checkpointed one
+    recomputes block by block in backward (after the root's forward) and fails checkpoint's check of
+    the recomputed tensors, and a checkpointed region that holds a network's first online block breaks
+    the graph (it runs eagerly). Returns the groups.
     """
     if policy not in POLICIES:
         raise ValueError(f"kernel-builder policy must be one of {POLICIES}, got {policy!r}")
     for group in kernel_groups(root):
         group.unpack()
+        release_scope(group.workspace)
     by_signature: dict[tuple, list[nn.Module]] = {}
     for m in root.modules():
         if not hasattr(m, "_kernel_group"):
@@ -2218,27 +2249,36 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
         _autograd_twin(group.plan)  # made here, not inside a trace (see KernelGroup._traced_kernel_of)
         if pack:
             group.pack()
-    forward_scope(root, workspace if groups else None)
+    if traced and groups:
+        forward_scope(root, workspace)
     return groups
 
 
-def forward_scope(root: nn.Module, workspace: Workspace | None) -> None:
+def forward_scope(root: nn.Module, workspace: Workspace) -> None:
     """Make ``root``'s forward the scope of the kernels that its groups build inside a dynamo trace
-    (:meth:`KernelGroup._traced_kernel_of`): a pair of hooks that open and close it in ``workspace``.
-    The hooks of an earlier grouping go first (found by their function, so a copied model's are
-    found too); ``None`` only removes them (a deployed model carries nothing of the engine)."""
-    for hooks in (root._forward_pre_hooks, root._forward_hooks):
-        for key in [k for k, h in hooks.items() if getattr(h, "func", None) in (_open_forward, _close_forward)]:
-            del hooks[key]
-            root._forward_hooks_always_called.pop(key, None)
-    if workspace is not None:
-        root.register_forward_pre_hook(functools.partial(_open_forward, workspace))
-        root.register_forward_hook(functools.partial(_close_forward, workspace), always_call=True)
+    (:meth:`KernelGroup._traced_kernel_of`): a pair of hooks that open and close it in ``workspace``,
+    which keeps their handles (:func:`release_scope`)."""
+    release_scope(workspace)
+    workspace.scope_hooks = (
+        root.register_forward_pre_hook(functools.partial(_open_forward, workspace)),
+        root.register_forward_hook(functools.partial(_close_forward, workspace), always_call=True))
+
+
+def release_scope(workspace: Workspace | None) -> None:
+    """Remove the hooks :func:`forward_scope` gave a root for ``workspace`` (regrouping, deployment: a
+    deployed model carries nothing of the engine, and TorchScript takes only its own hooks)."""
+    if workspace is None:
+        return
+    for handle in workspace.scope_hooks:
+        handle.remove()
+    workspace.scope_hooks = ()
+    workspace.traced.clear()
+    workspace.forward_open = False
 
 
 def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
-    """The grouped root's forward begins: kernels traced into a compiled graph may be built and kept
-    until their blocks take them (none is left from a forward that stopped halfway)."""
+    """The grouped root's forward begins: kernels traced into a compiled graph may be built and kept for
+    its blocks to read (none is left from a forward that stopped halfway)."""
     workspace.traced.clear()
     workspace.forward_open = True
 

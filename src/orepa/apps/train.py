@@ -603,7 +603,7 @@ class Trainer:
         # one autograd node for the network's kernels (the fewest host calls), except under DDP, whose
         # all-reduce of a group's gradients overlaps the rest of the backward only with a node per group
         groups = group_kernels(model, args.kernel_builder, pack=args.pack_parameters, joint=not info.distributed,
-                               graphs=args.kernel_graphs)
+                               graphs=args.kernel_graphs, traced=bool(args.compile))
         self.n_groups = len(groups)
         if args.kernel_builder == "compiled" and groups:
             self.log(f"kernel builder: the construction of {len(groups)} group(s) of online blocks is compiled "

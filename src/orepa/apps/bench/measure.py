@@ -416,7 +416,8 @@ def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000,
     (``orepa:pack=false``; None: where they build the kernels, as ``orepa train`` does, unless the
     timed steps are ``compiled_step`` s, torch.compile'd); ``orepa:joint=false``: a node per group
     instead of one for the network (``group_kernels``' ``joint``); ``orepa:graphs=true``: the groups'
-    builds recorded as CUDA graphs (``group_kernels``' ``graphs``; eager steps only)."""
+    builds recorded as CUDA graphs (``group_kernels``' ``graphs``; eager steps only). Compiled steps
+    build the groups' kernels inside the graph (``group_kernels``' ``traced``)."""
     torch.manual_seed(seed)
     network, builder, switches = split_run_options(spec, kernel_builder)
     pack = switches.get("pack", pack)
@@ -427,7 +428,8 @@ def make_runner(model: ModelSpec, spec: str, *, device, num_classes: int = 1000,
     if graphs and torch.device(device).type != "cuda":
         raise ValueError(f"--methods {spec}: graphs=true records the kernel construction as CUDA graphs, "
                          f"which needs a CUDA device, got {device}")
-    groups = group_kernels(net, builder, pack=pack, joint=switches.get("joint", True), graphs=graphs)
+    groups = group_kernels(net, builder, pack=pack, joint=switches.get("joint", True), graphs=graphs,
+                           traced=compiled_step)
     packed = any(g.packed is not None for g in groups)
     return Runner(spec, net, make_sgd(net.parameters(), lr=lr, momentum=0.9, weight_decay=1e-4), builder, packed,
                   kernel_graphs=graphs)
