@@ -794,7 +794,8 @@ class ReparamConv2d(nn.Module):
         child by its ``fuse()``): :meth:`to_conv`. The BN a block absorbed is carried in this
         conv's bias; its :class:`AbsorbedNorm` placeholder fuses to an identity BatchNorm2d. Its
         network's root loses the engine's hooks (``group_kernels(..., traced=True)``)."""
-        E.release_scope(getattr(getattr(self, "_kernel_group", None), "workspace", None))
+        group = getattr(self, "_kernel_group", None)  # (a block pickled before it had one)
+        E.release_scope(None if group is None else group.workspace)
         return self.to_conv().train(self.training)
 
     def extra_repr(self) -> str:

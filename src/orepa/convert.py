@@ -41,7 +41,7 @@ from .blocks import (
     check_conv_config,
     keep_layout,
 )
-from .engine import group_kernels, release_scope
+from .engine import group_kernels
 
 __all__ = ["convert", "reparameterize", "load_plain_state_dict", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport",
            "METHODS", "make_block"]
@@ -856,8 +856,7 @@ def _check_module(model, caller: str) -> None:
 def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
     """``block`` as its plain conv, in the block's mode, and frozen where the block is (a frozen
     stage deploys frozen)."""
-    release_scope(getattr(getattr(block, "_kernel_group", None), "workspace", None))  # its root's hooks (group_kernels(traced=True))
-    conv = block.to_conv().train(block.training)
+    conv = block.fuse()  # (timm's protocol: also takes the engine's hooks off the root)
     if not any(p.requires_grad for p in block.parameters()):
         conv.requires_grad_(False)
     return conv

@@ -1567,7 +1567,8 @@ class KernelGroup:
     def _replan(self) -> None:
         """New plans after the steps' weights moved (plans hold where each tensor lives)."""
         self.plan = Plan(self.blocks, self.names, launch_bound=True)
-        _autograd_twin(self.plan)
+        if self.workspace is not None and self.workspace.scope_hooks:  # grouped with traced=True
+            _autograd_twin(self.plan)
         for b in self.blocks:
             b._plans.clear()
         self._pending, self._compiled, self._compiled_for, self._graphed_for = {}, {}, None, None
@@ -2246,11 +2247,12 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     for index, group in enumerate(groups):
         group.peers, group.joint, group.workspace, group.graphs = groups, joint, workspace, graphs
         group.index_in_peers = index
-        _autograd_twin(group.plan)  # made here, not inside a trace (see KernelGroup._traced_kernel_of)
         if pack:
             group.pack()
     if traced and groups:
         forward_scope(root, workspace)
+        for group in groups:
+            _autograd_twin(group.plan)  # made here, not inside a trace (see KernelGroup._traced_kernel_of)
     return groups
 
 
