@@ -1075,6 +1075,24 @@ def test_compiled_orepa_training_runs_and_saves_the_plain_model(cache, tmp_path,
     assert main(["reparam", str(out / "checkpoint.pth"), "--no-progress", "-j", "0", "--val-subset", "16"]) == 0
 
 
+def test_the_command_quiets_only_torchs_warning_about_its_own_deprecated_helper():
+    """A fresh ``--compile`` run printed torch's FutureWarning about ``_prims_common.check``, which
+    inductor's own lowering of ``diagonal`` calls (nothing a user can act on); the same warning
+    raised from anywhere else still shows."""
+    import warnings
+
+    from orepa import cli
+
+    message = "`torch._prims_common.check` is deprecated and will be removed in the future."
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cli._quiet_torch_internals()
+        warnings.warn_explicit(message, FutureWarning, "lowering.py", 1, module="torch._inductor.lowering")
+        warnings.warn_explicit(message, FutureWarning, "mine.py", 1, module="mine")
+        warnings.warn_explicit("another", FutureWarning, "lowering.py", 2, module="torch._inductor.lowering")
+    assert [(w.filename, str(w.message)) for w in seen] == [("mine.py", message), ("lowering.py", "another")]
+
+
 def test_eval_warns_of_non_finite_weights(cache, tmp_path, capsys):
     """A checkpoint with NaN weights was evaluated to an accuracy without a word; a warning on
     stderr names the first such tensor (eval still reports: looking at a diverged run is fair)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -70,9 +71,18 @@ def _printable_streams() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
+def _quiet_torch_internals() -> None:
+    """Warnings torch's own code raises at itself, which no flag of ours can act on: inductor's
+    lowering of ``diagonal`` (a compiled kernel construction's vjp, a ``--compile``d step) calls
+    torch's deprecated ``_prims_common.check``."""
+    warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated",
+                            category=FutureWarning, module=r"torch\._inductor\.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _printable_streams()
+    _quiet_torch_internals()
     cmd = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(cmd if cmd in SUBCOMMANDS else None)
     if cmd in SUBCOMMANDS:  # (the subcommand's module, imported above, imports torch and this anyway)

@@ -216,6 +216,16 @@ def _tail(bn: nn.Module) -> nn.Module:
     return nn.Sequential(bn.drop, bn.act) if _norm_then_act(bn) else nn.Identity()
 
 
+def _normalise_as(block: nn.Module, bn: nn.Module) -> None:
+    """A block's own BNs take the ``eps`` and ``momentum`` of the BN it absorbs (a network may declare
+    others than torch's defaults: torchvision's MobileNetV3 1e-3 / 0.01, timm's ``tf_*`` nets eps 1e-3):
+    with the plain weights loaded the block then computes conv + BN exactly, in training mode too, and
+    its running statistics follow the network's own average."""
+    for m in block.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eps, m.momentum = bn.eps, bn.momentum
+
+
 def _is_bn(m: nn.Module) -> bool:
     """A BatchNorm2d or SyncBatchNorm itself, or a timm norm-act: any other subclass may do more
     than normalise, which folding or absorbing its BN would drop."""
@@ -392,7 +402,7 @@ def _slots(model: nn.Module) -> dict[int, int]:
     return count
 
 
-def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str, str]]:
+def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str, str], dict[str, str]]:
     """The fallback when torch.fx cannot trace the whole model and no example input is given.
 
     Pairs only what is adjacent by construction: consecutive children of an ``nn.Sequential``
@@ -400,16 +410,19 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
     torch.fx finds in every submodule it can trace on its own. What the untraceable parent does
     with those submodules is not seen: a forward that also calls one child of a Sequential on its
     own (``self.seq[0](x)``) needs ``example_input``. A conv or BN registered at
-    several places (a BN shared by two convs) is never paired. Returns the pairs and,
+    several places (a BN shared by two convs) is never paired. Returns the pairs,
     for the conv -> BN pairs a registration-order guess would have made but that are not
-    provable, ``{conv_name: why it was left out}``.
+    provable, ``{conv_name: why it was left out}``, and for the pairs taken on that trust (a
+    Sequential's inside a module torch.fx could not trace) ``{conv_name: that module's name}``.
     """
     slots = _slots(model)
     pairs: list[tuple[str, str]] = []
     untraced: dict[str, str] = {}  # module name -> why torch.fx could not trace it
     seen: set[int] = set()
+    trusted: dict[str, str] = {}  # conv name -> the untraced module trusted to call its Sequential whole
 
-    def visit(module: nn.Module, prefix: str) -> None:
+    def visit(module: nn.Module, prefix: str, caller: str | None) -> None:
+        # caller: the untraced module whose forward calls this one (None: called whole, as the model is)
         if id(module) in seen or isinstance(module, (ReparamConv2d, AbsorbedNorm)) or not any(module.children()):
             return  # visited, a block (its steps are not the model's convs) or a leaf
         seen.add(id(module))
@@ -418,18 +431,21 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
             for (cn, c), (bn_name, bn) in zip(children, children[1:]):
                 if _is_conv(c) and _foldable_bn(bn, c):
                     pairs.append((prefix + cn, prefix + bn_name))
+                    if caller is not None:
+                        trusted[prefix + cn] = caller
         else:
             try:
                 found = _pairs_fx(module)
             except Exception as exc:  # untraceable: look inside
-                untraced[prefix.rstrip(".")] = f"{type(exc).__name__}: {str(exc)[:100]}".split("\n")[0]
+                caller = prefix.rstrip(".")
+                untraced[caller] = f"{type(exc).__name__}: {str(exc)[:100]}".split("\n")[0]
             else:
                 pairs.extend((prefix + c, prefix + b) for c, b in found)
                 return
         for name, child in module.named_children():
-            visit(child, f"{prefix}{name}.")
+            visit(child, f"{prefix}{name}.", caller)
 
-    visit(model, "")
+    visit(model, "", None)
     pairs = [(c, b) for c, b in pairs if slots[id(model.get_submodule(c))] == slots[id(model.get_submodule(b))] == 1]
     paired = {c for c, _ in pairs}
     left_out: dict[str, str] = {}
@@ -453,7 +469,7 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
                     f"{where} ({type(parent).__name__}; {untraced[parent_name]}), so nothing "
                     f"shows that {bn_name!r} consumes only this conv's output; pass example_input to pair by "
                     "running the model")
-    return pairs, left_out
+    return pairs, left_out, {c: trusted[c] for c in paired if c in trusted}
 
 
 def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
@@ -475,11 +491,13 @@ def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
     return None
 
 
-def _find_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
-    """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out. Whatever
-    the route, a pair with a module registered at several places is left out (:func:`_split_reason`):
-    neither ``convert`` nor ``fuse_conv_bn`` could replace it whole."""
-    pairs, how, left_out = _pairs_any_route(model, example_input)
+def _find_pairs(model: nn.Module, example_input=None) \
+        -> tuple[list[tuple[str, str]], str, dict[str, str], dict[str, str]]:
+    """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out and
+    ``{conv_name: module}`` for the pairs taken on trust of an untraced module (:func:`_pairs_structural`).
+    Whatever the route, a pair with a module registered at several places is left out
+    (:func:`_split_reason`): neither ``convert`` nor ``fuse_conv_bn`` could replace it whole."""
+    pairs, how, left_out, trusted = _pairs_any_route(model, example_input)
     slots = _slots(model)
     kept = []
     for conv_name, bn_name in pairs:
@@ -488,21 +506,35 @@ def _find_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, s
             kept.append((conv_name, bn_name))
         else:
             left_out[conv_name] = why
-    return kept, how, left_out
+    return kept, how, left_out, {c: m for c, m in trusted.items() if c not in left_out}
 
 
-def _pairs_any_route(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str, dict[str, str]]:
+def _pairs_any_route(model: nn.Module, example_input=None) \
+        -> tuple[list[tuple[str, str]], str, dict[str, str], dict[str, str]]:
     """The pairs of the first route that works: torch.fx, forward hooks, the structural fallback."""
     left_out: dict[str, str] = {}
     try:
-        return _pairs_fx(model, left_out), "torch.fx", left_out
+        return _pairs_fx(model, left_out), "torch.fx", left_out, {}
     except Exception as exc:  # untraceable control flow etc.
         reason = f"{type(exc).__name__}"
     if example_input is not None:
-        return _pairs_hooks(model, example_input), f"forward hooks (fx failed: {reason})", {}
-    pairs, left_out = _pairs_structural(model)
+        return _pairs_hooks(model, example_input), f"forward hooks (fx failed: {reason})", {}, {}
+    pairs, left_out, trusted = _pairs_structural(model)
     return pairs, (f"traceable submodules and nn.Sequential order (fx failed on the model: {reason}; "
-                   "pass example_input to pair the rest by running the model)"), left_out
+                   "pass example_input to pair the rest by running the model)"), left_out, trusted
+
+
+def _warn_trusted(caller: str, trusted: dict[str, str], stacklevel: int = 3) -> None:
+    """Where a BN is folded or absorbed on a pairing only trusted (:func:`_pairs_structural`): a
+    forward that calls one child of such a Sequential alone, or reorders them, would be changed."""
+    if trusted:
+        convs = sorted(trusted)
+        where = ", ".join(sorted({repr(m) if m else "the model" for m in trusted.values()}))
+        warnings.warn(f"{caller}: torch.fx could not trace {where}, so the BN after {', '.join(map(repr, convs[:3]))}"
+                      f"{f' and {len(convs) - 3} more convs' if len(convs) > 3 else ''} was paired by nn.Sequential "
+                      "order, trusting that forward to call each Sequential whole (one calling a child alone or "
+                      "reordering them would be changed); pass example_input to pair by running the model",
+                      stacklevel=stacklevel)
 
 
 def find_conv_bn_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str]:
@@ -517,11 +549,15 @@ def find_conv_bn_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple
     child on its own needs ``example_input``. Returns the pairs and
     the method used.
     """
-    pairs, how, left_out = _find_pairs(model, example_input)
+    pairs, how, left_out, _ = _find_pairs(model, example_input)
+    _warn_left_out(left_out)
+    return pairs, how
+
+
+def _warn_left_out(left_out: dict[str, str], stacklevel: int = 3) -> None:
     if left_out:
         warnings.warn("conv -> BN pairs left out: " + "; ".join(f"{c}: {why}" for c, why in left_out.items()),
-                      stacklevel=2)
-    return pairs, how
+                      stacklevel=stacklevel)
 
 
 # --------------------------------------------------------------------------- convert / reparameterize
@@ -608,7 +644,7 @@ def convert(
         except RuntimeError as exc:  # torch.nn.utils.weight_norm's computed weight refuses to be copied
             raise ValueError(f"convert(inplace=False) cannot copy {type(model).__name__} ({exc}); "
                              "pass inplace=True to convert the model itself") from None
-    pairs, how, left_out = _find_pairs(model, example_input)
+    pairs, how, left_out, trusted = _find_pairs(model, example_input)
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
     for name, block in _top_level_blocks(model):
@@ -625,6 +661,7 @@ def convert(
         pairs = pairs + [(name, None) for name in report.skipped
                          if _convertible(model.get_submodule(name)) and not _inside_block(name, model)]
     slots = _slots(model)
+    absorbed_on_trust: dict[str, str] = {}  # (an online block leaves the BN where it is: a pair on trust is safe)
     for conv_name, bn_name in pairs:
         conv = model.get_submodule(conv_name)
         if not _convertible(conv):
@@ -666,6 +703,9 @@ def convert(
         elif block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
             absorbed = AbsorbedNorm(bn, norm_act=_norm_then_act(bn))
             block.absorbed_token = absorbed.token
+            _normalise_as(block, bn)
+            if conv_name in trusted:
+                absorbed_on_trust[conv_name] = trusted[conv_name]
             _set_submodule(model, bn_name, absorbed)
         _set_submodule(model, conv_name, block)
         report.converted.append(conv_name)
@@ -682,6 +722,7 @@ def convert(
             if unpaired and method == "orepa" else ""
         raise ValueError(f"convert(method={method!r}) found nothing to convert in {type(model).__name__}: "
                          + (why or "it has no nn.Conv2d followed by a BatchNorm2d") + hint)
+    _warn_trusted(f"convert(method={method!r})", absorbed_on_trust)
     made = "offline OREPA" if method == "orepa" and options.get("mode") == "offline" else _METHOD_KIND[method]
     other = sorted({kind for kind in report.kept.values() if kind != made})
     if other:
@@ -826,7 +867,10 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
     (a timm BatchNormAct2d its dropout and activation)."""
     if not inplace:
         model = copy.deepcopy(model)
-    pairs, _ = find_conv_bn_pairs(model, example_input)
+    pairs, _, left_out, trusted = _find_pairs(model, example_input)
+    # (stacklevel: past torch.no_grad's wrapper to the caller)
+    _warn_left_out(left_out, stacklevel=4)
+    _warn_trusted("fuse_conv_bn", {c: m for c, m in trusted.items() if _convertible(model.get_submodule(c))}, 4)
     for conv_name, bn_name in pairs:
         conv, bn = model.get_submodule(conv_name), model.get_submodule(bn_name)
         if not _convertible(conv):
