@@ -468,6 +468,22 @@ class Hostile:
         return exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",)
 
 
+def test_a_checkpoint_this_user_may_not_read_is_said_so_not_called_corrupt(tmp_path, capsys, monkeypatch):
+    """A checkpoint without read permission was 'corrupt, truncated or not a PyTorch checkpoint
+    (PermissionError ...)'. (Root reads any file: the refusal is made by a stand-in open.)"""
+    from orepa.apps import checkpoint as ckpt_io
+
+    path = tmp_path / "theirs.pth"
+    torch.save({"w": torch.zeros(1)}, path)
+
+    def refused(file, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(file))
+
+    monkeypatch.setattr(ckpt_io, "open", refused, raising=False)
+    assert main(["eval", str(path)]) == 2
+    assert capsys.readouterr().err == f"orepa eval: error: checkpoint {path} cannot be read (Permission denied)\n"
+
+
 @pytest.mark.parametrize("argv", [["eval", "{}"], ["reparam", "{}"], ["train", "--resume", "{}", "--epochs", "1"],
                                   ["train", "--init-from", "{}", "--epochs", "1"], ["export", "{}"], ["analyze", "{}"]])
 def test_a_hostile_pickle_never_runs(tmp_path, capsys, argv):
@@ -581,6 +597,10 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     data[len(data) // 2:len(data) // 2 + 5000] = os.urandom(5000)
     damaged.write_bytes(bytes(data))
     deployed = tmp_path / "deployed.pth"
+    text = tmp_path / "notes.pth"  # torch said "KeyError: 101" of a text file
+    text.write_text("epoch 3: top-1 0.91\nepoch 4: top-1 0.92\n")
+    hollow_dict = tmp_path / "hollow.pth"
+    torch.save({}, hollow_dict)
     new = ["train", *TINY, "--cache-dir", cache]
     external = ["train", "--model", "torchvision:resnet18", "--no-progress", "--cache-dir", cache]
     cases = [
@@ -637,9 +657,14 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["eval", str(rgb), "--method", "base", "--width-mult", "0.0625", "--in-chans", "3", "--val-subset", "16",
           "--no-progress", "--cache-dir", cache], "takes 3-channel images but fashion-mnist has 1 channel"),
         (["eval", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
+        (["eval", str(text)], f"checkpoint {text} is a text file, not a PyTorch checkpoint"),
+        (["eval", str(hollow_dict)], "holds no state_dict: expected a dict of tensors, or one under 'model' / "
+                                     "'state_dict' / 'model_state_dict' (it holds an empty dict)"),
         (["export", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
         (["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run)], "already holds a run"),
         (["reparam", str(ckpt), "-o", str(ckpt)], "is the input checkpoint"),
+        (["demo", "--output-dir", str(run), "--cache-dir", cache],
+         f"--output-dir {run} holds a training run (checkpoint.pth, summary.json"),
         (["eval", str(damaged)], "fails its CRC check"),
         (["export", str(damaged)], "fails its CRC check"),
         # a --json report may not replace the input, the output or any checkpoint
@@ -647,6 +672,10 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["reparam", str(ckpt), "-o", str(deployed), "--json", str(ckpt)], "is the input checkpoint"),
         (["reparam", str(ckpt), "-o", str(deployed), "--json", str(deployed)], "is --output"),
         (["eval", str(rgb), "--json", str(ckpt)], "is a checkpoint (a zip archive), not a report"),
+        # nor anything else but a report (an exported model or a run's own file, replaced at a slip)
+        (["eval", str(ckpt), "--json", str(garbage)], f"--json {garbage} is a file that is no JSON report, not a report"),
+        (["eval", str(ckpt), "--json", str(run / "summary.json")],
+         f"--json {run / 'summary.json'} is a file of the training run in {run}, not a report to replace"),
         # an atomic write renames over its target: a device node (as root) would be replaced by a file
         (["reparam", str(ckpt), "-o", os.devnull, "--overwrite"], f"--output {os.devnull} is not a regular file"),
     ]

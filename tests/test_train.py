@@ -336,6 +336,17 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(f(i) >= f(i + 1) for i in range(20, 100))
 
 
+def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
+    """The default 5-epoch warm-up with --epochs 1 ended at 21% of the peak lr, the schedule never
+    begun, and nothing said so; a run whose warm-up ends inside it gets no note."""
+    assert _train(cache, tmp_path / "a", "--epochs", "1", "--no-eval", "--lr-warmup-epochs", "2", "--max-steps", "1") == 0
+    # 4 steps of 8 warm-up steps: the last at 0.01 + 0.99 x 3 / 8 of the peak
+    assert ("note: the 2-epoch warm-up outlasts the 1-epoch run: the learning rate ends at 38% of --lr 0.00625, and "
+            "the cosineannealinglr schedule never starts") in capsys.readouterr().out
+    assert _train(cache, tmp_path / "b", "--epochs", "1", "--no-eval", "--max-steps", "1") == 0
+    assert "warm-up outlasts" not in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- train / eval / reparam
 
 
@@ -473,6 +484,33 @@ def test_packed_parameters_train_as_unpacked_ones_and_resume_in_their_layout(cac
     assert _load(old)["args"]["pack_parameters"] is False
 
 
+def test_a_resume_that_started_while_the_run_was_still_writing_refuses_to_train_over_it(cache, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """--resume read the checkpoint before it took the directory's lock: where the run still wrote
+    there (ending as the command started), the command found the lock free, trained the run's last
+    steps again and replaced its finished checkpoint. Now the checkpoint is looked at again under
+    the lock, and a newer one refused."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--no-eval", "--max-steps", "3") == 0
+    ckpt = run / "checkpoint.pth"
+    finished = tmp_path / "finished.pth"
+    torch.save({**_load(ckpt), "global_step": 4}, finished)  # what the other run wrote last
+    lock = train.lock_run_dir
+
+    def the_other_run_ends_first(directory):
+        os.replace(finished, ckpt)  # its last atomic write, then its lock goes
+        return lock(directory)
+
+    monkeypatch.setattr(train, "lock_run_dir", the_other_run_ends_first)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 2
+    assert "wrote a newer checkpoint while this command started" in capsys.readouterr().err
+    assert _load(ckpt)["global_step"] == 4 and not (run / ".orepa-run.lock").exists()
+    monkeypatch.setattr(train, "lock_run_dir", lock)
+    assert main(["train", "--resume", str(ckpt), "--no-progress", "--max-steps", "5", "--quiet"]) == 0
+    assert _load(ckpt)["global_step"] == 5
+
+
 def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     """--resume alone keeps the run's settings and directory; a given --lr / --epochs / --wd replaces
     the saved one and rescales the schedule from the current step; what cannot apply is refused."""
@@ -498,6 +536,8 @@ def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
                                     "position in the run and its schedule are counted in steps of that batch); -b 16 "
                                     "with 1 process(es) keeps it"),
                       (["--train-subset", "32"], "--train-subset 32 cannot apply"),
+                      # the seed chooses the subset's images and orders every epoch: it was taken silently
+                      (["--seed", "5"], "--seed 5 cannot apply to this run (it was started with 0"),
                       (["--width-mult", "0.125"], "was trained as resnet18/orepa"),
                       (["--epochs", "1"], "--epochs 1 is fewer than the 2 epoch(s) this run has begun")):
         capsys.readouterr()

@@ -305,8 +305,9 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     directory). A :class:`UserError` naming ``flag`` where it is a directory (a file), where what
     would hold it is a file or cannot be written into, where it is one of the files ``not_over``
     names (``{"the input checkpoint": path, ...}``: the same file by any name), where a
-    ``text`` output (a JSON report) would replace a checkpoint, or where a file output would
-    replace a run's training checkpoint (``--overwrite`` or not)."""
+    ``text`` output (a JSON report) would replace anything but an earlier report (a JSON
+    document that is not a file of a training run), or where a file output would replace a
+    run's training checkpoint (``--overwrite`` or not)."""
     if str(path) == "-":  # the shell's spelling of standard output, which would be a file named "-" here
         raise UserError(f"{flag} -: orepa writes files, not to standard output; give a path (./- for a "
                         f"{'directory' if directory else 'file'} named '-')")
@@ -320,8 +321,13 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     for what, other in (not_over or {}).items():
         if other is not None and _same_file(path, Path(other)):
             raise UserError(f"{flag} {path} is {what}; choose another path")
-    if text and path.is_file() and zipfile.is_zipfile(path):
-        raise UserError(f"{flag} {path} is a checkpoint (a zip archive), not a report to replace; choose another path")
+    if text and path.is_file():
+        if zipfile.is_zipfile(path):
+            raise UserError(f"{flag} {path} is a checkpoint (a zip archive), not a report to replace; choose another "
+                            "path")
+        what = _not_a_report(path)
+        if what:
+            raise UserError(f"{flag} {path} is {what}, not a report to replace; choose another path")
     if not text and not directory and path.is_file() and _is_run_checkpoint(path):  # what --resume continues
         raise UserError(f"{flag} {path} is the training checkpoint of a run (it holds optimizer state: the run's "
                         f"resumable state) and is never replaced, not even with --overwrite; choose another {flag}")
@@ -346,6 +352,25 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot create files in {parent} ({e.strerror or e})") from None
     return path
+
+
+#: the JSON files a training run keeps beside its checkpoint (orepa.apps.train.RUN_FILES)
+_RUN_JSON = ("summary.json", "progress.json")
+
+
+def _not_a_report(path: Path) -> str | None:
+    """What an existing file is where a JSON report would replace it, or None where it is one (a report
+    is rewritten by the command that wrote it: an ONNX model, an image or a run's summary given to
+    --json by a slip would be lost)."""
+    if path.name in _RUN_JSON and any((path.parent / f).is_file() for f in ("checkpoint.pth", "progress.json")):
+        return f"a file of the training run in {path.parent}"
+    try:
+        if path.stat().st_size > 64 << 20:  # larger than any report
+            return "a large file that is no JSON report"
+        json.loads(path.read_bytes())
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+        return "a file that is no JSON report"
+    return None
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -520,6 +545,11 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: b
                         f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
     if path.stat().st_size == 0:
         raise UserError(f"checkpoint {path} is an empty file (a write that never finished?)")
+    try:  # (not a damaged file: one this user may not read)
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as exc:
+        raise UserError(f"checkpoint {path} cannot be read ({exc.strerror or exc})") from None
     if is_torchscript(path):  # torch.load would hand it to torch.jit.load
         raise UserError(f"{path} is a TorchScript archive (a compiled program), not a checkpoint; "
                         "load it with torch.jit.load")
@@ -535,6 +565,9 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: b
             raise _unpickling_error(path, exc) from None
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         msg = msg if len(msg) <= 200 else msg[:200].rsplit(" ", 1)[0] + " ..."  # cut at a word, and said so
+        if _is_text(head):  # what torch says of one ("KeyError: 101") names nothing the user knows
+            raise UserError(f"checkpoint {path} is a text file, not a PyTorch checkpoint (a zip archive, or a "
+                            "pickle in torch's legacy format)")
         raise UserError(
             f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg if msg else ''})"
         ) from None
@@ -552,14 +585,27 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: b
         raise UserError(f"{path}: checkpoint version {version} is newer than this orepa (reads {VERSION})")
     key = find_state_dict(obj)
     if key is None:
+        found = ", ".join(f"{k} ({type(v).__name__})" for k, v in list(obj.items())[:6]) if obj else None
         raise UserError(f"{path} holds no state_dict: expected a dict of tensors, or one under "
-                        f"{' / '.join(map(repr, STATE_DICT_KEYS))} (found keys {', '.join(map(str, list(obj)[:6]))})")
+                        f"{' / '.join(map(repr, STATE_DICT_KEYS))} "
+                        f"({'found keys ' + found if found else 'it holds an empty dict'})")
     out = dict(obj)
     out["model"] = _not_the_references(path, strip_prefixes(obj[key]), reference)
     if "model_ema" in out and is_state_dict(out["model_ema"]):
         out["model_ema"] = strip_prefixes(out["model_ema"])
     _check_metadata(path, out)
     return out
+
+
+def _is_text(head: bytes) -> bool:
+    """Whether a file's first bytes ``head`` are text (UTF-8, printable or white space)."""
+    for cut in range(4):  # the last character may be cut off by the read
+        try:
+            chars = head[:len(head) - cut].decode()
+        except UnicodeDecodeError:
+            continue
+        return bool(chars) and all(c.isprintable() or c in "\t\r\n" for c in chars)
+    return False
 
 
 def _not_the_references(path: Path, sd: dict, reference: bool) -> dict:

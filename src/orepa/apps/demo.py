@@ -208,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     check_batch_fits(min(args.train_subset or FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN), args.batch_size)
     check_output_path(args.output_dir, "--output-dir", directory=True)
     root = Path(args.output_dir)
+    if run_files(root):  # a training run's own directory: the demo's would lie among its files
+        raise UserError(f"--output-dir {root} holds a training run ({', '.join(run_files(root))}); the demo puts a "
+                        "folder per method in a directory of its own: choose another --output-dir")
     for m in methods:  # before any pipeline starts: every model the demo would train can be built
         build_model({"model": args.model, "method": m, "num_classes": 10, "in_chans": 1, "small_input": True,
                      "width_mult": args.width_mult, "options": {}})

@@ -248,6 +248,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- recipe pieces
 
 
+def _file_identity(path) -> tuple | None:
+    """What changes when a file is written again (atomic writes replace it: a new inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def make_criterion(args) -> nn.Module:
     return nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
@@ -310,10 +319,12 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
                            "micro_batches",
                            "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
                            "given", "command"})
-#: settings a resumed run cannot change: the position in the run is counted in their units. (The data's
-#: place may change: a moved folder, or a path relative to another directory, is the same data where it
-#: holds the same classes and number of training images, which setup checks.)
-FIXED_ON_RESUME = ("dataset", "train_subset")  # (and the global batch: Trainer._restore)
+#: settings a resumed run cannot change: the position in the run is counted in their units (the seed
+#: chooses a --train-subset's images and orders every epoch: another would repeat some of the current
+#: epoch's images and skip others). (The data's place may change: a moved folder, or a path relative to
+#: another directory, is the same data where it holds the same classes and number of training images,
+#: which setup checks.)
+FIXED_ON_RESUME = ("dataset", "train_subset", "seed")  # (and the global batch: Trainer._restore)
 #: what load_state_dict / set_rng_state raise for a saved state that does not fit (or is damaged)
 _UNFIT_STATE = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError)
 #: files that mark a directory as holding a run
@@ -497,6 +508,7 @@ class Trainer:
             raise UserError("--resume continues a run and --init-from starts a new one from a checkpoint's weights: "
                             "give one of them")
         if args.resume:
+            resumed_file = _file_identity(args.resume)
             self.resume_ckpt = load_checkpoint(args.resume)
         if self.resume_ckpt is not None and self.resume_ckpt.get("imported_from") and \
                 self.resume_ckpt.get("form") == "train" and "optimizer" not in self.resume_ckpt:
@@ -595,6 +607,12 @@ class Trainer:
             except OSError as exc:
                 raise UserError(f"--output-dir {self.out}: cannot make the directory ({exc.strerror or exc})") from None
             self.lock = lock_run_dir(self.out)  # before anything of this run is written there
+            if self.resume_ckpt is not None and _file_identity(args.resume) != resumed_file:
+                # read before the lock: a run still writing there (ending as this one started) has
+                # written a newer state since, which this run would train over again and replace
+                raise UserError(f"--resume {args.resume}: the run in {self.out} wrote a newer checkpoint while this "
+                                "command started (it was still running); run the command again to continue from "
+                                "its last state")
 
         if args.pack_parameters is None:
             # a run resumed from before packing existed holds per-block optimizer state
@@ -1121,6 +1139,11 @@ class Trainer:
                  f"{', kernel graphs' if args.kernel_graphs and self.n_groups else ''}"
                  f"{', EMA' if self.ema is not None else ''}; "
                  f"output {self.out}")
+        if args.lr_warmup_epochs >= args.epochs:  # (the default warm-up, 5 epochs, with a short run)
+            peak = lr_factor_fn(args, self.iters_per_epoch)(args.epochs * self.iters_per_epoch - 1)
+            self.log(f"  note: the {args.lr_warmup_epochs:g}-epoch warm-up outlasts the {args.epochs}-epoch run: the "
+                     f"learning rate ends at {peak:.0%} of --lr {args.lr:g}, and the {args.lr_scheduler} schedule "
+                     "never starts (--lr-warmup-epochs sets the warm-up)")
         tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
