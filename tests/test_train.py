@@ -195,6 +195,20 @@ def test_a_relative_data_path_from_a_checkpoint_is_named_as_the_checkpoints(tmp_
     assert main(["eval", ckpt, "--data-path", str(tmp_path / "imgs"), "--no-progress", "-j", "0"]) == 0
 
 
+def test_eval_notes_a_model_with_more_classes_than_the_data(tmp_path, capsys):
+    """Allowed (a folder holding some of its classes), but a top-5 over 3 classes of a 5-way model was
+    reported without a word."""
+    root, out = tmp_path / "imgs", tmp_path / "run"
+    _png_tree(root, classes=("cat", "dog", "fox"))
+    sizes = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32"]
+    assert main(["train", "--data-path", str(root), *TINY[:4], "--epochs", "1", "-b", "6", *sizes, "--num-classes",
+                 "5", "--no-progress", "--no-tensorboard", "-j", "0", "--max-steps", "1", "--output-dir", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(out / "checkpoint.pth"), "--no-progress", "-j", "0"]) == 0
+    assert (f"note: {out / 'checkpoint.pth'} predicts 5 classes, imagefolder has 3: an image predicted as one of "
+            "the other 2 counts as wrong") in capsys.readouterr().out
+
+
 def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp_path, capsys):
     """A folder holding some of the classes (or them in another order) is evaluated with each image's
     label read by class name, not by its folder's rank; classes the model never saw are an error, and

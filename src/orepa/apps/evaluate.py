@@ -174,6 +174,10 @@ def run(args: argparse.Namespace) -> int:
         data_args_from_checkpoint(args, ckpt)
         data = checkpoint_data(args, ckpt, info)
         model, cfg, form = checkpoint_model(args, ckpt, data)
+        if cfg["num_classes"] > data.num_classes and info.is_main:  # allowed (a subset of its classes), but said
+            print(f"note: {args.checkpoint} predicts {cfg['num_classes']} classes, {data.name} has "
+                  f"{data.num_classes}: an image predicted as one of the other "
+                  f"{cfg['num_classes'] - data.num_classes} counts as wrong", flush=True)
         bad = first_nonfinite(model)
         if bad and info.is_main:
             # a warning, not an error: eval reports what the weights compute, and looking at a diverged
