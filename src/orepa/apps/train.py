@@ -610,9 +610,9 @@ class Trainer:
             if self.resume_ckpt is not None and _file_identity(args.resume) != resumed_file:
                 # read before the lock: a run still writing there (ending as this one started) has
                 # written a newer state since, which this run would train over again and replace
-                raise UserError(f"--resume {args.resume}: the run in {self.out} wrote a newer checkpoint while this "
-                                "command started (it was still running); run the command again to continue from "
-                                "its last state")
+                raise UserError(f"--resume {args.resume}: the run in {Path(args.resume).parent} wrote a newer "
+                                "checkpoint while this command started (it was still running); run the command "
+                                "again to continue from its last state")
 
         if args.pack_parameters is None:
             # a run resumed from before packing existed holds per-block optimizer state
