@@ -312,6 +312,38 @@ def test_weight_decay_groups_follow_the_paper():
     assert {g["name"]: g["weight_decay"] for g in opt_groups} == {"decay": 1e-4, "no_decay": 0.0, "branch_scales": 0.0}
 
 
+@pytest.mark.parametrize("pack", [False, True])
+def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack):
+    """The published OREPA and DBB blocks train their square 1x1 -> kxk first factor as a delta on a
+    fixed identity, so weight decay shrinks the delta; here the factor itself is the parameter, and
+    decay pulled it towards zero, eroding the identity the branch starts from. With zero gradients,
+    one SGD step: those factors move as I + (W - I)(1 - lr wd), every other decayed weight as W (1 -
+    lr wd), packed into a group's parameters or not."""
+    from orepa.blocks import ConvStep
+    from orepa.engine import group_kernels
+
+    torch.manual_seed(0)
+    model = orepa.models.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625, in_chans=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=0.1)
+    group_kernels(model, "grouped", pack=pack)
+    steps = {n: m for n, m in model.named_modules() if isinstance(m, ConvStep)}
+    anchored = [n for n, m in steps.items() if m.decays_to_init]
+    assert anchored and all(n.endswith("1x1_kxk.conv1") for n in anchored)
+    assert all(steps[n].in_channels == steps[n].out_channels for n in anchored)
+    before = {n: m.weight.detach().clone() for n, m in steps.items()}
+    lr, wd = 0.5, 0.1
+    opt = common.make_sgd(common.split_params(model).torch_groups(wd, 0.0), lr=lr, momentum=0.9)
+    assert common.decay_to_init(opt, model) is not None
+    (0.0 * model(torch.randn(2, 1, 32, 32)).sum()).backward()  # every gradient zero
+    opt.step()
+    for n, m in steps.items():
+        start = m.init_weight() if m.decays_to_init else torch.zeros_like(before[n])
+        torch.testing.assert_close(m.weight.detach(), start + (before[n] - start) * (1 - lr * wd),
+                                   rtol=1e-6, atol=1e-7, msg=n)
+
+
 def test_make_sgd_is_fused_where_possible_and_steps_like_plain_sgd():
     """The fused optimizer kernel (torch >= 2.4 on CPU and CUDA) gives plain SGD's update, with
     per-group hyper-parameters; a torch/device without one falls back to the default."""
@@ -981,15 +1013,21 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, build
     which DDP's buckets must take as they come. The compiled builder (torchrun's default on GPUs)
     runs inside the same nodes, the same numbers (tests/test_engine.py); not run here: two
     processes compiling ResNet-18's eight groups take about a minute on two cores. Micro-batches:
-    the gradients all-reduced once a step, with the last one's backward (DDP's no_sync before)."""
+    the gradients all-reduced once a step, with the last one's backward (DDP's no_sync before).
+    The EMA's BN statistics are rank 0's on every rank before an evaluation: each rank averaged its
+    own, so the EMA evaluated across the ranks was none of them, and not the one saved."""
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa",
            "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
-           "--device", "cpu", "--kernel-builder", builder, "--micro-batches", str(micro)]
+           "--device", "cpu", "--kernel-builder", builder, "--micro-batches", str(micro), "--model-ema",
+           "--model-ema-steps", "1"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
+    assert main(["eval", str(out / "checkpoint.pth"), "--use-ema", "--cache-dir", cache, "--no-progress", "-j", "0",
+                 "--val-subset", "32", "--json", str(tmp_path / "ema.json")]) == 0
+    assert s["ema_val_loss"] == pytest.approx(json.loads((tmp_path / "ema.json").read_text())["loss"], rel=1e-6)
     assert s["world_size"] == 2 and s["global_batch"] == 32 and s["global_step"] == 2  # 64 images / (2 x 16)
     assert len(s["rank_weights_sha256"]) == 2 and s["ranks_in_sync"]
     assert s["rank_weights_sha256"][1] == common.state_hash(_load(out / "checkpoint.pth")["model"])

@@ -293,15 +293,21 @@ class ConvStep(PackableWeight, nn.Module):
     default is ``a = sqrt(5)``), ``"identity"`` (a "spread" identity when the step widens,
     see :func:`orepa.kernels.identity_init_1x1`) or ``"identity-tiled"`` (the identity
     repeated, as the paper's public code lays it out, :func:`orepa.kernels.tiled_identity_1x1`).
+    ``decays_to_init``: weight decay should pull the weight towards its identity start, not towards
+    zero (the published 1x1 -> kxk blocks train a delta on a fixed identity, and decay the delta);
+    :meth:`init_weight` is that start. Training applies it (``orepa.apps.common.split_params``).
     """
 
     INITS = ("kaiming", "identity", "identity-tiled")
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, groups: int = 1, init: str = "kaiming",
-                 a: float = TORCH_INIT_A):
+                 a: float = TORCH_INIT_A, decays_to_init: bool = False):
         super().__init__()
         if init not in self.INITS:
             raise ValueError(f"unknown init {init!r} for a conv step; expected one of {self.INITS}")
+        if decays_to_init and init == "kaiming":
+            raise ValueError("decays_to_init needs an identity init (a random start is no point to decay towards)")
+        self.decays_to_init = decays_to_init
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.kernel_size = K.as_pair(kernel_size, "kernel_size")  # (kh, kw), as nn.Conv2d's
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *self.kernel_size))
@@ -312,9 +318,14 @@ class ConvStep(PackableWeight, nn.Module):
         if self.init == "kaiming":
             nn.init.kaiming_uniform_(self.weight, a=self.a)
             return
-        identity = K.identity_init_1x1 if self.init == "identity" else K.tiled_identity_1x1
         with torch.no_grad():
-            self.weight.copy_(K.pad_to(identity(self.out_channels, self.in_channels, self.groups), self.kernel_size))
+            self.weight.copy_(self.init_weight())
+
+    def init_weight(self) -> Tensor:
+        """The identity the weight starts as (an identity init), in the weight's dtype and device."""
+        identity = K.identity_init_1x1 if self.init == "identity" else K.tiled_identity_1x1
+        w = self.weight
+        return K.pad_to(identity(self.out_channels, self.in_channels, self.groups), self.kernel_size).to(w)
 
     def kernel(self) -> Tensor:
         return self.weight
@@ -332,7 +343,8 @@ class ConvStep(PackableWeight, nn.Module):
 
     def extra_repr(self) -> str:
         init = f"kaiming(a={self.a:g})" if self.init == "kaiming" else self.init
-        return f"{self.in_channels}, {self.out_channels}, k={_size_str(self.kernel_size)}, groups={self.groups}, init={init}"
+        return (f"{self.in_channels}, {self.out_channels}, k={_size_str(self.kernel_size)}, groups={self.groups}, "
+                f"init={init}{', decays to init' if self.decays_to_init else ''}")
 
 
 class FixedKernelStep(nn.Module):
@@ -828,8 +840,9 @@ class StepConfig:
     init_a: float = TORCH_INIT_A  # kaiming_uniform_ slope of the random weights
     reference_init: bool = False  # identity factors placed as the published models place them (INIT_SCHEMES)
 
-    def conv(self, cin: int, cout: int, k: int, groups: int, init: str = "kaiming") -> ConvStep:
-        return ConvStep(cin, cout, k, groups, init=init, a=self.init_a)
+    def conv(self, cin: int, cout: int, k: int, groups: int, init: str = "kaiming",
+             decays_to_init: bool = False) -> ConvStep:
+        return ConvStep(cin, cout, k, groups, init=init, a=self.init_a, decays_to_init=decays_to_init)
 
     def norm(self, channels: int) -> dict:
         return {"bn0": nn.BatchNorm2d(channels)} if self.inner_norm else {}
@@ -901,7 +914,10 @@ def _1x1_kxk(cin, cout, k, groups, c: StepConfig) -> dict:
     # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
     mid = (cin if groups < cout else 2 * cin) if c.internal is None else c.internal
     return {
-        "conv1": c.conv(cin, mid, 1, groups, "identity-tiled" if c.reference_init else "identity"),
+        # square, it is the identity plus what it learns: the published blocks (OREPA, DBB) train that
+        # delta on a fixed identity, so weight decay pulls it back to the identity, not to zero
+        "conv1": c.conv(cin, mid, 1, groups, "identity-tiled" if c.reference_init else "identity",
+                        decays_to_init=mid == cin),
         **c.norm(mid),
         "conv2": c.conv(mid, cout, k, groups),
     }

@@ -325,6 +325,51 @@ class ParamGroups:
 _NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalResponseNorm)
 
 
+def init_anchors(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """``(parameter, target)`` for the trained tensors whose weight decay pulls towards their start
+    (:attr:`orepa.blocks.ConvStep.decays_to_init`: the square identity factor of 1x1 -> kxk): the
+    target holds each such step's identity in its rows, zeros elsewhere (a packed parameter holds
+    other steps' rows too, which decay towards zero as before). Frozen tensors are left out."""
+    targets: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+    with torch.no_grad():
+        for m in model.modules():
+            if not isinstance(m, orepa.blocks.ConvStep) or not m.decays_to_init:
+                continue
+            slot = m.__dict__.get("_packed")
+            packed = slot is not None and "weight" not in m._parameters
+            p = slot.holder._parameters[slot.name] if packed else m.weight
+            if not p.requires_grad:
+                continue
+            entry = targets.setdefault(id(p), (p, torch.zeros_like(p)))
+            (entry[1].narrow(0, slot.lo, slot.size) if packed else entry[1]).copy_(m.init_weight())
+    return list(targets.values())
+
+
+def decay_to_init(optimizer: torch.optim.Optimizer, model: nn.Module):
+    """Make ``optimizer``'s weight decay of :func:`init_anchors`' parameters pull them towards their
+    identity start, as the published blocks do (they train a delta on a fixed identity and decay
+    the delta): SGD adds ``wd * p`` to a decayed parameter's gradient, and a step pre-hook adds
+    ``-wd * target`` before it, so the step decays ``p - target`` (with the group's current
+    ``weight_decay``; a step the AMP scaler skips runs no hook). Returns the hook's handle, or None
+    where the model has no such parameter."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    anchors = [(p, t, group_of[id(p)]) for p, t in init_anchors(model) if id(p) in group_of]
+    if not anchors:
+        return None
+
+    def pull(opt, args, kwargs) -> None:
+        by_decay: dict[float, tuple[list, list]] = {}
+        for p, t, group in anchors:
+            if p.grad is not None and group["weight_decay"]:
+                grads, targets = by_decay.setdefault(group["weight_decay"], ([], []))
+                grads.append(p.grad)
+                targets.append(t)
+        for wd, (grads, targets) in by_decay.items():
+            torch._foreach_add_(grads, targets, alpha=-wd)
+
+    return optimizer.register_step_pre_hook(pull)
+
+
 def split_params(model: nn.Module) -> ParamGroups:
     """Decay conv/linear weights; not BN parameters, biases, branch scaling vectors.
 

@@ -89,6 +89,7 @@ from .common import (
     capture_cuda_graphs,
     cleanup_distributed,
     count_params,
+    decay_to_init,
     default_kernel_builder,
     default_pack,
     fail,
@@ -302,11 +303,14 @@ class Progress:
     timed: list = field(default_factory=lambda: [0.0, 0])
 
 
-def _sync_buffers(model: nn.Module, info: DistInfo) -> None:
-    """Give every rank rank 0's BN statistics (DDP syncs parameters, not the buffers' last update)."""
+def _sync_buffers(info: DistInfo, *models: nn.Module | None) -> None:
+    """Give every rank rank 0's BN statistics (DDP syncs parameters, not the buffers' last update), the
+    EMA's too (each rank averages its own model's statistics: the EMA evaluated across the ranks would
+    be none of them, and not the one rank 0 saves)."""
     if info.distributed:
-        for b in model.buffers():
-            dist.broadcast(b, 0)
+        for model in models:
+            for b in () if model is None else model.buffers():
+                dist.broadcast(b, 0)
 
 
 def _atomic_json(path: Path, obj) -> None:
@@ -648,6 +652,7 @@ class Trainer:
             if g["name"] == "no_decay":
                 g["weight_decay"] = args.norm_weight_decay
         self.optimizer = make_sgd(groups, lr=args.lr, momentum=args.momentum)
+        decay_to_init(self.optimizer, model)  # the identity factors decay towards the identity
         self.loader, self.sampler = train_loader(self.data, args, info, device)
         self.iters_per_epoch = len(self.loader)
         if self.resume_ckpt is not None and int(self.resume_ckpt.get("step_in_epoch", 0)) > self.iters_per_epoch:
@@ -907,7 +912,7 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def checkpoint(self, reason: str) -> Path | None:
         """Save (rank 0) the current position. Collective: every rank must call it at the same step."""
-        _sync_buffers(self.model, self.info)
+        _sync_buffers(self.info, self.model, self.ema)
         bad = first_nonfinite(self.model, self.optimizer, self.ema)
         flag = torch.tensor([float(bad is not None)], device=self.device)
         if self.info.distributed:
@@ -1211,7 +1216,7 @@ class Trainer:
                "images_per_s": timed_steps * self.global_batch / max(seconds, 1e-9)}
         if self.epoch_steps < self.iters_per_epoch:
             row["resumed_at_step"] = self.iters_per_epoch - self.epoch_steps
-        _sync_buffers(self.model, info)
+        _sync_buffers(info, self.model, self.ema)
         if self.val is not None:
             try:
                 r = evaluate(self.model, self.val, self.device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
@@ -1221,7 +1226,7 @@ class Trainer:
                     r = evaluate(self.ema.module, self.val, self.device, info=info, amp=args.amp,
                                  amp_dtype=args.amp_dtype, channels_last=args.channels_last,
                                  progress=not args.no_progress, desc="eval EMA")
-                    row.update(ema_val_acc1=r["acc1"], ema_val_acc5=r["acc5"])
+                    row.update(ema_val_loss=r["loss"], ema_val_acc1=r["acc1"], ema_val_acc5=r["acc5"])
             except UserError:  # an unreadable validation image: the epoch's training is kept, at its last step
                 # (--resume evaluates it again); one process only, since the save is collective and a
                 # peer may still be inside the evaluation
@@ -1253,7 +1258,7 @@ class Trainer:
 
     def summary(self, stop: str | None, last: dict) -> dict:
         info = self.info
-        _sync_buffers(self.model, info)
+        _sync_buffers(info, self.model, self.ema)
         mine = state_hash(self.model.state_dict())
         hashes = [mine]
         if info.distributed:
@@ -1273,7 +1278,7 @@ class Trainer:
             "checkpoint": str(self.ckpt_path) if self.ckpt_path.exists() else None, "output_dir": str(self.out),
             "weights_sha256": mine, "ranks_in_sync": len(set(hashes)) == 1, "rank_weights_sha256": hashes,
         }
-        for k in ("val_acc1", "val_acc5", "val_loss", "ema_val_acc1", "ema_val_acc5"):
+        for k in ("val_acc1", "val_acc5", "val_loss", "ema_val_loss", "ema_val_acc1", "ema_val_acc5"):
             if k in last:
                 out[k] = last[k]
         if self.main:
