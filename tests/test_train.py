@@ -135,6 +135,27 @@ def test_augmentation_is_a_function_of_seed_epoch_index_not_of_workers(cache):
     assert torch.equal(torch.rand(3), before)  # the global RNG is left alone
 
 
+def test_the_loaders_leave_the_global_random_stream_alone(cache):
+    """Each DataLoader iterator drew its workers' base seed from torch's global generator: a run
+    resumed mid-epoch (one iterator more) or evaluated (its iterators) drew its dropout masks from
+    a shifted stream, so a resumed network with dropout was not its uninterrupted self."""
+    import argparse
+
+    from orepa.apps.common import DistInfo
+
+    train_set, val_set = data.fashion_mnist(cache)
+    d = argparse.Namespace(train=data.SeededAugment(train_set, seed=0), val=val_set)
+    args = argparse.Namespace(seed=0, batch_size=4, workers=0)
+    train_loader, _ = data.train_loader(d, args, DistInfo(), torch.device("cpu"))
+    val_loader = data.val_loader(d, args, DistInfo(), torch.device("cpu"))
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    for loader in (train_loader, val_loader, train_loader):
+        next(iter(loader))
+    assert torch.equal(torch.rand(3), expected)
+
+
 def _png_tree(root: Path, classes=("cat", "dog"), n_train=6, n_val=2, size=40):
     from PIL import Image
 
@@ -1034,6 +1055,39 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, build
     assert "val_acc1" in s
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
         ["checkpoint.pth", "curves.png", "log.csv", "log.jsonl", "progress.json", "summary.json"])
+
+
+@pytest.mark.slow
+def test_ddp_ranks_draw_their_own_random_numbers_and_resume_each_stream(cache, tmp_path):
+    """Every rank had the same global random state (seeded alike, never offset): dropout and
+    drop-path dropped the same units on every rank. Now each rank draws from seed + rank after the
+    model is built alike, checkpoints keep every rank's streams, and a run stopped mid-epoch and
+    resumed ends bit-identical to one that was not (dropout 0.5 in the network; evaluated every epoch).
+    The loaders draw their workers' seeds from generators of their own: from the global one, the
+    resumed run's new iterator and every evaluation shifted the stream the masks are drawn from."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa"]
+    argv = ["train", "-m", "timm:resnet10t", "--method", "base", "--model-kwarg", "drop_rate=0.5", "--train-subset",
+            "32", "--val-subset", "16", "-b", "8", "--epochs", "2", "--lr-warmup-epochs", "0", "--no-progress",
+            "--no-tensorboard", "--quiet", "-j", "0", "--cache-dir", cache, "--device", "cpu"]
+
+    def run(*extra):
+        proc = subprocess.run([*launch, *argv, *extra], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    run("--output-dir", str(tmp_path / "whole"))
+    run("--output-dir", str(tmp_path / "parts"), "--max-steps", "3")  # 2 steps an epoch: stopped mid-epoch
+    ckpt = _load(tmp_path / "parts" / "checkpoint.pth")
+    ranks = ckpt["rng_ranks"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
+    assert torch.equal(ckpt["rng"]["torch"], ranks[0]["torch"])
+    proc = subprocess.run([*launch, "train", "--resume", str(tmp_path / "parts" / "checkpoint.pth"), "--no-progress",
+                           "--quiet", "--device", "cpu", "-j", "0"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    whole, parts = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "parts"))
+    assert whole["global_step"] == parts["global_step"] == 4 and whole["ranks_in_sync"] and parts["ranks_in_sync"]
+    assert parts["weights_sha256"] == whole["weights_sha256"]
 
 
 # --------------------------------------------------------------------------- CLI

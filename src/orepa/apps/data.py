@@ -535,8 +535,17 @@ def train_loader(data: Data, args, info: DistInfo, device: torch.device) -> tupl
     workers = default_workers(args, device)
     loader = DataLoader(data.train, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
                         pin_memory=device.type == "cuda", drop_last=True, persistent_workers=workers > 0,
-                        worker_init_fn=partial(ignore_stop_signals, owner=os.getpid()))
+                        worker_init_fn=partial(ignore_stop_signals, owner=os.getpid()),
+                        generator=_own_generator(args.seed))
     return loader, sampler
+
+
+def _own_generator(seed: int) -> torch.Generator:
+    """A loader's own generator: every iterator a DataLoader makes draws its workers' base seed from
+    it, from torch's global generator without one, so a run resumed mid-epoch (one iterator more)
+    or an evaluation shifted the stream its dropout and drop-path masks are drawn from (the
+    augmentation here is a function of seed, epoch and index: SeededAugment)."""
+    return torch.Generator().manual_seed(seed)
 
 
 def val_loader(data: Data, args, info: DistInfo, device: torch.device, batch_size: int | None = None) -> DataLoader:
@@ -545,4 +554,5 @@ def val_loader(data: Data, args, info: DistInfo, device: torch.device, batch_siz
     # persistent: the loader is built once per run and evaluated every epoch (no worker respawn)
     return DataLoader(data.val, batch_size=batch_size or args.batch_size, sampler=sampler, num_workers=workers,
                       pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                      worker_init_fn=partial(ignore_stop_signals, owner=os.getpid()))
+                      worker_init_fn=partial(ignore_stop_signals, owner=os.getpid()),
+                      generator=_own_generator(getattr(args, "seed", 0)))

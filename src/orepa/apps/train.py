@@ -671,6 +671,11 @@ class Trainer:
             self.val = val_loader(self.data, args, info, device, batch_size=max(args.batch_size, 256))
 
         self.state = Progress()
+        if info.distributed:
+            # the model is built alike on every rank (from args.seed); from here each rank draws its own
+            # random numbers (dropout and drop-path masks, augmentation), as timm's seed + rank: alike, every
+            # rank would drop the same units of its images
+            seed_everything((args.seed + info.rank) % 2**32)
         if self.resume_ckpt is not None:
             self._restore(self.resume_ckpt)
         train_model = model
@@ -866,8 +871,17 @@ class Trainer:
                               list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])) if self.main else [0.0, 0.0, 0.0],
                               list(ckpt.get("epoch_timed", [0.0, 0])) if int(ckpt.get("step_in_epoch", 0)) else [0.0, 0])
         if "rng" in ckpt:
+            ranks = ckpt.get("rng_ranks") or []
             try:
-                set_rng_state(ckpt["rng"])
+                if self.info.distributed and len(ranks) == self.info.world_size:
+                    set_rng_state(ranks[self.info.rank])  # each rank's own stream goes on
+                else:
+                    set_rng_state(ckpt["rng"])
+                    if self.info.distributed and self.info.rank:
+                        # no state of this rank (a run saved by another number of processes, or before the
+                        # ranks' streams were saved): one of its own, made from where the run is
+                        seed_everything((args.seed + 1_000_003 * int(ckpt.get("global_step", 0)) + self.info.rank)
+                                        % 2**32)
             except _UNFIT_STATE as exc:
                 why = " ".join(str(exc).split())
                 raise UserError(f"--resume {args.resume}: damaged rng (the random generators' state: "
@@ -921,8 +935,11 @@ class Trainer:
             raise NonFiniteLoss(f"{bad or 'a tensor on another rank'} became non-finite by global step "
                                 f"{self.state.global_step} ({reason} checkpoint not written)")
         sums = torch.tensor(self.state.sums, dtype=torch.float64)
+        rngs = [rng_state()]  # every rank's random streams, so that a resumed run draws as this one would
         if self.info.distributed:
             dist.all_reduce(sums)
+            rngs = [None] * self.info.world_size
+            dist.all_gather_object(rngs, rng_state())
         if not self.main:
             return None
         s = self.state
@@ -935,7 +952,7 @@ class Trainer:
             "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
             "steps_per_epoch": self.iters_per_epoch,  # a resume with another process count must have as many
             "epoch_sums": sums.tolist(), "epoch_timed": self._epoch_timed() if s.step_in_epoch else [0.0, 0],
-            "history": s.history, "rng": rng_state(),
+            "history": s.history, "rng": rngs[0], **({"rng_ranks": rngs} if self.info.distributed else {}),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
         }
         if self.ema is not None:
