@@ -403,6 +403,29 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(f(i) >= f(i + 1) for i in range(20, 100))
 
 
+def test_the_logged_lr_of_an_epoch_is_the_rate_its_last_step_trained_at(cache, tmp_path):
+    """It was the rate after the schedule's step: the next epoch's first, and 0.0 for the last epoch,
+    a rate no step used."""
+    import argparse
+
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--no-eval") == 0  # 4 steps an epoch
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    factor = train.lr_factor_fn(argparse.Namespace(**_load(run / "checkpoint.pth")["args"]), iters_per_epoch=4)
+    assert [r["lr"] for r in rows] == [pytest.approx(0.00625 * factor(3)), pytest.approx(0.00625 * factor(7))]
+    assert rows[-1]["lr"] > 0
+
+
+@pytest.mark.parametrize("dtype,scaled", [("float16", True), ("bfloat16", False), ("auto", False)])
+def test_float16_autocast_scales_the_loss_on_a_cpu_too(cache, tmp_path, dtype, scaled):
+    """The gradient scaler existed on CUDA only: --amp --amp-dtype float16 on a CPU trained float16
+    gradients unscaled (small ones underflow to zero). bfloat16 (a CPU's auto) needs no scaling."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--amp", "--amp-dtype", dtype, "--max-steps", "2") == 0
+    scaler = _load(run / "checkpoint.pth")["scaler"]
+    assert (scaler.get("scale") == 65536.0) == scaled and bool(scaler) == scaled
+
+
 def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
     """The default 5-epoch warm-up with --epochs 1 ended at 21% of the peak lr, the schedule never
     begun, and nothing said so; a run whose warm-up ends inside it gets no note."""

@@ -501,6 +501,7 @@ class Trainer:
             if why_not:
                 self.log(f"orepa train: kernel builder auto, not compiled ({why_not})")
         self.graphs_captured = False
+        self.step_lr: float | None = None  # the rate the last step trained at (_logged_lr)
         self.resume_ckpt = None
         self.overrides: list[str] = []
         saved_cfg = None
@@ -662,8 +663,12 @@ class Trainer:
                             "set changed since the run began); put the folder back as it was, or start a new run "
                             "from its weights with --init-from")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
-        amp_fp16 = args.amp and device.type == "cuda" and args.amp_dtype in ("auto", "float16")
-        self.scaler = torch.amp.GradScaler("cuda", enabled=amp_fp16) if device.type == "cuda" else None
+        # float16 gradients underflow without loss scaling: "auto" is float16 on CUDA, bfloat16 elsewhere, but
+        # --amp-dtype float16 may be asked on a CPU too
+        amp_fp16 = args.amp and args.amp_dtype == "float16" or (args.amp and device.type == "cuda"
+                                                                and args.amp_dtype == "auto")
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_fp16) if device.type == "cuda" or amp_fp16 \
+            else None
         self.criterion = make_criterion(args)
         self.ema = make_ema(model, args, info, device) if args.model_ema else None
         self.val = None
@@ -1018,6 +1023,7 @@ class Trainer:
                     if args.clip_grad_norm:
                         nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad_norm)
                     self.optimizer.step()
+                self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step trained at (logs)
                 self.scheduler.step()
                 if self.ema is not None and s.global_step % args.model_ema_steps == 0:
                     self.ema.update_parameters(self.model)
@@ -1083,12 +1089,16 @@ class Trainer:
                                      torch.tensor(float(len(t)), dtype=torch.float64, device=images.device)])
         return (loss_sum / n if n > 1 else loss_sum), sums
 
+    def _logged_lr(self) -> float:
+        """The rate the last step trained at (the optimizer holds the next step's once the schedule stepped)."""
+        return self.step_lr if self.step_lr is not None else self.optimizer.param_groups[0]["lr"]
+
     def _running(self, acc: torch.Tensor, steps: int, t0: float) -> dict:
         """This rank's running loss/accuracy over the epoch so far, and the global throughput."""
         loss_sum, c, n = (a + b for a, b in zip(self.state.sums, acc.tolist()))
         el = time.perf_counter() - t0
         return {"loss": loss_sum / max(n, 1), "acc1": 100 * c / max(n, 1),
-                "images_per_s": steps * self.global_batch / max(el, 1e-9), "lr": self.optimizer.param_groups[0]["lr"]}
+                "images_per_s": steps * self.global_batch / max(el, 1e-9), "lr": self._logged_lr()}
 
     def _write_progress(self, acc: torch.Tensor, steps: int, t0: float) -> None:
         """``progress.json``: where the run is, for monitoring (``watch cat``; the demo reads it)."""
@@ -1227,7 +1237,7 @@ class Trainer:
             dist.all_reduce(sums)
         loss_sum, c, n = sums.tolist()
         seconds, timed_steps = self._epoch_timed()
-        row = {"epoch": s.epoch + 1, "lr": self.optimizer.param_groups[0]["lr"],
+        row = {"epoch": s.epoch + 1, "lr": self._logged_lr(),
                "train_loss": loss_sum / max(n, 1), "train_acc1": 100 * c / max(n, 1),
                "epoch_time_s": seconds, "time_per_batch_s": seconds / max(timed_steps, 1),
                "images_per_s": timed_steps * self.global_batch / max(seconds, 1e-9)}
