@@ -435,6 +435,10 @@ def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
             "the cosineannealinglr schedule never starts") in capsys.readouterr().out
     assert _train(cache, tmp_path / "b", "--epochs", "1", "--no-eval", "--max-steps", "1") == 0
     assert "warm-up outlasts" not in capsys.readouterr().out
+    assert _train(cache, tmp_path / "c", "--epochs", "1", "--no-eval", "--lr-warmup-epochs", "1", "--max-steps", "1",
+                  "--model-ema") == 0
+    assert "never starts (--lr-warmup-epochs sets the warm-up); the EMA restarts at every update during warm-up" \
+        in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- train / eval / reparam

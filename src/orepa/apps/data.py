@@ -427,8 +427,8 @@ def _subset(ds, n: int | None, seed: int | None):
         return ds
     if n <= 0:
         raise UserError(f"subset size must be positive, got {n}")
-    if seed is None:
-        idx = list(range(n))
+    if seed is None:  # evenly spread: an ImageFolder lists its images class by class, so the first n would
+        idx = [i * len(ds) // n for i in range(n)]  # hold the first classes only
     else:
         idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n].sort().values.tolist()
     sub = torch.utils.data.Subset(ds, idx)

@@ -1175,7 +1175,9 @@ class Trainer:
             peak = lr_factor_fn(args, self.iters_per_epoch)(args.epochs * self.iters_per_epoch - 1)
             self.log(f"  note: the {args.lr_warmup_epochs:g}-epoch warm-up outlasts the {args.epochs}-epoch run: the "
                      f"learning rate ends at {peak:.0%} of --lr {args.lr:g}, and the {args.lr_scheduler} schedule "
-                     "never starts (--lr-warmup-epochs sets the warm-up)")
+                     "never starts (--lr-warmup-epochs sets the warm-up)"
+                     + ("; the EMA restarts at every update during warm-up (as torchvision's), so it ends as the "
+                        "weights themselves" if self.ema is not None else ""))
         tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
