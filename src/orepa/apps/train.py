@@ -665,8 +665,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
         # float16 gradients underflow without loss scaling: "auto" is float16 on CUDA, bfloat16 elsewhere, but
         # --amp-dtype float16 may be asked on a CPU too
-        amp_fp16 = args.amp and args.amp_dtype == "float16" or (args.amp and device.type == "cuda"
-                                                                and args.amp_dtype == "auto")
+        amp_fp16 = args.amp and (args.amp_dtype == "float16" or (device.type == "cuda" and args.amp_dtype == "auto"))
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_fp16) if device.type == "cuda" or amp_fp16 \
             else None
         self.criterion = make_criterion(args)
@@ -678,8 +677,8 @@ class Trainer:
         self.state = Progress()
         if info.distributed:
             # the model is built alike on every rank (from args.seed); from here each rank draws its own
-            # random numbers (dropout and drop-path masks, augmentation), as timm's seed + rank: alike, every
-            # rank would drop the same units of its images
+            # random numbers (dropout and drop-path masks), as timm's seed + rank: alike, every rank would drop
+            # the same units of its images (the augmentation is a function of seed, epoch and index anyway)
             seed_everything((args.seed + info.rank) % 2**32)
         if self.resume_ckpt is not None:
             self._restore(self.resume_ckpt)
