@@ -320,6 +320,13 @@ def test_damaged_tensors_are_refused_naming_the_key(tmp_path, capsys):
     assert main(["import-reference", str(tmp_path / "flat.pth"), "-o", str(tmp_path / "out.pth")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has the wrong shape or type" in err[0] and not (tmp_path / "out.pth").exists()
+    # the Python API says ValueError (an IndexError from the architecture's reading escaped it)
+    with pytest.raises(ValueError, match="reading the architecture: a tensor of the checkpoint has the wrong shape"):
+        orepa.import_reference(flat)
+    # the reference's vector has a row per branch kind, 6: a 7th was taken silently
+    vec = "stage1.0.conv1.vector"
+    with pytest.raises(ValueError, match=f"{vec} has 7 rows, expected 6"):
+        orepa.import_reference({**sd, vec: torch.cat([sd[vec], sd[vec][:1]])})
 
 
 def test_train_resume_of_an_import_that_does_not_fit_the_data_is_one_line(tmp_path, capsys):

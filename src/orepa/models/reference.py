@@ -23,6 +23,7 @@ reference's. Everything is computed in float64 and cast to ``dtype`` at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Mapping
@@ -181,8 +182,9 @@ def _orepa(r: _Reader, into: str, block: OREPAConv2d, rows: Mapping[str, int], f
     if names != set(rows):
         raise ValueError(f"{r.prefix}: the reference block has branches {sorted(rows)}, the model built "
                          f"here {sorted(names)}")
-    if vec.shape[0] < len(rows):
-        raise ValueError(f"{r.prefix}vector has {vec.shape[0]} rows, expected {len(rows)}")
+    if not len(rows) <= vec.shape[0] <= len(_OREPA_ROWS):  # the reference's vector has a row per branch kind
+        expected = len(rows) if len(rows) == len(_OREPA_ROWS) else f"{len(rows)} to {len(_OREPA_ROWS)}"
+        raise ValueError(f"{r.prefix}vector has {vec.shape[0]} rows, expected {expected}")
     mirror = (lambda w: torch.flip(w, (2, 3))) if flip else (lambda w: w)
     _check_fixed(r, prefix + "avg_avg", torch.full((k, k), 1.0 / (k * k), dtype=torch.float64))
     prior = K.freq_prior_kernel(cout, k, dtype=torch.float64)[:, 0]
@@ -453,9 +455,11 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     """
     sd = read_reference_state_dict(src)
     if any(k.startswith("stage0.conv1.") for k in sd):
-        name, method, options, sites, head = _resnet(sd)
+        with _layout_errors("the architecture"):
+            name, method, options, sites, head = _resnet(sd)
     elif any(k.startswith("stage0.rbr_") for k in sd):
-        name, method, options, sites, head = _repvgg_arch(sd)
+        with _layout_errors("the architecture"):
+            name, method, options, sites, head = _repvgg_arch(sd)
     else:
         raise ValueError("not a checkpoint of the paper's ResNet or RepVGG models (expected keys under "
                          f"'stage0.conv1.' or 'stage0.rbr_'); first keys: {', '.join(list(sd)[:8])}")
@@ -466,7 +470,8 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     consumed: set[str] = set()
     ours: dict[str, Tensor] = {}
     for ref, conv_name, bn_name in sites:
-        ours.update(_map_site(sd, consumed, ref, model, conv_name, bn_name))
+        with _layout_errors(f"reference module {ref!r}"):
+            ours.update(_map_site(sd, consumed, ref, model, conv_name, bn_name))
     head_r = _Reader(sd, consumed, "linear.")
     ours.update({f"{head}.weight": head_r("weight"), f"{head}.bias": head_r("bias")})
     unused = [k for k in sd if k not in consumed and not _ignorable(k)]
@@ -483,6 +488,17 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
                          f"missing {missing[:5]}, shape mismatches {wrong[:5]}, unplaced {extra[:5]}")
     model.load_state_dict(ours, strict=True)
     return model.to(dtype)
+
+
+@contextlib.contextmanager
+def _layout_errors(what: str):
+    """A tensor of another shape or type than the layout's (a 1-D kernel, ...) met while reading
+    ``what``: a ValueError naming it, not an IndexError from deep inside."""
+    try:
+        yield
+    except (IndexError, RuntimeError, TypeError) as exc:
+        raise ValueError(f"reading {what}: a tensor of the checkpoint has the wrong shape or type for the "
+                         f"reference layout ({type(exc).__name__}: {str(exc)[:120]})") from None
 
 
 def _ignorable(key: str) -> bool:
