@@ -142,6 +142,8 @@ def test_new_geometry_keeps_each_conv_padded_as_it_pads():
 # --------------------------------------------------------------------------- train, then deploy
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script's deprecation
+@pytest.mark.filterwarnings("ignore:'aux_classifier' was found in ScriptModule constants")  # torchvision's
 def test_fasterrcnn_trains_and_deploys():
     torch.manual_seed(0)
     imgs, targets, _ = shapes_data()
@@ -170,6 +172,10 @@ def test_fasterrcnn_trains_and_deploys():
         fused = orepa.reparameterize(model, fuse_bn=True)
         assert not any(isinstance(m, nn.BatchNorm2d) for m in fused.backbone.modules())
         assert_same_detections(out, fused(imgs[:1])[0])
+        # TorchScript takes the deployed detector, as torchvision's own (the features' return type
+        # was a string annotation it could not read); scripted detectors return (losses, detections)
+        with pytest.warns(UserWarning, match="RCNN always returns a"):
+            assert_same_detections(out, torch.jit.script(deployed)(imgs[:1])[1][0])
 
 
 def test_retinanet_trains_and_deploys():
@@ -200,6 +206,8 @@ def seg_loss(model, batch, imgs, masks):
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.script's deprecation
+@pytest.mark.filterwarnings("ignore:'aux_classifier' was found in ScriptModule constants")  # torchvision's
 def test_deeplabv3_trains_and_deploys():
     torch.manual_seed(0)
     imgs, _, masks = shapes_data()
@@ -216,6 +224,7 @@ def test_deeplabv3_trains_and_deploys():
         for k, v in deployed(x).items():
             tol_close(v, ref[k])
         tol_close(orepa.reparameterize(model, fuse_bn=True)(x)["out"], ref["out"])
+        tol_close(torch.jit.script(deployed)(x)["out"], ref["out"])  # TorchScript takes it
 
 
 @pytest.mark.slow
@@ -282,6 +291,26 @@ def test_norm_policy_keeps_statistics_and_deploys_exactly(norm):
             tol_close(v, ref[k])
 
 
+@pytest.mark.parametrize("method", ["dbb", "orepa-offline"])
+@pytest.mark.parametrize("freeze", ["stages", "norms"])
+def test_a_frozen_stage_or_norm_deploys_frozen_where_the_block_absorbed_its_bn(method, freeze):
+    """Blocks holding their own BNs are frozen after the network is built (trainable_layers, norm=
+    "frozen"): the BN deployment restores came back trainable (32 of 40 with norm="frozen"), so
+    training the deployed model went on moving them."""
+    options = {"trainable_layers": 3} if freeze == "stages" else {"norm": "frozen"}
+    f = D.resnet_features("resnet18", method, **options, **TINY)
+    deployed = orepa.reparameterize(f)
+    bns = {n: p.requires_grad for n, p in deployed.named_parameters()
+           if isinstance(deployed.get_submodule(n.rsplit(".", 1)[0]), nn.BatchNorm2d)}
+    assert bns
+    if freeze == "norms":
+        assert not any(bns.values())
+    else:
+        trains = {n: p.requires_grad for n, p in deployed.named_parameters()}
+        assert not any(r for n, r in trains.items() if n.startswith("layer1."))
+        assert all(r for n, r in trains.items() if n.startswith(("layer2.", "layer3.", "layer4.")))
+
+
 def test_trainable_layers_and_paper_stem():
     # torchvision semantics: 3 trainable stages = layer2..4; OREPA's deep stem stays trainable (paper)
     f = D.resnet_features("resnet18", "orepa", trainable_layers=3, **TINY)
@@ -339,9 +368,18 @@ def test_param_groups_refuse_packed_parameters_that_span_parts():
     group_kernels(model, "grouped", pack=True)
     with pytest.raises(ValueError, match=r"several parts \(backbone, stem; held by .*packed_parameters.*pack=False"):
         D.param_groups(model, lr=0.02)
+    # one learning rate for both parts: the shared tensor takes it (it was refused as well)
+    same = D.param_groups(model, lr=0.02, stem_lr_mult=0.5, backbone_lr_mult=0.5)
+    assert {id(p) for g in same for p in g["params"]} == {id(p) for p in model.parameters() if p.requires_grad}
     group_kernels(model, "grouped", pack=False)  # unpacked again: every block's own parameters
     assert {id(p) for g in D.param_groups(model, lr=0.02) for p in g["params"]} == {
         id(p) for p in model.parameters() if p.requires_grad}
+    # frozen packed parameters take no learning rate at all (the paper's frozen stem and layer1)
+    frozen = D.fasterrcnn("resnet18", "orepa", num_classes=3, backbone_options=TINY, trainable_layers=3,
+                          train_stem=False)
+    group_kernels(frozen, "grouped", pack=True)
+    assert {id(p) for g in D.param_groups(frozen, lr=0.02) for p in g["params"]} == {
+        id(p) for p in frozen.parameters() if p.requires_grad}
 
 
 # --------------------------------------------------------------------------- pretrained weights

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
+import re
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
@@ -421,31 +423,33 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
     seen: set[int] = set()
     trusted: dict[str, str] = {}  # conv name -> the untraced module trusted to call its Sequential whole
 
-    def visit(module: nn.Module, prefix: str, caller: str | None) -> None:
-        # caller: the untraced module whose forward calls this one (None: called whole, as the model is)
+    def visit(module: nn.Module, prefix: str, caller: str | None, attr: str | None) -> None:
+        # caller: the untraced module whose forward calls this one (None: called whole, as the model is),
+        # attr: the name of its child that holds this one
         if id(module) in seen or isinstance(module, (ReparamConv2d, AbsorbedNorm)) or not any(module.children()):
             return  # visited, a block (its steps are not the model's convs) or a leaf
         seen.add(id(module))
+        untraced_here = False
         if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
             children = list(module.named_children())
             for (cn, c), (bn_name, bn) in zip(children, children[1:]):
                 if _is_conv(c) and _foldable_bn(bn, c):
                     pairs.append((prefix + cn, prefix + bn_name))
-                    if caller is not None:
+                    if caller is not None and _reaches_into(model.get_submodule(caller), attr):
                         trusted[prefix + cn] = caller
         else:
             try:
                 found = _pairs_fx(module)
             except Exception as exc:  # untraceable: look inside
-                caller = prefix.rstrip(".")
+                caller, untraced_here = prefix.rstrip("."), True
                 untraced[caller] = f"{type(exc).__name__}: {str(exc)[:100]}".split("\n")[0]
             else:
                 pairs.extend((prefix + c, prefix + b) for c, b in found)
                 return
         for name, child in module.named_children():
-            visit(child, f"{prefix}{name}.", caller)
+            visit(child, f"{prefix}{name}.", caller, name if untraced_here else attr)
 
-    visit(model, "", None)
+    visit(model, "", None, None)
     pairs = [(c, b) for c, b in pairs if slots[id(model.get_submodule(c))] == slots[id(model.get_submodule(b))] == 1]
     paired = {c for c, _ in pairs}
     left_out: dict[str, str] = {}
@@ -470,6 +474,19 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
                     f"shows that {bn_name!r} consumes only this conv's output; pass example_input to pair by "
                     "running the model")
     return pairs, left_out, {c: trusted[c] for c in paired if c in trusted}
+
+
+def _reaches_into(module: nn.Module, attr: str) -> bool:
+    """Whether ``module``'s forward, as its source reads, reaches into its child ``attr`` instead of
+    calling it whole: indexes it (``self.seq[1]``), takes a child of it (``self.seq.conv``), iterates
+    over it or fetches it by name; True where the source cannot be read. (A forward that calls the
+    Sequential whole, as torchvision's detectors call their heads, leaves its pairs as it builds them.)"""
+    try:
+        src = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return True
+    a = re.escape(attr)
+    return re.search(rf"\.{a}\s*(\[|\.\w)|\bin\s+[\w.]*\.{a}\b|getattr\([^)]*['\"]{a}['\"]", src) is not None
 
 
 def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
@@ -901,9 +918,20 @@ def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
     """``block`` as its plain conv, in the block's mode, and frozen where the block is (a frozen
     stage deploys frozen)."""
     conv = block.fuse()  # (timm's protocol: also takes the engine's hooks off the root)
-    if not any(p.requires_grad for p in block.parameters()):
+    if _frozen_block(block):
         conv.requires_grad_(False)
     return conv
+
+
+def _frozen_block(block: ReparamConv2d) -> bool:
+    """No parameter of ``block`` trains (a frozen stage, frozen when or after the model was built)."""
+    return not any(p.requires_grad for p in block.parameters())
+
+
+def _frozen_norms(block: ReparamConv2d) -> bool:
+    """``block`` holds BNs and none of their parameters trains: the BN it absorbed is deployed frozen."""
+    params = [p for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters()]
+    return bool(params) and not any(p.requires_grad for p in params)
 
 
 @torch.no_grad()
@@ -932,6 +960,8 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
             if conv.bias is not None:
                 shift = conv.bias if block.bias is None else conv.bias - block.bias
             restored = model.get_submodule(norm_name).restore(shift)
+            if _frozen_norms(block):  # frozen after conversion (a detector's frozen stages or norms): it stays so
+                restored.requires_grad_(False)
             _set_submodule(model, norm_name, restored)  # in its placeholder's mode: a frozen BN stays in eval
             if block.bias is None:
                 conv.bias = None

@@ -48,6 +48,7 @@ import os
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Dict  # noqa: UP035 - TorchScript reads typing.Dict, not dict, in annotations
 
 import torch
 import torch.nn.functional as F
@@ -370,7 +371,7 @@ class ResNetFeatures(nn.ModuleDict):
                     m.eval()
         return self
 
-    def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":
+    def forward(self, x: Tensor) -> Dict[str, Tensor]:  # noqa: UP006 - TorchScript
         out = OrderedDict()
         for name, module in self.items():
             x = module(x)
@@ -626,7 +627,7 @@ class DeepLabV3Plus(nn.Module):
         super().__init__()
         self.backbone, self.classifier, self.aux_classifier = backbone, classifier, aux_classifier
 
-    def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":
+    def forward(self, x: Tensor) -> Dict[str, Tensor]:  # noqa: UP006 - TorchScript
         size = x.shape[-2:]
         f = self.backbone(x)
         result = OrderedDict()
@@ -685,8 +686,8 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
 
     Returns a list of ``{"params", "lr", "weight_decay", "name"}`` dicts for
     ``torch.optim`` (empty groups dropped); ``group["name"]`` is e.g. ``"stem/no_decay"``.
-    Refuses a model whose packed parameters (``group_kernels(..., pack=True)``) hold the
-    weights of blocks in several of those parts: one tensor cannot take two learning rates.
+    Refuses a model whose trainable packed parameters (``group_kernels(..., pack=True)``) hold
+    the weights of blocks in parts of different learning rates: one tensor cannot take two.
     """
     decayed = {id(p) for p in split_params(model).decay}
     stems = _stem_prefixes(model)
@@ -698,19 +699,19 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
         return "backbone" if any(name.startswith(b) for b in bodies) else "rest"
 
     names = {id(m): n + "." for n, m in model.named_modules()}
+    mults = {"stem": stem_lr_mult, "backbone": backbone_lr_mult, "rest": 1.0}
     for group in kernel_groups(model):
-        if group.packed is None:  # its blocks' parameters are their own
-            continue
+        if group.packed is None or not any(p.requires_grad for p in group.packed.parameters()):
+            continue  # its blocks' parameters are their own, or it trains nothing (frozen stages)
         # a group made over a larger module may also hold blocks outside this one
         parts = {part_of(names[id(b)]) if id(b) in names else "outside the model" for b in group.plan.blocks}
-        if len(parts) > 1:
+        if len({mults.get(part) for part in parts}) > 1:  # parts of one learning rate may share a tensor
             first = names.get(id(group.plan.blocks[0]), "a block outside the model: its ")
             raise ValueError(
                 f"param_groups: packed parameters (group_kernels(..., pack=True)) hold the weights of online "
                 f"blocks in several parts ({', '.join(sorted(parts))}; held by {first}packed_parameters), "
                 f"which take different learning rates; build the parameter groups of an unpacked model "
                 f"(orepa.engine.group_kernels(model, pack=False))")
-    mults = {"stem": stem_lr_mult, "backbone": backbone_lr_mult, "rest": 1.0}
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
