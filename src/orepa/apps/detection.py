@@ -193,9 +193,13 @@ _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "model_state", "modu
 _PREFIXES = ("module.", "_orig_mod.", "backbone.body.", "backbone.", "body.")
 
 
-def _as_state_dict(weights) -> dict[str, Tensor]:
+def _as_state_dict(weights, saved: dict | None = None) -> dict[str, Tensor]:
+    """The state_dict ``weights`` holds; ``saved`` (a dict) takes what the checkpoint says of itself
+    (``model_cfg``, ``form``: an ``orepa train`` / ``orepa reparam`` checkpoint's) for messages."""
     if isinstance(weights, (str, os.PathLike)):
         weights = torch.load(weights, map_location="cpu", weights_only=True)
+    if saved is not None and isinstance(weights, Mapping):
+        saved.update((k, weights[k]) for k in ("model_cfg", "form") if k in weights)
     if isinstance(weights, nn.Module):
         weights = weights.state_dict()
     if not isinstance(weights, Mapping):
@@ -275,7 +279,8 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
 
     Anything else raises ``ValueError`` saying what the checkpoint is.
     """
-    sd = _as_state_dict(weights)
+    saved: dict = {}
+    sd = _as_state_dict(weights, saved)
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
         _load_matching(trunk, sd, f"checkpoint for {name}/{method}")
         return method
@@ -283,9 +288,16 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
     if form is None:
         own = _backbone_keys(trunk.state_dict())
         theirs = _backbone_keys(sd)
+        cfg = saved.get("model_cfg") if isinstance(saved.get("model_cfg"), Mapping) else {}
+        said = "; ".join(f"{k}={cfg[k]!r}" for k in ("model", "method", "width_mult", "in_chans", "small_input")
+                         if k in cfg)
         raise ValueError(
             f"checkpoint does not match {name} in any form {METHODS}: e.g. missing {sorted(own - theirs)[:3]}, "
-            f"unexpected {sorted(theirs - own)[:3]} (another architecture, or different block options?)")
+            f"unexpected {sorted(theirs - own)[:3]} (another architecture, or different block options?"
+            + (f" The checkpoint says it was trained as {said}: build the backbone with the same options"
+               if said else "")
+            + (" A BN-folded (deploy-fused) checkpoint has no BNs to load into a backbone; use the deployed one "
+               "(orepa reparam without --fuse-bn)" if saved.get("form") == "deploy-fused" else "") + ")")
     if method == "base":
         src = build_trunk(name, form, **options)
         _load_matching(src, sd, f"{form} checkpoint for {name}")
