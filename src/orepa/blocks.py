@@ -295,7 +295,7 @@ class ConvStep(PackableWeight, nn.Module):
     repeated, as the paper's public code lays it out, :func:`orepa.kernels.tiled_identity_1x1`).
     ``decays_to_init``: weight decay should pull the weight towards its identity start, not towards
     zero (the published 1x1 -> kxk blocks train a delta on a fixed identity, and decay the delta);
-    :meth:`init_weight` is that start. Training applies it (``orepa.apps.common.split_params``).
+    :meth:`init_weight` is that start. Training applies it (``orepa.apps.common.decay_to_init``).
     """
 
     INITS = ("kaiming", "identity", "identity-tiled")

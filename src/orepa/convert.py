@@ -414,8 +414,9 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
     own (``self.seq[0](x)``) needs ``example_input``. A conv or BN registered at
     several places (a BN shared by two convs) is never paired. Returns the pairs,
     for the conv -> BN pairs a registration-order guess would have made but that are not
-    provable, ``{conv_name: why it was left out}``, and for the pairs taken on that trust (a
-    Sequential's inside a module torch.fx could not trace) ``{conv_name: that module's name}``.
+    provable, ``{conv_name: why it was left out}``, and for the pairs taken on trust (a
+    Sequential's inside a module torch.fx could not trace, whose forward reaches into that
+    Sequential: :func:`_reaches_into`) ``{conv_name: that module's name}``.
     """
     slots = _slots(model)
     pairs: list[tuple[str, str]] = []
