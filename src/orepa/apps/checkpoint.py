@@ -354,15 +354,18 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     return path
 
 
-#: the JSON files a training run keeps beside its checkpoint (orepa.apps.train.RUN_FILES)
-_RUN_JSON = ("summary.json", "progress.json")
+#: files that mark a directory as holding a run
+RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
+#: where a run is (written from its first step): alone, the trace of a run that wrote no checkpoint
+PROGRESS_FILE = "progress.json"
 
 
 def _not_a_report(path: Path) -> str | None:
     """What an existing file is where a JSON report would replace it, or None where it is one (a report
     is rewritten by the command that wrote it: an ONNX model, an image or a run's summary given to
     --json by a slip would be lost)."""
-    if path.name in _RUN_JSON and any((path.parent / f).is_file() for f in ("checkpoint.pth", "progress.json")):
+    if path.suffix == ".json" and path.name in RUN_FILES and \
+            any((path.parent / f).is_file() for f in ("checkpoint.pth", PROGRESS_FILE)):
         return f"a file of the training run in {path.parent}"
     try:
         if path.stat().st_size > 64 << 20:  # larger than any report

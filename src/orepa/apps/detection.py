@@ -193,13 +193,12 @@ _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "model_state", "modu
 _PREFIXES = ("module.", "_orig_mod.", "backbone.body.", "backbone.", "body.")
 
 
-def _as_state_dict(weights, saved: dict | None = None) -> dict[str, Tensor]:
-    """The state_dict ``weights`` holds; ``saved`` (a dict) takes what the checkpoint says of itself
-    (``model_cfg``, ``form``: an ``orepa train`` / ``orepa reparam`` checkpoint's) for messages."""
+def _as_state_dict(weights) -> tuple[dict[str, Tensor], dict]:
+    """The state_dict ``weights`` holds, and what the checkpoint says of itself (``model_cfg``,
+    ``form``: an ``orepa train`` / ``orepa reparam`` checkpoint's; for messages)."""
     if isinstance(weights, (str, os.PathLike)):
         weights = torch.load(weights, map_location="cpu", weights_only=True)
-    if saved is not None and isinstance(weights, Mapping):
-        saved.update((k, weights[k]) for k in ("model_cfg", "form") if k in weights)
+    saved = {k: weights[k] for k in ("model_cfg", "form") if k in weights} if isinstance(weights, Mapping) else {}
     if isinstance(weights, nn.Module):
         weights = weights.state_dict()
     if not isinstance(weights, Mapping):
@@ -219,7 +218,7 @@ def _as_state_dict(weights, saved: dict | None = None) -> dict[str, Tensor]:
             if all(k.startswith(p) for k in sd):
                 sd = {k[len(p):]: v for k, v in sd.items()}
                 changed = True
-    return sd
+    return sd, saved
 
 
 def _backbone_keys(keys: Iterable[str]) -> set[str]:
@@ -279,8 +278,7 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
 
     Anything else raises ``ValueError`` saying what the checkpoint is.
     """
-    saved: dict = {}
-    sd = _as_state_dict(weights, saved)
+    sd, saved = _as_state_dict(weights)
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
         _load_matching(trunk, sd, f"checkpoint for {name}/{method}")
         return method

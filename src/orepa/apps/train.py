@@ -57,6 +57,8 @@ from torch import nn
 from ..blocks import ReparamConv2d
 from ..engine import group_kernels
 from .checkpoint import (
+    PROGRESS_FILE,
+    RUN_FILES,
     adapt_input_channels,
     args_dict,
     atomic_write_text,
@@ -331,10 +333,6 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
 FIXED_ON_RESUME = ("dataset", "train_subset", "seed")  # (and the global batch: Trainer._restore)
 #: what load_state_dict / set_rng_state raise for a saved state that does not fit (or is damaged)
 _UNFIT_STATE = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError)
-#: files that mark a directory as holding a run
-RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.png", "progress.json")
-#: where a run is (written from its first step): alone, the trace of a run that wrote no checkpoint
-PROGRESS_FILE = "progress.json"
 #: made from a run's checkpoint by ``orepa reparam`` (its default outputs): --overwrite replaces them too
 DERIVED_FILES = ("deployed.pth", "deployed-fused.pth")
 #: where --overwrite keeps the run it replaces until the new run's first checkpoint
