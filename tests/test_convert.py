@@ -520,6 +520,26 @@ def test_folding_a_bn_whose_sequential_the_forward_reaches_into_warns():
     assert _trusted_warnings(seen) == []
 
 
+class ReachesInThroughAHelper(ReachesIn):
+    """The same, with the reaching done by a method the forward calls (only forward was read)."""
+
+    def forward(self, x):
+        return self._body(x)
+
+    def _body(self, x):
+        return self._swapped(x) if x.sum() > 0 else self.seq(x)
+
+    def _swapped(self, x):
+        return self.seq[0](self.seq[1](x))
+
+
+def test_a_helper_method_that_reaches_into_the_sequential_warns_too():
+    model = ReachesInThroughAHelper().double().eval()
+    _move_bn_stats(model, torch.randn(2, 4, 6, 6, dtype=torch.double))
+    with pytest.warns(UserWarning, match="the BN after 'seq.0' was paired by nn.Sequential order"):
+        orepa.fuse_conv_bn(model)
+
+
 def test_a_shared_bn_module_is_never_paired_by_the_fallback():
     class TwoPaths(nn.Module):
         def __init__(self):

@@ -4,6 +4,8 @@ Small generated images (coloured rectangles with boxes and masks), ResNet-18 at
 width x0.25, a few SGD steps per model; then ``orepa.reparameterize`` of the
 whole detector / segmenter must give the same eval outputs.
 """
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,9 @@ TINY = dict(width_mult=0.25)  # ResNet-18 with 16..128 channels: fast on CPU
 SIZE = 128
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# these tests freeze stages and norms of backbones built without weights (the warning is tested once)
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:resnet_features.*weights=None:UserWarning")]
 
 
 def shapes_data(n=4, size=SIZE, seed=0):
@@ -323,6 +327,21 @@ def test_trainable_layers_and_paper_stem():
         D.resnet_features("resnet18", "base", trainable_layers=6, **TINY)
     with pytest.raises(ValueError, match="norm"):
         D.resnet_features("resnet18", "base", norm="sync", **TINY)
+
+
+def test_freezing_a_backbone_without_weights_warns():
+    """Frozen norms or stages of a backbone that has no weights train a detector on random features
+    (torchvision makes every layer trainable there): said, not silently accepted."""
+    with pytest.warns(UserWarning, match=r"norm='eval' keeps the BN statistics at their initialisation"):
+        D.resnet_features("resnet18", "orepa", norm="eval", **TINY)
+    with pytest.warns(UserWarning, match=r"frozen stages \['layer1'\] keep their random weights"):
+        D.fasterrcnn("resnet18", "orepa", num_classes=3, backbone_options=TINY, trainable_layers=3)
+    weights = D.build_trunk("resnet18", "orepa", **TINY).state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f = D.resnet_features("resnet18", "orepa", weights=weights, **TINY)  # frozen norms, 3 stages: torchvision's
+        D.resnet_features("resnet18", "orepa", **TINY)  # nothing frozen
+    assert f.norm == "frozen" and f.frozen_stages == ("layer1",)
 
 
 def test_param_groups_stem_lr_and_no_decay():

@@ -605,6 +605,9 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     external = ["train", "--model", "torchvision:resnet18", "--no-progress", "--cache-dir", cache]
     cases = [
         (["train", "-b", "0"], "argument -b/--batch-size: must be a positive integer, got 0"),
+        # into a run's directory a misspelt preset was reported as "already holds a run ... --overwrite"
+        ([*new, "--method", "orepa", "--preset", "onlin-only", "--output-dir", str(run)],
+         "argument --preset: invalid choice: 'onlin-only' (choose from 'deep-stem', "),
         (["train", "-b", "-4"], "argument -b/--batch-size: must be a positive integer, got -4"),
         (["train", "--lr", "-0.1"], "argument --lr: must be a positive number, got -0.1"),
         (["train", "--epochs", "0"], "argument --epochs: must be a positive integer, got 0"),
@@ -700,6 +703,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["reparam", str(loop)], f"checkpoint {loop} is a symbolic link to nothing"),
         (["import-reference", str(ckpt), "-o", str(tmp_path / "i.pth"), "--device", "mps"],
          "--device mps: orepa runs on cpu or cuda, not mps"),
+        (["eval", str(ckpt), "--device", "cpu:1"], "--device cpu:1: the CPU is one device (cpu)"),
         (["eval", str(ckpt), "--bogus"], "orepa eval: error: unrecognized arguments: --bogus (see orepa eval --help)"),
         (["import-reference", str(ckpt), "-o", str(tmp_path / "i.pth"), "--rtol", "-1"],
          "argument --rtol: must be a positive number, got -1"),

@@ -137,6 +137,13 @@ def test_unknown_layouts_are_refused_with_the_keys():
     del sd["stage2.1.conv2.weight_orepa_gconv_pw"]
     with pytest.raises(ValueError, match="stage2.1.conv2.weight_orepa_gconv_pw"):
         orepa.import_reference(sd)
+    # block types mixed (the first stage plain, the others OREPA): said as such, not blamed on the stem
+    plain = make_resnet("base", [2, 2, 2, 2], [8, 16, 32, 64], seed=11)
+    mixed = {**{k: v for k, v in sd.items() if not k.startswith("stage1.")},
+             **{k: v for k, v in plain.items() if k.startswith("stage1.")}}
+    with pytest.raises(ValueError, match=r"mixes block types in its 3x3 convs \(conv_bn from stage1.0.conv1, "
+                                         r"orepa from stage2.0.conv1\)"):
+        orepa.import_reference(mixed)
     # what the reference's conversion script leaves: each site one conv with a bias, no BN
     sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=11)
     site = "stage1.0.conv1"
@@ -269,7 +276,7 @@ def test_train_fine_tunes_an_imported_checkpoint(tmp_path, capsys, flag, classes
                "--val-resize-size", "36", "--val-crop-size", "32", "-j", "0", "--no-progress", "--no-tensorboard",
                "--output-dir", str(out)])
     stdout = capsys.readouterr().out
-    assert rc == 0 and "starting from the weights of" in stdout
+    assert rc == 0 and f"starting from the weights of {tmp_path / 'start.pth'} (imported from " in stdout
     assert ("a new 2-class classifier (fc.weight, fc.bias) in place of the checkpoint's 5-class one" in stdout) == (
         classes == 5)
     start, end = load_checkpoint(tmp_path / "start.pth"), load_checkpoint(out / "checkpoint.pth")

@@ -979,6 +979,38 @@ def test_init_from_a_training_form_of_another_method_or_rgb_images_starts_from_i
                                rtol=1e-5, atol=1e-6)
 
 
+def test_init_from_a_deep_stem_orepa_run_starts_a_plain_run_from_its_deployed_network(cache, tmp_path, capsys):
+    """The block options of the checkpoint's method (deep_stem) do not carry over to a run of another
+    method (it was "option(s) ['deep_stem'] not accepted by resnet method 'base'"); the options that
+    shape the plain network (widths) do: the base run starts from the deployed network, exactly."""
+    from orepa.apps.checkpoint import save_checkpoint
+    from orepa.apps.model_cfg import build_model, deploy
+
+    cfg = {"model": "resnet18", "method": "orepa", "num_classes": 10, "in_chans": 1, "small_input": True,
+           "width_mult": 0.0625, "options": {"deep_stem": True, "stem_width": 8}}
+    torch.manual_seed(4)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.rand_like(t), alpha=0.1)
+    start = tmp_path / "deep_stem.pth"
+    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
+                     "model": model.state_dict()}, start)
+    plain = deploy(model, "deploy").state_dict()
+    capsys.readouterr()
+    assert _train(cache, tmp_path / "base", "--init-from", str(start), "--method", "base", "--lr", "1e-9",
+                  "--lr-warmup-epochs", "0", "--max-steps", "1") == 0
+    log = capsys.readouterr().out
+    assert "its training form deployed here (its blocks are 'orepa', not 'base'; other block options)" in log
+    saved = _load(tmp_path / "base" / "checkpoint.pth")
+    assert saved["model_cfg"]["options"] == {"stem_width": 8}
+    got = saved["model"]
+    assert got["conv1.weight"].shape[0] == 8
+    for key in (k for k, v in plain.items() if v.dim() == 4):
+        torch.testing.assert_close(got[key], plain[key], rtol=1e-5, atol=1e-6)
+
+
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classifier(cache, tmp_path, capsys):
     """--init-from: another run's weights, this command's settings and a fresh optimizer; a
     classifier for another class count is made anew (the rest loaded); such a run resumes like any
@@ -1013,7 +1045,9 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classi
     # a deployed checkpoint: every block starts as its deployed conv (lr 1e-9: still that conv at the end)
     assert _train(cache, tmp_path / "from_deployed", "--init-from", str(deployed), "--lr", "1e-9",
                   "--lr-warmup-epochs", "0", "--max-steps", "1") == 0
-    assert "; deployed weights: every re-param block starts as its conv" in capsys.readouterr().out
+    log = capsys.readouterr().out
+    assert "; deployed weights: every re-param block starts as its conv" in log
+    assert f"(deployed from {first / 'checkpoint.pth'})" in log  # it said "imported from"
     again = tmp_path / "again.pth"
     assert main(["reparam", str(tmp_path / "from_deployed" / "checkpoint.pth"), "-o", str(again), "--no-verify"]) == 0
     a, b = _load(deployed)["model"], _load(again)["model"]

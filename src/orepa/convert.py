@@ -480,14 +480,29 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
 def _reaches_into(module: nn.Module, attr: str) -> bool:
     """Whether ``module``'s forward, as its source reads, reaches into its child ``attr`` instead of
     calling it whole: indexes it (``self.seq[1]``), takes a child of it (``self.seq.conv``), iterates
-    over it or fetches it by name; True where the source cannot be read. (A forward that calls the
+    over it or fetches it by name; True where the source cannot be read. The methods of its class that
+    forward calls (``self._head(x)``), and those they call, are read too. (A forward that calls the
     Sequential whole, as torchvision's detectors call their heads, leaves its pairs as it builds them.)"""
-    try:
-        src = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return True
     a = re.escape(attr)
-    return re.search(rf"\.{a}\s*(\[|\.\w)|\bin\s+[\w.]*\.{a}\b|getattr\([^)]*['\"]{a}['\"]", src) is not None
+    reach = re.compile(rf"\.{a}\s*(\[|\.\w)|\bin\s+[\w.]*\.{a}\b|getattr\([^)]*['\"]{a}['\"]")
+    cls, todo, seen = type(module), ["forward"], set()
+    while todo:
+        name = todo.pop()
+        fn = inspect.getattr_static(cls, name, None)
+        if name in seen or fn is None or fn is getattr(nn.Module, name, None):
+            continue  # read once; a child module or attribute, or nn.Module's own method: not the class's code
+        seen.add(name)
+        fn = getattr(fn, "__func__", fn)  # a static or class method
+        try:
+            src = inspect.getsource(fn)
+        except (OSError, TypeError):
+            if name == "forward":
+                return True
+            continue  # a helper without readable source (a builtin, a C extension's): nothing to read
+        if reach.search(src):
+            return True
+        todo += re.findall(r"\bself\.(\w+)\s*\(", src)
+    return False
 
 
 def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:

@@ -423,6 +423,9 @@ def parse_device(device_arg: str | None) -> torch.device:
         raise UserError(f"--device {text!r}: expected cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
         raise UserError(f"--device {text}: orepa runs on cpu or cuda, not {device.type}")
+    if device.type == "cpu" and device.index not in (None, 0):
+        # torch parses cpu:N but has one CPU device: such a run would not use another processor
+        raise UserError(f"--device {text}: the CPU is one device (cpu); set how many cores it uses with --threads")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise UserError(f"--device {text} requested but CUDA is not available")

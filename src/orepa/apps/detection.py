@@ -46,6 +46,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Dict  # noqa: UP035 - TorchScript reads typing.Dict, not dict, in annotations
@@ -449,6 +450,16 @@ def resnet_features(
         trainable_layers = 3 if weights is not None else 5
     if norm is None:
         norm = "frozen" if weights is not None else "train"
+    frozen = _frozen_stages(isinstance(trunk.conv1, OREPADeepStem), trainable_layers, train_stem)
+    if weights is None and (norm in ("eval", "frozen") or frozen):
+        # torchvision makes every layer trainable here (with a warning); this backbone may be given its
+        # weights later (a whole detector's state_dict), so it keeps the request and says what it means
+        warnings.warn(f"resnet_features({name!r}, weights=None): " + " and ".join(
+            what for what, on in ((f"norm={norm!r} keeps the BN statistics at their initialisation (mean 0, "
+                                   "variance 1)", norm in ("eval", "frozen")),
+                                  (f"frozen stages {frozen} keep their random weights", bool(frozen))) if on)
+                      + "; load the backbone's weights before training, or pass norm='train', trainable_layers=5",
+                      UserWarning, stacklevel=2)
     dilation = tuple(replace_stride_with_dilation or (False, False, False))
     if any(dilation):
         dilate_resnet(trunk, dilation)
@@ -460,9 +471,7 @@ def resnet_features(
     if len(names) != len(stages) or len(set(stages)) != len(stages):
         raise ValueError("returned_layers must not repeat, and output_names needs one name per returned layer")
     return_layers = dict(sorted(zip(stages, names)))  # network order: the order of the outputs
-    deep_stem = isinstance(trunk.conv1, OREPADeepStem)
-    return ResNetFeatures(trunk, return_layers, norm=norm,
-                          frozen_stages=_frozen_stages(deep_stem, trainable_layers, train_stem))
+    return ResNetFeatures(trunk, return_layers, norm=norm, frozen_stages=frozen)
 
 
 def fpn_backbone(

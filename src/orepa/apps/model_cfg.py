@@ -51,9 +51,9 @@ def add_model_arguments(p: argparse.ArgumentParser, model_default: str = f"defau
                    help="comma-separated OREPA branches, e.g. kxk,1x1,1x1_avg (table 'components' ablations)")
     g.add_argument("--scaling", choices=["vector", "scalar", "none"], default=None,
                    help="branch scaling layers (table 'linearization')")
-    g.add_argument("--preset", default=None,
-                   help="an ablation preset of the zoo (orepa.models.ABLATIONS), e.g. online-only, freq-prior, "
-                        "dw-sep, scalar-scaling, no-scaling, no-post-bn")
+    # choices: a misspelt preset is refused as the command line is read, before any other check
+    g.add_argument("--preset", default=None, choices=sorted(zoo.ABLATIONS),
+                   help="an ablation preset of the zoo (orepa.models.ABLATIONS)")
     for t in orepa.BRANCH_TYPES.values():  # each optional branch type's switch (--freq-prior, --dw-sep, ...)
         if t.switch:
             flag = t.switch.replace("_", "-")
@@ -159,8 +159,27 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
             if getattr(args, key, None) is not None:
                 raise UserError(f"{key} is given twice: --{key.replace('_', '-')} and --model-option {key}=")
             cfg[key] = options.pop(key)
-    cfg["options"] = options if options else dict(saved.get("options", {}))
+    if not options:
+        options = dict(saved.get("options", {}))
+        if cfg["method"] != saved.get("method", cfg["method"]):  # the others were the saved method's own
+            options = plain_network_options(cfg["model"], options)
+    cfg["options"] = options
     return checked_cfg(cfg)
+
+
+def plain_network_options(model: str, options: dict) -> dict:
+    """The block options that describe the plain network itself, which a model of another method
+    built from a checkpoint keeps: a zoo family's common options (widths, stem), a torchvision / timm
+    network's constructor keywords. (``deep_stem`` of an OREPA checkpoint is not one: a ``--method
+    base`` run from it builds the plain network, which the deployed deep stem fits.)"""
+    if external_source(model) is not None:
+        keep: tuple[str, ...] = (MODEL_KWARGS,)
+    else:
+        try:
+            keep = zoo.family_of(model).common_options
+        except ValueError:  # an unknown name: reported where the model is built
+            return options
+    return {k: v for k, v in options.items() if k in keep}
 
 
 def checked_cfg(cfg: dict) -> dict:

@@ -737,7 +737,9 @@ class Trainer:
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
                                plain=bare or self.plain_start)
         check_finite(model, path, "a run started from it would train on NaN")
+        # where the checkpoint came from: a reference checkpoint it was imported from, a run it was deployed from
         source = self.start_weights.get("source")
+        made = "imported" if self.start_weights.get("imported_from") else "deployed"
         head = ""
         if fresh:
             head = (f"; a new {self.cfg['num_classes']}-class classifier ({', '.join(fresh)}) in place of "
@@ -748,12 +750,13 @@ class Trainer:
             name = {1: "gray", 3: "RGB"}.get(src, f"{src}-channel")
             how_made = f"summed over {name}" if self.cfg["in_chans"] == 1 else f"{name} repeated, scaled by {src} / channels"
             head += f"; {name} weights made for {self.cfg['in_chans']} input channel(s), {how_made}: {', '.join(adapted)}"
-        if how == "plain":
+        if how == "plain" or self.deployed_here:  # (a plain model takes a deployed network as it is)
             what = (f"its training form deployed here ({self.deployed_here})" if self.deployed_here
                     else "deployed weights" if deployed else "a --method base run's weights" if self.plain_start
                     else "the plain network's weights")
-            head += f"; {what}: every re-param block starts as its conv, its other branches at zero"
-        self.log(f"starting from the weights of {path}{f' (imported from {source})' if source else ''}: "
+            head += f"; {what}" + (": every re-param block starts as its conv, its other branches at zero"
+                                   if how == "plain" else "")
+        self.log(f"starting from the weights of {path}{f' ({made} from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
 
     def _check_output_dir(self) -> list[str]:

@@ -386,6 +386,17 @@ def _resnet(sd: Mapping[str, Tensor]) -> tuple[str, str, dict, list[tuple[str, s
     if bottleneck and [int(p * wpg / 64) * groups for p in planes] != width_in:
         raise ValueError(f"reference bottleneck widths {width_in} do not follow planes {planes} with "
                          f"{groups} groups of width {wpg}")
+    # the kxk convs decide the method; a checkpoint mixing their types fits no zoo model (said before
+    # the stem, which would be blamed for not fitting the first stage's type)
+    kinds: dict[str, str] = {}
+    for i, n in enumerate(layers, 1):
+        for j in range(n):
+            for c in ((spatial,) if bottleneck else ("conv1", "conv2")):
+                kinds.setdefault(_site_kind(sd, f"stage{i}.{j}.{c}"), f"stage{i}.{j}.{c}")
+    if len(kinds) > 1:
+        raise ValueError("reference ResNet mixes block types in its 3x3 convs ("
+                         + ", ".join(f"{kind} from {ref}" for kind, ref in kinds.items())
+                         + "): a zoo model has one type")
     stem_kind = _site_kind(sd, "stage0.conv1")
     method = {"orepa": "orepa", "dbb": "dbb", "conv_bn": "base"}.get(_site_kind(sd, f"stage1.0.{spatial}"))
     if method is None or stem_kind not in ("deep_stem", "conv_bn"):
