@@ -459,3 +459,45 @@ def test_a_tf_same_block_pads_as_tensorflow_and_deploys_to_a_conv_that_does(k, s
         orepa.Conv2dTFSame(8, 8, 3, 2, padding=1)
     with pytest.raises(ValueError, match="mode must be 'online' or 'offline'"):  # not a tf_same complaint
         OREPAConv2d(8, 8, 3, 2, tf_same=True, mode="onlin")
+
+
+@pytest.mark.parametrize("make", [lambda: OREPAConv2d(8, 8, 3), lambda: DBBConv2d(8, 8, 3),
+                                  lambda: OREPADeepStem(3, 8)], ids=["orepa", "dbb", "deep_stem"])
+def test_a_block_made_on_the_meta_device_gets_its_fixed_kernels(make):
+    """FSDP's and accelerate's flow: made on the meta device, then materialised (``to_empty``) or loaded
+    with ``assign=True``. The fixed kernels (average pool, frequency prior, identity) are buffers that
+    no checkpoint holds: they stayed uninitialised memory (the output 9e21 off, or NaN) or on the meta
+    device."""
+    torch.manual_seed(0)
+    ref = make().eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.rand_like(p), alpha=0.1)
+    x = torch.randn(2, ref.in_channels, 8, 8)
+    fixed = {n: b for n, b in ref.named_buffers() if n.endswith((".pool.weight", ".prior.weight", ".id.weight"))}
+    assert fixed or isinstance(ref, OREPADeepStem)
+    for how in ("to_empty", "assign"):
+        with torch.device("meta"):
+            blk = make()
+        if how == "to_empty":
+            blk = blk.to_empty(device="cpu")
+            blk.load_state_dict(ref.state_dict())
+        else:
+            blk.load_state_dict(ref.state_dict(), assign=True)
+        assert not any(t.is_meta for t in (*blk.parameters(), *blk.buffers())), how
+        for n, b in blk.named_buffers():
+            if n in fixed:
+                assert torch.equal(b, fixed[n]), (how, n)
+        torch.testing.assert_close(blk.eval()(x), ref(x), rtol=0, atol=0)
+
+
+def test_fixed_kernels_follow_conversions_with_the_values_they_were_built_with():
+    """Made anew at every conversion, in the dtype the block was built in, then cast: a float32 block
+    moved to float64 keeps float32 constants (as the paper's code), round trips change nothing."""
+    blk = OREPAConv2d(4, 4, 3)
+    avg = blk.branches["1x1_avg"].pool.weight.clone()
+    assert avg.dtype == torch.float32
+    blk.double()
+    assert torch.equal(blk.branches["1x1_avg"].pool.weight, avg.double())
+    blk.half().float()
+    assert torch.equal(blk.branches["1x1_avg"].pool.weight, avg)  # not the float16-rounded 1/9

@@ -365,7 +365,19 @@ class FixedKernelStep(nn.Module):
         self.kind, self.in_channels, self.out_channels = kind, channels, channels
         self.kernel_size = K.as_pair(kernel_size, "kernel_size")
         self.groups = (groups or 1) if kind == "identity" else channels  # pooling and filtering act per channel
-        self.register_buffer("weight", self._build(torch.get_default_dtype(), None), persistent=False)
+        self.built_dtype = torch.get_default_dtype()
+        self.register_buffer("weight", self._build(self.built_dtype, None), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """Every conversion (``to``, ``double``, ``to_empty``, ...) makes the kernel anew from the shape, in
+        the dtype it was built in, then cast: after ``to_empty`` (a model made on the meta device and
+        materialised, as FSDP and accelerate do) a buffer that no checkpoint holds would be garbage."""
+        out = super()._apply(fn, recurse)
+        w = self.weight
+        if w is not None and w.device.type != "meta":
+            with torch.no_grad():
+                w.copy_(self._build(getattr(self, "built_dtype", torch.float32), w.device))
+        return out
 
     def _build(self, dtype: torch.dtype, device) -> Tensor:
         c, k = self.out_channels, self.kernel_size
@@ -384,6 +396,18 @@ class FixedKernelStep(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, channels={self.out_channels}, k={_size_str(self.kernel_size)}"
+
+
+def _materialise_fixed_kernels(block: nn.Module, incompatible_keys) -> None:
+    """A re-param block's load_state_dict post-hook: a block made on the meta device and loaded with
+    ``assign=True`` has real parameters but its fixed kernels (which no checkpoint holds) still on the
+    meta device: they are made where, and in the dtype, its parameters now are."""
+    like = next((p for p in block.parameters() if p.is_floating_point() and p.device.type != "meta"), None)
+    if like is None:
+        return
+    for m in block.modules():
+        if isinstance(m, FixedKernelStep) and m.weight is not None and m.weight.device.type == "meta":
+            m.weight = m._build(getattr(m, "built_dtype", torch.float32), like.device).to(like.dtype)
 
 
 class Scale(PackableWeight, nn.Module):
@@ -603,6 +627,7 @@ class ReparamConv2d(nn.Module):
         # class it replaced where that is not nn.Conv2d (timm's Conv2dSame), so deployment gives it back
         self.deploy_class: type[nn.Conv2d] | None = None
         self.branches = nn.ModuleDict(branches)
+        self.register_load_state_dict_post_hook(_materialise_fixed_kernels)
         for name, br in self.branches.items():
             first = next(iter(br))
             if first.in_channels != in_channels or br[self._last_kernel_index(br)].out_channels != out_channels:

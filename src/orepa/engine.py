@@ -733,6 +733,7 @@ class GroupsFunction(torch.autograd.Function):
     def forward(ctx, build: EagerBuild | CompiledBuild | GraphedBuild | ChainedBuild,
                 storages: tuple[Storage | None, ...], *params: Tensor):
         ctx.build, ctx.storages = build, storages
+        ctx.set_materialize_grads(False)  # a kernel the loss did not reach: None, not zeros (see backward)
         # each plan's fixed kernels as read now, where no storage holds them (see backward)
         ctx.fixed = tuple(plan.fixed() if st is None else None for plan, st in zip(build.plans, storages))
         # the parameters are kept (no memory; autograd checks they are unchanged at backward), and
@@ -749,15 +750,43 @@ class GroupsFunction(torch.autograd.Function):
         ctx.spent = True
         saved = ctx.saved_tensors
         ref = saved[0]
+        unused = [g is None for g in grads]  # kernels of blocks the loss did not reach
         grads = [g if g is not None else ref.new_zeros(shape) for g, shape in zip(grads, ctx.build.kernel_shapes)]
         if torch.is_grad_enabled():  # create_graph=True: these gradients are differentiated in turn
-            return (None, None, *_differentiable_vjp(ctx.build.plans, ctx.storages, ctx.fixed, saved, grads))
-        # without a storage the operands are read anew, from the leaves the forward read: the blocks
-        # may hold other tensors by now (functional_call gives them their own back before backward)
-        storages = [plan.storage_from(leaves, fixed) if st is None else st
-                    for plan, st, fixed, leaves in zip(ctx.build.plans, ctx.storages, ctx.fixed,
-                                                       _leaves_per_plan(ctx.build.plans, ctx.storages, saved))]
-        return (None, None, *ctx.build.kernels_vjp(grads, storages))
+            out = _differentiable_vjp(ctx.build.plans, ctx.storages, ctx.fixed, saved, grads)
+        else:
+            # without a storage the operands are read anew, from the leaves the forward read: the blocks
+            # may hold other tensors by now (functional_call gives them their own back before backward)
+            storages = [plan.storage_from(leaves, fixed) if st is None else st
+                        for plan, st, fixed, leaves in zip(ctx.build.plans, ctx.storages, ctx.fixed,
+                                                           _leaves_per_plan(ctx.build.plans, ctx.storages, saved))]
+            out = ctx.build.kernels_vjp(grads, storages)
+        if any(unused):
+            out = _none_where_unused(ctx.build.plans, ctx.storages, unused, out)
+        return (None, None, *out)
+
+
+def _none_where_unused(plans: Sequence[Plan], storages: Sequence[Storage | None], unused: Sequence[bool],
+                       grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """:class:`GroupsFunction`'s gradients, None for the parameters of blocks whose kernels the loss did
+    not reach (``unused``, one per kernel: per plan, per block), as each block built alone gives them:
+    optimizers skip a parameter without a gradient (a zero one would still get weight decay and
+    momentum: a head left out of a step moved). A packed parameter holds the rows of all its group's
+    blocks: None only where none of them was reached."""
+    out, i, k = list(grads), 0, 0
+    for plan, st in zip(plans, storages):
+        idle, k = unused[k:k + plan.n], k + plan.n
+        if st is not None and st.packed:
+            count = len(st.packed)
+            if all(idle):  # (partly: no warning, a block called twice in a forward is in two builds)
+                out[i:i + count] = [None] * count
+        else:
+            per_block = sum(plan.learnable_roles)
+            count = plan.n * per_block
+            for b in (b for b, off in enumerate(idle) if off):
+                out[i + b * per_block:i + (b + 1) * per_block] = [None] * per_block
+        i += count
+    return out
 
 
 def _leaves_per_plan(plans: Sequence[Plan], storages: Sequence[Storage | None],
@@ -2188,14 +2217,20 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     unpacks them first.
 
     Blocks with scalar scales stay alone (their scales do not concatenate per channel): a group
-    of one, which still takes the grouped route (the kernel space, no recomputation).
+    of one, which still takes the grouped route (the kernel space, no recomputation). Blocks holding
+    a parameter registered at several places (tied) are not grouped: they build block by block. A
+    part of a grouped network grouped anew leaves the groups of the rest as they were, without it.
 
     ``pack``: every group's learnable operands become a few parameters, one per kind and row shape
     (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
     where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
     afterwards; freeze stages and split parameters by module before: a module's ``parameters()``
     then no longer hold its blocks' weights, which are their group's (held by its first block,
-    maybe in another stage).
+    maybe in another stage). A block that a step's loss does not reach gets no gradient (None, which
+    optimizers skip; built ``traced`` in a compiled graph: its zeros), packed only where its whole
+    group sits out: a packed parameter's rows of a
+    block left out while others of its group train get zeros, which weight decay and momentum act
+    on; keep ``pack=False`` for models whose blocks sit out steps (several heads or exits).
 
     ``joint``: the groups built at a forward's first online block are one autograd node (compiled:
     one call forward, one backward), the fewest calls for the host. Their parameters' gradients
@@ -2221,39 +2256,72 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     """
     if policy not in POLICIES:
         raise ValueError(f"kernel-builder policy must be one of {POLICIES}, got {policy!r}")
-    for group in kernel_groups(root):
-        group.unpack()
-        release_scope(group.workspace)
+    inner = {id(m) for m in root.modules()}
+    earlier = {id(g.peers[0]): g.peers for g in kernel_groups(root)}  # the groupings its blocks are in
+    for peers in earlier.values():
+        outer = [[b for b in g.blocks if id(b) not in inner] for g in peers]
+        packed = any(g.packed is not None for g in peers)
+        for group in peers:
+            group.unpack()
+        if any(outer):  # made for an enclosing module: its other blocks are grouped again, as they were
+            old = peers[0]
+            names = {id(b): n for g in peers for b, n in zip(g.blocks, g.block_names)}
+            _make_groups([part for blocks in outer if blocks for part in _by_width(blocks)], names, old.policy,
+                         packed, old.joint, old.graphs,
+                         old.workspace is not None and bool(old.workspace.scope_hooks), old.workspace or Workspace())
+        else:
+            release_scope(peers[0].workspace)
     by_signature: dict[tuple, list[nn.Module]] = {}
+    tied = _tied_parameters(root)
     for m in root.modules():
         if not hasattr(m, "_kernel_group"):
             continue
         m._kernel_group = None
-        if not m._closed_form:
+        if not m._closed_form or (tied and any(id(p) in tied for p in m.parameters())):
             continue
         sig = _signature(m)
         if any(getattr(st, "mode", None) == "scalar" for br in m.branches.values() for st in br):
             sig = (sig, id(m))
         by_signature.setdefault(sig, []).append(m)
-    groups = []
     names = {id(m): name for name, m in root.named_modules()}
-    for blocks in (part for same in by_signature.values() for part in _by_width(same)):
+    workspace = Workspace()
+    groups = _make_groups([part for same in by_signature.values() for part in _by_width(same)], names, policy,
+                          pack, joint, graphs, traced, workspace)
+    if traced and groups:
+        forward_scope(root, workspace)
+    return groups
+
+
+def _make_groups(parts: Sequence[Sequence[nn.Module]], names: dict[int, str], policy: str, pack: bool, joint: bool,
+                 graphs: bool, traced: bool, workspace: Workspace) -> list[KernelGroup]:
+    """The groups of one network (peers), one per list of blocks in ``parts`` (:func:`group_kernels`)."""
+    groups = []
+    for index, blocks in enumerate(parts):
         group = KernelGroup(blocks, policy)
         group.block_names = tuple(names[id(b)] for b in blocks)
         for blk in blocks:
             blk._kernel_group = group
+        group.joint, group.workspace, group.graphs, group.index_in_peers = joint, workspace, graphs, index
         groups.append(group)
-    workspace = Workspace()
-    for index, group in enumerate(groups):
-        group.peers, group.joint, group.workspace, group.graphs = groups, joint, workspace, graphs
-        group.index_in_peers = index
+    for group in groups:
+        group.peers = groups
         if pack:
             group.pack()
-    if traced and groups:
-        forward_scope(root, workspace)
-        for group in groups:
+        if traced:
             _autograd_twin(group.plan)  # made here, not inside a trace (see KernelGroup._traced_kernel_of)
     return groups
+
+
+def _tied_parameters(root: nn.Module) -> set[int]:
+    """The ids of the parameters registered at several places under ``root`` (a weight tied between
+    blocks, or with another module). Blocks holding one build alone, block by block (exact): a group's
+    storage holds its rows once per block (the parameter then reads one block's copy, the other block
+    its own, which no step updates), and packing makes new parameters of them (untying them)."""
+    seen: set[int] = set()
+    tied: set[int] = set()
+    for _, p in root.named_parameters(remove_duplicate=False):
+        (tied if id(p) in seen else seen).add(id(p))
+    return tied
 
 
 def forward_scope(root: nn.Module, workspace: Workspace) -> None:
