@@ -19,11 +19,17 @@ are not the point), which leaves what the host issues besides the replays::
 
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json
 """
+import argparse
 import json
 
 import torch
 
 from orepa.apps.bench.measure import count_ops, make_runner, record_builds
+
+# the results file (a --help must not run the measurement and overwrite it)
+PARSER = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PARSER.add_argument("--json", default="benchmarks/results/aten_ops.json", help="where the results go (default %(default)s)")
+ARGS = PARSER.parse_args()
 
 out = {}
 for model, b in (("resnet18", 64), ("resnet50", 32)):
@@ -43,5 +49,5 @@ for model, b in (("resnet18", 64), ("resnet50", 32)):
         base = f"{model} b{b} base"
         print(f"{key:32} {ops:6d} ops ({ops / out[base]:.2f}x base), {kernels:5d} kernels "
               f"({kernels / out[base + ' kernels']:.2f}x)", flush=True)
-with open("benchmarks/results/aten_ops.json", "w") as f:
+with open(ARGS.json, "w") as f:
     json.dump(out, f, indent=1)

@@ -12,6 +12,7 @@ the host's share of an eager GPU step, not a GPU measurement::
 
     python3 benchmarks/recorded_host_time.py     # -> benchmarks/results/recorded_host_time.json
 """
+import argparse
 import json
 import statistics
 import time
@@ -19,6 +20,11 @@ import time
 import torch
 
 from orepa.apps.bench.measure import environment, git_state, make_runner, record_builds
+
+# the results file (a --help must not run the measurement and overwrite it)
+PARSER = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PARSER.add_argument("--json", default="benchmarks/results/recorded_host_time.json", help="where the results go (default %(default)s)")
+ARGS = PARSER.parse_args()
 
 torch.set_num_threads(1)
 OPTIONS = {"width_mult": 0.0625, "small_input": True}
@@ -56,5 +62,5 @@ for name, ts in times.items():
     paired = statistics.median(t / b for t, b in zip(ts, times["base"]))
     out["variants"][name] = {"step_ms": statistics.median(ts) * 1e3, "paired": paired}
     print(f"| {name} | {statistics.median(ts) * 1e3:.2f} | {paired:.2f}x |")
-with open("benchmarks/results/recorded_host_time.json", "w") as f:
+with open(ARGS.json, "w") as f:
     json.dump(out, f, indent=1)

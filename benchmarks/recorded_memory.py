@@ -14,6 +14,7 @@ fragmentation); ``torch.cuda`` reports the real figure on a GPU (``engine.record
 The groups build eagerly here: the memory of a compiled construction (``--kernel-builder
 compiled``) is allocated by inductor's generated code, which no dispatch mode sees.
 """
+import argparse
 import json
 
 import torch
@@ -22,6 +23,9 @@ from orepa import engine
 from orepa.apps.bench.measure import PoolEstimator, environment, git_state, make_runner, record_builds
 
 MiB = 2 ** 20
+# the results file (a --help must not run the measurement and overwrite it)
+PARSER = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+PARSER.add_argument("--json", default="benchmarks/results/recorded_memory.json", help="where the results go (default %(default)s)")
 
 
 def estimate(arch: str) -> dict:
@@ -44,6 +48,7 @@ def estimate(arch: str) -> dict:
 
 
 if __name__ == "__main__":
+    ARGS = PARSER.parse_args()
     torch.set_num_threads(2)
     git = git_state()
     out = {"environment": environment(torch.device("cpu"), git), "dtype": "float32", "builder": "grouped (eager)",
@@ -54,5 +59,5 @@ if __name__ == "__main__":
         e = out["models"][arch] = estimate(arch)
         print(f"| {arch} | {e['pool_mib']:.0f} MiB | {e['gradient_inputs_mib']:.0f} MiB | {e['outputs_mib']:.0f} MiB | "
               f"**{e['total_mib']:.0f} MiB** | {e['kernels_mib']:.0f} / {e['parameter_gradients_mib']:.0f} MiB |")
-    with open("benchmarks/results/recorded_memory.json", "w") as f:
+    with open(ARGS.json, "w") as f:
         json.dump(out, f, indent=1)

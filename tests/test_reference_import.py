@@ -349,6 +349,7 @@ def test_train_resume_of_an_import_that_does_not_fit_the_data_is_one_line(tmp_pa
                "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "takes 3-channel images but fashion-mnist has 1 channel(s)" in err[0]
+    assert "but for conv1 (OREPADeepStem), which no conv's weights can start; build the model without it" in err[0]
 
 
 def test_a_checkpoint_of_the_papers_code_given_to_another_command_names_import_reference(tmp_path, capsys):

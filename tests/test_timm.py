@@ -44,6 +44,21 @@ def test_the_zoo_is_registered_when_timm_is_imported_before_or_after_orepa(first
                              else "(True, 57) 57 OREPADeepStem SourceFileLoader"), out
 
 
+def test_the_zoo_is_registered_when_its_timm_module_is_imported_first():
+    """``import orepa.models.timm_registry`` before timm (docs/models.md calls its ``register``): its
+    first lines import timm, whose import hook asked the half-made module for ``register`` (a
+    circular-import warning, nothing registered)."""
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "import orepa.models.timm_registry as registry\n"
+            "import orepa.models as zoo, timm\n"
+            "print(len(zoo.TIMM_REGISTERED), len(registry.register()), 'orepa_resnet18' in timm.list_models())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == ["57", "57", "True"], (run.stdout, run.stderr[-500:])
+
+
 def test_the_zoo_is_registered_once_after_orepa_models_ran_again():
     """A second run of ``orepa.models`` (a reload, or ``sys.modules`` cleared and orepa imported
     again) leaves one import hook: two asked each other for timm's spec without end."""

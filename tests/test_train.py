@@ -1009,6 +1009,17 @@ def test_init_from_a_deep_stem_orepa_run_starts_a_plain_run_from_its_deployed_ne
     assert got["conv1.weight"].shape[0] == 8
     for key in (k for k, v in plain.items() if v.dim() == 4):
         torch.testing.assert_close(got[key], plain[key], rtol=1e-5, atol=1e-6)
+    # an RGB one for the gray data: its deployed network would start an OREPA model but for the deep
+    # stem, which no conv starts (it was refused as "pass the --data-path it was trained on")
+    rgb = tmp_path / "rgb_deep_stem.pth"
+    rgb_cfg = {**cfg, "in_chans": 3, "small_input": False}  # (a 7x7 stem's deep stem)
+    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": rgb_cfg,
+                     "model": build_model(rgb_cfg).state_dict()}, rgb)
+    capsys.readouterr()
+    assert _train(cache, tmp_path / "rgb", "--init-from", str(rgb), "--max-steps", "1") == 2
+    assert ("but for conv1 (OREPADeepStem), which no conv's weights can start; build the model without it: "
+            "--no-deep-stem") in capsys.readouterr().err
+    assert _train(cache, tmp_path / "rgb", "--init-from", str(rgb), "--max-steps", "1", "--no-deep-stem") == 0
 
 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classifier(cache, tmp_path, capsys):

@@ -159,11 +159,10 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
             if getattr(args, key, None) is not None:
                 raise UserError(f"{key} is given twice: --{key.replace('_', '-')} and --model-option {key}=")
             cfg[key] = options.pop(key)
-    if not options:
-        options = dict(saved.get("options", {}))
-        if cfg["method"] != saved.get("method", cfg["method"]):  # the others were the saved method's own
-            options = plain_network_options(cfg["model"], options)
-    cfg["options"] = options
+    carried = dict(saved.get("options", {}))
+    if cfg["method"] != saved.get("method", cfg["method"]):  # the others were the saved method's own
+        carried = plain_network_options(cfg["model"], carried)
+    cfg["options"] = {**carried, **options}  # (--no-deep-stem keeps a checkpoint's widths)
     return checked_cfg(cfg)
 
 

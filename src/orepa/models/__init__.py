@@ -40,6 +40,9 @@ TIMM_REGISTERED: list[str] = []
 
 def _register_with_timm() -> None:
     """Register the zoo with timm (imported by now); an incompatible timm must not break the zoo."""
+    registry = sys.modules.get(f"{__name__}.timm_registry")
+    if registry is not None and not hasattr(registry, "register"):
+        return  # timm imported by the registry's own first lines (it was imported first): it registers at its end
     try:
         from .timm_registry import register
 

@@ -247,8 +247,8 @@ def _apply_preset(name: str, method: str, options: dict) -> dict:
         raise ValueError(f"preset {preset!r} ({spec['table']!r} table) is a linearization of the online block; "
                          f"method 'orepa-offline' supports the 'components' presets only")
     if preset == "rep-1x1" and not bottleneck:
-        raise ValueError("preset 'rep-1x1' is for bottleneck ResNets (the paper has no such row for "
-                         "ResNet-18); pass rep_1x1=True to convert the downsample 1x1 convs anyway")
+        raise ValueError(f"preset 'rep-1x1' is for bottleneck ResNets ({name} has basic blocks; the paper's "
+                         "Rep-1x1 row is ResNet-50's); pass rep_1x1=True to convert the downsample 1x1 convs anyway")
     return {**spec["options"], **options}
 
 

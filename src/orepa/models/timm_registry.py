@@ -74,3 +74,9 @@ def register() -> list[str]:
         register_model(fn)
         TIMM_NAMES[variant] = (n, m)
     return list(TIMM_NAMES)
+
+
+# imported before timm, this module's first lines imported it, before it could register: now it can
+from . import _register_with_timm  # noqa: E402
+
+_register_with_timm()
