@@ -2227,10 +2227,10 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     afterwards; freeze stages and split parameters by module before: a module's ``parameters()``
     then no longer hold its blocks' weights, which are their group's (held by its first block,
     maybe in another stage). A block that a step's loss does not reach gets no gradient (None, which
-    optimizers skip; built ``traced`` in a compiled graph: its zeros), packed only where its whole
-    group sits out: a packed parameter's rows of a
-    block left out while others of its group train get zeros, which weight decay and momentum act
-    on; keep ``pack=False`` for models whose blocks sit out steps (several heads or exits).
+    optimizers skip; built ``traced`` in a compiled graph: zeros). Packed, that holds only where its
+    whole group sits out: the rows of a block left out while others of its group train get zeros,
+    which weight decay and momentum act on; keep ``pack=False`` for models whose blocks sit out
+    steps (several heads or exits).
 
     ``joint``: the groups built at a forward's first online block are one autograd node (compiled:
     one call forward, one backward), the fewest calls for the host. Their parameters' gradients

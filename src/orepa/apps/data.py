@@ -79,8 +79,9 @@ def add_data_arguments(p: argparse.ArgumentParser, training_set: bool = True) ->
     if training_set:
         g.add_argument("--train-subset", type=positive_int, default=None,
                        help="train on a fixed random subset of N images")
-    g.add_argument("--val-subset", type=positive_int, default=None, help="evaluate on N validation images spread evenly over the set (every class of a folder), "
-                        "the same ones every time")
+    g.add_argument("--val-subset", type=positive_int, default=None,
+                   help="evaluate on N validation images spread evenly over the set (every class of a "
+                        "folder), the same ones every time")
     if training_set:
         g.add_argument("--train-crop-size", type=positive_int, default=224, help="ImageFolder: RandomResizedCrop size")
     g.add_argument("--val-resize-size", type=positive_int, default=256, help="ImageFolder: validation resize")
