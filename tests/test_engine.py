@@ -2043,3 +2043,25 @@ def test_grouping_a_part_of_a_grouped_network_leaves_the_rest_grouped_without_it
         tol_close(y, y_ref, rel=1e-12)
         for key, want in g_ref.items():
             tol_close(g[key].reshape(want.shape), want, rel=1e-10)
+
+
+def test_a_tensor_set_as_a_packed_weight_is_what_state_dict_saves_until_a_load():
+    """A plain tensor assigned to a packed step's weight is read in place of its rows (as
+    functional_call's swap is): the state_dict saved the rows all the same, so a model reloaded from
+    its own state_dict computed something else (1.45 off). It saves what the step reads; a load
+    puts the value into the rows and ends the substitution."""
+    torch.manual_seed(0)
+    net = nn.Sequential(OREPAConv2d(4, 4, 3), nn.BatchNorm2d(4), OREPAConv2d(4, 4, 3), nn.BatchNorm2d(4)).double()
+    engine.group_kernels(net, "grouped", pack=True)
+    step = net[2].branches["kxk"].conv
+    step.weight = torch.zeros_like(step.weight)
+    x = torch.randn(2, 4, 8, 8, dtype=torch.double)
+    sd = net.state_dict()
+    assert not sd["2.branches.kxk.conv.weight"].any()
+    torch.manual_seed(1)
+    fresh = nn.Sequential(OREPAConv2d(4, 4, 3), nn.BatchNorm2d(4), OREPAConv2d(4, 4, 3), nn.BatchNorm2d(4)).double()
+    fresh.load_state_dict(sd)
+    net.eval(), fresh.eval()
+    tol_close(fresh(x), net(x), rel=1e-12)
+    net.load_state_dict(fresh.state_dict())  # into the rows: the substitution ends
+    assert step.__dict__["_packed"].overridden is None and not step.weight.any() and step.weight.requires_grad

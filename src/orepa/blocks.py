@@ -254,7 +254,9 @@ class PackableWeight:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         slot = self.__dict__.get("_packed")
         if slot is not None and "weight" not in self._parameters:
-            w = slot.view()
+            # a tensor set in place of the rows is what the step computes with: saved, so that the
+            # checkpoint describes the model (load_state_dict then puts it into the rows)
+            w = slot.view() if slot.overridden is None else slot.overridden
             destination[prefix + "weight"] = w if keep_vars else w.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -284,6 +286,7 @@ class PackableWeight:
             return
         with torch.no_grad():
             w.copy_(value)
+        slot.override(None)  # the rows hold the loaded value: read again
 
 
 class ConvStep(PackableWeight, nn.Module):
