@@ -146,23 +146,31 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
     bare = tmp_path / "bare.pt"
     torch.save(zoo.create_model("resnet18", "base", num_classes=10, width_mult=0.25).state_dict(), bare)
     cases.append(([str(bare)], "bare state_dict (it records no model): pass --model"))
-    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25", "-o",
-                   str(bare)], "is the input checkpoint"))
+    # no data to take the stem's default from (eval takes the dataset's, and exported another network)
+    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25"],
+                  "say which stem it was trained with, --small-input (orepa train's default on Fashion-MNIST) or "
+                  "--no-small-input"))
+    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25",
+                   "--no-small-input", "-o", str(bare)], "is the input checkpoint"))
     other = tmp_path / "other.pt"
     other.write_bytes(bare.read_bytes())
-    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25", "-o",
-                   str(other)], "holds a checkpoint; pass --overwrite"))
+    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25",
+                   "--no-small-input", "-o", str(other)], "holds a checkpoint; pass --overwrite"))
     # any other file: only a previous export of the same format is replaced without --overwrite
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
     for fmt, what in (("onnx", "an ONNX model"), ("torchscript", "a TorchScript module")):
         cases.append((["--model", "resnet18", "--format", fmt, "-o", str(notes)],
                       f"--output {notes} exists and is not {what}; pass --overwrite"))
+    cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25",
+                   "--no-small-input", "-o", str(tmp_path)], "is a directory"))
     for argv, msg in cases:
         capsys.readouterr()
         assert cli.main(["export", *argv]) == 2, argv
-        err = capsys.readouterr().err
+        printed = capsys.readouterr()
+        err = printed.err
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, err
+        assert "loaded" not in printed.out, argv  # refused before the model was loaded and built
     assert other.read_bytes() == bare.read_bytes() and notes.read_text() == "my notes\n"
     ts = tmp_path / "m.pt"
     small = ["--model", "resnet18", "--width-mult", "0.0625", "--num-classes", "10", "--input-size", "32",
@@ -197,6 +205,27 @@ def test_cli_export_takes_the_input_size_and_model_from_the_checkpoint(tmp_path,
         assert cli.main(["export", str(named), "-o", str(tmp_path / "named.onnx"), "--threads", "1", "--no-verify"]) == 0
         props = {p.key: p.value for p in onnx.load(str(tmp_path / "named.onnx")).metadata_props}
         assert json.loads(props["classes"]) == names
+
+
+def test_model_flags_against_what_a_checkpoint_records_are_refused(tmp_path, capsys):
+    """A deployed RepVGG trained with small_input loads strictly without it (the flag changes only
+    strides): `export --no-small-input` exported another network (1.4e-3 off at initialisation), its
+    check comparing two models built alike. Flags that repeat the checkpoint's settings are fine."""
+    from orepa.apps.checkpoint import save_checkpoint
+    from orepa.apps.model_cfg import deploy
+
+    cfg = {"model": "repvgg_a0", "method": "repvgg", "num_classes": 10, "in_chans": 1, "small_input": True,
+           "width_mult": 0.0625, "options": {}}
+    model = _trained("repvgg_a0", "repvgg", num_classes=10, in_chans=1, small_input=True, width_mult=0.0625)
+    path = save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "deploy", "model_cfg": cfg,
+                            "model": deploy(model, "deploy").state_dict()}, tmp_path / "deployed.pth")
+    out = tmp_path / "m.pt"
+    capsys.readouterr()
+    assert cli.main(["export", str(path), "--no-small-input", "-o", str(out), "--format", "torchscript"]) == 2
+    assert ("(small_input: checkpoint True vs requested False): leave them out to use the checkpoint's settings"
+            in capsys.readouterr().err) and not out.exists()
+    assert cli.main(["export", str(path), "--small-input", "--width-mult", "0.0625", "-o", str(out),
+                     "--format", "torchscript", "--input-size", "28"]) == 0
 
 
 TINY = dict(num_classes=10, in_chans=1, small_input=True, width_mult=0.125)
@@ -340,3 +369,26 @@ def test_cli_export_never_replaces_a_run_checkpoint(tmp_path, capsys):
     assert cli.main(["export", str(src), "-o", str(tmp_path / "weights.pth"), "--format", "torchscript",
                      "--overwrite"]) == 0
     assert export.is_export(tmp_path / "weights.pth", "torchscript")
+
+
+def test_a_tf_same_block_exports_its_padding_for_every_input_size(tmp_path):
+    """TensorFlow's "SAME" padding computed ceil(size / stride) as -(-size // stride), which ONNX's
+    truncating integer division made a floor: the exported graph padded nothing at 9x9, stride 2 (a
+    4x4 output for 5x5; the check then failed on the shapes with a RuntimeError). The traced module
+    follows other sizes too."""
+    from orepa import OREPAConv2d
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(OREPAConv2d(3, 4, 3, 2, tf_same=True), torch.nn.BatchNorm2d(4)).eval()
+    if importlib.util.find_spec("onnxruntime") is not None:
+        report = export_onnx(model, tmp_path / "m.onnx", (1, 3, 9, 9), opset=11)
+        assert report.verified and report.errors["onnxruntime vs pytorch (batch 2)"] < 1e-5
+        with pytest.raises(UserError, match="cannot write this model at opset 9: .*Pad in opset 9.*a higher --opset"):
+            export_onnx(model, tmp_path / "old.onnx", (1, 3, 9, 9), opset=9)
+        assert not (tmp_path / "old.onnx").exists()
+    export_torchscript(model, tmp_path / "m.pt", (1, 3, 9, 9))
+    traced = torch.jit.load(str(tmp_path / "m.pt"))
+    with torch.no_grad():
+        for size in (7, 10, 11):
+            x = torch.randn(2, 3, size, size)
+            torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)

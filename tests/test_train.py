@@ -490,6 +490,22 @@ def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
         d = json.loads((tmp_path / "d.json").read_text())
         assert d["form"] == ("deploy-fused" if fused else "deploy")
         assert d["acc1"] == pytest.approx(res["train"]["acc1"]) and d["acc5"] == pytest.approx(res["train"]["acc5"])
+    # the EMA weights deploy next to the checkpoint under a name of their own (they replaced deployed.pth),
+    # and say so when evaluated
+    plain = out / "deployed.pth"
+    assert main(["reparam", str(out / "checkpoint.pth"), "--no-verify"]) == 0
+    before = plain.read_bytes()
+    assert main(["reparam", str(out / "checkpoint.pth"), "--no-verify", "--use-ema"]) == 0
+    assert plain.read_bytes() == before and _load(out / "deployed-ema.pth")["ema"] is True
+    capsys.readouterr()
+    assert main(["eval", str(out / "deployed-ema.pth"), "--no-progress", "--val-subset", "32", "--json",
+                 str(tmp_path / "e.json")]) == 0
+    e = json.loads((tmp_path / "e.json").read_text())
+    assert "deploy form (EMA)" in capsys.readouterr().out and e["ema"] is True
+    assert e["acc1"] == pytest.approx(res["ema"]["acc1"])
+    assert main(["eval", str(out / "deployed-ema.pth"), "--use-ema", "--no-progress"]) == 2
+    assert "holds EMA weights as its model (deployed by orepa reparam --use-ema): leave out --use-ema" \
+        in capsys.readouterr().err
     # the deployed (vanilla-layout) weights load strictly into the base model of the zoo
     base = orepa.models.create_model("resnet18", "base", num_classes=10, in_chans=1, small_input=True,
                                      width_mult=0.0625)
@@ -838,13 +854,13 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors(cache, tmp_path, caps
         assert msg in err and "Traceback" not in err, err
     with pytest.raises(common.UserError, match="corrupt"):
         ckpt_mod.load_checkpoint(truncated)
-    # another architecture
+    # another architecture than the checkpoint records: refused as such, whether its weights fit or not
     capsys.readouterr()
     assert main(["eval", str(good), "--width-mult", "0.125", "--no-progress", "--val-subset", "16"]) == 2
     err = capsys.readouterr().err
-    assert "does not fit the model built" in err and "shape mismatch" in err
+    assert "records resnet18/base" in err and "(width_mult: checkpoint 0.0625 vs requested 0.125): leave them out" in err
     assert main(["eval", str(good), "--method", "orepa", "--no-progress", "--val-subset", "16"]) == 2
-    assert "does not fit" in capsys.readouterr().err
+    assert "method: checkpoint 'base' vs requested 'orepa'" in capsys.readouterr().err
     assert _train(cache, out, "--method", "orepa", "--epochs", "1", "--resume", str(good)) == 2
     err = capsys.readouterr().err
     assert "was trained as resnet18/base" in err and "method: checkpoint 'base' vs requested 'orepa'" in err

@@ -171,10 +171,14 @@ def pad_tf_same(x: Tensor, kernel_size: tuple[int, int], stride: tuple[int, int]
     own size."""
     pads = []
     for size, k, s, d in zip(x.shape[-2:], kernel_size, stride, dilation):
-        total = max((-(-size // s) - 1) * s + (k - 1) * d + 1 - size, 0)
+        # ceil(size / s) by a floor division of non-negative numbers: traced into ONNX (whose integer Div
+        # truncates) the ceil as -(-size // s) padded nothing where it should; traced sizes are tensors
+        total = ((size + s - 1) // s - 1) * s + (k - 1) * d + 1 - size
+        total = total.clamp(min=0) if isinstance(total, Tensor) else max(total, 0)
         pads.append((total // 2, total - total // 2))
     (top, bottom), (left, right) = pads
-    return F.pad(x, (left, right, top, bottom)) if top or bottom or left or right else x
+    traced = isinstance(top, Tensor)  # (no branch on a traced size: it would be frozen into the trace)
+    return F.pad(x, (left, right, top, bottom)) if traced or top or bottom or left or right else x
 
 
 def _no_padding(padding) -> bool:

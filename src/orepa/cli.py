@@ -14,8 +14,11 @@ the checkpoint).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
+import threading
 import warnings
 
 # subcommand -> (module, one-line help)
@@ -26,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "reparam": ("orepa.apps.reparam", "turn a training checkpoint into a deployed (vanilla / BN-folded) one, verified"),
     "bench": ("orepa.apps.bench", "training cost of re-param methods side by side (time, memory, FLOPs)"),
     "analyze": ("orepa.apps.analyze", "branch similarity and branch norms of every re-param block (Fig. viz)"),
-    "export": ("orepa.apps.export", "deploy a zoo model (reparameterize + fold BN), export to ONNX / TorchScript, verify"),
+    "export": ("orepa.apps.export", "deploy a model (reparameterize + fold BN), export to ONNX / TorchScript, verify"),
     "import-reference": ("orepa.apps.import_reference",
                          "a checkpoint trained with the paper's public code -> an orepa training or deployed one"),
 }
@@ -79,6 +82,44 @@ def _quiet_torch_internals() -> None:
                             category=FutureWarning, module=r"torch\._inductor\.")
 
 
+#: commands that take the stop signals over themselves (a run stops at its next step, with a checkpoint)
+_OWN_STOP = ("train", "demo")
+
+
+class _Stopped(KeyboardInterrupt):
+    """A SIGTERM or SIGHUP, raised where the command is: it unwinds as Ctrl-C does, so what it was
+    writing (a temporary file beside its output, a scratch directory) is removed on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _raise_stopped(signum, frame):
+    raise _Stopped(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_unwind(command: str):
+    """SIGTERM / SIGHUP end a command as Ctrl-C does (the default action killed it where it stood,
+    leaving its temporary files); not for the commands that handle them (:data:`_OWN_STOP`), nor a
+    SIGHUP ignored (``nohup``), nor off the main thread (where no handler can be set)."""
+    if command in _OWN_STOP or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wanted = [s for s in ("SIGTERM", "SIGHUP") if hasattr(signal, s)]
+    previous = {}
+    for name in wanted:
+        sig = getattr(signal, name)
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, _raise_stopped)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _printable_streams()
@@ -106,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     from orepa.apps.common import UserError, fail, out_of_memory
 
     try:
-        return int(module.run(args) or 0)
+        with _stop_signals_unwind(args.command):
+            return int(module.run(args) or 0)
     except UserError as exc:
         return fail(args.command, exc)
     except RuntimeError as exc:  # torch.OutOfMemoryError among them: that one is the user's to fix
@@ -122,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         if exc.filename is None:
             raise
         return fail(args.command, UserError(f"{exc.filename}: {exc.strerror or exc}"))
-    except KeyboardInterrupt as exc:  # Ctrl-C: one line (a command may say how to go on), the shell's code
+    except KeyboardInterrupt as exc:  # Ctrl-C (or _Stopped): one line (a command may say how to go on), the shell's code
         print(f"orepa {args.command}: {str(exc) or 'interrupted'}", file=sys.stderr, flush=True)
-        return 130
+        return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -360,6 +360,15 @@ RUN_FILES = ("checkpoint.pth", "summary.json", "log.jsonl", "log.csv", "curves.p
 PROGRESS_FILE = "progress.json"
 
 
+def deployed_file_name(fuse_bn: bool, ema: bool) -> str:
+    """``orepa reparam``'s default output next to a run's checkpoint (its EMA weights deploy apart)."""
+    return f"deployed{'-ema' if ema else ''}{'-fused' if fuse_bn else ''}.pth"
+
+
+#: made from a run's checkpoint by ``orepa reparam`` (its default outputs): --overwrite replaces them too
+DERIVED_FILES = tuple(deployed_file_name(fuse, ema) for ema in (False, True) for fuse in (False, True))
+
+
 def _not_a_report(path: Path) -> str | None:
     """What an existing file is where a JSON report would replace it, or None where it is one (a report
     is rewritten by the command that wrote it: an ONNX model, an image or a run's summary given to
@@ -831,12 +840,6 @@ def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str
     raise UserError(f"checkpoint {path} does not fit the model built, {built}{origin}: {problem}")
 
 
-def cfg_mismatch(saved: dict, wanted: dict) -> list[str]:
-    keys = sorted(set(saved) | set(wanted))
-    return [f"{k}: checkpoint {saved.get(k)!r} vs requested {wanted.get(k)!r}" for k in keys
-            if saved.get(k) != wanted.get(k)]
-
-
 def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema: bool = False
                           ) -> tuple[nn.Module, dict, str]:
     """Build the model a checkpoint describes (training or deployed form) and load its weights.
@@ -851,6 +854,9 @@ def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema:
         raise UserError(f"{path} is a bare state_dict: pass --model/--method/--num-classes/... to say what it is")
     key = "model_ema" if use_ema else "model"
     if use_ema and key not in ckpt:
+        if ckpt.get("ema"):
+            raise UserError(f"{path} holds EMA weights as its model (deployed by orepa reparam --use-ema): "
+                            "leave out --use-ema")
         raise UserError(f"{path} has no EMA weights (train with --model-ema)")
     sd = ckpt[key]
     saved_desc = describe_cfg(saved_cfg) if saved_cfg else None

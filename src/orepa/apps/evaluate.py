@@ -190,14 +190,15 @@ def run(args: argparse.Namespace) -> int:
         loader = val_loader(data, args, info, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        ema = bool(args.use_ema or ckpt.get("ema"))  # EMA weights taken here, or deployed so by reparam
         res = evaluate(model, loader, device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
                        channels_last=args.channels_last, progress=not args.no_progress)
         mem, mem_kind = peak_memory(device)
         res.update(checkpoint=str(args.checkpoint), form=form, model=describe_cfg(cfg), params=count_params(model),
-                   peak_memory_mib=mem, peak_memory_kind=mem_kind, dataset=data.name, ema=args.use_ema,
+                   peak_memory_mib=mem, peak_memory_kind=mem_kind, dataset=data.name, ema=ema,
                    nonfinite=bad)
         if info.is_main:
-            print(f"{args.checkpoint}: {describe_cfg(cfg)}, {form} form{' (EMA)' if args.use_ema else ''}, "
+            print(f"{args.checkpoint}: {describe_cfg(cfg)}, {form} form{' (EMA)' if ema else ''}, "
                   f"{res['params']:,} params")
             print(f"  {data.name} val: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}  "
                   f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch, peak memory {mem:.0f} MiB "

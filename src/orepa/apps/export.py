@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..blocks import ReparamConv2d
 from . import checkpoint as ckpt_io
 from .common import (
     UserError,
@@ -55,6 +56,7 @@ from .model_cfg import (
     check_model_takes,
     checkpoint_cfg,
     describe_cfg,
+    external_source,
     model_cfg_from_args,
     model_slug,
 )
@@ -105,12 +107,26 @@ def deploy(model: nn.Module) -> nn.Module:
 
 def _check(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) -> None:
     y, ref = y.float().cpu(), ref.float().cpu()
+    if y.shape != ref.shape:  # (an exported graph that computes another size: a verification failure too)
+        report.errors[name], report.bounds[name] = float("inf"), 0.0
+        raise ExportVerificationError(f"{name}: output shape {list(y.shape)} vs {list(ref.shape)} for {report.path}")
     err = (y - ref).abs().max().item()
     bound = report.atol * (1 + ref.abs().max().item())
     report.errors[name], report.bounds[name] = err, bound
     if not err <= bound:  # also catches NaN
         raise ExportVerificationError(f"{name}: max abs error {err:.3e} > {bound:.3e} "
                                       f"(= {report.atol:g} * (1 + max|y|)) for {report.path}")
+
+
+def _deploy_check(model: nn.Module) -> str:
+    """The name of the check of the deployed model against ``model``: its training form, or, given a
+    model without re-param blocks (a deployed checkpoint), that model with its BNs (nothing to
+    compare where none is left: it says so)."""
+    if any(isinstance(m, ReparamConv2d) for m in model.modules()):
+        return "deployed vs training form"
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return "BN folded vs the model loaded"
+    return "deployed vs the model loaded (already deployed)"
 
 
 def _example(input_shape, seed: int = 0, device=None) -> torch.Tensor:
@@ -219,6 +235,15 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
 
 
 def _export_raw(deployed, path: str, x, opset, dynamic_batch, dynamo) -> None:
+    try:
+        _export_with_torch(deployed, path, x, opset, dynamic_batch, dynamo)
+    except torch.onnx.OnnxExporterError as exc:  # an operator the opset lacks (Pad before 11, ...): said in one line
+        text = " ".join(str(exc).split(" [Caused by")[0].split())
+        hint = "; a higher --opset may have it" if "opset" in text.lower() else ""
+        raise UserError(f"the ONNX exporter cannot write this model at opset {opset}: {text[:300]}{hint}") from None
+
+
+def _export_with_torch(deployed, path: str, x, opset, dynamic_batch, dynamo) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
@@ -238,7 +263,7 @@ def _verify_onnx(model, deployed, path: str, x, input_shape, report, dynamic_bat
     serialized = Path(path).read_bytes()  # as bytes: the C++ readers take no file name that is not UTF-8
     onnx.checker.check_model(onnx.load_model_from_string(serialized))
     y_train, y_dep = model(x), deployed(x)
-    _check(report, "deployed vs training form", y_dep, y_train)
+    _check(report, _deploy_check(model), y_dep, y_train)
     sess = ort.InferenceSession(serialized, providers=["CPUExecutionProvider"])
     xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
     for i, xi in enumerate(xs):
@@ -268,7 +293,7 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
             with open(tmp, "rb") as f:
                 loaded = torch.jit.load(f)
             y_train, y_dep = model(x), deployed(x)
-            _check(report, "deployed vs training form", y_dep, y_train)
+            _check(report, _deploy_check(model), y_dep, y_train)
             _check(report, "torchscript vs pytorch", loaded(x), y_dep)
             report.verified = True
     return report
@@ -333,7 +358,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, model_default="the checkpoint's; without a checkpoint, required (a randomly initialised "
                                           "zoo model)")
     add_run_arguments(p, seed=False)
-    p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}.onnx / .pt)")
+    p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}[_ema].onnx / .pt)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --output when it holds anything but an earlier export of this --format (never "
                         "a run's training checkpoint)")
@@ -350,6 +375,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-ema", action="store_true", help="export the checkpoint's EMA weights (train --model-ema)")
 
 
+def _check_output(out: Path, args: argparse.Namespace, path) -> None:
+    """The output may be written: not the input, nor another kind of file unless ``--overwrite``."""
+    ckpt_io.check_output_path(out, "--output", not_over={
+        "the input checkpoint (export never writes over its input)": path or None})
+    if out.exists() and not args.overwrite and not is_export(out, args.format):
+        held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
+            f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")
+        raise UserError(f"--output {out} {held}; pass --overwrite to replace it, or choose another --output")
+
+
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     if args.format != "onnx" and (args.dynamo or args.opset is not None):  # said, not silently dropped
@@ -362,8 +397,15 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint and args.checkpoint_opt and args.checkpoint != args.checkpoint_opt:
         raise UserError(f"two checkpoints: {args.checkpoint} and --checkpoint {args.checkpoint_opt}; give one")
     path = args.checkpoint or args.checkpoint_opt
+    if args.output:  # before anything is loaded or built
+        _check_output(Path(args.output), args, path)
     ckpt = ckpt_io.load_checkpoint(path) if path else {}
     if path:
+        if "model_cfg" not in ckpt and args.small_input is None and args.model and not external_source(args.model):
+            # no data here to take the stem's default from (eval takes the dataset's): a RepVGG's weights
+            # fit either stem, so a guess would export another network without a word
+            raise UserError(f"{path} is a bare state_dict (it records no model): say which stem it was trained "
+                            "with, --small-input (orepa train's default on Fashion-MNIST) or --no-small-input")
         cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
         ckpt_io.check_finite(model, path, "an exported model would compute nothing useful")
@@ -379,13 +421,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"no checkpoint: exporting a randomly initialised {describe_cfg(cfg)}")
     size = args.input_size or input_size_of(ckpt) or 224
     shape = (args.batch_size, cfg["in_chans"], size, size)
-    out = Path(args.output or f"{model_slug(cfg['model'])}_{cfg['method']}{'.onnx' if args.format == 'onnx' else '.pt'}")
-    ckpt_io.check_output_path(out, "--output", not_over={
-        "the input checkpoint (export never writes over its input)": path or None})
-    if out.exists() and not args.overwrite and not is_export(out, args.format):
-        held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
-            f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")
-        raise UserError(f"--output {out} {held}; pass --overwrite to replace it, or choose another --output")
+    out = Path(args.output or f"{model_slug(cfg['model'])}_{cfg['method']}{'_ema' if args.use_ema else ''}"
+                              f"{'.onnx' if args.format == 'onnx' else '.pt'}")
+    if not args.output:  # (a given one was checked before the model was loaded)
+        _check_output(out, args, path)
     check_model_takes(model, (size,), cfg["in_chans"], describe_cfg(cfg),
                       lambda s: f"--input-size {s} ({s}x{s} images)")
     model.to(device)

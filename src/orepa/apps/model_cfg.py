@@ -236,8 +236,22 @@ def checkpoint_cfg(args: argparse.Namespace, ckpt: dict, path, *, num_classes: i
             return None
         raise UserError(f"{path} is a bare state_dict (it records no model): pass --model (and --method, "
                         "--num-classes, --in-chans, ... as it was trained) to say what it holds")
-    return model_cfg_from_args(args, num_classes=num_classes, in_chans=in_chans, small_input=small_input,
-                               saved=ckpt.get("model_cfg"))
+    saved = ckpt.get("model_cfg")
+    cfg = model_cfg_from_args(args, num_classes=num_classes, in_chans=in_chans, small_input=small_input, saved=saved)
+    if saved is not None and cfg != checked_cfg(dict(saved)):
+        # a flag against what the checkpoint records: its weights may still load (RepVGG's small_input only
+        # changes strides), into another network than the one they were trained in
+        raise UserError(f"{path} records {describe_cfg(saved)}; the model flags given build "
+                        f"{describe_cfg(cfg)} (" + "; ".join(cfg_mismatch(saved, cfg)) + "): leave them out "
+                        "to use the checkpoint's settings")
+    return cfg
+
+
+def cfg_mismatch(saved: dict, wanted: dict) -> list[str]:
+    """What differs between two model_cfgs, key by key (a checkpoint's, and what a command would build)."""
+    keys = sorted(set(saved) | set(wanted))
+    return [f"{k}: checkpoint {saved.get(k)!r} vs requested {wanted.get(k)!r}" for k in keys
+            if saved.get(k) != wanted.get(k)]
 
 
 def describe_cfg(cfg: dict) -> str:
@@ -317,9 +331,12 @@ def external_model(name: str, num_classes: int, in_chans: int = 3, **kwargs) -> 
         model = torchvision.models.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
     except ImportError as exc:
         raise UserError(f"model {name!r} needs the package {exc.name or source} (pip install {source})") from None
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, AssertionError) as exc:
+        if isinstance(exc, AssertionError) and not kwargs:
+            raise  # (a constructor's own check failing without a keyword of ours: not a usage error)
         given = f" (with --model-kwarg {', '.join(f'{k}={v!r}' for k, v in kwargs.items())})" if kwargs else ""
-        raise UserError(f"cannot build model {name!r}{given}: {exc}") from None
+        why = str(exc) or f"the constructor's check refused it ({type(exc).__name__})"
+        raise UserError(f"cannot build model {name!r}{given}: {why}") from None
     if in_chans != 3:
         _adapt_input_conv(model, in_chans, name)
     return model

@@ -24,6 +24,7 @@ from .checkpoint import (
     check_finite,
     check_output_path,
     checkpoint_form,
+    deployed_file_name,
     json_text,
     load_checkpoint,
     model_from_checkpoint,
@@ -47,7 +48,7 @@ from .model_cfg import deploy, describe_cfg
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a training checkpoint written by `orepa train`")
     p.add_argument("-o", "--output", default=None,
-                   help="deployed checkpoint to write (default: <checkpoint dir>/deployed[-fused].pth)")
+                   help="deployed checkpoint to write (default: <checkpoint dir>/deployed[-ema][-fused].pth)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --output even when it is not a deployed checkpoint (never the input, nor a run's "
                         "training checkpoint)")
@@ -100,7 +101,7 @@ def reparam(args: argparse.Namespace) -> dict:
     if info.distributed:
         raise UserError("orepa reparam runs in one process (no torchrun)")
     out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
-        "deployed-fused.pth" if args.fuse_bn else "deployed.pth")
+        deployed_file_name(args.fuse_bn, args.use_ema))
     _check_output(out, args)
     ckpt = load_checkpoint(args.checkpoint)
     if ckpt.get("form", "train") != "train":
@@ -121,7 +122,7 @@ def reparam(args: argparse.Namespace) -> dict:
     form_out = "deploy-fused" if args.fuse_bn else "deploy"
     model.to(device).eval()
     deployed = deploy(model, form_out).to(device).eval()
-    res = {"checkpoint": str(args.checkpoint), "model": describe_cfg(cfg), "form": form_out,
+    res = {"checkpoint": str(args.checkpoint), "model": describe_cfg(cfg), "form": form_out, "ema": bool(args.use_ema),
            "params_train": count_params(model), "params_deployed": count_params(deployed)}
     if need_data:
         res.update(verify(model, deployed, val_loader(data, args, info, device), device, args.rtol,
@@ -143,7 +144,7 @@ def reparam(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     res = reparam(args)
-    print(f"{res['checkpoint']}: {res['model']}")
+    print(f"{res['checkpoint']}{' (its EMA weights)' if res['ema'] else ''}: {res['model']}")
     print(f"  params {res['params_train']:,} (training form) -> {res['params_deployed']:,} ({res['form']})")
     if "n" in res:
         print(f"  verified on {res['n']} validation images: top-1 {res['train_form_acc1']:.2f}% (training form) vs "

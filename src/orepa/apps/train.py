@@ -57,12 +57,12 @@ from torch import nn
 from ..blocks import ReparamConv2d
 from ..engine import group_kernels
 from .checkpoint import (
+    DERIVED_FILES,
     PROGRESS_FILE,
     RUN_FILES,
     adapt_input_channels,
     args_dict,
     atomic_write_text,
-    cfg_mismatch,
     check_finite,
     check_output_path,
     classifier_rows_by_name,
@@ -120,6 +120,7 @@ from .model_cfg import (
     add_model_arguments,
     build_model,
     build_model_form,
+    cfg_mismatch,
     check_model_fits_data,
     check_model_takes_images,
     deploy,
@@ -333,8 +334,6 @@ SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "tim
 FIXED_ON_RESUME = ("dataset", "train_subset", "seed")  # (and the global batch: Trainer._restore)
 #: what load_state_dict / set_rng_state raise for a saved state that does not fit (or is damaged)
 _UNFIT_STATE = (ValueError, KeyError, RuntimeError, TypeError, AttributeError, IndexError)
-#: made from a run's checkpoint by ``orepa reparam`` (its default outputs): --overwrite replaces them too
-DERIVED_FILES = ("deployed.pth", "deployed-fused.pth")
 #: where --overwrite keeps the run it replaces until the new run's first checkpoint
 REPLACED_DIR = ".replaced-run"
 
