@@ -63,8 +63,11 @@ def main(argv=None) -> list[dict]:
                "recompute": recompute, "forced": {}}
         for spec in args.force:
             feat = [n for n in spec.split(",") if n]
-            squeezed = [n for n in block.branches if n not in feat]
-            block._routes[(tuple(x.shape), recompute)] = (squeezed, feat)  # the route memo, pre-filled
+            unknown = [n for n in feat if n not in block.branches]
+            if unknown:
+                raise SystemExit(f"--force {spec}: no branch {unknown} in {list(block.branches)}")
+            engine.force_route(block, x, recompute, feat)
+            assert engine.route(block, x, recompute)[1] == feat  # (the memo is read: the forced route runs)
             row["forced"][spec or "(none)"] = _time(lambda: step(block), args.reps)
             block._routes.clear()
         rows.append(row)

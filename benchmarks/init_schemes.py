@@ -8,7 +8,8 @@ final test top-1 and writes them to a JSON file::
     python3 benchmarks/init_schemes.py                       # the recorded setting
     python3 benchmarks/init_schemes.py --width-mult 0.25 --epochs 10 --seeds 0 1 2
 
-Finished runs (their ``summary.json``) are reused, so an interrupted sweep continues.
+Finished runs (their ``summary.json``, in a folder per setting under ``--runs``) are reused by a
+sweep of the same setting, so an interrupted sweep continues.
 """
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ VARIANTS = {
 
 
 def run_one(args, variant: str, seed: int) -> dict:
-    out = Path(args.runs) / f"{variant.replace(', ', '-').replace('=', '_')}-s{seed}"
+    # a folder per setting: a finished run is reused only by a sweep of the same setting
+    setting = (f"x{args.width_mult:g}-e{args.epochs}-b{args.batch_size}-w{args.warmup:g}"
+               + (f"-n{args.train_subset}" if args.train_subset else ""))
+    out = Path(args.runs) / setting / f"{variant.replace(', ', '-').replace('=', '_')}-s{seed}"
     summary = out / "summary.json"
     if not summary.exists():
         cmd = [sys.executable, "-m", "orepa", "train", "--model", "resnet18", *VARIANTS[variant],

@@ -410,6 +410,25 @@ def test_a_result_of_other_variants_is_replaced_only_with_overwrite(tmp_path, ca
     assert path.read_bytes() == before
     assert main([*cmd, "--methods", "base", "dbb", "--overwrite"]) == 0
     assert json.loads(path.read_text())["config"]["methods"] == ["base", "dbb"]
+    # the same variants of another network (a width the name does not say) replaced it too
+    before = path.read_bytes()
+    wider = [a if a != "width_mult=0.0625" else "width_mult=0.125" for a in cmd]
+    assert main([*wider, "--methods", "base", "dbb"]) == 2
+    assert ("holds a result of base, dbb with other settings (model_options: {'width_mult': 0.0625} there, "
+            "{'width_mult': 0.125} here); pass --overwrite") in capsys.readouterr().err
+    assert path.read_bytes() == before
+
+
+def test_a_result_written_without_plots_takes_the_earlier_results_plot_away(tmp_path):
+    """A --no-plot rerun left the earlier result's ratio plot beside the new table."""
+    from orepa.apps.bench.report import save
+
+    result = _result_json({"base": {"step_ms": 1.0}, "orepa": {"step_ms": 2.0}})
+    result["ratios"] = bench.ratios(result["results"])
+    plotted = save(result, tmp_path, "r")
+    assert (tmp_path / "r_ratios.png") in plotted
+    assert save(result, tmp_path, "r", plots=False) == [tmp_path / "r.json", tmp_path / "r.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
 
 
 def test_cuda_code_path_with_stubbed_stats(monkeypatch):

@@ -1220,10 +1220,21 @@ def route(block: nn.Module, x: Tensor, recompute: bool) -> tuple[list[str], list
     branches on the feature map). Depends on shapes only, so it is computed once per input shape
     (``block._routes``). On a GPU every branch is squeezed: the fewest launches.
     """
-    launch_bound = _launch_bound(x)
-    squeezed, on_features = memo(block._routes, (tuple(x.shape), recompute, launch_bound),
-                                 lambda: choose_route(block, x.shape, recompute, launch_bound))
+    squeezed, on_features = memo(block._routes, _route_key(x, recompute),
+                                 lambda: choose_route(block, x.shape, recompute, _launch_bound(x)))
     return list(squeezed), list(on_features)
+
+
+def _route_key(x: Tensor, recompute: bool) -> tuple:
+    return tuple(x.shape), recompute, _launch_bound(x)
+
+
+def force_route(block: nn.Module, x: Tensor, recompute: bool, on_features: Sequence[str]) -> None:
+    """Make :func:`route` answer ``on_features`` (the rest squeezed) for inputs like ``x``: for timing
+    other routes than the chosen one (``benchmarks/block_cost.py --force``); ``block._routes.clear()``
+    undoes it."""
+    block._routes[_route_key(x, recompute)] = ([n for n in block.branches if n not in on_features],
+                                                [n for n in block.branches if n in on_features])
 
 
 def choose_route(block: nn.Module, shape: torch.Size, recompute: bool,

@@ -112,12 +112,18 @@ def _methods(args) -> list[str]:
 RESULT_SUFFIXES = (".json", ".md", "_ratios.png", "_budgets.png")
 
 
-def _check_result_files(out_dir: Path, tag: str, methods: list[str] | None, overwrite: bool,
+#: the settings that make a bench result another measurement (beside its variants), which the default
+#: file name does not say; a rerun that differs in others (repetitions, warm-up) replaces its own
+DEFINING_SETTINGS = ("model", "model_options", "num_classes", "in_chans", "lr", "seed")
+
+
+def _check_result_files(out_dir: Path, tag: str, wanted: dict | None, overwrite: bool,
                         replacing: Path | None = None) -> None:
     """Before measuring (or re-rendering): where this result goes. A file of its names that is a
-    directory stops it; a result file of other variants (the default name says the model, batch,
-    size and device, not the variants), or a table or plot of its names beside no result of these
-    variants, is replaced only with --overwrite; a rerun of the same variants replaces its own.
+    directory stops it; a result file of other variants or settings (``wanted``: the ``config`` of
+    the result to write, its ``methods`` and :data:`DEFINING_SETTINGS`; the default name says the
+    model, batch, size and device only), or a table or plot of its names beside no result of
+    these, is replaced only with --overwrite; a rerun of the same measurement replaces its own.
     ``replacing``: the result being re-rendered, whose own files these may be."""
     paths = [out_dir / f"{tag}{suffix}" for suffix in RESULT_SUFFIXES]
     for path in paths:
@@ -128,11 +134,18 @@ def _check_result_files(out_dir: Path, tag: str, methods: list[str] | None, over
                                                            and result.resolve() == replacing.resolve()):
         return
     try:
-        held = json.loads(result.read_text()).get("config", {}).get("methods")
+        config = json.loads(result.read_text()).get("config", {})
+        held = config.get("methods")
     except (OSError, ValueError, AttributeError):
-        held = None
-    if methods is None or held is None or variant_specs(held) != variant_specs(methods):
-        what = (f"{result.name} holds a result of {', '.join(map(str, held))}" if isinstance(held, list) else
+        config, held = {}, None
+    methods = None if wanted is None else wanted.get("methods")
+    if not isinstance(methods, list) or not isinstance(held, list):
+        methods = held = None
+    differ = [] if methods is None else [
+        f"{k}: {config.get(k)!r} there, {wanted.get(k)!r} here" for k in DEFINING_SETTINGS if config.get(k) != wanted.get(k)]
+    if methods is None or variant_specs(held) != variant_specs(methods) or differ:
+        what = (f"{result.name} holds a result of {', '.join(map(str, held))}"
+                + (f" with other settings ({'; '.join(differ)})" if differ else "") if isinstance(held, list) else
                 f"{result.name} holds another file" if result.exists() else
                 f"{', '.join(p.name for p in paths if p.exists())} exist(s) beside no result of these variants")
         elsewhere = "another --output-dir" if replacing is not None else "--tag NAME to write this run's result beside it"
@@ -163,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is not None:
             check_output_path(out_dir, "--output-dir", directory=True)
         try:
-            held = json.loads(source.read_text()).get("config", {}).get("methods")
+            held = json.loads(source.read_text()).get("config")
         except (OSError, ValueError, AttributeError):
             held = None  # rerender says what is wrong with the file
         if source.is_file():
             _check_result_files(Path(out_dir) if out_dir is not None else source.parent, source.stem,
-                                held if isinstance(held, list) else None, args.overwrite, replacing=source)
+                                held if isinstance(held, dict) else None, args.overwrite, replacing=source)
         try:
             result, files = rerender(args.from_json, plots=not args.no_plot, out_dir=out_dir)
         except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not a bench result
@@ -225,7 +238,9 @@ def run(args: argparse.Namespace) -> int:
                        + ("_components" if args.components else ""))
     if len(tag.encode()) > 240:  # the file system's 255 bytes, with the longest suffix: said before measuring
         raise UserError(f"--tag: {tag[:40]}... is too long for a file name (at most 240 bytes)")
-    _check_result_files(Path(args.output_dir), tag, methods, args.overwrite)
+    _check_result_files(Path(args.output_dir), tag, {
+        "methods": methods, "model": args.model, "model_options": mopts, "num_classes": args.num_classes,
+        "in_chans": 3, "lr": args.lr, "seed": args.seed}, args.overwrite)
     # built here, each in its own try: what goes wrong in a build is the spec's or the model's (an unknown
     # name or option, a bad value); errors of the measurement itself keep their traceback
     runners = []

@@ -185,6 +185,9 @@ def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> lis
         files.append(plot_ratios(result, out_dir / f"{tag}_ratios.png"))
         if any(n in LADDER for n in result["results"]):
             files.append(plot_budgets(result, out_dir / f"{tag}_budgets.png"))
+    for stale in (out_dir / f"{tag}_ratios.png", out_dir / f"{tag}_budgets.png"):
+        if stale not in files and stale.is_file():  # an earlier result's plot beside this one's table
+            stale.unlink()
     return files
 
 
