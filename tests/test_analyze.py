@@ -137,6 +137,7 @@ def test_checkpoint_mismatch_is_a_clear_error(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "does not match --model resnet18 --method dbb" in err and "missing" in err
+    assert "Its branches are not those of this method's blocks: pass the --method it was trained with" in err
     from orepa.apps.bench import build_variant
 
     wrong_width = build_variant("resnet18", "orepa", 10, model_options={"width_mult": 0.25})
@@ -209,3 +210,38 @@ def test_a_directory_is_not_taken_for_a_checkpoint_or_a_model(tmp_path, capsys, 
     (tmp_path / "resnet18").mkdir()
     assert main(["analyze", "resnet18", "--width-mult", "0.0625", "--no-plot", "--output-dir", str(tmp_path / "m")]) == 0
     assert not (tmp_path / "a").exists()  # refused before anything is written
+
+
+def test_an_analysis_of_another_model_is_replaced_only_with_overwrite(tmp_path, capsys):
+    """analysis.json of another checkpoint was replaced without a word, and a --no-plot run left the
+    earlier model's plots beside the new JSON; NaN in the classifier (no branch reads it) was refused
+    as "its branch statistics would be NaN"."""
+    from orepa.cli import main
+
+    _, path = _zoo_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    first = ["analyze", str(path), "-m", "resnet18", "--method", "orepa", "--option", "width_mult=0.125",
+             "--out-dir", str(out)]
+    assert main(first) == 0 and (out / "cosine.png").is_file()
+    assert main([*first, "--no-plot"]) == 0  # a rerun of the same analysis replaces its own, plots included
+    assert sorted(p.name for p in out.iterdir()) == ["analysis.json"]
+    before = (out / "analysis.json").read_bytes()
+    other = ["analyze", "resnet18", "--width-mult", "0.0625", "--output-dir", str(out), "--no-plot"]
+    capsys.readouterr()
+    assert main(other) == 2
+    assert (f"analysis.json holds the analysis of {path} (resnet18/orepa); pass --overwrite"
+            in capsys.readouterr().err) and (out / "analysis.json").read_bytes() == before
+    assert main([*other, "--overwrite"]) == 0
+    assert json.loads((out / "analysis.json").read_text())["meta"]["options"] == {"width_mult": 0.0625}
+    # non-finite values outside the branches change no branch statistic; inside them they are refused
+    sd = load_checkpoint(path)["model"]
+    for key, ok in (("fc.weight", True), ("layer1.0.conv1.branches.kxk.conv.weight", False)):
+        bad = {k: v.clone() for k, v in sd.items()}
+        bad[key].view(-1)[0] = float("nan")
+        torch.save(bad, tmp_path / "nan.pt")
+        capsys.readouterr()
+        rc = main(["analyze", str(tmp_path / "nan.pt"), "-m", "resnet18", "--method", "orepa", "--option",
+                   "width_mult=0.125", "--out-dir", str(tmp_path / f"nan_{ok}"), "--no-plot"])
+        assert rc == (0 if ok else 2), key
+        if not ok:
+            assert f"in its branches, first in {key}" in capsys.readouterr().err

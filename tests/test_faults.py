@@ -664,6 +664,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
           "--no-progress", "--cache-dir", cache], "takes 3-channel images but fashion-mnist has 1 channel"),
         (["eval", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
         (["eval", str(text)], f"checkpoint {text} is a text file, not a PyTorch checkpoint"),
+        # a JSON report given as the checkpoint: torch's unpickler fails first ("does not unpickle")
+        (["eval", str(run / "summary.json")], f"checkpoint {run / 'summary.json'} is a text file"),
         (["eval", str(hollow_dict)], "holds no state_dict: expected a dict of tensors, or one under 'model' / "
                                      "'state_dict' / 'model_state_dict' (it holds an empty dict)"),
         (["export", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),

@@ -14,6 +14,7 @@ From Python: :func:`analyze` takes an in-memory model.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -23,7 +24,6 @@ from torch import nn
 from orepa.analysis import analyze_model
 from orepa.apps.checkpoint import (
     atomic_write_text,
-    check_finite,
     check_output_path,
     json_text,
     load_checkpoint,
@@ -59,6 +59,8 @@ def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str) -> 
         hint = ""
         if any(".branches." in k for k in unexpected) and not any(".branches." in k for k in own):
             hint = " The checkpoint is in training form: pass the --method it was trained with."
+        elif any(".branches." in k for k in unexpected) and any(".branches." in k for k in own):
+            hint = " Its branches are not those of this method's blocks: pass the --method it was trained with."
         elif not any(".branches." in k for k in sd):
             hint = " The checkpoint has no re-param branches (deployed or base model?): nothing to analyse."
         raise UserError(f"checkpoint does not match {what}: {problem}.{hint}")
@@ -161,9 +163,16 @@ def analyze(model: nn.Module, out_dir: str | Path | None = None, *, plots: bool 
             files["cosine"] = plot_cosine(result, out / "cosine.png")
             files["norms"] = plot_norms(result, out / "norms.png")
             files["summary"] = plot_summary(result, out / "summary.png")
+        else:  # an earlier analysis' plots beside this one's JSON would show another model
+            for stale in PLOT_FILES:
+                (out / stale).unlink(missing_ok=True)
         result["files"] = {k: str(v) for k, v in files.items()}
         atomic_write_text(files["json"], json_text(result, indent=1))
     return result
+
+
+#: the plots an analysis writes beside its analysis.json
+PLOT_FILES = ("cosine.png", "norms.png", "summary.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,6 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="analysis",
                    help="where analysis.json and the plots go (analysis; --out-dir: older spelling)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the analysis of another checkpoint or model in --output-dir (a rerun of the same "
+                        "one replaces its own)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,7 +202,12 @@ def run(args: argparse.Namespace) -> int:
         cfg = checkpoint_cfg(args, ckpt, target, num_classes=infer_num_classes(sd) or 1000, in_chans=3,
                              small_input=False) or ckpt["model_cfg"]
         model = check_and_load(build_model(cfg), sd, _flags(cfg))
-        check_finite(model, target, "its branch statistics would be NaN")
+        # the branches' tensors only: a classifier or stem BN holding NaN changes no branch statistic
+        bad = next((k for k, t in model.state_dict().items() if "branches." in k and t.is_floating_point()
+                    and not bool(torch.isfinite(t).all())), None)
+        if bad:
+            raise UserError(f"{target} holds non-finite values (NaN/inf) in its branches, first in {bad}: its branch "
+                            "statistics would be NaN; give a checkpoint from before the run diverged")
         source = str(target)
     elif target.is_dir() and not _names_a_model(args.target):  # a model name wins over a folder of that name
         raise UserError(f"{args.target} is a directory; give a checkpoint file in it"
@@ -212,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if options.get("width_mult") == 1.0:
         del options["width_mult"]
     meta = {"source": source, "model": cfg["model"], "method": cfg["method"], "options": options}
+    _check_previous(Path(args.output_dir), meta, args.overwrite)
     try:
         result = analyze(model.to(device).eval(), args.output_dir, plots=not args.no_plot, meta=meta)
     except ValueError as exc:  # no block to analyse
@@ -226,6 +244,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"{_short(name):<44}{len(v['branches']):>9}{v['mean_off_diagonal_cosine']:>10.3f}  {shares}")
     print("wrote " + ", ".join(result.get("files", {}).values()))
     return 0
+
+
+def _check_previous(out: Path, meta: dict, overwrite: bool) -> None:
+    """The analysis of another checkpoint or model in ``out`` is replaced only with --overwrite (its
+    JSON and plots would go without a word); a rerun of the same one replaces its own."""
+    previous = out / "analysis.json"
+    if overwrite or not previous.exists():
+        return
+    try:
+        held = json.loads(previous.read_text()).get("meta")
+    except (OSError, ValueError, AttributeError):
+        held = None
+    if held == json.loads(json_text(meta)):
+        return
+    what = (f"the analysis of {held.get('source')} ({held.get('model')}/{held.get('method')})"
+            if isinstance(held, dict) else "another file")
+    raise UserError(f"--output-dir {out}: {previous.name} holds {what}; pass --overwrite to replace it, or choose "
+                    "another --output-dir")
 
 
 def _names_a_model(name: str) -> bool:

@@ -573,13 +573,13 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: b
         if is_onnx(path):  # looked for only now: parsing a large checkpoint as protobuf costs its size
             raise UserError(f"{path} is an ONNX model (an exported graph, for onnxruntime), not a checkpoint; "
                             "give the checkpoint it was exported from") from None
+        if _is_text(head):  # what torch says of one ("KeyError: 101", a JSON's unpickling error) names nothing
+            raise UserError(f"checkpoint {path} is a text file, not a PyTorch checkpoint (a zip archive, or a "
+                            "pickle in torch's legacy format)")
         if isinstance(exc, pickle.UnpicklingError):
             raise _unpickling_error(path, exc) from None
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         msg = msg if len(msg) <= 200 else msg[:200].rsplit(" ", 1)[0] + " ..."  # cut at a word, and said so
-        if _is_text(head):  # what torch says of one ("KeyError: 101") names nothing the user knows
-            raise UserError(f"checkpoint {path} is a text file, not a PyTorch checkpoint (a zip archive, or a "
-                            "pickle in torch's legacy format)")
         raise UserError(
             f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg if msg else ''})"
         ) from None
