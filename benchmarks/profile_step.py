@@ -31,7 +31,15 @@ from torch.profiler import ProfilerActivity, profile
 
 from orepa.apps.bench import make_runner, parse_spec
 from orepa.apps.bench.measure import quiet_cpu_profiler
-from orepa.apps.common import UserError, add_kernel_builder_argument
+from orepa.apps.bench.variants import parse_options
+from orepa.apps.common import (
+    UserError,
+    add_kernel_builder_argument,
+    nonneg_int,
+    parse_device,
+    positive_int,
+    thread_count,
+)
 
 # operator name (without "aten::") -> category; anything else is "other"
 CATEGORIES = {
@@ -175,14 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="resnet18")
     ap.add_argument("--methods", nargs="+", default=["base", "orepa"])
-    ap.add_argument("-b", "--batch-size", type=int, default=16)
-    ap.add_argument("--image-size", type=int, default=224)
-    ap.add_argument("--num-classes", type=int, default=1000)
-    ap.add_argument("--steps", type=int, default=2, help="profiled steps per variant (averaged)")
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("-b", "--batch-size", type=positive_int, default=16)
+    ap.add_argument("--image-size", type=positive_int, default=224)
+    ap.add_argument("--num-classes", type=positive_int, default=1000)
+    ap.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="zoo model option for every variant, e.g. width_mult=0.0625 (repeatable), as orepa bench")
+    ap.add_argument("--steps", type=positive_int, default=2, help="profiled steps per variant (averaged)")
+    ap.add_argument("--warmup", type=nonneg_int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--top", type=positive_int, default=20)
     ap.add_argument("--json", default=None)
     add_kernel_builder_argument(ap)  # with 'compiled', its fused kernels are category 'fused'
     return ap
@@ -192,9 +202,17 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = profile_variants(args.model, args.methods, batch_size=args.batch_size, image_size=args.image_size,
-                              steps=args.steps, warmup=args.warmup, num_classes=args.num_classes, device=args.device,
-                              kernel_builder=args.kernel_builder)
+    device = parse_device(args.device)  # (a CUDA device this machine lacks: one line)
+    try:
+        result = profile_variants(args.model, args.methods, batch_size=args.batch_size, image_size=args.image_size,
+                                  steps=args.steps, warmup=args.warmup, num_classes=args.num_classes, device=device,
+                                  model_options=parse_options(args.model_option, "--model-option"),
+                                  kernel_builder=args.kernel_builder)
+    except ValueError as exc:  # as orepa bench says it
+        if "Expected more than 1 value per channel" not in str(exc):
+            raise
+        raise UserError(f"-b {args.batch_size} --image-size {args.image_size}: a training BatchNorm sees one value "
+                        "per channel at the network's smallest feature map; use a larger batch or image") from None
     builder = "" if args.kernel_builder == "auto" else f", kernel builder {args.kernel_builder}"
     print(f"{args.model}, batch {args.batch_size}, {args.image_size}x{args.image_size}, {args.device}, "
           f"{torch.get_num_threads()} threads{builder}, self time per train step (ms), mean of {args.steps} "

@@ -11,12 +11,13 @@ training, per scaling) and ``similarity_final.png`` (the final matrices).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from orepa.analysis.proposition1 import proposition1_table
+from orepa.apps.checkpoint import atomic_write_text, json_text
+from orepa.apps.common import positive_float, positive_int
 from orepa.apps.proposition1 import similarity_experiment
 
 
@@ -73,11 +74,11 @@ def plot(exp: dict, out: Path) -> list[Path]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="bench_results/proposition1")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--width", type=int, default=8)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--n-train", type=int, default=4096)
+    p.add_argument("--steps", type=positive_int, default=200)
+    p.add_argument("--width", type=positive_int, default=8)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--lr", type=positive_float, default=0.1)
+    p.add_argument("--n-train", type=positive_int, default=4096)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--data", default="fashion-mnist", choices=["fashion-mnist", "synthetic"])
     p.add_argument("--scalings", nargs="+", default=["none", "scalar", "vector"])
@@ -107,7 +108,8 @@ def main(argv=None) -> int:
                  f"{100 * r['test_accuracy']:4.1f}%" for r in exp["runs"].values()]
         print(f"{exp['config']['seed']:>4} " + "".join(f"{c:>30}" for c in cells))
     files = plot(experiments[0], out)
-    (out / "proposition1.json").write_text(json.dumps({"update_check": rows, "experiments": experiments}, indent=1))
+    # strict JSON: a diverged run's NaN as null
+    atomic_write_text(out / "proposition1.json", json_text({"update_check": rows, "experiments": experiments}, indent=1))
     print("wrote", out / "proposition1.json", *files)
     return 0
 
