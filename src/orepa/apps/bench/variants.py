@@ -32,7 +32,7 @@ from torch import nn
 import orepa
 from orepa.apps.common import UserError, parse_key_values, parse_value
 from orepa.apps.model_cfg import check_external_name, external_model, external_source, unknown_model
-from orepa.models import create_model, model_family
+from orepa.models import create_model, list_methods, model_family
 
 ModelSpec = str | Callable[[], nn.Module]
 
@@ -169,6 +169,9 @@ def build_variant(model: ModelSpec, spec: str, num_classes: int = 1000, in_chans
         return create_model(model, method=method, num_classes=num_classes, in_chans=in_chans, preset=LADDER[step],
                             **mopts, **options).train()
     if zoo:
+        if name not in list_methods(model):  # (the zoo's own message lists its methods, not the ladder's rungs)
+            raise ValueError(f"unknown method {name!r} for {model}; choose from {list_methods(model)} or a rung of the "
+                             f"component ladder: {[*LADDER, *(offline_rung(r) for r in LADDER)]}")
         return create_model(model, method=name, num_classes=num_classes, in_chans=in_chans, **mopts,
                             **options).train()
     if name not in orepa.METHODS:
