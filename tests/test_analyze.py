@@ -244,4 +244,4 @@ def test_an_analysis_of_another_model_is_replaced_only_with_overwrite(tmp_path, 
                    "width_mult=0.125", "--out-dir", str(tmp_path / f"nan_{ok}"), "--no-plot"])
         assert rc == (0 if ok else 2), key
         if not ok:
-            assert f"in its branches, first in {key}" in capsys.readouterr().err
+            assert f"holds non-finite values (NaN/inf), first in {key} (a branch)" in capsys.readouterr().err

@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         bad = next((k for k, t in model.state_dict().items() if "branches." in k and t.is_floating_point()
                     and not bool(torch.isfinite(t).all())), None)
         if bad:
-            raise UserError(f"{target} holds non-finite values (NaN/inf) in its branches, first in {bad}: its branch "
+            raise UserError(f"{target} holds non-finite values (NaN/inf), first in {bad} (a branch): its branch "
                             "statistics would be NaN; give a checkpoint from before the run diverged")
         source = str(target)
     elif target.is_dir() and not _names_a_model(args.target):  # a model name wins over a folder of that name
