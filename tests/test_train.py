@@ -38,6 +38,25 @@ def _load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def _training_checkpoint(cfg: dict, path, seed: int | None = None):
+    """A training-form checkpoint of the model ``cfg`` describes at ``path`` (with ``seed``: its weights
+    and BN statistics moved off the initialisation, so that every branch counts); returns the model."""
+    from orepa.apps.checkpoint import save_checkpoint
+    from orepa.apps.model_cfg import build_model
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = build_model(cfg)
+    if seed is not None:
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                if t.is_floating_point():
+                    t.add_(torch.rand_like(t), alpha=0.1)
+    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
+                     "model": model.state_dict()}, path)
+    return model
+
+
 # --------------------------------------------------------------------------- data
 
 
@@ -941,20 +960,12 @@ def test_init_from_a_training_form_of_another_method_or_rgb_images_starts_from_i
     """An OREPA run trained on RGB images (ImageNet, say) starts a run on gray images, or a run of
     another method: its branches fit neither (the stem's depthwise branch has no one-channel form),
     its deployed network does; every block then starts as its deployed conv, RGB summed to gray."""
-    from orepa.apps.checkpoint import save_checkpoint
-    from orepa.apps.model_cfg import build_model, deploy
+    from orepa.apps.model_cfg import deploy
 
     cfg = {"model": "resnet18", "method": "orepa", "num_classes": 1000, "in_chans": 3, "small_input": True,
            "width_mult": 0.0625, "options": {}}
-    torch.manual_seed(3)
-    rgb = build_model(cfg)
-    with torch.no_grad():  # off the initialisation: every branch and BN statistic counts
-        for t in rgb.state_dict().values():
-            if t.is_floating_point():
-                t.add_(torch.rand_like(t), alpha=0.1)
     start = tmp_path / "rgb_orepa.pth"
-    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
-                     "model": rgb.state_dict()}, start)
+    rgb = _training_checkpoint(cfg, start, seed=3)
     plain = deploy(rgb, "deploy").state_dict()
     for run, extra, why in (("orepa", [], "its input channels 3, not 1"),
                             ("dbb", ["--method", "dbb"], "its blocks are 'orepa', not 'dbb'; its input channels 3, not 1"),
@@ -976,10 +987,7 @@ def test_init_from_a_training_form_of_another_method_or_rgb_images_starts_from_i
             torch.testing.assert_close(got[key], plain[key], rtol=1e-5, atol=1e-6)
     # the other way: a run trained on gray images starts one on RGB images (the gray weights on their mean)
     gray = tmp_path / "gray.pth"
-    gray_cfg = {**cfg, "in_chans": 1, "num_classes": 10}
-    gray_model = build_model(gray_cfg)
-    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": gray_cfg,
-                     "model": gray_model.state_dict()}, gray)
+    gray_model = _training_checkpoint({**cfg, "in_chans": 1, "num_classes": 10}, gray)
     _png_tree(tmp_path / "imgs")
     capsys.readouterr()
     assert main(["train", "--data-path", str(tmp_path / "imgs"), "--model", "resnet18", "--width-mult", "0.0625",
@@ -999,20 +1007,12 @@ def test_init_from_a_deep_stem_orepa_run_starts_a_plain_run_from_its_deployed_ne
     """The block options of the checkpoint's method (deep_stem) do not carry over to a run of another
     method (it was "option(s) ['deep_stem'] not accepted by resnet method 'base'"); the options that
     shape the plain network (widths) do: the base run starts from the deployed network, exactly."""
-    from orepa.apps.checkpoint import save_checkpoint
-    from orepa.apps.model_cfg import build_model, deploy
+    from orepa.apps.model_cfg import deploy
 
     cfg = {"model": "resnet18", "method": "orepa", "num_classes": 10, "in_chans": 1, "small_input": True,
            "width_mult": 0.0625, "options": {"deep_stem": True, "stem_width": 8}}
-    torch.manual_seed(4)
-    model = build_model(cfg)
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            if t.is_floating_point():
-                t.add_(torch.rand_like(t), alpha=0.1)
     start = tmp_path / "deep_stem.pth"
-    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
-                     "model": model.state_dict()}, start)
+    model = _training_checkpoint(cfg, start, seed=4)
     plain = deploy(model, "deploy").state_dict()
     capsys.readouterr()
     assert _train(cache, tmp_path / "base", "--init-from", str(start), "--method", "base", "--lr", "1e-9",
@@ -1028,9 +1028,7 @@ def test_init_from_a_deep_stem_orepa_run_starts_a_plain_run_from_its_deployed_ne
     # an RGB one for the gray data: its deployed network would start an OREPA model but for the deep
     # stem, which no conv starts (it was refused as "pass the --data-path it was trained on")
     rgb = tmp_path / "rgb_deep_stem.pth"
-    rgb_cfg = {**cfg, "in_chans": 3, "small_input": False}  # (a 7x7 stem's deep stem)
-    save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": rgb_cfg,
-                     "model": build_model(rgb_cfg).state_dict()}, rgb)
+    _training_checkpoint({**cfg, "in_chans": 3, "small_input": False}, rgb)  # (a 7x7 stem's deep stem)
     capsys.readouterr()
     assert _train(cache, tmp_path / "rgb", "--init-from", str(rgb), "--max-steps", "1") == 2
     assert ("but for conv1 (OREPADeepStem), which no conv's weights can start; build the model without it: "

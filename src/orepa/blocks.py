@@ -383,8 +383,13 @@ class FixedKernelStep(nn.Module):
         w = self.weight
         if w is not None and w.device.type != "meta":
             with torch.no_grad():
-                w.copy_(self._build(getattr(self, "built_dtype", torch.float32), w.device))
+                w.copy_(self.made_anew(w.device))
         return out
+
+    def made_anew(self, device) -> Tensor:
+        """The kernel made again from the shape, in the dtype the block was built in (a module pickled
+        before that was recorded: float32), on ``device``."""
+        return self._build(getattr(self, "built_dtype", torch.float32), device)
 
     def _build(self, dtype: torch.dtype, device) -> Tensor:
         c, k = self.out_channels, self.kernel_size
@@ -414,7 +419,7 @@ def _materialise_fixed_kernels(block: nn.Module, incompatible_keys) -> None:
         return
     for m in block.modules():
         if isinstance(m, FixedKernelStep) and m.weight is not None and m.weight.device.type == "meta":
-            m.weight = m._build(getattr(m, "built_dtype", torch.float32), like.device).to(like.dtype)
+            m.weight = m.made_anew(like.device).to(like.dtype)
 
 
 class Scale(PackableWeight, nn.Module):

@@ -433,11 +433,12 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
         untraced_here = False
         if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
             children = list(module.named_children())
-            for (cn, c), (bn_name, bn) in zip(children, children[1:]):
-                if _is_conv(c) and _foldable_bn(bn, c):
-                    pairs.append((prefix + cn, prefix + bn_name))
-                    if caller is not None and _reaches_into(model.get_submodule(caller), attr):
-                        trusted[prefix + cn] = caller
+            found = [(prefix + cn, prefix + bn_name) for (cn, c), (bn_name, bn) in zip(children, children[1:])
+                     if _is_conv(c) and _foldable_bn(bn, c)]
+            pairs.extend(found)
+            # (the caller's source read once per Sequential, not once per pair)
+            if found and caller is not None and _reaches_into(model.get_submodule(caller), attr):
+                trusted.update((conv, caller) for conv, _ in found)
         else:
             try:
                 found = _pairs_fx(module)

@@ -564,18 +564,19 @@ class Trainer:
             # a training form of another method, or one for images of other channels (an RGB run on gray
             # data: its stem's depthwise branch has no one-channel form): its deployed network may fit
             cfg, plain_expected = self._start_cfg(args, saved_cfg, new_head, True)
-            stuck = [(n, type(b).__name__) for n, b in build_model(cfg).named_modules()
-                     if isinstance(b, ReparamConv2d) and not b.can_start_as_conv] if self._fits(plain_expected, cfg) else []
-            if stuck:  # its deployed network fits but for blocks no conv's weights can start (a linear deep stem)
-                other = saved_cfg.get("in_chans") != self.data.in_chans
-                raise UserError(f"{self.start_flag}: "
-                                + (f"it takes {saved_cfg['in_chans']}-channel images but {self.data.name} has "
-                                   f"{self.data.in_chans} channel(s), so its training form does not fit; " if other else "")
-                                + "its deployed network would start this model but for "
-                                + ", ".join(f"{n} ({kind})" for n, kind in stuck) + ", which no conv's weights can start"
-                                + ("; build the model without it: --no-deep-stem"
-                                   if all(kind == "OREPADeepStem" for _, kind in stuck) else ""))
             if self._fits(plain_expected, cfg):
+                stuck = [(n, type(b).__name__) for n, b in build_model(cfg).named_modules()
+                         if isinstance(b, ReparamConv2d) and not b.can_start_as_conv]
+                if stuck:  # its deployed network fits but for blocks no conv's weights can start (a linear deep stem)
+                    other = saved_cfg.get("in_chans") != self.data.in_chans
+                    raise UserError(
+                        f"{self.start_flag}: "
+                        + (f"it takes {saved_cfg['in_chans']}-channel images but {self.data.name} has "
+                           f"{self.data.in_chans} channel(s), so its training form does not fit; " if other else "")
+                        + "its deployed network would start this model but for "
+                        + ", ".join(f"{n} ({kind})" for n, kind in stuck) + ", which no conv's weights can start"
+                        + ("; build the model without it: --no-deep-stem"
+                           if all(kind == "OREPADeepStem" for _, kind in stuck) else ""))
                 self.start_weights = self._deployed_start(saved_cfg)
                 self.plain_start = True
                 self.deployed_here = "; ".join(
