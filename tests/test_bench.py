@@ -69,6 +69,20 @@ def test_run_benchmark_tiny(tmp_path):
     assert ", TF32 matmuls" in bench.format_header(on_tf32)
 
 
+def test_diverged_variant_is_said_as_such(tmp_path):
+    """Random-data steps at a huge lr leave non-finite outputs: the deploy error is not a number to
+    compare, so the table, the JSON and the table re-rendered from the JSON all say "diverged"."""
+    result = bench.run_benchmark(tiny_net, ["base", "orepa"], batch_size=2, image_size=16, reps=2, warmup=1,
+                                 num_classes=10, lr=1e30, inference=False, profile_memory=False, log=None)
+    for name, r in result["results"].items():
+        assert r["diverged"] and r["deploy_err"] is None, name
+    assert "| diverged |" in bench.format_table(result) and "nan" not in bench.format_table(result)
+    bench.save(result, tmp_path, "tiny", plots=False)
+    back = json.loads((tmp_path / "tiny.json").read_text())
+    assert back["results"]["orepa"]["diverged"] is True and back["results"]["orepa"]["deploy_err"] is None
+    assert "| diverged |" in bench.format_table(back)
+
+
 def test_variants_name_their_own_kernel_builder():
     """``orepa:builder=grouped`` runs beside ``orepa`` (the run's builder) in one process: the same
     network (parameters, deployed form), grouped or not as named, the choice in the JSON and header."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -280,8 +279,8 @@ def run(args: argparse.Namespace) -> int:
     files = save(result, args.output_dir, tag, plots=not args.no_plot)
     print("\nwrote " + ", ".join(str(f) for f in files))
     _say_no_plot(result, args.no_plot)
-    diverged = [n for n, r in result["results"].items() if not math.isfinite(r["deploy_err"])]
-    off = [n for n, r in result["results"].items() if math.isfinite(r["deploy_err"]) and r["deploy_err"] > 1e-3]
+    diverged = [n for n, r in result["results"].items() if r.get("diverged")]
+    off = [n for n, r in result["results"].items() if r["deploy_err"] is not None and r["deploy_err"] > 1e-3]
     if diverged:
         print(f"note: non-finite outputs for {diverged}: the random-data steps diverged (lower --lr); "
               "costs are unaffected")

@@ -46,6 +46,7 @@ Variants are built by :mod:`orepa.apps.bench.variants`; tables and plots are
 from __future__ import annotations
 
 import gc
+import math
 import os
 import platform
 import re
@@ -615,7 +616,11 @@ def run_benchmark(
             d = orepa.reparameterize(r.model, fuse_bn=True).eval()
             err = (d(x) - ref).abs().max().item() / (1.0 + ref.abs().max().item())
             deployed[r.name] = d
-            res[r.name].update(deploy_params=count_params(d), deploy_flops=_flops_forward(d, x), deploy_err=err)
+            # a variant whose random-data steps diverged has no deploy error to compare: said as
+            # such, in the table and the JSON alike (JSON has no NaN)
+            diverged = not math.isfinite(err)
+            res[r.name].update(deploy_params=count_params(d), deploy_flops=_flops_forward(d, x),
+                               deploy_err=None if diverged else err, diverged=diverged)
             r.model.train()
     inf_times: dict[str, list[float]] = {n: [] for n in deployed}
     if inference:

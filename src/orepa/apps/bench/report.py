@@ -74,7 +74,7 @@ def format_table(result: dict) -> str:
             _fmt(r.get("deploy_params"), 1e6, 2),
             _fmt(r.get("deploy_flops"), 1e9, 2) + _rx(q["deploy_flops"]),
             _fmt(r.get("infer_ms"), 1, 0) + _rx(q["infer_ms"]),
-            "n/a" if r.get("deploy_err") is None else f"{r['deploy_err']:.1e}",
+            "diverged" if r.get("diverged") else "n/a" if r.get("deploy_err") is None else f"{r['deploy_err']:.1e}",
         ]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
