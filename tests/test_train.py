@@ -613,6 +613,28 @@ def test_packed_parameters_train_as_unpacked_ones_and_resume_in_their_layout(cac
     assert _load(old)["args"]["pack_parameters"] is False
 
 
+def test_a_run_begun_on_a_gpu_resumes_on_this_device_with_its_precision(cache, tmp_path, monkeypatch):
+    """How steps run is this session's (its device, its flags), not the checkpoint's: a run a GPU began
+    (whole steps as CUDA graphs, compiled kernel builds) continues on a CPU, and in micro-batches (the
+    out-of-memory advice), instead of replaying graphs there; its --no-tf32-matmul holds on --resume."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    out = tmp_path / "run"
+    assert _train(cache, out, "--method", "orepa", "--epochs", "1", "--no-eval", "--max-steps", "2") == 0
+    ckpt = out / "checkpoint.pth"
+    assert _load(ckpt)["args"]["tf32_matmul"] is None  # the device's default: decided by each session
+    ck = _load(ckpt)
+    ck["args"].update(cuda_graphs=True, kernel_builder="compiled", kernel_graphs=False, tf32_matmul=False,
+                      device="cuda")  # what a one-GPU run started with --no-tf32-matmul saves
+    torch.save(ck, ckpt)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert main(["train", "--resume", str(ckpt), "--micro-batches", "2", "--max-steps", "3", "--no-progress",
+                 "--quiet"]) == 0
+    after = _load(ckpt)
+    assert after["global_step"] == 3
+    assert after["args"]["cuda_graphs"] is False and after["args"]["kernel_builder"] == "auto"
+    assert after["args"]["tf32_matmul"] is False and torch.backends.cuda.matmul.allow_tf32 is False
+
+
 def test_a_resume_that_started_while_the_run_was_still_writing_refuses_to_train_over_it(cache, tmp_path, capsys,
                                                                                         monkeypatch):
     """--resume read the checkpoint before it took the directory's lock: where the run still wrote

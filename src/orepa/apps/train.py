@@ -324,6 +324,8 @@ def _atomic_json(path: Path, obj) -> None:
 SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
                            "dist_timeout",
                            "micro_batches",
+                           # how steps run on this session's device (Trainer._step_modes)
+                           "cuda_graphs", "kernel_graphs", "kernel_builder", "compile",
                            "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
                            "given", "command"})
 #: settings a resumed run cannot change: the position in the run is counted in their units (the seed
@@ -463,12 +465,15 @@ class Trainer:
             print(*msg, flush=True)
 
     # ------------------------------------------------------------------ setup
-    def setup(self) -> None:
-        args, info, device = self.args, self.info, self.device
-        if device.type == "cuda":
-            # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
-            torch.backends.cudnn.benchmark = True
-        args.tf32_matmul = apply_tf32_matmul(args.tf32_matmul, device)
+    def _step_modes(self, args: argparse.Namespace) -> None:
+        """How this session's steps run (CUDA graphs, recorded kernel builds, the kernel builder):
+        decided from the run's settings (as resumed) and this command's flags on this session's
+        device, never taken from a checkpoint: every mode computes the same step, and a run begun on
+        one GPU may continue on a CPU, under torchrun, or in micro-batches after running out of memory."""
+        device, info = self.device, self.info
+        # TF32 is the run's precision (a run's --no-tf32-matmul holds on --resume); None: the
+        # device's default, decided again by each session's device
+        self.tf32_on = apply_tf32_matmul(args.tf32_matmul, device)
         if args.batch_size % args.micro_batches:
             raise UserError(f"--micro-batches {args.micro_batches} must divide the batch (-b {args.batch_size})")
         why = ("needs a CUDA device" if device.type != "cuda" else
@@ -497,6 +502,12 @@ class Trainer:
             args.kernel_builder, why_not = default_kernel_builder(device, whole_step_compiled=bool(args.compile))
             if why_not:
                 self.log(f"orepa train: kernel builder auto, not compiled ({why_not})")
+
+    def setup(self) -> None:
+        args, info, device = self.args, self.info, self.device
+        if device.type == "cuda":
+            # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
+            torch.backends.cudnn.benchmark = True
         self.graphs_captured = False
         self.step_lr: float | None = None  # the rate the last step trained at (_logged_lr)
         self.resume_ckpt = None
@@ -535,6 +546,7 @@ class Trainer:
             saved_cfg = self.resume_ckpt.get("model_cfg")
             self.args, self.overrides = resumed_args(args, self.resume_ckpt)
             args = self.args
+        self._step_modes(args)
         source = self.start_flag or f"--resume {args.resume}"
         self.data = build_data(args)
         if self.resume_ckpt is not None and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
@@ -1175,7 +1187,7 @@ class Trainer:
                  f"{self.iters_per_epoch} steps/epoch x {args.epochs} epochs, wd {args.weight_decay:g}"
                  f"{', AMP' if args.amp else ''}{', channels_last' if args.channels_last else ''}"
                  f"{', compiled' if args.compile else ''}{', CUDA graphs' if args.cuda_graphs else ''}"
-                 f"{', TF32 matmuls' if args.tf32_matmul and self.device.type == 'cuda' else ''}"
+                 f"{', TF32 matmuls' if self.tf32_on and self.device.type == 'cuda' else ''}"
                  f"{f', kernel builder {args.kernel_builder}' if self.n_groups else ''}"
                  f"{', packed parameters' if args.pack_parameters and self.n_groups else ''}"
                  f"{', kernel graphs' if args.kernel_graphs and self.n_groups else ''}"
