@@ -268,7 +268,8 @@ def test_norm_policy_keeps_statistics_and_deploys_exactly(norm):
     assert branch_bns  # DBB keeps a BN in every branch: the policy covers them too
     model.train()
     assert model.training and not any(bn.training for bn in _bns(body))
-    assert all(p.requires_grad == (norm == "eval") for bn in _bns(body) for p in bn.parameters())
+    # "frozen" freezes the network's own norms; the branch BNs are the blocks' parameterisation
+    assert all(p.requires_grad == (norm == "eval" or bn in branch_bns) for bn in _bns(body) for p in bn.parameters())
     opt = torch.optim.SGD(D.param_groups(model, 0.01), lr=0.01)
     for it in range(2):
         loss = detector_loss(model, [2 * it, 2 * it + 1], imgs, targets)
@@ -284,6 +285,32 @@ def test_norm_policy_keeps_statistics_and_deploys_exactly(norm):
         deployed = orepa.reparameterize(model)
         for k, v in deployed.backbone(x).items():
             tol_close(v, ref[k])
+
+
+@pytest.mark.parametrize("method", ["dbb", "orepa-offline"])
+def test_branches_started_from_plain_weights_learn_with_frozen_norms(method):
+    """A backbone started from a plain network's weights (its other branches at zero through their
+    BNs' affine) with the default norm="frozen": every branch learns, as the blocks promise; were the
+    branch BNs frozen with the network's norms, all but the main branch would stay zero for ever."""
+    torch.manual_seed(0)
+    plain = D.resnet_features("resnet18", "base", **TINY).state_dict()
+    f = D.resnet_features("resnet18", method, weights=plain, **TINY).double().train()
+    assert f.norm == "frozen" and f.layer4[0].bn1.frozen  # the network's own norm, absorbed by the block
+    blk = f.layer4[0].conv1
+    before = {k: v.clone() for k, v in blk.state_dict().items()}
+    opt = torch.optim.SGD([p for p in f.parameters() if p.requires_grad], lr=0.1)
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    for _ in range(3):
+        loss = sum(v.pow(2).mean() for v in f(x).values())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    moved = {k.split(".")[1] for k, v in blk.state_dict().items()
+             if k.startswith("branches.") and v.is_floating_point() and not torch.equal(v, before[k])}
+    assert moved == set(blk.branches)
+    deployed = orepa.reparameterize(f)  # the absorbed BNs deploy frozen
+    assert not any(p.requires_grad for m in deployed.modules() if isinstance(m, nn.BatchNorm2d)
+                   for p in m.parameters())
 
 
 @pytest.mark.parametrize("method", ["dbb", "orepa-offline"])

@@ -33,8 +33,10 @@ machinery folds exactly those (``Branch`` steps, ``AbsorbedNorm``,
   for backbones trained from scratch and for segmentation, mmsegmentation's default);
 * ``"eval"``: BNs always run on their running statistics, their affine
   parameters still train (mmdetection ``norm_eval=True``, the paper's setup);
-* ``"frozen"``: as ``"eval"`` and the affine parameters are frozen too: the
-  same function as torchvision's ``FrozenBatchNorm2d``.
+* ``"frozen"``: as ``"eval"`` and the affine parameters of the network's own
+  norms are frozen too: the same function as torchvision's ``FrozenBatchNorm2d``
+  (the BNs inside DBB / offline branches are the block's parameterisation and
+  train; the BN a block absorbed is deployed frozen).
 
 In every mode BNs of frozen stages run on running statistics. With ``"eval"`` /
 ``"frozen"`` a DBB branch is an affine map during training, so the post-training
@@ -57,7 +59,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
-from ..blocks import OREPADeepStem, ReparamConv2d
+from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
 from ..convert import load_plain_state_dict, pads_tf_same, reparameterize
 from ..engine import kernel_groups
 from .common import split_params
@@ -363,10 +365,15 @@ class ResNetFeatures(nn.ModuleDict):
             if self._stage_of(name) in self.frozen_stages:
                 p.requires_grad_(False)
         if norm == "frozen":
+            # the network's own norms: not the BNs inside re-param blocks, which are the block's
+            # parameterisation (a DBB branch started at zero from plain weights learns only through
+            # its BN's affine) and fold into its kernel; an absorbed BN deploys frozen
+            inside = {id(m) for b in self.modules() if isinstance(b, ReparamConv2d) for m in b.modules()}
             for m in self.modules():
-                if isinstance(m, _BatchNorm):
-                    for p in m.parameters():
-                        p.requires_grad_(False)
+                if isinstance(m, _BatchNorm) and id(m) not in inside:
+                    m.requires_grad_(False)
+                elif isinstance(m, AbsorbedNorm):
+                    m.frozen = True
         self.train(trunk.training)
 
     @staticmethod
