@@ -353,17 +353,23 @@ def test_weight_decay_groups_follow_the_paper():
 
 
 @pytest.mark.parametrize("pack", [False, True])
-def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack):
-    """The published OREPA and DBB blocks train their square 1x1 -> kxk first factor as a delta on a
-    fixed identity, so weight decay shrinks the delta; here the factor itself is the parameter, and
-    decay pulled it towards zero, eroding the identity the branch starts from. With zero gradients,
-    one SGD step: those factors move as I + (W - I)(1 - lr wd), every other decayed weight as W (1 -
-    lr wd), packed into a group's parameters or not."""
+@pytest.mark.parametrize("net", ["resnet18", "depthwise"])
+def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack, net):
+    """The published OREPA block trains its 1x1 -> kxk first factor as a delta on a fixed identity
+    (tiled where a depthwise-like conv widens it to 2 C_in), so weight decay shrinks the delta; here
+    the factor itself is the parameter, and decay pulled it towards zero, eroding the identity the
+    branch starts from. With zero gradients, one SGD step: those factors move as I + (W - I)(1 - lr
+    wd), every other decayed weight as W (1 - lr wd), packed into a group's parameters or not."""
     from orepa.blocks import ConvStep
     from orepa.engine import group_kernels
 
     torch.manual_seed(0)
-    model = orepa.models.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625, in_chans=1)
+    if net == "resnet18":
+        model = orepa.models.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625, in_chans=1)
+    else:  # a depthwise conv: its factor is widened to 2 C_in
+        model = orepa.convert(nn.Sequential(
+            nn.Conv2d(1, 8, 1, bias=False), nn.BatchNorm2d(8), nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False),
+            nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)), "orepa", init="reference")
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p), alpha=0.1)
@@ -371,7 +377,7 @@ def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack):
     steps = {n: m for n, m in model.named_modules() if isinstance(m, ConvStep)}
     anchored = [n for n, m in steps.items() if m.decays_to_init]
     assert anchored and all(n.endswith("1x1_kxk.conv1") for n in anchored)
-    assert all(steps[n].in_channels == steps[n].out_channels for n in anchored)
+    assert {steps[n].out_channels // steps[n].in_channels for n in anchored} == ({1} if net == "resnet18" else {2})
     before = {n: m.weight.detach().clone() for n, m in steps.items()}
     lr, wd = 0.5, 0.1
     opt = common.make_sgd(common.split_params(model).torch_groups(wd, 0.0), lr=lr, momentum=0.9)

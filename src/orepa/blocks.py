@@ -951,10 +951,10 @@ def _1x1_kxk(cin, cout, k, groups, c: StepConfig) -> dict:
     # DBB's choice: widen the intermediate for depthwise-like convs so the branch is not a mere rescale
     mid = (cin if groups < cout else 2 * cin) if c.internal is None else c.internal
     return {
-        # square, it is the identity plus what it learns: the published blocks (OREPA, DBB) train that
-        # delta on a fixed identity, so weight decay pulls it back to the identity, not to zero
+        # it is an identity plus what it learns: the published OREPA block trains that delta on a fixed
+        # (tiled, where widened) identity, so weight decay pulls it back to the identity, not to zero
         "conv1": c.conv(cin, mid, 1, groups, "identity-tiled" if c.reference_init else "identity",
-                        decays_to_init=mid == cin),
+                        decays_to_init=True),
         **c.norm(mid),
         "conv2": c.conv(mid, cout, k, groups),
     }

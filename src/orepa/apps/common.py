@@ -327,7 +327,7 @@ _NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, nn.LocalRe
 
 def init_anchors(model: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """``(parameter, target)`` for the trained tensors whose weight decay pulls towards their start
-    (:attr:`orepa.blocks.ConvStep.decays_to_init`: the square identity factor of 1x1 -> kxk): the
+    (:attr:`orepa.blocks.ConvStep.decays_to_init`: the identity factor of 1x1 -> kxk): the
     target holds each such step's identity in its rows, zeros elsewhere (a packed parameter holds
     other steps' rows too, which decay towards zero as before). Frozen tensors are left out."""
     targets: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
