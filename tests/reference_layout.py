@@ -157,6 +157,9 @@ def repvgg_forward(sd, x):
                               if any(k.startswith(f"stage{i}.{j}.") for k in sd)]
     for p in prefixes:
         s = 2 if p == "stage0." or p.endswith(".0.") else 1
+        if p + "conv.weight" in sd:  # the training script's -t base: a ConvBN block
+            x = F.relu(_site(x, sd, p, s))
+            continue
         if p + "rbr_dense.weight_rbr_origin" in sd:
             dense = _bn(F.conv2d(x, orepa_kernel(sd, p + "rbr_dense.", prefix="weight_rbr_"), None, s, 1), sd,
                         p + "rbr_dense.bn.")
@@ -263,23 +266,27 @@ def make_resnet(kind, layers, planes, *, bottleneck=False, stem=None, groups=1, 
     return gen.sd
 
 
-def make_repvgg(depths, widths, stem, *, orepa=True, num_classes=10, seed=0):
+def make_repvgg(depths, widths, stem, *, kind="orepa-vgg", num_classes=10, seed=0):
+    """A random reference RepVGG state_dict; ``kind``: ``orepa-vgg`` (``RepVGGBlock_OREPA``), ``repvgg``
+    (``RepVGGBlock``) or ``base`` (``ConvBN``, what the training script's ``-t base`` builds)."""
     gen = _Gen(seed)
     cin = 3
     for p, cout, s in [("stage0.", stem, 2)] + [(f"stage{i}.{j}.", w, 2 if j == 0 else 1)
                                                  for i, (d, w) in enumerate(zip(depths, widths), 1) for j in range(d)]:
-        if cin == cout and s == 1:
-            gen.bn(p + "rbr_identity.", cout)
-        if orepa:
-            gen.orepa(p + "rbr_dense.", cin, cout, vgg=True)
-            if s != 1:  # the reference adds the (unused) 6th scaling row only for in == out, stride 1
-                gen.sd[p + "rbr_dense.vector"] = gen.sd[p + "rbr_dense.vector"][:5]
-            gen.bn(p + "rbr_dense.bn.", cout)
+        if kind == "base":
+            gen.site("base", p, cin, cout, 3)
         else:
-            gen.t(p + "rbr_dense.conv.weight", cout, cin, 3, 3)
+            if cin == cout and s == 1:
+                gen.bn(p + "rbr_identity.", cout)
+            if kind == "orepa-vgg":
+                gen.orepa(p + "rbr_dense.", cin, cout, vgg=True)
+                if s != 1:  # the reference adds the (unused) 6th scaling row only for in == out, stride 1
+                    gen.sd[p + "rbr_dense.vector"] = gen.sd[p + "rbr_dense.vector"][:5]
+            else:
+                gen.t(p + "rbr_dense.conv.weight", cout, cin, 3, 3)
             gen.bn(p + "rbr_dense.bn.", cout)
-        gen.t(p + "rbr_1x1.conv.weight", cout, cin, 1, 1)
-        gen.bn(p + "rbr_1x1.bn.", cout)
+            gen.t(p + "rbr_1x1.conv.weight", cout, cin, 1, 1)
+            gen.bn(p + "rbr_1x1.bn.", cout)
         cin = cout
     gen.t("linear.weight", num_classes, cin)
     gen.t("linear.bias", num_classes)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_layout import make_repvgg, make_resnet, repvgg_forward, resnet_forward
+from reference_layout import deep_stem_kernel, make_repvgg, make_resnet, repvgg_forward, resnet_forward
 
 import orepa
 import orepa.models
@@ -85,7 +85,7 @@ CASES = {  # name: (random reference checkpoint, the zoo model and method it mus
     "resnet18_base": (lambda: make_resnet("base", [2, 2, 2, 2], [8, 16, 32, 64], seed=6), "resnet18", "base"),
     "repvgg_b0_orepa_vgg": (lambda: make_repvgg([4, 6, 16, 1], [8, 16, 32, 80], 8, seed=7), "repvgg_b0",
                             "orepa-vgg"),
-    "repvgg_a_repvgg_odd": (lambda: make_repvgg([2, 4, 14, 1], [9, 19, 37, 73], 9, orepa=False, seed=8),
+    "repvgg_a_repvgg_odd": (lambda: make_repvgg([2, 4, 14, 1], [9, 19, 37, 73], 9, kind="repvgg", seed=8),
                             "repvgg_a0", "repvgg"),
 }
 
@@ -98,6 +98,40 @@ def test_other_architectures_import_exactly(case):
     forward = repvgg_forward if "repvgg" in case else resnet_forward
     model = check_import(sd, forward(sd, X), X)
     assert (model.orepa_config["name"], model.orepa_config["method"]) == (name, method)
+
+
+def test_plain_repvgg_of_the_training_scripts_base_type_imports_as_base():
+    """The reference's RepVGG is built with conv_bn_relu: its -t base checkpoint (stage0.conv / stage0.bn,
+    ConvBN blocks) was refused as "not a checkpoint of the paper's ResNet or RepVGG models"."""
+    sd = make_repvgg([2, 4, 14, 1], [6, 12, 24, 48], 6, kind="base", seed=18)
+    model = check_import(sd, repvgg_forward(sd, X), X, tol=1e-13)
+    assert (model.orepa_config["name"], model.orepa_config["method"]) == ("repvgg_a0", "base")
+
+
+def test_orepa_vgg_reads_only_the_scaling_rows_the_reference_reads():
+    """OREPA-VGG's 6th scaling row (in == out, stride 1) is an uninitialised torch.Tensor that the
+    reference's weight_gen never reads: nan or inf there leaves its model working, and the import."""
+    sd = make_repvgg([2, 4, 14, 1], [8, 16, 32, 64], 8, seed=19)
+    six = [k for k in sd if k.endswith("rbr_dense.vector") and sd[k].shape[0] == 6]
+    assert six
+    for i, k in enumerate(six):
+        sd[k] = sd[k].clone()
+        sd[k][5] = (float("nan"), float("inf"))[i % 2]
+    check_import(sd, repvgg_forward(sd, X), X, tol=1e-13)
+    sd[six[0]][4, 0] = float("nan")  # a row it reads is still checked
+    with pytest.raises(ValueError, match=rf"non-finite values \(nan or inf\) in '{six[0]}'"):
+        orepa.import_reference(sd)
+
+
+def test_odd_width_deep_stem_is_exact_in_float64():
+    """An odd stem width's flipped prior needs a kxk correction: built from the exact prior, while the block
+    (and the reference) holds it rounded to float32, the 7x7 stem kernel was off by ~3e-8."""
+    sd = make_resnet("orepa", [2, 2, 2, 2], [9, 18, 36, 72], seed=20)
+    model = orepa.import_reference(sd, dtype=torch.float64).eval()
+    with torch.no_grad():
+        ours = orepa.reparameterize(model).conv1.weight
+    expected = deep_stem_kernel({k: v.double() for k, v in sd.items() if v.is_floating_point()}, "stage0.conv1.")
+    assert rel(ours, expected) < 1e-14
 
 
 def test_training_script_wrapping_and_module_prefix(tmp_path):

@@ -9,7 +9,8 @@ those weights, computing the function the reference computes:
 * ResNet family (BasicBlock / Bottleneck, the depths of ResNet-18/34/50/101/152 and
   ResNeXt-50 32x4d, any widths): method ``orepa`` (kxk OREPA blocks, Rep-1x1 on 1x1 convs,
   linear deep stem, each where the checkpoint has it), ``dbb`` or ``base``;
-* RepVGG family (A and B depths, any widths, no grouped layers): ``orepa-vgg`` or ``repvgg``.
+* RepVGG family (A and B depths, any widths, no grouped layers): ``orepa-vgg``, ``repvgg`` or
+  ``base`` (the reference's ``-t base``: ConvBN blocks).
 
 Two facts of the reference shape the mapping. Its 1x1 -> kxk first factor is a learnable
 delta on a fixed identity (``idconv1 + id_tensor``); here the factor itself is the
@@ -82,12 +83,14 @@ class _Reader:
     def has(self, name: str) -> bool:
         return self.prefix + name in self.sd
 
-    def __call__(self, name: str) -> Tensor:
+    def __call__(self, name: str, rows: int | None = None) -> Tensor:
+        """The entry ``name``; ``rows``: only its first rows, the part the reference reads (the rest is
+        neither checked nor returned)."""
         key = self.prefix + name
         if key not in self.sd:
             raise ValueError(f"reference checkpoint lacks {key!r}")
         self.consumed.add(key)
-        t = self.sd[key]
+        t = self.sd[key] if rows is None else self.sd[key][:rows]
         if not t.is_floating_point() and not name.endswith("num_batches_tracked"):  # only a BN's count is one
             raise ValueError(f"reference checkpoint: {key} holds {t.dtype} values, where a float weight or "
                              "statistic belongs")
@@ -176,18 +179,23 @@ def _keys_under(sd: Mapping[str, Tensor], prefix: str, n: int = 6) -> str:
 def _orepa(r: _Reader, into: str, block: OREPAConv2d, rows: Mapping[str, int], flip: bool = False,
            prefix: str = "weight_orepa_") -> dict[str, Tensor]:
     """An OREPA kxk block (its BN excluded); ``flip``: spatially flipped, see the module docstring."""
-    vec = r("vector")
-    k, cout = block.kernel_size[0], block.out_channels
+    # OREPA-VGG's 6th row (in == out, stride 1) is uninitialised memory (torch.Tensor) that the
+    # reference's weight_gen never reads: only the rows of its branches are read (and checked)
+    vec = r("vector", rows=len(rows))
+    k = block.kernel_size[0]
     names = set(block.branches)
     if names != set(rows):
         raise ValueError(f"{r.prefix}: the reference block has branches {sorted(rows)}, the model built "
                          f"here {sorted(names)}")
-    if not len(rows) <= vec.shape[0] <= len(_OREPA_ROWS):  # the reference's vector has a row per branch kind
+    stored = r.sd[r.prefix + "vector"].shape[0]
+    if not len(rows) <= stored <= len(_OREPA_ROWS):  # the reference's vector has a row per branch kind
         expected = len(rows) if len(rows) == len(_OREPA_ROWS) else f"{len(rows)} to {len(_OREPA_ROWS)}"
-        raise ValueError(f"{r.prefix}vector has {vec.shape[0]} rows, expected {expected}")
+        raise ValueError(f"{r.prefix}vector has {stored} rows, expected {expected}")
     mirror = (lambda w: torch.flip(w, (2, 3))) if flip else (lambda w: w)
     _check_fixed(r, prefix + "avg_avg", torch.full((k, k), 1.0 / (k * k), dtype=torch.float64))
-    prior = K.freq_prior_kernel(cout, k, dtype=torch.float64)[:, 0]
+    # the prior the block holds (built in float32, as the reference's buffer): the flip below must
+    # be taken of it, not of the exact one, or the stem is off by float32 rounding (1e-9 to 1e-8)
+    prior = block.branches["1x1_prior"].prior.kernel()[:, 0].to(torch.float64)
     _check_fixed(r, prefix + "prior", prior)
     if r.has(prefix + "1x1_kxk_idconv1"):
         first = r(prefix + "1x1_kxk_idconv1")
@@ -219,8 +227,10 @@ def _flip_prior_branch(out: dict[str, Tensor], b: str, prior: Tensor, where: str
     """Make the prior branch compute ``pfir (x) flip(prior)`` with the fixed, unflipped prior.
 
     For an even channel count every channel's flipped filter is +-itself (integer frequencies):
-    the sign goes into the branch's scale. Otherwise (half-integer frequencies) the difference
-    ``flip(prior) - prior`` is a kxk kernel and goes into the kxk branch, divided by its scale.
+    the sign goes into the branch's scale. Otherwise (half-integer frequencies: the flipped filter
+    is a sine, which no channel of the fixed prior holds, so no scale or permutation gives it) the
+    difference ``flip(prior) - prior`` is a kxk kernel and goes into the kxk branch, divided by its
+    scale. ``prior`` is the block's own (rounded) buffer, so the sum is ``flip`` of what it holds.
     """
     flipped = torch.flip(prior, (1, 2))
     sign = torch.sign((flipped * prior).sum((1, 2)))
@@ -319,7 +329,6 @@ def _orepa_vgg(r: _Reader, into: str, block: OREPAVGGBlock) -> dict[str, Tensor]
     dense = r.sub("rbr_dense")
     out = _orepa(dense, f"{into}branches.kxk.orepa.", block.branches["kxk"][0], _OREPA_VGG_ROWS,
                  prefix="weight_rbr_")
-    # a 6th row exists when in == out and stride == 1, but the reference's weight_gen never reads it
     return {**out, **dense.bn("bn", f"{into}branches.kxk.bn"), **_vgg_side_branches(r, into)}
 
 
@@ -420,9 +429,14 @@ def _resnet(sd: Mapping[str, Tensor]) -> tuple[str, str, dict, list[tuple[str, s
 def _repvgg_arch(sd: Mapping[str, Tensor]) -> tuple[str, str, dict, list[tuple[str, str, str]], str]:
     depths = tuple(_count(sd, rf"stage{i}\.(\d+)\.") for i in range(1, 5))
     kind = _site_kind(sd, "stage0")
-    method = {"orepa_vgg": "orepa-vgg", "repvgg": "repvgg"}.get(kind)
+    # the reference's RepVGG is built with conv_bn_relu, so its training script's -t base gives ConvBN
+    # blocks (stage0.conv / stage0.bn): the zoo's base RepVGG, key for key
+    method = {"orepa_vgg": "orepa-vgg", "repvgg": "repvgg", "conv_bn": "base"}.get(kind)
     if method is None:
-        raise ValueError(f"unsupported reference RepVGG block {kind} (keys: {_keys_under(sd, 'stage0.')})")
+        if kind is None:  # nothing the reference trains (a deployed checkpoint, a foreign layout): its keys
+            raise _unknown_site(sd, "stage0", kind)
+        raise ValueError(f"unsupported reference RepVGG block {kind} (keys: {_keys_under(sd, 'stage0.')}); "
+                         "the zoo's RepVGGs have RepVGGBlock_OREPA, RepVGGBlock or ConvBN blocks")
     sites = [("stage0", "stage0.conv", "stage0.bn")]
     sites += [(f"stage{i}.{j}", f"stage{i}.{j}.conv", f"stage{i}.{j}.bn") for i in range(1, 5)
               for j in range(depths[i - 1])]
@@ -468,12 +482,12 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     if any(k.startswith("stage0.conv1.") for k in sd):
         with _layout_errors("the architecture"):
             name, method, options, sites, head = _resnet(sd)
-    elif any(k.startswith("stage0.rbr_") for k in sd):
+    elif any(k.startswith("stage0.") for k in sd):  # the RepVGG's stem is one block, at stage0 itself
         with _layout_errors("the architecture"):
             name, method, options, sites, head = _repvgg_arch(sd)
     else:
         raise ValueError("not a checkpoint of the paper's ResNet or RepVGG models (expected keys under "
-                         f"'stage0.conv1.' or 'stage0.rbr_'); first keys: {', '.join(list(sd)[:8])}")
+                         f"'stage0.conv1.' (ResNet) or 'stage0.' (RepVGG)); first keys: {', '.join(list(sd)[:8])}")
     if "linear.weight" not in sd:
         raise ValueError("reference checkpoint has no classifier 'linear.weight'")
     num_classes = sd["linear.weight"].shape[0]
