@@ -501,3 +501,40 @@ def test_fixed_kernels_follow_conversions_with_the_values_they_were_built_with()
     assert torch.equal(blk.branches["1x1_avg"].pool.weight, avg.double())
     blk.half().float()
     assert torch.equal(blk.branches["1x1_avg"].pool.weight, avg)  # not the float16-rounded 1/9
+
+
+@pytest.mark.parametrize("name", ["1x1_kxk", "1x1_avg"])
+def test_dbb_branch_bn_before_the_spatial_step_normalises_the_unpadded_map(name):
+    """DBB's 1x1 -> BN -> kxk / avg branches ("BN-and-pad"): in training the inner BN takes its batch
+    statistics over the unpadded map, and the border is padded with what the 1x1 -> BN gives a zero
+    input on running statistics (not differentiated). Padding the input first instead put the
+    zero border into the batch statistics (1.4 off at a 6x6 map, running statistics drifting)."""
+    torch.manual_seed(0)
+    blk = DBBConv2d(4, 6, 3, 1, 1).double().train()
+    with torch.no_grad():
+        for p in blk.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    br = blk.branches[name]
+    ref = copy.deepcopy(br)
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    steps = list(ref.children())
+    h = F.conv2d(x, steps[0].kernel())
+    bn0 = steps[1]
+    h = F.batch_norm(h, bn0.running_mean, bn0.running_var, bn0.weight, bn0.bias, True, bn0.momentum, bn0.eps)
+    pad = (bn0.bias - bn0.running_mean * bn0.weight / (bn0.running_var + bn0.eps).sqrt()).detach().view(1, -1, 1, 1)
+    h = F.pad(h - pad, (1, 1, 1, 1)) + pad
+    h = F.conv2d(h, steps[2].kernel(), groups=steps[2].groups)
+    tail = steps[3]
+    want = F.batch_norm(h, tail.running_mean, tail.running_var, tail.weight, tail.bias, True, tail.momentum, tail.eps)
+    got = br.run(x, 1, 1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for (n, a), b in zip(br.named_buffers(), ref.buffers()):
+        if a.is_floating_point():  # the running statistics (F.batch_norm counts no batches)
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=n)
+    g, = torch.autograd.grad(got.square().sum(), [br.bn0.weight])
+    gw, = torch.autograd.grad(want.square().sum(), [ref.bn0.weight])
+    torch.testing.assert_close(g, gw, rtol=1e-10, atol=1e-12)
+    blk.eval()  # on running statistics, the squeezed kernel's function, as before
+    with torch.no_grad():
+        w, b = blk.equivalent()
+        tol_close(blk(x), F.conv2d(x, w, b, 1, 1))

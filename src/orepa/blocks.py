@@ -23,8 +23,11 @@ run every step unpadded; only the last kernel step is strided (a purely
 pointwise branch without BN subsamples its input first instead: the same
 function on fewer pixels). That is the
 exact feature-map counterpart of the squeezed kernel (an intermediate BN bias
-reaches the border as it does through the squeezed kernel), so deploying is
-exact without DBB's "BN-and-pad" special layer. (A stem built from 3x3 convs
+reaches the border as it does through the squeezed kernel). A branch with a BN
+before its spatial step pads after the pointwise steps up to it instead, with
+their response to a zero input on running statistics (DBB's "BN-and-pad": in
+training the BN's batch statistics leave the border out; in eval the same
+function). (A stem built from 3x3 convs
 that pad every layer differs from this at the border; see
 :class:`OREPADeepStem`.)
 
@@ -497,6 +500,13 @@ class Branch(nn.Sequential):
             i = spatial[0] if spatial else self._last_kernel
             if not any(isinstance(st, BATCH_NORMS) for st in list(self)[:i]):
                 self._pad_step = i
+        # A BN before the first spatial step (DBB's 1x1 -> BN -> kxk / avg): the pointwise steps up to
+        # it run on the unpadded map, which is then padded with what they give a zero input in eval
+        # form (DBB's "BN-and-pad"): in training the BN's batch statistics are the map's, not the
+        # border's zeros' too; in eval the same function as padding the input first
+        self._pad_after = None
+        if spatial and self._pad_step is None and any(isinstance(st, BATCH_NORMS) for st in list(self)[:spatial[0]]):
+            self._pad_after = spatial[0]
         self._fast_groups = self._closed_form_groups()
         # a pointwise branch (every kernel 1x1) without BN commutes with subsampling: a strided
         # block may subsample its input first and run every step on the smaller map
@@ -577,7 +587,15 @@ class Branch(nn.Sequential):
             x, stride = x[:, :, ::stride, ::stride], 1
         p = (self._extent[0] // 2 * dilation, self._extent[1] // 2 * dilation)
         h = x
-        if self._pad_step is None and p != (0, 0):
+        first = 0
+        if self._pad_after is not None and p != (0, 0):
+            steps = list(self._modules.values())[:self._pad_after]
+            for step, is_kernel in zip(steps, self._kinds):
+                h = step.run(h, 1, dilation) if is_kernel else step(h)
+            v = self._zero_response(steps, h).view(1, -1, 1, 1)
+            h = F.pad(h - v, (p[1], p[1], p[0], p[0])) + v  # the border holds v (not differentiated: DBB's)
+            first = self._pad_after
+        elif self._pad_step is None and p != (0, 0):
             if padded is not None and p in padded:
                 h = padded[p]
             else:
@@ -585,11 +603,28 @@ class Branch(nn.Sequential):
                 if padded is not None:
                     padded[p] = h
         for i, (step, is_kernel) in enumerate(zip(self._modules.values(), self._kinds)):
+            if i < first:
+                continue
             if is_kernel:
                 h = step.run(h, stride if i == self._last_kernel else 1, dilation, p if i == self._pad_step else 0)
             else:
                 h = step(h)
         return h
+
+    @staticmethod
+    @torch.no_grad()
+    def _zero_response(steps: list[nn.Module], like: Tensor) -> Tensor:
+        """Per channel, what pointwise ``steps`` give a zero input in eval form (BNs on running
+        statistics), in ``like``'s dtype."""
+        v = None  # None: zero
+        for step in steps:
+            if _is_kernel_step(step):  # a 1x1 kernel (no bias) of a constant map
+                if v is not None:
+                    v = F.conv2d(v.view(1, -1, 1, 1), step.kernel(), None, 1, 0, 1, step.groups).view(-1)
+                continue
+            scale, shift = _affine_of(step)
+            v = (0 if v is None else v * scale) + (0 if shift is None else shift)
+        return torch.zeros(like.shape[1], dtype=like.dtype, device=like.device) if v is None else v.to(like.dtype)
 
 
 # --------------------------------------------------------------------------- blocks
