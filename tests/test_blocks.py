@@ -538,3 +538,22 @@ def test_dbb_branch_bn_before_the_spatial_step_normalises_the_unpadded_map(name)
     with torch.no_grad():
         w, b = blk.equivalent()
         tol_close(blk(x), F.conv2d(x, w, b, 1, 1))
+
+
+@pytest.mark.parametrize("method", ["dbb", "orepa-offline", "repvgg"])
+def test_plain_weights_load_into_blocks_that_absorbed_a_bn_without_affine(method):
+    """A BatchNorm2d(affine=False) absorbed by a block holding its own (affine) BNs: the plain
+    network's state loads (weight 1, bias 0: the same function) and the block computes the plain
+    network, in eval and in training."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8, affine=False)).double()
+    with torch.no_grad():
+        plain[1].running_mean.uniform_(-0.5, 0.5)
+        plain[1].running_var.uniform_(0.5, 2.0)
+    block = orepa.convert(copy.deepcopy(plain), method)
+    orepa.load_plain_state_dict(block, plain.state_dict())
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    for training in (False, True):
+        plain.train(training), block.train(training)
+        with torch.no_grad():
+            tol_close(block(x), plain(x))

@@ -466,8 +466,12 @@ def _affine_of(step: nn.Module) -> tuple[Tensor, Tensor | None]:
 def _load_norm(bn: nn.Module, state: Mapping[str, Tensor], shift: Tensor | None) -> None:
     """Give ``bn`` the state of the BN a block replaced; the bias ``shift`` of the conv before that
     BN moves into its running mean (batch statistics cancel it anyway)."""
+    state = dict(state)
+    if bn.affine and "weight" not in state and "bias" not in state and "running_mean" in state:
+        # a BN without affine (affine=False) replaced: its function is this one's at weight 1, bias 0
+        state.update(weight=torch.ones_like(state["running_mean"]), bias=torch.zeros_like(state["running_mean"]))
     try:
-        bn.load_state_dict(dict(state), strict=True)
+        bn.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise ValueError(f"the BN state does not fit {bn}: {exc}") from None
     if shift is not None and bn.running_mean is not None:
