@@ -641,6 +641,33 @@ def test_a_run_begun_on_a_gpu_resumes_on_this_device_with_its_precision(cache, t
     assert after["args"]["tf32_matmul"] is False and torch.backends.cuda.matmul.allow_tf32 is False
 
 
+def test_a_run_replaced_by_an_overwrite_killed_before_its_first_checkpoint_comes_back(cache, tmp_path, capsys):
+    """--overwrite moves the previous run aside until its own first checkpoint; killed outright before
+    it (the OOM killer: no cleanup runs), the previous run lay hidden in .replaced-run, where the next
+    run into the directory took it over and a later --overwrite deleted it. Now --resume names where
+    it is, and the next command into the directory puts it back (and so refuses to train over it)."""
+    out = tmp_path / "run"
+    assert _train(cache, out, "--epochs", "1", "--no-eval", "--max-steps", "2") == 0
+    ckpt = out / "checkpoint.pth"
+    before = _load(ckpt)["global_step"]
+    keep = out / train.REPLACED_DIR  # what a killed --overwrite leaves: the old run aside, its own progress
+    keep.mkdir()
+    for name in ckpt_mod.RUN_FILES:
+        if (out / name).exists():
+            os.replace(out / name, keep / name)
+    (out / "progress.json").write_text("{}")
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 2
+    assert f"the run --overwrite replaced there is in {keep}" in capsys.readouterr().err
+    assert _train(cache, out, "--epochs", "1", "--no-eval", "--max-steps", "2") == 2
+    captured = capsys.readouterr()
+    assert "is back: the run replacing it ended before its first checkpoint" in captured.out
+    assert "already holds a run" in captured.err
+    assert not keep.exists() and _load(ckpt)["global_step"] == before
+    assert main(["train", "--resume", str(ckpt), "--max-steps", "3", "--no-progress", "--quiet"]) == 0
+    assert _load(ckpt)["global_step"] == 3
+
+
 def test_a_resume_that_started_while_the_run_was_still_writing_refuses_to_train_over_it(cache, tmp_path, capsys,
                                                                                         monkeypatch):
     """--resume read the checkpoint before it took the directory's lock: where the run still wrote

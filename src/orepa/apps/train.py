@@ -521,6 +521,11 @@ class Trainer:
             raise UserError("--resume continues a run and --init-from starts a new one from a checkpoint's weights: "
                             "give one of them")
         if args.resume:
+            kept = Path(args.resume).parent / REPLACED_DIR / Path(args.resume).name
+            if not Path(args.resume).exists() and kept.is_file():
+                raise UserError(f"--resume {args.resume}: no such file; the run --overwrite replaced there is in "
+                                f"{kept.parent} (its replacement ended before its first checkpoint): any `orepa "
+                                f"train` into {kept.parent.parent} puts it back, or move its files back yourself")
             resumed_file = _file_identity(args.resume)
             self.resume_ckpt = load_checkpoint(args.resume)
         if self.resume_ckpt is not None and self.resume_ckpt.get("imported_from") and \
@@ -632,6 +637,8 @@ class Trainer:
             except OSError as exc:
                 raise UserError(f"--output-dir {self.out}: cannot make the directory ({exc.strerror or exc})") from None
             self.lock = lock_run_dir(self.out)  # before anything of this run is written there
+            if self._recover_replaced_run():  # the directory holds that run again: judged anew
+                previous = self._check_output_dir()
             if self.resume_ckpt is not None and _file_identity(args.resume) != resumed_file:
                 # read before the lock: a run still writing there (ending as this one started) has
                 # written a newer state since, which this run would train over again and replace
@@ -828,6 +835,24 @@ class Trainer:
         self.replaced = found
         self.log(f"note: --overwrite: the previous run's {', '.join(found)} moved to {keep}; removed when this "
                  "run writes its first checkpoint, put back if it ends before")
+
+    def _recover_replaced_run(self) -> bool:
+        """Under the directory's lock: a run that --overwrite moved aside (``REPLACED_DIR``) whose
+        replacement died before its first checkpoint (killed outright: no cleanup ran) is put back, so
+        that this command finds it as it was. Returns whether it did."""
+        keep = self.out / REPLACED_DIR
+        if not keep.is_dir() or (self.out / "checkpoint.pth").exists():
+            return False
+        for name in RUN_FILES:
+            (self.out / name).unlink(missing_ok=True)
+        shutil.rmtree(self.out / "tb", ignore_errors=True)
+        back = sorted(p.name for p in keep.iterdir())
+        for name in back:
+            os.replace(keep / name, self.out / name)
+        keep.rmdir()
+        self.log(f"note: {self.out}: the run --overwrite moved aside ({', '.join(back)}) is back: the run replacing "
+                 "it ended before its first checkpoint")
+        return True
 
     def _drop_replaced_run(self) -> None:
         if self.replaced:
