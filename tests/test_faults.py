@@ -1390,6 +1390,8 @@ def test_an_unreadable_image_met_while_training_names_the_checkpoint_and_keeps_t
     done = _load(ckpt)
     assert done["epoch"] == 2 and done["global_step"] == 8 and "val_acc1" in done["history"][0]
     first = done["history"][0]  # (it was ~0 s: the resumed command trained none of it)
+    # the rate its last step trained at, as an uninterrupted run logs it (not the next step's)
+    assert first["lr"] == kept["step_lr"] != kept["optimizer"]["param_groups"][0]["lr"]
     assert first["epoch_time_s"] >= seconds and first["time_per_batch_s"] == pytest.approx(first["epoch_time_s"] / 4)
     assert done["epoch_timed"] == [0.0, 0]
     # the cleanup's own failure: the run's error is the one said

@@ -918,6 +918,8 @@ class Trainer:
             else:
                 self.ema.module.load_state_dict(self.model.state_dict())
                 self.log(f"note: {args.resume} has no EMA weights; the EMA restarts from the resumed weights")
+        if isinstance(ckpt.get("step_lr"), float) and not self.overrides:  # (a new --lr rescaled the schedule)
+            self.step_lr = ckpt["step_lr"]
         self.state = Progress(int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0)), int(ckpt.get("global_step", 0)),
                               list(ckpt.get("history", [])),
                               list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])) if self.main else [0.0, 0.0, 0.0],
@@ -1003,6 +1005,7 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else {},
             "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
             "steps_per_epoch": self.iters_per_epoch,  # a resume with another process count must have as many
+            "step_lr": self.step_lr,  # the rate the last step trained at: an epoch ended on resume logs it
             "epoch_sums": sums.tolist(), "epoch_timed": self._epoch_timed() if s.step_in_epoch else [0.0, 0],
             "history": s.history, "rng": rngs[0], **({"rng_ranks": rngs} if self.info.distributed else {}),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
