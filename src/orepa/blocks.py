@@ -627,7 +627,10 @@ class Branch(nn.Sequential):
                     v = F.conv2d(v.view(1, -1, 1, 1), step.kernel(), None, 1, 0, 1, step.groups).view(-1)
                 continue
             scale, shift = _affine_of(step)
-            v = (0 if v is None else v * scale) + (0 if shift is None else shift)
+            if v is not None:
+                v = v * scale if shift is None else torch.addcmul(shift, v, scale)
+            else:  # a zero input: the shift alone
+                v = shift
         return torch.zeros(like.shape[1], dtype=like.dtype, device=like.device) if v is None else v.to(like.dtype)
 
 
