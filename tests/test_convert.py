@@ -292,6 +292,30 @@ def test_a_model_with_sync_batchnorms_deploys_to_its_own_layout(method):
         tol_close(deployed(x), y)
 
 
+@pytest.mark.parametrize("method", ["dbb", "repvgg", "orepa-vgg", "orepa-offline"])
+def test_a_block_that_absorbs_a_sync_batchnorm_normalises_with_sync_batchnorms(method):
+    """The BNs of a block that absorbed a SyncBatchNorm were plain BatchNorm2ds: under DDP its branches
+    normalised by each GPU's batch alone while the plain network's BN took the whole batch's. Now
+    they are SyncBatchNorms of the same process group (a block after a BatchNorm2d keeps BatchNorm2ds),
+    they train (no process group here: the local batch), and the block deploys back to that layout."""
+    plain = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.SyncBatchNorm(6), nn.ReLU(),
+                          nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)).double()
+    group = plain[1].process_group = object()  # (any group: SyncBatchNorm only keeps it until a forward syncs)
+    model = orepa.convert(plain, method, inplace=True)
+    norms = [[m for m in model[i].modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] for i in (0, 3)]
+    assert norms[0] and {type(m) for m in norms[0]} == {nn.SyncBatchNorm}
+    assert all(m.process_group is group for m in norms[0])
+    assert norms[1] and {type(m) for m in norms[1]} == {nn.BatchNorm2d}
+    for m in norms[0]:
+        m.process_group = None
+    x = torch.randn(2, 4, 8, 8, dtype=torch.double)
+    _move_bn_stats(model, x)
+    with torch.no_grad():
+        deployed = orepa.reparameterize(model)
+        assert [type(m) for m in deployed] == [nn.Conv2d, nn.SyncBatchNorm, nn.ReLU, nn.Conv2d, nn.BatchNorm2d]
+        tol_close(deployed(x), model(x), rel=1e-10)
+
+
 @pytest.mark.parametrize("method", ["orepa", "dbb"])
 def test_a_frozen_stage_stays_frozen(method):
     base = torchvision.models.resnet18(num_classes=10)
@@ -376,6 +400,51 @@ def test_pairing_by_running_the_model_needs_the_conv_output_to_feed_its_bn_alone
     model = _AlsoSummed().eval()
     with torch.no_grad():  # nothing folded, so the function is kept
         tol_close(orepa.fuse_conv_bn(model, example_input=x8)(x8), model(x8))
+
+
+class _ReadBesideBnInTraining(nn.Module):
+    """Untraceable; the training forward also reads the conv's output beside its BN, the eval one does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.bn2, self.drop = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.c(x)
+        if x.sum() > -1e9 and self.training:
+            z = self.bn(y) + 0.5 * y
+        else:
+            z = self.bn(y)
+        return self.bn2(self.c2(self.drop(z)))
+
+
+def test_pairing_by_running_the_model_checks_both_modes_and_leaves_the_model_as_it_was():
+    """The hook trace ran the model in eval mode only: a conv whose output the training forward also
+    reads was absorbed with its BN (training output 0.9 off). Now both modes run, as torch.fx's two
+    graphs are read, and only the pairs they agree on are taken; the training run leaves the BN
+    statistics, the random stream and every module's mode as they were. A model that does not run the
+    input in training mode (a BN given one value per channel) is paired by its eval run, with a warning."""
+    torch.manual_seed(0)
+    model = _ReadBesideBnInTraining()
+    model.bn2.eval()  # a module in another mode than its model's keeps it
+    x = torch.randn(2, 4, 8, 8)
+    state = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    with pytest.warns(UserWarning, match="c: its output goes to 'bn' alone in eval mode, but the training mode's"):
+        assert orepa.find_conv_bn_pairs(model, example_input=x)[0] == [("c2", "bn2")]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training and not model.bn2.training and model.bn.training
+    converted, report = orepa.convert(model, "dbb", example_input=x, return_report=True)
+    assert report.converted == ["c2"] and "training mode's forward reads it" in report.skipped["c"]
+    orepa.load_plain_state_dict(converted, model.state_dict())
+    model.drop.p = converted.drop.p = 0.0
+    with torch.no_grad():
+        tol_close(converted.train()(x), model.train()(x))
+    one = torch.randn(1, 4, 1, 1)  # training-mode BN: "expected more than 1 value per channel"
+    with pytest.warns(UserWarning, match=r"checked in eval mode only: the model did not run example_input in training"):
+        assert orepa.find_conv_bn_pairs(model, example_input=one)[0] == [("c", "bn"), ("c2", "bn2")]
 
 
 def _dbb_layer():
@@ -506,8 +575,9 @@ def test_folding_a_bn_whose_sequential_the_forward_reaches_into_warns():
     the BN where it is and does not warn."""
     model = ReachesIn().double().eval()
     _move_bn_stats(model, torch.randn(2, 4, 6, 6, dtype=torch.double))
-    message = ("torch.fx could not trace the model, so the BN after 'seq.0' was paired by nn.Sequential order, "
-               "trusting that forward to call each Sequential whole")
+    message = ("torch.fx could not trace the model, so the BN after 'seq.0' was paired by nn.Sequential order or by "
+               "tracing its submodule alone, trusting that forward, which reaches into the submodule, to call each "
+               "such submodule whole")
     with pytest.warns(UserWarning, match="fuse_conv_bn: " + message):
         orepa.fuse_conv_bn(model)
     with pytest.warns(UserWarning, match=r"convert\(method='dbb'\): " + message):
@@ -538,6 +608,89 @@ def test_a_helper_method_that_reaches_into_the_sequential_warns_too():
     _move_bn_stats(model, torch.randn(2, 4, 6, 6, dtype=torch.double))
     with pytest.warns(UserWarning, match="the BN after 'seq.0' was paired by nn.Sequential order"):
         orepa.fuse_conv_bn(model)
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class _CallsInnersConv(nn.Module):
+    """Untraceable; calls its traceable submodule's conv on its own and sums it with the BN's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x):
+        if x.sum() > -1e9:
+            y = self.inner.conv(x)
+            return self.inner.bn(y) + y
+        return self.inner(x)
+
+
+def _split_sum(seq, x):
+    y = seq[0](x)
+    return seq[1](y) + y
+
+
+class _PassesItsSequential(nn.Module):
+    """Untraceable; hands its Sequential to a module-level function, which reaches into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        return _split_sum(self.seq, x) if x.sum() > -1e9 else self.seq(x)
+
+
+class _AliasesItsSequential(_PassesItsSequential):
+    """The same through a local name, iterated."""
+
+    def forward(self, x):
+        seq = self.seq
+        if x.sum() > -1e9:
+            outs = [x]
+            for m in seq:
+                outs.append(m(outs[-1]))
+            return outs[1] + outs[2]
+        return seq(x)
+
+
+class _CallsItsSequentialWhole(_PassesItsSequential):
+    def forward(self, x):
+        if self.seq is not None and x.sum() > -1e9:
+            x = x + 1
+        return self.seq(x)
+
+
+@pytest.mark.parametrize("cls", [_CallsInnersConv, _PassesItsSequential, _AliasesItsSequential])
+def test_the_fallback_warns_where_the_untraced_forward_reaches_in_any_way(cls):
+    """The fallback took, without a word, the pairs of a traced submodule whose conv the untraced parent
+    calls itself (the reach-in check was for Sequentials only), and of a Sequential the forward passes to
+    a function or keeps under a local name (the source check saw only ``self.seq[..]``, ``self.seq.x``,
+    ``in self.seq``): folded 0.07 and absorbed 2.2 off. Any mention of the child other than a call of it
+    whole (or an ``is None`` test) now counts as reaching in: the warning names the pair."""
+    torch.manual_seed(0)
+    model = cls().double()
+    x = torch.randn(2, 4, 6, 6, dtype=torch.double)
+    _move_bn_stats(model, x)
+    conv = "inner.conv" if cls is _CallsInnersConv else "seq.0"
+    with pytest.warns(UserWarning, match=f"fuse_conv_bn: torch.fx could not trace the model, so the BN after "
+                                         f"'{conv}' was paired"):
+        orepa.fuse_conv_bn(model)
+    with pytest.warns(UserWarning, match=rf"convert\(method='dbb'\): torch.fx could not trace the model, so the BN "
+                                         f"after '{conv}' was paired"):
+        orepa.convert(model, "dbb")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        orepa.fuse_conv_bn(_CallsItsSequentialWhole())  # a plain call (and an is-None test) takes it as it is
+    assert _trusted_warnings(seen) == []
 
 
 def test_a_shared_bn_module_is_never_paired_by_the_fallback():
@@ -955,6 +1108,67 @@ def test_tied_convs_and_convs_read_beside_their_bn_in_one_mode_are_left_as_they_
         plain.load_state_dict(deployed.state_dict(), strict=True)
         with torch.no_grad():
             torch.testing.assert_close(plain.eval()(x), model(x), rtol=1e-9, atol=1e-9)
+
+
+def _zero_output(module, args, out):
+    return out * 0
+
+
+@pytest.mark.parametrize("hook", [
+    lambda bn: bn.register_forward_hook(_zero_output),
+    lambda bn: bn.register_forward_pre_hook(lambda module, args: (args[0] * 0,)),
+    lambda bn: bn.register_full_backward_hook(lambda module, grad_in, grad_out: None)])
+def test_a_bn_that_carries_hooks_is_neither_absorbed_nor_folded(hook):
+    """A hook on the BN (a caller's mask, a feature or gradient tap) was dropped without a word where a
+    block absorbed that BN (the output 3.4 instead of 0) or fuse_conv_bn replaced it by an Identity: the
+    pair is now left out, said why, as a conv's hooks are."""
+    net = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                        nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)).eval()
+    hook(net[1])
+    x = torch.randn(2, 4, 8, 8)
+    for method in ("dbb", "orepa"):
+        model, report = orepa.convert(net, method, return_report=True)
+        assert report.converted == ["3"] and "'1' carries" in report.skipped["0"], report.skipped
+        assert type(model[0]) is nn.Conv2d and type(model[1]) is nn.BatchNorm2d and _hook_count(model[1]) == 1
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"pairs left out: 0: '1' carries"):
+        fused = orepa.fuse_conv_bn(net)
+        assert type(fused[1]) is nn.BatchNorm2d and type(fused[4]) is nn.Identity
+        tol_close(fused(x), net(x))
+
+
+def _hook_count(m: nn.Module) -> int:
+    return len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+
+
+class _ReadsItsBnWeight(nn.Module):
+    """Scales the normalised map by the BN's own weight (as a network-slimming variant might)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c, self.bn = nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.c2, self.bn2 = nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)
+
+    def forward(self, x):
+        return self.bn2(self.c2(self.bn(self.c(x)) * self.bn.weight.view(1, -1, 1, 1)))
+
+
+def test_a_bn_whose_tensors_the_forward_reads_is_neither_absorbed_nor_folded():
+    """torch.fx records ``self.bn.weight`` as a read of the BN's tensor outside it; only the conv's
+    were checked, so a block absorbed that BN (its placeholder has no weight) and fuse_conv_bn put
+    an Identity in its place: the converted or fused model failed at its first forward. The pair is
+    now left out, said why."""
+    net = _ReadsItsBnWeight().eval()
+    with torch.no_grad():
+        net.bn.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 4, 8, 8)
+    model, report = orepa.convert(net, "dbb", return_report=True)
+    assert report.converted == ["c2"] and "reads the tensors of its BN 'bn' outside it" in report.skipped["c"]
+    with torch.no_grad():
+        model.eval()(x)
+        with pytest.warns(UserWarning, match="pairs left out: c: the forward also reads the tensors of its BN 'bn'"):
+            fused = orepa.fuse_conv_bn(net)
+        assert type(fused.bn) is nn.BatchNorm2d and type(fused.bn2) is nn.Identity
+        tol_close(fused(x), net(x))
 
 
 def test_what_convert_and_reparameterize_cannot_take_is_a_type_error():

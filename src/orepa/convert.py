@@ -39,6 +39,7 @@ from .blocks import (
     OREPAVGGBlock,
     ReparamConv2d,
     RepVGGBlock,
+    _materialise_fixed_kernels,
     check_block_options,
     check_conv_config,
     keep_layout,
@@ -171,13 +172,10 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
         raise ValueError(f"{type(conv).__name__} pads by TensorFlow's 'same' rule (unevenly where the stride needs "
                          "it), which leaves no common centre for branches on the feature map: online OREPA blocks "
                          "(method 'orepa') take it")
-    hooks = [what for what, held in (("forward pre-hooks", conv._forward_pre_hooks),
-                                     ("forward hooks", conv._forward_hooks),
-                                     ("state_dict hooks", conv._state_dict_hooks),
-                                     ("load_state_dict hooks", conv._load_state_dict_pre_hooks)) if held]
-    if hooks:  # weight_norm / spectral_norm (torch.nn.utils) compute the weight in a pre-hook
-        raise ValueError(f"it carries {', '.join(hooks)} (torch.nn.utils.weight_norm / spectral_norm, or a "
-                         "caller's), which a block would drop")
+    hooks = _hooks(conv)
+    if hooks:
+        raise ValueError(f"it carries {hooks} (torch.nn.utils.weight_norm / spectral_norm, or a caller's), which a "
+                         "block would drop")
     _check_conv_of(conv, method)
     block = METHODS[method](conv, **options)
     if type(conv) is not nn.Conv2d:
@@ -185,6 +183,23 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
     if not conv.weight.requires_grad:
         block.requires_grad_(False)
     return block.to(device=conv.weight.device, dtype=conv.weight.dtype).train(conv.training)
+
+
+#: the hooks a module may carry (attribute, what they are called), none of which a module replacing it has
+_HOOKS = (("_forward_pre_hooks", "forward pre-hooks"), ("_forward_hooks", "forward hooks"),
+          ("_backward_pre_hooks", "backward pre-hooks"), ("_backward_hooks", "backward hooks"),
+          ("_state_dict_pre_hooks", "state_dict pre-hooks"), ("_state_dict_hooks", "state_dict hooks"),
+          ("_load_state_dict_pre_hooks", "load_state_dict hooks"),
+          ("_load_state_dict_post_hooks", "load_state_dict post-hooks"))
+
+
+def _hooks(m: nn.Module) -> str:
+    """The hooks ``m`` carries, in words ("forward pre-hooks, forward hooks"; "" for none): a block or a
+    fold replacing it would drop them (weight_norm / spectral_norm of torch.nn.utils compute a conv's
+    weight in a pre-hook; a caller's hook on a BN may mask or record its output)."""
+    return ", ".join(what for attr, what in _HOOKS
+                     # (a block's own hook, blocks._materialise_fixed_kernels, is no caller's: it goes with it)
+                     if any(h is not _materialise_fixed_kernels for h in (getattr(m, attr, None) or {}).values()))
 
 
 # --------------------------------------------------------------------------- finding conv -> BN pairs
@@ -222,10 +237,13 @@ def _normalise_as(block: nn.Module, bn: nn.Module) -> None:
     """A block's own BNs take the ``eps`` and ``momentum`` of the BN it absorbs (a network may declare
     others than torch's defaults: torchvision's MobileNetV3 1e-3 / 0.01, timm's ``tf_*`` nets eps 1e-3):
     with the plain weights loaded the block then computes conv + BN exactly, in training mode too, and
-    its running statistics follow the network's own average."""
+    its running statistics follow the network's own average. They are SyncBatchNorms (of its process
+    group) where it is one: under DDP their statistics are then the whole batch's, as its were."""
     for m in block.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eps, m.momentum = bn.eps, bn.momentum
+    if isinstance(bn, nn.SyncBatchNorm):  # (the block is no BN itself: its children are swapped in place)
+        nn.SyncBatchNorm.convert_sync_batchnorm(block, bn.process_group)
 
 
 def _is_bn(m: nn.Module) -> bool:
@@ -261,8 +279,13 @@ def _graph_pairs(model: nn.Module, graph, left_out: dict[str, str] | None) -> tu
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
     # a conv whose weight or bias the forward also reads itself (a tied decoder's F.conv_transpose2d
-    # of encoder.weight): a block holds no such tensor
-    read = {node.target.rpartition(".")[0] for node in graph.nodes if node.op == "get_attr"}
+    # of encoder.weight): a block holds no such tensor; a BN whose affine or statistics it reads (a
+    # sparsity term of bn.weight): the placeholder or Identity standing for it holds none either
+    read = {node.target for node in graph.nodes if node.op == "get_attr"}
+
+    def read_outside(name: str) -> bool:
+        return any(t.startswith(name + ".") for t in read)
+
     pairs = []
     for node in graph.nodes:
         if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
@@ -272,30 +295,47 @@ def _graph_pairs(model: nn.Module, graph, left_out: dict[str, str] | None) -> tu
             continue
         conv, bn = modules[src.target], modules[node.target]
         if _is_conv(conv) and _foldable_bn(bn, conv) and calls[src.target] == 1 and calls[node.target] == 1:
-            if src.target not in read:
+            if read_outside(src.target):
+                why = "its weight or bias is also read outside it (a tied weight), which a block does not hold"
+            elif read_outside(node.target):
+                why = (f"the forward also reads the tensors of its BN {node.target!r} outside it (its weight, bias "
+                       "or statistics), which folding or absorbing that BN would remove")
+            else:
                 pairs.append((src.target, node.target))
-            elif left_out is not None:
-                left_out[src.target] = "its weight or bias is also read outside it (a tied weight), which a block " \
-                                       "does not hold"
+                continue
+            if left_out is not None:
+                left_out[src.target] = why
     return pairs, set(calls)
 
 
 def _pairs_fx(model: nn.Module, left_out: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """The conv -> BN pairs of ``model``'s traced graphs; ``left_out`` takes ``{conv: why}`` for the
-    convs that a BN follows but whose tensors the forward also reads.
+    convs that a BN follows but whose (or whose BN's) tensors the forward also reads.
 
-    Both modes' graphs: a branch that runs in training only (an aux head) is paired by the training
-    graph, and a pair holds only where the graph of the other mode, if it calls the conv at all,
-    pairs it too (a forward that also reads the conv's output in eval mode only would compute
-    another function once the BN is absorbed). An eval graph torch.fx cannot trace leaves the
-    training graph's pairs."""
+    Both modes' graphs, agreed as :func:`_agreed_pairs` does. An eval graph torch.fx cannot trace
+    leaves the training graph's pairs."""
     with _in_mode(model, True):
-        train_pairs, train_calls = _graph_pairs(model, _LeafTracer().trace(model), left_out)
+        found = {True: _graph_pairs(model, _LeafTracer().trace(model), left_out)}
     try:
         with _in_mode(model, False):
-            eval_pairs, eval_calls = _graph_pairs(model, _LeafTracer().trace(model), left_out)
+            found[False] = _graph_pairs(model, _LeafTracer().trace(model), left_out)
     except Exception:  # noqa: BLE001 - control flow fx cannot follow in eval mode only
-        return train_pairs
+        pass
+    return _agreed_pairs(found, left_out)
+
+
+def _agreed_pairs(found: dict[bool, tuple[list[tuple[str, str]], Iterable[str]]],
+                  left_out: dict[str, str] | None) -> list[tuple[str, str]]:
+    """The pairs both modes agree on, from ``{training: (its pairs, the modules its forward calls)}``.
+
+    A branch that runs in training only (an aux head) is paired by the training mode, and a pair
+    holds only where the other mode, if it calls the conv at all, pairs it too (a forward that also
+    reads the conv's output in eval mode only would compute another function once the BN is
+    absorbed); ``left_out`` takes the reason for those. One mode alone (the other could not be traced
+    or run) gives its pairs."""
+    if len(found) == 1:
+        return next(iter(found.values()))[0]
+    (train_pairs, train_calls), (eval_pairs, eval_calls) = found[True], found[False]
     pairs = [p for p in train_pairs if p in eval_pairs or p[0] not in eval_calls]
     pairs += [p for p in eval_pairs if p not in train_pairs and p[0] not in train_calls]
     if left_out is not None:
@@ -326,10 +366,46 @@ class _UseCounter(torch.overrides.TorchFunctionMode):
         return out
 
 
-def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
-    """Run the model once; a BN whose input IS a conv's output tensor, and that tensor's only
-    use, pairs with that conv. The conv outputs are held until the run ends: a freed output's
-    ``id`` can come back as another tensor's (the BN's input after a ReLU, say)."""
+def _pairs_hooks(model: nn.Module, example_input, left_out: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    """The conv -> BN pairs of running ``example_input`` through the model in each mode
+    (:func:`_pairs_run`), agreed as :func:`_agreed_pairs` does. They hold for the path that input
+    takes: a forward whose control flow depends on the data may take another for other inputs.
+
+    The training-mode run leaves the model's buffers (its BNs' running statistics) and the random
+    streams as they were. A model that does not take the input in training mode (a detector wants
+    targets then, a BN a batch of more than one value per channel) is paired by its eval run, with a
+    warning."""
+    found = {False: _pairs_run(model, example_input, training=False)}
+    try:
+        with _untouched(model):
+            found[True] = _pairs_run(model, example_input, training=True)
+    except Exception as exc:  # noqa: BLE001 - any error of the model's own forward
+        warnings.warn(f"conv -> BN pairs checked in eval mode only: the model did not run example_input in training "
+                      f"mode ({type(exc).__name__}: {str(exc)[:100]}), so a forward that also reads a conv's output "
+                      "beside its BN in training only would be changed", stacklevel=2)
+    return _agreed_pairs(found, left_out)
+
+
+@contextlib.contextmanager
+def _untouched(model: nn.Module):
+    """The model's buffers (a BN's running statistics and batch count) and the random streams (of the
+    CPU and the model's GPUs: its dropout) back as they were after a while."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    gpus = sorted({t.device.index for t in [*model.parameters(), *model.buffers()] if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=gpus):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, value in saved:
+                    b.copy_(value)
+
+
+def _pairs_run(model: nn.Module, example_input, training: bool) -> tuple[list[tuple[str, str]], dict[str, int]]:
+    """Run the model once in ``training`` mode; a BN whose input IS a conv's output tensor, and that
+    tensor's only use, pairs with that conv. The conv outputs are held until the run ends: a freed
+    output's ``id`` can come back as another tensor's (the BN's input after a ReLU, say). Returns the
+    pairs and the modules called."""
     outputs: dict[int, torch.Tensor] = {}  # id -> a conv's output
     conv_of: dict[int, str] = {}  # id -> the conv's name
     bn_input: dict[str, torch.Tensor] = {}  # BN name -> the conv output it read
@@ -350,7 +426,7 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
             handles.append(m.register_forward_hook(hook(name)))
     counter = _UseCounter(outputs)
     try:
-        with _in_mode(model, False), torch.no_grad(), counter:
+        with _in_mode(model, training), torch.no_grad(), counter:
             result = model(*example_input) if isinstance(example_input, tuple) else model(example_input)
     finally:
         for h in handles:
@@ -360,7 +436,8 @@ def _pairs_hooks(model: nn.Module, example_input) -> list[tuple[str, str]]:
             counter.uses[id(t)] = counter.uses.get(id(t), 0) + 1
     modules = dict(model.named_modules())
     pairs = [(conv_of[id(t)], b) for b, t in bn_input.items() if counter.uses.get(id(t)) == 1]
-    return [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
+    pairs = [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
+    return pairs, calls
 
 
 def _frozen_bn(m: nn.Module) -> bool:
@@ -414,54 +491,60 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
     own (``self.seq[0](x)``) needs ``example_input``. A conv or BN registered at
     several places (a BN shared by two convs) is never paired. Returns the pairs,
     for the conv -> BN pairs a registration-order guess would have made but that are not
-    provable, ``{conv_name: why it was left out}``, and for the pairs taken on trust (a
-    Sequential's inside a module torch.fx could not trace, whose forward reaches into that
-    Sequential: :func:`_reaches_into`) ``{conv_name: that module's name}``.
+    provable, or that a traced submodule leaves out, ``{conv_name: why it was left out}``, and for
+    the pairs taken on trust (a Sequential's or a traced submodule's, inside a module torch.fx could
+    not trace whose forward, or an untraced one's around it, reaches into that submodule:
+    :func:`_reaches_into`) ``{conv_name: that module's name}``.
     """
     slots = _slots(model)
     pairs: list[tuple[str, str]] = []
+    left_out: dict[str, str] = {}
     untraced: dict[str, str] = {}  # module name -> why torch.fx could not trace it
     seen: set[int] = set()
-    trusted: dict[str, str] = {}  # conv name -> the untraced module trusted to call its Sequential whole
+    trusted: dict[str, str] = {}  # conv name -> the untraced module trusted to call its submodule whole
 
-    def visit(module: nn.Module, prefix: str, caller: str | None, attr: str | None) -> None:
-        # caller: the untraced module whose forward calls this one (None: called whole, as the model is),
-        # attr: the name of its child that holds this one
+    def visit(module: nn.Module, prefix: str, callers: tuple[tuple[str, str], ...]) -> None:
+        # callers: for each untraced module around this one, innermost last, (its name, the name of its
+        # child that holds this one): each forward may reach into that child
         if id(module) in seen or isinstance(module, (ReparamConv2d, AbsorbedNorm)) or not any(module.children()):
             return  # visited, a block (its steps are not the model's convs) or a leaf
         seen.add(id(module))
-        untraced_here = False
-        if isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward:
+        sequential = isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+        if sequential:
             children = list(module.named_children())
             found = [(prefix + cn, prefix + bn_name) for (cn, c), (bn_name, bn) in zip(children, children[1:])
                      if _is_conv(c) and _foldable_bn(bn, c)]
-            pairs.extend(found)
-            # (the caller's source read once per Sequential, not once per pair)
-            if found and caller is not None and _reaches_into(model.get_submodule(caller), attr):
-                trusted.update((conv, caller) for conv, _ in found)
         else:
+            inner: dict[str, str] = {}
             try:
-                found = _pairs_fx(module)
+                found = [(prefix + c, prefix + b) for c, b in _pairs_fx(module, inner)]
             except Exception as exc:  # untraceable: look inside
-                caller, untraced_here = prefix.rstrip("."), True
-                untraced[caller] = f"{type(exc).__name__}: {str(exc)[:100]}".split("\n")[0]
-            else:
-                pairs.extend((prefix + c, prefix + b) for c, b in found)
+                name = prefix.rstrip(".")
+                untraced[name] = f"{type(exc).__name__}: {str(exc)[:100]}".split("\n")[0]
+                for child_name, child in module.named_children():
+                    visit(child, f"{prefix}{child_name}.", (*callers, (name, child_name)))
                 return
-        for name, child in module.named_children():
-            visit(child, f"{prefix}{name}.", caller, name if untraced_here else attr)
+            left_out.update((prefix + c, why) for c, why in inner.items())
+        pairs.extend(found)
+        # (each caller's source read once per submodule, not once per pair)
+        reacher = next((c for c, attr in callers if _reaches_into(model.get_submodule(c), attr)), None) \
+            if found else None
+        if reacher is not None:
+            trusted.update((conv, reacher) for conv, _ in found)
+        if sequential:  # (a traced submodule's pairs are all found: nothing inside it to visit)
+            for child_name, child in module.named_children():
+                visit(child, f"{prefix}{child_name}.", callers)
 
-    visit(model, "", None, None)
+    visit(model, "", ())
     pairs = [(c, b) for c, b in pairs if slots[id(model.get_submodule(c))] == slots[id(model.get_submodule(b))] == 1]
     paired = {c for c, _ in pairs}
-    left_out: dict[str, str] = {}
     for parent_name, parent in model.named_modules():
         if isinstance(parent, (ReparamConv2d, AbsorbedNorm)) or _inside_block(parent_name, model):
             continue
         children = list(parent.named_children())
         prefix = f"{parent_name}." if parent_name else ""
         for (cn, c), (bn_name, bn) in zip(children, children[1:]):
-            if prefix + cn in paired or not (_is_conv(c) and _foldable_bn(bn, c)):
+            if prefix + cn in paired or prefix + cn in left_out or not (_is_conv(c) and _foldable_bn(bn, c)):
                 continue
             conv_name, bn_name = prefix + cn, prefix + bn_name
             if slots[id(c)] > 1 or slots[id(bn)] > 1:
@@ -479,13 +562,21 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
 
 
 def _reaches_into(module: nn.Module, attr: str) -> bool:
-    """Whether ``module``'s forward, as its source reads, reaches into its child ``attr`` instead of
-    calling it whole: indexes it (``self.seq[1]``), takes a child of it (``self.seq.conv``), iterates
-    over it or fetches it by name; True where the source cannot be read. The methods of its class that
-    forward calls (``self._head(x)``), and those they call, are read too. (A forward that calls the
-    Sequential whole, as torchvision's detectors call their heads, leaves its pairs as it builds them.)"""
+    """Whether ``module``'s forward, as its source reads, may reach into its child ``attr`` instead of
+    calling it whole: it names the child otherwise than to call it (``self.seq(x)``) or to test it
+    (``self.seq is not None``): indexes it (``self.seq[1]``), takes a child of it (``self.seq.conv``),
+    iterates over it, passes it to a function (``helper(self.seq, x)``), keeps it under another name
+    (``seq = self.seq``), fetches it by name (``getattr``), or goes through the module tree
+    (``self.children()``, ``self.modules()``, ``self._modules``, ``get_submodule``; a Sequential
+    subclass's ``self[0]``, ``for m in self:``). True where the
+    source cannot be read. The methods of its class that forward calls (``self._head(x)``), and those
+    they call, are read too. (A forward that calls the Sequential whole, as torchvision's detectors
+    call their heads, leaves its pairs as it builds them.)"""
     a = re.escape(attr)
-    reach = re.compile(rf"\.{a}\s*(\[|\.\w)|\bin\s+[\w.]*\.{a}\b|getattr\([^)]*['\"]{a}['\"]")
+    # (not after a digit: a child "0" is no float's "1.0")
+    reach = re.compile(rf"(?<!\d)\.{a}\b(?!\s*\(|\s+is\s+(not\s+)?None\b)|getattr\([^)]*['\"]{a}['\"]"
+                       r"|\.(named_)?(children|modules)\s*\(|\._modules\b|\bget_submodule\s*\("
+                       r"|\bself\s*\[|\bin\s+self\s*:")
     cls, todo, seen = type(module), ["forward"], set()
     while todo:
         name = todo.pop()
@@ -506,11 +597,12 @@ def _reaches_into(module: nn.Module, attr: str) -> bool:
     return False
 
 
-def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
+def _replace_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
     """Why the modules ``names`` (a conv and its BN, or a lone conv) cannot be replaced: one is
     registered at several places (:func:`_slots`), or holds a parameter another module holds too
     (a tied weight: ``c2.weight = c1.weight``); swapping it under one name would leave the other
-    name, or the other module, holding the old tensors. None where they can."""
+    name, or the other module, holding the old tensors. Or one carries hooks (:func:`_hooks`), which
+    its replacement would drop. None where they can."""
     shared = [n for n in names if n is not None and slots[id(model.get_submodule(n))] > 1]
     if shared:
         return (f"{shared[0]!r} is registered at several places (another attribute holds the same module), so "
@@ -518,6 +610,10 @@ def _split_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
     for n in names:
         if n is None:
             continue
+        hooks = _hooks(model.get_submodule(n))
+        if hooks:
+            return (f"{n!r} carries {hooks} (a caller's, or torch.nn.utils.weight_norm / spectral_norm's), which "
+                    "the block or fold replacing it would drop")
         for pname, p in model.get_submodule(n)._parameters.items():
             if p is not None and slots.get(id(p), 1) > 1:
                 return (f"{n}.{pname} is tied (another module holds the same Parameter), which a block would "
@@ -529,13 +625,14 @@ def _find_pairs(model: nn.Module, example_input=None) \
         -> tuple[list[tuple[str, str]], str, dict[str, str], dict[str, str]]:
     """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out and
     ``{conv_name: module}`` for the pairs taken on trust of an untraced module (:func:`_pairs_structural`).
-    Whatever the route, a pair with a module registered at several places is left out
-    (:func:`_split_reason`): neither ``convert`` nor ``fuse_conv_bn`` could replace it whole."""
+    Whatever the route, a pair with a module registered at several places, holding a tied parameter or
+    carrying hooks is left out (:func:`_replace_reason`): neither ``convert`` nor ``fuse_conv_bn`` could
+    replace it whole."""
     pairs, how, left_out, trusted = _pairs_any_route(model, example_input)
     slots = _slots(model)
     kept = []
     for conv_name, bn_name in pairs:
-        why = _split_reason(model, slots, (conv_name, bn_name))
+        why = _replace_reason(model, slots, (conv_name, bn_name))
         if why is None:
             kept.append((conv_name, bn_name))
         else:
@@ -552,7 +649,7 @@ def _pairs_any_route(model: nn.Module, example_input=None) \
     except Exception as exc:  # untraceable control flow etc.
         reason = f"{type(exc).__name__}"
     if example_input is not None:
-        return _pairs_hooks(model, example_input), f"forward hooks (fx failed: {reason})", {}, {}
+        return _pairs_hooks(model, example_input, left_out), f"forward hooks (fx failed: {reason})", left_out, {}
     pairs, left_out, trusted = _pairs_structural(model)
     return pairs, (f"traceable submodules and nn.Sequential order (fx failed on the model: {reason}; "
                    "pass example_input to pair the rest by running the model)"), left_out, trusted
@@ -560,14 +657,16 @@ def _pairs_any_route(model: nn.Module, example_input=None) \
 
 def _warn_trusted(caller: str, trusted: dict[str, str], stacklevel: int = 3) -> None:
     """Where a BN is folded or absorbed on a pairing only trusted (:func:`_pairs_structural`): a
-    forward that calls one child of such a Sequential alone, or reorders them, would be changed."""
+    forward that calls one child of such a Sequential or traced submodule alone, or reorders them,
+    would be changed."""
     if trusted:
         convs = sorted(trusted)
         where = ", ".join(sorted({repr(m) if m else "the model" for m in trusted.values()}))
         warnings.warn(f"{caller}: torch.fx could not trace {where}, so the BN after {', '.join(map(repr, convs[:3]))}"
                       f"{f' and {len(convs) - 3} more convs' if len(convs) > 3 else ''} was paired by nn.Sequential "
-                      "order, trusting that forward to call each Sequential whole (one calling a child alone or "
-                      "reordering them would be changed); pass example_input to pair by running the model",
+                      "order or by tracing its submodule alone, trusting that forward, which reaches into the "
+                      "submodule, to call each such submodule whole (one calling a child alone or reordering them "
+                      "would be changed); pass example_input to pair by running the model",
                       stacklevel=stacklevel)
 
 
@@ -575,12 +674,15 @@ def find_conv_bn_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple
     """``[(conv_name, bn_name)]`` where the BN directly and only consumes the conv's output.
 
     Tries torch.fx; if the model cannot be traced, runs ``example_input`` through
-    it with hooks; without an example input, pairs only what is adjacent by construction:
+    it with hooks, in training and in eval mode (the pairs both agree on, the model left as it
+    was; they hold for the path that input takes, where the forward's control flow depends on
+    the data); without an example input, pairs only what is adjacent by construction:
     consecutive children of an ``nn.Sequential`` and the pairs in every submodule
     torch.fx can trace on its own (a conv and BN registered one after the other
     in an untraceable module are left out, with a warning). That fallback trusts the
     untraceable parent to call those submodules whole: one that also calls a Sequential's
-    child on its own needs ``example_input``. Returns the pairs and
+    child on its own needs ``example_input`` (where its source shows it reaching into the
+    submodule, folding or absorbing such a pair warns). Returns the pairs and
     the method used.
     """
     pairs, how, left_out, _ = _find_pairs(model, example_input)
@@ -619,7 +721,8 @@ def convert(
     Args:
         method: ``"orepa"``, ``"orepa-offline"``, ``"dbb"``, ``"repvgg"`` or ``"orepa-vgg"``.
         inplace: modify ``model`` itself instead of a deep copy.
-        example_input: used to pair convs with BNs when torch.fx cannot trace the model.
+        example_input: used to pair convs with BNs when torch.fx cannot trace the model (run in
+            both modes: the pairs hold for the path it takes, see :func:`find_conv_bn_pairs`).
         exclude: ``exclude(name, conv) -> True`` keeps that conv plain.
         return_report: also return a :class:`ConversionReport`.
         without_bn: ``"orepa"`` only: also convert the convs that no BatchNorm2d follows (those
@@ -637,10 +740,11 @@ def convert(
     block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
     and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d; timm's
     ``Conv2dSame`` is the exception, an online OREPA block with ``tf_same=True``),
-    convs that carry hooks (``torch.nn.utils.weight_norm`` / ``spectral_norm``: a block would drop
-    them), convs and BNs registered at several places (replacing one name would split the module)
-    or holding a Parameter another module holds too (a tied weight), convs whose output the
-    forward of one mode (training or eval) reads beside their BN,
+    convs and BNs that carry hooks (``torch.nn.utils.weight_norm`` / ``spectral_norm``, a caller's:
+    a block or fold would drop them), convs and BNs registered at several places (replacing one
+    name would split the module) or holding a Parameter another module holds too (a tied weight),
+    convs whose output the forward of one mode (training or eval) reads beside their BN, pairs
+    whose BN's tensors the forward reads itself (``bn.weight``),
     and convs followed by a BatchNorm2d subclass, which may do more than normalise
     (timm's BatchNormAct2d / SyncBatchNormAct are the exception: blocks that keep
     the BN after them, such as OREPA's, take them); the report says why for each.
@@ -703,7 +807,7 @@ def convert(
         if exclude is not None and exclude(conv_name, conv):
             report.skipped[conv_name] = "excluded by the caller"
             continue
-        why = _split_reason(model, slots, (conv_name,)) if bn_name is None else None  # pairs: _find_pairs checked
+        why = _replace_reason(model, slots, (conv_name,)) if bn_name is None else None  # pairs: _find_pairs checked
         if why is not None:
             report.skipped[conv_name] = why
             continue
