@@ -557,3 +557,31 @@ def test_plain_weights_load_into_blocks_that_absorbed_a_bn_without_affine(method
         plain.train(training), block.train(training)
         with torch.no_grad():
             tol_close(block(x), plain(x))
+
+
+def test_dbb_on_a_depthwise_conv_has_dbbs_own_branches():
+    """DBB on a depthwise conv (groups >= out_channels): no 1x1 branch, the average pool of the input
+    itself (then its BN), and a 1x1 -> kxk whose 1x1 is widened to 2 C_in and is a plain random conv
+    (DBB's identity-based layer is square only): DBB's 624 parameters for a 16-channel 3x3 depthwise
+    conv (its four general branches made 720). A channel multiplier keeps the general structure."""
+    torch.manual_seed(0)
+    dw = DBBConv2d(16, 16, 3, 1, 1, groups=16)
+    assert list(dw.branches) == ["kxk", "avg", "1x1_kxk"]
+    assert [type(s).__name__ for s in dw.branches["avg"]] == ["FixedKernelStep", "BatchNorm2d"]
+    first = dw.branches["1x1_kxk"].conv1
+    assert (first.out_channels, first.init, first.decays_to_init) == (32, "kaiming", False)
+    assert sum(p.numel() for p in dw.parameters()) == 624
+    assert list(DBBConv2d(16, 32, 3, 1, 1, groups=16).branches) == ["kxk", "1x1", "1x1_avg", "1x1_kxk"]
+    assert sum(p.numel() for p in DBBConv2d(16, 32, 3, 1, 1, groups=16).parameters()) == 1008
+    assert DBBConv2d(16, 16, 3, 1, 1).branches["1x1_kxk"].conv1.decays_to_init  # square: identity-based
+    dw = dw.double()
+    with torch.no_grad():
+        for m in dw.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5), m.running_var.uniform_(0.5, 2.0), m.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 16, 7, 7, dtype=torch.float64)
+    dw.train()(x).square().sum().backward()  # trains
+    with torch.no_grad():
+        tol_close(orepa.reparameterize(dw.eval())(x), dw(x))
+    with pytest.raises(ValueError, match="the avg branch pools each input channel"):
+        orepa.blocks.build_branches(["avg"], 8, 16, 3, 1)

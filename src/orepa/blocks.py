@@ -1020,6 +1020,13 @@ def _dw_pw(cin, cout, k, groups, c: StepConfig) -> dict:
             "pw": c.conv(cin * c.dw_expand, cout, 1, groups)}
 
 
+def _avg(cin, cout, k, groups, c: StepConfig) -> dict:
+    if not cin == cout == groups:
+        raise ValueError(f"the avg branch pools each input channel: it needs a depthwise conv (in_channels == "
+                         f"out_channels == groups), got {cin} -> {cout}, groups {groups}")
+    return {"pool": FixedKernelStep("avg", cout, k)}
+
+
 def _identity(cin, cout, k, groups, c: StepConfig) -> dict:
     if cin != cout:
         raise ValueError(f"identity branch needs in_channels == out_channels, got {cin} != {cout}")
@@ -1038,6 +1045,7 @@ for _branch in (
     BranchType("1x1_kxk", _1x1_kxk, 0.5, help="identity-initialised 1x1 conv -> kxk conv"),
     BranchType("dw_pw", _dw_pw, 0.5, switch="dw_sep", help="linear depthwise-separable: depthwise kxk (x8) -> 1x1"),
     BranchType("1x1_1x1", _1x1_1x1, 0.5, help="Rep-1x1's 1x1 -> 1x1"),
+    BranchType("avg", _avg, 0.5, help="kxk average pool of the input (a depthwise conv's: DBB's)"),
     BranchType("identity", _identity, 1.0, help="the identity (RepVGG)"),
 ):
     register_branch(_branch)
@@ -1210,7 +1218,8 @@ def _resolve_init(init: str | float, k: tuple[int, int]) -> tuple[float, bool]:
 
 
 class DBBConv2d(ReparamConv2d):
-    """Diverse Branch Block (offline): kxk, 1x1, 1x1->avg, 1x1->kxk, a BN after every conv.
+    """Diverse Branch Block (offline): kxk, 1x1, 1x1->avg, 1x1->kxk, a BN after every conv (on a
+    depthwise conv, as DBB: kxk, avg pool, 1x1->kxk with its 1x1 widened to 2 C_in, a plain conv).
 
     Contains its BNs, so it replaces a Conv2d *and* the BatchNorm2d after it.
     """
@@ -1220,8 +1229,15 @@ class DBBConv2d(ReparamConv2d):
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
         if k == (1, 1):
             raise ValueError("DBB needs kernel_size >= 3 (its branches degenerate for 1x1 convs)")
-        built = build_branches(("kxk", "1x1", "1x1_avg", "1x1_kxk"), in_channels, out_channels, k, groups,
-                               norm=True, inner_norm=True, internal_channels=internal_channels)
+        # DBB's own structure on a depthwise conv: no 1x1 branch, and the average pool of the input
+        # itself (a 1x1 conv before it would be a per-channel scale)
+        depthwise = groups >= out_channels and in_channels == out_channels
+        built = build_branches(("kxk", "avg", "1x1_kxk") if depthwise else ("kxk", "1x1", "1x1_avg", "1x1_kxk"),
+                               in_channels, out_channels, k, groups, norm=True, inner_norm=True,
+                               internal_channels=internal_channels)
+        first = built["1x1_kxk"].conv1
+        if first.out_channels != first.in_channels:  # DBB's identity-based layer is square; a wider one is a plain conv
+            built["1x1_kxk"].conv1 = ConvStep(first.in_channels, first.out_channels, 1, first.groups)
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          branches=built, mode="offline")
 
