@@ -591,14 +591,14 @@ class Branch(nn.Sequential):
             x, stride = x[:, :, ::stride, ::stride], 1
         p = (self._extent[0] // 2 * dilation, self._extent[1] // 2 * dilation)
         h = x
-        first = 0
-        if self._pad_after is not None and p != (0, 0):
-            steps = list(self._modules.values())[:self._pad_after]
+        first, pad_after = 0, getattr(self, "_pad_after", None)  # (a branch pickled before it had one: None)
+        if pad_after is not None and p != (0, 0):
+            steps = list(self._modules.values())[:pad_after]
             for step, is_kernel in zip(steps, self._kinds):
                 h = step.run(h, 1, dilation) if is_kernel else step(h)
             v = self._zero_response(steps, h).view(1, -1, 1, 1)
             h = F.pad(h - v, (p[1], p[1], p[0], p[0])) + v  # the border holds v (not differentiated: DBB's)
-            first = self._pad_after
+            first = pad_after
         elif self._pad_step is None and p != (0, 0):
             if padded is not None and p in padded:
                 h = padded[p]
