@@ -108,6 +108,20 @@ def test_plain_repvgg_of_the_training_scripts_base_type_imports_as_base():
     assert (model.orepa_config["name"], model.orepa_config["method"]) == ("repvgg_a0", "base")
 
 
+@pytest.mark.parametrize("arch", ["resnet", "repvgg"])
+def test_a_deployed_plain_reference_checkpoint_is_named_as_such(arch):
+    """The reference's conversion of a -t base model leaves each ConvBN a conv with a bias and no BN:
+    refused with the deployed-checkpoint hint, not only as lacking a BN's weight."""
+    sd = (make_resnet("base", [2, 2, 2, 2], [4, 8, 16, 32], seed=13) if arch == "resnet"
+          else make_repvgg([2, 4, 14, 1], [6, 12, 24, 48], 6, kind="base", seed=18))
+    for k in [k for k in sd if ".bn." in k]:
+        del sd[k]
+    for k in [k for k in sd if k.endswith(".conv.weight")]:
+        sd[k[:-len("weight")] + "bias"] = torch.zeros(sd[k].shape[0])
+    with pytest.raises(ValueError, match=r"a deployed \(converted\) checkpoint of the reference code"):
+        orepa.import_reference(sd)
+
+
 def test_orepa_vgg_reads_only_the_scaling_rows_the_reference_reads():
     """OREPA-VGG's 6th scaling row (in == out, stride 1) is an uninitialised torch.Tensor that the
     reference's weight_gen never reads: nan or inf there leaves its model working, and the import."""
