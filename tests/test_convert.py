@@ -1323,3 +1323,36 @@ def test_a_channels_last_model_deploys_to_channels_last_convs(fuse_bn, pack):
     assert len(kernels) == 17 and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
                                       for w in kernels)
     tol_close(deployed(x.to(memory_format=torch.channels_last)), y, rel=1e-5)
+
+
+class _LayerList(nn.Module):
+    """YOLO-style: an untraceable forward iterates its layers and calls each whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                                                   nn.SiLU()),
+                                     nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))])
+
+    def forward(self, x):
+        for m in self.layers:
+            x = m(x)
+            if x.mean() > 1e9:  # data-dependent: torch.fx cannot trace the model
+                break
+        return x
+
+
+def test_a_forward_that_iterates_its_layers_and_calls_each_whole_is_not_warned_about():
+    """Iterating a ModuleList and calling its elements whole (torchvision's SSD heads, YOLO-style
+    nets) reaches into the list, not into the elements that hold the pairs: no warning, folded exactly."""
+    torch.manual_seed(0)
+    net = _LayerList().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fused = orepa.fuse_conv_bn(net)
+        converted, report = orepa.convert(net, "dbb", return_report=True)
+    assert len(report.converted) == 2
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        tol_close(fused(x), net(x))
+        tol_close(orepa.reparameterize(converted.eval())(x), converted(x))

@@ -492,8 +492,8 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
     several places (a BN shared by two convs) is never paired. Returns the pairs,
     for the conv -> BN pairs a registration-order guess would have made but that are not
     provable, or that a traced submodule leaves out, ``{conv_name: why it was left out}``, and for
-    the pairs taken on trust (a Sequential's or a traced submodule's, inside a module torch.fx could
-    not trace whose forward, or an untraced one's around it, reaches into that submodule:
+    the pairs taken on trust (a Sequential's or a traced submodule's that is the child of a module
+    torch.fx could not trace whose forward reaches into it:
     :func:`_reaches_into`) ``{conv_name: that module's name}``.
     """
     slots = _slots(model)
@@ -526,9 +526,12 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
                 return
             left_out.update((prefix + c, why) for c, why in inner.items())
         pairs.extend(found)
-        # (each caller's source read once per submodule, not once per pair)
-        reacher = next((c for c, attr in callers if _reaches_into(model.get_submodule(c), attr)), None) \
-            if found else None
+        # the untraced module whose child this is (its source read once per submodule, not once per pair);
+        # a container further up that it iterates and whose elements it calls whole (a head's ModuleList,
+        # a YOLO-style layer list) calls this one whole too: reaching two levels down is not looked for
+        parent, attr = callers[-1] if callers else (None, None)
+        direct = parent is not None and prefix == (f"{parent}." if parent else "") + f"{attr}."
+        reacher = parent if found and direct and _reaches_into(model.get_submodule(parent), attr) else None
         if reacher is not None:
             trusted.update((conv, reacher) for conv, _ in found)
         if sequential:  # (a traced submodule's pairs are all found: nothing inside it to visit)

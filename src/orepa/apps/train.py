@@ -918,7 +918,7 @@ class Trainer:
             else:
                 self.ema.module.load_state_dict(self.model.state_dict())
                 self.log(f"note: {args.resume} has no EMA weights; the EMA restarts from the resumed weights")
-        if isinstance(ckpt.get("step_lr"), float) and not self.overrides:  # (a new --lr rescaled the schedule)
+        if isinstance(ckpt.get("step_lr"), float):  # what the last step trained at, whatever the overrides
             self.step_lr = ckpt["step_lr"]
         self.state = Progress(int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0)), int(ckpt.get("global_step", 0)),
                               list(ckpt.get("history", [])),
