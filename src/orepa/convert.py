@@ -503,9 +503,11 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
     seen: set[int] = set()
     trusted: dict[str, str] = {}  # conv name -> the untraced module trusted to call its submodule whole
 
-    def visit(module: nn.Module, prefix: str, callers: tuple[tuple[str, str], ...]) -> None:
-        # callers: for each untraced module around this one, innermost last, (its name, the name of its
-        # child that holds this one): each forward may reach into that child
+    def visit(module: nn.Module, prefix: str, caller: tuple[str, str] | None) -> None:
+        # caller: where this one is the child of an untraced module, (that module's name, this child's
+        # name), whose forward may reach into it; a container further down that it iterates and whose
+        # elements it calls whole (a head's ModuleList, a YOLO-style layer list) calls them whole too,
+        # so their children get None: reaching two levels down is not looked for
         if id(module) in seen or isinstance(module, (ReparamConv2d, AbsorbedNorm)) or not any(module.children()):
             return  # visited, a block (its steps are not the model's convs) or a leaf
         seen.add(id(module))
@@ -522,23 +524,18 @@ def _pairs_structural(model: nn.Module) -> tuple[list[tuple[str, str]], dict[str
                 name = prefix.rstrip(".")
                 untraced[name] = f"{type(exc).__name__}: {str(exc)[:100]}".split("\n")[0]
                 for child_name, child in module.named_children():
-                    visit(child, f"{prefix}{child_name}.", (*callers, (name, child_name)))
+                    visit(child, f"{prefix}{child_name}.", (name, child_name))
                 return
             left_out.update((prefix + c, why) for c, why in inner.items())
         pairs.extend(found)
-        # the untraced module whose child this is (its source read once per submodule, not once per pair);
-        # a container further up that it iterates and whose elements it calls whole (a head's ModuleList,
-        # a YOLO-style layer list) calls this one whole too: reaching two levels down is not looked for
-        parent, attr = callers[-1] if callers else (None, None)
-        direct = parent is not None and prefix == (f"{parent}." if parent else "") + f"{attr}."
-        reacher = parent if found and direct and _reaches_into(model.get_submodule(parent), attr) else None
-        if reacher is not None:
-            trusted.update((conv, reacher) for conv, _ in found)
+        # (the caller's source read once per submodule, not once per pair)
+        if found and caller is not None and _reaches_into(model.get_submodule(caller[0]), caller[1]):
+            trusted.update((conv, caller[0]) for conv, _ in found)
         if sequential:  # (a traced submodule's pairs are all found: nothing inside it to visit)
             for child_name, child in module.named_children():
-                visit(child, f"{prefix}{child_name}.", callers)
+                visit(child, f"{prefix}{child_name}.", None)
 
-    visit(model, "", ())
+    visit(model, "", None)
     pairs = [(c, b) for c, b in pairs if slots[id(model.get_submodule(c))] == slots[id(model.get_submodule(b))] == 1]
     paired = {c for c, _ in pairs}
     for parent_name, parent in model.named_modules():

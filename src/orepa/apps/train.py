@@ -840,9 +840,17 @@ class Trainer:
         """Under the directory's lock: a run that --overwrite moved aside (``REPLACED_DIR``) whose
         replacement died before its first checkpoint (killed outright: no cleanup ran) is put back, so
         that this command finds it as it was. Returns whether it did."""
-        keep = self.out / REPLACED_DIR
-        if not keep.is_dir() or (self.out / "checkpoint.pth").exists():
+        if not (self.out / REPLACED_DIR).is_dir() or (self.out / "checkpoint.pth").exists():
             return False
+        back = self._put_back_replaced()
+        self.log(f"note: {self.out}: the run --overwrite moved aside ({', '.join(back)}) is back: the run replacing "
+                 "it ended before its first checkpoint")
+        return True
+
+    def _put_back_replaced(self) -> list[str]:
+        """The files of the run in ``REPLACED_DIR`` back in the run directory, the replacing run's own
+        files gone; returns their names."""
+        keep = self.out / REPLACED_DIR
         for name in RUN_FILES:
             (self.out / name).unlink(missing_ok=True)
         shutil.rmtree(self.out / "tb", ignore_errors=True)
@@ -850,9 +858,7 @@ class Trainer:
         for name in back:
             os.replace(keep / name, self.out / name)
         keep.rmdir()
-        self.log(f"note: {self.out}: the run --overwrite moved aside ({', '.join(back)}) is back: the run replacing "
-                 "it ended before its first checkpoint")
-        return True
+        return back
 
     def _drop_replaced_run(self) -> None:
         if self.replaced:
@@ -872,16 +878,10 @@ class Trainer:
         """This run ended before its first checkpoint: its own files go, the previous run's come back."""
         if not self.replaced:
             return
-        keep = self.out / REPLACED_DIR
-        if not keep.is_dir():  # removed meanwhile by someone else: nothing to put back
+        if not (self.out / REPLACED_DIR).is_dir():  # removed meanwhile by someone else: nothing to put back
             self.replaced = []
             return
-        for name in RUN_FILES:
-            (self.out / name).unlink(missing_ok=True)
-        shutil.rmtree(self.out / "tb", ignore_errors=True)
-        for path in keep.iterdir():
-            os.replace(path, self.out / path.name)
-        keep.rmdir()
+        self._put_back_replaced()
         self.log(f"note: the previous run's {', '.join(self.replaced)} are back in {self.out} (this run wrote "
                  "no checkpoint)")
         self.replaced = []
