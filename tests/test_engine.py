@@ -789,14 +789,16 @@ def _scope_hooks(m: nn.Module) -> list[str]:
 
 
 def test_the_forward_scope_hooks_follow_regrouping_copies_and_deployment():
-    """Only ``traced=True`` gives the root hooks: one pair (regrouping, also at a wider root, replaces
-    them), a deep copy's open its own workspace, and a deployed model carries none, by
-    ``reparameterize`` or by timm's protocol (``fuse()``), so TorchScript takes it."""
+    """The grouped root holds a pre-hook (dropping kernels built ahead), ``traced=True`` a pair:
+    regrouping, also at a wider root, replaces them, a deep copy's open its own workspace, and a
+    deployed model carries none, by ``reparameterize`` or by timm's protocol (``fuse()``), so
+    TorchScript takes it."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Sequential(OREPAConv2d(6, 6, 3, padding=1)), OREPAConv2d(6, 6, 3, padding=1))
     engine.group_kernels(net, "grouped")
-    assert _scope_hooks(net) == []
+    assert _scope_hooks(net) == [""] and len(net._forward_pre_hooks) == 1 and not net._forward_hooks
     engine.group_kernels(net[0], "grouped", traced=True)
+    assert _scope_hooks(net) == ["", "0"]
     engine.group_kernels(net, "per-block", traced=True)
     assert _scope_hooks(net) == [""] and len(net._forward_pre_hooks) == len(net._forward_hooks) == 1
     twin = copy.deepcopy(net)
@@ -2065,3 +2067,74 @@ def test_a_tensor_set_as_a_packed_weight_is_what_state_dict_saves_until_a_load()
     tol_close(fresh(x), net(x), rel=1e-12)
     net.load_state_dict(fresh.state_dict())  # into the rows: the substitution ends
     assert step.__dict__["_packed"].overridden is None and not step.weight.any() and step.weight.requires_grad
+
+
+@pytest.mark.parametrize("regroup", [False, True])
+def test_an_optimizer_made_before_packing_is_warned_of_once(regroup):
+    """Packing takes the steps' parameters out of the model: an optimizer made before holds tensors
+    that never get a gradient, and the online blocks would not train, silently. The first build after
+    (un)packing warns once per network where something still holds them; made after, no warning."""
+    x = torch.randn(2, 3, 32, 32)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    if regroup:  # packed, then its optimizer made, then regrouped unpacked: the optimizer's are stale again
+        engine.group_kernels(model, "grouped", pack=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.group_kernels(model, "grouped", pack=not regroup)
+    with pytest.warns(UserWarning, match=r"an optimizer \(SGD\) holds parameters that (un)?packing took out of the model: it was made before") as said:
+        for _ in range(2):
+            model(x).sum().backward()
+    assert sum("holds parameters that" in str(w.message) for w in said) == 1
+    del opt
+    right = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    engine.group_kernels(right, "grouped", pack=True)
+    if regroup:
+        engine.group_kernels(right, "grouped")
+    opt = torch.optim.SGD(right.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        right(x).sum().backward()
+        opt.step()
+        right(x).sum().backward()
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("write", ["data_in_place", "data_assigned", "to_float"])
+def test_kernels_built_ahead_do_not_outlive_a_call_that_stopped_short_of_their_blocks(pack, write):
+    """A call that runs part of a grouped network (a submodule probed alone, a forward that stopped
+    halfway) builds every group's kernels ahead; weights written after it without a version count
+    (through ``.data``, by ``.to()``) must not meet those kernels: the root's next forward builds
+    anew and gives the per-block numbers (they were up to 0.9 off; ``.float()`` raised a dtype error)."""
+    torch.manual_seed(0)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125).double()
+    ref = copy.deepcopy(model)
+    engine.group_kernels(ref, "per-block")
+    engine.group_kernels(model, "grouped", pack=pack)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    model.conv1(x)  # the stem alone: the kernels of every group are built ahead
+    assert any(g._pending for g in engine.kernel_groups(model))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim > 1 and write == "data_in_place":
+                p.data.mul_(0.5)
+            elif p.ndim > 1 and write == "data_assigned":
+                p.data = p.data * 0.5
+    ref.load_state_dict(model.state_dict())
+    if write == "to_float":
+        model.float(), ref.float()
+        x = x.float()
+    tol = dict(rtol=1e-4, atol=1e-4) if write == "to_float" else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model(x), ref(x), **tol)
+
+
+def test_a_functional_call_with_detached_tensors_is_not_a_freeze_after_packing():
+    """``functional_call`` with detached copies of a packed model's parameters (torch.func's idiom)
+    freezes nothing: no warning, and a real freeze afterwards is still warned of."""
+    x = torch.randn(2, 3, 32, 32)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    engine.group_kernels(model, "grouped", pack=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.func.functional_call(model, {k: v.detach() for k, v in model.named_parameters()}, (x,))
+    model.layer3.requires_grad_(False)
+    with pytest.warns(UserWarning, match="frozen after packing"):
+        model(x).sum().backward()

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import inspect
 import itertools
 import math
@@ -999,7 +1000,10 @@ class Workspace:
         self.traced: dict[tuple[int, int], tuple[Tensor, tuple[Tensor, ...]]] = {}
         self.forward_open = False
         self.scope_hooks: tuple = ()
+        self.traced_scope = False  # whether those hooks open and close that scope (group_kernels' traced)
+        self.groups: list[KernelGroup] = []  # the network's groups (their root's pre-hook drops their kernels)
         self.said_frozen = False  # whether KernelGroup._frozen_after_packing has warned for this network
+        self.said_replaced = False  # whether KernelGroup._check_replaced has warned for this network
 
     def recorder(self, kind: type, device: torch.device):
         """The network's recorder of type ``kind`` (e.g. :class:`CudaGraphRecorder`) for ``device``."""
@@ -1012,8 +1016,14 @@ class Workspace:
 
     def __reduce__(self):
         # a copy starts empty but for its root's hooks' handles (copied with the root, so a copied model's
-        # deployment removes its own hooks)
-        return (Workspace, (), {"scope_hooks": self.scope_hooks})
+        # deployment removes its own hooks) and the groups they serve
+        return (Workspace, (), {"scope_hooks": self.scope_hooks, "traced_scope": self.traced_scope,
+                                "groups": self.groups})
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "traced_scope" not in state:  # pickled when only a traced root had hooks
+            self.traced_scope = bool(self.scope_hooks)
 
     def arena(self, key: tuple) -> Arena:
         """The arena of ``key`` = (device, dtype). A new one frees the memory of those before it that
@@ -1277,11 +1287,13 @@ class KernelGroup:
 
     A group builds every block's kernel at once (with its peers, one :class:`GroupsFunction`); its
     blocks take theirs. A kernel is handed out once and only while its block's parameters are
-    unchanged (their version counters) and its build has not been through a backward, so a block called twice, a
-    forward that stopped halfway, a block skipped in one step and run in the next, or a parameter
-    changed in between rebuilds instead of reusing a stale kernel or a graph already freed by
-    backward. The first miss of a training forward also builds the kernels of every other group
-    of the network (``peers``) that holds none: the whole network's kernels are built while few
+    unchanged (their version counters) and its build has not been through a backward, so a block
+    called twice, a forward that stopped halfway, a block skipped in one step and run in the next,
+    or a parameter changed in between rebuilds instead of reusing a stale kernel or a graph already
+    freed by backward; the grouped root's forward drops kernels built before it (weights written
+    through ``.data`` or by ``.to()`` bump no counter: :func:`forward_scope`). The first miss of a
+    training forward also builds the kernels of every other group of the network (``peers``) that
+    holds none: the whole network's kernels are built while few
     activations are alive, so the construction's temporaries do not add to the step's peak.
     """
 
@@ -1329,19 +1341,22 @@ class KernelGroup:
         # the blocks' names under the root group_kernels was given (for messages)
         self.block_names: tuple[str, ...] = ()
         self.index_in_peers = 0  # its place among its peers (group_kernels): its kernels' key in a trace
+        # the parameters pack() or unpack() took out of the model, until its next build looks whether
+        # something (an optimizer made before) still holds them: _check_replaced
+        self._replaced: tuple[weakref.ref, ...] = ()
 
     def __getstate__(self):
         # copies and pickles drop kernels that hold an autograd graph, and the storage: a copy's
         # tensors are remade into storage of their own at its first build (compiled code is not
         # picklable either; a copy compiles again)
         return {**self.__dict__, "_pending": {}, "_index": None, "_storage": None, "_addresses": (),
-                "_compiled": {}, "_compiled_for": None, "_graphed_for": None, "_recording": None}
+                "_compiled": {}, "_compiled_for": None, "_graphed_for": None, "_recording": None, "_replaced": ()}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         for key, value in (("workspace", None), ("graphs", False), ("graph_recorder", CudaGraphRecorder),
                            ("_recordings", 0), ("_graphs_off", False), ("_graphed_for", None),
-                           ("_recording", None), ("block_names", ()), ("index_in_peers", 0)):
+                           ("_recording", None), ("block_names", ()), ("index_in_peers", 0), ("_replaced", ())):
             self.__dict__.setdefault(key, value)  # a group pickled before it had them
         if "_trainable_packed" not in self.__dict__:  # (as then: what is frozen now was frozen before packing)
             self._trainable_packed = self._packed_trainable()
@@ -1446,6 +1461,8 @@ class KernelGroup:
         getting the gradients and ``versions[j]`` the version counters block ``j``'s kernel is valid
         for; None where the blocks' tensors are on several devices or dtypes (:meth:`_build_apart`)."""
         plan = self.plan
+        if self._replaced:
+            self._check_replaced()
         if self.packed is not None and not self._overridden():
             if self._trainable_packed and self._frozen_since_packing():
                 self._frozen_after_packing()
@@ -1473,9 +1490,11 @@ class KernelGroup:
         return tuple(name for name, p in packed if p.requires_grad)
 
     def _frozen_since_packing(self) -> bool:
-        """Whether a packed parameter that trained when packed is frozen now."""
+        """Whether a packed parameter that trained when packed is frozen now (a tensor that
+        ``functional_call`` put in its place, e.g. a detached one, is not the parameter frozen)."""
         params = self.packed._parameters
-        return not all(params[name].requires_grad for name in self._trainable_packed)
+        return not all(params[name].requires_grad or not isinstance(params[name], nn.Parameter)
+                       for name in self._trainable_packed)
 
     def _frozen_after_packing(self) -> None:
         """A packed parameter frozen after packing freezes the rows of every block it holds, which
@@ -1497,6 +1516,28 @@ class KernelGroup:
                 "(orepa.engine.group_kernels(model, pack=True) packs frozen and trainable rows apart), or unpack "
                 "(group_kernels(model, policy, pack=False))", stacklevel=2)
 
+    def _check_replaced(self) -> None:
+        """At the first build after :meth:`pack` or :meth:`unpack`: the parameters it took out of the
+        model are no longer read by it, so an optimizer made before holds parameters that never get a
+        gradient, and the online blocks do not train, silently. Said once per network where a live
+        optimizer holds some (a loop variable or a list may hold one too: not a mistake to warn of)."""
+        replaced, self._replaced = self._replaced, ()
+        if not any(ref() is not None for ref in replaced):
+            return
+        gc.collect()  # (the model's own references may linger in cycles until a collection)
+        held = {id(p) for ref in replaced if (p := ref()) is not None}
+        stale = held and sorted({type(o).__name__ for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)
+                                 and any(id(p) in held for g in o.param_groups for p in g["params"])})
+        ws = self.workspace
+        if stale and not (ws is not None and ws.said_replaced):
+            if ws is not None:
+                ws.said_replaced = True
+            warnings.warn(
+                f"an optimizer ({', '.join(stale)}) holds parameters that "
+                f"{'packing' if self.packed is not None else 'unpacking'} took out of the model: it was made before "
+                f"group_kernels(model, policy, pack={self.packed is not None}), and stepping them does not train the "
+                "online blocks; make the optimizer after grouping, from model.parameters()", stacklevel=2)
+
     def _build_apart(self) -> None:
         """Blocks on several devices or dtypes: each builds its own kernel."""
         plan = self.plan
@@ -1517,7 +1558,8 @@ class KernelGroup:
         is bound by that host time; ResNet-18's online blocks hold 249 parameters more than its convs,
         packed they hold five per group. Parameters of one kind and row shape keep what optimizers
         and weight-decay rules read (``ndim``, ``kinds``). The optimizer must be made after packing
-        (it holds the parameters it was given); ``torch.func.functional_call`` takes the packed names or the
+        (it holds the parameters it was given: one made before is warned of at the next build);
+        ``torch.func.functional_call`` takes the packed names or the
         state_dict's (the steps' own, see :class:`PackedSlot`). Returns
         whether the group packed: a group of one block without a filter family has nothing to pack,
         and tensors on several devices or dtypes, frozen in some blocks only, or that the blocks do
@@ -1575,10 +1617,11 @@ class KernelGroup:
             size = sum(mod._parameters["weight"].shape[0] for mod in plan.role_modules[w_role])
             (w_name, w_lo, _), (s_name, s_lo, _) = family
             starts[w_role], starts[s_role] = (w_name, w_lo + j * size), (s_name, s_lo + j * size)
+        replaced = []
         for r, (name, start) in starts.items():
             for mod in plan.role_modules[r]:
                 size = mod._parameters["weight"].shape[0]
-                del mod._parameters["weight"]
+                replaced.append(weakref.ref(mod._parameters.pop("weight")))
                 mod._packed = PackedSlot(holder, name, start, size)
                 start += size
         self.blocks[0].packed_parameters = holder
@@ -1586,6 +1629,7 @@ class KernelGroup:
         self._trainable_packed = self._packed_trainable()
         self._replan()
         self._packed_storage()
+        self._replaced = tuple(replaced)
         return True
 
     def unpack(self) -> None:
@@ -1599,6 +1643,7 @@ class KernelGroup:
                 if slot is not None:
                     leaf = slot.holder._parameters[slot.name]
                     mod._parameters["weight"] = nn.Parameter(slot.view().detach(), leaf.requires_grad)
+        self._replaced = tuple(map(weakref.ref, self.packed._parameters.values()))
         del self.blocks[0]._modules["packed_parameters"]
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = None, {}, None, ()
         self._replan()
@@ -1607,7 +1652,7 @@ class KernelGroup:
     def _replan(self) -> None:
         """New plans after the steps' weights moved (plans hold where each tensor lives)."""
         self.plan = Plan(self.blocks, self.names, launch_bound=True)
-        if self.workspace is not None and self.workspace.scope_hooks:  # grouped with traced=True
+        if self.workspace is not None and self.workspace.traced_scope:  # grouped with traced=True
             _autograd_twin(self.plan)
         for b in self.blocks:
             b._plans.clear()
@@ -2235,9 +2280,9 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     ``pack``: every group's learnable operands become a few parameters, one per kind and row shape
     (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
     where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
-    afterwards; freeze stages and split parameters by module before: a module's ``parameters()``
-    then no longer hold its blocks' weights, which are their group's (held by its first block,
-    maybe in another stage). A block that a step's loss does not reach gets no gradient (None, which
+    afterwards (one made before is warned of at the next build) and freeze stages before; parameter
+    groups per module need ``pack=False``: a module's ``parameters()`` then no longer hold its blocks'
+    weights, which are their group's (held by its first block, maybe in another stage). A block that a step's loss does not reach gets no gradient (None, which
     optimizers skip; built ``traced`` in a compiled graph: zeros). Packed, that holds only where its
     whole group sits out: the rows of a block left out while others of its group train get zeros,
     which weight decay and momentum act on; keep ``pack=False`` for models whose blocks sit out
@@ -2269,17 +2314,19 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
         raise ValueError(f"kernel-builder policy must be one of {POLICIES}, got {policy!r}")
     inner = {id(m) for m in root.modules()}
     earlier = {id(g.peers[0]): g.peers for g in kernel_groups(root)}  # the groupings its blocks are in
+    replaced: list[weakref.ref] = []  # what regrouping takes out of the model, for the new groups to look at
     for peers in earlier.values():
         outer = [[b for b in g.blocks if id(b) not in inner] for g in peers]
         packed = any(g.packed is not None for g in peers)
         for group in peers:
             group.unpack()
+            replaced += group._replaced
         if any(outer):  # made for an enclosing module: its other blocks are grouped again, as they were
             old = peers[0]
             names = {id(b): n for g in peers for b, n in zip(g.blocks, g.block_names)}
             _make_groups([part for blocks in outer if blocks for part in _by_width(blocks)], names, old.policy,
                          packed, old.joint, old.graphs,
-                         old.workspace is not None and bool(old.workspace.scope_hooks), old.workspace or Workspace())
+                         old.workspace is not None and old.workspace.traced_scope, old.workspace or Workspace())
         else:
             release_scope(peers[0].workspace)
     by_signature: dict[tuple, list[nn.Module]] = {}
@@ -2298,8 +2345,10 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     workspace = Workspace()
     groups = _make_groups([part for same in by_signature.values() for part in _by_width(same)], names, policy,
                           pack, joint, graphs, traced, workspace)
-    if traced and groups:
-        forward_scope(root, workspace)
+    if groups and replaced:
+        groups[0]._replaced += tuple(replaced)
+    if groups:
+        forward_scope(root, workspace, traced)
     return groups
 
 
@@ -2314,6 +2363,7 @@ def _make_groups(parts: Sequence[Sequence[nn.Module]], names: dict[int, str], po
             blk._kernel_group = group
         group.joint, group.workspace, group.graphs, group.index_in_peers = joint, workspace, graphs, index
         groups.append(group)
+    workspace.groups = groups
     for group in groups:
         group.peers = groups
         if pack:
@@ -2335,14 +2385,19 @@ def _tied_parameters(root: nn.Module) -> set[int]:
     return tied
 
 
-def forward_scope(root: nn.Module, workspace: Workspace) -> None:
-    """Make ``root``'s forward the scope of the kernels that its groups build inside a dynamo trace
-    (:meth:`KernelGroup._traced_kernel_of`): a pair of hooks that open and close it in ``workspace``,
-    which keeps their handles (:func:`release_scope`)."""
+def forward_scope(root: nn.Module, workspace: Workspace, traced: bool = False) -> None:
+    """Make ``root``'s forward the scope of the kernels its groups build, by hooks whose handles
+    ``workspace`` keeps (:func:`release_scope`): a pre-hook drops the kernels built ahead for blocks
+    that an earlier call did not reach (a forward that stopped halfway, a submodule called alone),
+    which weights written since without a version count (through ``.data``, ``.to()``) would leave
+    stale; with ``traced``, the pre-hook and a forward hook also open and close the scope of the
+    kernels built inside a dynamo trace (:meth:`KernelGroup._traced_kernel_of`)."""
     release_scope(workspace)
-    workspace.scope_hooks = (
-        root.register_forward_pre_hook(functools.partial(_open_forward, workspace)),
-        root.register_forward_hook(functools.partial(_close_forward, workspace), always_call=True))
+    workspace.traced_scope = traced
+    hooks = [root.register_forward_pre_hook(functools.partial(_open_forward, workspace))]
+    if traced:
+        hooks.append(root.register_forward_hook(functools.partial(_close_forward, workspace), always_call=True))
+    workspace.scope_hooks = tuple(hooks)
 
 
 def release_scope(workspace: Workspace | None) -> None:
@@ -2358,10 +2413,16 @@ def release_scope(workspace: Workspace | None) -> None:
 
 
 def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
-    """The grouped root's forward begins: kernels traced into a compiled graph may be built and kept for
-    its blocks to read (none is left from a forward that stopped halfway)."""
-    workspace.traced.clear()
-    workspace.forward_open = True
+    """The grouped root's forward begins: no kernel built before it serves in it (eagerly; a compiled
+    graph keeps none between calls), and kernels traced into a compiled graph may be built and kept
+    for its blocks to read (none is left from a forward that stopped halfway)."""
+    if not torch.compiler.is_compiling():
+        for group in workspace.groups:
+            if group._pending:
+                group._pending = {}
+    if workspace.traced_scope:
+        workspace.traced.clear()
+        workspace.forward_open = True
 
 
 def _close_forward(workspace: Workspace, module: nn.Module, args, output) -> None:
