@@ -11,22 +11,20 @@ training, per scaling) and ``similarity_final.png`` (the final matrices).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
 from orepa.analysis.proposition1 import proposition1_table
 from orepa.apps.checkpoint import atomic_write_text, json_text
-from orepa.apps.common import positive_float, positive_int
+from orepa.apps.common import UserError, positive_float, positive_int, thread_count
+from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.proposition1 import similarity_experiment
 
 
 def plot(exp: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = exp["runs"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     for s, r in runs.items():
@@ -44,9 +42,7 @@ def plot(exp: dict, out: Path) -> list[Path]:
     fig.suptitle(f"TinyOREPANet width {c['width']}, {c['data']} ({c['n_train']} images), batch {c['batch']}, "
                  f"lr {c['lr']}, seed {c['seed']}", fontsize=8)
     fig.tight_layout()
-    curves = out / "similarity_curves.png"
-    fig.savefig(curves, dpi=120)
-    plt.close(fig)
+    curves = save_figure(fig, out / "similarity_curves.png", dpi=120)
 
     blocks = list(next(iter(runs.values()))["final_cosine"])
     fig, axes = plt.subplots(2 * len(runs), len(blocks), figsize=(3.0 * len(blocks), 2.9 * 2 * len(runs)),
@@ -65,10 +61,7 @@ def plot(exp: dict, out: Path) -> list[Path]:
                 ax.set_yticks(range(len(names)), names, fontsize=5)
                 ax.set_title(f"{s}: {b} {what}", fontsize=7)
     fig.tight_layout()
-    final = out / "similarity_final.png"
-    fig.savefig(final, dpi=110)
-    plt.close(fig)
-    return [curves, final]
+    return [curves, save_figure(fig, out / "similarity_final.png", dpi=110)]
 
 
 def main(argv=None) -> int:
@@ -81,8 +74,8 @@ def main(argv=None) -> int:
     p.add_argument("--n-train", type=positive_int, default=4096)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--data", default="fashion-mnist", choices=["fashion-mnist", "synthetic"])
-    p.add_argument("--scalings", nargs="+", default=["none", "scalar", "vector"])
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--scalings", nargs="+", default=["none", "scalar", "vector"], choices=["none", "scalar", "vector"])
+    p.add_argument("--threads", type=thread_count, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.output_dir)
@@ -115,4 +108,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except UserError as exc:  # missing data, an unwritable --output-dir: one line
+        sys.exit(f"proposition1.py: {exc}")

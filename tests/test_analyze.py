@@ -245,3 +245,22 @@ def test_an_analysis_of_another_model_is_replaced_only_with_overwrite(tmp_path, 
         assert rc == (0 if ok else 2), key
         if not ok:
             assert f"holds non-finite values (NaN/inf), first in {key} (a branch)" in capsys.readouterr().err
+
+
+def test_plots_of_an_analysis_s_names_beside_none_are_replaced_only_with_overwrite(tmp_path, capsys):
+    """A folder holding a user's summary.png and no analysis.json lost it to `analyze --no-plot` (an
+    earlier analysis' plots are removed) or had it overwritten; now that takes --overwrite."""
+    from orepa.cli import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.png").write_bytes(b"mine")
+    cmd = ["analyze", "resnet18", "--width-mult", "0.0625", "--output-dir", str(out)]
+    for extra in ([], ["--no-plot"]):
+        assert main([*cmd, *extra]) == 2
+        assert ("summary.png exist(s) beside no analysis.json (files this command writes or removes); pass "
+                "--overwrite") in capsys.readouterr().err
+        assert sorted(p.name for p in out.iterdir()) == ["summary.png"]
+        assert (out / "summary.png").read_bytes() == b"mine"
+    assert main([*cmd, "--no-plot", "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["analysis.json"]

@@ -411,7 +411,7 @@ def test_a_result_of_other_variants_is_replaced_only_with_overwrite(tmp_path, ca
     from orepa.cli import main
 
     cmd = ["bench", "-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32",
-           "--reps", "1", "--warmup", "0", "--no-inference", "--no-memory-profile", "--no-plot",
+           "--reps", "1", "--warmup", "0", "--no-inference", "--no-memory-profile", "--no-plot", "--threads", "1",
            "--output-dir", str(tmp_path)]
     path = tmp_path / "resnet18_b2_32_cpu.json"
     assert main([*cmd, "--methods", "base", "orepa"]) == 0
@@ -431,6 +431,12 @@ def test_a_result_of_other_variants_is_replaced_only_with_overwrite(tmp_path, ca
     assert ("holds a result of base, dbb with other settings (model_options: {'width_mult': 0.0625} there, "
             "{'width_mult': 0.125} here); pass --overwrite") in capsys.readouterr().err
     assert path.read_bytes() == before
+    # nor does it say the threads it was timed with, nor whether the groups packed
+    for flags, said in ((["--threads", "2"], "threads: 1 there, 2 here"),
+                        (["--pack-parameters"], "pack_parameters: None there, True here")):
+        assert main([*cmd, "--methods", "base", "dbb", *flags]) == 2
+        assert f"with other settings ({said}); pass --overwrite" in capsys.readouterr().err
+        assert path.read_bytes() == before
 
 
 def test_a_result_written_without_plots_takes_the_earlier_results_plot_away(tmp_path):

@@ -392,3 +392,30 @@ def test_a_tf_same_block_exports_its_padding_for_every_input_size(tmp_path):
         for size in (7, 10, 11):
             x = torch.randn(2, 3, size, size)
             torch.testing.assert_close(traced(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["train", "deploy"])
+def test_a_state_dict_without_bn_batch_counts_loads_as_pytorch_loads_it(tmp_path, capsys, form):
+    """Weights saved without the BNs' ``num_batches_tracked`` (converted files, PyTorch before
+    0.4.1) load strictly into a PyTorch BN (it counts from 0): export and eval take them too (they
+    were refused as "20 missing key(s)"), with the same outputs."""
+    import orepa
+    from orepa.apps.checkpoint import model_from_checkpoint
+    from orepa.apps.model_cfg import model_cfg_of
+
+    kw = dict(num_classes=10, in_chans=1, small_input=True, width_mult=0.25)
+    model = _trained("resnet18", "orepa", **kw)
+    cfg = model_cfg_of(model)
+    if form == "deploy":
+        model = orepa.reparameterize(model)
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("num_batches_tracked")}
+    path = tmp_path / "legacy.pt"
+    torch.save(sd, path)
+    loaded, _, got = model_from_checkpoint({"model": sd}, path, cfg=cfg)
+    assert got == form
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(loaded(x), model.eval()(x), rtol=1e-5, atol=1e-5)
+    args = ["export", "--model", "resnet18", "--method", "orepa", "--num-classes", "10", "--in-chans", "1",
+            "--small-input", "--width-mult", "0.25", "--input-size", "28", "--checkpoint", str(path),
+            "--output", str(tmp_path / "a.onnx")]
+    assert cli.main(args) == 0, capsys.readouterr().err

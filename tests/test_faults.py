@@ -671,6 +671,12 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["export", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
         (["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run)], "already holds a run"),
         (["reparam", str(ckpt), "-o", str(ckpt)], "is the input checkpoint"),
+        # the verification's flags beside --no-verify were taken and ignored (a deployment written, exit 0)
+        (["reparam", str(ckpt), "-o", str(tmp_path / "nv.pth"), "--no-verify", "--rtol", "0.5", "-b", "4"],
+         "--no-verify skips the verification on data; -b/--batch-size, --rtol do(es) not apply then"),
+        # both pipelines started, each failed in train: two blocks of log tails, exit 1
+        (["demo", "--device", "bogus", "--output-dir", str(tmp_path / "demo"), "--cache-dir", cache],
+         "--device 'bogus': expected cpu, cuda or cuda:N"),
         (["demo", "--output-dir", str(run), "--cache-dir", cache],
          f"--output-dir {run} holds a training run (checkpoint.pth, summary.json"),
         (["eval", str(damaged)], "fails its CRC check"),
@@ -1515,3 +1521,40 @@ def test_a_stop_signal_during_an_export_leaves_no_temporary_file(tmp_path, monke
     assert f"orepa export: stopped by {signame}" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the output nor its temporary file
     assert signal.getsignal(getattr(signal, signame)) == before  # the handler is the process's again
+
+
+def test_a_16_bit_image_is_scaled_to_8_bits_and_a_float_one_refused(tmp_path):
+    """Pillow converts a 16-bit grayscale image to RGB by clipping at 255 (a full-range ramp came
+    out 99.6% white): the loader scales it instead, as an 8-bit save of it reads; a floating-point
+    image, whose range nothing says, is refused naming the file."""
+    import numpy as np
+    from PIL import Image
+
+    from orepa.apps import data
+
+    ramp = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    deep = tmp_path / "deep.png"
+    Image.fromarray(ramp).save(deep)
+    assert Image.open(deep).mode in ("I;16", "I")
+    got = np.asarray(data.load_image(str(deep)))
+    assert got.shape == (64, 64, 3) and (got[..., 0] == got[..., 1]).all()
+    np.testing.assert_array_equal(got[..., 0], np.rint(ramp / 257.0).astype(np.uint8))
+    assert (got == 255).mean() < 0.01
+    flt = tmp_path / "float.tif"
+    Image.fromarray(ramp.astype(np.float32) / 65535).save(flt)
+    with pytest.raises(data.UserError, match=f"image {flt} has floating-point pixels"):
+        data.load_image(str(flt))
+
+
+def test_the_default_loader_workers_count_the_cpus_this_process_may_use(monkeypatch):
+    """A job pinned to one CPU (taskset, a scheduler's share) started a worker per CPU of the host."""
+    from types import SimpleNamespace
+
+    from orepa.apps import data
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    args = SimpleNamespace(workers=None, dataset="imagefolder", data_path="/data/imagenet")
+    assert data.default_workers(args, torch.device("cpu")) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert data.default_workers(args, torch.device("cpu")) == 8

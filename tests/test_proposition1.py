@@ -80,3 +80,29 @@ def test_fashion_mnist_comes_from_the_applications_reader(tmp_path, monkeypatch)
     monkeypatch.setenv("OREPA_FASHION_MNIST_DIR", str(tmp_path / "absent"))
     with pytest.raises(UserError, match="Fashion-MNIST not found"):  # an error, not a silent synthetic stand-in
         load_fashion_mnist(5, cache_dir=tmp_path / "empty")
+
+
+def test_the_script_says_bad_input_in_one_line_and_writes_its_plots_whole(tmp_path):
+    """benchmarks/proposition1.py: an unknown scaling (it failed after part (a) had run), --threads 0
+    and missing data were tracebacks; a run writes its JSON and both plots."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "proposition1.py"
+    base = [sys.executable, str(script), "--steps", "2", "--n-train", "64", "--width", "4", "--batch", "8",
+            "--output-dir", str(tmp_path / "p")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for extra, said in ((["--scalings", "bogus"], "invalid choice: 'bogus'"),
+                        (["--threads", "0"], "--threads: must be a positive integer")):
+        run = subprocess.run(base + extra, capture_output=True, text=True, env=env)
+        assert run.returncode == 2 and said in run.stderr and "Traceback" not in run.stderr, run.stderr
+    run = subprocess.run(base, capture_output=True, text=True, env={
+        **env, "OREPA_FASHION_MNIST_DIR": str(tmp_path / "absent"), "OREPA_CACHE": str(tmp_path / "cache")})
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("proposition1.py: Fashion-MNIST not found"), run.stderr
+    run = subprocess.run(base + ["--data", "synthetic", "--scalings", "none"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        "proposition1.json", "similarity_curves.png", "similarity_final.png"]

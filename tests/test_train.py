@@ -210,6 +210,11 @@ def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
     assert main(["train", "--data-path", str(root), "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert "expected an ImageFolder tree" in err and "val" in err
+    # eval reads val/ only: its message asks for that alone
+    assert main(["eval", str(out / "checkpoint.pth"), "--data-path", str(root), "-j", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"expected an ImageFolder tree with {root}/val/<class>/*.jpg (this command reads the validation set only)" \
+        in err and "/train/" not in err
 
 
 def test_a_relative_data_path_from_a_checkpoint_is_named_as_the_checkpoints(tmp_path, capsys, monkeypatch):

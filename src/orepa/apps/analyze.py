@@ -28,6 +28,7 @@ from orepa.apps.checkpoint import (
     json_text,
     load_checkpoint,
     state_dict_mismatch,
+    with_bn_counts,
 )
 from orepa.apps.common import UserError, add_run_arguments, apply_threads, init_distributed, seed_everything
 from orepa.apps.logs import pyplot, save_figure
@@ -53,6 +54,7 @@ def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:
 def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str) -> nn.Module:
     """Strictly load ``sd`` into ``model``; a mismatch raises a :class:`UserError` that lists it."""
     own = model.state_dict()
+    sd = with_bn_counts(model, sd)
     problem = state_dict_mismatch(model, sd)
     if problem:
         unexpected = [k for k in sd if k not in own]
@@ -248,9 +250,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_previous(out: Path, meta: dict, overwrite: bool) -> None:
     """The analysis of another checkpoint or model in ``out`` is replaced only with --overwrite (its
-    JSON and plots would go without a word); a rerun of the same one replaces its own."""
+    JSON and plots would go without a word), and so are plots of its names beside no analysis (a
+    user's own); a rerun of the same one replaces its own."""
     previous = out / "analysis.json"
-    if overwrite or not previous.exists():
+    if overwrite:
+        return
+    if not previous.exists():
+        plots = [name for name in PLOT_FILES if (out / name).exists()]
+        if plots:
+            raise UserError(f"--output-dir {out}: {', '.join(plots)} exist(s) beside no analysis.json (files this "
+                            "command writes or removes); pass --overwrite to replace them, or choose another "
+                            "--output-dir")
         return
     try:
         held = json.loads(previous.read_text()).get("meta")

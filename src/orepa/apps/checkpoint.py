@@ -457,9 +457,12 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """For writers that want a file name (ONNX, TorchScript): a temporary path beside ``path``; when
-    the block ends normally it replaces ``path`` (usual permissions), after an exception it is removed."""
+    the block ends normally it replaces ``path`` (usual permissions) once on disk, after an exception
+    it is removed."""
     with _writing(Path(path)) as tmp:
         yield tmp
+        with open(tmp, "rb") as f:  # (what the writer wrote reaches the disk before the rename, as atomic_write's)
+            os.fsync(f.fileno())
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -724,6 +727,15 @@ def check_finite(model: nn.Module, path, use: str, *, optimizer=None, ema=None) 
                         "from before the run diverged (`orepa eval` still reports what it computes)")
 
 
+def with_bn_counts(model: nn.Module, sd: dict) -> dict:
+    """``sd`` with the BN batch counts (``num_batches_tracked``) it lacks taken from ``model``:
+    weights saved without them (converted files, PyTorch before 0.4.1) load as PyTorch loads them
+    into a BN, counting from the model's (0 when built)."""
+    own = model.state_dict()
+    missing = [k for k in own if k.rpartition(".")[2] == "num_batches_tracked" and k not in sd]
+    return {**sd, **{k: own[k] for k in missing}} if missing else sd
+
+
 def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
     """Empty if ``sd`` fits ``model`` exactly, else a short description of the differences."""
     own = model.state_dict()
@@ -823,6 +835,7 @@ def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str
         full = {**sd, **{k: own[k] for k in keep}}
     else:
         full = sd
+    full = with_bn_counts(model, full)
     problem = state_dict_mismatch(model, full)
     if not problem:
         model.load_state_dict(full, strict=True)
@@ -870,9 +883,10 @@ def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema:
     problems = []
     for form in FORMS:
         model = build_model_form(cfg, form)
-        problem = state_dict_mismatch(model, sd)
+        full = with_bn_counts(model, sd)
+        problem = state_dict_mismatch(model, full)
         if not problem:
-            model.load_state_dict(sd, strict=True)
+            model.load_state_dict(full, strict=True)
             return model.eval(), cfg, form
         problems.append(f"as {form}: {problem}")
     raise UserError(f"checkpoint {path} fits no form of {describe_cfg(cfg)}: " + " | ".join(problems))

@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .checkpoint import atomic_write
-from .common import STOP_SIGNALS, DistInfo, UserError, nonneg_int, per_cpu_cap, positive_int, some_of
+from .common import STOP_SIGNALS, DistInfo, UserError, available_cpus, nonneg_int, per_cpu_cap, positive_int, some_of
 
 FASHION_MNIST_FILES = (
     "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
@@ -254,11 +254,10 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
     root_p = Path(root)
     missing = [d for d in (("train", "val") if need_train else ("val",)) if not (root_p / d).is_dir()]
     if missing:
-        raise UserError(
-            f"--data-path {root}: expected an ImageFolder tree with {root}/train/<class>/*.jpg and "
-            f"{root}/val/<class>/*.jpg; missing: {', '.join(str(root_p / d) for d in missing)} "
-            "(or use --data-path fashion-mnist)"
-        )
+        wanted = (f"{root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg" if need_train else
+                  f"{root}/val/<class>/*.jpg (this command reads the validation set only)")
+        raise UserError(f"--data-path {root}: expected an ImageFolder tree with {wanted}; missing: "
+                        f"{', '.join(str(root_p / d) for d in missing)} (or use --data-path fashion-mnist)")
     if val_crop > val_resize:  # torchvision's CenterCrop pads what the image lacks with zeros
         raise UserError(f"--val-crop-size {val_crop} is larger than --val-resize-size {val_resize}: the validation "
                         "crop would take black borders (the paper: resize 256, crop 224)")
@@ -288,12 +287,23 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
 
 
 def load_image(path: str):
-    """An RGB PIL image; an unreadable file is a :class:`UserError` naming it (not a worker traceback)."""
+    """An RGB PIL image; an unreadable file is a :class:`UserError` naming it (not a worker traceback).
+    A 16-bit grayscale image (Pillow's modes ``I;16*`` and ``I``) is scaled to 8 bits: Pillow's own
+    conversion clips every value above 255 to white. Floating-point images are refused (nothing says
+    their range)."""
     from PIL import Image
 
     try:
         with open(path, "rb") as f:
             img = Image.open(f)
+            if img.mode.startswith("I;16") or img.mode == "I":
+                import numpy as np
+
+                deep = np.asarray(img, dtype=np.float64)
+                img = Image.fromarray(np.clip(np.rint(deep / 257.0), 0, 255).astype(np.uint8), "L")
+            elif img.mode == "F":
+                raise UserError(f"image {path} has floating-point pixels (Pillow mode F), whose range nothing "
+                                "says: save it as 8- or 16-bit")
             return img.convert("RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # UnidentifiedImageError: OSError
         raise UserError(f"cannot read image {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]} "
@@ -482,7 +492,7 @@ def default_workers(args, device: torch.device) -> int:
         return max(0, args.workers)
     if resolve_kind(args) == "fashion-mnist" and device.type == "cpu":
         return 0
-    return min(8, os.cpu_count() or 1)
+    return min(8, available_cpus())  # the CPUs this process may run on (a pinned job: its share)
 
 
 def ignore_stop_signals(worker_id: int, owner: int | None = None) -> None:

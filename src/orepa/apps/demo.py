@@ -36,6 +36,7 @@ from .common import (
     UserError,
     available_cpus,
     nonneg_float,
+    parse_device,
     positive_float,
     positive_int,
     seed_int,
@@ -206,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     if not methods:
         raise UserError(f"--methods {args.methods!r} names no method (e.g. base,orepa)")
     check_batch_fits(min(args.train_subset or FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN), args.batch_size)
+    if args.device is not None:  # (said once here, not by each pipeline's train after it started)
+        parse_device(args.device)
     check_output_path(args.output_dir, "--output-dir", directory=True)
     root = Path(args.output_dir)
     if run_files(root):  # a training run's own directory: the demo's would lie among its files

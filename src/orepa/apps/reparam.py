@@ -66,6 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
 
 
+#: the destinations of the flags that only the verification on data reads
+VERIFY_FLAGS = frozenset({"data_path", "dataset", "cache_dir", "workers", "val_subset", "val_resize_size",
+                          "val_crop_size", "rtol", "batch_size"})
+
+
+def _flag(dest: str) -> str:
+    return {"batch_size": "-b/--batch-size", "workers": "-j/--workers"}.get(dest, "--" + dest.replace("_", "-"))
+
+
 def verify(model, deployed, loader, device, rtol: float, progress: bool = False) -> dict:
     """Both forms on the same data: accuracies, prediction disagreements, max logit difference."""
     with full_float32():
@@ -97,6 +106,11 @@ def _check_output(out: Path, args) -> None:
 def reparam(args: argparse.Namespace) -> dict:
     apply_threads(args)
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
+    if args.no_verify:  # said, not silently dropped: the flags of the verification on data
+        unused = sorted(set(getattr(args, "given", None) or ()) & VERIFY_FLAGS)
+        if unused:
+            raise UserError(f"--no-verify skips the verification on data; {', '.join(_flag(f) for f in unused)} "
+                            "do(es) not apply then")
     info, device = init_distributed(args.device)
     if info.distributed:
         raise UserError("orepa reparam runs in one process (no torchrun)")

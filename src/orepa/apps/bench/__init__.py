@@ -112,8 +112,11 @@ RESULT_SUFFIXES = (".json", ".md", "_ratios.png", "_budgets.png")
 
 
 #: the settings that make a bench result another measurement (beside its variants), which the default
-#: file name does not say; a rerun that differs in others (repetitions, warm-up) replaces its own
-DEFINING_SETTINGS = ("model", "model_options", "num_classes", "in_chans", "lr", "seed")
+#: file name does not say (or not wholly: "_compiled" for every backend); a rerun that differs in others
+#: (repetitions, warm-up) replaces its own. All are the result's ``config`` but ``threads``, its
+#: ``environment``'s (the torch threads it was timed with)
+DEFINING_SETTINGS = ("model", "model_options", "num_classes", "in_chans", "lr", "seed", "compile", "pack_parameters",
+                     "cudnn_benchmark", "tf32_matmul", "threads")
 
 
 def _check_result_files(out_dir: Path, tag: str, wanted: dict | None, overwrite: bool,
@@ -133,7 +136,8 @@ def _check_result_files(out_dir: Path, tag: str, wanted: dict | None, overwrite:
                                                            and result.resolve() == replacing.resolve()):
         return
     try:
-        config = json.loads(result.read_text()).get("config", {})
+        saved = json.loads(result.read_text())
+        config = {**saved.get("config", {}), "threads": saved.get("environment", {}).get("threads")}
         held = config.get("methods")
     except (OSError, ValueError, AttributeError):
         config, held = {}, None
@@ -141,7 +145,8 @@ def _check_result_files(out_dir: Path, tag: str, wanted: dict | None, overwrite:
     if not isinstance(methods, list) or not isinstance(held, list):
         methods = held = None
     differ = [] if methods is None else [
-        f"{k}: {config.get(k)!r} there, {wanted.get(k)!r} here" for k in DEFINING_SETTINGS if config.get(k) != wanted.get(k)]
+        f"{k}: {config.get(k)!r} there, {wanted.get(k)!r} here" for k in DEFINING_SETTINGS
+        if k in wanted and config.get(k) != wanted.get(k)]
     if methods is None or variant_specs(held) != variant_specs(methods) or differ:
         what = (f"{result.name} holds a result of {', '.join(map(str, held))}"
                 + (f" with other settings ({'; '.join(differ)})" if differ else "") if isinstance(held, list) else
@@ -175,8 +180,9 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is not None:
             check_output_path(out_dir, "--output-dir", directory=True)
         try:
-            held = json.loads(source.read_text()).get("config")
-        except (OSError, ValueError, AttributeError):
+            saved = json.loads(source.read_text())
+            held = {**saved["config"], "threads": saved.get("environment", {}).get("threads")}
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
             held = None  # rerender says what is wrong with the file
         if source.is_file():
             _check_result_files(Path(out_dir) if out_dir is not None else source.parent, source.stem,
@@ -237,9 +243,14 @@ def run(args: argparse.Namespace) -> int:
                        + ("_components" if args.components else ""))
     if len(tag.encode()) > 240:  # the file system's 255 bytes, with the longest suffix: said before measuring
         raise UserError(f"--tag: {tag[:40]}... is too long for a file name (at most 240 bytes)")
+    cuda = device.type == "cuda"
     _check_result_files(Path(args.output_dir), tag, {
         "methods": methods, "model": args.model, "model_options": mopts, "num_classes": args.num_classes,
-        "in_chans": 3, "lr": args.lr, "seed": args.seed}, args.overwrite)
+        "in_chans": 3, "lr": args.lr, "seed": args.seed, "compile": args.compile,
+        "pack_parameters": args.pack_parameters, "threads": torch.get_num_threads(),
+        # (as the result records them)
+        "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if cuda else None,
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if cuda else None}, args.overwrite)
     # built here, each in its own try: what goes wrong in a build is the spec's or the model's (an unknown
     # name or option, a bad value); errors of the measurement itself keep their traceback
     runners = []
