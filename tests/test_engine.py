@@ -2138,3 +2138,17 @@ def test_a_functional_call_with_detached_tensors_is_not_a_freeze_after_packing()
     model.layer3.requires_grad_(False)
     with pytest.warns(UserWarning, match="frozen after packing"):
         model(x).sum().backward()
+
+
+def test_a_copy_of_blocks_whose_grouped_root_was_dropped_copies():
+    """timm's ``features_only`` keeps the children of the model it built, dropping that root and
+    the dicts of its hooks: a deep copy of the blocks (an EMA, a detector's copy) failed on the
+    hooks' handles ("cannot create weak reference to 'NoneType' object")."""
+    root = nn.Sequential(nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), OREPAConv2d(4, 4, 3, padding=1)))
+    engine.group_kernels(root, "grouped")
+    kept = root[0]
+    del root
+    gc.collect()
+    twin = copy.deepcopy(kept)
+    x = torch.randn(1, 4, 6, 6)
+    torch.testing.assert_close(twin(x), kept(x))

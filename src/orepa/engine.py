@@ -1017,8 +1017,11 @@ class Workspace:
     def __reduce__(self):
         # a copy starts empty but for its root's hooks' handles (copied with the root, so a copied model's
         # deployment removes its own hooks) and the groups they serve
-        return (Workspace, (), {"scope_hooks": self.scope_hooks, "traced_scope": self.traced_scope,
-                                "groups": self.groups})
+        # a root dropped since (timm's features_only keeps the children of the model it built) takes its hooks'
+        # dicts with it: their handles could not be copied, nor would they serve a copy
+        live = tuple(h for h in self.scope_hooks
+                     if h.hooks_dict_ref() is not None and all(ref() is not None for ref in getattr(h, "extra_dict_ref", ())))
+        return (Workspace, (), {"scope_hooks": live, "traced_scope": self.traced_scope, "groups": self.groups})
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
