@@ -774,3 +774,47 @@ def test_a_network_that_cannot_take_the_image_size_is_one_line(tmp_path, capsys)
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
     assert not any(tmp_path.iterdir())
+
+
+def test_a_variants_peak_starts_without_the_last_steps_gradients_and_holds_its_arena(monkeypatch):
+    """The peak step's start still held the gradients of the step before, which its zero_grad frees:
+    on CUDA the peak came out short by their bytes, and on a CPU the profiler counted their frees at
+    the sizes an earlier variant's profile had seen at those addresses, so a variant's peak depended
+    on the variants measured before it (OREPA 7% low). A CPU's eager-group arena, held between
+    steps, is in the peak too."""
+    from orepa.apps.bench.measure import make_runner, measure_variant_costs
+    from orepa.engine import arena_bytes
+
+    x, y = torch.randn(2, 3, 32, 32), torch.tensor([1, 2])
+    cpu = torch.device("cpu")
+
+    def runner(spec, builder="auto"):
+        return make_runner("resnet18", spec, device=cpu, num_classes=10, model_options={"width_mult": 0.25},
+                           kernel_builder=builder)
+
+    alone = measure_variant_costs(runner("orepa"), x, y, cpu)["peak_bytes"]
+    for earlier in ("base", "dbb"):
+        measure_variant_costs(runner(earlier), x, y, cpu)
+    assert measure_variant_costs(runner("orepa"), x, y, cpu)["peak_bytes"] == alone
+    grouped = runner("orepa", "grouped")
+    out = measure_variant_costs(grouped, x, y, cpu)
+    held = arena_bytes(grouped.model)
+    assert held > 0 and out["state_bytes"] >= held + sum(p.numel() * 4 for p in grouped.model.parameters())
+    # CUDA: memory_allocated at the start is read with no gradient alive
+    grads_at_start = []
+
+    def allocated(device=None):
+        grads_at_start.append(any(p.grad is not None for p in net.parameters()))
+        return 1000
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5000)
+
+    class FakeCuda:
+        type = "cuda"
+
+    net = bench.build_variant(tiny_net, "orepa", 10)
+    r = bench.Runner("orepa", net, torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9))
+    measure_variant_costs(r, torch.randn(2, 3, 16, 16), y, FakeCuda())
+    assert grads_at_start == [False]

@@ -65,7 +65,7 @@ from . import kernels as K
 
 __all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "POLICIES",
            "PackedParameters", "Plan", "Recording", "RecordingBuffer", "builds_together", "choose_route",
-           "forward_scope", "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
+           "arena_bytes", "forward_scope", "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
            "reference_path", "release_scope", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
@@ -2431,6 +2431,15 @@ def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
 def _close_forward(workspace: Workspace, module: nn.Module, args, output) -> None:
     workspace.traced.clear()
     workspace.forward_open = False
+
+
+def arena_bytes(root: nn.Module) -> int:
+    """The memory that the eager builds' arenas of ``root``'s groups hold between steps: those that
+    stay allocated (a CPU's, :class:`Arena`), each storage once."""
+    spaces = {id(g.workspace): g.workspace for g in kernel_groups(root) if g.workspace is not None}
+    held = {st.data_ptr(): st.nbytes() for ws in spaces.values() for arena in ws.arenas.values()
+            if not arena.frees for st in arena.storages if st.nbytes()}
+    return sum(held.values())
 
 
 def recorded_bytes(root: nn.Module) -> int:

@@ -73,7 +73,7 @@ from orepa.apps.common import (
     make_sgd,
     release_cuda_graphs,
 )
-from orepa.engine import group_kernels, kernel_groups, recorded_bytes
+from orepa.engine import arena_bytes, group_kernels, kernel_groups, recorded_bytes
 
 from .report import ratios
 from .variants import ModelSpec, build_variant, split_run_options
@@ -385,7 +385,15 @@ def measure_variant_costs(r: Runner, x, y, device: torch.device, profile_memory:
                train_flops=int(fwd.get_total_flops() + bwd.get_total_flops()))
     r.opt.zero_grad(set_to_none=True)
     out["aten_ops"], out["aten_kernels"] = count_ops(lambda: r.step(x, y))
+    # the peak step starts as every step after the first does but without the gradients the step before
+    # left, which its zero_grad frees: read with them, the start was short of the peak by their bytes
+    # (CUDA), and the profiler counted their frees at the sizes an earlier variant's profile had seen at
+    # those addresses (CPU: a variant's peak depended on the variants measured before it)
+    r.opt.zero_grad(set_to_none=True)
+    gc.collect()
     state = _state_bytes(r.model, r.opt)
+    # eager builds' arenas that stay allocated between steps (a CPU's) are held memory, as the state is
+    state += arena_bytes(r.model)
     if device.type == "cuda":
         _sync(device)
         start = torch.cuda.memory_allocated(device)
