@@ -87,6 +87,9 @@ def test_the_goals_table_reads_the_recorded_gpu_results(tmp_path, capsys):
     assert rows[("resnet18", 8, "eager", "orepa")]["step_goal"] == 2.0
     assert rows[("resnet18", 8, "CUDA graphs", "orepa")]["step_goal"] is None
     assert rows[("resnet50", 64, "eager", "orepa")]["peak_met"] is True
+    # measured with the last step's gradients at the peak step's start: each peak plus its parameters' bytes
+    assert eager["peak_corrected"] is True and eager["peak_ratio"] == pytest.approx(1.165, abs=0.002)
+    assert eager["peak_met"] is False
     out = capsys.readouterr().out
     assert "NVIDIA H100" in out and "| resnet18 b64 eager | orepa:builder=compiled | 1.61x (<= 1.25x) **no** |" in out
     assert goals.main([str(tmp_path)]) == 1  # no result there

@@ -656,6 +656,9 @@ def run_benchmark(
             "kernel_builder": kernel_builder, "pack_parameters": pack,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device.type == "cuda" else None,
             "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32) if device.type == "cuda" else None,
+            # (results without it read the peak step's start with the last step's gradients: CUDA peaks short by
+            # their bytes, see measure_variant_costs; benchmarks/gpu_goals.py corrects those)
+            "peak_start": "without gradients",
         },
         "environment": {**environment(device, git_start), "loadavg_1m_start": load_start},
         "results": res,
