@@ -1540,6 +1540,11 @@ def test_a_16_bit_image_is_scaled_to_8_bits_and_a_float_one_refused(tmp_path):
     assert got.shape == (64, 64, 3) and (got[..., 0] == got[..., 1]).all()
     np.testing.assert_array_equal(got[..., 0], np.rint(ramp / 257.0).astype(np.uint8))
     assert (got == 255).mean() < 0.01
+    for wide, expect in ((ramp.astype(np.int32), np.rint(ramp / 257.0)), (ramp.astype(np.int32) // 257, ramp // 257)):
+        Image.fromarray(wide).save(tmp_path / "wide.tif")  # mode I: 16-bit values scaled, 8-bit ones kept
+        assert Image.open(tmp_path / "wide.tif").mode == "I"
+        np.testing.assert_array_equal(np.asarray(data.load_image(str(tmp_path / "wide.tif")))[..., 0],
+                                      expect.astype(np.uint8))
     flt = tmp_path / "float.tif"
     Image.fromarray(ramp.astype(np.float32) / 65535).save(flt)
     with pytest.raises(data.UserError, match=f"image {flt} has floating-point pixels"):

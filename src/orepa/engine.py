@@ -1016,11 +1016,11 @@ class Workspace:
 
     def __reduce__(self):
         # a copy starts empty but for its root's hooks' handles (copied with the root, so a copied model's
-        # deployment removes its own hooks) and the groups they serve
-        # a root dropped since (timm's features_only keeps the children of the model it built) takes its hooks'
-        # dicts with it: their handles could not be copied, nor would they serve a copy
-        live = tuple(h for h in self.scope_hooks
-                     if h.hooks_dict_ref() is not None and all(ref() is not None for ref in getattr(h, "extra_dict_ref", ())))
+        # deployment removes its own hooks) and the groups they serve; a root dropped since (timm's
+        # features_only keeps the children of the model it built) took its hooks' dicts with it: their
+        # handles could not be copied, nor would they serve a copy
+        live = tuple(h for h in self.scope_hooks if h.hooks_dict_ref() is not None
+                     and all(ref() is not None for ref in getattr(h, "extra_dict_ref", ())))
         return (Workspace, (), {"scope_hooks": live, "traced_scope": self.traced_scope, "groups": self.groups})
 
     def __setstate__(self, state: dict) -> None:
@@ -1296,8 +1296,8 @@ class KernelGroup:
     freed by backward; the grouped root's forward drops kernels built before it (weights written
     through ``.data`` or by ``.to()`` bump no counter: :func:`forward_scope`). The first miss of a
     training forward also builds the kernels of every other group of the network (``peers``) that
-    holds none: the whole network's kernels are built while few
-    activations are alive, so the construction's temporaries do not add to the step's peak.
+    holds none: the whole network's kernels are built while few activations are alive, so the
+    construction's temporaries do not add to the step's peak.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], policy: str = "auto"):
@@ -1529,8 +1529,10 @@ class KernelGroup:
             return
         gc.collect()  # (the model's own references may linger in cycles until a collection)
         held = {id(p) for ref in replaced if (p := ref()) is not None}
-        stale = held and sorted({type(o).__name__ for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)
-                                 and any(id(p) in held for g in o.param_groups for p in g["params"])})
+        # (type(o), not isinstance: a proxy's __class__ may warn, e.g. torch.distributed's deprecated reduce_op)
+        optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)] if held else []
+        stale = sorted({type(o).__name__ for o in optimizers
+                        if any(id(p) in held for g in o.param_groups for p in g["params"])})
         ws = self.workspace
         if stale and not (ws is not None and ws.said_replaced):
             if ws is not None:
@@ -2284,9 +2286,9 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
     where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
     afterwards (one made before is warned of at the next build) and freeze stages before; parameter
-    groups per module need ``pack=False``: a module's ``parameters()`` then no longer hold its blocks'
-    weights, which are their group's (held by its first block, maybe in another stage). A block that a step's loss does not reach gets no gradient (None, which
-    optimizers skip; built ``traced`` in a compiled graph: zeros). Packed, that holds only where its
+    groups per module need ``pack=False``: a module's ``parameters()`` then no longer hold its
+    blocks' weights, which are their group's (held by its first block, maybe in another stage). A
+    block that a step's loss does not reach gets no gradient (None, which optimizers skip; built ``traced`` in a compiled graph: zeros). Packed, that holds only where its
     whole group sits out: the rows of a block left out while others of its group train get zeros,
     which weight decay and momentum act on; keep ``pack=False`` for models whose blocks sit out
     steps (several heads or exits).

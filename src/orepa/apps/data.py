@@ -288,9 +288,9 @@ def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_cro
 
 def load_image(path: str):
     """An RGB PIL image; an unreadable file is a :class:`UserError` naming it (not a worker traceback).
-    A 16-bit grayscale image (Pillow's modes ``I;16*`` and ``I``) is scaled to 8 bits: Pillow's own
-    conversion clips every value above 255 to white. Floating-point images are refused (nothing says
-    their range)."""
+    A 16-bit grayscale image (Pillow's modes ``I;16*``; mode ``I``, 32-bit integers, where a value
+    exceeds 255) is scaled to 8 bits: Pillow's own conversion clips every value above 255 to white.
+    Floating-point images are refused (nothing says their range)."""
     from PIL import Image
 
     try:
@@ -300,7 +300,9 @@ def load_image(path: str):
                 import numpy as np
 
                 deep = np.asarray(img, dtype=np.float64)
-                img = Image.fromarray(np.clip(np.rint(deep / 257.0), 0, 255).astype(np.uint8), "L")
+                if img.mode != "I" or deep.max(initial=0) > 255:  # (an "I" image within 0..255 is 8-bit data)
+                    deep = deep / 257.0
+                img = Image.fromarray(np.clip(np.rint(deep), 0, 255).astype(np.uint8), "L")
             elif img.mode == "F":
                 raise UserError(f"image {path} has floating-point pixels (Pillow mode F), whose range nothing "
                                 "says: save it as 8- or 16-bit")
