@@ -585,3 +585,18 @@ def test_dbb_on_a_depthwise_conv_has_dbbs_own_branches():
         tol_close(orepa.reparameterize(dw.eval())(x), dw(x))
     with pytest.raises(ValueError, match="the avg branch pools each input channel"):
         orepa.blocks.build_branches(["avg"], 8, 16, 3, 1)
+
+
+@pytest.mark.parametrize("k,s,d", [(3, 2, 1), (5, 3, 1), ((3, 5), 2, 2)])
+def test_a_tf_same_deployed_conv_scripts_and_pads_as_eagerly(k, s, d):
+    """A block made with ``tf_same=True`` deploys to ``Conv2dTFSame``, which TorchScript refused
+    (``'Tensor' object has no attribute or method 'forward'``): scripted, it pads as it does eagerly
+    at every input size."""
+    torch.manual_seed(0)
+    block = OREPAConv2d(3, 4, k, stride=s, dilation=d, tf_same=True).eval()
+    deployed = orepa.reparameterize(nn.Sequential(block))
+    scripted = torch.jit.script(deployed)
+    for size in ((7, 9), (8, 8), (5, 12), (2, 3)):
+        x = torch.randn(2, 3, *size)
+        torch.testing.assert_close(scripted(x), deployed(x), rtol=0, atol=0)
+        torch.testing.assert_close(deployed(x), block(x), rtol=1e-4, atol=1e-5)

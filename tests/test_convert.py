@@ -436,6 +436,7 @@ def test_pairing_by_running_the_model_checks_both_modes_and_leaves_the_model_as_
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training and not model.bn2.training and model.bn.training
+    model.bn2.train()  # (a BN in eval mode where its conv trains is a fixed norm, which DBB does not absorb)
     converted, report = orepa.convert(model, "dbb", example_input=x, return_report=True)
     assert report.converted == ["c2"] and "training mode's forward reads it" in report.skipped["c"]
     orepa.load_plain_state_dict(converted, model.state_dict())
@@ -1356,3 +1357,33 @@ def test_a_forward_that_iterates_its_layers_and_calls_each_whole_is_not_warned_a
     with torch.no_grad():
         tol_close(fused(x), net(x))
         tol_close(orepa.reparameterize(converted.eval())(x), converted(x))
+
+
+@pytest.mark.parametrize("how", ["eval", "frozen affine"])
+def test_a_norm_its_network_froze_is_kept_fixed_not_absorbed(how):
+    """A BN put in eval mode (frozen-BN fine-tuning), or with its affine frozen, while its conv trains:
+    the methods that absorb it brought BNs of their own that trained on batch statistics with
+    trainable affines, 1.8 off the plain network after load_plain_state_dict in training mode. Now
+    such a norm is fixed as a FrozenBatchNorm2d is: online blocks keep it after them, starting as
+    the conv (exact), the others leave the conv with a reason."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)).double()
+    with torch.no_grad():
+        seq[1].running_mean.normal_(0, 0.5)
+        seq[1].running_var.uniform_(0.5, 2)
+        seq[1].weight.uniform_(0.5, 1.5)
+    if how == "eval":
+        seq[1].eval()
+    else:
+        seq[1].requires_grad_(False)
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    converted, report = orepa.convert(seq, "orepa", return_report=True)
+    assert report.converted == ["0"] and report.frozen_norm == ["0"]
+    assert type(converted[1]) is nn.BatchNorm2d and converted[1].training == (how != "eval")
+    orepa.load_plain_state_dict(converted, seq.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(converted(x), seq(x), rtol=1e-12, atol=1e-12)
+    said = "in eval mode while the conv trains" if how == "eval" else "whose affine is frozen while the conv trains"
+    for method in ("dbb", "repvgg", "orepa-offline"):
+        with pytest.raises(ValueError, match=f"0: followed by a BatchNorm2d {said}.*bring BNs of their own"):
+            orepa.convert(seq, method)

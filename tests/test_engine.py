@@ -2152,3 +2152,21 @@ def test_a_copy_of_blocks_whose_grouped_root_was_dropped_copies():
     twin = copy.deepcopy(kept)
     x = torch.randn(1, 4, 6, 6)
     torch.testing.assert_close(twin(x), kept(x))
+
+
+@pytest.mark.parametrize("kind", ["orepa-vgg", "deep stem"])
+def test_a_deployed_network_of_nesting_blocks_carries_no_engine_hook(kind):
+    """OREPA-VGG's blocks and the deep stem nest the online blocks that are grouped: deploying them
+    left the grouped root's pre-hook (and through it the training-form blocks) on the deployed
+    model, which TorchScript refused ("'functools.partial' object has no attribute '__name__'")."""
+    torch.manual_seed(0)
+    if kind == "orepa-vgg":
+        net = orepa.convert(nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)), "orepa-vgg")
+    else:
+        net = nn.Sequential(orepa.OREPADeepStem(3, 8, 7, 2), nn.BatchNorm2d(8))
+        engine.group_kernels(net)
+    assert net._forward_pre_hooks
+    deployed = orepa.reparameterize(net.eval(), fuse_bn=True)
+    assert _scope_hooks(deployed) == [] and not any(hasattr(m, "_kernel_group") for m in deployed.modules())
+    x = torch.randn(2, net[0].in_channels, 12, 12)
+    torch.testing.assert_close(torch.jit.script(deployed)(x), net(x), rtol=1e-4, atol=1e-5)

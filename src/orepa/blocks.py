@@ -227,7 +227,22 @@ class Conv2dTFSame(nn.Conv2d):
         self.padding = (0, 0)  # 'valid' included: what a deployed conv's layout holds
 
     def forward(self, x: Tensor) -> Tensor:
-        return super().forward(pad_tf_same(x, self.kernel_size, self.stride, self.dilation))
+        if torch.jit.is_scripting():  # (TorchScript compiles this branch only: pad_tf_same takes traced sizes)
+            x = _pad_tf_same_scripted(x, self.kernel_size, self.stride, self.dilation)
+        else:
+            x = pad_tf_same(x, self.kernel_size, self.stride, self.dilation)
+        return F.conv2d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+def _pad_tf_same_scripted(x: Tensor, kernel_size: list[int], stride: list[int], dilation: list[int]) -> Tensor:
+    """:func:`pad_tf_same` in TorchScript's terms (integer sizes)."""
+    pads: list[int] = []
+    for axis in (1, 0):  # F.pad's order: the last axis first
+        size = x.shape[-2 + axis]
+        total = max(((size + stride[axis] - 1) // stride[axis] - 1) * stride[axis]
+                    + (kernel_size[axis] - 1) * dilation[axis] + 1 - size, 0)
+        pads += [total // 2, total - total // 2]
+    return F.pad(x, pads)
 
 
 # --------------------------------------------------------------------------- steps
@@ -884,9 +899,11 @@ class ReparamConv2d(nn.Module):
         """timm's re-parameterization protocol (``timm.utils.reparameterize_model`` replaces a
         child by its ``fuse()``): :meth:`to_conv`. The BN a block absorbed is carried in this
         conv's bias; its :class:`AbsorbedNorm` placeholder fuses to an identity BatchNorm2d. Its
-        network's root loses the engine's hooks (``group_kernels(..., traced=True)``)."""
-        group = getattr(self, "_kernel_group", None)  # (a block pickled before it had one)
-        E.release_scope(None if group is None else group.workspace)
+        network's root loses the engine's hooks (:func:`orepa.engine.forward_scope`), those of its
+        own group and of the groups of the blocks it nests (OREPA-VGG's, the deep stem's steps)."""
+        for m in self.modules():
+            group = getattr(m, "_kernel_group", None)  # (a block pickled before it had one)
+            E.release_scope(None if group is None else group.workspace)
         return self.to_conv().train(self.training)
 
     def extra_repr(self) -> str:

@@ -60,7 +60,8 @@ class ConversionReport:
     skipped: dict[str, str] = field(default_factory=dict)
     #: the converted convs that no BatchNorm2d follows (``without_bn=True``)
     without_bn: list[str] = field(default_factory=list)
-    #: the converted convs a FrozenBatchNorm2d follows: their blocks start as the plain conv
+    #: the converted convs a fixed norm follows (a FrozenBatchNorm2d, or a BN frozen where its conv trains):
+    #: their blocks start as the plain conv, the norm kept after them
     frozen_norm: list[str] = field(default_factory=list)
     #: re-param blocks the model held already (an earlier ``convert``, the zoo), kept as they are: name -> kind
     kept: dict[str, str] = field(default_factory=dict)
@@ -68,7 +69,7 @@ class ConversionReport:
     def __str__(self) -> str:
         unnormed = f" ({len(self.without_bn)} without a BatchNorm2d after them)" if self.without_bn else ""
         if self.frozen_norm:
-            unnormed += f" ({len(self.frozen_norm)} before a FrozenBatchNorm2d, started as their conv)"
+            unnormed += f" ({len(self.frozen_norm)} before a fixed norm, started as their conv)"
         lines = [f"convert(method={self.method!r}): {len(self.converted)} converted{unnormed}, "
                  f"{len(self.skipped)} skipped; pairs found by {self.pairing}"]
         if self.kept:
@@ -447,6 +448,22 @@ def _frozen_bn(m: nn.Module) -> bool:
         isinstance(getattr(m, k, None), torch.Tensor) for k in ("weight", "bias", "running_mean", "running_var"))
 
 
+def _fixed_norm(bn: nn.Module, conv: nn.Conv2d) -> str | None:
+    """Why the norm after ``conv`` is fixed where the conv trains (how its conv is then converted:
+    the norm stays after the block, which starts as the conv), or None: a ``FrozenBatchNorm2d``, or a
+    BN its network froze while the conv trains (in eval mode: frozen-BN fine-tuning; or its affine
+    frozen). Absorbed, its block's own BNs would train where it does not."""
+    if _frozen_bn(bn):
+        return f"followed by a {type(bn).__name__} (fixed statistics, as torchvision's pretrained detectors have)"
+    if not conv.training or not isinstance(bn, nn.modules.batchnorm._BatchNorm):
+        return None
+    if not bn.training:
+        return f"followed by a {type(bn).__name__} in eval mode while the conv trains (fixed statistics)"
+    if conv.weight.requires_grad and bn.affine and not (bn.weight.requires_grad or bn.bias.requires_grad):
+        return f"followed by a {type(bn).__name__} whose affine is frozen while the conv trains"
+    return None
+
+
 def _pairs_with_conv(m: nn.Module) -> bool:
     """A norm a conv -> norm pair may end in: a BN :func:`_is_bn` takes, or a frozen one."""
     return _is_bn(m) or _frozen_bn(m)
@@ -823,8 +840,8 @@ def convert(
             report.without_bn.append(conv_name)
             continue
         bn = model.get_submodule(bn_name)
-        if _frozen_bn(bn):
-            frozen = f"followed by a {type(bn).__name__} (fixed statistics, as torchvision's pretrained detectors have)"
+        frozen = _fixed_norm(bn, conv)
+        if frozen is not None:
             if block.has_norm:
                 these = f"{method!r} blocks" if method != "orepa" else "these 'orepa' blocks (BNs in their branches)"
                 report.skipped[conv_name] = (f"{frozen}: {these} bring BNs of their own, which would train where the "
