@@ -90,6 +90,10 @@ def test_the_goals_table_reads_the_recorded_gpu_results(tmp_path, capsys):
     # measured with the last step's gradients at the peak step's start: each peak plus its parameters' bytes
     assert eager["peak_corrected"] is True and eager["peak_ratio"] == pytest.approx(1.165, abs=0.002)
     assert eager["peak_met"] is False
+    # the state alone (3.2x parameters and their momentum: 288 against 89 MiB) puts ResNet-18 b64 over the goal
+    assert eager["peak_floor"] == pytest.approx(1.136, abs=0.002) and eager["peak_floor"] > goals.PEAK_GOAL
+    assert rows[("resnet18", 8, "eager", "orepa")]["peak_floor"] == pytest.approx(1.648, abs=0.002)
     out = capsys.readouterr().out
     assert "NVIDIA H100" in out and "| resnet18 b64 eager | orepa:builder=compiled | 1.61x (<= 1.25x) **no** |" in out
+    assert "| 1.165x* **no** | 1.136x | 3.32x: OREPA faster |" in out
     assert goals.main([str(tmp_path)]) == 1  # no result there
