@@ -600,3 +600,65 @@ def test_a_tf_same_deployed_conv_scripts_and_pads_as_eagerly(k, s, d):
         x = torch.randn(2, 3, *size)
         torch.testing.assert_close(scripted(x), deployed(x), rtol=0, atol=0)
         torch.testing.assert_close(deployed(x), block(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_symbolic_trace_records_each_block_as_one_call(mode):
+    """torch.fx (torchvision's ``create_feature_extractor``) traced into the block's forward and
+    failed on its input check ("symbolically traced variables cannot be used as inputs to control
+    flow"): a block is now one ``call_module``, as a torch.nn layer is, and the features equal the
+    model's, training forwards (the engine's kernels) included."""
+    import torchvision
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    model = orepa.convert(torchvision.models.resnet18(num_classes=10), method="orepa").double()
+    getattr(model, mode)()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    traced = torch.fx.symbolic_trace(model)
+    calls = [n.target for n in traced.graph.nodes if n.op == "call_module"]
+    assert "layer1.0.conv1" in calls and not any(".branches." in c for c in calls)
+    features = create_feature_extractor(model, {"layer2": "f2", "fc": "out"})
+    seen = {}
+    model.layer2.register_forward_hook(lambda mod, i, o: seen.__setitem__("f2", o))
+    with torch.set_grad_enabled(mode == "train"):
+        got, want = features(x), model(x)
+        torch.testing.assert_close(traced(x), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["out"], want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got["f2"], seen["f2"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["prune", "weight_norm"])
+def test_a_pruned_or_parametrized_branch_step_is_refused_by_name(how):
+    """``prune`` / ``weight_norm`` on a branch's conv take its weight slot away, which the block
+    reads to build its kernel: a bare ``KeyError: 'weight'`` at the next forward; now a TypeError
+    naming the step and what to do (the deployed model prunes as any conv net)."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    block = OREPAConv2d(4, 4, 3, padding=1)
+    step = block.branches["kxk"].conv
+    if how == "prune":
+        prune.l1_unstructured(step, "weight", amount=0.5)
+    else:
+        torch.nn.utils.parametrizations.weight_norm(step)
+    x = torch.randn(2, 4, 6, 6)
+    for train in (True, False):
+        with pytest.raises(TypeError, match=r"the weight of branches\.kxk\.conv is pruned or parametrized.*"
+                                            r"prune or parametrize the deployed model"):
+            block.train(train)(x)
+
+
+def test_reset_parameters_resets_the_branch_scales_too():
+    """``model.apply(lambda m: m.reset_parameters())`` reset the convs and BNs but left every
+    branch scale at its trained value (``Scale`` had no ``reset_parameters``)."""
+    torch.manual_seed(0)
+    block = OREPAConv2d(4, 4, 3, padding=1)
+    started = {k: v.clone() for k, v in block.state_dict().items() if k.endswith("scale.weight")}
+    assert len(started) >= 5 and len({float(v[0]) for v in started.values()}) > 1  # (not all one value)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(1.0)
+    block.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+    for k, v in started.items():
+        torch.testing.assert_close(block.state_dict()[k], v, rtol=0, atol=0, msg=k)

@@ -1379,6 +1379,8 @@ def test_a_norm_its_network_froze_is_kept_fixed_not_absorbed(how):
     x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
     converted, report = orepa.convert(seq, "orepa", return_report=True)
     assert report.converted == ["0"] and report.frozen_norm == ["0"]
+    why = "in eval mode while the conv trains" if how == "eval" else "whose affine is frozen while the conv trains"
+    assert why in report.frozen_norm_why["0"] and f"1 started as their conv, followed by a BatchNorm2d {why}" in str(report)
     assert type(converted[1]) is nn.BatchNorm2d and converted[1].training == (how != "eval")
     orepa.load_plain_state_dict(converted, seq.state_dict())
     with torch.no_grad():

@@ -4,6 +4,8 @@ import copy
 import gc
 import json
 import operator
+import pickle
+import threading
 import warnings
 import weakref
 
@@ -803,7 +805,8 @@ def test_the_forward_scope_hooks_follow_regrouping_copies_and_deployment():
     assert _scope_hooks(net) == [""] and len(net._forward_pre_hooks) == len(net._forward_hooks) == 1
     twin = copy.deepcopy(net)
     (hook,) = twin._forward_pre_hooks.values()
-    assert hook.args[0] is twin[1]._kernel_group.workspace is not net[1]._kernel_group.workspace
+    assert hook.workspace is twin[1]._kernel_group.workspace is not net[1]._kernel_group.workspace
+    assert hook.root() is twin and hook.workspace.root() is twin
     deployed = orepa.reparameterize(twin)
     assert _scope_hooks(deployed) == [] and not deployed._forward_hooks_always_called
     assert _scope_hooks(twin) == [""]  # (a copy was deployed)
@@ -812,6 +815,51 @@ def test_the_forward_scope_hooks_follow_regrouping_copies_and_deployment():
         setattr(parent, name, getattr(parent, name).fuse())
     assert _scope_hooks(twin) == []
     torch.jit.script(twin)
+
+
+def test_a_block_deployed_alone_leaves_the_roots_hook_to_the_network_that_trains():
+    """``reparameterize(block)`` / ``block.fuse()`` of one block (to inspect its conv) took the root's
+    pre-hook off a network still training, and with it the guard against kernels built ahead going
+    stale: 0.54 off after a ``.data`` write. The last block deployed takes it (timm's protocol)."""
+    torch.manual_seed(0)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125, small_input=True).double()
+    ref = copy.deepcopy(model)
+    engine.group_kernels(model, "grouped")
+    engine.group_kernels(ref, "per-block")
+    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    orepa.reparameterize(model.layer1[0].conv1)
+    model.layer2[0].conv1.fuse()
+    assert _scope_hooks(model) == [""]
+    model.conv1(x)  # the stem alone: every group's kernels built ahead
+    for net in (model, ref):
+        with torch.no_grad():
+            net.layer3[1].conv2.branches["kxk"].conv.weight.data.mul_(0.5)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-10, atol=1e-12)
+    blocks = [m for m in model.modules() if isinstance(m, orepa.ReparamConv2d) and m._kernel_group is not None]
+    for block in blocks[:-1]:
+        block.fuse()
+    assert _scope_hooks(model) == [""]
+    blocks[-1].fuse()
+    assert _scope_hooks(model) == []
+
+
+def test_a_copy_or_pickle_of_a_submodule_carries_nothing_of_the_roots_hooks():
+    """The grouped root's hooks were reached from its blocks (their handles, in the network's
+    workspace): copying, pickling or deploying a submodule (an EMA of a backbone, ``torch.save(model.
+    layer1)``) copied the root's hook dicts, a user's hook there included ("cannot pickle
+    '_thread.lock' object")."""
+    torch.manual_seed(0)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125, small_input=True)
+    engine.group_kernels(model, "grouped")
+    lock = threading.Lock()
+    model.register_forward_pre_hook(lambda m, a: lock.locked() and None)
+    part = copy.deepcopy(model.layer1)
+    assert _scope_hooks(part) == []
+    pickle.loads(pickle.dumps(model.layer1))
+    deployed = orepa.reparameterize(model.layer1.eval())
+    x = torch.randn(2, 8, 8, 8)
+    torch.testing.assert_close(deployed(x), model.layer1(x), rtol=1e-4, atol=1e-5)
+    assert len(model._forward_pre_hooks) == 2  # the root's own: untouched
 
 
 class _TwoPasses(nn.Module):
@@ -1215,20 +1263,22 @@ def test_a_group_frozen_in_some_blocks_only_stays_unpacked():
     assert group.packed is not None
 
 
-def test_freezing_a_stage_after_packing_is_said_once_with_the_blocks_frozen_together():
+@pytest.mark.parametrize("policy", ["grouped", "per-block", "auto"])
+def test_freezing_a_stage_after_packing_is_said_once_with_the_blocks_frozen_together(policy):
     """ResNet-18's layer3 frozen after packing: the 256-channel group's packed parameters (held by
     layer3) hold layer4.0.conv1's rows too, so it is frozen with them; one warning per network names
-    the group's blocks. Frozen before packing, each block trains as it was told, without a warning."""
+    the group's blocks, whatever route the blocks take. Frozen before packing, each block trains as
+    it was told, without a warning."""
     x = torch.randn(2, 3, 32, 32)
     model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
-    engine.group_kernels(model, "grouped", pack=True)
+    engine.group_kernels(model, policy, pack=True)
     model(x).sum().backward()
     model.layer3.requires_grad_(False)
-    with pytest.warns(UserWarning, match=r"frozen after packing.*\(layer3\.0\.conv2, layer3\.1\.conv1, "
+    with pytest.warns(UserWarning, match=r"frozen or unfrozen after packing.*\(layer3\.0\.conv2, layer3\.1\.conv1, "
                       r"layer3\.1\.conv2, layer4\.0\.conv1\)") as said:
         for _ in range(2):
             model(x).sum().backward()
-    assert sum("frozen after packing" in str(w.message) for w in said) == 1
+    assert sum("after packing" in str(w.message) for w in said) == 1
     before = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
     before.layer3.requires_grad_(False)
     engine.group_kernels(before, "grouped", pack=True)
@@ -1238,6 +1288,31 @@ def test_freezing_a_stage_after_packing_is_said_once_with_the_blocks_frozen_toge
     grads = _named_grads(before)
     assert all(g is None for k, g in grads.items() if k.startswith("layer3.") and ".conv" in k)
     assert all(g is not None for k, g in grads.items() if k.startswith("layer4.0.conv1.branches."))
+
+
+def test_unfreezing_a_stage_after_packing_is_said_and_freezing_everything_is_not():
+    """The backbone frozen before packing (as the docs ask), then layer4 unfrozen for a second stage of
+    fine-tuning: layer4.0.conv1's rows lie in a parameter layer3 holds, so it stayed frozen, silently.
+    Said now; freezing or unfreezing every block after packing is exact, and not said."""
+    x = torch.randn(2, 3, 32, 32)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    for name, child in model.named_children():
+        child.requires_grad_(name == "fc")
+    engine.group_kernels(model, "per-block", pack=True)
+    model(x).sum().backward()
+    model.layer4.requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"frozen or unfrozen after packing.*layer4\.0\.conv1 \(its rows held by layer3\."):
+        model(x).sum().backward()
+    everything = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    engine.group_kernels(everything, "per-block", pack=True)
+    everything(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name, child in everything.named_children():  # fine-tuning the head alone
+            child.requires_grad_(name == "fc")
+        everything(x).sum().backward()
+        everything.requires_grad_(True)  # and then everything
+        everything(x).sum().backward()
 
 
 @pytest.mark.slow
@@ -2069,32 +2144,69 @@ def test_a_tensor_set_as_a_packed_weight_is_what_state_dict_saves_until_a_load()
     assert step.__dict__["_packed"].overridden is None and not step.weight.any() and step.weight.requires_grad
 
 
-@pytest.mark.parametrize("regroup", [False, True])
-def test_an_optimizer_made_before_packing_is_warned_of_once(regroup):
+def _stale_optimizer_warnings(record) -> int:
+    return sum("holds parameters that" in str(w.message) for w in record)
+
+
+@pytest.mark.parametrize("policy", ["grouped", "per-block", "auto"])
+@pytest.mark.parametrize("regroup", ["once", "unpacked after", "twice"])
+def test_an_optimizer_made_before_packing_is_warned_of_once(policy, regroup):
     """Packing takes the steps' parameters out of the model: an optimizer made before holds tensors
-    that never get a gradient, and the online blocks would not train, silently. The first build after
-    (un)packing warns once per network where something still holds them; made after, no warning."""
+    that never get a gradient, and the online blocks would not train, silently. Warned once per
+    network by the grouping, whatever route the blocks take (a CPU's ``auto`` and ``per-block`` build
+    no group: they were not), also where the model is grouped again before a step (the first
+    packing's parameters were forgotten); made after, no warning."""
     x = torch.randn(2, 3, 32, 32)
     model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
-    if regroup:  # packed, then its optimizer made, then regrouped unpacked: the optimizer's are stale again
-        engine.group_kernels(model, "grouped", pack=True)
+    if regroup == "unpacked after":  # packed, its optimizer made, then regrouped unpacked: stale again
+        engine.group_kernels(model, policy, pack=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine.group_kernels(model, "grouped", pack=not regroup)
-    with pytest.warns(UserWarning, match=r"an optimizer \(SGD\) holds parameters that (un)?packing took out of the model: it was made before") as said:
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine.group_kernels(model, policy, pack=regroup != "unpacked after")
+        if regroup == "twice":
+            engine.group_kernels(model, policy, pack=True)
         for _ in range(2):
+            opt.zero_grad()
             model(x).sum().backward()
-    assert sum("holds parameters that" in str(w.message) for w in said) == 1
+            opt.step()
+    assert _stale_optimizer_warnings(said) == 1, [str(w.message) for w in said]
+    assert "made before group_kernels(model, policy, pack=" in str(said[0].message)
+    assert said[0].filename == __file__  # said at the user's call
+    # (what the warning is about: the optimizer's tensors of the online blocks never moved)
+    assert sum(torch.equal(a, p) for a, p in zip(before, opt.param_groups[0]["params"])) >= 20
     del opt
     right = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
-    engine.group_kernels(right, "grouped", pack=True)
-    if regroup:
-        engine.group_kernels(right, "grouped")
+    engine.group_kernels(right, policy, pack=True)
+    if regroup != "once":
+        engine.group_kernels(right, policy, pack=regroup == "twice")
     opt = torch.optim.SGD(right.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         right(x).sum().backward()
         opt.step()
         right(x).sum().backward()
+
+
+def test_an_optimizer_made_after_packing_of_parameters_listed_before_is_warned_of_at_the_first_step():
+    """Parameters listed before packing (a framework's parameter groups) and the optimizer made of
+    them after: the grouping finds no optimizer yet, the first training forward does."""
+    x = torch.randn(2, 3, 32, 32)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    listed = [{"params": list(model.parameters()), "weight_decay": 0.0}]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        engine.group_kernels(model, "per-block", pack=True)
+        assert _stale_optimizer_warnings(said) == 0
+        opt = torch.optim.SGD(listed, lr=0.1)
+        with torch.no_grad():
+            model.eval()(x)  # (not a training forward)
+        assert _stale_optimizer_warnings(said) == 0
+        for _ in range(2):
+            model.train()(x).sum().backward()
+    assert _stale_optimizer_warnings(said) == 1 and opt is not None
+    assert model._forward_pre_hooks and not next(iter(model._forward_pre_hooks.values())).workspace.replaced
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
@@ -2136,7 +2248,7 @@ def test_a_functional_call_with_detached_tensors_is_not_a_freeze_after_packing()
         warnings.simplefilter("error")
         torch.func.functional_call(model, {k: v.detach() for k, v in model.named_parameters()}, (x,))
     model.layer3.requires_grad_(False)
-    with pytest.warns(UserWarning, match="frozen after packing"):
+    with pytest.warns(UserWarning, match="frozen or unfrozen after packing"):
         model(x).sum().backward()
 
 

@@ -447,8 +447,14 @@ class Scale(PackableWeight, nn.Module):
         super().__init__()
         if mode not in ("vector", "scalar"):
             raise ValueError(f"Scale mode must be 'vector' or 'scalar', got {mode!r}")
-        self.mode = mode
+        self.mode, self.init_value = mode, float(init)
         self.weight = nn.Parameter(torch.full((channels if mode == "vector" else 1,), float(init)))
+
+    def reset_parameters(self) -> None:
+        """Back to the value it started with (``model.apply(lambda m: m.reset_parameters())`` resets
+        the branches' scales with their convs and BNs)."""
+        with torch.no_grad():
+            self.weight.fill_(self.__dict__.get("init_value", 1.0))  # (pickled before it was kept: 1)
 
     def affine(self) -> tuple[Tensor, Tensor | None]:
         return self.weight, None
@@ -458,6 +464,24 @@ class Scale(PackableWeight, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.mode}, size={self.weight.numel()}"
+
+
+def _refuse_reparametrized_steps(block: nn.Module, error: Exception) -> None:
+    """``torch.nn.utils.prune`` or ``parametrize`` (weight_norm, spectral_norm) on a branch's step
+    takes its ``weight`` slot away, which the block reads to build its kernel (the step's own forward,
+    where they recompute it, never runs): a TypeError naming the steps (of ``block`` or of the blocks
+    its group builds with), instead of a KeyError from inside the construction."""
+    group = getattr(block, "_kernel_group", None)
+    blocks = [block] if group is None else [b for g in (group.peers or [group]) for b in g.blocks]
+    names = {id(m): n for b in blocks for n, m in b.named_modules()}
+    odd = [names[id(m)] for b in blocks for m in b.modules() if _is_kernel_step(m)
+           and (hasattr(m, "parametrizations") or "weight_orig" in m._parameters)]
+    if odd:
+        raise TypeError(
+            f"the weight of {', '.join(sorted(set(odd)))} is pruned or parametrized (torch.nn.utils.prune, "
+            "parametrizations.weight_norm, ...): a re-param block builds its kernel from its steps' weight "
+            "tensors, which these take away; prune or parametrize the deployed model (orepa.reparameterize), "
+            "or remove them (prune.remove, parametrize.remove_parametrizations)") from error
 
 
 def _is_kernel_step(m: nn.Module) -> bool:
@@ -790,6 +814,18 @@ class ReparamConv2d(nn.Module):
                            "convs")
 
     def forward(self, x: Tensor) -> Tensor:
+        if isinstance(x, torch.fx.Proxy):
+            # a symbolic trace (torch.fx; torchvision's create_feature_extractor) records the block as one
+            # call, as it records a torch.nn layer: its shape checks and its kernels' construction are no graph
+            tracer = x.tracer
+            return tracer.create_proxy("call_module", tracer.path_of_module(self), (x,), {})
+        try:
+            return self._forward(x)
+        except KeyError as e:  # a step's weight slot gone (below): said as what happened
+            _refuse_reparametrized_steps(self, e)
+            raise
+
+    def _forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
                 f"{type(self).__name__} expects input [N, {self.in_channels}, H, W], got {list(x.shape)}"
@@ -899,11 +935,11 @@ class ReparamConv2d(nn.Module):
         """timm's re-parameterization protocol (``timm.utils.reparameterize_model`` replaces a
         child by its ``fuse()``): :meth:`to_conv`. The BN a block absorbed is carried in this
         conv's bias; its :class:`AbsorbedNorm` placeholder fuses to an identity BatchNorm2d. Its
-        network's root loses the engine's hooks (:func:`orepa.engine.forward_scope`), those of its
-        own group and of the groups of the blocks it nests (OREPA-VGG's, the deep stem's steps)."""
+        network's root loses the engine's hooks (:func:`orepa.engine.forward_scope`) with the last
+        block of its network deployed, this one and the blocks it nests (OREPA-VGG's, the deep stem's
+        steps) counted (:func:`orepa.engine.block_deployed`)."""
         for m in self.modules():
-            group = getattr(m, "_kernel_group", None)  # (a block pickled before it had one)
-            E.release_scope(None if group is None else group.workspace)
+            E.block_deployed(m)
         return self.to_conv().train(self.training)
 
     def extra_repr(self) -> str:

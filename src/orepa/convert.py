@@ -28,6 +28,7 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
+from . import engine as E
 from . import kernels as K
 from .blocks import (
     BATCH_NORMS,
@@ -63,6 +64,8 @@ class ConversionReport:
     #: the converted convs a fixed norm follows (a FrozenBatchNorm2d, or a BN frozen where its conv trains):
     #: their blocks start as the plain conv, the norm kept after them
     frozen_norm: list[str] = field(default_factory=list)
+    #: why each of them counts as fixed (name -> reason: a FrozenBatchNorm2d, a BN in eval mode, ...)
+    frozen_norm_why: dict[str, str] = field(default_factory=dict)
     #: re-param blocks the model held already (an earlier ``convert``, the zoo), kept as they are: name -> kind
     kept: dict[str, str] = field(default_factory=dict)
 
@@ -76,6 +79,7 @@ class ConversionReport:
             kinds = Counter(self.kept.values())
             lines[0] += (f"; {len(self.kept)} re-param blocks already there kept as they are ("
                          + ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + ")")
+        lines += [f"  {n} started as their conv, {why}" for why, n in Counter(self.frozen_norm_why.values()).items()]
         lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
@@ -855,6 +859,7 @@ def convert(
                 report.skipped[conv_name] = f"{frozen}, so its block must start as the conv, which it cannot: {exc}"
                 continue
             report.frozen_norm.append(conv_name)  # (the norm stays where it is)
+            report.frozen_norm_why[conv_name] = frozen
         elif block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
             absorbed = AbsorbedNorm(bn, norm_act=_norm_then_act(bn))
             block.absorbed_token = absorbed.token
@@ -1108,6 +1113,7 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
         _set_submodule(model, name, conv)
     for name in orphans:  # placeholders whose block was not found: plain BN, identity-like
         _set_submodule(model, name, model.get_submodule(name).restore(None))
+    E.strip_scopes(model)  # every block under it deployed: no grouped root's hook serves (nor scripts)
     if fuse_bn:
         model = fuse_conv_bn(model, inplace=True, example_input=example_input)
     return model

@@ -51,6 +51,8 @@ import inspect
 import itertools
 import math
 import operator
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -64,9 +66,10 @@ from torch import Tensor, nn
 from . import kernels as K
 
 __all__ = ["ChainedBuild", "CompiledBuild", "CudaGraphRecorder", "GraphedBuild", "KernelGroup", "POLICIES",
-           "PackedParameters", "Plan", "Recording", "RecordingBuffer", "builds_together", "choose_route",
-           "arena_bytes", "forward_scope", "functorch_active", "group_kernels", "kernel_groups", "needs_recompute", "plan_of", "recorded_bytes",
-           "reference_path", "release_scope", "route", "squeeze", "squeeze_kernels", "train_forward", "train_kernel"]
+           "PackedParameters", "Plan", "Recording", "RecordingBuffer", "arena_bytes", "block_deployed",
+           "builds_together", "choose_route", "forward_scope", "functorch_active", "group_kernels", "kernel_groups",
+           "needs_recompute", "plan_of", "recorded_bytes", "reference_path", "release_scope", "route", "squeeze",
+           "squeeze_kernels", "strip_scopes", "train_forward", "train_kernel"]
 
 #: where blocks build their kernels together (see the module docstring)
 POLICIES = ("auto", "grouped", "per-block", "compiled")
@@ -999,11 +1002,15 @@ class Workspace:
         # closed by the root's hooks, whose handles these are: KernelGroup.traces_together)
         self.traced: dict[tuple[int, int], tuple[Tensor, tuple[Tensor, ...]]] = {}
         self.forward_open = False
-        self.scope_hooks: tuple = ()
+        self.root: weakref.ref | None = None  # the grouped root that holds the hooks (:class:`_ScopeHook`)
         self.traced_scope = False  # whether those hooks open and close that scope (group_kernels' traced)
         self.groups: list[KernelGroup] = []  # the network's groups (their root's pre-hook drops their kernels)
-        self.said_frozen = False  # whether KernelGroup._frozen_after_packing has warned for this network
-        self.said_replaced = False  # whether KernelGroup._check_replaced has warned for this network
+        # the parameters packing or unpacking took out of the model, until a look for optimizers holding
+        # them (_warn_of_stale_optimizers); the blocks deployed one by one (fuse(): block_deployed)
+        self.replaced: list[weakref.ref] = []
+        self.deployed: weakref.WeakSet = weakref.WeakSet()
+        self.said_frozen = False  # whether _check_trainability has warned for this network
+        self.said_replaced = False  # whether _warn_of_stale_optimizers has warned for this network
 
     def recorder(self, kind: type, device: torch.device):
         """The network's recorder of type ``kind`` (e.g. :class:`CudaGraphRecorder`) for ``device``."""
@@ -1015,18 +1022,16 @@ class Workspace:
         return memo(self.buffers, (device, use), lambda: RecordingBuffer(device))
 
     def __reduce__(self):
-        # a copy starts empty but for its root's hooks' handles (copied with the root, so a copied model's
-        # deployment removes its own hooks) and the groups they serve; a root dropped since (timm's
-        # features_only keeps the children of the model it built) took its hooks' dicts with it: their
-        # handles could not be copied, nor would they serve a copy
-        live = tuple(h for h in self.scope_hooks if h.hooks_dict_ref() is not None
-                     and all(ref() is not None for ref in getattr(h, "extra_dict_ref", ())))
-        return (Workspace, (), {"scope_hooks": live, "traced_scope": self.traced_scope, "groups": self.groups})
+        # a copy starts empty but for the groups its root's hooks serve; nothing of the root: a copy of
+        # a submodule must not copy it, and a copy of the root gets its root from the root's copied
+        # hooks (_ScopeHook), which hold it
+        return (Workspace, (), {"traced_scope": self.traced_scope, "groups": self.groups})
 
     def __setstate__(self, state: dict) -> None:
+        hooks = state.pop("scope_hooks", ())  # pickled when it held its hooks' handles
         self.__dict__.update(state)
         if "traced_scope" not in state:  # pickled when only a traced root had hooks
-            self.traced_scope = bool(self.scope_hooks)
+            self.traced_scope = bool(hooks)
 
     def arena(self, key: tuple) -> Arena:
         """The arena of ``key`` = (device, dtype). A new one frees the memory of those before it that
@@ -1340,12 +1345,12 @@ class KernelGroup:
         self._packed_roles: dict[int, tuple[str, int, int]] = {}
         self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
         self._packed_layout: tuple[tuple[int, ...], ...] = ()
-        self._trainable_packed: tuple[str, ...] = ()  # its packed parameters trainable when packed
+        self._trainable_packed: tuple[str, ...] = ()  # its packed parameters trainable when last looked at
         # the blocks' names under the root group_kernels was given (for messages)
         self.block_names: tuple[str, ...] = ()
         self.index_in_peers = 0  # its place among its peers (group_kernels): its kernels' key in a trace
         # the parameters pack() or unpack() took out of the model, until its next build looks whether
-        # something (an optimizer made before) still holds them: _check_replaced
+        # something (an optimizer made before) still holds them: _warn_of_stale_optimizers
         self._replaced: tuple[weakref.ref, ...] = ()
 
     def __getstate__(self):
@@ -1362,7 +1367,7 @@ class KernelGroup:
                            ("_recording", None), ("block_names", ()), ("index_in_peers", 0), ("_replaced", ())):
             self.__dict__.setdefault(key, value)  # a group pickled before it had them
         if "_trainable_packed" not in self.__dict__:  # (as then: what is frozen now was frozen before packing)
-            self._trainable_packed = self._packed_trainable()
+            self._trainable_packed = self._packed_trainable() or ()
         self._index = {id(b): i for i, b in enumerate(self.blocks)}  # ids of the copied blocks
 
     def __len__(self) -> int:
@@ -1464,11 +1469,10 @@ class KernelGroup:
         getting the gradients and ``versions[j]`` the version counters block ``j``'s kernel is valid
         for; None where the blocks' tensors are on several devices or dtypes (:meth:`_build_apart`)."""
         plan = self.plan
-        if self._replaced:
-            self._check_replaced()
+        if self._replaced:  # a group packed by hand (group_kernels looks for a network's: _open_forward)
+            replaced, self._replaced = self._replaced, ()
+            _warn_of_stale_optimizers(replaced, self.workspace, self.packed is not None)
         if self.packed is not None and not self._overridden():
-            if self._trainable_packed and self._frozen_since_packing():
-                self._frozen_after_packing()
             leaves = list(self.packed._parameters.values())
             stacked = self._storage
             if stacked is None or not self._holds([*leaves, *self.plan.fixed()]):
@@ -1487,61 +1491,13 @@ class KernelGroup:
         m = len(leaves) // plan.n  # leaves are block-major: block j's are leaves[j*m:(j+1)*m]
         return stacked, leaves, tuple(tuple(map(_version, leaves[j * m:(j + 1) * m])) for j in range(plan.n))
 
-    def _packed_trainable(self) -> tuple[str, ...]:
-        """The names of the group's packed parameters that train now."""
-        packed = self.packed._parameters.items() if self.packed is not None else ()
-        return tuple(name for name, p in packed if p.requires_grad)
-
-    def _frozen_since_packing(self) -> bool:
-        """Whether a packed parameter that trained when packed is frozen now (a tensor that
-        ``functional_call`` put in its place, e.g. a detached one, is not the parameter frozen)."""
-        params = self.packed._parameters
-        return not all(params[name].requires_grad or not isinstance(params[name], nn.Parameter)
-                       for name in self._trainable_packed)
-
-    def _frozen_after_packing(self) -> None:
-        """A packed parameter frozen after packing freezes the rows of every block it holds, which
-        may lie in other stages than its holder (a stage's first block groups with the stage before),
-        while a block whose group's parameters another module holds stays trainable: said once per
-        network, with the blocks frozen together, since freezing a stage so freezes more or less than it."""
-        frozen = [g for g in self.peers if g.packed is not None and g._frozen_since_packing()]
-        for group in frozen:
-            group._trainable_packed = ()  # (said once)
-        together = ["(" + ", ".join(g.block_names or (type(b).__name__ for b in g.blocks)) + ")"
-                    for g in frozen if len(g.blocks) > 1]
-        if together and not (self.workspace is not None and self.workspace.said_frozen):
-            if self.workspace is not None:  # (a group made by hand has none: said for itself)
-                self.workspace.said_frozen = True
-            warnings.warn(
-                "packed parameters were frozen after packing: each holds the rows of every block of its group, "
-                "frozen together: " + ", ".join(together) + "; a module's parameters() hold its blocks' rows only "
-                "where it holds their group's. To freeze some blocks only, freeze them before packing "
-                "(orepa.engine.group_kernels(model, pack=True) packs frozen and trainable rows apart), or unpack "
-                "(group_kernels(model, policy, pack=False))", stacklevel=2)
-
-    def _check_replaced(self) -> None:
-        """At the first build after :meth:`pack` or :meth:`unpack`: the parameters it took out of the
-        model are no longer read by it, so an optimizer made before holds parameters that never get a
-        gradient, and the online blocks do not train, silently. Said once per network where a live
-        optimizer holds some (a loop variable or a list may hold one too: not a mistake to warn of)."""
-        replaced, self._replaced = self._replaced, ()
-        if not any(ref() is not None for ref in replaced):
-            return
-        gc.collect()  # (the model's own references may linger in cycles until a collection)
-        held = {id(p) for ref in replaced if (p := ref()) is not None}
-        # (type(o), not isinstance: a proxy's __class__ may warn, e.g. torch.distributed's deprecated reduce_op)
-        optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)] if held else []
-        stale = sorted({type(o).__name__ for o in optimizers
-                        if any(id(p) in held for g in o.param_groups for p in g["params"])})
-        ws = self.workspace
-        if stale and not (ws is not None and ws.said_replaced):
-            if ws is not None:
-                ws.said_replaced = True
-            warnings.warn(
-                f"an optimizer ({', '.join(stale)}) holds parameters that "
-                f"{'packing' if self.packed is not None else 'unpacking'} took out of the model: it was made before "
-                f"group_kernels(model, policy, pack={self.packed is not None}), and stepping them does not train the "
-                "online blocks; make the optimizer after grouping, from model.parameters()", stacklevel=2)
+    def _packed_trainable(self) -> tuple[str, ...] | None:
+        """The names of the group's packed parameters that train now; None while a step reads tensors
+        set in their place (``functional_call``: a detached one is not the parameter frozen)."""
+        params = self.packed._parameters if self.packed is not None else {}
+        if not all(isinstance(p, nn.Parameter) for p in params.values()):
+            return None
+        return tuple(name for name, p in params.items() if p.requires_grad)
 
     def _build_apart(self) -> None:
         """Blocks on several devices or dtypes: each builds its own kernel."""
@@ -1631,10 +1587,10 @@ class KernelGroup:
                 start += size
         self.blocks[0].packed_parameters = holder
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
-        self._trainable_packed = self._packed_trainable()
+        self._trainable_packed = self._packed_trainable() or ()
         self._replan()
         self._packed_storage()
-        self._replaced = tuple(replaced)
+        self._replaced += tuple(replaced)
         return True
 
     def unpack(self) -> None:
@@ -1648,7 +1604,7 @@ class KernelGroup:
                 if slot is not None:
                     leaf = slot.holder._parameters[slot.name]
                     mod._parameters["weight"] = nn.Parameter(slot.view().detach(), leaf.requires_grad)
-        self._replaced = tuple(map(weakref.ref, self.packed._parameters.values()))
+        self._replaced += tuple(map(weakref.ref, self.packed._parameters.values()))
         del self.blocks[0]._modules["packed_parameters"]
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = None, {}, None, ()
         self._replan()
@@ -2285,7 +2241,8 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     ``pack``: every group's learnable operands become a few parameters, one per kind and row shape
     (:meth:`KernelGroup.pack`): fewer tensors for autograd and the optimizer, the step's host time
     where a group builds its kernels (a GPU, or policy ``grouped``/``compiled``). Make the optimizer
-    afterwards (one made before is warned of at the next build) and freeze stages before; parameter
+    afterwards (one made before is warned of, here or at the first training forward) and freeze
+    stages before (a change after is warned of at the next training forward); parameter
     groups per module need ``pack=False``: a module's ``parameters()`` then no longer hold its
     blocks' weights, which are their group's (held by its first block, maybe in another stage). A
     block that a step's loss does not reach gets no gradient (None, which optimizers skip; built ``traced`` in a compiled graph: zeros). Packed, that holds only where its
@@ -2326,6 +2283,8 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
         for group in peers:
             group.unpack()
             replaced += group._replaced
+            group._replaced = ()
+        replaced += peers[0].workspace.replaced if peers[0].workspace is not None else ()
         if any(outer):  # made for an enclosing module: its other blocks are grouped again, as they were
             old = peers[0]
             names = {id(b): n for g in peers for b, n in zip(g.blocks, g.block_names)}
@@ -2350,10 +2309,15 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     workspace = Workspace()
     groups = _make_groups([part for same in by_signature.values() for part in _by_width(same)], names, policy,
                           pack, joint, graphs, traced, workspace)
-    if groups and replaced:
-        groups[0]._replaced += tuple(replaced)
+    for group in groups:
+        replaced += group._replaced
+        group._replaced = ()
     if groups:
         forward_scope(root, workspace, traced)
+        # an optimizer made before is alive now; what else still holds the parameters taken out (a list
+        # kept of them) is looked at again at the first training forward, once
+        if _warn_of_stale_optimizers(replaced, workspace, pack) and not workspace.said_replaced:
+            workspace.replaced = replaced
     return groups
 
 
@@ -2390,19 +2354,65 @@ def _tied_parameters(root: nn.Module) -> set[int]:
     return tied
 
 
+class _ScopeHook:
+    """A grouped root's forward pre-hook (or, ``traced``, forward hook) for its network's
+    ``workspace`` (:func:`forward_scope`). It holds the root (weakly; strongly in its copies' and
+    pickles' arguments, which reach it through the root anyway), so that a copy of the root gives
+    the copied workspace its copied root, while a copy of a submodule, which never reaches the
+    root's hooks, copies nothing of them."""
+
+    __slots__ = ("workspace", "root", "fn", "__weakref__")
+
+    def __init__(self, workspace: Workspace, root: nn.Module | None, fn):
+        self.workspace, self.fn = workspace, fn
+        self.root = None if root is None else weakref.ref(root)
+        if self.root is not None:
+            workspace.root = self.root
+
+    def __call__(self, module: nn.Module, *args):
+        return self.fn(self.workspace, module, *args)
+
+    def __reduce__(self):
+        return (_ScopeHook, (self.workspace, None if self.root is None else self.root(), self.fn))
+
+
 def forward_scope(root: nn.Module, workspace: Workspace, traced: bool = False) -> None:
-    """Make ``root``'s forward the scope of the kernels its groups build, by hooks whose handles
-    ``workspace`` keeps (:func:`release_scope`): a pre-hook drops the kernels built ahead for blocks
-    that an earlier call did not reach (a forward that stopped halfway, a submodule called alone),
-    which weights written since without a version count (through ``.data``, ``.to()``) would leave
-    stale; with ``traced``, the pre-hook and a forward hook also open and close the scope of the
-    kernels built inside a dynamo trace (:meth:`KernelGroup._traced_kernel_of`)."""
+    """Make ``root``'s forward the scope of the kernels its groups build, by hooks bound to
+    ``workspace`` (:func:`release_scope`): a pre-hook drops the kernels built ahead for blocks that
+    an earlier call did not reach (a forward that stopped halfway, a submodule called alone), which
+    weights written since without a version count (through ``.data``, ``.to()``) would leave stale,
+    and at a training forward says what packing makes of an optimizer made before it and of
+    trainability changed after it (:func:`_open_forward`); with ``traced``, the pre-hook and a
+    forward hook also open and close the scope of the kernels built inside a dynamo trace
+    (:meth:`KernelGroup._traced_kernel_of`)."""
     release_scope(workspace)
     workspace.traced_scope = traced
-    hooks = [root.register_forward_pre_hook(functools.partial(_open_forward, workspace))]
+    root.register_forward_pre_hook(_ScopeHook(workspace, root, _open_forward))
     if traced:
-        hooks.append(root.register_forward_hook(functools.partial(_close_forward, workspace), always_call=True))
-    workspace.scope_hooks = tuple(hooks)
+        root.register_forward_hook(_ScopeHook(workspace, root, _close_forward), always_call=True)
+
+
+def _strip_scope_hooks(module: nn.Module, workspace: Workspace | None = None) -> None:
+    """Take the engine's hooks (those of ``workspace``; None: any) off ``module``, as their handles'
+    ``remove()`` would (the handles are not kept: a copy of a submodule would copy the root's hook
+    dicts with them)."""
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key, hook in list(hooks.items()):
+            # (functools.partial: the hooks of a model pickled when they were partials)
+            bound = hook.workspace if isinstance(hook, _ScopeHook) else hook.args[0] if (
+                isinstance(hook, functools.partial) and hook.func in (_open_forward, _close_forward)) else None
+            if bound is not None and (workspace is None or bound is workspace):
+                del hooks[key]
+                for extra in (module._forward_hooks_always_called, module._forward_hooks_with_kwargs,
+                              module._forward_pre_hooks_with_kwargs):
+                    extra.pop(key, None)
+
+
+def strip_scopes(model: nn.Module) -> None:
+    """Take every engine hook off ``model``'s modules: ``model`` is deployed, every block under it
+    (and so every grouped root's network) gone (:func:`orepa.reparameterize`)."""
+    for m in model.modules():
+        _strip_scope_hooks(m)
 
 
 def release_scope(workspace: Workspace | None) -> None:
@@ -2410,21 +2420,41 @@ def release_scope(workspace: Workspace | None) -> None:
     deployed model carries nothing of the engine, and TorchScript takes only its own hooks)."""
     if workspace is None:
         return
-    for handle in workspace.scope_hooks:
-        handle.remove()
-    workspace.scope_hooks = ()
+    root = None if workspace.root is None else workspace.root()
+    if root is not None:
+        _strip_scope_hooks(root, workspace)
+    workspace.root = None
     workspace.traced.clear()
     workspace.forward_open = False
+
+
+def block_deployed(block: nn.Module) -> None:
+    """``block`` was deployed by its ``fuse()`` (timm's protocol replaces a network's blocks one by
+    one): with the last block of its network's groups, the root loses the engine's hooks (and a
+    block deployed alone leaves them to the network that still trains)."""
+    group = getattr(block, "_kernel_group", None)
+    workspace = None if group is None else group.workspace
+    if workspace is None:
+        return
+    workspace.deployed.add(block)
+    if all(b in workspace.deployed for g in workspace.groups for b in g.blocks):
+        release_scope(workspace)
 
 
 def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
     """The grouped root's forward begins: no kernel built before it serves in it (eagerly; a compiled
     graph keeps none between calls), and kernels traced into a compiled graph may be built and kept
-    for its blocks to read (none is left from a forward that stopped halfway)."""
+    for its blocks to read (none is left from a forward that stopped halfway). A training forward
+    also looks at what packing changed (whatever route the blocks take: here, not at a build)."""
     if not torch.compiler.is_compiling():
         for group in workspace.groups:
             if group._pending:
                 group._pending = {}
+        if module.training and torch.is_grad_enabled():
+            if workspace.replaced:
+                replaced, workspace.replaced = workspace.replaced, []
+                _warn_of_stale_optimizers(replaced, workspace, _packed(workspace))
+            _check_trainability(workspace)
     if workspace.traced_scope:
         workspace.traced.clear()
         workspace.forward_open = True
@@ -2433,6 +2463,87 @@ def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
 def _close_forward(workspace: Workspace, module: nn.Module, args, output) -> None:
     workspace.traced.clear()
     workspace.forward_open = False
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning from a forward hook that names the user's call: the first
+    frame outside this package and torch (how many of torch's frames a module call takes varies)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _packed(workspace: Workspace) -> bool:
+    return any(g.packed is not None for g in workspace.groups)
+
+
+def _warn_of_stale_optimizers(replaced: Sequence[weakref.ref], workspace: Workspace | None, packed: bool) -> bool:
+    """After :meth:`KernelGroup.pack` or :meth:`KernelGroup.unpack` the parameters they took out of
+    the model are read by nothing, so an optimizer made before holds parameters that never get a
+    gradient, and the online blocks do not train, silently. Said once per network where a live
+    ``torch.optim.Optimizer`` holds some (a loop variable or a list may hold them too: not a mistake
+    to warn of). Returns whether any of them is still alive (something may yet make an optimizer of
+    them)."""
+    if not any(ref() is not None for ref in replaced):
+        return False
+    gc.collect()  # (the model's own references may linger in cycles until a collection)
+    held = {id(p) for ref in replaced if (p := ref()) is not None}
+    if not held or (workspace is not None and workspace.said_replaced):
+        return bool(held)
+    # (type(o), not isinstance: a proxy's __class__ may warn, e.g. torch.distributed's deprecated reduce_op)
+    optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
+    stale = sorted({type(o).__name__ for o in optimizers
+                    if any(id(p) in held for g in o.param_groups for p in g["params"])})
+    if stale:
+        if workspace is not None:
+            workspace.said_replaced = True
+        warnings.warn(
+            f"an optimizer ({', '.join(stale)}) holds parameters that {'packing' if packed else 'unpacking'} took "
+            f"out of the model: it was made before group_kernels(model, policy, pack={packed}), and stepping them "
+            "does not train the online blocks; make the optimizer (and any model average, e.g. torch.optim."
+            "swa_utils.AveragedModel) after grouping, from model.parameters()", stacklevel=_caller_level())
+    return True
+
+
+def _check_trainability(workspace: Workspace) -> None:
+    """A packed parameter holds the rows of every block of its group, which may lie in other stages
+    than its holder (a stage's first block groups with the stage before), while a block whose
+    group's parameters another module holds follows that module. Freezing or unfreezing some
+    modules after packing therefore freezes or unfreezes more or fewer blocks than asked: said
+    once per network, with the blocks that change together, where the change leaves the packed
+    parameters partly trainable (freezing or unfreezing them all is exact)."""
+    changed, states = [], []
+    for group in workspace.groups:
+        if group.packed is None:
+            continue
+        now = group._packed_trainable()
+        if now is None:  # (functional_call)
+            return
+        states += [name in now for name in group.packed._parameters]
+        if now != group._trainable_packed:
+            group._trainable_packed = now
+            changed.append(group)
+    if not changed or all(states) or not any(states) or workspace.said_frozen:
+        return
+    workspace.said_frozen = True
+    together = ["(" + ", ".join(g.block_names or (type(b).__name__ for b in g.blocks)) + ")"
+                for g in changed if len(g.blocks) > 1]
+    # the blocks a module of another stage holds (by the root's first-level children): asked to change
+    # with their stage, they follow that module instead
+    elsewhere = [f"{name} (its rows held by {g.block_names[0]})" for g in workspace.groups
+                 if g.packed is not None and g.block_names for name in g.block_names[1:]
+                 if name.split(".")[0] != g.block_names[0].split(".")[0]]
+    warnings.warn(
+        "packed parameters were frozen or unfrozen after packing: each holds the rows of every block of its "
+        "group, which change together" + (": " + ", ".join(together) if together else "") + "; a module's "
+        "parameters() hold its blocks' rows only where it holds their group's" +
+        (" (" + ", ".join(elsewhere) + ")" if elsewhere else "") + ". To train some blocks only, set "
+        "requires_grad before packing (orepa.engine.group_kernels(model, pack=True) packs frozen and trainable "
+        "rows apart), or unpack (group_kernels(model, policy, pack=False))", stacklevel=_caller_level())
 
 
 def arena_bytes(root: nn.Module) -> int:
