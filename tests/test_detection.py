@@ -176,6 +176,62 @@ def test_fasterrcnn_trains_and_deploys():
         assert_same_detections(out, fused(imgs[:1])[0])
 
 
+@pytest.mark.parametrize("builder", [D.fasterrcnn, D.retinanet])
+def test_detector_builders_take_torchvisions_backbone_names_and_refuse_unknown_keywords(builder):
+    """The detectors' ``**kwargs`` end in torchvision's ``GeneralizedRCNNTransform``, which ignores
+    what it does not know: torchvision's ``trainable_backbone_layers=0`` left every stage training,
+    ``weights_backbone`` loaded nothing, ``fpn_norm_layer`` and a misspelt keyword were dropped,
+    silently. Now torchvision's names mean ours and anything else is refused by name."""
+    plain = D.resnet_features("resnet18", "base", **TINY)
+    kw = dict(num_classes=3, backbone_options=TINY, fpn_channels=16)
+    frozen = builder("resnet18", "base", trainable_backbone_layers=0, **kw)
+    assert not any(p.requires_grad for p in frozen.backbone.body.parameters())
+    loaded = builder("resnet18", "base", weights_backbone=plain.state_dict(), **kw)
+    assert torch.equal(loaded.backbone.body.conv1.weight, plain.conv1.weight)
+    normed = builder("resnet18", "base", fpn_norm_layer=nn.BatchNorm2d, **kw)
+    assert any(isinstance(m, nn.BatchNorm2d) for m in normed.backbone.fpn.modules())
+    with pytest.raises(TypeError, match=r"got unexpected keyword\(s\) deep_stem, tranable_layers: backbone keywords "
+                                        r"are .*trainable_layers.*backbone_options"):
+        builder("resnet18", "orepa", tranable_layers=0, deep_stem=False, **kw)
+    with pytest.raises(TypeError, match="both weights= and torchvision's name for it, weights_backbone="):
+        builder("resnet18", "base", weights=plain.state_dict(), weights_backbone=plain.state_dict(), **kw)
+
+
+def test_mask_rcnn_on_an_orepa_fpn_backbone_trains_and_deploys_exactly():
+    """torchvision's Mask R-CNN over ``fpn_backbone(..., "orepa")`` (docs/detection.md): a few steps,
+    then boxes, scores, labels and masks unchanged by ``reparameterize`` (float64), the deployed
+    detector in the vanilla layout (loads strictly into the same detector over a base backbone)."""
+    from torchvision.models.detection import MaskRCNN
+
+    torch.manual_seed(0)
+    imgs, targets, _ = shapes_data()
+    for t in targets:  # an instance mask per box
+        t["masks"] = torch.zeros(len(t["boxes"]), SIZE, SIZE, dtype=torch.uint8)
+        for mask, (x0, y0, x1, y1) in zip(t["masks"], t["boxes"].int().tolist()):
+            mask[y0:y1, x0:x1] = 1
+    heads = dict(num_classes=3, min_size=SIZE, max_size=SIZE, box_score_thresh=0.0, rpn_pre_nms_top_n_test=100,
+                 rpn_post_nms_top_n_test=50, box_detections_per_img=20)
+    model = MaskRCNN(D.fpn_backbone("resnet18", "orepa", out_channels=32, **TINY), **heads)
+    opt = torch.optim.SGD(D.param_groups(model, 0.002, 1e-4, stem_lr_mult=0.1), lr=0.002, momentum=0.9)
+    for it in range(2):
+        loss = detector_loss(model.train(), [2 * it, 2 * it + 1], imgs, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().double()
+    x = [imgs[0].double()]
+    with torch.no_grad():
+        ref = model(x)[0]
+        deployed = orepa.reparameterize(model)
+        out = deployed(x)[0]
+    plain_convs_only(deployed)
+    assert len(ref["scores"]) > 0 and torch.equal(ref["labels"], out["labels"])
+    for k in ("boxes", "scores", "masks"):
+        torch.testing.assert_close(out[k], ref[k], rtol=1e-9, atol=1e-9, msg=k)
+    vanilla = MaskRCNN(D.fpn_backbone("resnet18", "base", out_channels=32, **TINY), **heads)
+    vanilla.load_state_dict(deployed.state_dict(), strict=True)
+
+
 def test_retinanet_trains_and_deploys():
     torch.manual_seed(0)
     imgs, targets, _ = shapes_data()

@@ -510,10 +510,34 @@ def fpn_backbone(
 # --------------------------------------------------------------------------- detectors
 
 
-def _split_backbone_kwargs(kwargs: dict) -> tuple[dict, dict]:
-    names = set(inspect.signature(resnet_features).parameters) - {"name", "method", "options", "output_names"}
+#: torchvision's detector builders' names for the backbone keywords (``fasterrcnn_resnet50_fpn(...)``)
+_TORCHVISION_BACKBONE_NAMES = {"trainable_backbone_layers": "trainable_layers", "weights_backbone": "weights"}
+
+
+def _split_backbone_kwargs(kwargs: dict, detector: type, builder: str) -> tuple[dict, dict]:
+    """``kwargs`` of a detector builder as (backbone keywords, detector keywords). The detector's
+    ``**kwargs`` end in ``GeneralizedRCNNTransform``, which ignores what it does not know: a keyword
+    neither takes (torchvision's backbone names, a typo) would be dropped, silently, so it is mapped
+    (``trainable_backbone_layers``, ``weights_backbone``) or refused."""
+    for theirs, ours in _TORCHVISION_BACKBONE_NAMES.items():
+        if theirs in kwargs:
+            if ours in kwargs:
+                raise TypeError(f"{builder}() got both {ours}= and torchvision's name for it, {theirs}=")
+            kwargs[ours] = kwargs.pop(theirs)
+    names = (set(inspect.signature(resnet_features).parameters) | {"fpn_norm_layer"}) - {
+        "name", "method", "options", "output_names"}
     bb = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
     bb.update(kwargs.pop("backbone_options", None) or {})
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    known = {n for cls in (detector, GeneralizedRCNNTransform) for n, p in inspect.signature(cls).parameters.items()
+             if p.kind is not p.VAR_KEYWORD} | {"_skip_resize"}  # (the transform's one keyword taken from **kwargs)
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(
+            f"{builder}() got unexpected keyword(s) {', '.join(unknown)}: backbone keywords are "
+            f"{', '.join(sorted(names))} (torchvision's {', '.join(_TORCHVISION_BACKBONE_NAMES)} too) and block options "
+            f"go in backbone_options={{...}}; the rest goes to torchvision's {detector.__name__}")
     return bb, kwargs
 
 
@@ -522,13 +546,16 @@ def fasterrcnn(backbone: str = "resnet50", method: str = "orepa", num_classes: i
     """torchvision ``FasterRCNN`` with an FPN over a re-param ResNet (C2..C5 + max-pool P6).
 
     Backbone keywords (``weights``, ``trainable_layers``, ``train_stem``,
-    ``norm``, ``returned_layers``) go to :func:`resnet_features`, block options
-    in ``backbone_options={...}``; everything else (``min_size``, ``max_size``,
-    ``rpn_*``, ``box_*``, ...) to ``FasterRCNN``.
+    ``norm``, ``returned_layers``; torchvision's ``weights_backbone`` and
+    ``trainable_backbone_layers`` mean the first two) go to :func:`resnet_features`,
+    ``fpn_norm_layer`` to :func:`fpn_backbone`, block options in
+    ``backbone_options={...}``; everything else (``min_size``, ``max_size``,
+    ``rpn_*``, ``box_*``, ...) to ``FasterRCNN``. A keyword none of them takes is
+    refused (torchvision's transform would drop it silently).
     """
     from torchvision.models.detection import FasterRCNN
 
-    bb_kwargs, det_kwargs = _split_backbone_kwargs(kwargs)
+    bb_kwargs, det_kwargs = _split_backbone_kwargs(kwargs, FasterRCNN, "fasterrcnn")
     body = fpn_backbone(backbone, method, out_channels=fpn_channels, **bb_kwargs)
     if det_kwargs.get("box_predictor") is not None:
         num_classes = None  # torchvision: the predictor fixes the classes
@@ -544,7 +571,7 @@ def retinanet(backbone: str = "resnet50", method: str = "orepa", num_classes: in
     from torchvision.models.detection import RetinaNet
     from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
-    bb_kwargs, det_kwargs = _split_backbone_kwargs(kwargs)
+    bb_kwargs, det_kwargs = _split_backbone_kwargs(kwargs, RetinaNet, "retinanet")
     bb_kwargs.setdefault("returned_layers", (2, 3, 4))
     body = fpn_backbone(backbone, method, out_channels=fpn_channels,
                         extra_blocks=LastLevelP6P7(fpn_channels, fpn_channels), **bb_kwargs)
