@@ -647,6 +647,14 @@ def test_a_pruned_or_parametrized_branch_step_is_refused_by_name(how):
         with pytest.raises(TypeError, match=r"the weight of branches\.kxk\.conv is pruned or parametrized.*"
                                             r"prune or parametrize the deployed model"):
             block.train(train)(x)
+    net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), OREPAConv2d(4, 4, 3, padding=1))
+    orepa.engine.group_kernels(net, "grouped")
+    if how == "prune":
+        prune.l1_unstructured(net[1].branches["kxk"].conv, "weight", amount=0.5)
+    else:
+        torch.nn.utils.parametrizations.weight_norm(net[1].branches["kxk"].conv)
+    with pytest.raises(TypeError, match=r"the weight of 1\.branches\.kxk\.conv is pruned"):  # named in the network
+        net(x)
 
 
 def test_reset_parameters_resets_the_branch_scales_too():
@@ -662,3 +670,12 @@ def test_reset_parameters_resets_the_branch_scales_too():
     block.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
     for k, v in started.items():
         torch.testing.assert_close(block.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    old = block.branches["kxk"].scale
+    del old.__dict__["init_value"]  # a Scale pickled before it kept its value
+    with pytest.raises(RuntimeError, match="pickled before scales kept the value they start with"):
+        old.reset_parameters()
+
+
+def test_a_symbolic_trace_of_a_bare_block_is_refused_with_the_way_out():
+    with pytest.raises(TypeError, match=r"torch.fx cannot trace the OREPAConv2d block itself.*trace the network"):
+        torch.fx.symbolic_trace(OREPAConv2d(4, 4, 3, padding=1))

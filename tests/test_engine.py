@@ -312,10 +312,15 @@ def _data_parallel_replica(model, scale=2.0):
     replicas = {id(m): m._replicate_for_data_parallel() for m in modules}
     for m in modules:
         r = replicas[id(m)]
+        r._former_parameters = {}
         for name, child in m._modules.items():
             r._modules[name] = None if child is None else replicas[id(child)]
         for name, p in m._parameters.items():
-            r._parameters[name] = None if p is None else p * scale
+            if p is None:
+                r._parameters[name] = None
+            else:  # as replicate does: no longer leaves, so plain attributes, not parameters
+                setattr(r, name, p * scale)
+                r._former_parameters[name] = r.__dict__[name]
     return replicas[id(model)]
 
 
@@ -843,6 +848,44 @@ def test_a_block_deployed_alone_leaves_the_roots_hook_to_the_network_that_trains
     assert _scope_hooks(model) == []
 
 
+def test_a_network_changed_after_grouping_deploys_by_timms_protocol_without_the_hook():
+    """Blocks taken out after grouping (a stage replaced, a stem swapped for a 1-channel conv) stay in
+    their groups but are never deployed: the root kept its hook, and TorchScript refused the
+    deployed model ("'_ScopeHook' object has no attribute '__name__'")."""
+    timm_utils = pytest.importorskip("timm.utils")
+    torch.manual_seed(0)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125, small_input=True)
+    model.layer4, model.fc = nn.Identity(), nn.Linear(32, 10)
+    deployed = timm_utils.reparameterize_model(model.eval())
+    assert _scope_hooks(deployed) == []
+    x = torch.randn(1, 3, 16, 16)
+    torch.testing.assert_close(torch.jit.script(deployed)(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("then", ["regrouped", "deployed block by block"])
+def test_hooks_pickled_as_partials_with_their_handles_are_removed(then):
+    """A model pickled when the root's hooks were ``functools.partial`` s whose handles its workspace
+    kept: regrouping it, or deploying it by timm's protocol, removes those hooks as before."""
+    import functools
+
+    net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), OREPAConv2d(4, 4, 3, padding=1))
+    engine.group_kernels(net, "grouped")
+    workspace = net[0]._kernel_group.workspace
+    net._forward_pre_hooks.clear()  # that model's form: a partial, its handle in the workspace's state
+    handle = net.register_forward_pre_hook(functools.partial(engine._open_forward, workspace))
+    old, old_handle = pickle.loads(pickle.dumps((net, handle)))  # (the handle unpickled with its model's dict)
+    old_ws = old[0]._kernel_group.workspace
+    assert old_ws.root is None
+    old_ws.__setstate__({"traced_scope": False, "groups": old_ws.groups, "scope_hooks": (old_handle,)})
+    if then == "regrouped":
+        engine.group_kernels(old, "grouped")
+        (hook,) = old._forward_pre_hooks.values()
+        assert isinstance(hook, engine._ScopeHook)
+    else:
+        for i in range(2):
+            old[i] = old[i].fuse()
+        assert not old._forward_pre_hooks
+        torch.jit.script(old)
 def test_a_copy_or_pickle_of_a_submodule_carries_nothing_of_the_roots_hooks():
     """The grouped root's hooks were reached from its blocks (their handles, in the network's
     workspace): copying, pickling or deploying a submodule (an EMA of a backbone, ``torch.save(model.
@@ -1293,7 +1336,8 @@ def test_freezing_a_stage_after_packing_is_said_once_with_the_blocks_frozen_toge
 def test_unfreezing_a_stage_after_packing_is_said_and_freezing_everything_is_not():
     """The backbone frozen before packing (as the docs ask), then layer4 unfrozen for a second stage of
     fine-tuning: layer4.0.conv1's rows lie in a parameter layer3 holds, so it stayed frozen, silently.
-    Said now; freezing or unfreezing every block after packing is exact, and not said."""
+    Said now, as is freezing layer4 (the same block missed); freezing a group of one, or every block,
+    after packing is exact, and not said, nor are a functional_call's tensors in the parameters' place."""
     x = torch.randn(2, 3, 32, 32)
     model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
     for name, child in model.named_children():
@@ -1303,6 +1347,24 @@ def test_unfreezing_a_stage_after_packing_is_said_and_freezing_everything_is_not
     model.layer4.requires_grad_(True)
     with pytest.warns(UserWarning, match=r"frozen or unfrozen after packing.*layer4\.0\.conv1 \(its rows held by layer3\."):
         model(x).sum().backward()
+    stage = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    engine.group_kernels(stage, "per-block", pack=True)
+    stage(x).sum().backward()
+    stage.layer4.requires_grad_(False)  # its own group exactly, but layer4.0.conv1's rows are layer3's
+    with pytest.warns(UserWarning, match=r"layer4\.0\.conv1 \(its rows held by layer3\.0\.conv2\) did not change "
+                                         r"with its stage"):
+        stage(x).sum().backward()
+    stem = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125, small_input=True)
+    engine.group_kernels(stem, "per-block", pack=True)
+    stem(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stem.conv1.requires_grad_(False)  # a group of one: exact
+        stem(x).sum().backward()
+        # tensors put in the parameters' place for one call, frozen or not: not the model's trainability
+        torch.func.functional_call(stem, {k: nn.Parameter(v.detach(), requires_grad=k.startswith("layer1"))
+                                          for k, v in stem.named_parameters()}, (x,)).sum().backward()
+        stem(x).sum().backward()
     everything = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
     engine.group_kernels(everything, "per-block", pack=True)
     everything(x).sum().backward()

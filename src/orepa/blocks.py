@@ -453,8 +453,11 @@ class Scale(PackableWeight, nn.Module):
     def reset_parameters(self) -> None:
         """Back to the value it started with (``model.apply(lambda m: m.reset_parameters())`` resets
         the branches' scales with their convs and BNs)."""
+        if "init_value" not in self.__dict__:
+            raise RuntimeError("this Scale was pickled before scales kept the value they start with: build the "
+                               "model anew (its constructor) and load its state_dict to reset its parameters")
         with torch.no_grad():
-            self.weight.fill_(self.__dict__.get("init_value", 1.0))  # (pickled before it was kept: 1)
+            self.weight.fill_(self.init_value)
 
     def affine(self) -> tuple[Tensor, Tensor | None]:
         return self.weight, None
@@ -472,9 +475,11 @@ def _refuse_reparametrized_steps(block: nn.Module, error: Exception) -> None:
     where they recompute it, never runs): a TypeError naming the steps (of ``block`` or of the blocks
     its group builds with), instead of a KeyError from inside the construction."""
     group = getattr(block, "_kernel_group", None)
-    blocks = [block] if group is None else [b for g in (group.peers or [group]) for b in g.blocks]
-    names = {id(m): n for b in blocks for n, m in b.named_modules()}
-    odd = [names[id(m)] for b in blocks for m in b.modules() if _is_kernel_step(m)
+    groups = [] if group is None else (group.peers or [group])
+    # (named under the network the group was made for, where there is one)
+    blocks = {id(b): (b, f"{name}.") for g in groups for b, name in zip(g.blocks, g.block_names or ("",) * len(g.blocks))}
+    blocks.setdefault(id(block), (block, ""))
+    odd = [prefix + name for b, prefix in blocks.values() for name, m in b.named_modules() if _is_kernel_step(m)
            and (hasattr(m, "parametrizations") or "weight_orig" in m._parameters)]
     if odd:
         raise TypeError(
@@ -818,7 +823,12 @@ class ReparamConv2d(nn.Module):
             # a symbolic trace (torch.fx; torchvision's create_feature_extractor) records the block as one
             # call, as it records a torch.nn layer: its shape checks and its kernels' construction are no graph
             tracer = x.tracer
-            return tracer.create_proxy("call_module", tracer.path_of_module(self), (x,), {})
+            path = tracer.path_of_module(self)
+            if not path:
+                raise TypeError(f"torch.fx cannot trace the {type(self).__name__} block itself (its forward builds its "
+                                "kernel): trace the network that holds it, where it is one call, or its deployed conv "
+                                "(orepa.reparameterize(block))")
+            return tracer.create_proxy("call_module", path, (x,), {})
         try:
             return self._forward(x)
         except KeyError as e:  # a step's weight slot gone (below): said as what happened

@@ -107,8 +107,15 @@ def _learnable(step: nn.Module) -> bool:
     """Whether a step's weight is a parameter slot (a conv) rather than a buffer (a fixed filter). By
     the slot, not the tensor's class: under ``torch.func.functional_call`` (or FSDP) the slot holds a
     plain tensor, and a plan made then is kept for the block's life (a class test marked its convs
-    fixed for good: they never trained again). A packed step's weight is rows of a parameter."""
-    return "weight" in step._parameters or step.__dict__.get("_packed") is not None
+    fixed for good: they never trained again). A packed step's weight is rows of a parameter; a
+    DataParallel replica's parameters are plain attributes (``_replica_weight``)."""
+    return "weight" in step._parameters or step.__dict__.get("_packed") is not None or _replica_weight(step)
+
+
+def _replica_weight(step: nn.Module) -> bool:
+    """Whether ``step`` is a DataParallel replica holding its parameter ``weight`` as ``replicate``
+    leaves it: a plain attribute, the tensor broadcast to its device (buffers stay buffers)."""
+    return step.__dict__.get("_is_replica", False) and "weight" in step.__dict__
 
 
 def _weight(step: nn.Module) -> Tensor:
@@ -125,6 +132,8 @@ def _slot(step: nn.Module, learnable: bool) -> tuple:
         return step._buffers, "weight"
     if "weight" in step._parameters:
         return step._parameters, "weight"
+    if _replica_weight(step):
+        return step.__dict__, "weight"
     return step.__dict__["_packed"], "weight"
 
 
@@ -1028,8 +1037,10 @@ class Workspace:
         return (Workspace, (), {"traced_scope": self.traced_scope, "groups": self.groups})
 
     def __setstate__(self, state: dict) -> None:
-        hooks = state.pop("scope_hooks", ())  # pickled when it held its hooks' handles
+        hooks = state.pop("scope_hooks", ())  # pickled when it held its hooks' handles (release_scope removes them)
         self.__dict__.update(state)
+        if hooks:
+            self.legacy_hooks = tuple(hooks)
         if "traced_scope" not in state:  # pickled when only a traced root had hooks
             self.traced_scope = bool(hooks)
 
@@ -1345,7 +1356,7 @@ class KernelGroup:
         self._packed_roles: dict[int, tuple[str, int, int]] = {}
         self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
         self._packed_layout: tuple[tuple[int, ...], ...] = ()
-        self._trainable_packed: tuple[str, ...] = ()  # its packed parameters trainable when last looked at
+        self._trainable_packed: tuple[tuple[int, bool], ...] = ()  # _packed_state() when last looked at
         # the blocks' names under the root group_kernels was given (for messages)
         self.block_names: tuple[str, ...] = ()
         self.index_in_peers = 0  # its place among its peers (group_kernels): its kernels' key in a trace
@@ -1366,8 +1377,8 @@ class KernelGroup:
                            ("_recordings", 0), ("_graphs_off", False), ("_graphed_for", None),
                            ("_recording", None), ("block_names", ()), ("index_in_peers", 0), ("_replaced", ())):
             self.__dict__.setdefault(key, value)  # a group pickled before it had them
-        if "_trainable_packed" not in self.__dict__:  # (as then: what is frozen now was frozen before packing)
-            self._trainable_packed = self._packed_trainable() or ()
+        # (a copy's tensors are others: its first look takes their state as it finds it)
+        self._trainable_packed = ()
         self._index = {id(b): i for i, b in enumerate(self.blocks)}  # ids of the copied blocks
 
     def __len__(self) -> int:
@@ -1491,13 +1502,10 @@ class KernelGroup:
         m = len(leaves) // plan.n  # leaves are block-major: block j's are leaves[j*m:(j+1)*m]
         return stacked, leaves, tuple(tuple(map(_version, leaves[j * m:(j + 1) * m])) for j in range(plan.n))
 
-    def _packed_trainable(self) -> tuple[str, ...] | None:
-        """The names of the group's packed parameters that train now; None while a step reads tensors
-        set in their place (``functional_call``: a detached one is not the parameter frozen)."""
+    def _packed_state(self) -> tuple[tuple[int, bool], ...]:
+        """Per packed parameter, the tensor held (its id) and whether it trains (_check_trainability)."""
         params = self.packed._parameters if self.packed is not None else {}
-        if not all(isinstance(p, nn.Parameter) for p in params.values()):
-            return None
-        return tuple(name for name, p in params.items() if p.requires_grad)
+        return tuple((id(p), p.requires_grad) for p in params.values())
 
     def _build_apart(self) -> None:
         """Blocks on several devices or dtypes: each builds its own kernel."""
@@ -1587,7 +1595,7 @@ class KernelGroup:
                 start += size
         self.blocks[0].packed_parameters = holder
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
-        self._trainable_packed = self._packed_trainable() or ()
+        self._trainable_packed = self._packed_state()
         self._replan()
         self._packed_storage()
         self._replaced += tuple(replaced)
@@ -2381,7 +2389,7 @@ def forward_scope(root: nn.Module, workspace: Workspace, traced: bool = False) -
     ``workspace`` (:func:`release_scope`): a pre-hook drops the kernels built ahead for blocks that
     an earlier call did not reach (a forward that stopped halfway, a submodule called alone), which
     weights written since without a version count (through ``.data``, ``.to()``) would leave stale,
-    and at a training forward says what packing makes of an optimizer made before it and of
+    and at an eager training forward says what packing makes of an optimizer made before it and of
     trainability changed after it (:func:`_open_forward`); with ``traced``, the pre-hook and a
     forward hook also open and close the scope of the kernels built inside a dynamo trace
     (:meth:`KernelGroup._traced_kernel_of`)."""
@@ -2423,6 +2431,8 @@ def release_scope(workspace: Workspace | None) -> None:
     root = None if workspace.root is None else workspace.root()
     if root is not None:
         _strip_scope_hooks(root, workspace)
+    for handle in workspace.__dict__.pop("legacy_hooks", ()):  # a model pickled when hooks were partials
+        handle.remove()
     workspace.root = None
     workspace.traced.clear()
     workspace.forward_open = False
@@ -2437,7 +2447,11 @@ def block_deployed(block: nn.Module) -> None:
     if workspace is None:
         return
     workspace.deployed.add(block)
-    if all(b in workspace.deployed for g in workspace.groups for b in g.blocks):
+    root = None if workspace.root is None else workspace.root()
+    # (blocks taken out of the model since it was grouped, e.g. a stage replaced, are not waited for)
+    present = None if root is None else {id(m) for m in root.modules()}
+    if all(b in workspace.deployed or (present is not None and id(b) not in present)
+           for g in workspace.groups for b in g.blocks):
         release_scope(workspace)
 
 
@@ -2509,41 +2523,58 @@ def _warn_of_stale_optimizers(replaced: Sequence[weakref.ref], workspace: Worksp
     return True
 
 
+def _stage(name: str) -> str:
+    """The stage a block's name places it in: its name without the block's own two last components
+    (``layer3.0.conv2`` -> ``layer3``, ``backbone.body.layer3.0.conv2`` -> ``backbone.body.layer3``)."""
+    parts = name.split(".")
+    return ".".join(parts[:-2]) if len(parts) > 2 else parts[0]
+
+
 def _check_trainability(workspace: Workspace) -> None:
     """A packed parameter holds the rows of every block of its group, which may lie in other stages
     than its holder (a stage's first block groups with the stage before), while a block whose
-    group's parameters another module holds follows that module. Freezing or unfreezing some
-    modules after packing therefore freezes or unfreezes more or fewer blocks than asked: said
-    once per network, with the blocks that change together, where the change leaves the packed
-    parameters partly trainable (freezing or unfreezing them all is exact)."""
+    group's parameters another module holds follows that module. Freezing or unfreezing a stage
+    after packing therefore changes more or fewer blocks than it holds: said once per network, with
+    those blocks, at the next training forward (eagerly: a compiled forward runs no check) after
+    the packed parameters' trainability changed. Not where every packed parameter is now frozen or
+    every one trains, nor where each changed group lies in its holder's stage and the stages
+    changed hold no block of an unchanged group: exact then, as far as stages tell."""
     changed, states = [], []
     for group in workspace.groups:
         if group.packed is None:
             continue
-        now = group._packed_trainable()
-        if now is None:  # (functional_call)
-            return
-        states += [name in now for name in group.packed._parameters]
-        if now != group._trainable_packed:
-            group._trainable_packed = now
-            changed.append(group)
+        now, seen = group._packed_state(), group._trainable_packed
+        states += [t for _, t in now]
+        held = tuple(i for i, _ in now)
+        if seen and held == tuple(i for i, _ in seen):
+            if now != seen:
+                group._trainable_packed = now
+                changed.append(group)
+        elif not seen or group.__dict__.get("_packed_candidate") == held:
+            group._trainable_packed = now  # (a copy's first look; tensors held since the last one: taken as found)
+        else:  # other tensors in their place, for a call (functional_call's): not the model's trainability
+            group._packed_candidate = held
     if not changed or all(states) or not any(states) or workspace.said_frozen:
         return
+    packed = [g for g in workspace.groups if g.packed is not None and g.block_names]
+    stages = {_stage(g.block_names[0]) for g in changed if g.block_names}
+    held = {n: g.block_names[0] for g in packed for n in g.block_names}
+    extra = [n for g in changed for n in g.block_names if _stage(n) not in stages]
+    missed = [n for g in packed if g not in changed for n in g.block_names if _stage(n) in stages]
+    if not (extra or missed):
+        return
     workspace.said_frozen = True
-    together = ["(" + ", ".join(g.block_names or (type(b).__name__ for b in g.blocks)) + ")"
-                for g in changed if len(g.blocks) > 1]
-    # the blocks a module of another stage holds (by the root's first-level children): asked to change
-    # with their stage, they follow that module instead
-    elsewhere = [f"{name} (its rows held by {g.block_names[0]})" for g in workspace.groups
-                 if g.packed is not None and g.block_names for name in g.block_names[1:]
-                 if name.split(".")[0] != g.block_names[0].split(".")[0]]
+    together = ["(" + ", ".join(g.block_names) + ")" for g in changed if len(g.block_names) > 1]
     warnings.warn(
         "packed parameters were frozen or unfrozen after packing: each holds the rows of every block of its "
-        "group, which change together" + (": " + ", ".join(together) if together else "") + "; a module's "
-        "parameters() hold its blocks' rows only where it holds their group's" +
-        (" (" + ", ".join(elsewhere) + ")" if elsewhere else "") + ". To train some blocks only, set "
-        "requires_grad before packing (orepa.engine.group_kernels(model, pack=True) packs frozen and trainable "
-        "rows apart), or unpack (group_kernels(model, policy, pack=False))", stacklevel=_caller_level())
+        "group, which change together" + (": " + ", ".join(together) if together else "") + "; so " +
+        "; ".join(part for part in (
+            ", ".join(extra) + " changed with another stage's module" if extra else "",
+            ", ".join(f"{n} (its rows held by {held[n]})" for n in missed) + " did not change with its stage"
+            if missed else "") if part) +
+        ". To train some blocks only, set requires_grad before packing (orepa.engine.group_kernels(model, "
+        "pack=True) packs frozen and trainable rows apart), or unpack (group_kernels(model, policy, pack=False))",
+        stacklevel=_caller_level())
 
 
 def arena_bytes(root: nn.Module) -> int:
