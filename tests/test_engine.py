@@ -1365,6 +1365,18 @@ def test_unfreezing_a_stage_after_packing_is_said_and_freezing_everything_is_not
         torch.func.functional_call(stem, {k: nn.Parameter(v.detach(), requires_grad=k.startswith("layer1"))
                                           for k, v in stem.named_parameters()}, (x,)).sum().backward()
         stem(x).sum().backward()
+    twin = copy.deepcopy(stage)  # a copy keeps what its original's trainability was
+    twin.layer3.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"layer3\.0\.conv1 \(its rows held by layer2\.0\.conv2\) did not change"):
+        twin(x).sum().backward()
+    deep = orepa.create_model("resnet50", "orepa", num_classes=10, width_mult=0.125)
+    engine.group_kernels(deep, "per-block", pack=True)
+    deep(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("conv1", "bn1", "layer1"):  # torchvision's trainable_layers=3, exact here (downsample included)
+            deep.get_submodule(name).requires_grad_(False)
+        deep(x).sum().backward()
     everything = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
     engine.group_kernels(everything, "per-block", pack=True)
     everything(x).sum().backward()

@@ -1356,7 +1356,7 @@ class KernelGroup:
         self._packed_roles: dict[int, tuple[str, int, int]] = {}
         self._packed_family: tuple[tuple[str, int, int], tuple[str, int, int]] | None = None
         self._packed_layout: tuple[tuple[int, ...], ...] = ()
-        self._trainable_packed: tuple[tuple[int, bool], ...] = ()  # _packed_state() when last looked at
+        self._trainable_packed: tuple[tuple[str, bool], ...] = ()  # _packed_state() when last looked at
         # the blocks' names under the root group_kernels was given (for messages)
         self.block_names: tuple[str, ...] = ()
         self.index_in_peers = 0  # its place among its peers (group_kernels): its kernels' key in a trace
@@ -1377,8 +1377,8 @@ class KernelGroup:
                            ("_recordings", 0), ("_graphs_off", False), ("_graphed_for", None),
                            ("_recording", None), ("block_names", ()), ("index_in_peers", 0), ("_replaced", ())):
             self.__dict__.setdefault(key, value)  # a group pickled before it had them
-        # (a copy's tensors are others: its first look takes their state as it finds it)
-        self._trainable_packed = ()
+        self.__dict__.pop("_packed_own", None)  # (a copy's tensors are others: its first look takes them)
+        self.__dict__.setdefault("_trainable_packed", ())
         self._index = {id(b): i for i, b in enumerate(self.blocks)}  # ids of the copied blocks
 
     def __len__(self) -> int:
@@ -1502,10 +1502,10 @@ class KernelGroup:
         m = len(leaves) // plan.n  # leaves are block-major: block j's are leaves[j*m:(j+1)*m]
         return stacked, leaves, tuple(tuple(map(_version, leaves[j * m:(j + 1) * m])) for j in range(plan.n))
 
-    def _packed_state(self) -> tuple[tuple[int, bool], ...]:
-        """Per packed parameter, the tensor held (its id) and whether it trains (_check_trainability)."""
+    def _packed_state(self) -> tuple[tuple[str, bool], ...]:
+        """Per packed parameter, its name and whether it trains (_check_trainability)."""
         params = self.packed._parameters if self.packed is not None else {}
-        return tuple((id(p), p.requires_grad) for p in params.values())
+        return tuple((name, p.requires_grad) for name, p in params.items())
 
     def _build_apart(self) -> None:
         """Blocks on several devices or dtypes: each builds its own kernel."""
@@ -2524,10 +2524,14 @@ def _warn_of_stale_optimizers(replaced: Sequence[weakref.ref], workspace: Worksp
 
 
 def _stage(name: str) -> str:
-    """The stage a block's name places it in: its name without the block's own two last components
-    (``layer3.0.conv2`` -> ``layer3``, ``backbone.body.layer3.0.conv2`` -> ``backbone.body.layer3``)."""
+    """The stage a block's name places it in: its name up to the last index of a container that
+    holds the block below one of its elements (``layer3.0.conv2`` and ``layer3.0.downsample.0`` ->
+    ``layer3``, ``stages.2.blocks.0.conv2`` -> ``stages.2.blocks``); without one, its first component
+    (a deep stem's steps: ``conv1``)."""
     parts = name.split(".")
-    return ".".join(parts[:-2]) if len(parts) > 2 else parts[0]
+    # (the last component is the block's own name, an index where the block is a container's element)
+    last = max((i for i, part in enumerate(parts[:-1]) if part.isdigit()), default=0)
+    return ".".join(parts[:last]) if last else parts[0]
 
 
 def _check_trainability(workspace: Workspace) -> None:
@@ -2538,27 +2542,34 @@ def _check_trainability(workspace: Workspace) -> None:
     those blocks, at the next training forward (eagerly: a compiled forward runs no check) after
     the packed parameters' trainability changed. Not where every packed parameter is now frozen or
     every one trains, nor where each changed group lies in its holder's stage and the stages
-    changed hold no block of an unchanged group: exact then, as far as stages tell."""
+    changed hold no block of an unchanged group: exact then, as far as stages tell. A stage whose
+    modules hold no packed parameter (ResNet-18's layer1: the deep stem holds its blocks' rows)
+    changes none by ``requires_grad_``, which no look at them can tell from freezing its BNs only."""
     changed, states = [], []
     for group in workspace.groups:
         if group.packed is None:
             continue
-        now, seen = group._packed_state(), group._trainable_packed
+        params = group.packed._parameters
+        if not all(isinstance(p, nn.Parameter) for p in params.values()):
+            return  # tensors put in their place for a call (functional_call's): not the model's trainability
+        now = tuple((name, p.requires_grad) for name, p in params.items())
+        held = tuple(map(id, params.values()))
         states += [t for _, t in now]
-        held = tuple(i for i, _ in now)
-        if seen and held == tuple(i for i, _ in seen):
-            if now != seen:
-                group._trainable_packed = now
+        own = group.__dict__.get("_packed_own")
+        if own is not None and held != own:
+            if group.__dict__.get("_packed_candidate") != held:
+                group._packed_candidate = held  # other parameters in their place, maybe for one call only
+                continue
+        group._packed_own = held  # (a copy's at its first look; the tensors held since the last one)
+        if now != group._trainable_packed:
+            if group._trainable_packed:
                 changed.append(group)
-        elif not seen or group.__dict__.get("_packed_candidate") == held:
-            group._trainable_packed = now  # (a copy's first look; tensors held since the last one: taken as found)
-        else:  # other tensors in their place, for a call (functional_call's): not the model's trainability
-            group._packed_candidate = held
+            group._trainable_packed = now
     if not changed or all(states) or not any(states) or workspace.said_frozen:
         return
     packed = [g for g in workspace.groups if g.packed is not None and g.block_names]
     stages = {_stage(g.block_names[0]) for g in changed if g.block_names}
-    held = {n: g.block_names[0] for g in packed for n in g.block_names}
+    holder = {n: g.block_names[0] for g in packed for n in g.block_names}
     extra = [n for g in changed for n in g.block_names if _stage(n) not in stages]
     missed = [n for g in packed if g not in changed for n in g.block_names if _stage(n) in stages]
     if not (extra or missed):
@@ -2569,8 +2580,9 @@ def _check_trainability(workspace: Workspace) -> None:
         "packed parameters were frozen or unfrozen after packing: each holds the rows of every block of its "
         "group, which change together" + (": " + ", ".join(together) if together else "") + "; so " +
         "; ".join(part for part in (
-            ", ".join(extra) + " changed with another stage's module" if extra else "",
-            ", ".join(f"{n} (its rows held by {held[n]})" for n in missed) + " did not change with its stage"
+            ", ".join(f"{n} (with {holder[n]}, which holds its rows)" for n in extra) + " changed outside the "
+            "stage changed" if extra else "",
+            ", ".join(f"{n} (its rows held by {holder[n]})" for n in missed) + " did not change with its stage"
             if missed else "") if part) +
         ". To train some blocks only, set requires_grad before packing (orepa.engine.group_kernels(model, "
         "pack=True) packs frozen and trainable rows apart), or unpack (group_kernels(model, policy, pack=False))",
