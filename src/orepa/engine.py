@@ -1360,8 +1360,8 @@ class KernelGroup:
         # the blocks' names under the root group_kernels was given (for messages)
         self.block_names: tuple[str, ...] = ()
         self.index_in_peers = 0  # its place among its peers (group_kernels): its kernels' key in a trace
-        # the parameters pack() or unpack() took out of the model, until its next build looks whether
-        # something (an optimizer made before) still holds them: _warn_of_stale_optimizers
+        # the parameters pack() or unpack() took out of the model, until group_kernels (or, for a group
+        # packed by hand, its next build) looks whether an optimizer made before holds them
         self._replaced: tuple[weakref.ref, ...] = ()
 
     def __getstate__(self):
@@ -1527,7 +1527,7 @@ class KernelGroup:
         is bound by that host time; ResNet-18's online blocks hold 249 parameters more than its convs,
         packed they hold five per group. Parameters of one kind and row shape keep what optimizers
         and weight-decay rules read (``ndim``, ``kinds``). The optimizer must be made after packing
-        (it holds the parameters it was given: one made before is warned of at the next build);
+        (it holds the parameters it was given: one made before is warned of by ``group_kernels``);
         ``torch.func.functional_call`` takes the packed names or the
         state_dict's (the steps' own, see :class:`PackedSlot`). Returns
         whether the group packed: a group of one block without a filter family has nothing to pack,
