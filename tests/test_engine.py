@@ -1333,30 +1333,33 @@ def test_freezing_a_stage_after_packing_is_said_once_with_the_blocks_frozen_toge
     assert all(g is not None for k, g in grads.items() if k.startswith("layer4.0.conv1.branches."))
 
 
+def _packed_after_a_step(name: str, x, frozen_backbone: bool = False, **options) -> nn.Module:
+    """A zoo network (x0.125) packed, its backbone frozen before where asked, after one training step."""
+    model = orepa.create_model(name, "orepa", num_classes=10, width_mult=0.125, **options)
+    if frozen_backbone:
+        for child_name, child in model.named_children():
+            child.requires_grad_(child_name == "fc")
+    engine.group_kernels(model, "per-block", pack=True)
+    model(x).sum().backward()
+    return model
+
+
 def test_unfreezing_a_stage_after_packing_is_said_and_freezing_everything_is_not():
     """The backbone frozen before packing (as the docs ask), then layer4 unfrozen for a second stage of
     fine-tuning: layer4.0.conv1's rows lie in a parameter layer3 holds, so it stayed frozen, silently.
     Said now, as is freezing layer4 (the same block missed); freezing a group of one, or every block,
     after packing is exact, and not said, nor are a functional_call's tensors in the parameters' place."""
     x = torch.randn(2, 3, 32, 32)
-    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
-    for name, child in model.named_children():
-        child.requires_grad_(name == "fc")
-    engine.group_kernels(model, "per-block", pack=True)
-    model(x).sum().backward()
+    model = _packed_after_a_step("resnet18", x, frozen_backbone=True)
     model.layer4.requires_grad_(True)
     with pytest.warns(UserWarning, match=r"frozen or unfrozen after packing.*layer4\.0\.conv1 \(its rows held by layer3\."):
         model(x).sum().backward()
-    stage = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
-    engine.group_kernels(stage, "per-block", pack=True)
-    stage(x).sum().backward()
+    stage = _packed_after_a_step("resnet18", x)
     stage.layer4.requires_grad_(False)  # its own group exactly, but layer4.0.conv1's rows are layer3's
     with pytest.warns(UserWarning, match=r"layer4\.0\.conv1 \(its rows held by layer3\.0\.conv2\) did not change "
                                          r"with its stage"):
         stage(x).sum().backward()
-    stem = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125, small_input=True)
-    engine.group_kernels(stem, "per-block", pack=True)
-    stem(x).sum().backward()
+    stem = _packed_after_a_step("resnet18", x, small_input=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         stem.conv1.requires_grad_(False)  # a group of one: exact
@@ -1369,17 +1372,13 @@ def test_unfreezing_a_stage_after_packing_is_said_and_freezing_everything_is_not
     twin.layer3.requires_grad_(False)
     with pytest.warns(UserWarning, match=r"layer3\.0\.conv1 \(its rows held by layer2\.0\.conv2\) did not change"):
         twin(x).sum().backward()
-    deep = orepa.create_model("resnet50", "orepa", num_classes=10, width_mult=0.125)
-    engine.group_kernels(deep, "per-block", pack=True)
-    deep(x).sum().backward()
+    deep = _packed_after_a_step("resnet50", x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for name in ("conv1", "bn1", "layer1"):  # torchvision's trainable_layers=3, exact here (downsample included)
             deep.get_submodule(name).requires_grad_(False)
         deep(x).sum().backward()
-    everything = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
-    engine.group_kernels(everything, "per-block", pack=True)
-    everything(x).sum().backward()
+    everything = _packed_after_a_step("resnet18", x)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for name, child in everything.named_children():  # fine-tuning the head alone
