@@ -61,13 +61,16 @@ class ConversionReport:
     skipped: dict[str, str] = field(default_factory=dict)
     #: the converted convs that no BatchNorm2d follows (``without_bn=True``)
     without_bn: list[str] = field(default_factory=list)
-    #: the converted convs a fixed norm follows (a FrozenBatchNorm2d, or a BN frozen where its conv trains):
-    #: their blocks start as the plain conv, the norm kept after them
-    frozen_norm: list[str] = field(default_factory=list)
-    #: why each of them counts as fixed (name -> reason: a FrozenBatchNorm2d, a BN in eval mode, ...)
+    #: the converted convs a fixed norm follows (a FrozenBatchNorm2d, or a BN frozen where its conv trains),
+    #: with why it counts as fixed: their blocks start as the plain conv, the norm kept after them
     frozen_norm_why: dict[str, str] = field(default_factory=dict)
     #: re-param blocks the model held already (an earlier ``convert``, the zoo), kept as they are: name -> kind
     kept: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def frozen_norm(self) -> list[str]:
+        """The names of :attr:`frozen_norm_why`, in conversion order."""
+        return list(self.frozen_norm_why)
 
     def __str__(self) -> str:
         unnormed = f" ({len(self.without_bn)} without a BatchNorm2d after them)" if self.without_bn else ""
@@ -858,8 +861,7 @@ def convert(
             except ValueError as exc:  # (a branch set without a full-size conv to start from)
                 report.skipped[conv_name] = f"{frozen}, so its block must start as the conv, which it cannot: {exc}"
                 continue
-            report.frozen_norm.append(conv_name)  # (the norm stays where it is)
-            report.frozen_norm_why[conv_name] = frozen
+            report.frozen_norm_why[conv_name] = frozen  # (the norm stays where it is)
         elif block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
             absorbed = AbsorbedNorm(bn, norm_act=_norm_then_act(bn))
             block.absorbed_token = absorbed.token

@@ -2552,8 +2552,7 @@ def _check_trainability(workspace: Workspace) -> None:
         params = group.packed._parameters
         if not all(isinstance(p, nn.Parameter) for p in params.values()):
             return  # tensors put in their place for a call (functional_call's): not the model's trainability
-        now = tuple((name, p.requires_grad) for name, p in params.items())
-        held = tuple(map(id, params.values()))
+        now, held = group._packed_state(), tuple(map(id, params.values()))
         states += [t for _, t in now]
         own = group.__dict__.get("_packed_own")
         if own is not None and held != own:
