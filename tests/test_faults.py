@@ -554,13 +554,14 @@ def test_a_wrong_torchrun_environment_is_one_line(env, message, tmp_path, capsys
 
 
 def test_one_process_commands_refuse_torchrun(tmp_path, capsys, monkeypatch):
-    """analyze and export under torchrun: each process wrote the same files (analyze waited for
-    peers when started alone with a WORLD_SIZE)."""
+    """analyze, export and reparam under torchrun: each process wrote the same files (analyze and
+    reparam waited for peers when started alone with a WORLD_SIZE; reparam refused only after them)."""
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29555"}.items():
         monkeypatch.setenv(key, value)
     for argv in (["analyze", "resnet18", "--width-mult", "0.0625", "--output-dir", str(tmp_path / "a")],
-                 ["export", "--model", "resnet18", "-o", str(tmp_path / "m.onnx")]):
+                 ["export", "--model", "resnet18", "-o", str(tmp_path / "m.onnx")],
+                 ["reparam", str(tmp_path / "x.pth")]):
         assert main(argv) == 2
         assert f"orepa {argv[0]} runs in one process (WORLD_SIZE=2 in the environment)" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()

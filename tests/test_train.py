@@ -1172,6 +1172,21 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classi
 # --------------------------------------------------------------------------- distributed
 
 
+RECORD_GROUP_FREED = """
+import os, sys
+from orepa.apps import train
+real_cleanup = train.cleanup_distributed
+def cleanup(info):  # what each rank's teardown said: was the process group freed?
+    freed = real_cleanup(info)
+    with open(os.path.join(os.environ["GROUP_FREED_DIR"], "rank" + os.environ["RANK"]), "w") as f:
+        f.write(repr(freed))
+    return freed
+train.cleanup_distributed = cleanup
+from orepa.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("builder,micro", [("per-block", 2), ("grouped", 1)])
 def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, builder, micro):
@@ -1182,15 +1197,22 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, build
     processes compiling ResNet-18's eight groups take about a minute on two cores. Micro-batches:
     the gradients all-reduced once a step, with the last one's backward (DDP's no_sync before).
     The EMA's BN statistics are rank 0's on every rank before an evaluation: each rank averaged its
-    own, so the EMA evaluated across the ranks was none of them, and not the one saved."""
+    own, so the EMA evaluated across the ranks was none of them, and not the one saved.
+    Each rank frees its process group at the end: one left alive (held by the DDP wrapper) kept
+    gloo's worker threads, and one releasing the last collective's tensors while the interpreter
+    shut down aborted a finished run now and then (SIGABRT, torchrun: failed)."""
     out = tmp_path / "ddp"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa",
+    script = tmp_path / "record_group_freed.py"
+    script.write_text(RECORD_GROUP_FREED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GROUP_FREED_DIR": str(tmp_path),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
            "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
            "--device", "cpu", "--kernel-builder", builder, "--micro-batches", str(micro), "--model-ema",
            "--model-ema-steps", "1"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
     s = json.loads((out / "summary.json").read_text())
     assert main(["eval", str(out / "checkpoint.pth"), "--use-ema", "--cache-dir", cache, "--no-progress", "-j", "0",
                  "--val-subset", "32", "--json", str(tmp_path / "ema.json")]) == 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import gc
+import importlib
 import json
 import math
 import os
@@ -22,6 +24,8 @@ import random
 import resource
 import signal
 import sys
+import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -482,6 +486,10 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
         else:
             device = torch.device("cpu")
         if not dist.is_initialized():
+            # imported before the group exists: its functions' defaults (``group=group.WORLD``, read at
+            # import, which DistributedDataParallel triggers) would otherwise hold the group for good,
+            # and cleanup_distributed could not free it
+            importlib.import_module("torch.distributed.nn.functional")
             dist.init_process_group("nccl" if want_cuda else "gloo",
                                     **({"device_id": device} if want_cuda else {}),
                                     **({} if timeout_min is None else
@@ -493,9 +501,24 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
     return DistInfo(), device
 
 
-def cleanup_distributed(info: DistInfo) -> None:
-    if info.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+def cleanup_distributed(info: DistInfo) -> bool:
+    """Destroy the process group, and free it: the caller drops what holds it first (a
+    DistributedDataParallel wrapper, and the model its hooks are on).
+
+    Freed, the group's destructor joins gloo's worker threads. Left alive, a worker may still hold
+    the last collective's tensors when the interpreter shuts down, and their release there (it takes
+    the GIL) aborts the process: a finished run exited with SIGABRT now and then, and torchrun
+    reported it failed. Where something else still holds the group, the worker threads get the GIL
+    for a moment instead. Returns whether the group was freed (True without one)."""
+    if not (info.distributed and dist.is_initialized()):
+        return True
+    group = weakref.ref(dist.group.WORLD)
+    gc.collect()  # wrappers and models in reference cycles hold the group
+    dist.destroy_process_group()
+    if group() is None:
+        return True
+    time.sleep(0.2)  # GIL released: a worker finishing a collective's release takes it now
+    return False
 
 
 def seed_everything(seed: int) -> None:

@@ -111,9 +111,7 @@ def reparam(args: argparse.Namespace) -> dict:
         if unused:
             raise UserError(f"--no-verify skips the verification on data; {', '.join(_flag(f) for f in unused)} "
                             "do(es) not apply then")
-    info, device = init_distributed(args.device)
-    if info.distributed:
-        raise UserError("orepa reparam runs in one process (no torchrun)")
+    info, device = init_distributed(args.device, one_process="orepa reparam")
     out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
         deployed_file_name(args.fuse_bn, args.use_ema))
     _check_output(out, args)

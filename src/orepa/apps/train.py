@@ -1474,7 +1474,9 @@ def train(args: argparse.Namespace) -> dict:
         raise
     finally:
         unlock_run_dir(trainer.lock)
-        cleanup_distributed(trainer.info)
+        info = trainer.info
+        vars(trainer).clear()  # its DDP wrapper holds the process group: let go before the group is freed
+        cleanup_distributed(info)
 
 
 def run(args: argparse.Namespace) -> int:
