@@ -174,14 +174,20 @@ def pad_tf_same(x: Tensor, kernel_size: tuple[int, int], stride: tuple[int, int]
     own size."""
     pads = []
     for size, k, s, d in zip(x.shape[-2:], kernel_size, stride, dilation):
-        # ceil(size / s) by a floor division of non-negative numbers: traced into ONNX (whose integer Div
-        # truncates) the ceil as -(-size // s) padded nothing where it should; traced sizes are tensors
-        total = ((size + s - 1) // s - 1) * s + (k - 1) * d + 1 - size
+        total = _tf_same_excess(size, k, s, d)  # traced sizes are tensors
         total = total.clamp(min=0) if isinstance(total, Tensor) else max(total, 0)
         pads.append((total // 2, total - total // 2))
     (top, bottom), (left, right) = pads
     traced = isinstance(top, Tensor)  # (no branch on a traced size: it would be frozen into the trace)
     return F.pad(x, (left, right, top, bottom)) if traced or top or bottom or left or right else x
+
+
+def _tf_same_excess(size: int, k: int, s: int, d: int) -> int:
+    """The padding along one axis that makes the output ``ceil(size / s)`` (negative: none needed);
+    TorchScript compiles it for ints, a trace runs it on tensor sizes. The ceil is a floor division
+    of non-negative numbers: traced into ONNX (whose integer Div truncates) the ceil as ``-(-size // s)``
+    padded nothing where it should."""
+    return ((size + s - 1) // s - 1) * s + (k - 1) * d + 1 - size
 
 
 def _no_padding(padding) -> bool:
@@ -238,9 +244,7 @@ def _pad_tf_same_scripted(x: Tensor, kernel_size: list[int], stride: list[int], 
     """:func:`pad_tf_same` in TorchScript's terms (integer sizes)."""
     pads: list[int] = []
     for axis in (1, 0):  # F.pad's order: the last axis first
-        size = x.shape[-2 + axis]
-        total = max(((size + stride[axis] - 1) // stride[axis] - 1) * stride[axis]
-                    + (kernel_size[axis] - 1) * dilation[axis] + 1 - size, 0)
+        total = max(_tf_same_excess(x.shape[-2 + axis], kernel_size[axis], stride[axis], dilation[axis]), 0)
         pads += [total // 2, total - total // 2]
     return F.pad(x, pads)
 
