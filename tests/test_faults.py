@@ -212,7 +212,7 @@ def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path
 
 
 SIGNAL_RANK_ONE = """
-import os, signal, sys
+import os, signal, sys, time
 from orepa.apps import train
 real_time_up = train.Trainer._time_up
 def time_up(self):  # asked once a step: rank 1 alone gets a SIGTERM during its third (mid-epoch 2)
@@ -220,6 +220,12 @@ def time_up(self):  # asked once a step: rank 1 alone gets a SIGTERM during its 
         os.kill(os.getpid(), signal.SIGTERM)
     return real_time_up(self)
 train.Trainer._time_up = time_up
+real_write = train.atomic_write_text
+def slow_write(path, *a, **k):  # rank 0's summary on a slow disk: rank 1, stopped by its signal, exits first
+    if os.environ["RANK"] == "0" and str(path).endswith("summary.json"):
+        time.sleep(3)
+    return real_write(path, *a, **k)
+train.atomic_write_text = slow_write
 from orepa.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -228,7 +234,9 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.slow  # two torchrun launches
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(cache, tmp_path):
     """Two gloo processes, 2 steps an epoch: only rank 1 receives SIGTERM, both stop after the same
-    step with one mid-epoch checkpoint and exit with 143; the resumed run ends with the ranks in sync."""
+    step with one mid-epoch checkpoint and exit with 143; the resumed run ends with the ranks in sync.
+    Rank 0 writes its summary slowly: torchrun stops the other ranks when one exits non-zero, and
+    rank 1 no longer leaves before rank 0 is done."""
     script = tmp_path / "signal_rank_one.py"
     script.write_text(SIGNAL_RANK_ONE)
     out = tmp_path / "ddp"
@@ -418,7 +426,9 @@ signal.signal(signal.SIGTERM, lambda *a: got.append(1))
 Path(sys.argv[1] + ".started").touch()
 while not got:
     time.sleep(0.05)
-time.sleep(1.5)  # the end of its step: another signal to the demo meanwhile changes nothing
+deadline = time.monotonic() + 60  # the end of its step: not before the demo got its second signal
+while not Path(sys.argv[1]).with_name("second.sent").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
 Path(sys.argv[1] + ".stopped").touch()
 sys.exit(143)
 """
@@ -442,6 +452,7 @@ def test_a_second_sigterm_lets_the_demo_wait_for_its_runs(tmp_path, capsys, monk
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGUSR1)
+        (tmp_path / "second.sent").touch()  # the runs end their step only now: the demo is still waiting
 
     monkeypatch.setattr(demo, "prepare_fashion_mnist", lambda d: None)
     monkeypatch.setattr(demo, "_commands", commands)

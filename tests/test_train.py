@@ -1176,8 +1176,8 @@ RECORD_GROUP_FREED = """
 import os, sys
 from orepa.apps import train
 real_cleanup = train.cleanup_distributed
-def cleanup(info):  # what each rank's teardown said: was the process group freed?
-    freed = real_cleanup(info)
+def cleanup(info, **kwargs):  # what each rank's teardown said: was the process group freed?
+    freed = real_cleanup(info, **kwargs)
     with open(os.path.join(os.environ["GROUP_FREED_DIR"], "rank" + os.environ["RANK"]), "w") as f:
         f.write(repr(freed))
     return freed

@@ -501,9 +501,13 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
     return DistInfo(), device
 
 
-def cleanup_distributed(info: DistInfo) -> bool:
+def cleanup_distributed(info: DistInfo, *, together: bool = False) -> bool:
     """Destroy the process group, and free it: the caller drops what holds it first (a
     DistributedDataParallel wrapper, and the model its hooks are on).
+
+    ``together``: every rank ended normally; none leaves before all are done with their files.
+    torchrun stops the other ranks as soon as one exits non-zero, as each of a signal-stopped run
+    does (143): rank 0 could be killed before its summary was written.
 
     Freed, the group's destructor joins gloo's worker threads. Left alive, a worker may still hold
     the last collective's tensors when the interpreter shuts down, and their release there (it takes
@@ -512,6 +516,8 @@ def cleanup_distributed(info: DistInfo) -> bool:
     for a moment instead. Returns whether the group was freed (True without one)."""
     if not (info.distributed and dist.is_initialized()):
         return True
+    if together:
+        dist.barrier()
     group = weakref.ref(dist.group.WORLD)
     gc.collect()  # wrappers and models in reference cycles hold the group
     dist.destroy_process_group()

@@ -1424,10 +1424,13 @@ def train(args: argparse.Namespace) -> dict:
     if args.test_only:
         return test_only(args)
     trainer = Trainer(args)
+    ended = False  # fit() returned (finished, or stopped at a step every rank agreed on)
     try:
         trainer.setup()
         try:
-            return trainer.fit()
+            summary = trainer.fit()
+            ended = True
+            return summary
         except NonFiniteLoss as exc:
             last = trainer.ckpt_path if trainer.ckpt_path.exists() else None
             lower = f"{trainer.args.lr / 10:g}"
@@ -1476,7 +1479,7 @@ def train(args: argparse.Namespace) -> dict:
         unlock_run_dir(trainer.lock)
         info = trainer.info
         vars(trainer).clear()  # its DDP wrapper holds the process group: let go before the group is freed
-        cleanup_distributed(info)
+        cleanup_distributed(info, together=ended)
 
 
 def run(args: argparse.Namespace) -> int:
