@@ -517,7 +517,10 @@ def cleanup_distributed(info: DistInfo, *, together: bool = False) -> bool:
     if not (info.distributed and dist.is_initialized()):
         return True
     if together:
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer already gone (it failed after its last collective): its error is said there
+            pass
     group = weakref.ref(dist.group.WORLD)
     gc.collect()  # wrappers and models in reference cycles hold the group
     dist.destroy_process_group()
