@@ -1182,9 +1182,31 @@ def cleanup(info, **kwargs):  # what each rank's teardown said: was the process 
         f.write(repr(freed))
     return freed
 train.cleanup_distributed = cleanup
+if os.environ.get("INTERRUPT_AT_FORWARD"):
+    real_setup = train.Trainer.setup
+    def setup(self):  # a Ctrl-C inside the DDP wrapper's call at the second step
+        real_setup(self)
+        calls = []
+        def interrupt(module, args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        self.model.register_forward_pre_hook(interrupt)
+    train.Trainer.setup = setup
 from orepa.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+
+
+def _torchrun_recording_group_freed(tmp_path: Path, argv: list[str], **env) -> subprocess.CompletedProcess:
+    """``orepa ARGV`` in two gloo processes, each writing whether its teardown freed the process
+    group to ``tmp_path/rank{0,1}``."""
+    script = tmp_path / "record_group_freed.py"
+    script.write_text(RECORD_GROUP_FREED)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GROUP_FREED_DIR": str(tmp_path), **env,
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow
@@ -1202,15 +1224,10 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, build
     gloo's worker threads, and one releasing the last collective's tensors while the interpreter
     shut down aborted a finished run now and then (SIGABRT, torchrun: failed)."""
     out = tmp_path / "ddp"
-    script = tmp_path / "record_group_freed.py"
-    script.write_text(RECORD_GROUP_FREED)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GROUP_FREED_DIR": str(tmp_path),
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
-           "--device", "cpu", "--kernel-builder", builder, "--micro-batches", str(micro), "--model-ema",
-           "--model-ema-steps", "1"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = _torchrun_recording_group_freed(tmp_path, [
+        "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
+        "--device", "cpu", "--kernel-builder", builder, "--micro-batches", str(micro), "--model-ema",
+        "--model-ema-steps", "1"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
     s = json.loads((out / "summary.json").read_text())
@@ -1223,6 +1240,20 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, build
     assert "val_acc1" in s
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
         ["checkpoint.pth", "curves.png", "log.csv", "log.jsonl", "progress.json", "summary.json"])
+
+
+@pytest.mark.slow
+def test_a_ddp_run_interrupted_inside_the_wrappers_call_frees_its_group(cache, tmp_path):
+    """A Ctrl-C (or any fault) raised inside the DDP wrapper's call: the exception's frames held the
+    wrapper, and with it the process group, past the teardown (the exit could then abort). Each
+    rank says where to continue, exits 130 and has freed its group."""
+    out = tmp_path / "ddp"
+    proc = _torchrun_recording_group_freed(tmp_path, [
+        "train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out), "--device", "cpu"],
+        INTERRUPT_AT_FORWARD="1")
+    assert "exitcode  : 130" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "interrupted; no checkpoint had been written yet" in proc.stderr
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import resource
 import signal
 import sys
 import time
+import traceback
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -503,7 +504,8 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
 
 def cleanup_distributed(info: DistInfo, *, together: bool = False) -> bool:
     """Destroy the process group, and free it: the caller drops what holds it first (a
-    DistributedDataParallel wrapper, and the model its hooks are on).
+    DistributedDataParallel wrapper, and the model its hooks are on); the frames of an exception
+    on its way out (a fault inside the wrapper's forward) are cleared here.
 
     ``together``: every rank ended normally; none leaves before all are done with their files.
     torchrun stops the other ranks as soon as one exits non-zero, as each of a signal-stopped run
@@ -516,18 +518,46 @@ def cleanup_distributed(info: DistInfo, *, together: bool = False) -> bool:
     for a moment instead. Returns whether the group was freed (True without one)."""
     if not (info.distributed and dist.is_initialized()):
         return True
-    if together:
-        try:
-            dist.barrier()
-        except RuntimeError:  # a peer already gone (it failed after its last collective): its error is said there
-            pass
-    group = weakref.ref(dist.group.WORLD)
-    gc.collect()  # wrappers and models in reference cycles hold the group
-    dist.destroy_process_group()
-    if group() is None:
-        return True
-    time.sleep(0.2)  # GIL released: a worker finishing a collective's release takes it now
-    return False
+    try:
+        if together:
+            _wait_for_every_rank()
+    finally:  # (a Ctrl-C while waiting still frees the group)
+        _clear_frames_of(sys.exc_info()[1])
+        group = weakref.ref(dist.group.WORLD)
+        gc.collect()  # wrappers and models in reference cycles hold the group
+        dist.destroy_process_group()
+        freed = group() is None
+        if not freed:
+            time.sleep(0.2)  # GIL released: a worker finishing a collective's release takes it now
+    return freed
+
+
+#: how long the ranks that ended wait for the others at the end (rank 0 writing its summary takes
+#: well under this); a peer that did not come failed after its last collective, and NCCL, which
+#: never notices a peer gone, would otherwise wait out the group's timeout (10 minutes by default)
+END_WAIT = datetime.timedelta(minutes=2)
+
+
+def _wait_for_every_rank() -> None:
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    try:
+        dist.all_reduce(torch.zeros(1, device=device), async_op=True).wait(timeout=END_WAIT)
+    except RuntimeError:  # a peer gone or late: its own error is said there
+        pass
+
+
+def _clear_frames_of(exc: BaseException | None) -> None:
+    """Drop the locals of the frames ``exc`` and the exceptions chained to it went through: a fault
+    raised inside DistributedDataParallel's forward keeps that frame, and its ``self``, the wrapper
+    that holds the process group (``raise ... from None`` hides the fault but keeps it as context).
+    What is printed of the exception (files, lines, messages) does not change."""
+    todo, seen = [exc], set()
+    while todo:
+        exc = todo.pop()
+        if exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            traceback.clear_frames(exc.__traceback__)
+            todo += [exc.__cause__, exc.__context__]
 
 
 def seed_everything(seed: int) -> None:

@@ -1476,10 +1476,12 @@ def train(args: argparse.Namespace) -> dict:
             trainer.remove_made_dirs()
         raise
     finally:
-        unlock_run_dir(trainer.lock)
-        info = trainer.info
-        vars(trainer).clear()  # its DDP wrapper holds the process group: let go before the group is freed
-        cleanup_distributed(info, together=ended)
+        try:
+            unlock_run_dir(trainer.lock)
+        finally:
+            info = trainer.info
+            vars(trainer).clear()  # its DDP wrapper holds the process group: let go before the group is freed
+            cleanup_distributed(info, together=ended)
 
 
 def run(args: argparse.Namespace) -> int:
