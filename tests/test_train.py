@@ -1173,13 +1173,19 @@ def test_init_from_starts_a_new_run_from_a_checkpoints_weights_with_a_new_classi
 
 
 RECORD_GROUP_FREED = """
-import os, sys
+import os, sys, time
 from orepa.apps import train
 real_cleanup = train.cleanup_distributed
 def cleanup(info, **kwargs):  # what each rank's teardown said: was the process group freed?
     freed = real_cleanup(info, **kwargs)
-    with open(os.path.join(os.environ["GROUP_FREED_DIR"], "rank" + os.environ["RANK"]), "w") as f:
+    record = os.path.join(os.environ["GROUP_FREED_DIR"], "rank" + os.environ["RANK"])
+    with open(record + ".tmp", "w") as f:
         f.write(repr(freed))
+    os.replace(record + ".tmp", record)
+    # no rank leaves before the other has recorded: one exiting non-zero makes torchrun kill the rest
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(record[:-1] + r) for r in "01") and time.monotonic() < deadline:
+        time.sleep(0.05)
     return freed
 train.cleanup_distributed = cleanup
 if os.environ.get("INTERRUPT_AT_FORWARD"):
