@@ -786,9 +786,12 @@ def register_mm_backbones() -> list[str]:
     """Register ``OREPAResNet`` as a backbone in mmdetection / mmsegmentation when they are installed.
 
     Config: ``backbone=dict(type="OREPAResNet", name="resnet50", method="orepa",
-    out_indices=(0, 1, 2, 3), weights="orepa_r50.pth", trainable_layers=3, norm="eval")``.
-    Returns the registries it registered into (none when neither package imports).
-    Not exercised by the tests (the packages are not dependencies).
+    out_indices=(0, 1, 2, 3), weights="orepa_r50.pth", trainable_layers=3, norm="eval")``
+    (mmdetection's ``frozen_stages`` / ``norm_eval`` and ``init_cfg=dict(type="Pretrained", ...)``
+    are understood too, see :class:`_MMBackbone`). Returns the registries it registered into (none
+    when neither package imports). The registries are looked at, not searched: ``MODELS.get``
+    would import all of ``mmdet.models`` / ``mmseg.models``, so a broken mmseg (a missing optional
+    dependency) would break an mmdetection config that imports this module.
     """
     done = []
     for pkg in ("mmdet", "mmseg"):
@@ -796,22 +799,81 @@ def register_mm_backbones() -> list[str]:
             registry = __import__(f"{pkg}.registry", fromlist=["MODELS"]).MODELS
         except Exception:  # not installed, or an incompatible version
             continue
-        if registry.get("OREPAResNet") is None:
+        if "OREPAResNet" not in registry.module_dict:
             registry.register_module(name="OREPAResNet", module=_MMBackbone)
         done.append(pkg)
     return done
 
 
+def _mm_frozen(frozen_stages: int | None, norm_eval: bool | None, kwargs: dict) -> None:
+    """mmdetection's ResNet keywords in ours: ``frozen_stages=k`` freezes the stem and layers
+    1..k (-1: nothing) = ``trainable_layers=4-k``; ``norm_eval`` = ``norm="eval"`` / ``"train"``."""
+    for theirs, value, ours, mapped in (
+            ("frozen_stages", frozen_stages, "trainable_layers",
+             None if frozen_stages is None else (5 if frozen_stages == -1 else 4 - frozen_stages)),
+            ("norm_eval", norm_eval, "norm", None if norm_eval is None else ("eval" if norm_eval else "train"))):
+        if value is None:
+            continue
+        if ours in kwargs:
+            raise ValueError(f"OREPAResNet: give {theirs}= or {ours}=, not both")
+        if theirs == "frozen_stages" and not (isinstance(value, int) and -1 <= value <= 4):
+            raise ValueError(f"OREPAResNet: frozen_stages must be in [-1, 4] (mmdetection's meaning), got {value!r}")
+        kwargs[ours] = mapped
+
+
+def _mm_weights(init_cfg, pretrained, weights):
+    """The checkpoint an mm* config names: ``weights=``, ``pretrained=`` (mmsegmentation's
+    ``EncoderDecoder(pretrained=...)`` hands it to the backbone) or
+    ``init_cfg=dict(type="Pretrained", checkpoint=..., prefix=...)``. A path is read by
+    :func:`load_backbone_weights` (``weights_only``); a URI (``torchvision://``, ``open-mmlab://``,
+    ``https://``) by mmengine's checkpoint loader. Anything else in ``init_cfg`` is refused: the
+    blocks' initialisation is the zoo's, and an init rule written for plain convs would overwrite
+    it (or the loaded weights) silently."""
+    prefix = None
+    if init_cfg:
+        if not (isinstance(init_cfg, Mapping) and init_cfg.get("type") == "Pretrained" and "checkpoint" in init_cfg
+                and set(init_cfg) <= {"type", "checkpoint", "prefix", "map_location"}):
+            raise ValueError(f"OREPAResNet: init_cfg={init_cfg!r} is not supported: the blocks keep the zoo's "
+                             "initialisation; give a checkpoint as init_cfg=dict(type='Pretrained', checkpoint=...) "
+                             "or weights=...")
+        if pretrained is not None:
+            raise ValueError("OREPAResNet: the checkpoint is given twice (pretrained= and init_cfg=); give one")
+        pretrained, prefix = init_cfg["checkpoint"], init_cfg.get("prefix")
+    if weights is not None and pretrained is not None:
+        raise ValueError("OREPAResNet: the checkpoint is given twice (weights= and pretrained= / init_cfg=); "
+                         "give one")
+    source = weights if weights is not None else pretrained
+    if isinstance(source, str) and "://" in source:
+        from mmengine.runner import CheckpointLoader  # mm* installed: this config came from there
+
+        source = CheckpointLoader.load_checkpoint(source, map_location="cpu")
+    if prefix:
+        sd, _ = _as_state_dict(source)
+        prefix = prefix if prefix.endswith(".") else prefix + "."
+        source = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        if not source:
+            raise ValueError(f"OREPAResNet: no key of the checkpoint starts with prefix {prefix!r}")
+    return source
+
+
 class _MMBackbone(nn.Module):
-    """mm* backbone: returns a tuple of stage outputs (``out_indices`` 0..3 = C2..C5)."""
+    """mm* backbone: returns a tuple of stage outputs (``out_indices`` 0..3 = C2..C5).
+
+    Keywords: those of :func:`resnet_features`, plus mmdetection's ``frozen_stages`` /
+    ``norm_eval`` (see :func:`_mm_frozen`) and ``init_cfg`` / ``pretrained`` (:func:`_mm_weights`).
+    The weights are loaded at construction, so ``init_weights`` has nothing left to do."""
 
     def __init__(self, name: str = "resnet50", method: str = "orepa", out_indices: Sequence[int] = (0, 1, 2, 3),
-                 init_cfg=None, **kwargs):
+                 init_cfg=None, pretrained=None, frozen_stages: int | None = None, norm_eval: bool | None = None,
+                 **kwargs):
         super().__init__()
-        layers = [i + 1 for i in out_indices]
-        self.features = resnet_features(name, method, returned_layers=layers, **kwargs)
+        if not out_indices or not all(isinstance(i, int) and 0 <= i <= 3 for i in out_indices):
+            raise ValueError(f"OREPAResNet: out_indices must be stages 0..3 (C2..C5), got {out_indices!r}")
+        _mm_frozen(frozen_stages, norm_eval, kwargs)
+        kwargs["weights"] = _mm_weights(init_cfg, pretrained, kwargs.get("weights"))
+        self.features = resnet_features(name, method, returned_layers=[i + 1 for i in out_indices], **kwargs)
 
-    def init_weights(self):  # weights are loaded at construction (``weights=``)
+    def init_weights(self):
         pass
 
     def forward(self, x: Tensor) -> tuple[Tensor, ...]:

@@ -1,0 +1,308 @@
+"""OREPA backbones inside mmdetection / mmsegmentation (the frameworks the paper's detection and
+segmentation results were trained with): the registered ``OREPAResNet`` built from the packages'
+own base configs, trained a few steps, deployed exactly.
+
+Optional: skipped unless mmdet, mmseg and mmengine import (they are not orepa dependencies; the
+command that installs them is in docs/detection.md). With ``mmcv-lite`` (mmcv without its
+compiled ops) the ``mmcv.ops`` modules that ``mmdet.models`` / ``mmseg.models`` import are
+stand-ins that raise when called: the paths run here (ResNet + FPN + RetinaNet head losses,
+PSPNet) call none of them on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+for _pkg in ("mmengine", "mmdet", "mmseg"):
+    pytest.importorskip(_pkg, reason=f"{_pkg} is not installed (optional; see docs/detection.md)")
+
+
+class _MissingOps(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``mmcv.ops`` and its submodules for an mmcv without compiled ops: every name is a class
+    whose construction or call raises, so that importing the model zoos works and using an op says
+    so."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "mmcv.ops" or fullname.startswith("mmcv.ops."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+
+        def missing(name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError(f"{spec.name}.{name} needs mmcv's compiled ops (mmcv-lite has none)")
+
+            return type(name, (), {"__new__": refuse})
+
+        module.__getattr__ = missing
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+if importlib.util.find_spec("mmcv") is not None and importlib.util.find_spec("mmcv._ext") is None:
+    sys.meta_path.insert(0, _MissingOps())
+
+import mmdet  # noqa: E402
+import mmseg  # noqa: E402
+from mmengine.config import Config  # noqa: E402
+from mmengine.utils import import_modules_from_strings  # noqa: E402
+
+import orepa  # noqa: E402
+from orepa.models import create_model  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+WIDTH = 0.25  # ResNet-18 at a quarter width: stages of 16, 32, 64, 128 channels
+CHANNELS = [16, 32, 64, 128]
+
+
+def _base_config(package, rel: str) -> Config:
+    return Config.fromfile(os.path.join(os.path.dirname(package.__file__), ".mim", "configs", "_base_", rel))
+
+
+@pytest.fixture(scope="module")
+def registries():
+    # as a config's custom_imports = dict(imports=["orepa.apps.detection"]) does
+    import_modules_from_strings(imports=["orepa.apps.detection"], allow_failed_imports=False)
+    from mmdet.registry import MODELS as DET
+    from mmdet.utils import register_all_modules as det_modules
+    from mmseg.registry import MODELS as SEG
+    from mmseg.utils import register_all_modules as seg_modules
+
+    det_modules(init_default_scope=False)
+    seg_modules(init_default_scope=False)
+    return DET, SEG
+
+
+@pytest.fixture(scope="module")
+def imagenet_checkpoint(tmp_path_factory):
+    """An 'ImageNet' OREPA ResNet-18 checkpoint: random weights, BN statistics calibrated on random
+    images (so that a backbone whose norms stay in eval mode computes sensible features, and one
+    that did not load them is told apart)."""
+    torch.manual_seed(0)
+    net = create_model("resnet18", "orepa", width_mult=WIDTH)
+    for m in net.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.momentum = None  # cumulative average
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.randn(4, 3, 128, 128))
+    path = tmp_path_factory.mktemp("ckpt") / "orepa_r18.pth"
+    torch.save(net.state_dict(), path)
+    return path, net.state_dict()
+
+
+def _retinanet(det, **backbone):
+    cfg = _base_config(mmdet, "models/retinanet_r50_fpn.py").model
+    cfg.backbone = dict(type="OREPAResNet", name="resnet18", method="orepa", out_indices=(0, 1, 2, 3),
+                        width_mult=WIDTH, **backbone)
+    cfg.neck.in_channels = CHANNELS
+    cfg.neck.out_channels = cfg.bbox_head.in_channels = cfg.bbox_head.feat_channels = 32
+    cfg.bbox_head.stacked_convs = 1
+    cfg.bbox_head.num_classes = 3
+    model = det.build(dict(cfg, _scope_="mmdet"))  # a config's default_scope
+    model.init_weights()
+    return model
+
+
+def _det_batch(model, n=2, size=128):
+    from mmdet.structures import DetDataSample
+    from mmengine.structures import InstanceData
+
+    g = torch.Generator().manual_seed(1)
+    images, samples = [], []
+    for i in range(n):
+        images.append(torch.randint(0, 255, (3, size, size), dtype=torch.uint8, generator=g))
+        sample = DetDataSample(metainfo=dict(img_shape=(size, size), ori_shape=(size, size), scale_factor=(1.0, 1.0)))
+        sample.gt_instances = InstanceData(bboxes=torch.tensor([[10.0, 20.0, 60.0 + 10 * i, 90.0]]),
+                                           labels=torch.tensor([i % 3]))
+        samples.append(sample)
+    return model.data_preprocessor(dict(inputs=images, data_samples=samples), training=True)
+
+
+def _total(losses) -> torch.Tensor:
+    return sum(v if torch.is_tensor(v) else sum(v) for k, v in losses.items() if "loss" in k)
+
+
+def _is_orepa_block(m) -> bool:
+    return isinstance(m, (orepa.OREPAConv2d, orepa.OREPADeepStem))
+
+
+def test_registered_in_both_registries(registries):
+    det, seg = registries
+    assert det.module_dict["OREPAResNet"] is seg.module_dict["OREPAResNet"]
+
+
+def test_retinanet_trains_with_mmdetection_keywords_and_deploys_exactly(registries, imagenet_checkpoint):
+    """mmdetection's own ResNet keywords (frozen_stages=1, norm_eval=True, init_cfg Pretrained)
+    mean what they mean there: layer1 frozen, BN statistics kept, the weights loaded; the linear
+    deep stem still trains, as in the paper (``train_stem`` decides)."""
+    path, saved = imagenet_checkpoint
+    det, _ = registries
+    model = _retinanet(det, frozen_stages=1, norm_eval=True,
+                       init_cfg=dict(type="Pretrained", checkpoint=str(path)))
+    body = model.backbone.features
+    assert sum(_is_orepa_block(m) for m in body.modules()) > 0
+    for k, v in body.state_dict().items():  # loaded as saved; init_weights left it alone
+        assert torch.equal(v, saved[k]), k
+    frozen = {k for k, p in body.named_parameters() if not p.requires_grad}
+    assert frozen == {k for k, _ in body.named_parameters() if k.startswith("layer1.")}
+    assert all(p.requires_grad for k, p in body.named_parameters() if k.startswith(("layer2", "layer3", "layer4")))
+
+    data = _det_batch(model)
+    before = {k: v.clone() for k, v in body.state_dict().items()}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01, momentum=0.9)
+    model.train()
+    assert not any(m.training for m in body.modules() if isinstance(m, torch.nn.BatchNorm2d))  # norm_eval
+    losses = []
+    for _ in range(4):
+        loss = _total(model.loss(data["inputs"], data["data_samples"]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    after = body.state_dict()
+    for k, v in after.items():
+        if k.startswith("layer1.") or "running_" in k or "num_batches" in k:
+            assert torch.equal(v, before[k]), f"{k} changed"
+    changed = {k for k in after if not torch.equal(after[k], before[k])}
+    for branch in ("kxk.conv", "1x1_kxk.conv1", "dw_pw.pw", "1x1_prior.scale"):  # every kind of branch trains
+        assert f"layer4.1.conv2.branches.{branch}.weight" in changed, branch
+    assert "conv1.branches.stem.layer0.branches.kxk.conv.weight" in changed
+
+    model.eval()
+    x = data["inputs"].float()[:1]
+    with torch.no_grad():
+        reference = model.extract_feat(x)
+        model = orepa.reparameterize(model)
+        assert not any(_is_orepa_block(m) for m in model.modules())
+        deployed = model.extract_feat(x)
+    for a, b in zip(reference, deployed):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
+def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries, imagenet_checkpoint):
+    """mmsegmentation's PSPNet base config (output stride 8): ``EncoderDecoder(pretrained=...)``
+    hands the checkpoint to the backbone, which loads it; a step; deployment exact."""
+    from mmengine.structures import PixelData
+    from mmseg.structures import SegDataSample
+
+    path, saved = imagenet_checkpoint
+    _, seg = registries
+    cfg = _base_config(mmseg, "models/pspnet_r50-d8.py").model
+    cfg.pretrained = str(path)
+    cfg.backbone = dict(type="OREPAResNet", name="resnet18", method="orepa", out_indices=(0, 1, 2, 3),
+                        width_mult=WIDTH, replace_stride_with_dilation=(False, True, True))
+    for head, width in ((cfg.decode_head, CHANNELS[3]), (cfg.auxiliary_head, CHANNELS[2])):
+        head.in_channels, head.channels, head.num_classes = width, 16, 4
+        head.norm_cfg = dict(type="BN", requires_grad=True)  # SyncBN needs a process group
+    cfg.data_preprocessor.size = (64, 64)  # a config's crop size
+    model = seg.build(dict(cfg, _scope_="mmseg"))
+    model.init_weights()
+    body = model.backbone.features
+    for k, v in body.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+
+    g = torch.Generator().manual_seed(2)
+    size = 64
+    images = [torch.randint(0, 255, (3, size, size), dtype=torch.uint8, generator=g) for _ in range(2)]
+    samples = []
+    for _ in range(2):
+        s = SegDataSample(metainfo=dict(img_shape=(size, size), ori_shape=(size, size), pad_shape=(size, size)))
+        s.gt_sem_seg = PixelData(data=torch.randint(0, 4, (1, size, size), generator=g))
+        samples.append(s)
+    data = model.data_preprocessor(dict(inputs=images, data_samples=samples), training=True)
+    features = model.extract_feat(data["inputs"])
+    assert [tuple(f.shape[-2:]) for f in features] == [(16, 16), (8, 8), (8, 8), (8, 8)]  # output stride 8
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+    for _ in range(2):
+        loss = _total(model.loss(data["inputs"], data["data_samples"]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+
+    model.eval()
+    with torch.no_grad():
+        reference = model._forward(data["inputs"][:1])
+        model = orepa.reparameterize(model)
+        assert not any(_is_orepa_block(m) for m in model.modules())
+        deployed = model._forward(data["inputs"][:1])
+    assert torch.allclose(reference, deployed, rtol=1e-4, atol=1e-4), (reference - deployed).abs().max()
+
+
+@pytest.mark.parametrize("keywords, message", [
+    (dict(init_cfg=dict(type="Kaiming", layer="Conv2d")), "init_cfg=.* is not supported"),
+    (dict(init_cfg=dict(type="Pretrained", checkpoint="a.pth"), pretrained="b.pth"), "given twice"),
+    (dict(weights="a.pth", pretrained="b.pth"), "given twice"),
+    (dict(frozen_stages=1, trainable_layers=3), "frozen_stages= or trainable_layers="),
+    (dict(frozen_stages=5), r"frozen_stages must be in \[-1, 4\]"),
+    (dict(norm_eval=True, norm="frozen"), "norm_eval= or norm="),
+    (dict(out_indices=(0, 4)), "out_indices must be stages 0..3"),
+])
+def test_bad_keywords_are_named(registries, keywords, message):
+    det, _ = registries
+    with pytest.raises(ValueError, match=message):
+        det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, **keywords))
+
+
+def test_frozen_stages_minus_one_trains_everything_and_prefix_selects_a_detectors_backbone(
+        registries, imagenet_checkpoint, tmp_path):
+    path, saved = imagenet_checkpoint
+    detector = {"state_dict": {**{f"backbone.features.{k}": v for k, v in saved.items()},
+                               "neck.conv.weight": torch.zeros(1)}}
+    ckpt = tmp_path / "detector.pth"
+    torch.save(detector, ckpt)
+    det, _ = registries
+    backbone = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, frozen_stages=-1, norm_eval=True,
+                              init_cfg=dict(type="Pretrained", checkpoint=str(ckpt),
+                                            prefix="backbone.features.")))
+    assert all(p.requires_grad for p in backbone.parameters())
+    for k, v in backbone.features.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    with pytest.raises(ValueError, match="no key of the checkpoint starts with prefix 'head.'"):
+        det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
+                       init_cfg=dict(type="Pretrained", checkpoint=str(ckpt), prefix="head")))
+
+
+def test_a_broken_model_zoo_does_not_break_registration():
+    """Registering looks at the registries only: ``MODELS.get`` would import all of mmseg.models,
+    and an mmseg lacking one of its optional dependencies (e.g. ftfy) would then break every
+    mmdetection config importing orepa."""
+    script = textwrap.dedent("""
+        import importlib.abc, sys
+        class Broken(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name in ("mmdet.models", "mmseg.models"):
+                    raise ImportError(f"No module named 'ftfy' (importing {name})")
+        sys.meta_path.insert(0, Broken())
+        import mmdet, mmseg
+        import orepa.apps.detection
+        from mmdet.registry import MODELS as DET
+        from mmseg.registry import MODELS as SEG
+        print("OREPAResNet" in DET.module_dict, "OREPAResNet" in SEG.module_dict)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
