@@ -199,6 +199,31 @@ def test_retinanet_trains_with_mmdetection_keywords_and_deploys_exactly(registri
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
 
 
+def test_the_deployed_detector_loads_into_mmdetections_own_resnet(registries, imagenet_checkpoint):
+    """Deployment back to the vanilla architecture inside mmdetection: the deployed backbone is
+    torchvision's ResNet layout, which is mmdetection's ``ResNet(style="pytorch")``; its keys lose
+    the ``features.`` level and the detector no longer needs orepa."""
+    path, _ = imagenet_checkpoint
+    det, _ = registries
+    model = _retinanet(det, norm_eval=True, weights=str(path)).eval()
+    deployed = orepa.reparameterize(model).state_dict()
+    vanilla = {k.replace("backbone.features.", "backbone.", 1): v for k, v in deployed.items()}
+
+    cfg = _base_config(mmdet, "models/retinanet_r50_fpn.py").model
+    cfg.backbone = dict(type="ResNet", depth=18, base_channels=int(64 * WIDTH), out_indices=(0, 1, 2, 3),
+                        norm_eval=True, style="pytorch")
+    cfg.neck.in_channels = CHANNELS
+    cfg.neck.out_channels = cfg.bbox_head.in_channels = cfg.bbox_head.feat_channels = 32
+    cfg.bbox_head.stacked_convs = 1
+    cfg.bbox_head.num_classes = 3
+    native = det.build(dict(cfg, _scope_="mmdet")).eval()
+    native.load_state_dict(vanilla, strict=True)
+    x = _det_batch(model)["inputs"].float()
+    with torch.no_grad():
+        for a, b in zip(model.extract_feat(x), native.extract_feat(x)):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
+
 def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries, imagenet_checkpoint):
     """mmsegmentation's PSPNet base config (output stride 8): ``EncoderDecoder(pretrained=...)``
     hands the checkpoint to the backbone, which loads it; a step; deployment exact."""
