@@ -50,6 +50,16 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def child_env(**extra: str) -> dict:
+    """The environment of a child process the tests start (``python -m orepa``, torchrun): this
+    checkout's ``src`` first on its path, one OpenMP thread (the suite's processes share two cores)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra,
+            "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
 def tol_close(y, ref, rel=1e-5):
     """The suite's float32 equivalence criterion: max|y - ref| <= rel * (1 + max|ref|)."""
     err = (y - ref).abs().max().item()

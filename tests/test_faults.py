@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import child_env
 from orepa.apps import train
 from orepa.apps.checkpoint import RUN_LOCK
 from orepa.apps.common import STOP_SIGNALS
@@ -51,17 +52,12 @@ def _assert_same_run(a: dict, b: dict) -> None:
     assert a["lr_scheduler"] == b["lr_scheduler"]
 
 
-def _env() -> dict:
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-
-
 @pytest.mark.slow  # a subprocess
 def test_kill_9_during_training_then_resume_is_bit_identical(cache, reference, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "orepa", "train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache,
            "--output-dir", str(out)]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ckpt = out / "checkpoint.pth"
     try:
         deadline = time.monotonic() + 240
@@ -102,7 +98,7 @@ sys.exit(main(sys.argv[1:]))
 def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(cache, reference, tmp_path):
     out = tmp_path / "run"
     argv = ["train", *TINY, "--epochs", "2", "--save-every", "1", "--cache-dir", cache, "--output-dir", str(out)]
-    proc = subprocess.run([sys.executable, "-c", KILL_ON_THIRD_SAVE, *argv], env=_env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", KILL_ON_THIRD_SAVE, *argv], env=child_env(), capture_output=True,
                           timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     ckpt = out / "checkpoint.pth"
@@ -146,7 +142,7 @@ def test_a_stop_signal_ends_the_step_writes_a_checkpoint_and_the_run_resumes_bit
     out = tmp_path / "run"
     argv = ["train", *TINY, "--epochs", "2", "--save-every", "1", "-j", "2", "--cache-dir", cache,
             "--output-dir", str(out)]
-    proc = subprocess.run([sys.executable, "-c", SIGNAL_ON_SAVE, str(int(sig)), str(at), *argv], env=_env(),
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_ON_SAVE, str(int(sig)), str(at), *argv], env=child_env(),
                           capture_output=True, timeout=300, start_new_session=True)
     err = proc.stderr.decode()
     assert proc.returncode == 128 + sig, err[-2000:]
@@ -180,7 +176,7 @@ def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path
     proc = subprocess.Popen([sys.executable, "-c", DEMO_IN_A_TERMINAL, "demo", "--output-dir", str(out),
                              "--train-subset", "20000", "--val-subset", "64", "--width-mult", "0.0625", "-b", "16",
                              "--no-progress", "--cache-dir", cache],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline, steps = time.monotonic() + 180, [0, 0]
         while min(steps) < 1 and time.monotonic() < deadline and proc.poll() is None:
@@ -242,7 +238,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(cache, tmp_path)
     out = tmp_path / "ddp"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     argv = ["train", *TINY, "--epochs", "3", "--cache-dir", cache, "--output-dir", str(out), "--device", "cpu"]
-    proc = subprocess.run([*launch, str(script), *argv], env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*launch, str(script), *argv], env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "exitcode  : 143" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     ckpt = out / "checkpoint.pth"
     assert f"stopped: a stop signal received (by another rank); continue with --resume {ckpt}" in proc.stdout
@@ -251,7 +247,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(cache, tmp_path)
     assert _load(ckpt)["global_step"] == 3 and _load(ckpt)["step_in_epoch"] == 1
     # a DDP run resumes mid-epoch: the ranks in sync at its end
     proc = subprocess.run([*launch, "-m", "orepa", "train", "--resume", str(ckpt), "--no-progress", "--quiet",
-                           "--device", "cpu"], env=_env(), capture_output=True, text=True, timeout=300)
+                           "--device", "cpu"], env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["global_step"] == 6 and s["stop_signal"] is None and s["ranks_in_sync"]
@@ -315,7 +311,7 @@ def test_a_demo_command_whose_parent_is_killed_stops_with_a_checkpoint(cache, tm
     directory, instead of training on as an orphan. Started after its parent died, it ends at once."""
     out = tmp_path / "run"
     argv = ["train", *TINY, "--train-subset", "20000", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]
-    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_RUN, *argv], env=_env(), stdout=subprocess.PIPE,
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_RUN, *argv], env=child_env(), stdout=subprocess.PIPE,
                               text=True, start_new_session=True)
     try:
         child = int(parent.stdout.readline())
@@ -342,7 +338,7 @@ def test_a_demo_command_whose_parent_is_killed_stops_with_a_checkpoint(cache, tm
     assert not (out / RUN_LOCK).exists()
     # the parent named is not this process's (it died before the signal was armed): ended at once
     late = subprocess.run([sys.executable, "-m", "orepa", "eval", "--help"], capture_output=True, timeout=120,
-                          env={**_env(), "OREPA_STOP_WITH_PARENT": "1"})
+                          env=child_env(OREPA_STOP_WITH_PARENT="1"))
     assert late.returncode == -signal.SIGTERM and not late.stdout
 
 
@@ -537,7 +533,7 @@ def test_a_corrupt_image_read_by_loader_workers_ends_the_process(tmp_path):
     argv = ["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "2",
             "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress",
             "-j", "2", "--threads", "1", "--no-tensorboard", "--output-dir", str(tmp_path / "run")]
-    proc = subprocess.run([sys.executable, "-m", "orepa", *argv], env=_env(), capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "orepa", *argv], env=child_env(), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("\n") == 1 and "cannot read image " + str(imgs / "train" / "dog") in proc.stderr
@@ -740,7 +736,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     # processes run at once (each spends seconds importing torch)
     plain = tmp_path / "plain.pkl"
     plain.write_bytes(pickle.dumps({"weights": [1.0, 2.0]}, protocol=4))
-    procs = [subprocess.Popen([sys.executable, "-m", "orepa", *argv], env=_env(), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-m", "orepa", *argv], env=child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for argv in (["train", "-b", "-4"], ["eval", str(plain)])]
     (_, bad_batch), (_, bad_pickle) = (p.communicate(timeout=120) for p in procs)
     assert procs[0].returncode == 2 and bad_batch.count("\n") == 1 and "batch-size" in bad_batch, bad_batch

@@ -66,9 +66,9 @@ from mmengine.config import Config  # noqa: E402
 from mmengine.utils import import_modules_from_strings  # noqa: E402
 
 import orepa  # noqa: E402
+from conftest import child_env  # noqa: E402
 from orepa.models import create_model  # noqa: E402
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 WIDTH = 0.25  # ResNet-18 at a quarter width: stages of 16, 32, 64, 128 channels
 CHANNELS = [16, 32, 64, 128]
 
@@ -327,7 +327,6 @@ def test_a_broken_model_zoo_does_not_break_registration():
         from mmseg.registry import MODELS as SEG
         print("OREPAResNet" in DET.module_dict, "OREPAResNet" in SEG.module_dict)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"]

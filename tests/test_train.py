@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import orepa
+from conftest import child_env
 from orepa.apps import checkpoint as ckpt_mod
 from orepa.apps import common, data, train
 from orepa.apps.model_cfg import build_model
@@ -1209,8 +1210,7 @@ def _torchrun_recording_group_freed(tmp_path: Path, argv: list[str], **env) -> s
     group to ``tmp_path/rank{0,1}``."""
     script = tmp_path / "record_group_freed.py"
     script.write_text(RECORD_GROUP_FREED)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GROUP_FREED_DIR": str(tmp_path), **env,
-           "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = child_env(GROUP_FREED_DIR=str(tmp_path), **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), *argv]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
