@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import child_env
+
 from orepa.apps import train
 from orepa.apps.checkpoint import RUN_LOCK
 from orepa.apps.common import STOP_SIGNALS

@@ -62,11 +62,11 @@ if importlib.util.find_spec("mmcv") is not None and importlib.util.find_spec("mm
 
 import mmdet  # noqa: E402
 import mmseg  # noqa: E402
+from conftest import child_env  # noqa: E402
 from mmengine.config import Config  # noqa: E402
 from mmengine.utils import import_modules_from_strings  # noqa: E402
 
 import orepa  # noqa: E402
-from conftest import child_env  # noqa: E402
 from orepa.models import create_model  # noqa: E402
 
 WIDTH = 0.25  # ResNet-18 at a quarter width: stages of 16, 32, 64, 128 channels

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env
 from torch import nn
 
 import orepa
-from conftest import child_env
 from orepa.apps import checkpoint as ckpt_mod
 from orepa.apps import common, data, train
 from orepa.apps.model_cfg import build_model

@@ -2448,11 +2448,27 @@ def block_deployed(block: nn.Module) -> None:
         return
     workspace.deployed.add(block)
     root = None if workspace.root is None else workspace.root()
+    pending = [b for g in workspace.groups for b in g.blocks if b not in workspace.deployed]
     # (blocks taken out of the model since it was grouped, e.g. a stage replaced, are not waited for)
-    present = None if root is None else {id(m) for m in root.modules()}
-    if all(b in workspace.deployed or (present is not None and id(b) not in present)
-           for g in workspace.groups for b in g.blocks):
+    if not pending or (root is not None and not _holds_any(root, pending)):
         release_scope(workspace)
+
+
+def _holds_any(root: nn.Module, modules: list[nn.Module]) -> bool:
+    """Whether ``root`` holds any of ``modules``. Depth first from the last child: a network deployed
+    front to back (timm's ``reparameterize_model``) has its blocks still to come at its end, so the
+    search ends at once instead of walking the whole network at every block (quadratic)."""
+    wanted = {id(m) for m in modules}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        m = stack.pop()
+        if id(m) in wanted:
+            return True
+        if id(m) not in seen:
+            seen.add(id(m))
+            stack.extend(c for c in m._modules.values() if c is not None)
+    return False
 
 
 def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
