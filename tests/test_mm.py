@@ -145,9 +145,18 @@ def _is_orepa_block(m) -> bool:
     return isinstance(m, (orepa.OREPAConv2d, orepa.OREPADeepStem))
 
 
-def test_registered_in_both_registries(registries):
-    det, seg = registries
-    assert det.module_dict["OREPAResNet"] is seg.module_dict["OREPAResNet"]
+def test_each_framework_gets_its_own_resnets_defaults(registries, imagenet_checkpoint):
+    """Without freezing keywords, as mm's own ResNet: nothing frozen, a checkpoint or not; BN
+    statistics kept by mmdetection's (norm_eval=True), trained by mmsegmentation's."""
+    path, _ = imagenet_checkpoint
+    for registry, norm_eval in zip(registries, (True, False)):
+        for checkpoint in (None, str(path)):
+            backbone = registry.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, weights=checkpoint))
+            backbone.init_weights()
+            backbone.train()
+            assert all(p.requires_grad for p in backbone.parameters())
+            norms = [m.training for m in backbone.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+            assert norms and all(t is not norm_eval for t in norms), (registry.scope, checkpoint)
 
 
 def test_retinanet_trains_with_mmdetection_keywords_and_deploys_exactly(registries, imagenet_checkpoint):
@@ -226,7 +235,9 @@ def test_the_deployed_detector_loads_into_mmdetections_own_resnet(registries, im
 
 def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries, imagenet_checkpoint):
     """mmsegmentation's PSPNet base config (output stride 8): ``EncoderDecoder(pretrained=...)``
-    hands the checkpoint to the backbone, which loads it; a step; deployment exact."""
+    hands the checkpoint to the backbone, which loads it (and trains every layer and BN, as
+    mmseg's ResNet); a step; deployment exact, and the deployed backbone is mmsegmentation's own
+    dilated ResNet-18 (BasicBlocks dilate their first conv only)."""
     from mmengine.structures import PixelData
     from mmseg.structures import SegDataSample
 
@@ -245,6 +256,9 @@ def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries
     body = model.backbone.features
     for k, v in body.state_dict().items():
         assert torch.equal(v, saved[k]), k
+    model.train()
+    assert all(p.requires_grad for p in body.parameters())
+    assert all(m.training for m in body.modules() if isinstance(m, torch.nn.BatchNorm2d))
 
     g = torch.Generator().manual_seed(2)
     size = 64
@@ -275,6 +289,15 @@ def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries
         deployed = model._forward(data["inputs"][:1])
     assert torch.allclose(reference, deployed, rtol=1e-4, atol=1e-4), (reference - deployed).abs().max()
 
+    native = seg.build(dict(type="ResNet", depth=18, base_channels=16, stem_channels=16, out_indices=(0, 1, 2, 3),
+                            dilations=(1, 1, 2, 4), strides=(1, 2, 1, 1), contract_dilation=True,
+                            _scope_="mmseg"))
+    native.load_state_dict(model.backbone.features.state_dict(), strict=True)
+    native.eval()  # (mm's ResNet.train returns None)
+    with torch.no_grad():
+        for a, b in zip(model.backbone(data["inputs"][:1]), native(data["inputs"][:1])):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
+
 
 @pytest.mark.parametrize("keywords, message", [
     (dict(init_cfg=dict(type="Kaiming", layer="Conv2d")), "init_cfg=.* is not supported"),
@@ -282,8 +305,16 @@ def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries
     (dict(weights="a.pth", pretrained="b.pth"), "given twice"),
     (dict(frozen_stages=1, trainable_layers=3), "frozen_stages= or trainable_layers="),
     (dict(frozen_stages=5), r"frozen_stages must be in \[-1, 4\]"),
-    (dict(norm_eval=True, norm="frozen"), "norm_eval= or norm="),
+    (dict(norm_eval=True, norm="frozen"), "or norm=, not both"),
     (dict(out_indices=(0, 4)), "out_indices must be stages 0..3"),
+    (dict(depth=50), "depth=50 but name='resnet18'"),
+    (dict(dilations=(1, 1, 2, 4), strides=(1, 2, 1, 1)), "replace_stride_with_dilation"),
+    (dict(style="caffe"), "'caffe' is not built"),
+    (dict(with_cp=True), "activation checkpointing is not supported"),
+    (dict(base_channels=64), "base_channels = 64 \\* width_mult = 16 here"),
+    (dict(norm_cfg=dict(type="SyncBN", requires_grad=True)), "sync_bn='torch'"),
+    (dict(norm_cfg=dict(type="GN", num_groups=8)), "norms are BatchNorm2d"),
+    (dict(norm_cfg=dict(type="BN", requires_grad=False), norm_eval=False), "not a mode of this backbone"),
 ])
 def test_bad_keywords_are_named(registries, keywords, message):
     det, _ = registries
@@ -291,23 +322,72 @@ def test_bad_keywords_are_named(registries, keywords, message):
         det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, **keywords))
 
 
-def test_frozen_stages_minus_one_trains_everything_and_prefix_selects_a_detectors_backbone(
-        registries, imagenet_checkpoint, tmp_path):
+def test_stock_keywords_that_change_nothing_are_taken(registries):
+    """What stock configs spell out (mm's defaults) builds the same backbone; a frozen norm_cfg is
+    norm='frozen'."""
+    det, _ = registries
+    stock = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, depth=18, num_stages=4,
+                           style="pytorch", with_cp=False, dcn=None, stage_with_dcn=(False, False, False, False),
+                           plugins=None, base_channels=16, norm_cfg=dict(type="BN", requires_grad=True),
+                           frozen_stages=-1, norm_eval=True))
+    assert stock.features.norm == "eval" and not stock.features.frozen_stages
+    frozen = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
+                            norm_cfg=dict(type="BN", requires_grad=False)))
+    assert frozen.features.norm == "frozen"
+
+
+def test_checkpoints_are_read_by_init_weights_with_mmdetections_prefixes(registries, imagenet_checkpoint, tmp_path):
+    """As mm's ResNet: the checkpoint is read by init_weights(), so a model built to test (the
+    detector's own checkpoint loaded after) does not need the ImageNet file; a missing or damaged
+    file is named there. ``prefix`` takes a detector checkpoint's backbone, spelt ``backbone.`` as
+    in mmdetection (an OREPAResNet detector's keys go on with ``features.``)."""
     path, saved = imagenet_checkpoint
+    det, _ = registries
+    missing = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
+                             init_cfg=dict(type="Pretrained", checkpoint=str(tmp_path / "imagenet.pth"))))
+    with pytest.raises(Exception, match=r"checkpoint .*imagenet\.pth does not exist"):
+        missing.init_weights()
+    damaged = tmp_path / "damaged.pth"
+    damaged.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(Exception, match=r"checkpoint .*damaged\.pth is corrupt, truncated"):
+        det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, weights=str(damaged))).init_weights()
+
     detector = {"state_dict": {**{f"backbone.features.{k}": v for k, v in saved.items()},
-                               "neck.conv.weight": torch.zeros(1)}}
+                               "neck.conv.weight": torch.zeros(1)}, "meta": {"epoch": 12}}
     ckpt = tmp_path / "detector.pth"
     torch.save(detector, ckpt)
-    det, _ = registries
-    backbone = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, frozen_stages=-1, norm_eval=True,
-                              init_cfg=dict(type="Pretrained", checkpoint=str(ckpt),
-                                            prefix="backbone.features.")))
-    assert all(p.requires_grad for p in backbone.parameters())
-    for k, v in backbone.features.state_dict().items():
-        assert torch.equal(v, saved[k]), k
+    for prefix in ("backbone", "backbone.", "backbone.features."):
+        backbone = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, frozen_stages=-1,
+                                  init_cfg=dict(type="Pretrained", checkpoint=str(ckpt), prefix=prefix)))
+        backbone.init_weights()
+        assert all(p.requires_grad for p in backbone.parameters())
+        for k, v in backbone.features.state_dict().items():
+            assert torch.equal(v, saved[k]), (prefix, k)
     with pytest.raises(ValueError, match="no key of the checkpoint starts with prefix 'head.'"):
         det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
-                       init_cfg=dict(type="Pretrained", checkpoint=str(ckpt), prefix="head")))
+                       init_cfg=dict(type="Pretrained", checkpoint=str(ckpt), prefix="head"))).init_weights()
+
+
+def test_a_config_file_registers_without_importing_mmdetection_first(tmp_path):
+    """``Config.fromfile`` (what a training script runs first) imports mmengine only: the
+    ``custom_imports`` module registers there, under either of its names."""
+    for module in ("orepa.apps.detection", "orepa.apps.mm_backbone"):
+        config = tmp_path / "config.py"
+        config.write_text(f"custom_imports = dict(imports=[{module!r}], allow_failed_imports=False)\n"
+                          "model = dict(backbone=dict(type='OREPAResNet', name='resnet18'))\n")
+        script = textwrap.dedent(f"""
+            import sys
+            from mmengine.config import Config
+            Config.fromfile({str(config)!r})
+            assert "mmdet" not in sys.modules or "mmdet.registry" in sys.modules
+            from mmdet.registry import MODELS as DET
+            from mmseg.registry import MODELS as SEG
+            print("OREPAResNet" in DET.module_dict, "OREPAResNet" in SEG.module_dict)
+        """)
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(),
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["True", "True"], module
 
 
 def test_a_broken_model_zoo_does_not_break_registration():

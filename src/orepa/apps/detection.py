@@ -166,8 +166,9 @@ def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]
     get stride 1, and the 3x3 convs get dilation as in torchvision's
     ``ResNet._make_layer``: the first block of the stage keeps the previous
     dilation, the others use twice that. Bottleneck: the 3x3 ``conv2``; BasicBlock
-    (torchvision refuses dilation there): both 3x3 convs. Works the same on
-    plain convs and on re-param blocks, so every method can be dilated.
+    (torchvision refuses dilation there): ``conv1``, as mmsegmentation's and mmdetection's
+    ResNet dilate it (``conv2`` keeps dilation 1), so that a dilated ResNet-18 / 34 is theirs.
+    Works the same on plain convs and on re-param blocks, so every method can be dilated.
     """
     flags = list(replace_stride_with_dilation)
     if len(flags) != 3:
@@ -179,9 +180,10 @@ def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]
         previous, dilation = dilation, dilation * 2
         for i, block in enumerate(_stage_blocks(trunk, stage)):
             d = previous if i == 0 else dilation
-            convs = [block.conv2] if _is_bottleneck(block) else [block.conv1, block.conv2]
-            for conv in convs:
-                _set_geometry(conv, stride=1, dilation=d)
+            if _is_bottleneck(block):
+                _set_geometry(block.conv2, stride=1, dilation=d)
+            else:
+                _set_geometry(block.conv1, stride=1, dilation=d)
             if getattr(block, "downsample", None) is not None:
                 _set_geometry(block.downsample[0], stride=1)
             if hasattr(block, "stride"):
@@ -193,14 +195,18 @@ def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]
 
 
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "model_state", "module")
-_PREFIXES = ("module.", "_orig_mod.", "backbone.body.", "backbone.", "body.")
+_PREFIXES = ("module.", "_orig_mod.", "backbone.body.", "backbone.", "body.", "features.")
 
 
-def _as_state_dict(weights) -> tuple[dict[str, Tensor], dict]:
-    """The state_dict ``weights`` holds, and what the checkpoint says of itself (``model_cfg``,
-    ``form``: an ``orepa train`` / ``orepa reparam`` checkpoint's; for messages)."""
+def _unwrap(weights) -> tuple[dict[str, Tensor], dict]:
+    """The state_dict ``weights`` holds, keys as saved, and what the checkpoint says of itself
+    (``model_cfg``, ``form``: an ``orepa train`` / ``orepa reparam`` checkpoint's; for messages).
+    A path is read by :func:`orepa.apps.checkpoint.load_checkpoint` (``weights_only``; a damaged
+    or foreign file is named)."""
     if isinstance(weights, (str, os.PathLike)):
-        weights = torch.load(weights, map_location="cpu", weights_only=True)
+        from .checkpoint import load_checkpoint
+
+        weights = load_checkpoint(weights)
     saved = {k: weights[k] for k in ("model_cfg", "form") if k in weights} if isinstance(weights, Mapping) else {}
     if isinstance(weights, nn.Module):
         weights = weights.state_dict()
@@ -213,7 +219,13 @@ def _as_state_dict(weights) -> tuple[dict[str, Tensor], dict]:
             raise ValueError(f"checkpoint is not a state_dict: non-tensor entries {bad} and no "
                              f"{'/'.join(_WRAPPER_KEYS)} entry to unwrap")
         weights = inner
-    sd = dict(weights)
+    return dict(weights), saved
+
+
+def _as_state_dict(weights) -> tuple[dict[str, Tensor], dict]:
+    """:func:`_unwrap`, with the prefixes every key shares that wrappers add (DDP, torch.compile, a
+    detector's ``backbone.``, the mm* backbone's ``features.``) removed."""
+    sd, saved = _unwrap(weights)
     changed = True
     while changed and sd:
         changed = False
@@ -783,102 +795,13 @@ def param_groups(model: nn.Module, lr: float, weight_decay: float = 1e-4, *, ste
 
 
 def register_mm_backbones() -> list[str]:
-    """Register ``OREPAResNet`` as a backbone in mmdetection / mmsegmentation when they are installed.
+    """Register ``OREPAResNet`` in mmdetection / mmsegmentation (:mod:`orepa.apps.mm_backbone`)."""
+    from .mm_backbone import register_mm_backbones as register
 
-    Config: ``backbone=dict(type="OREPAResNet", name="resnet50", method="orepa",
-    out_indices=(0, 1, 2, 3), weights="orepa_r50.pth", trainable_layers=3, norm="eval")``
-    (mmdetection's ``frozen_stages`` / ``norm_eval`` and ``init_cfg=dict(type="Pretrained", ...)``
-    are understood too, see :class:`_MMBackbone`). Returns the registries it registered into (none
-    when neither package imports). The registries are looked at, not searched: ``MODELS.get``
-    would import all of ``mmdet.models`` / ``mmseg.models``, so a broken mmseg (a missing optional
-    dependency) would break an mmdetection config that imports this module.
-    """
-    done = []
-    for pkg in ("mmdet", "mmseg"):
-        try:
-            registry = __import__(f"{pkg}.registry", fromlist=["MODELS"]).MODELS
-        except Exception:  # not installed, or an incompatible version
-            continue
-        if "OREPAResNet" not in registry.module_dict:
-            registry.register_module(name="OREPAResNet", module=_MMBackbone)
-        done.append(pkg)
-    return done
+    return register()
 
 
-def _mm_frozen(frozen_stages: int | None, norm_eval: bool | None, kwargs: dict) -> None:
-    """mmdetection's ResNet keywords in ours: ``frozen_stages=k`` freezes the stem and layers
-    1..k (-1: nothing) = ``trainable_layers=4-k``; ``norm_eval`` = ``norm="eval"`` / ``"train"``."""
-    for theirs, value, ours, mapped in (
-            ("frozen_stages", frozen_stages, "trainable_layers",
-             None if frozen_stages is None else (5 if frozen_stages == -1 else 4 - frozen_stages)),
-            ("norm_eval", norm_eval, "norm", None if norm_eval is None else ("eval" if norm_eval else "train"))):
-        if value is None:
-            continue
-        if ours in kwargs:
-            raise ValueError(f"OREPAResNet: give {theirs}= or {ours}=, not both")
-        if theirs == "frozen_stages" and not (isinstance(value, int) and -1 <= value <= 4):
-            raise ValueError(f"OREPAResNet: frozen_stages must be in [-1, 4] (mmdetection's meaning), got {value!r}")
-        kwargs[ours] = mapped
-
-
-def _mm_weights(init_cfg, pretrained, weights):
-    """The checkpoint an mm* config names: ``weights=``, ``pretrained=`` (mmsegmentation's
-    ``EncoderDecoder(pretrained=...)`` hands it to the backbone) or
-    ``init_cfg=dict(type="Pretrained", checkpoint=..., prefix=...)``. A path is read by
-    :func:`load_backbone_weights` (``weights_only``); a URI (``torchvision://``, ``open-mmlab://``,
-    ``https://``) by mmengine's checkpoint loader. Anything else in ``init_cfg`` is refused: the
-    blocks' initialisation is the zoo's, and an init rule written for plain convs would overwrite
-    it (or the loaded weights) silently."""
-    prefix = None
-    if init_cfg:
-        if not (isinstance(init_cfg, Mapping) and init_cfg.get("type") == "Pretrained" and "checkpoint" in init_cfg
-                and set(init_cfg) <= {"type", "checkpoint", "prefix", "map_location"}):
-            raise ValueError(f"OREPAResNet: init_cfg={init_cfg!r} is not supported: the blocks keep the zoo's "
-                             "initialisation; give a checkpoint as init_cfg=dict(type='Pretrained', checkpoint=...) "
-                             "or weights=...")
-        if pretrained is not None:
-            raise ValueError("OREPAResNet: the checkpoint is given twice (pretrained= and init_cfg=); give one")
-        pretrained, prefix = init_cfg["checkpoint"], init_cfg.get("prefix")
-    if weights is not None and pretrained is not None:
-        raise ValueError("OREPAResNet: the checkpoint is given twice (weights= and pretrained= / init_cfg=); "
-                         "give one")
-    source = weights if weights is not None else pretrained
-    if isinstance(source, str) and "://" in source:
-        from mmengine.runner import CheckpointLoader  # mm* installed: this config came from there
-
-        source = CheckpointLoader.load_checkpoint(source, map_location="cpu")
-    if prefix:
-        sd, _ = _as_state_dict(source)
-        prefix = prefix if prefix.endswith(".") else prefix + "."
-        source = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
-        if not source:
-            raise ValueError(f"OREPAResNet: no key of the checkpoint starts with prefix {prefix!r}")
-    return source
-
-
-class _MMBackbone(nn.Module):
-    """mm* backbone: returns a tuple of stage outputs (``out_indices`` 0..3 = C2..C5).
-
-    Keywords: those of :func:`resnet_features`, plus mmdetection's ``frozen_stages`` /
-    ``norm_eval`` (see :func:`_mm_frozen`) and ``init_cfg`` / ``pretrained`` (:func:`_mm_weights`).
-    The weights are loaded at construction, so ``init_weights`` has nothing left to do."""
-
-    def __init__(self, name: str = "resnet50", method: str = "orepa", out_indices: Sequence[int] = (0, 1, 2, 3),
-                 init_cfg=None, pretrained=None, frozen_stages: int | None = None, norm_eval: bool | None = None,
-                 **kwargs):
-        super().__init__()
-        if not out_indices or not all(isinstance(i, int) and 0 <= i <= 3 for i in out_indices):
-            raise ValueError(f"OREPAResNet: out_indices must be stages 0..3 (C2..C5), got {out_indices!r}")
-        _mm_frozen(frozen_stages, norm_eval, kwargs)
-        kwargs["weights"] = _mm_weights(init_cfg, pretrained, kwargs.get("weights"))
-        self.features = resnet_features(name, method, returned_layers=[i + 1 for i in out_indices], **kwargs)
-
-    def init_weights(self):
-        pass
-
-    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
-        return tuple(self.features(x).values())
-
-
-if "mmdet" in sys.modules or "mmseg" in sys.modules:  # imported from an mm* config (custom_imports)
+# imported by an mm* config's custom_imports (mmengine reads the config; mm_backbone, when it is the
+# module imported, registers itself once it is whole)
+if any(pkg in sys.modules for pkg in ("mmengine", "mmdet", "mmseg")) and "orepa.apps.mm_backbone" not in sys.modules:
     register_mm_backbones()
