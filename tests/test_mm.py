@@ -311,6 +311,7 @@ def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries
     (dict(dilations=(1, 1, 2, 4), strides=(1, 2, 1, 1)), "replace_stride_with_dilation"),
     (dict(style="caffe"), "'caffe' is not built"),
     (dict(with_cp=True), "activation checkpointing is not supported"),
+    (dict(contract_dilation=False, replace_stride_with_dilation=(False, True, True)), "dilation is contracted"),
     (dict(base_channels=64), "base_channels = 64 \\* width_mult = 16 here"),
     (dict(norm_cfg=dict(type="SyncBN", requires_grad=True)), "sync_bn='torch'"),
     (dict(norm_cfg=dict(type="GN", num_groups=8)), "norms are BatchNorm2d"),
@@ -329,6 +330,7 @@ def test_stock_keywords_that_change_nothing_are_taken(registries):
     stock = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, depth=18, num_stages=4,
                            style="pytorch", with_cp=False, dcn=None, stage_with_dcn=(False, False, False, False),
                            plugins=None, base_channels=16, norm_cfg=dict(type="BN", requires_grad=True),
+                           contract_dilation=False,
                            frozen_stages=-1, norm_eval=True))
     assert stock.features.norm == "eval" and not stock.features.frozen_stages
     frozen = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,

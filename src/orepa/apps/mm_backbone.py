@@ -39,8 +39,6 @@ _MM_ONLY = {
                                 "(output stride 8: (False, True, True), as strides=(1, 2, 1, 1), "
                                 "dilations=(1, 1, 2, 4) with contract_dilation=True)"),
     "strides": ((1, 2, 2, 2), "dilate with replace_stride_with_dilation=(layer2, layer3, layer4) booleans"),
-    "contract_dilation": (True, "dilation is always contracted (the first block of a dilated stage keeps the "
-                                "previous dilation, as contract_dilation=True)"),
     "avg_down": (False, "avg_down (ResNetV1d) is not built"),
 }
 
@@ -76,6 +74,9 @@ def _mm_keywords(name: str, kwargs: dict, norm_eval_default: bool) -> None:
     if depth is not None and (named is None or depth != int(named.group(1))):
         raise _refuse(f"depth={depth!r} but name={name!r}: the network is chosen by name (resnet18 ... resnet152, "
                       "resnext50_32x4d, wide_resnet50_2, ...)")
+    if kwargs.pop("contract_dilation", True) is False and any(kwargs.get("replace_stride_with_dilation") or ()):
+        raise _refuse("contract_dilation=False: dilation is contracted here (the first block of a dilated stage "
+                      "keeps the previous dilation, as contract_dilation=True)")
     width = round(64 * kwargs.get("width_mult", 1.0))
     for key in ("base_channels", "stem_channels"):
         if key in kwargs and kwargs.pop(key) != width:
