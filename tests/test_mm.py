@@ -316,11 +316,25 @@ def test_pspnet_with_a_dilated_backbone_and_mmsegmentation_pretrained(registries
     (dict(norm_cfg=dict(type="SyncBN", requires_grad=True)), "sync_bn='torch'"),
     (dict(norm_cfg=dict(type="GN", num_groups=8)), "norms are BatchNorm2d"),
     (dict(norm_cfg=dict(type="BN", requires_grad=False), norm_eval=False), "not a mode of this backbone"),
+    (dict(groups=32, base_width=4), "a ResNeXt is chosen by name"),
+    (dict(returned_layers=[2, 3]), "out_indices"),
 ])
 def test_bad_keywords_are_named(registries, keywords, message):
     det, _ = registries
     with pytest.raises(ValueError, match=message):
         det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, **keywords))
+
+
+def test_a_frozen_norm_cfg_under_mmsegmentations_default_is_refused(registries):
+    """mmseg's ResNet with norm_cfg requires_grad=False and its default norm_eval=False keeps updating
+    the statistics under a frozen affine: no mode of this backbone, so it is said (not frozen)."""
+    _, seg = registries
+    with pytest.raises(ValueError, match="not a mode of this backbone"):
+        seg.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
+                       norm_cfg=dict(type="BN", requires_grad=False)))
+    frozen = seg.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, norm_eval=True,
+                            norm_cfg=dict(type="BN", requires_grad=False)))
+    assert frozen.features.norm == "frozen"
 
 
 def test_stock_keywords_that_change_nothing_are_taken(registries):
@@ -330,7 +344,7 @@ def test_stock_keywords_that_change_nothing_are_taken(registries):
     stock = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, depth=18, num_stages=4,
                            style="pytorch", with_cp=False, dcn=None, stage_with_dcn=(False, False, False, False),
                            plugins=None, base_channels=16, norm_cfg=dict(type="BN", requires_grad=True),
-                           contract_dilation=False,
+                           contract_dilation=False, conv_cfg=None, multi_grid=None, stem_channels=None,
                            frozen_stages=-1, norm_eval=True))
     assert stock.features.norm == "eval" and not stock.features.frozen_stages
     frozen = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
@@ -405,6 +419,27 @@ def test_a_broken_model_zoo_does_not_break_registration():
         sys.meta_path.insert(0, Broken())
         import mmdet, mmseg
         import orepa.apps.detection
+        from mmdet.registry import MODELS as DET
+        from mmseg.registry import MODELS as SEG
+        print("OREPAResNet" in DET.module_dict, "OREPAResNet" in SEG.module_dict)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("module", ["orepa.apps.mm_backbone", "orepa.detection"])
+def test_custom_imports_register_after_orepa_was_imported_first(tmp_path, module):
+    """A script that imported orepa's detection module before reading the config: importing it again
+    runs nothing, so the config names a module that registers whatever was imported before."""
+    config = tmp_path / "config.py"
+    config.write_text(f"custom_imports = dict(imports=[{module!r}], allow_failed_imports=False)\n")
+    script = textwrap.dedent(f"""
+        import warnings
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import orepa.apps.detection
+        from mmengine.config import Config
+        Config.fromfile({str(config)!r})
         from mmdet.registry import MODELS as DET
         from mmseg.registry import MODELS as SEG
         print("OREPAResNet" in DET.module_dict, "OREPAResNet" in SEG.module_dict)

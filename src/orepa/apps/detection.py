@@ -166,8 +166,9 @@ def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]
     get stride 1, and the 3x3 convs get dilation as in torchvision's
     ``ResNet._make_layer``: the first block of the stage keeps the previous
     dilation, the others use twice that. Bottleneck: the 3x3 ``conv2``; BasicBlock
-    (torchvision refuses dilation there): ``conv1``, as mmsegmentation's and mmdetection's
-    ResNet dilate it (``conv2`` keeps dilation 1), so that a dilated ResNet-18 / 34 is theirs.
+    (torchvision refuses dilation there): ``conv1`` only, as mm's BasicBlock (``conv2`` keeps
+    dilation 1), so a dilated ResNet-18 / 34 is mmsegmentation's ResNet with
+    ``contract_dilation=True`` (mmdetection's does not contract: its first blocks differ).
     Works the same on plain convs and on re-param blocks, so every method can be dilated.
     """
     flags = list(replace_stride_with_dilation)

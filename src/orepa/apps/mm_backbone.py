@@ -1,7 +1,7 @@
 """``OREPAResNet``: the zoo's ResNets (any method) as a backbone of mmdetection 3.x / mmsegmentation 1.x.
 
-Registered by :func:`register_mm_backbones`, which runs when :mod:`orepa.apps.detection` (or this
-module) is imported after mmengine, as a config's ``custom_imports`` does. The keywords are those
+Registered by :func:`register_mm_backbones`, which runs when this module is imported (a config's
+``custom_imports``), and when :mod:`orepa.apps.detection` is first imported after mmengine. The keywords are those
 of :func:`orepa.apps.detection.resnet_features`, plus the mm* ResNet's own where they mean the
 same (``frozen_stages``, ``norm_eval``, ``norm_cfg``'s ``requires_grad``, ``init_cfg`` /
 ``pretrained`` checkpoints, and values of the others that change nothing); the rest are refused
@@ -40,6 +40,11 @@ _MM_ONLY = {
                                 "dilations=(1, 1, 2, 4) with contract_dilation=True)"),
     "strides": ((1, 2, 2, 2), "dilate with replace_stride_with_dilation=(layer2, layer3, layer4) booleans"),
     "avg_down": (False, "avg_down (ResNetV1d) is not built"),
+    "conv_cfg": (None, "the convs are the zoo's (or its re-param blocks): conv_cfg is not supported"),
+    "multi_grid": (None, "multi_grid is not supported"),
+    "groups": (1, "a ResNeXt is chosen by name (resnext50_32x4d)"),
+    "base_width": (None, "a ResNeXt is chosen by name (resnext50_32x4d)"),
+    "returned_layers": (None, "choose the returned stages with out_indices (0..3 = C2..C5)"),
 }
 
 
@@ -79,7 +84,7 @@ def _mm_keywords(name: str, kwargs: dict, norm_eval_default: bool) -> None:
                       "keeps the previous dilation, as contract_dilation=True)")
     width = round(64 * kwargs.get("width_mult", 1.0))
     for key in ("base_channels", "stem_channels"):
-        if key in kwargs and kwargs.pop(key) != width:
+        if kwargs.pop(key, None) not in (None, width):
             raise _refuse(f"{key}: the widths follow width_mult ({key} = 64 * width_mult = {width} here)")
     for key, (neutral, instead) in _MM_ONLY.items():
         if key in kwargs:
@@ -111,9 +116,10 @@ def _mm_keywords(name: str, kwargs: dict, norm_eval_default: bool) -> None:
     if "norm" in kwargs and (norm_eval is not None or frozen_norm):
         raise _refuse("give norm_eval= / norm_cfg=dict(requires_grad=False) or norm=, not both")
     if frozen_norm:
-        if norm_eval is False:
+        if not (norm_eval_default if norm_eval is None else norm_eval):  # (mmseg's default: False)
             raise _refuse("norm_cfg=dict(requires_grad=False) with norm_eval=False (frozen affine, statistics "
-                          "still updated) is not a mode of this backbone: norm='train' | 'eval' | 'frozen'")
+                          "still updated) is not a mode of this backbone: give norm_eval=True too (norm='frozen'), "
+                          "or norm='train' | 'eval'")
         kwargs["norm"] = "frozen"
     elif "norm" not in kwargs:
         kwargs["norm"] = "eval" if (norm_eval_default if norm_eval is None else norm_eval) else "train"
