@@ -447,3 +447,83 @@ def test_custom_imports_register_after_orepa_was_imported_first(tmp_path, module
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.slow  # a Runner, a dataset on disk: ~8 s
+def test_a_runner_trains_from_a_config_file_and_its_checkpoint_deploys(imagenet_checkpoint, tmp_path):
+    """The user's path: a config file (``_base_`` inheritance, ``custom_imports``, ``_delete_``)
+    run by mmengine's Runner on a COCO-format dataset (four generated images): ``init_weights``
+    loads the ImageNet checkpoint (layer1, frozen by ``frozen_stages=1``, still holds it after
+    training), the loss stays finite, ``paramwise_cfg`` takes the backbone's parameters, the
+    CheckpointHook's file loads strictly into a model built from the same config and deploys
+    exactly."""
+    import json
+
+    import cv2
+    import numpy as np
+    from mmengine.runner import Runner
+
+    path, saved = imagenet_checkpoint
+    rng = np.random.default_rng(0)
+    (tmp_path / "images").mkdir()
+    images, annotations = [], []
+    for i in range(4):
+        image = (rng.random((128, 128, 3)) * 60).astype(np.uint8)
+        x0 = 10 + 10 * i
+        image[20:70, x0:x0 + 40] = (200, 50 * i, 30)
+        cv2.imwrite(str(tmp_path / "images" / f"{i}.png"), image)
+        images.append(dict(id=i, file_name=f"{i}.png", width=128, height=128))
+        annotations.append(dict(id=i, image_id=i, category_id=i % 3, bbox=[x0, 20, 40, 50], area=2000, iscrowd=0))
+    (tmp_path / "ann.json").write_text(json.dumps(dict(
+        images=images, annotations=annotations, categories=[dict(id=k, name=f"c{k}") for k in range(3)])))
+    base = os.path.join(os.path.dirname(mmdet.__file__), ".mim", "configs", "_base_", "models", "retinanet_r50_fpn.py")
+    (tmp_path / "config.py").write_text(textwrap.dedent(f"""
+        _base_ = [{base!r}]
+        custom_imports = dict(imports=["orepa.apps.mm_backbone"], allow_failed_imports=False)
+        default_scope = "mmdet"
+        model = dict(
+            backbone=dict(_delete_=True, type="OREPAResNet", name="resnet18", method="orepa", width_mult={WIDTH},
+                          out_indices=(0, 1, 2, 3), frozen_stages=1, norm_eval=True,
+                          init_cfg=dict(type="Pretrained", checkpoint={str(path)!r})),
+            neck=dict(in_channels={CHANNELS}, out_channels=32),
+            bbox_head=dict(num_classes=3, in_channels=32, feat_channels=32, stacked_convs=1))
+        train_dataloader = dict(
+            batch_size=2, num_workers=0, sampler=dict(type="DefaultSampler", shuffle=True),
+            dataset=dict(type="CocoDataset", data_root={str(tmp_path)!r}, ann_file="ann.json",
+                         metainfo=dict(classes=("c0", "c1", "c2")), data_prefix=dict(img="images/"),
+                         pipeline=[dict(type="LoadImageFromFile"), dict(type="LoadAnnotations", with_bbox=True),
+                                   dict(type="Resize", scale=(128, 128), keep_ratio=True),
+                                   dict(type="PackDetInputs")]))
+        train_cfg = dict(type="IterBasedTrainLoop", max_iters=4, val_interval=1000)
+        optim_wrapper = dict(type="OptimWrapper",
+                             optimizer=dict(type="SGD", lr=0.01, momentum=0.9, weight_decay=1e-4),
+                             paramwise_cfg=dict(norm_decay_mult=0.0, flat_decay_mult=0.0))
+        default_hooks = dict(checkpoint=dict(type="CheckpointHook", interval=2, by_epoch=False),
+                             logger=dict(type="LoggerHook", interval=1))
+        log_processor = dict(by_epoch=False)
+        log_level = "ERROR"
+        randomness = dict(seed=0)
+        work_dir = {str(tmp_path / "work")!r}
+    """))
+    runner = Runner.from_cfg(Config.fromfile(str(tmp_path / "config.py")))
+    runner.train()
+    assert torch.isfinite(torch.tensor(runner.message_hub.get_scalar("train/loss").current()))
+    trained = runner.model.state_dict()
+    layer1 = [k for k in saved if k.startswith("layer1.")]
+    assert layer1 and all(torch.equal(trained[f"backbone.features.{k}"], saved[k]) for k in layer1)
+    assert not torch.equal(trained["backbone.features.layer4.1.conv2.branches.kxk.conv.weight"],
+                           saved["layer4.1.conv2.branches.kxk.conv.weight"])
+
+    from mmdet.registry import MODELS
+
+    model = MODELS.build(Config.fromfile(str(tmp_path / "config.py")).model)
+    # (a file this test wrote: mmengine's checkpoints hold its own objects, which weights_only refuses)
+    checkpoint = torch.load(tmp_path / "work" / "iter_4.pth", map_location="cpu", weights_only=False)
+    model.load_state_dict(checkpoint["state_dict"], strict=True)
+    model.eval()
+    x = torch.randn(1, 3, 128, 128)
+    with torch.no_grad():
+        reference = model.extract_feat(x)
+        deployed = orepa.reparameterize(model).extract_feat(x)
+    for a, b in zip(reference, deployed):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4), (a - b).abs().max()
