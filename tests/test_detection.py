@@ -483,6 +483,27 @@ def _features_of(trunk, x):
     return trunk.layer4(trunk.layer3(trunk.layer2(trunk.layer1(h))))
 
 
+def test_ema_weights_of_a_checkpoint(tmp_path):
+    """``ema=True`` takes a checkpoint's moving average: ``model_ema`` of an ``orepa train
+    --model-ema`` run (a file read by the commands' loader), timm's ``state_dict_ema`` (with its
+    ``module.`` prefixes); a checkpoint without one, or no checkpoint, is said."""
+    torch.manual_seed(0)
+    model, average = (create_model("resnet18", "orepa", num_classes=10, **TINY) for _ in range(2))
+    path = tmp_path / "run.pth"
+    torch.save({"model": model.state_dict(), "model_ema": average.state_dict()}, path)
+    for ema, source in ((False, model), (True, average)):
+        f = D.resnet_features("resnet18", "orepa", weights=path, ema=ema, **TINY)
+        assert all(torch.equal(v, source.state_dict()[k]) for k, v in f.state_dict().items()), ema
+    timm_style = {"state_dict": model.state_dict(),
+                  "state_dict_ema": {f"module.{k}": v for k, v in average.state_dict().items()}}
+    f = D.resnet_features("resnet18", "orepa", weights=timm_style, ema=True, **TINY)
+    assert all(torch.equal(v, average.state_dict()[k]) for k, v in f.state_dict().items())
+    with pytest.raises(ValueError, match="holds no EMA weights"):
+        D.resnet_features("resnet18", "orepa", weights=model.state_dict(), ema=True, **TINY)
+    with pytest.raises(ValueError, match="give weights= too"):
+        D.resnet_features("resnet18", "orepa", ema=True, **TINY)
+
+
 def test_load_training_form_and_deployed_weights(tmp_path):
     torch.manual_seed(0)
     src = create_model("resnet18", "orepa", num_classes=10, **TINY)

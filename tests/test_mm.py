@@ -384,6 +384,24 @@ def test_checkpoints_are_read_by_init_weights_with_mmdetections_prefixes(registr
                        init_cfg=dict(type="Pretrained", checkpoint=str(ckpt), prefix="head"))).init_weights()
 
 
+def test_ema_weights_through_init_cfg(registries, imagenet_checkpoint, tmp_path):
+    path, saved = imagenet_checkpoint
+    det, _ = registries
+    average = {k: v + 1 if v.is_floating_point() else v for k, v in saved.items()}
+    run, detector = tmp_path / "run.pth", tmp_path / "detector.pth"
+    torch.save({"model": saved, "model_ema": average}, run)
+    torch.save({"state_dict": {f"backbone.features.{k}": v for k, v in saved.items()},
+                "state_dict_ema": {f"backbone.features.{k}": v for k, v in average.items()}}, detector)
+    for checkpoint, prefix in ((run, None), (detector, "backbone.")):
+        backbone = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, ema=True,
+                                  init_cfg=dict(type="Pretrained", checkpoint=str(checkpoint), prefix=prefix)))
+        backbone.init_weights()
+        for k, v in backbone.features.state_dict().items():
+            assert torch.equal(v, average[k]), k
+    with pytest.raises(ValueError, match="give the checkpoint too"):
+        det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, ema=True))
+
+
 def test_a_config_file_registers_without_importing_mmdetection_first(tmp_path):
     """``Config.fromfile`` (what a training script runs first) imports mmengine only: the
     ``custom_imports`` module registers there, under either of its names."""

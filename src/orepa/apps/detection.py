@@ -199,16 +199,27 @@ _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "model_state", "modu
 _PREFIXES = ("module.", "_orig_mod.", "backbone.body.", "backbone.", "body.", "features.")
 
 
-def _unwrap(weights) -> tuple[dict[str, Tensor], dict]:
-    """The state_dict ``weights`` holds, keys as saved, and what the checkpoint says of itself
-    (``model_cfg``, ``form``: an ``orepa train`` / ``orepa reparam`` checkpoint's; for messages).
-    A path is read by :func:`orepa.apps.checkpoint.load_checkpoint` (``weights_only``; a damaged
-    or foreign file is named)."""
+#: where a checkpoint keeps the weights' moving average: orepa train --model-ema, timm's train.py
+_EMA_KEYS = ("model_ema", "state_dict_ema")
+
+
+def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
+    """The state_dict ``weights`` holds (``ema``: its EMA weights), keys as saved, and what the
+    checkpoint says of itself (``model_cfg``, ``form``: an ``orepa train`` / ``orepa reparam``
+    checkpoint's; for messages). A path is read by :func:`orepa.apps.checkpoint.load_checkpoint`
+    (``weights_only``; a damaged or foreign file is named)."""
     if isinstance(weights, (str, os.PathLike)):
         from .checkpoint import load_checkpoint
 
         weights = load_checkpoint(weights)
     saved = {k: weights[k] for k in ("model_cfg", "form") if k in weights} if isinstance(weights, Mapping) else {}
+    if ema:
+        key = next((k for k in _EMA_KEYS if isinstance(weights, Mapping) and isinstance(weights.get(k), Mapping)
+                    and weights[k]), None)
+        if key is None:
+            raise ValueError(f"the checkpoint holds no EMA weights (looked for {' / '.join(_EMA_KEYS)}: a run of "
+                             "orepa train with --model-ema saves them); leave out ema=True for its weights")
+        weights = weights[key]
     if isinstance(weights, nn.Module):
         weights = weights.state_dict()
     if not isinstance(weights, Mapping):
@@ -223,10 +234,10 @@ def _unwrap(weights) -> tuple[dict[str, Tensor], dict]:
     return dict(weights), saved
 
 
-def _as_state_dict(weights) -> tuple[dict[str, Tensor], dict]:
+def _as_state_dict(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
     """:func:`_unwrap`, with the prefixes every key shares that wrappers add (DDP, torch.compile, a
     detector's ``backbone.``, the mm* backbone's ``features.``) removed."""
-    sd, saved = _unwrap(weights)
+    sd, saved = _unwrap(weights, ema=ema)
     changed = True
     while changed and sd:
         changed = False
@@ -276,12 +287,15 @@ def _load_matching(trunk: nn.Module, sd: Mapping[str, Tensor], what: str) -> Non
         raise ValueError(f"{what}: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
 
 
-def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, **options) -> str:
+def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, ema: bool = False,
+                          **options) -> str:
     """Load an ImageNet checkpoint into ``trunk`` (the classification network); returns the form found.
 
     ``weights``: a path (``torch.load(weights_only=True)``), a state_dict (also
     wrapped in ``{"state_dict": ...}`` / ``{"model": ...}``, ``module.`` prefixes
-    stripped) or a module. The classifier (``fc.*``) is ignored. Accepted:
+    stripped) or a module. ``ema``: the checkpoint's EMA weights (``model_ema`` of an
+    ``orepa train --model-ema`` run, timm's ``state_dict_ema``). The classifier (``fc.*``) is
+    ignored. Accepted:
 
     * the same form as ``trunk`` (training form of ``method``, or deployed /
       vanilla for ``method="base"``, e.g. torchvision's ImageNet weights);
@@ -294,7 +308,7 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
 
     Anything else raises ``ValueError`` saying what the checkpoint is.
     """
-    sd, saved = _as_state_dict(weights)
+    sd, saved = _as_state_dict(weights, ema=ema)
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
         _load_matching(trunk, sd, f"checkpoint for {name}/{method}")
         return method
@@ -432,6 +446,7 @@ def resnet_features(
     method: str = "orepa",
     *,
     weights=None,
+    ema: bool = False,
     returned_layers: Sequence[int] = (1, 2, 3, 4),
     output_names: Sequence[str] | None = None,
     trainable_layers: int | None = None,
@@ -446,6 +461,7 @@ def resnet_features(
         name, method: zoo network (``resnet18`` ... ``resnet152``, ``resnext50_32x4d``,
             wide variants) and ``"base" | "dbb" | "orepa" | "orepa-offline"``.
         weights: ImageNet checkpoint (path / state_dict), see :func:`load_backbone_weights`.
+        ema: take the checkpoint's EMA weights (``orepa train --model-ema``).
         returned_layers: stages 1..4 to return (C2..C5).
         output_names: names of the returned features (default ``c2``..``c5``).
         trainable_layers: torchvision's meaning: how many stages, counted from
@@ -465,7 +481,9 @@ def resnet_features(
     trunk = build_trunk(name, method, **options)
     _check_resnet(trunk, name)
     if weights is not None:
-        load_backbone_weights(trunk, weights, name=name, method=method, **options)
+        load_backbone_weights(trunk, weights, name=name, method=method, ema=ema, **options)
+    elif ema:
+        raise ValueError("ema=True takes a checkpoint's EMA weights: give weights= too")
     if trainable_layers is None:
         trainable_layers = 3 if weights is not None else 5
     if norm is None:

@@ -146,16 +146,17 @@ def _checkpoint(init_cfg, pretrained, weights) -> tuple[object, str | None]:
     return (weights if weights is not None else pretrained), prefix
 
 
-def _read(source, prefix: str | None):
+def _read(source, prefix: str | None, ema: bool):
     """What :func:`load_backbone_weights` takes: a URI read by mmengine's checkpoint loader, the
-    keys under ``prefix`` taken before any wrapper prefix is stripped."""
+    keys under ``prefix`` (of the EMA weights with ``ema``) taken before any wrapper prefix is
+    stripped."""
     if isinstance(source, str) and "://" in source:
         from mmengine.runner import CheckpointLoader  # mm* installed: this config came from there
 
         source = CheckpointLoader.load_checkpoint(source, map_location="cpu")
     if not prefix:
         return source
-    sd, _ = _unwrap(source)
+    sd, _ = _unwrap(source, ema=ema)
     prefix = prefix if prefix.endswith(".") else prefix + "."
     taken = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     if not taken:
@@ -181,6 +182,9 @@ class _MMBackbone(nn.Module):
         source, prefix = _checkpoint(init_cfg, pretrained, weights)
         self._pending = None if source is None else (source, prefix)
         self._build = (name, method, {k: v for k, v in kwargs.items() if k not in _FEATURE_KEYWORDS})
+        self._ema = bool(kwargs.pop("ema", False))  # (read with the checkpoint, in init_weights)
+        if self._ema and source is None:
+            raise _refuse("ema=True takes a checkpoint's EMA weights: give the checkpoint too")
         with warnings.catch_warnings():
             if source is not None:  # the statistics and frozen stages get their weights in init_weights()
                 warnings.filterwarnings("ignore", message=r"resnet_features\(.*weights=None", category=UserWarning)
@@ -193,7 +197,8 @@ class _MMBackbone(nn.Module):
         source, prefix = self._pending
         name, method, options = self._build
         trunk = build_trunk(name, method, **options)
-        load_backbone_weights(trunk, _read(source, prefix), name=name, method=method, **options)
+        load_backbone_weights(trunk, _read(source, prefix, self._ema), name=name, method=method,
+                              ema=self._ema and not prefix, **options)
         loaded = trunk.state_dict()
         self.features.load_state_dict({k: loaded[k] for k in self.features.state_dict()}, strict=True)
         self._pending = None
