@@ -483,6 +483,27 @@ def _features_of(trunk, x):
     return trunk.layer4(trunk.layer3(trunk.layer2(trunk.layer1(h))))
 
 
+def test_checkpoint_files_of_any_training_script(tmp_path):
+    """A backbone checkpoint file is taken as any other tool's, however its script wrapped the
+    state_dict (read with weights_only; nothing orepa-specific is asked of it); a missing or
+    damaged file is a ValueError naming it."""
+    torch.manual_seed(0)
+    sd = create_model("resnet18", "orepa", num_classes=10, **TINY).state_dict()
+    for i, saved in enumerate(({"model_state": sd, "epoch": 1}, {"module": sd}, {"state_dict": {"model": sd}},
+                               {"state_dict": sd, "version": 2}, {"state_dict": sd, "format": "x"},
+                               {"state_dict": sd, "epoch": 2.5})):
+        path = tmp_path / f"{i}.pth"
+        torch.save(saved, path)
+        f = D.resnet_features("resnet18", "orepa", weights=path, **TINY)
+        assert all(torch.equal(v, sd[k]) for k, v in f.state_dict().items()), saved.keys()
+    damaged = tmp_path / "damaged.pth"
+    damaged.write_bytes((tmp_path / "0.pth").read_bytes()[:500])
+    for path, message in ((tmp_path / "missing.pth", "missing.pth does not exist"),
+                          (damaged, "damaged.pth is corrupt, truncated")):
+        with pytest.raises(ValueError, match=message):
+            D.resnet_features("resnet18", "orepa", weights=path, **TINY)
+
+
 def test_ema_weights_of_a_checkpoint(tmp_path):
     """``ema=True`` takes a checkpoint's moving average: ``model_ema`` of an ``orepa train
     --model-ema`` run (a file read by the commands' loader), timm's ``state_dict_ema`` (with its

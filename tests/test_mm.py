@@ -372,9 +372,12 @@ def test_checkpoints_are_read_by_init_weights_with_mmdetections_prefixes(registr
                                "neck.conv.weight": torch.zeros(1)}, "meta": {"epoch": 12}}
     ckpt = tmp_path / "detector.pth"
     torch.save(detector, ckpt)
-    for prefix in ("backbone", "backbone.", "backbone.features."):
+    wrapped = tmp_path / "wrapped.pth"  # (saved from a DDP-wrapped detector)
+    torch.save({"state_dict": {f"module.{k}": v for k, v in detector["state_dict"].items()}}, wrapped)
+    for source, prefix in ((ckpt, "backbone"), (ckpt, "backbone."), (ckpt, "backbone.features."),
+                           (wrapped, "backbone.")):
         backbone = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, frozen_stages=-1,
-                                  init_cfg=dict(type="Pretrained", checkpoint=str(ckpt), prefix=prefix)))
+                                  init_cfg=dict(type="Pretrained", checkpoint=str(source), prefix=prefix)))
         backbone.init_weights()
         assert all(p.requires_grad for p in backbone.parameters())
         for k, v in backbone.features.state_dict().items():
@@ -382,6 +385,16 @@ def test_checkpoints_are_read_by_init_weights_with_mmdetections_prefixes(registr
     with pytest.raises(ValueError, match="no key of the checkpoint starts with prefix 'head.'"):
         det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
                        init_cfg=dict(type="Pretrained", checkpoint=str(ckpt), prefix="head"))).init_weights()
+
+
+def test_weights_keyword_loads_when_built(registries, imagenet_checkpoint):
+    """``weights=`` (the backbone's own keyword) is loaded at construction, as resnet_features does:
+    a model trained without the Runner (no init_weights call) has them."""
+    path, saved = imagenet_checkpoint
+    det, _ = registries
+    backbone = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, weights=str(path)))
+    for k, v in backbone.features.state_dict().items():
+        assert torch.equal(v, saved[k]), k
 
 
 def test_ema_weights_through_init_cfg(registries, imagenet_checkpoint, tmp_path):

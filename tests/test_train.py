@@ -934,6 +934,10 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors(cache, tmp_path, caps
         assert msg in err and "Traceback" not in err, err
     with pytest.raises(common.UserError, match="corrupt"):
         ckpt_mod.load_checkpoint(truncated)
+    # another tool's checkpoint keeps its own version numbering (timm's CheckpointSaver writes 'version': 2)
+    timm_style = tmp_path / "timm.pth"
+    torch.save({"epoch": 3, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)}, "version": 2}, timm_style)
+    assert list(ckpt_mod.load_checkpoint(timm_style)["model"]) == ["w"]
     # another architecture than the checkpoint records: refused as such, whether its weights fit or not
     capsys.readouterr()
     assert main(["eval", str(good), "--width-mult", "0.125", "--no-progress", "--val-subset", "16"]) == 2

@@ -544,15 +544,11 @@ def _check_crcs(path: Path) -> None:
                         "after it was written)")
 
 
-def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: bool = False) -> dict:
-    """Read a checkpoint with ``weights_only=True`` (no code in the file runs).
-
-    Returns a dict whose ``"model"`` is a state_dict without wrapper prefixes: an orepa
-    checkpoint as saved, or ``{"model": sd}`` for a bare / wrapped state_dict of another tool.
-    Raises :class:`UserError` naming what is wrong with the file. ``lazy``: for a look at the
-    metadata only; the tensors are memory-mapped, not read, nor checked against their CRCs.
-    ``reference``: a state_dict of the paper's own code is read too (``orepa import-reference``).
-    """
+def read_checkpoint_file(path: str | os.PathLike, *, lazy: bool = False):
+    """What a checkpoint file holds, read with ``weights_only=True`` (no code in the file runs), as
+    it was saved; :class:`UserError` naming what is wrong with the file (missing, empty, damaged,
+    a TorchScript / ONNX / text file, Python objects). ``lazy``: the tensors are memory-mapped,
+    not read, nor checked against their CRCs. :func:`load_checkpoint` interprets what it holds."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} is a symbolic link to nothing (a dangling link or a loop)"
@@ -586,18 +582,33 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: b
         raise UserError(
             f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg if msg else ''})"
         ) from None
+    return obj
+
+
+def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: bool = False) -> dict:
+    """Read a checkpoint with ``weights_only=True`` (no code in the file runs).
+
+    Returns a dict whose ``"model"`` is a state_dict without wrapper prefixes: an orepa
+    checkpoint as saved, or ``{"model": sd}`` for a bare / wrapped state_dict of another tool.
+    Raises :class:`UserError` naming what is wrong with the file. ``lazy``: for a look at the
+    metadata only; the tensors are memory-mapped, not read, nor checked against their CRCs.
+    ``reference``: a state_dict of the paper's own code is read too (``orepa import-reference``).
+    """
+    path = Path(path)
+    obj = read_checkpoint_file(path, lazy=lazy)
     if is_state_dict(obj):
         return {"model": _not_the_references(path, strip_prefixes(obj), reference)}
     if not isinstance(obj, dict):
         raise UserError(f"{path} is not an orepa checkpoint nor a state_dict (it holds a {type(obj).__name__})")
     if obj.get("format", FORMAT) != FORMAT:
         raise UserError(f"{path}: unknown checkpoint format {obj.get('format')!r} (this orepa reads {FORMAT!r})")
-    try:
-        version = int(obj.get("version", VERSION))
-    except (TypeError, ValueError):
-        raise UserError(f"{path}: unreadable checkpoint version {obj.get('version')!r}") from None
-    if version > VERSION:
-        raise UserError(f"{path}: checkpoint version {version} is newer than this orepa (reads {VERSION})")
+    if "format" in obj:  # (another tool's checkpoint has its own versions: timm's says 'version': 2)
+        try:
+            version = int(obj.get("version", VERSION))
+        except (TypeError, ValueError):
+            raise UserError(f"{path}: unreadable checkpoint version {obj.get('version')!r}") from None
+        if version > VERSION:
+            raise UserError(f"{path}: checkpoint version {version} is newer than this orepa (reads {VERSION})")
     key = find_state_dict(obj)
     if key is None:
         found = ", ".join(f"{k} ({type(v).__name__})" for k, v in list(obj.items())[:6]) if obj else None

@@ -206,12 +206,18 @@ _EMA_KEYS = ("model_ema", "state_dict_ema")
 def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
     """The state_dict ``weights`` holds (``ema``: its EMA weights), keys as saved, and what the
     checkpoint says of itself (``model_cfg``, ``form``: an ``orepa train`` / ``orepa reparam``
-    checkpoint's; for messages). A path is read by :func:`orepa.apps.checkpoint.load_checkpoint`
-    (``weights_only``; a damaged or foreign file is named)."""
+    checkpoint's; for messages). A path is read by :func:`orepa.apps.checkpoint.read_checkpoint_file`
+    (``weights_only``; a missing, damaged or foreign file is named, as a ``ValueError``), whose
+    content is taken as any other tool's: checkpoints of training scripts wrap their state_dict
+    in many ways."""
     if isinstance(weights, (str, os.PathLike)):
-        from .checkpoint import load_checkpoint
+        from .checkpoint import read_checkpoint_file
+        from .common import UserError
 
-        weights = load_checkpoint(weights)
+        try:
+            weights = read_checkpoint_file(weights)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
     saved = {k: weights[k] for k in ("model_cfg", "form") if k in weights} if isinstance(weights, Mapping) else {}
     if ema:
         key = next((k for k in _EMA_KEYS if isinstance(weights, Mapping) and isinstance(weights.get(k), Mapping)
@@ -291,7 +297,7 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
                           **options) -> str:
     """Load an ImageNet checkpoint into ``trunk`` (the classification network); returns the form found.
 
-    ``weights``: a path (``torch.load(weights_only=True)``), a state_dict (also
+    ``weights``: a path (read with ``weights_only=True``), a state_dict (also
     wrapped in ``{"state_dict": ...}`` / ``{"model": ...}``, ``module.`` prefixes
     stripped) or a module. ``ema``: the checkpoint's EMA weights (``model_ema`` of an
     ``orepa train --model-ema`` run, timm's ``state_dict_ema``). The classifier (``fc.*``) is

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import Tensor, nn
 
+from ..state_dicts import strip_prefixes
 from .detection import _unwrap, build_trunk, load_backbone_weights, resnet_features
 
 __all__ = ["register_mm_backbones"]
@@ -156,7 +157,7 @@ def _read(source, prefix: str | None, ema: bool):
         source = CheckpointLoader.load_checkpoint(source, map_location="cpu")
     if not prefix:
         return source
-    sd, _ = _unwrap(source, ema=ema)
+    sd = strip_prefixes(_unwrap(source, ema=ema)[0])  # (DDP's module., torch.compile's _orig_mod. first)
     prefix = prefix if prefix.endswith(".") else prefix + "."
     taken = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
     if not taken:
@@ -166,10 +167,12 @@ def _read(source, prefix: str | None, ema: bool):
 
 
 class _MMBackbone(nn.Module):
-    """mm* backbone: a tuple of stage outputs (``out_indices`` 0..3 = C2..C5). A checkpoint is read
-    by :meth:`init_weights`, as mm's ResNet reads its ``init_cfg``: the Runner calls it before
-    training; a model built to test or to infer (``init_detector``, ``Runner.test()``) does not
-    read the ImageNet file, whose weights the detector's checkpoint replaces."""
+    """mm* backbone: a tuple of stage outputs (``out_indices`` 0..3 = C2..C5). A checkpoint named
+    as mm names it (``init_cfg``, ``pretrained``) is read by :meth:`init_weights`, as mm's ResNet
+    reads its ``init_cfg``: the Runner calls it before training; a model built to test or to infer
+    (``init_detector``, ``Runner.test()``) does not read the ImageNet file, whose weights the
+    detector's checkpoint replaces. ``weights=`` (this backbone's own keyword, as in
+    :func:`~orepa.apps.detection.resnet_features`) is loaded when the backbone is built."""
 
     _NORM_EVAL = False  # the framework's own ResNet's default
 
@@ -180,15 +183,21 @@ class _MMBackbone(nn.Module):
             raise _refuse(f"out_indices must be stages 0..3 (C2..C5), got {out_indices!r}")
         _mm_keywords(name, kwargs, self._NORM_EVAL)
         source, prefix = _checkpoint(init_cfg, pretrained, weights)
-        self._pending = None if source is None else (source, prefix)
-        self._build = (name, method, {k: v for k, v in kwargs.items() if k not in _FEATURE_KEYWORDS})
-        self._ema = bool(kwargs.pop("ema", False))  # (read with the checkpoint, in init_weights)
+        self._ema = bool(kwargs.pop("ema", False))
         if self._ema and source is None:
             raise _refuse("ema=True takes a checkpoint's EMA weights: give the checkpoint too")
+        self._build = (name, method, {k: v for k, v in kwargs.items() if k not in _FEATURE_KEYWORDS})
+        returned = [i + 1 for i in out_indices]
+        if weights is not None:
+            self._pending = None
+            self.features = resnet_features(name, method, returned_layers=returned, ema=self._ema,
+                                            weights=_read(weights, None, self._ema), **kwargs)
+            return
+        self._pending = None if source is None else (source, prefix)
         with warnings.catch_warnings():
             if source is not None:  # the statistics and frozen stages get their weights in init_weights()
                 warnings.filterwarnings("ignore", message=r"resnet_features\(.*weights=None", category=UserWarning)
-            self.features = resnet_features(name, method, returned_layers=[i + 1 for i in out_indices], **kwargs)
+            self.features = resnet_features(name, method, returned_layers=returned, **kwargs)
 
     def init_weights(self):
         """Load the checkpoint (once), in any form :func:`load_backbone_weights` accepts."""
