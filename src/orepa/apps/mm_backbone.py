@@ -1,11 +1,12 @@
 """``OREPAResNet``: the zoo's ResNets (any method) as a backbone of mmdetection 3.x / mmsegmentation 1.x.
 
 Registered by :func:`register_mm_backbones`, which runs when this module is imported (a config's
-``custom_imports``), and when :mod:`orepa.apps.detection` is first imported after mmengine. The keywords are those
-of :func:`orepa.apps.detection.resnet_features`, plus the mm* ResNet's own where they mean the
-same (``frozen_stages``, ``norm_eval``, ``norm_cfg``'s ``requires_grad``, ``init_cfg`` /
-``pretrained`` checkpoints, and values of the others that change nothing); the rest are refused
-with what to write instead. The defaults are each framework's own ResNet's: nothing frozen, BN
+``custom_imports``), and when :mod:`orepa.apps.detection` is first imported after mmengine. The
+keywords are those of :func:`orepa.apps.detection.resnet_features`, plus the mm* ResNet's own
+where they mean the same (``frozen_stages``, ``norm_eval``, ``norm_cfg``'s ``requires_grad``,
+``init_cfg`` / ``pretrained`` checkpoints, and values of the others that change nothing); other
+values of the mm ResNet's keywords are refused with what to write instead, unknown keywords with
+the zoo's list of options. The defaults are each framework's own ResNet's: nothing frozen, BN
 statistics frozen in mmdetection (``norm_eval=True``), trained in mmsegmentation.
 """
 from __future__ import annotations
@@ -30,8 +31,7 @@ _FEATURE_KEYWORDS = frozenset(inspect.signature(resnet_features).parameters) - {
 _MM_ONLY = {
     "num_stages": (4, "the zoo's ResNets have 4 stages; choose the returned ones with out_indices"),
     "style": ("pytorch", "the zoo's bottlenecks stride in the 3x3 conv (style='pytorch'); 'caffe' is not built"),
-    "with_cp": (False, "activation checkpointing is not supported; method='orepa' keeps 1.03x the plain "
-                       "network's activations for backward already"),
+    "with_cp": (False, "activation checkpointing is not supported"),
     "dcn": (None, "deformable convs are not supported"),
     "stage_with_dcn": ((False, False, False, False), "deformable convs are not supported"),
     "plugins": (None, "plugins are not supported"),
