@@ -109,15 +109,20 @@ def imagenet_checkpoint(tmp_path_factory):
     return path, net.state_dict()
 
 
-def _retinanet(det, **backbone):
+def _retinanet_cfg(backbone: dict):
+    """mmdetection's RetinaNet base config, small, over ``backbone`` (C2..C5 of CHANNELS)."""
     cfg = _base_config(mmdet, "models/retinanet_r50_fpn.py").model
-    cfg.backbone = dict(type="OREPAResNet", name="resnet18", method="orepa", out_indices=(0, 1, 2, 3),
-                        width_mult=WIDTH, **backbone)
+    cfg.backbone = backbone
     cfg.neck.in_channels = CHANNELS
     cfg.neck.out_channels = cfg.bbox_head.in_channels = cfg.bbox_head.feat_channels = 32
     cfg.bbox_head.stacked_convs = 1
     cfg.bbox_head.num_classes = 3
-    model = det.build(dict(cfg, _scope_="mmdet"))  # a config's default_scope
+    return dict(cfg, _scope_="mmdet")  # a config's default_scope
+
+
+def _retinanet(det, **backbone):
+    model = det.build(_retinanet_cfg(dict(type="OREPAResNet", name="resnet18", method="orepa",
+                                          out_indices=(0, 1, 2, 3), width_mult=WIDTH, **backbone)))
     model.init_weights()
     return model
 
@@ -218,14 +223,8 @@ def test_the_deployed_detector_loads_into_mmdetections_own_resnet(registries, im
     deployed = orepa.reparameterize(model).state_dict()
     vanilla = {k.replace("backbone.features.", "backbone.", 1): v for k, v in deployed.items()}
 
-    cfg = _base_config(mmdet, "models/retinanet_r50_fpn.py").model
-    cfg.backbone = dict(type="ResNet", depth=18, base_channels=int(64 * WIDTH), out_indices=(0, 1, 2, 3),
-                        norm_eval=True, style="pytorch")
-    cfg.neck.in_channels = CHANNELS
-    cfg.neck.out_channels = cfg.bbox_head.in_channels = cfg.bbox_head.feat_channels = 32
-    cfg.bbox_head.stacked_convs = 1
-    cfg.bbox_head.num_classes = 3
-    native = det.build(dict(cfg, _scope_="mmdet")).eval()
+    native = det.build(_retinanet_cfg(dict(type="ResNet", depth=18, base_channels=int(64 * WIDTH),
+                                           out_indices=(0, 1, 2, 3), norm_eval=True, style="pytorch"))).eval()
     native.load_state_dict(vanilla, strict=True)
     x = _det_batch(model)["inputs"].float()
     with torch.no_grad():

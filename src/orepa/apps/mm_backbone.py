@@ -116,14 +116,15 @@ def _mm_keywords(name: str, kwargs: dict, norm_eval_default: bool) -> None:
     kwargs.setdefault("trainable_layers", 5)  # mm's default (frozen_stages=-1), with or without a checkpoint
     if "norm" in kwargs and (norm_eval is not None or frozen_norm):
         raise _refuse("give norm_eval= / norm_cfg=dict(requires_grad=False) or norm=, not both")
+    norm_eval = norm_eval_default if norm_eval is None else norm_eval  # (mmseg's default: False)
     if frozen_norm:
-        if not (norm_eval_default if norm_eval is None else norm_eval):  # (mmseg's default: False)
+        if not norm_eval:
             raise _refuse("norm_cfg=dict(requires_grad=False) with norm_eval=False (frozen affine, statistics "
                           "still updated) is not a mode of this backbone: give norm_eval=True too (norm='frozen'), "
                           "or norm='train' | 'eval'")
         kwargs["norm"] = "frozen"
     elif "norm" not in kwargs:
-        kwargs["norm"] = "eval" if (norm_eval_default if norm_eval is None else norm_eval) else "train"
+        kwargs["norm"] = "eval" if norm_eval else "train"
 
 
 def _checkpoint(init_cfg, pretrained, weights) -> tuple[object, str | None]:
@@ -205,6 +206,8 @@ class _MMBackbone(nn.Module):
             return
         source, prefix = self._pending
         name, method, options = self._build
+        # into the whole classification network, the one every checkpoint form is matched against
+        # (self.features stops at its last returned stage)
         trunk = build_trunk(name, method, **options)
         load_backbone_weights(trunk, _read(source, prefix, self._ema), name=name, method=method,
                               ema=self._ema and not prefix, **options)
