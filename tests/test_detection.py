@@ -519,6 +519,12 @@ def test_ema_weights_of_a_checkpoint(tmp_path):
                   "state_dict_ema": {f"module.{k}": v for k, v in average.state_dict().items()}}
     f = D.resnet_features("resnet18", "orepa", weights=timm_style, ema=True, **TINY)
     assert all(torch.equal(v, average.state_dict()[k]) for k, v in f.state_dict().items())
+    # timm's file also holds its run settings as an argparse Namespace, rebuilt by weights_only reading
+    import argparse
+
+    torch.save({**timm_style, "args": argparse.Namespace(model="resnet18", lr=0.1), "version": 2}, path)
+    f = D.resnet_features("resnet18", "orepa", weights=path, ema=True, **TINY)
+    assert all(torch.equal(v, average.state_dict()[k]) for k, v in f.state_dict().items())
     with pytest.raises(ValueError, match="holds no EMA weights"):
         D.resnet_features("resnet18", "orepa", weights=model.state_dict(), ema=True, **TINY)
     with pytest.raises(ValueError, match="give weights= too"):

@@ -675,7 +675,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         # a JSON report given as the checkpoint: torch's unpickler fails first ("does not unpickle")
         (["eval", str(run / "summary.json")], f"checkpoint {run / 'summary.json'} is a text file"),
         (["eval", str(hollow_dict)], "holds no state_dict: expected a dict of tensors, or one under 'model' / "
-                                     "'state_dict' / 'model_state_dict' (it holds an empty dict)"),
+                                     "'state_dict' / 'model_state_dict' / 'model_state' / 'module' (it holds an "
+                                     "empty dict)"),
         (["export", str(garbage)], "is corrupt, truncated or not a PyTorch checkpoint"),
         (["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run)], "already holds a run"),
         (["reparam", str(ckpt), "-o", str(ckpt)], "is the input checkpoint"),

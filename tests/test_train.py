@@ -938,6 +938,33 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors(cache, tmp_path, caps
     timm_style = tmp_path / "timm.pth"
     torch.save({"epoch": 3, "arch": "resnet18", "state_dict": {"w": torch.zeros(1)}, "version": 2}, timm_style)
     assert list(ckpt_mod.load_checkpoint(timm_style)["model"]) == ["w"]
+    # ... and its run settings: timm's and torchvision's training scripts save their flags as an argparse
+    # Namespace (which weights_only loading rebuilds, running nothing), flags that are not orepa's: read
+    # neither as orepa's run settings nor refused; timm's EMA under 'state_dict_ema' is what --use-ema takes
+    import argparse
+    import json
+
+    saved = _load(good)
+    scrambled = {k: v.flip(0) if v.is_floating_point() and v.dim() else v for k, v in saved["model"].items()}
+    timm_run = tmp_path / "timm_run.pth"
+    torch.save({"epoch": 3, "arch": "resnet18", "version": 2, "optimizer": {"state": {}, "param_groups": []},
+                "state_dict": {f"module.{k}": v for k, v in scrambled.items()},
+                "state_dict_ema": {f"module.{k}": v for k, v in saved["model"].items()},
+                "args": argparse.Namespace(data_path=str(tmp_path / "elsewhere"), model="resnet50", lr=0.1)}, timm_run)
+    held = ckpt_mod.load_checkpoint(timm_run)
+    assert "args" not in held and held["model_ema"].keys() == saved["model"].keys()
+    cfg = saved["model_cfg"]
+    flags = ["--model", cfg["model"], "--method", cfg["method"], "--width-mult", str(cfg["width_mult"]),
+             "--num-classes", str(cfg["num_classes"]), "--in-chans", str(cfg["in_chans"]),
+             "--small-input" if cfg["small_input"] else "--no-small-input",
+             "--cache-dir", cache, "--no-progress", "--val-subset", "16"]
+    top1 = {}
+    for name, path, extra in (("run", good, []), ("ema", timm_run, ["--use-ema"]), ("raw", timm_run, [])):
+        assert main(["eval", str(path), *(flags if path == timm_run else flags[-5:]), *extra,
+                     "--json", str(tmp_path / f"{name}.json")]) == 0, capsys.readouterr().err
+        top1[name] = {k: v for k, v in json.loads((tmp_path / f"{name}.json").read_text()).items()
+                      if k in ("acc1", "acc5", "loss", "dataset", "n")}
+    assert top1["ema"] == top1["run"] and top1["raw"]["loss"] != top1["run"]["loss"], top1
     # another architecture than the checkpoint records: refused as such, whether its weights fit or not
     capsys.readouterr()
     assert main(["eval", str(good), "--width-mult", "0.125", "--no-progress", "--val-subset", "16"]) == 2

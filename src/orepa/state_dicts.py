@@ -1,21 +1,44 @@
-"""Where a state_dict sits inside what other tools save, and the key prefixes their wrappers add.
+"""Reading what other tools save: the file, where its state_dict (and its EMA) sits, and the key
+prefixes their wrappers add.
 
-One home for both, read by the library (:func:`orepa.models.reference.read_reference_state_dict`)
-and by the commands' checkpoint loader (:func:`orepa.apps.checkpoint.load_checkpoint`).
+One home for all of them, read by the library (:func:`orepa.models.reference.read_reference_state_dict`),
+the commands' checkpoint loader (:func:`orepa.apps.checkpoint.load_checkpoint`) and the
+backbones' weight loader (:func:`orepa.apps.detection.load_backbone_weights`).
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
+import os
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
-__all__ = ["STATE_DICT_KEYS", "WRAPPER_PREFIXES", "find_state_dict", "is_state_dict", "strip_prefixes"]
+__all__ = ["EMA_KEYS", "SAFE_GLOBALS", "STATE_DICT_KEYS", "WRAPPER_PREFIXES", "find_state_dict", "is_state_dict",
+           "load_weights_only", "strip_prefixes"]
 
-#: where tools keep the state_dict inside a checkpoint dict (orepa's own: "model"; the paper's
-#: training script, like torchvision's: "state_dict")
-STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict")
+#: where tools keep the state_dict inside a checkpoint dict, first match taken (orepa's own and
+#: DeiT's: "model"; the paper's training script, timm's, mmengine's: "state_dict")
+STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "module")
+#: where a checkpoint keeps the weights' moving average: orepa train --model-ema, timm's train.py
+EMA_KEYS = ("model_ema", "state_dict_ema")
 #: key prefixes of wrappers: DataParallel / DistributedDataParallel, torch.compile
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: the classes besides tensors and plain values that ``weights_only`` reading rebuilds: timm's and
+#: torchvision's training scripts save their run settings as an argparse Namespace ("args"), which
+#: holds values and runs no code when rebuilt; anything else in a file is still refused
+SAFE_GLOBALS = (argparse.Namespace,)
+
+
+def load_weights_only(path: str | os.PathLike, *, mmap: bool = False):
+    """``torch.load(path, weights_only=True)`` onto the CPU, :data:`SAFE_GLOBALS` allowed (on torch
+    without ``safe_globals``, before 2.5, a file holding one is refused as before)."""
+    allow = getattr(torch.serialization, "safe_globals", None)
+    # only those not allowed already: leaving the context removes what it added, a user's own too
+    extra = [] if allow is None else [g for g in SAFE_GLOBALS if g not in torch.serialization.get_safe_globals()]
+    with allow(extra) if extra else contextlib.nullcontext():
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
 def is_state_dict(obj) -> bool:

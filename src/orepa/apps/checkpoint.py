@@ -52,7 +52,7 @@ from torch import nn
 import orepa
 
 from ..models.reference import REFERENCE_KEY_ENDINGS, is_reference_state_dict
-from ..state_dicts import STATE_DICT_KEYS, find_state_dict, is_state_dict, strip_prefixes
+from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, find_state_dict, is_state_dict, load_weights_only, strip_prefixes
 from .common import UserError, first_nonfinite, some_of
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg
 
@@ -617,6 +617,11 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: b
                         f"({'found keys ' + found if found else 'it holds an empty dict'})")
     out = dict(obj)
     out["model"] = _not_the_references(path, strip_prefixes(obj[key]), reference)
+    if "format" not in obj:  # another tool's training checkpoint (timm's, torchvision's references')
+        out.pop("args", None)  # its run settings are its own flags, not orepa's (data_path, model, ...)
+        ema = next((k for k in EMA_KEYS if is_state_dict(obj.get(k))), None)
+        if ema is not None:  # timm's state_dict_ema: read as --use-ema reads orepa's model_ema
+            out["model_ema"] = obj[ema]
     if "model_ema" in out and is_state_dict(out["model_ema"]):
         out["model_ema"] = strip_prefixes(out["model_ema"])
     _check_metadata(path, out)
@@ -650,11 +655,11 @@ def _torch_load(path: Path, lazy: bool):
         warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
         if lazy:
             try:
-                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                return load_weights_only(path, mmap=True)
             except RuntimeError as exc:  # torch's legacy (non-zip) format cannot be mapped: read it whole
                 if "mmap" not in str(exc):
                     raise
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load_weights_only(path)
 
 
 def checkpoint_form(path: str | os.PathLike) -> str | None:

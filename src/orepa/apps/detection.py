@@ -62,6 +62,7 @@ from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
 from ..convert import load_plain_state_dict, pads_tf_same, reparameterize
 from ..engine import kernel_groups
+from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, WRAPPER_PREFIXES
 from .common import split_params
 
 __all__ = [
@@ -195,12 +196,9 @@ def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]
 # --------------------------------------------------------------------------- pretrained weights
 
 
-_WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "model_state", "module")
-_PREFIXES = ("module.", "_orig_mod.", "backbone.body.", "backbone.", "body.", "features.")
-
-
-#: where a checkpoint keeps the weights' moving average: orepa train --model-ema, timm's train.py
-_EMA_KEYS = ("model_ema", "state_dict_ema")
+#: prefixes every key of a backbone's state_dict may share: wrappers' (DDP, torch.compile), a
+#: detector's (torchvision's ``backbone.body.``, mm*'s ``backbone.``) and the mm* backbone's
+_PREFIXES = (*WRAPPER_PREFIXES, "backbone.body.", "backbone.", "body.", "features.")
 
 
 def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
@@ -220,10 +218,10 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
             raise ValueError(str(exc)) from None
     saved = {k: weights[k] for k in ("model_cfg", "form") if k in weights} if isinstance(weights, Mapping) else {}
     if ema:
-        key = next((k for k in _EMA_KEYS if isinstance(weights, Mapping) and isinstance(weights.get(k), Mapping)
+        key = next((k for k in EMA_KEYS if isinstance(weights, Mapping) and isinstance(weights.get(k), Mapping)
                     and weights[k]), None)
         if key is None:
-            raise ValueError(f"the checkpoint holds no EMA weights (looked for {' / '.join(_EMA_KEYS)}: a run of "
+            raise ValueError(f"the checkpoint holds no EMA weights (looked for {' / '.join(EMA_KEYS)}: a run of "
                              "orepa train with --model-ema saves them); leave out ema=True for its weights")
         weights = weights[key]
     if isinstance(weights, nn.Module):
@@ -231,11 +229,11 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a path, a state_dict or a module, got {type(weights).__name__}")
     while not all(isinstance(v, Tensor) for v in weights.values()):
-        inner = next((weights[k] for k in _WRAPPER_KEYS if isinstance(weights.get(k), Mapping)), None)
+        inner = next((weights[k] for k in STATE_DICT_KEYS if isinstance(weights.get(k), Mapping)), None)
         if inner is None:
             bad = [k for k, v in weights.items() if not isinstance(v, Tensor)][:5]
             raise ValueError(f"checkpoint is not a state_dict: non-tensor entries {bad} and no "
-                             f"{'/'.join(_WRAPPER_KEYS)} entry to unwrap")
+                             f"{'/'.join(STATE_DICT_KEYS)} entry to unwrap")
         weights = inner
     return dict(weights), saved
 

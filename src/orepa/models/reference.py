@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from .. import kernels as K
 from ..blocks import DBBConv2d, OREPAConv2d, OREPADeepStem, OREPAVGGBlock, RepVGGBlock
-from ..state_dicts import find_state_dict, is_state_dict, strip_prefixes
+from ..state_dicts import find_state_dict, is_state_dict, load_weights_only, strip_prefixes
 from .repvgg import REPVGG_CONFIGS, build_repvgg
 from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck
 from .zoo import create_model
@@ -55,7 +55,7 @@ def read_reference_state_dict(src) -> dict[str, Tensor]:
     with ``weights_only=True``: no code in them runs."""
     if isinstance(src, (str, os.PathLike)):
         try:
-            src = torch.load(src, map_location="cpu", weights_only=True)
+            src = load_weights_only(src)
         except FileNotFoundError:
             raise ValueError(f"reference checkpoint {os.fspath(src)} does not exist") from None
         except Exception as exc:  # noqa: BLE001 - any failure to read means a damaged or foreign file
