@@ -1389,3 +1389,94 @@ def test_a_norm_its_network_froze_is_kept_fixed_not_absorbed(how):
     for method in ("dbb", "repvgg", "orepa-offline"):
         with pytest.raises(ValueError, match=f"0: followed by a BatchNorm2d {said}.*bring BNs of their own"):
             orepa.convert(seq, method)
+
+
+# --------------------------------------------------------------------------- what tracing leaves behind
+
+
+def test_tracing_runs_no_hook_and_leaves_no_placeholder_in_the_model():
+    """``convert`` traces the model with torch.fx, which runs the Python of its forward and of its
+    modules' forward hooks on placeholders (Proxy objects): a caller's hook kept them, and timm's
+    hook-based feature extractor (``feature_cls="hook"``, which stores its outputs by device) held
+    them after conversion, so that copying, pickling or deploying it failed ("'node' not in new_dict
+    during proxy unpickling"). Now tracing runs on a copy that shares the model's tensors, hooks set
+    aside: nothing reaches the caller, the hooks stay, and the converted model copies and deploys."""
+    import pickle
+
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    seen = []
+    net = torchvision.models.resnet18(num_classes=4)
+    handle = net.layer3.register_forward_hook(lambda m, i, o: seen.append(o))
+    for converted in (orepa.convert(net, "orepa"), orepa.convert(net, "dbb", inplace=True)):
+        assert seen == [] and len(converted.layer3._forward_hooks) == 1
+    handle.remove()
+    for method in ("orepa", "dbb"):
+        features = orepa.convert(timm.create_model("resnet10t", features_only=True, feature_cls="hook"), method)
+        pickle.dumps(features)
+        _move_bn_stats(features, torch.randn(2, 3, 32, 32), steps=1)
+        x = torch.randn(1, 3, 32, 32)
+        deployed = orepa.reparameterize(copy.deepcopy(features.eval()))
+        with torch.no_grad():
+            for got, want in zip(deployed(x), features(x)):
+                tol_close(got, want)
+
+
+def test_a_model_handed_to_a_function_counts_as_reached_into():
+    """An untraceable forward that hands its module to a function outside the class (which takes a
+    Sequential's conv and BN apart) was trusted to call its Sequential whole, silently: folded 0.1 off.
+    Now the fallback warns, as for any forward that reaches in, whatever the first parameter's name."""
+
+    def apply(m, x):
+        y = m.body[0](x)
+        return m.body[1](y) + y
+
+    class HandsItselfOn(nn.Module):
+        def __init__(me):
+            super().__init__()
+            me.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8))
+
+        def forward(me, x):
+            if x.sum() > 0:  # (torch.fx cannot trace this)
+                x = x * 1.0
+            return apply(me, x)
+
+    model = HandsItselfOn().double()
+    _move_bn_stats(model, torch.randn(2, 3, 6, 6, dtype=torch.double))
+    with pytest.warns(UserWarning, match="fuse_conv_bn: torch.fx could not trace the model, so the BN after 'body.0'"):
+        orepa.fuse_conv_bn(model)
+
+
+def test_plain_weights_load_with_their_modules_versions():
+    """``load_plain_state_dict`` rebuilt the state_dict without its ``_metadata``, which torchvision's
+    MNASNet reads ("version should be set to 1 or 2 instead of None"), after loading the blocks."""
+    torch.manual_seed(0)
+    plain = torchvision.models.mnasnet0_5(num_classes=4)
+    _move_bn_stats(plain, torch.randn(2, 3, 32, 32), steps=1)
+    plain.eval()
+    x = torch.randn(1, 3, 32, 32)
+    for method in ("orepa", "dbb"):
+        model = orepa.convert(plain, method)
+        orepa.load_plain_state_dict(model, plain.state_dict())
+        with torch.no_grad():
+            tol_close(model.eval()(x), plain(x))
+
+
+def test_a_graph_module_keeps_its_mode_through_convert_and_reparameterize():
+    """A GraphModule's deep copy comes back in training mode (torchvision's create_feature_extractor):
+    ``reparameterize`` of an eval-mode one returned a model in training mode, 37-99% off until
+    ``.eval()``."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    torch.manual_seed(0)
+    net = orepa.convert(torchvision.models.resnet18(num_classes=4), "orepa")
+    _move_bn_stats(net, torch.randn(2, 3, 32, 32), steps=1)
+    extractor = create_feature_extractor(net, {"layer2": "c3", "fc": "logits"}).eval()
+    deployed = orepa.reparameterize(extractor)
+    assert not any(m.training for m in deployed.modules())
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        for key in ("c3", "logits"):
+            tol_close(deployed(x)[key], extractor(x)[key])
+    assert not any(m.training for m in orepa.convert(create_feature_extractor(
+        torchvision.models.resnet18(num_classes=4), {"fc": "logits"}).eval(), "dbb").modules())

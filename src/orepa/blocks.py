@@ -642,8 +642,9 @@ class Branch(nn.Sequential):
         first, pad_after = 0, getattr(self, "_pad_after", None)  # (a branch pickled before it had one: None)
         if pad_after is not None and p != (0, 0):
             steps = list(self._modules.values())[:pad_after]
+            rerun = torch._C._current_graph_task_id() != -1  # recomputed in a backward: activation checkpointing
             for step, is_kernel in zip(steps, self._kinds):
-                h = step.run(h, 1, dilation) if is_kernel else step(h)
+                h = step.run(h, 1, dilation) if is_kernel else _statistics_kept(step, h) if rerun else step(h)
             v = self._zero_response(steps, h).view(1, -1, 1, 1)
             h = F.pad(h - v, (p[1], p[1], p[0], p[0])) + v  # the border holds v (not differentiated: DBB's)
             first = pad_after
@@ -680,6 +681,22 @@ class Branch(nn.Sequential):
             else:  # a zero input: the shift alone
                 v = shift
         return torch.zeros(like.shape[1], dtype=like.dtype, device=like.device) if v is None else v.to(like.dtype)
+
+
+def _statistics_kept(step: nn.Module, x: Tensor) -> Tensor:
+    """``step(x)``, a BN in training mode leaving its running statistics (and batch count) as they
+    are: a forward recomputed by activation checkpointing must pad with what the first run padded
+    with, DBB's BN-and-pad value read off the statistics that run updated (a second update would
+    change the function whose gradients the backward takes: ~30% off at DBB's layers)."""
+    if not (isinstance(step, BATCH_NORMS) and step.training and step.track_running_stats):
+        return step(x)
+    momentum, count = step.momentum, step.num_batches_tracked.clone()
+    step.momentum = 0.0  # (the update then keeps the statistics as they are: (1 - 0) * running + 0 * batch)
+    try:
+        return step(x)
+    finally:
+        step.momentum = momentum
+        step.num_batches_tracked.copy_(count)
 
 
 # --------------------------------------------------------------------------- blocks

@@ -15,12 +15,14 @@ folds every conv-BN pair for inference.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import inspect
 import re
+import textwrap
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -219,6 +221,43 @@ class _LeafTracer(torch.fx.Tracer):
             or super().is_leaf_module(m, qualname)
 
 
+#: the hooks that run around a module's forward: torch.fx runs those of the modules it traces
+#: through, on its placeholders (Proxy objects) instead of tensors
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _traced(model: nn.Module) -> torch.fx.Graph:
+    """``model``'s graph (modules named as in ``model``), traced on a copy of its modules that
+    shares its tensors, with their forward hooks set aside: torch.fx runs the Python of the
+    forward and of the hooks on placeholders (Proxy objects), and whatever they keep (a forward's
+    or a hook's stored outputs: timm's ``feature_cls="hook"``, a caller's feature logger) would
+    break the model's copying and pickling later, or reach the caller. A model that cannot be
+    copied is traced itself, its hooks still set aside."""
+    try:
+        twin = _deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())})
+    except Exception:  # noqa: BLE001 - weight_norm's computed weight refuses copies, as may other code
+        twin = model
+    held = [(m, attr, getattr(m, attr)) for m in twin.modules() for attr in _CALL_HOOKS
+            if getattr(m, attr, None)]
+    for m, attr, hooks in held:
+        setattr(m, attr, type(hooks)())
+    try:
+        return _LeafTracer().trace(twin)
+    finally:
+        for m, attr, hooks in held:
+            setattr(m, attr, hooks)
+
+
+def _deepcopy(model: nn.Module, memo: dict | None = None) -> nn.Module:
+    """``copy.deepcopy(model)`` with every module in its own training mode (a GraphModule's copy,
+    torchvision's ``create_feature_extractor``'s, comes back in training mode)."""
+    twin = copy.deepcopy(model, memo)
+    for mine, theirs in zip(twin.modules(), model.modules()):
+        mine.training = theirs.training
+    return twin
+
+
 def _is_conv(m: nn.Module) -> bool:
     return _convertible(m) or isinstance(m, ReparamConv2d)
 
@@ -323,10 +362,10 @@ def _pairs_fx(model: nn.Module, left_out: dict[str, str] | None = None) -> list[
     Both modes' graphs, agreed as :func:`_agreed_pairs` does. An eval graph torch.fx cannot trace
     leaves the training graph's pairs."""
     with _in_mode(model, True):
-        found = {True: _graph_pairs(model, _LeafTracer().trace(model), left_out)}
+        found = {True: _graph_pairs(model, _traced(model), left_out)}
     try:
         with _in_mode(model, False):
-            found[False] = _graph_pairs(model, _LeafTracer().trace(model), left_out)
+            found[False] = _graph_pairs(model, _traced(model), left_out)
     except Exception:  # noqa: BLE001 - control flow fx cannot follow in eval mode only
         pass
     return _agreed_pairs(found, left_out)
@@ -592,7 +631,8 @@ def _reaches_into(module: nn.Module, attr: str) -> bool:
     iterates over it, passes it to a function (``helper(self.seq, x)``), keeps it under another name
     (``seq = self.seq``), fetches it by name (``getattr``), or goes through the module tree
     (``self.children()``, ``self.modules()``, ``self._modules``, ``get_submodule``; a Sequential
-    subclass's ``self[0]``, ``for m in self:``). True where the
+    subclass's ``self[0]``, ``for m in self:``), or hands the module itself to a function
+    (``_apply(self, x)``: code outside the class, which may do any of these). True where the
     source cannot be read. The methods of its class that forward calls (``self._head(x)``), and those
     they call, are read too. (A forward that calls the Sequential whole, as torchvision's detectors
     call their heads, leaves its pairs as it builds them.)"""
@@ -615,10 +655,33 @@ def _reaches_into(module: nn.Module, attr: str) -> bool:
             if name == "forward":
                 return True
             continue  # a helper without readable source (a builtin, a C extension's): nothing to read
-        if reach.search(src):
+        if reach.search(src) or _passes_self(src):
             return True
         todo += re.findall(r"\bself\.(\w+)\s*\(", src)
     return False
+
+
+#: functions that take a module without reaching into it
+_TAKE_SELF_WHOLE = frozenset({"isinstance", "issubclass", "type", "id", "hasattr", "super", "repr", "str"})
+
+
+def _passes_self(src: str) -> bool:
+    """Whether the method source ``src`` hands its module (its first parameter, ``self`` by custom)
+    to a function; True where it does not parse."""
+    try:
+        tree = ast.parse(textwrap.dedent(src))
+    except SyntaxError:
+        return True
+    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if fn is None or not fn.args.args:
+        return False  # (a static method: no module to hand on)
+    me = fn.args.args[0].arg
+
+    def is_me(a: ast.expr) -> bool:
+        return isinstance(a, ast.Name) and a.id == me or isinstance(a, ast.Starred) and is_me(a.value)
+
+    return any(isinstance(node, ast.Call) and not (isinstance(node.func, ast.Name) and node.func.id in _TAKE_SELF_WHOLE)
+               and any(is_me(a) for a in (*node.args, *(k.value for k in node.keywords))) for node in ast.walk(fn))
 
 
 def _replace_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
@@ -802,7 +865,7 @@ def convert(
                                                    "internal_channels") if k in options})
     if not inplace:
         try:
-            model = copy.deepcopy(model)
+            model = _deepcopy(model)
         except RuntimeError as exc:  # torch.nn.utils.weight_norm's computed weight refuses to be copied
             raise ValueError(f"convert(inplace=False) cannot copy {type(model).__name__} ({exc}); "
                              "pass inplace=True to convert the model itself") from None
@@ -974,9 +1037,13 @@ def load_plain_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], ke
         hint = (f" (every key starts with {prefixed!r}, a wrapper's: DataParallel / DDP, torch.compile; "
                 "orepa.state_dicts.strip_prefixes(state_dict) removes it)") if prefixed else ""
         raise ValueError("the plain state_dict does not fit this model: " + "; ".join(problems) + hint)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # the modules' versions, which some loaders read (torchvision's MNASNet)
+        rest = OrderedDict(rest)
+        rest._metadata = metadata
     try:
         model.load_state_dict(rest, strict=False)  # the blocks' keys were given above, by load_conv
-    except RuntimeError as exc:  # shapes
+    except (RuntimeError, ValueError) as exc:  # shapes; a module's own loader refusing what it reads
         raise ValueError(f"the plain state_dict does not fit this model: {exc}") from None
 
 
@@ -1028,7 +1095,7 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
     """Fold every Conv2d -> BatchNorm2d pair (eval statistics) into the conv; the BN becomes Identity
     (a timm BatchNormAct2d its dropout and activation)."""
     if not inplace:
-        model = copy.deepcopy(model)
+        model = _deepcopy(model)
     pairs, _, left_out, trusted = _find_pairs(model, example_input)
     # (stacklevel: past torch.no_grad's wrapper to the caller)
     _warn_left_out(left_out, stacklevel=4)
@@ -1093,7 +1160,7 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     if isinstance(model, ReparamConv2d):
         return _deployed_conv(model)
     if not inplace:
-        model = copy.deepcopy(model)
+        model = _deepcopy(model)
     blocks = _top_level_blocks(model)
     absorbed, orphans = _absorbed_pairing(model, blocks)
     for name, block in blocks:
