@@ -525,6 +525,11 @@ def test_ema_weights_of_a_checkpoint(tmp_path):
     torch.save({**timm_style, "args": argparse.Namespace(model="resnet18", lr=0.1), "version": 2}, path)
     f = D.resnet_features("resnet18", "orepa", weights=path, ema=True, **TINY)
     assert all(torch.equal(v, average.state_dict()[k]) for k, v in f.state_dict().items())
+    # torchvision's reference script: torch's AveragedModel saved whole, its step counter beside the weights
+    torchvision_style = {"model": model.state_dict(), "model_ema": {
+        **{f"module.{k}": v for k, v in average.state_dict().items()}, "n_averaged": torch.tensor(7)}}
+    f = D.resnet_features("resnet18", "orepa", weights=torchvision_style, ema=True, **TINY)
+    assert all(torch.equal(v, average.state_dict()[k]) for k, v in f.state_dict().items())
     with pytest.raises(ValueError, match="holds no EMA weights"):
         D.resnet_features("resnet18", "orepa", weights=model.state_dict(), ema=True, **TINY)
     with pytest.raises(ValueError, match="give weights= too"):

@@ -6,6 +6,7 @@ batches of 16: 4 steps per epoch), one torch thread, so two runs are bit-identic
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -1572,3 +1573,34 @@ def test_the_default_loader_workers_count_the_cpus_this_process_may_use(monkeypa
     assert data.default_workers(args, torch.device("cpu")) == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert data.default_workers(args, torch.device("cpu")) == 8
+
+
+@pytest.mark.slow  # a subprocess
+def test_a_closed_output_pipe_ends_the_output_not_the_run(cache, tmp_path):
+    """``orepa train ... | head -1``: the first print after the reader went raised BrokenPipeError,
+    which ended the run between epochs (exit 1, a traceback, no summary). Now the output ends there
+    and the run goes on to its end: exit 0, its checkpoint and summary written, nothing on stderr."""
+    out = tmp_path / "run"
+    argv = [a for a in TINY if a != "--quiet"]
+    proc = subprocess.Popen([sys.executable, "-m", "orepa", "train", *argv, "--epochs", "2", "--cache-dir", cache,
+                             "--output-dir", str(out)], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.communicate(timeout=300)[1].decode()
+    assert proc.returncode == 0 and err == "", err[-2000:]
+    assert json.loads((out / "summary.json").read_text())["epochs"] == 2
+
+
+def test_a_lost_terminal_ends_the_output_not_the_command(capsys):
+    """A hung-up terminal (an ssh session dropped) fails writes with EIO: the same, for any stream."""
+    import errno
+
+    from orepa.cli import _SurvivableStream
+
+    class HungUp(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+    stream = _SurvivableStream(HungUp())
+    assert stream.write("epoch 1/2\n") == len("epoch 1/2\n")
+    stream.flush()
+    assert stream.write("stopped: SIGHUP\n") == len("stopped: SIGHUP\n") and stream._lost

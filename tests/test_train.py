@@ -953,6 +953,12 @@ def test_corrupt_and_foreign_checkpoints_give_clear_errors(cache, tmp_path, caps
                 "args": argparse.Namespace(data_path=str(tmp_path / "elsewhere"), model="resnet50", lr=0.1)}, timm_run)
     held = ckpt_mod.load_checkpoint(timm_run)
     assert "args" not in held and held["model_ema"].keys() == saved["model"].keys()
+    # torchvision's reference script saves its EMA (torch's AveragedModel) whole: its step counter too
+    torchvision_run = tmp_path / "torchvision_run.pth"
+    torch.save({"model": saved["model"], "args": argparse.Namespace(model="resnet18"), "epoch": 3,
+                "model_ema": {**{f"module.{k}": v for k, v in saved["model"].items()}, "n_averaged": torch.tensor(7)}},
+               torchvision_run)
+    assert ckpt_mod.load_checkpoint(torchvision_run)["model_ema"].keys() == saved["model"].keys()
     cfg = saved["model_cfg"]
     flags = ["--model", cfg["model"], "--method", cfg["method"], "--width-mult", str(cfg["width_mult"]),
              "--num-classes", str(cfg["num_classes"]), "--in-chans", str(cfg["in_chans"]),

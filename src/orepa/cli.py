@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
+import os
 import signal
 import sys
 import threading
@@ -74,6 +76,56 @@ def _printable_streams() -> None:
             stream.reconfigure(errors="backslashreplace")
 
 
+class _SurvivableStream:
+    """A text stream whose loss ends its output, not the command: a closed pipe (``orepa train ... |
+    head``) or a hung-up terminal (an ssh session dropped: EIO) made the next ``print`` raise, which
+    ended a training run between epochs with a traceback instead of its checkpoint, summary and exit
+    code. The first failed write sends the stream's descriptor to /dev/null (what is still buffered
+    goes there at exit too, instead of a second error); everything else is the stream's own."""
+
+    def __init__(self, stream):
+        self._stream, self._lost = stream, False
+
+    def _lose(self) -> None:
+        self._lost = True
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            pass  # (a stream without a descriptor: nothing buffered will reach one)
+
+    def write(self, text: str) -> int:
+        if not self._lost:
+            try:
+                return self._stream.write(text)
+            except OSError:
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._lost:
+            try:
+                self._stream.flush()
+            except OSError:
+                self._lose()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _survivable_streams():
+    """sys.stdout and sys.stderr as :class:`_SurvivableStream` while a command runs."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (s if s is None or isinstance(s, _SurvivableStream) else _SurvivableStream(s)
+                              for s in saved)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def _quiet_torch_internals() -> None:
     """Warnings torch's own code raises at itself, which no flag of ours can act on: inductor's
     lowering of ``diagonal`` (a compiled kernel construction's vjp, a ``--compile``d step) calls
@@ -121,8 +173,13 @@ def _stop_signals_unwind(command: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     _printable_streams()
+    with _survivable_streams():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     _quiet_torch_internals()
     cmd = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(cmd if cmd in SUBCOMMANDS else None)

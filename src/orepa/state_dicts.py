@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["EMA_KEYS", "SAFE_GLOBALS", "STATE_DICT_KEYS", "WRAPPER_PREFIXES", "find_state_dict", "is_state_dict",
-           "load_weights_only", "strip_prefixes"]
+           "load_weights_only", "strip_prefixes", "without_ema_counter"]
 
 #: where tools keep the state_dict inside a checkpoint dict, first match taken (orepa's own and
 #: DeiT's: "model"; the paper's training script, timm's, mmengine's: "state_dict")
@@ -29,6 +29,12 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 #: torchvision's training scripts save their run settings as an argparse Namespace ("args"), which
 #: holds values and runs no code when rebuilt; anything else in a file is still refused
 SAFE_GLOBALS = (argparse.Namespace,)
+
+
+def without_ema_counter(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An EMA's state_dict without ``n_averaged``, the step counter that torch's ``AveragedModel``
+    keeps beside the averaged weights (torchvision's reference scripts save it whole)."""
+    return {k: v for k, v in sd.items() if k != "n_averaged"}
 
 
 def load_weights_only(path: str | os.PathLike, *, mmap: bool = False):

@@ -52,7 +52,15 @@ from torch import nn
 import orepa
 
 from ..models.reference import REFERENCE_KEY_ENDINGS, is_reference_state_dict
-from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, find_state_dict, is_state_dict, load_weights_only, strip_prefixes
+from ..state_dicts import (
+    EMA_KEYS,
+    STATE_DICT_KEYS,
+    find_state_dict,
+    is_state_dict,
+    load_weights_only,
+    strip_prefixes,
+    without_ema_counter,
+)
 from .common import UserError, first_nonfinite, some_of
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg
 
@@ -621,7 +629,7 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False, reference: b
         out.pop("args", None)  # its run settings are its own flags, not orepa's (data_path, model, ...)
         ema = next((k for k in EMA_KEYS if is_state_dict(obj.get(k))), None)
         if ema is not None:  # timm's state_dict_ema: read as --use-ema reads orepa's model_ema
-            out["model_ema"] = obj[ema]
+            out["model_ema"] = without_ema_counter(obj[ema])
     if "model_ema" in out and is_state_dict(out["model_ema"]):
         out["model_ema"] = strip_prefixes(out["model_ema"])
     _check_metadata(path, out)

@@ -62,7 +62,7 @@ from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
 from ..convert import load_plain_state_dict, pads_tf_same, reparameterize
 from ..engine import kernel_groups
-from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, WRAPPER_PREFIXES
+from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, WRAPPER_PREFIXES, without_ema_counter
 from .common import split_params
 
 __all__ = [
@@ -223,7 +223,7 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
         if key is None:
             raise ValueError(f"the checkpoint holds no EMA weights (looked for {' / '.join(EMA_KEYS)}: a run of "
                              "orepa train with --model-ema saves them); leave out ema=True for its weights")
-        weights = weights[key]
+        weights = without_ema_counter(weights[key])
     if isinstance(weights, nn.Module):
         weights = weights.state_dict()
     if not isinstance(weights, Mapping):
