@@ -606,6 +606,10 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     data[len(data) // 2:len(data) // 2 + 5000] = os.urandom(5000)
     damaged.write_bytes(bytes(data))
     deployed = tmp_path / "deployed.pth"
+    bench_result = tmp_path / "resnet18_b2_16_cpu.json"  # (what orepa bench writes, in short)
+    bench_result.write_text(json.dumps({"variants": ["base"], "rows": [{"name": "base", "step_ms": 3.1}]}))
+    eval_report = tmp_path / "eval.json"
+    eval_report.write_text(json.dumps({"report": "eval", "checkpoint": str(ckpt), "acc1": 80.0}))
     text = tmp_path / "notes.pth"  # torch said "KeyError: 101" of a text file
     text.write_text("epoch 3: top-1 0.91\nepoch 4: top-1 0.92\n")
     hollow_dict = tmp_path / "hollow.pth"
@@ -702,6 +706,16 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
          f"--json {run / 'summary.json'} is a file of the training run in {run}, not a report to replace"),
         # an atomic write renames over its target: a device node (as root) would be replaced by a file
         (["reparam", str(ckpt), "-o", os.devnull, "--overwrite"], f"--output {os.devnull} is not a regular file"),
+        # another command's results (a benchmark's), or another command's report: replaced without a word
+        (["eval", str(ckpt), "--json", str(bench_result)],
+         f"--json {bench_result} is a JSON file that is no report of orepa eval (another command's results?)"),
+        (["reparam", str(ckpt), "-o", str(deployed), "--json", str(eval_report)],
+         f"--json {eval_report} is the report of orepa eval, not a report to replace"),
+        # a directory's name (a final "/"): written as a file of that name
+        (["reparam", str(ckpt), "-o", f"{tmp_path / 'newdir'}/", "--no-verify"], "ends with '/', a directory's name"),
+        (["export", str(ckpt), "-o", f"{tmp_path / 'exdir'}/"], "ends with '/', a directory's name"),
+        (["eval", str(ckpt), "--json", f"{tmp_path / 'jdir'}/"], "ends with '/', a directory's name"),
+        (["import-reference", str(ckpt), "-o", f"{tmp_path / 'idir'}/"], "ends with '/', a directory's name"),
     ]
     odd = tmp_path / "odd"  # val/ names another class than train/
     _png_tree(odd)
@@ -733,6 +747,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     before = ckpt.read_bytes()
     _each_exits_2_with_one_line(cases, ckpt, capsys)
     assert ckpt.read_bytes() == before and not deployed.exists()  # nothing replaced, nothing written
+    assert json.loads(bench_result.read_text())["variants"] == ["base"] and json.loads(eval_report.read_text())["acc1"]
+    assert not any((tmp_path / made).exists() for made in ("newdir", "exdir", "jdir", "idir"))
     # the same through a real process: exit status 2, one line on stderr; and a plain pickle: one
     # line, not torch's warning about its protocol first (pytest hides warnings in-process). The two
     # processes run at once (each spends seconds importing torch)

@@ -308,17 +308,20 @@ def glob_escape(name: str) -> str:
 
 
 def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = False,
-                      not_over: dict[str, str | os.PathLike | None] | None = None, text: bool = False) -> Path:
+                      not_over: dict[str, str | os.PathLike | None] | None = None, report: str | None = None) -> Path:
     """Before any long computation: ``path`` can be written as a file (or, ``directory``, made a
-    directory). A :class:`UserError` naming ``flag`` where it is a directory (a file), where what
-    would hold it is a file or cannot be written into, where it is one of the files ``not_over``
-    names (``{"the input checkpoint": path, ...}``: the same file by any name), where a
-    ``text`` output (a JSON report) would replace anything but an earlier report (a JSON
-    document that is not a file of a training run), or where a file output would replace a
+    directory). A :class:`UserError` naming ``flag`` where it is a directory (a file; or a name
+    ending in "/"), where what would hold it is a file or cannot be written into, where it is one
+    of the files ``not_over`` names (``{"the input checkpoint": path, ...}``: the same file by any
+    name), where the JSON report of command ``report`` would replace anything but an earlier
+    report of that command (:func:`_not_a_report`), or where a file output would replace a
     run's training checkpoint (``--overwrite`` or not)."""
     if str(path) == "-":  # the shell's spelling of standard output, which would be a file named "-" here
         raise UserError(f"{flag} -: orepa writes files, not to standard output; give a path (./- for a "
                         f"{'directory' if directory else 'file'} named '-')")
+    if not directory and str(path).endswith(("/", os.sep)):  # (Path() would drop the "/" and write a file)
+        raise UserError(f"{flag} {path} ends with '{str(path)[-1]}', a directory's name; give a file's name "
+                        "(e.g. in that directory)")
     path = Path(path)
     if path.is_symlink():
         try:
@@ -329,14 +332,14 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
     for what, other in (not_over or {}).items():
         if other is not None and _same_file(path, Path(other)):
             raise UserError(f"{flag} {path} is {what}; choose another path")
-    if text and path.is_file():
+    if report and path.is_file():
         if zipfile.is_zipfile(path):
             raise UserError(f"{flag} {path} is a checkpoint (a zip archive), not a report to replace; choose another "
                             "path")
-        what = _not_a_report(path)
+        what = _not_a_report(path, report)
         if what:
             raise UserError(f"{flag} {path} is {what}, not a report to replace; choose another path")
-    if not text and not directory and path.is_file() and _is_run_checkpoint(path):  # what --resume continues
+    if not report and not directory and path.is_file() and _is_run_checkpoint(path):  # what --resume continues
         raise UserError(f"{flag} {path} is the training checkpoint of a run (it holds optimizer state: the run's "
                         f"resumable state) and is never replaced, not even with --overwrite; choose another {flag}")
     if path.exists() and not (path.is_file() or path.is_dir()):  # an atomic write would replace a device node
@@ -377,20 +380,33 @@ def deployed_file_name(fuse_bn: bool, ema: bool) -> str:
 DERIVED_FILES = tuple(deployed_file_name(fuse, ema) for ema in (False, True) for fuse in (False, True))
 
 
-def _not_a_report(path: Path) -> str | None:
-    """What an existing file is where a JSON report would replace it, or None where it is one (a report
-    is rewritten by the command that wrote it: an ONNX model, an image or a run's summary given to
-    --json by a slip would be lost)."""
+def report_of(command: str, res: dict) -> dict:
+    """A command's JSON report: ``res`` marked as ``command``'s (``"report"``), so that a later
+    ``--json`` of another command does not replace it (:func:`_not_a_report`)."""
+    return {"report": command, **res}
+
+
+def _not_a_report(path: Path, command: str) -> str | None:
+    """What an existing file is where ``command``'s JSON report would replace it, or None where it is
+    one of that command's reports (marked by :func:`report_of`; unmarked, from before the mark: a
+    JSON object naming its ``checkpoint``). A report is rewritten only by the command that wrote it:
+    an ONNX model, an image, a run's summary or another command's results (a benchmark's) given
+    to --json by a slip would be lost."""
     if path.suffix == ".json" and path.name in RUN_FILES and \
             any((path.parent / f).is_file() for f in ("checkpoint.pth", PROGRESS_FILE)):
         return f"a file of the training run in {path.parent}"
     try:
         if path.stat().st_size > 64 << 20:  # larger than any report
             return "a large file that is no JSON report"
-        json.loads(path.read_bytes())
+        held = json.loads(path.read_bytes())
     except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
         return "a file that is no JSON report"
-    return None
+    if not isinstance(held, dict):
+        return f"a JSON file that is no report of orepa {command}"
+    if "report" in held:
+        return None if held["report"] == command else f"the report of orepa {held['report']}"
+    return None if isinstance(held.get("checkpoint"), str) else \
+        f"a JSON file that is no report of orepa {command} (another command's results?)"
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import atomic_write_text, check_output_path, json_text, load_checkpoint, model_from_checkpoint
+from .checkpoint import (
+    atomic_write_text,
+    check_output_path,
+    json_text,
+    load_checkpoint,
+    model_from_checkpoint,
+    report_of,
+)
 from .common import (
     DistInfo,
     UserError,
@@ -169,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         info, device = init_distributed(args.device)
         if args.json:
-            check_output_path(args.json, "--json", text=True, not_over={"the input checkpoint": args.checkpoint})
+            check_output_path(args.json, "--json", report="eval", not_over={"the input checkpoint": args.checkpoint})
         ckpt = load_checkpoint(args.checkpoint)
         data_args_from_checkpoint(args, ckpt)
         data = checkpoint_data(args, ckpt, info)
@@ -204,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
                   f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch, peak memory {mem:.0f} MiB "
                   f"[{mem_kind}])")
             if args.json:
-                atomic_write_text(args.json, json_text(res, indent=2))
+                atomic_write_text(args.json, json_text(report_of("eval", res), indent=2))
         return 0
     finally:
         cleanup_distributed(info)

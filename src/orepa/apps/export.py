@@ -377,7 +377,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_output(out: Path, args: argparse.Namespace, path) -> None:
     """The output may be written: not the input, nor another kind of file unless ``--overwrite``."""
-    ckpt_io.check_output_path(out, "--output", not_over={
+    ckpt_io.check_output_path(args.output or out, "--output", not_over={  # (as given: a final "/")
         "the input checkpoint (export never writes over its input)": path or None})
     if out.exists() and not args.overwrite and not is_export(out, args.format):
         held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (

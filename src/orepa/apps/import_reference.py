@@ -53,7 +53,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     src, out = Path(args.checkpoint), Path(args.output)
     if args.fuse_bn and not args.deploy:
         raise UserError("--fuse-bn needs --deploy (a training-form checkpoint keeps its BNs)")
-    check_output_path(out, "--output", not_over={"the input checkpoint": src})
+    check_output_path(args.output, "--output", not_over={"the input checkpoint": src})  # (as given: a final "/")
     if out.exists() and not args.overwrite:
         raise UserError(f"--output {out} exists; pass --overwrite to replace it, or choose another --output")
     import orepa

@@ -28,6 +28,7 @@ from .checkpoint import (
     json_text,
     load_checkpoint,
     model_from_checkpoint,
+    report_of,
     save_checkpoint,
 )
 from .common import (
@@ -91,10 +92,10 @@ def verify(model, deployed, loader, device, rtol: float, progress: bool = False)
 
 
 def _check_output(out: Path, args) -> None:
-    check_output_path(out, "--output", not_over={"the input checkpoint (reparam never writes over its input)":
-                                                 args.checkpoint})
+    check_output_path(args.output or out, "--output",  # (as given: a final "/")
+                      not_over={"the input checkpoint (reparam never writes over its input)": args.checkpoint})
     if args.json:
-        check_output_path(args.json, "--json", text=True,
+        check_output_path(args.json, "--json", report="reparam",
                           not_over={"the input checkpoint": args.checkpoint, "--output": out})
     form = checkpoint_form(out) if out.exists() and not args.overwrite else "deploy"
     if form not in ("deploy", "deploy-fused"):
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"  wrote {res['output']}")
     if args.json:
-        atomic_write_text(args.json, json_text(res, indent=2))
+        atomic_write_text(args.json, json_text(report_of("reparam", res), indent=2))
     return 0
 
 
