@@ -1620,3 +1620,15 @@ def test_a_lost_terminal_ends_the_output_not_the_command(capsys):
     assert stream.write("epoch 1/2\n") == len("epoch 1/2\n")
     stream.flush()
     assert stream.write("stopped: SIGHUP\n") == len("stopped: SIGHUP\n") and stream._lost
+
+
+def test_a_folder_named_as_the_embedded_data_is_not_read_in_its_place(tmp_path, monkeypatch, capsys):
+    """``--data-path fashion-mnist`` (or fmnist, ...) with a folder of that name here trained on the
+    embedded Fashion-MNIST without a word; now the two readings are named (the default data path,
+    not typed, still means the embedded data)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fmnist" / "train" / "cat").mkdir(parents=True)
+    assert main(["train", *TINY, "--data-path", "fmnist", "--output-dir", str(tmp_path / "run")]) == 2
+    assert "give ./fmnist to read that directory (an ImageFolder root), or add --dataset fashion-mnist" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -1370,6 +1370,23 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     assert (foreign / "base" / "checkpoint.pth").read_bytes() == before and not (foreign / "orepa").exists()
 
 
+@pytest.mark.slow
+def test_the_demo_takes_another_network_as_it_is_built(cache, tmp_path, capsys):
+    """``--model timm:NAME`` (or torchvision:NAME), which the demo's unknown-model error offers, was refused
+    for the zoo's width and stem options the demo passed on itself; it now trains that network as built
+    (--width-mult, given, is refused: it scales the zoo's models)."""
+    pytest.importorskip("timm")
+    common = ["--model", "timm:resnet10t", "--train-subset", "32", "--val-subset", "32", "-b", "16",
+              "--cache-dir", cache, "--no-progress", "--in-process"]
+    assert main(["demo", *common, "--output-dir", str(tmp_path / "demo")]) == 0, capsys.readouterr()
+    res = json.loads((tmp_path / "demo" / "demo.json").read_text())["results"]
+    assert res["orepa"]["reparam"]["train_form_acc1"] == res["orepa"]["reparam"]["deployed_acc1"]
+    assert res["orepa"]["reparam"]["params_deployed"] == res["base"]["reparam"]["params_deployed"]
+    capsys.readouterr()
+    assert main(["demo", *common, "--width-mult", "0.5", "--output-dir", str(tmp_path / "other")]) == 2
+    assert "--width-mult scales the zoo's models, not timm:resnet10t" in capsys.readouterr().err
+
+
 def test_cuda_graphs_are_refused_where_they_cannot_run(cache, tmp_path, capsys):
     capsys.readouterr()
     assert _train(cache, tmp_path / "run", "--epochs", "1", "--cuda-graphs") == 2

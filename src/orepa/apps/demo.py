@@ -44,7 +44,7 @@ from .common import (
     thread_count,
 )
 from .data import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, check_batch_fits, prepare_fashion_mnist
-from .model_cfg import build_model
+from .model_cfg import build_model, external_source
 from .train import PROGRESS_FILE, run_files
 
 
@@ -80,7 +80,9 @@ def _commands(args, method: str, out: Path, threads: int) -> list[list[str]]:
         common += ["--device", args.device]
     if args.cache_dir:
         common += ["--cache-dir", args.cache_dir]
-    train = [*orepa, "train", "--model", args.model, "--method", method, "--width-mult", f"{args.width_mult:g}",
+    # (a zoo model at --width-mult; another network, torchvision:NAME / timm:NAME, as it is built)
+    width = [] if external_source(args.model) else ["--width-mult", f"{args.width_mult:g}"]
+    train = [*orepa, "train", "--model", args.model, "--method", method, *width,
              "--epochs", str(args.epochs), "-b", str(args.batch_size),
              "--lr-warmup-epochs", f"{args.lr_warmup_epochs:g}", "--no-eval", "--no-tensorboard",
              "--output-dir", str(out), "--overwrite", *common]
@@ -214,9 +216,12 @@ def run(args: argparse.Namespace) -> int:
     if run_files(root):  # a training run's own directory: the demo's would lie among its files
         raise UserError(f"--output-dir {root} holds a training run ({', '.join(run_files(root))}); the demo puts a "
                         "folder per method in a directory of its own: choose another --output-dir")
+    zoo = external_source(args.model) is None
+    if not zoo and "width_mult" in (getattr(args, "given", None) or ()):
+        raise UserError(f"--width-mult scales the zoo's models, not {args.model} (built as it is)")
     for m in methods:  # before any pipeline starts: every model the demo would train can be built
-        build_model({"model": args.model, "method": m, "num_classes": 10, "in_chans": 1, "small_input": True,
-                     "width_mult": args.width_mult, "options": {}})
+        build_model({"model": args.model, "method": m, "num_classes": 10, "in_chans": 1, "small_input": zoo,
+                     "width_mult": args.width_mult if zoo else 1.0, "options": {}})
         found = run_files(root / m)
         if found and not (root / m / "demo.log").exists():  # a demo replaces its own runs, no other
             raise UserError(f"--output-dir {root}: {root / m} holds a run the demo did not make "
@@ -224,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     cpus = args.threads or available_cpus()
     jobs = 1 if args.in_process else args.jobs or max(1, min(len(methods), cpus))
     threads = max(1, cpus // jobs)
-    print(f"orepa demo: Fashion-MNIST, {args.model} x{args.width_mult:g} width, small-input stem, 1 channel; "
+    shape = f" x{args.width_mult:g} width, small-input stem," if zoo else ""
+    print(f"orepa demo: Fashion-MNIST, {args.model}{shape} 1 channel; "
           f"methods {', '.join(methods)}; {args.epochs} epoch(s) on "
           f"{args.train_subset or FASHION_MNIST_TRAIN} training images, tested on {args.val_subset or FASHION_MNIST_TEST}; "
           f"{jobs} pipeline(s) at once, {threads} thread(s) each", flush=True)
