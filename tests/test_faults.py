@@ -1632,3 +1632,35 @@ def test_a_folder_named_as_the_embedded_data_is_not_read_in_its_place(tmp_path, 
     assert "give ./fmnist to read that directory (an ImageFolder root), or add --dataset fashion-mnist" in \
         capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (a DataLoader worker's start)")
+def test_a_forked_worker_does_not_hold_its_parents_run_lock(tmp_path):
+    """A flock lasts while any descriptor of it is open, and forked DataLoader workers inherited the run
+    lock's: a run killed outright (kill -9) stayed locked until its workers noticed (~5 s), and a
+    --resume right after was refused ("being written by another run"). Forked children now close
+    their copy: the lock goes with the process that took it."""
+    from orepa.apps.checkpoint import lock_run_dir, unlock_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    held = lock_run_dir(run)
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # a worker: alive while its parent "dies"
+        try:
+            os.close(ready_r)
+            os.write(ready_w, b"1")
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    try:
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"1"
+        os.close(held.fd)  # what the kernel does for a process killed outright (its file stays)
+        held.fd = None
+        unlock_run_dir(lock_run_dir(run))  # taken at once: the worker holds nothing
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready_r)

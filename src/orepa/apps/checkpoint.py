@@ -41,9 +41,11 @@ import socket
 import tempfile
 import time
 import warnings
+import weakref
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -274,8 +276,22 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
             if not _still_at(fd, lock):
                 os.close(fd)
                 continue
-        return RunLock(lock, fd)
+        taken = RunLock(lock, fd)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=partial(_not_in_children, weakref.ref(taken)))
+        return taken
     raise UserError(f"{flag} {directory}: another run took it at the same moment; choose another {flag}")
+
+
+def _not_in_children(ref: weakref.ref) -> None:
+    """In a forked child (a DataLoader worker): close its copy of the run lock's descriptor. A flock
+    lasts while any descriptor of it is open, so a run killed outright (kill -9) stayed locked until
+    its workers noticed and ended (~5 s), and a --resume right after was refused."""
+    held = ref()
+    if held is not None and held.fd is not None:
+        with suppress(OSError):
+            os.close(held.fd)
+        held.fd = None
 
 
 def unlock_run_dir(lock: RunLock | None) -> None:
