@@ -1664,3 +1664,39 @@ def test_a_forked_worker_does_not_hold_its_parents_run_lock(tmp_path):
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
         os.close(ready_r)
+
+
+def test_a_failing_distributed_run_says_its_error_before_a_launchers_sigterm_ends_it(monkeypatch, capsys):
+    """torchrun sends the surviving ranks SIGTERM the moment one fails (a rank killed outright): the
+    survivor's training loop had failed already (its peer's socket closed), had given the signals their
+    default handlers back, and died of that SIGTERM before its error line (the checkpoint to resume
+    from) was out: nothing but torchrun's traceback. A distributed run's stop handlers now stay until
+    the command has said its error; then the command's own are back."""
+    from orepa.apps import common
+
+    reached_outside = []  # (a default handler here would end the test's process instead)
+
+    def outside_handler(signum, frame):
+        reached_outside.append(signum)
+
+    outside = signal.signal(signal.SIGTERM, outside_handler)
+    said = common.fail
+
+    def fail_after_a_sigterm(command, exc):
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's, between the failure and the error line
+        return said(command, exc)
+
+    def failing_run(args):
+        with train.StopSignals(hold_on_error=True):
+            raise common.UserError("another process of the run failed or stopped answering (Connection closed by "
+                                   "peer) at epoch 1, step 120; the last checkpoint is dk/checkpoint.pth")
+
+    monkeypatch.setattr(common, "fail", fail_after_a_sigterm)
+    monkeypatch.setattr(train, "run", failing_run)
+    try:
+        assert main(["train"]) == 2
+        assert "orepa train: error: another process of the run failed" in capsys.readouterr().err
+        assert reached_outside == []  # taken by the run's handler, still in place when it came
+        assert signal.getsignal(signal.SIGTERM) is outside_handler  # the caller's back once the line was out
+    finally:
+        signal.signal(signal.SIGTERM, outside)

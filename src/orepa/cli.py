@@ -172,6 +172,22 @@ def _stop_signals_unwind(command: str):
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def _handlers_restored():
+    """The stop signals' handlers as they were, once the command is over (a failing training run
+    under torchrun keeps its own until its error line is out)."""
+    from .apps.common import STOP_SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} \
+        if threading.current_thread() is threading.main_thread() else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     _printable_streams()
     with _survivable_streams():
@@ -204,10 +220,11 @@ def _main(argv: list[str] | None) -> int:
     from orepa.apps.common import UserError, fail, out_of_memory
 
     try:
-        with _stop_signals_unwind(args.command):
-            return int(module.run(args) or 0)
-    except UserError as exc:
-        return fail(args.command, exc)
+        with _stop_signals_unwind(args.command), _handlers_restored():
+            try:
+                return int(module.run(args) or 0)
+            except UserError as exc:  # (said with the command's signal handlers still in place: see train.StopSignals)
+                return fail(args.command, exc)
     except RuntimeError as exc:  # torch.OutOfMemoryError among them: that one is the user's to fix
         oom = out_of_memory(exc)
         if oom is None:

@@ -146,9 +146,10 @@ class StopSignals:
     interrupts at once. Handlers can only be set from the main thread: elsewhere (a library caller's
     thread) the signals keep their handlers and nothing is recorded."""
 
-    def __init__(self):
+    def __init__(self, hold_on_error: bool = False):
         self.received: str | None = None
         self._previous: dict = {}
+        self.hold_on_error = hold_on_error
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -160,7 +161,14 @@ class StopSignals:
             raise KeyboardInterrupt  # Ctrl-C twice: now, from the last checkpoint written
         self.received = self.received or signal.Signals(signum).name
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.hold_on_error and exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
+            # a run failing under torchrun: its launcher sends the survivors SIGTERM the moment a rank
+            # fails (a rank killed outright), which would end this process before its error line is out
+            # (the one that names the checkpoint to resume from); `orepa` (cli.main) restores the handlers
+            # once the line is printed
+            self._previous = {}
+            return
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
@@ -450,10 +458,10 @@ class Trainer:
     def __init__(self, args: argparse.Namespace):
         self.args = argparse.Namespace(**vars(args))  # resume and defaults fill this copy, not the caller's
         self._last_progress = 0.0
-        self.signals = StopSignals()  # set up for the training loop by fit()
         self.signal_stopped = False
         self.epoch_time, self.epoch_steps, self._epoch_t0 = 0.0, 0, None  # this command's part of the epoch
         self.info, self.device = init_distributed(args.device, timeout_min=args.dist_timeout)
+        self.signals = StopSignals(hold_on_error=self.info.distributed)  # set up for the training loop by fit()
         self.main = self.info.is_main
         self.t_start = time.perf_counter()
         self.replaced: list[str] = []  # the run --overwrite moved aside until this one's first checkpoint
