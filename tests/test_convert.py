@@ -1441,10 +1441,22 @@ def test_a_model_handed_to_a_function_counts_as_reached_into():
                 x = x * 1.0
             return apply(me, x)
 
-    model = HandsItselfOn().double()
-    _move_bn_stats(model, torch.randn(2, 3, 6, 6, dtype=torch.double))
-    with pytest.warns(UserWarning, match="fuse_conv_bn: torch.fx could not trace the model, so the BN after 'body.0'"):
-        orepa.fuse_conv_bn(model)
+    class CallsItsHelperAsMe(HandsItselfOn):  # the helper method reached through ``me.``, not ``self.``
+        def forward(me, x):
+            if x.sum() > 0:
+                x = x * 1.0
+            return me._swapped(x)
+
+        def _swapped(me, x):
+            y = me.body[0](x)
+            return me.body[1](y) + y
+
+    for cls in (HandsItselfOn, CallsItsHelperAsMe):
+        model = cls().double()
+        _move_bn_stats(model, torch.randn(2, 3, 6, 6, dtype=torch.double))
+        with pytest.warns(UserWarning, match="fuse_conv_bn: torch.fx could not trace the model, so the BN after "
+                                             "'body.0'"):
+            orepa.fuse_conv_bn(model)
 
 
 def test_plain_weights_load_with_their_modules_versions():

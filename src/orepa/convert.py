@@ -637,10 +637,13 @@ def _reaches_into(module: nn.Module, attr: str) -> bool:
     they call, are read too. (A forward that calls the Sequential whole, as torchvision's detectors
     call their heads, leaves its pairs as it builds them.)"""
     a = re.escape(attr)
-    # (not after a digit: a child "0" is no float's "1.0")
-    reach = re.compile(rf"(?<!\d)\.{a}\b(?!\s*\(|\s+is\s+(not\s+)?None\b)|getattr\([^)]*['\"]{a}['\"]"
-                       r"|\.(named_)?(children|modules)\s*\(|\._modules\b|\bget_submodule\s*\("
-                       r"|\bself\s*\[|\bin\s+self\s*:")
+
+    def reach(me: str) -> re.Pattern:  # ``me``: the method's first parameter, ``self`` by custom
+        # (not after a digit: a child "0" is no float's "1.0")
+        return re.compile(rf"(?<!\d)\.{a}\b(?!\s*\(|\s+is\s+(not\s+)?None\b)|getattr\([^)]*['\"]{a}['\"]"
+                          r"|\.(named_)?(children|modules)\s*\(|\._modules\b|\bget_submodule\s*\("
+                          rf"|\b{me}\s*\[|\bin\s+{me}\s*:")
+
     cls, todo, seen = type(module), ["forward"], set()
     while todo:
         name = todo.pop()
@@ -655,9 +658,13 @@ def _reaches_into(module: nn.Module, attr: str) -> bool:
             if name == "forward":
                 return True
             continue  # a helper without readable source (a builtin, a C extension's): nothing to read
-        if reach.search(src) or _passes_self(src):
+        me = _first_parameter(src)
+        if me is None:
+            return True  # (unparsable: may do anything)
+        name_re = re.escape(me or "self")
+        if reach(name_re).search(src) or _passes_self(src, me):
             return True
-        todo += re.findall(r"\bself\.(\w+)\s*\(", src)
+        todo += re.findall(rf"\b{name_re}\.(\w+)\s*\(", src)
     return False
 
 
@@ -665,17 +672,27 @@ def _reaches_into(module: nn.Module, attr: str) -> bool:
 _TAKE_SELF_WHOLE = frozenset({"isinstance", "issubclass", "type", "id", "hasattr", "super", "repr", "str"})
 
 
-def _passes_self(src: str) -> bool:
-    """Whether the method source ``src`` hands its module (its first parameter, ``self`` by custom)
-    to a function; True where it does not parse."""
+def _method_node(src: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The function definition the method source ``src`` holds (None for a lambda's line)."""
+    tree = ast.parse(textwrap.dedent(src))
+    return next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+
+
+def _first_parameter(src: str) -> str | None:
+    """The first parameter's name of the method whose source is ``src`` (``self`` by custom; ``""``
+    for a static method or a lambda's line); None where the source does not parse."""
     try:
-        tree = ast.parse(textwrap.dedent(src))
+        fn = _method_node(src)
     except SyntaxError:
-        return True
-    fn = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if fn is None or not fn.args.args:
+        return None
+    return fn.args.args[0].arg if fn is not None and fn.args.args else ""
+
+
+def _passes_self(src: str, me: str) -> bool:
+    """Whether the method source ``src`` hands its module (its first parameter, ``me``) to a function."""
+    fn = _method_node(src) if me else None
+    if fn is None:
         return False  # (a static method: no module to hand on)
-    me = fn.args.args[0].arg
 
     def is_me(a: ast.expr) -> bool:
         return isinstance(a, ast.Name) and a.id == me or isinstance(a, ast.Starred) and is_me(a.value)
