@@ -1394,23 +1394,18 @@ def test_a_norm_its_network_froze_is_kept_fixed_not_absorbed(how):
 # --------------------------------------------------------------------------- what tracing leaves behind
 
 
-def test_tracing_runs_no_hook_and_leaves_no_placeholder_in_the_model():
-    """``convert`` traces the model with torch.fx, which runs the Python of its forward and of its
-    modules' forward hooks on placeholders (Proxy objects): a caller's hook kept them, and timm's
-    hook-based feature extractor (``feature_cls="hook"``, which stores its outputs by device) held
-    them after conversion, so that copying, pickling or deploying it failed ("'node' not in new_dict
-    during proxy unpickling"). Now tracing runs on a copy that shares the model's tensors, hooks set
-    aside: nothing reaches the caller, the hooks stay, and the converted model copies and deploys."""
+def test_tracing_leaves_no_placeholder_in_the_model_and_keeps_the_hooks_that_change_it():
+    """``convert`` traces the model with torch.fx, which runs the Python of its forward and of the
+    hooks of the modules it traces through on placeholders (Proxy objects): timm's hook-based feature
+    extractor (``feature_cls="hook"``, which stores its outputs by device) held them after conversion,
+    so that copying, pickling or deploying it failed ("'node' not in new_dict during proxy
+    unpickling"). Now tracing runs on a copy of the model that shares its tensors. The hooks still run
+    there: one that changes a module's input is part of the function (setting hooks aside paired a
+    conv with a BN it does not feed as it is: 5.7 off, silently)."""
     import pickle
 
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    seen = []
-    net = torchvision.models.resnet18(num_classes=4)
-    handle = net.layer3.register_forward_hook(lambda m, i, o: seen.append(o))
-    for converted in (orepa.convert(net, "orepa"), orepa.convert(net, "dbb", inplace=True)):
-        assert seen == [] and len(converted.layer3._forward_hooks) == 1
-    handle.remove()
     for method in ("orepa", "dbb"):
         features = orepa.convert(timm.create_model("resnet10t", features_only=True, feature_cls="hook"), method)
         pickle.dumps(features)
@@ -1420,6 +1415,26 @@ def test_tracing_runs_no_hook_and_leaves_no_placeholder_in_the_model():
         with torch.no_grad():
             for got, want in zip(deployed(x), features(x)):
                 tol_close(got, want)
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.post = nn.Sequential(nn.BatchNorm2d(8), nn.ReLU())
+
+        def forward(self, x):
+            return self.post(self.conv(x))
+
+    model = Masked()
+    _move_bn_stats(model, torch.randn(2, 3, 8, 8))
+    mask = (torch.rand(1, 8, 1, 1) > 0.5).float()
+    model.post.register_forward_pre_hook(lambda m, inputs: (inputs[0] * mask + 0.5,))
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        tol_close(orepa.fuse_conv_bn(model)(x), model(x))
+    with pytest.raises(ValueError, match="conv: not followed by a BatchNorm2d it alone feeds"):
+        orepa.convert(model, "dbb")
+    assert len(model.post._forward_pre_hooks) == 1
 
 
 def test_a_model_handed_to_a_function_counts_as_reached_into():

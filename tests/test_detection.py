@@ -525,6 +525,10 @@ def test_ema_weights_of_a_checkpoint(tmp_path):
     torch.save({**timm_style, "args": argparse.Namespace(model="resnet18", lr=0.1), "version": 2}, path)
     f = D.resnet_features("resnet18", "orepa", weights=path, ema=True, **TINY)
     assert all(torch.equal(v, average.state_dict()[k]) for k, v in f.state_dict().items())
+    # a checkpoint whose "model" describes the network and whose "state_dict" holds it
+    described = {"model": {"arch": "resnet18", "num_classes": 10}, "state_dict": model.state_dict()}
+    f = D.resnet_features("resnet18", "orepa", weights=described, **TINY)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in f.state_dict().items())
     # torchvision's reference script: torch's AveragedModel saved whole, its step counter beside the weights
     torchvision_style = {"model": model.state_dict(), "model_ema": {
         **{f"module.{k}": v for k, v in average.state_dict().items()}, "n_averaged": torch.tensor(7)}}

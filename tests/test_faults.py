@@ -608,6 +608,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     deployed = tmp_path / "deployed.pth"
     bench_result = tmp_path / "resnet18_b2_16_cpu.json"  # (what orepa bench writes, in short)
     bench_result.write_text(json.dumps({"variants": ["base"], "rows": [{"name": "base", "step_ms": 3.1}]}))
+    copied_summary = tmp_path / "run-summary.json"
+    copied_summary.write_text((run / "summary.json").read_text())
     eval_report = tmp_path / "eval.json"
     eval_report.write_text(json.dumps({"report": "eval", "checkpoint": str(ckpt), "acc1": 80.0}))
     text = tmp_path / "notes.pth"  # torch said "KeyError: 101" of a text file
@@ -711,6 +713,9 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
          f"--json {bench_result} is a JSON file that is no report of orepa eval (another command's results?)"),
         (["reparam", str(ckpt), "-o", str(deployed), "--json", str(eval_report)],
          f"--json {eval_report} is the report of orepa eval, not a report to replace"),
+        # a run's summary copied away from its run (it names a checkpoint, as reports did before their mark)
+        (["eval", str(ckpt), "--json", str(copied_summary)],
+         f"--json {copied_summary} is a JSON file that is no report of orepa eval"),
         # a directory's name (a final "/"): written as a file of that name
         (["reparam", str(ckpt), "-o", f"{tmp_path / 'newdir'}/", "--no-verify"], "ends with '/', a directory's name"),
         (["export", str(ckpt), "-o", f"{tmp_path / 'exdir'}/"], "ends with '/', a directory's name"),
@@ -748,6 +753,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     _each_exits_2_with_one_line(cases, ckpt, capsys)
     assert ckpt.read_bytes() == before and not deployed.exists()  # nothing replaced, nothing written
     assert json.loads(bench_result.read_text())["variants"] == ["base"] and json.loads(eval_report.read_text())["acc1"]
+    assert copied_summary.read_text() == (run / "summary.json").read_text()
     assert not any((tmp_path / made).exists() for made in ("newdir", "exdir", "jdir", "idir"))
     # the same through a real process: exit status 2, one line on stderr; and a plain pickle: one
     # line, not torch's warning about its protocol first (pytest hides warnings in-process). The two
@@ -1632,6 +1638,9 @@ def test_a_folder_named_as_the_embedded_data_is_not_read_in_its_place(tmp_path, 
     assert "give ./fmnist to read that directory (an ImageFolder root), or add --dataset fashion-mnist" in \
         capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+    # a folder of that name that is no ImageFolder tree (a run's output orepa made, a cache) is not meant
+    assert main(["train", *TINY, "--data-path", "fashion-mnist", "--epochs", "1", "--cache-dir", "fashion-mnist",
+                 "--output-dir", "fashion-mnist/run"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (a DataLoader worker's start)")

@@ -642,7 +642,8 @@ class Branch(nn.Sequential):
         first, pad_after = 0, getattr(self, "_pad_after", None)  # (a branch pickled before it had one: None)
         if pad_after is not None and p != (0, 0):
             steps = list(self._modules.values())[:pad_after]
-            rerun = torch._C._current_graph_task_id() != -1  # recomputed in a backward: activation checkpointing
+            # recomputed in a backward (activation checkpointing); not asked in compiled code (a graph break)
+            rerun = not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
             for step, is_kernel in zip(steps, self._kinds):
                 h = step.run(h, 1, dilation) if is_kernel else _statistics_kept(step, h) if rerun else step(h)
             v = self._zero_response(steps, h).view(1, -1, 1, 1)

@@ -221,32 +221,42 @@ class _LeafTracer(torch.fx.Tracer):
             or super().is_leaf_module(m, qualname)
 
 
-#: the hooks that run around a module's forward: torch.fx runs those of the modules it traces
-#: through, on its placeholders (Proxy objects) instead of tensors
-_CALL_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+#: the hooks that run around a module's forward (and so inside a trace through it)
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 
 
 def _traced(model: nn.Module) -> torch.fx.Graph:
-    """``model``'s graph (modules named as in ``model``), traced on a copy of its modules that
-    shares its tensors, with their forward hooks set aside: torch.fx runs the Python of the
-    forward and of the hooks on placeholders (Proxy objects), and whatever they keep (a forward's
-    or a hook's stored outputs: timm's ``feature_cls="hook"``, a caller's feature logger) would
-    break the model's copying and pickling later, or reach the caller. A model that cannot be
-    copied is traced itself, its hooks still set aside."""
+    """``model``'s graph (modules named as in ``model``), traced on a copy of it that shares its
+    tensors: torch.fx runs the Python of the forward and of the hooks of the modules it traces
+    through on placeholders (Proxy objects), and whatever they keep in the model (a forward's or a
+    hook's stored outputs: timm's ``feature_cls="hook"`` nets) broke the model's copying, pickling
+    and deployment. The hooks run (one that changes a module's input or output is part of the
+    function; a caller's function that records outputs in its own list still records placeholders
+    there). A model whose copy cannot be made or traced (one that looks itself up by ``id``) is
+    traced itself, as before."""
     try:
-        twin = _deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())})
+        twin = _deepcopy(model, {id(t): t for t in _held_tensors(model)})
     except Exception:  # noqa: BLE001 - weight_norm's computed weight refuses copies, as may other code
-        twin = model
-    held = [(m, attr, getattr(m, attr)) for m in twin.modules() for attr in _CALL_HOOKS
-            if getattr(m, attr, None)]
-    for m, attr, hooks in held:
-        setattr(m, attr, type(hooks)())
+        return _LeafTracer().trace(model)
     try:
         return _LeafTracer().trace(twin)
-    finally:
-        for m, attr, hooks in held:
-            setattr(m, attr, hooks)
+    except Exception:  # noqa: BLE001 - e.g. a registry keyed by id(module): the model itself may trace
+        return _LeafTracer().trace(model)
+
+
+def _held_tensors(model: nn.Module) -> list[Tensor]:
+    """The tensors the copy for tracing shares with ``model`` instead of copying them: its parameters
+    and buffers, the tensors its modules hold as plain attributes (directly or in a list, tuple or
+    dict), and those the objects behind their hooks hold so (a feature logger's stored outputs)."""
+    found = [*model.parameters(), *model.buffers()]
+    holders = list(model.modules())
+    holders += [hook.__self__ for m in model.modules() for attr in _CALL_HOOKS
+                for hook in getattr(m, attr, {}).values() if hasattr(hook, "__self__")]
+    for holder in holders:
+        for value in getattr(holder, "__dict__", {}).values():
+            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            found += [t for t in (value, *inner) if isinstance(t, Tensor)]
+    return found
 
 
 def _deepcopy(model: nn.Module, memo: dict | None = None) -> nn.Module:

@@ -405,7 +405,7 @@ def report_of(command: str, res: dict) -> dict:
 def _not_a_report(path: Path, command: str) -> str | None:
     """What an existing file is where ``command``'s JSON report would replace it, or None where it is
     one of that command's reports (marked by :func:`report_of`; unmarked, from before the mark: a
-    JSON object naming its ``checkpoint``). A report is rewritten only by the command that wrote it:
+    JSON object with the keys that command's reports hold). A report is rewritten only by the command that wrote it:
     an ONNX model, an image, a run's summary or another command's results (a benchmark's) given
     to --json by a slip would be lost."""
     if path.suffix == ".json" and path.name in RUN_FILES and \
@@ -421,8 +421,13 @@ def _not_a_report(path: Path, command: str) -> str | None:
         return f"a JSON file that is no report of orepa {command}"
     if "report" in held:
         return None if held["report"] == command else f"the report of orepa {held['report']}"
-    return None if isinstance(held.get("checkpoint"), str) else \
+    return None if _LEGACY_REPORT_KEYS.get(command, {"report"}) <= held.keys() else \
         f"a JSON file that is no report of orepa {command} (another command's results?)"
+
+
+#: what each command's report held before reports were marked (a run's summary holds a checkpoint too)
+_LEGACY_REPORT_KEYS = {"eval": {"checkpoint", "loss", "acc1", "acc5", "n"},
+                       "reparam": {"checkpoint", "form", "params_train", "params_deployed"}}
 
 
 def _same_file(a: Path, b: Path) -> bool:

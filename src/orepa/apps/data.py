@@ -417,8 +417,10 @@ def resolve_kind(args) -> str:
     kind = getattr(args, "dataset", "auto") or "auto"
     named = str(args.data_path).lower() in FASHION_MNIST_NAMES
     if kind == "auto":
-        if named and "data_path" in (getattr(args, "given", None) or ()) and Path(str(args.data_path)).is_dir():
-            # a name that the user typed meaning their folder: reading the embedded data instead was silent
+        if named and "data_path" in (getattr(args, "given", None) or ()) and \
+                (Path(str(args.data_path)) / "train").is_dir():
+            # a name that the user typed meaning their ImageFolder tree: reading the embedded data instead was
+            # silent (a folder without train/, e.g. a run's or a cache that orepa made, is no such tree)
             raise UserError(f"--data-path {args.data_path} names the embedded Fashion-MNIST, and there is also a "
                             f"directory {args.data_path} here: give ./{args.data_path} to read that directory (an "
                             "ImageFolder root), or add --dataset fashion-mnist to read Fashion-MNIST")

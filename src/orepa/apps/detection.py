@@ -62,7 +62,7 @@ from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
 from ..convert import load_plain_state_dict, pads_tf_same, reparameterize
 from ..engine import kernel_groups
-from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, WRAPPER_PREFIXES, without_ema_counter
+from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, WRAPPER_PREFIXES, is_state_dict, without_ema_counter
 from .common import split_params
 
 __all__ = [
@@ -229,7 +229,9 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
     if not isinstance(weights, Mapping):
         raise TypeError(f"weights must be a path, a state_dict or a module, got {type(weights).__name__}")
     while not all(isinstance(v, Tensor) for v in weights.values()):
-        inner = next((weights[k] for k in STATE_DICT_KEYS if isinstance(weights.get(k), Mapping)), None)
+        # a state_dict itself first (a checkpoint's "model" may be a description of it), then a wrapper
+        inner = next((weights[k] for k in STATE_DICT_KEYS if is_state_dict(weights.get(k))), None) or \
+            next((weights[k] for k in STATE_DICT_KEYS if isinstance(weights.get(k), Mapping) and weights[k]), None)
         if inner is None:
             bad = [k for k, v in weights.items() if not isinstance(v, Tensor)][:5]
             raise ValueError(f"checkpoint is not a state_dict: non-tensor entries {bad} and no "
