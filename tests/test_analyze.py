@@ -225,6 +225,11 @@ def test_an_analysis_of_another_model_is_replaced_only_with_overwrite(tmp_path, 
     assert main(first) == 0 and (out / "cosine.png").is_file()
     assert main([*first, "--no-plot"]) == 0  # a rerun of the same analysis replaces its own, plots included
     assert sorted(p.name for p in out.iterdir()) == ["analysis.json"]
+    # ... its checkpoint named by another path too (it was "the analysis of" another checkpoint)
+    (tmp_path / "link").symlink_to(path.parent, target_is_directory=True)
+    other_name = tmp_path / "link" / path.name
+    assert main([*first[:1], str(other_name), *first[2:], "--no-plot"]) == 0
+    assert main([*first, "--no-plot"]) == 0
     before = (out / "analysis.json").read_bytes()
     other = ["analyze", "resnet18", "--width-mult", "0.0625", "--output-dir", str(out), "--no-plot"]
     capsys.readouterr()

@@ -1333,6 +1333,11 @@ def test_the_option_value_none_of_scaling_is_the_name_not_python_none():
                                                                             "internal_channels": None}
     with pytest.raises(UserError, match="--model-option gives width_mult twice"):
         parse_key_values(["width_mult=0.5", "width-mult=0.25"])
+    # a branch list of one name (bench's orepa:branches=kxk, the one-branch ablation) was a string, refused
+    for written in ("kxk", "kxk/", "kxk,"):
+        assert parse_key_values([f"branches={written}"]) == {"branches": ["kxk"]}, written
+    assert parse_key_values(["branches=kxk/1x1"]) == parse_key_values(["branches=kxk,1x1"]) == {
+        "branches": ["kxk", "1x1"]}
 
 
 def test_the_dynamo_exporter_opsets_below_its_lowest_are_refused_first(capsys):

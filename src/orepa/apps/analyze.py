@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -266,12 +267,27 @@ def _check_previous(out: Path, meta: dict, overwrite: bool) -> None:
         held = json.loads(previous.read_text()).get("meta")
     except (OSError, ValueError, AttributeError):
         held = None
-    if held == json.loads(json_text(meta)):
+    if _same_analysis(held, json.loads(json_text(meta))):
         return
     what = (f"the analysis of {held.get('source')} ({held.get('model')}/{held.get('method')})"
             if isinstance(held, dict) else "another file")
     raise UserError(f"--output-dir {out}: {previous.name} holds {what}; pass --overwrite to replace it, or choose "
                     "another --output-dir")
+
+
+def _same_analysis(held, meta: dict) -> bool:
+    """Whether an earlier analysis's ``held`` meta is that of ``meta`` (a rerun of it): the same, with
+    its checkpoint named by any path (``run/checkpoint.pth``, ``./run/...``, an absolute one)."""
+    if not isinstance(held, dict):
+        return False
+    (a, b), (rest_a, rest_b) = (held.get("source"), meta.get("source")), (
+        {k: v for k, v in held.items() if k != "source"}, {k: v for k, v in meta.items() if k != "source"})
+    if rest_a != rest_b:
+        return False
+    try:
+        return a == b or (isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b))
+    except OSError:  # (a path that no longer names a file, or a model at initialisation)
+        return False
 
 
 def _names_a_model(name: str) -> bool:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import signal
 import sys
@@ -300,6 +301,8 @@ def parse_key_values(items: Iterable[str] | None, flag: str = "--model-option") 
         key = key.strip().replace("-", "_")
         if key == "scaling" and value is None:  # the block option's value 'none' (no scaling layer), not None
             value = "none"
+        if key == "branches" and isinstance(value, str):  # a list of names however written: kxk, kxk/1x1, kxk,1x1
+            value = [name for name in re.split(r"[,/]", value) if name.strip()] or value
         if key in out:  # the last would win without a word
             raise UserError(f"{flag} gives {key} twice ({out[key]!r}, then {value!r}): give it once")
         out[key] = list(value) if isinstance(value, tuple) else value

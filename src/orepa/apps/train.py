@@ -1235,7 +1235,12 @@ class Trainer:
                      f"learning rate ends at {peak:.0%} of --lr {args.lr:g}, and the {args.lr_scheduler} schedule "
                      "never starts (--lr-warmup-epochs sets the warm-up)"
                      + ("; the EMA restarts at every update during warm-up (as torchvision's), so it ends as the "
-                        "weights themselves" if self.ema is not None else ""))
+                        f"weights at its last update (every {args.model_ema_steps} steps, --model-ema-steps)"
+                        if self.ema is not None else ""))
+        total = args.epochs * self.iters_per_epoch
+        if self.ema is not None and total <= args.model_ema_steps:
+            self.log(f"  note: the run's {total} step(s) are not more than --model-ema-steps {args.model_ema_steps}: "
+                     "the EMA is updated at the first step only (it holds the weights after one step)")
         tb = TensorBoard(self.out, enabled=self.main and not args.no_tensorboard)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -78,7 +78,8 @@ def parse_options(items: Iterable[str], flag: str) -> dict:
     """``KEY=VALUE`` items as every subcommand reads them (:func:`orepa.apps.common.parse_key_values`:
     ``false`` is False, ``0.5`` a float, ...), plus bench's list spelling: a bare value with ``/`` is a
     tuple (``branches=kxk/1x1``), as ``:`` separates a variant's options and ``,`` variants."""
-    return {k: tuple(parse_value(part) for part in v.split("/")) if isinstance(v, str) and "/" in v else v
+    return {k: tuple(parse_value(part) for part in v.split("/")) if isinstance(v, str) and "/" in v
+            else tuple(v) if k == "branches" and isinstance(v, list) else v  # (branch names however written: a tuple)
             for k, v in parse_key_values(items, flag).items()}
 
 
