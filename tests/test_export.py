@@ -196,15 +196,24 @@ def test_cli_export_takes_the_input_size_and_model_from_the_checkpoint(tmp_path,
     named = save_checkpoint({**torch.load(path, weights_only=True), "classes": names}, tmp_path / "named.pth")
     assert cli.main(["export", str(named), "-o", str(tmp_path / "named.pt"), "--format", "torchscript",
                      "--threads", "1", "--no-verify"]) == 0
-    extra = {"classes": ""}
+    extra = {"classes": "", "preprocessing": ""}
     torch.jit.load(str(tmp_path / "named.pt"), _extra_files=extra)
     assert json.loads(extra["classes"]) == names
+    # ... and what its input must be: fed pixels in [0, 1] without the run's normalisation it scored at chance
+    fashion = {"image": "grayscale 28x28 (Fashion-MNIST)", "scale": "pixel / 255", "mean": [0.286], "std": [0.353]}
+    assert json.loads(extra["preprocessing"]) == fashion
     if importlib.util.find_spec("onnx") is not None:
         import onnx
 
         assert cli.main(["export", str(named), "-o", str(tmp_path / "named.onnx"), "--threads", "1", "--no-verify"]) == 0
         props = {p.key: p.value for p in onnx.load(str(tmp_path / "named.onnx")).metadata_props}
-        assert json.loads(props["classes"]) == names
+        assert json.loads(props["classes"]) == names and json.loads(props["preprocessing"]) == fashion
+    # an ImageFolder run's: its resize and centre crop, ImageNet's statistics
+    from orepa.apps.export import preprocessing_of
+
+    assert preprocessing_of({"args": {"data_path": "/data/birds", "val_resize_size": 160, "val_crop_size": 128}},
+                            3) == {"image": "RGB", "resize": 160, "center_crop": 128, "scale": "pixel / 255",
+                                   "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 
 def test_model_flags_against_what_a_checkpoint_records_are_refused(tmp_path, capsys):

@@ -324,17 +324,38 @@ def load_checkpoint(name: str, method: str, path, **create_kwargs) -> tuple[nn.M
     return model, FORM_NAMES[form]
 
 
+def _trained_on_fashion_mnist(saved: dict) -> bool:
+    from .data import FASHION_MNIST_NAMES
+
+    return str(saved.get("data_path", "fashion-mnist")).lower() in FASHION_MNIST_NAMES or \
+        saved.get("dataset") == "fashion-mnist"
+
+
 def input_size_of(ckpt: dict) -> int | None:
     """The image size a checkpoint's training run used (28 for Fashion-MNIST), if it says."""
     saved = ckpt.get("args") or {}
     if not saved:
         return None
-    from .data import FASHION_MNIST_NAMES
+    return 28 if _trained_on_fashion_mnist(saved) else int(saved.get("val_crop_size") or 224)
 
-    if str(saved.get("data_path", "fashion-mnist")).lower() in FASHION_MNIST_NAMES or saved.get("dataset") == \
-            "fashion-mnist":
-        return 28
-    return int(saved.get("val_crop_size") or 224)
+
+def preprocessing_of(ckpt: dict, in_chans: int) -> dict | None:
+    """How the checkpoint's run made its validation images into tensors (what an exported model's
+    input must be: without it a model fed pixels in [0, 1] scores at chance), if it says: pixels
+    scaled to [0, 1], then per channel ``(x - mean) / std``, after ImageFolder's resize and centre crop."""
+    from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGENET_MEAN, IMAGENET_STD
+
+    saved = ckpt.get("args") or {}
+    if not saved:
+        return None
+    if _trained_on_fashion_mnist(saved):
+        return {"image": "grayscale 28x28 (Fashion-MNIST)", "scale": "pixel / 255",
+                "mean": list(FASHION_MNIST_MEAN), "std": list(FASHION_MNIST_STD)}
+    if in_chans != len(IMAGENET_MEAN):
+        return None
+    return {"image": "RGB", "resize": int(saved.get("val_resize_size") or 256),
+            "center_crop": int(saved.get("val_crop_size") or 224), "scale": "pixel / 255",
+            "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
 
 
 def is_export(path: Path, fmt: str) -> bool:
@@ -428,8 +449,10 @@ def run(args: argparse.Namespace) -> int:
     check_model_takes(model, (size,), cfg["in_chans"], describe_cfg(cfg),
                       lambda s: f"--input-size {s} ({s}x{s} images)")
     model.to(device)
-    # the class names, for whoever runs the exported model (label i is classes[i])
-    metadata = {"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else None
+    # for whoever runs the exported model: the class names (label i is classes[i]) and what its input must be
+    preprocessing = preprocessing_of(ckpt, cfg["in_chans"])
+    metadata = {**({"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else {}),
+                **({"preprocessing": json.dumps(preprocessing)} if preprocessing else {})} or None
     try:
         if args.format == "onnx":
             report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.atol,
