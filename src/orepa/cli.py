@@ -153,33 +153,21 @@ def _raise_stopped(signum, frame):
 
 @contextlib.contextmanager
 def _stop_signals_unwind(command: str):
-    """SIGTERM / SIGHUP end a command as Ctrl-C does (the default action killed it where it stood,
-    leaving its temporary files); not for the commands that handle them (:data:`_OWN_STOP`), nor a
-    SIGHUP ignored (``nohup``), nor off the main thread (where no handler can be set)."""
-    if command in _OWN_STOP or threading.current_thread() is not threading.main_thread():
+    """While a command runs, SIGTERM / SIGHUP end it as Ctrl-C does (the default action killed it
+    where it stood, leaving its temporary files); not for the commands that handle them
+    (:data:`_OWN_STOP`), nor a SIGHUP ignored (``nohup``). Afterwards every stop signal's handler is
+    as it was (a failing training run under torchrun keeps its own until its error line is out).
+    Off the main thread (where no handler can be set) nothing."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    wanted = [s for s in ("SIGTERM", "SIGHUP") if hasattr(signal, s)]
-    previous = {}
-    for name in wanted:
-        sig = getattr(signal, name)
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            previous[sig] = signal.signal(sig, _raise_stopped)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-@contextlib.contextmanager
-def _handlers_restored():
-    """The stop signals' handlers as they were, once the command is over (a failing training run
-    under torchrun keeps its own until its error line is out)."""
     from .apps.common import STOP_SIGNALS
 
-    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} \
-        if threading.current_thread() is threading.main_thread() else {}
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    if command not in _OWN_STOP:
+        for sig in (getattr(signal, name, None) for name in ("SIGTERM", "SIGHUP")):
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, _raise_stopped)
     try:
         yield
     finally:
@@ -220,7 +208,7 @@ def _main(argv: list[str] | None) -> int:
     from orepa.apps.common import UserError, fail, out_of_memory
 
     try:
-        with _stop_signals_unwind(args.command), _handlers_restored():
+        with _stop_signals_unwind(args.command):
             try:
                 return int(module.run(args) or 0)
             except UserError as exc:  # (said with the command's signal handlers still in place: see train.StopSignals)

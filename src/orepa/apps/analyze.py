@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from orepa.apps.checkpoint import (
     check_output_path,
     json_text,
     load_checkpoint,
+    same_file,
     state_dict_mismatch,
     with_bn_counts,
 )
@@ -284,10 +284,7 @@ def _same_analysis(held, meta: dict) -> bool:
         {k: v for k, v in held.items() if k != "source"}, {k: v for k, v in meta.items() if k != "source"})
     if rest_a != rest_b:
         return False
-    try:
-        return a == b or (isinstance(a, str) and isinstance(b, str) and os.path.samefile(a, b))
-    except OSError:  # (a path that no longer names a file, or a model at initialisation)
-        return False
+    return a == b or (isinstance(a, str) and isinstance(b, str) and same_file(Path(a), Path(b)))
 
 
 def _names_a_model(name: str) -> bool:

@@ -346,7 +346,7 @@ def check_output_path(path: str | os.PathLike, flag: str, *, directory: bool = F
             raise UserError(f"{flag} {path} is a symbolic link that leads back to itself (a loop); "
                             "choose another path") from None
     for what, other in (not_over or {}).items():
-        if other is not None and _same_file(path, Path(other)):
+        if other is not None and same_file(path, Path(other)):
             raise UserError(f"{flag} {path} is {what}; choose another path")
     if report and path.is_file():
         if zipfile.is_zipfile(path):
@@ -430,7 +430,7 @@ _LEGACY_REPORT_KEYS = {"eval": {"checkpoint", "loss", "acc1", "acc5", "n"},
                        "reparam": {"checkpoint", "form", "params_train", "params_deployed"}}
 
 
-def _same_file(a: Path, b: Path) -> bool:
+def same_file(a: Path, b: Path) -> bool:
     """Whether ``a`` and ``b`` name one file: the same path once resolved (links, ``..``), or
     two names of one existing file (hard links)."""
     try:
