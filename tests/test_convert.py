@@ -1,5 +1,6 @@
 """convert / reparameterize on real architectures: vanilla layout and exact outputs."""
 import copy
+import importlib
 import warnings
 
 import pytest
@@ -113,6 +114,23 @@ class Untraceable(nn.Module):
             x = self.conv2(x)
         x = torch.relu(self.bn3(self.conv3(x)))
         return self.head(x)
+
+
+def test_control_flow_on_a_placeholder_is_traced_once_per_mode(monkeypatch):
+    """Branching on a placeholder is the model's own code: its tensor-sharing copy failing so, the
+    model itself is not traced again (it would fail alike), once per mode and per untraceable
+    module of the structural walk."""
+    tracer = importlib.import_module("orepa.convert")._LeafTracer  # (orepa.convert is the function)
+    traced = []
+    real = tracer.trace
+    monkeypatch.setattr(tracer, "trace", lambda self, root, *a, **k: traced.append(root) or
+                        real(self, root, *a, **k))
+    base = Untraceable()
+    with pytest.raises(ValueError, match="torch.fx could not trace the model"):
+        orepa.convert(base, "orepa")
+    # each a fresh copy (the list keeps them alive: no id reused); the model converted itself is
+    # traced only where its copy failed otherwise
+    assert traced and len({id(root) for root in traced}) == len(traced), traced
 
 
 @pytest.mark.parametrize("method", ["orepa", "dbb"])

@@ -233,13 +233,17 @@ def _traced(model: nn.Module) -> torch.fx.Graph:
     and deployment. The hooks run (one that changes a module's input or output is part of the
     function; a caller's function that records outputs in its own list still records placeholders
     there). A model whose copy cannot be made or traced (one that looks itself up by ``id``) is
-    traced itself, as before."""
+    traced itself; not where the copy's forward branched on a placeholder (``TraceError``): that
+    code is the model's too, and a second trace would fail alike (each untraceable module of
+    :func:`_pairs_structural`'s walk would be traced twice)."""
     try:
         twin = _deepcopy(model, {id(t): t for t in _held_tensors(model)})
     except Exception:  # noqa: BLE001 - weight_norm's computed weight refuses copies, as may other code
         return _LeafTracer().trace(model)
     try:
         return _LeafTracer().trace(twin)
+    except torch.fx.proxy.TraceError:  # control flow on a placeholder: the model's own code, as untraceable
+        raise
     except Exception:  # noqa: BLE001 - e.g. a registry keyed by id(module): the model itself may trace
         return _LeafTracer().trace(model)
 
