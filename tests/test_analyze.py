@@ -269,3 +269,88 @@ def test_plots_of_an_analysis_s_names_beside_none_are_replaced_only_with_overwri
         assert (out / "summary.png").read_bytes() == b"mine"
     assert main([*cmd, "--no-plot", "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["analysis.json"]
+
+
+def _ema_checkpoint(tmp_path):
+    """An orepa train checkpoint whose EMA weights differ from its model's in every branch."""
+    from orepa.apps.bench import build_variant
+
+    torch.manual_seed(0)
+    opts = {"width_mult": 0.125, "small_input": True}
+    model = build_variant("resnet18", "orepa", 10, 1, model_options=opts)
+    ema = build_variant("resnet18", "orepa", 10, 1, model_options=opts)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(torch.randn_like(p))
+    cfg = {"model": "resnet18", "method": "orepa", "num_classes": 10, "in_chans": 1, "small_input": True,
+           "width_mult": 0.125, "options": {}}
+    path = tmp_path / "run.pth"
+    torch.save({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": cfg,
+                "model": model.state_dict(), "model_ema": ema.state_dict(), "epoch": 1}, path)
+    return model, ema, path
+
+
+def test_use_ema_analyses_the_checkpoints_ema_weights_and_says_so(tmp_path, capsys):
+    """analyze had no --use-ema (eval, export and reparam have it): the EMA weights, which a run with
+    --model-ema evaluates and deploys, could not be analysed. Its analysis says so, and neither
+    analysis of one checkpoint passes for a rerun of the other."""
+    from orepa.cli import main
+
+    model, ema, path = _ema_checkpoint(tmp_path)
+    out = tmp_path / "out"
+    cmd = ["analyze", str(path), "--output-dir", str(out), "--no-plot"]
+    assert main([*cmd, "--use-ema"]) == 0
+    assert f"{path} (its EMA weights): 17 blocks" in capsys.readouterr().out
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["meta"]["ema"] is True and data["meta"]["source"] == str(path)
+    name = "layer1.0.conv1"
+    expect, other = (analyze_block(m.get_submodule(name))["cosine"] for m in (ema, model))
+    torch.testing.assert_close(torch.tensor(data["layers"][name]["cosine"]), torch.tensor(expect))
+    assert not torch.allclose(torch.tensor(expect), torch.tensor(other))
+    assert main([*cmd, "--use-ema"]) == 0  # a rerun of the same analysis replaces its own
+    # the model's weights of the same checkpoint are another analysis, both ways
+    before = (out / "analysis.json").read_bytes()
+    capsys.readouterr()
+    assert main(cmd) == 2
+    assert (f"analysis.json holds the analysis of {path} (its EMA weights) (resnet18/orepa); pass --overwrite"
+            in capsys.readouterr().err) and (out / "analysis.json").read_bytes() == before
+    assert main([*cmd, "--overwrite"]) == 0
+    assert json.loads((out / "analysis.json").read_text())["meta"]["ema"] is False
+    assert main([*cmd, "--use-ema"]) == 2
+    assert f"holds the analysis of {path} (resnet18/orepa); pass --overwrite" in capsys.readouterr().err
+    # an analysis written before --use-ema (no "ema" in its meta) was of the model's weights
+    held = json.loads((out / "analysis.json").read_text())
+    del held["meta"]["ema"]
+    (out / "analysis.json").write_text(json.dumps(held))
+    assert main(cmd) == 0
+    # the errors of the other commands' --use-ema, from the same loader
+    torch.save({k: v for k, v in torch.load(path, weights_only=True).items() if k != "model_ema"},
+               tmp_path / "no_ema.pth")
+    for argv, message in (
+            ([str(tmp_path / "no_ema.pth")], "no_ema.pth has no EMA weights (train with --model-ema)"),
+            (["resnet18", "--width-mult", "0.0625"], "--use-ema needs a checkpoint with EMA weights")):
+        assert main(["analyze", *argv, "--use-ema", "--output-dir", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("small_input", [True, False])
+def test_a_bare_state_dict_of_the_other_stem_names_the_stem_flag(small_input, tmp_path, capsys):
+    """A bare state_dict of a small-input (CIFAR / Fashion-MNIST style) OREPA ResNet analysed without
+    --small-input got "pass the --method it was trained with" (its 3x3 stem block against the deep
+    stem reads as other branches), though --method was right; the hint now names the stem's flag."""
+    from orepa.apps.bench import build_variant
+    from orepa.cli import main
+
+    torch.manual_seed(0)
+    model = build_variant("resnet18", "orepa", 10, model_options={"width_mult": 0.125, "small_input": small_input})
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    cmd = ["analyze", str(tmp_path / "sd.pt"), "-m", "resnet18", "--method", "orepa", "--option", "width_mult=0.125",
+           "--output-dir", str(tmp_path / "out"), "--no-plot"]
+    wrong, right = ("--no-small-input", "--small-input") if small_input else ("--small-input", "--no-small-input")
+    for given in ([], [wrong]) if small_input else ([wrong],):
+        assert main([*cmd, *given]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"pass {right}." in err and "--method it was trained with" not in err, err
+    assert main([*cmd, right]) == 0

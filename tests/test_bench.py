@@ -818,3 +818,47 @@ def test_a_variants_peak_starts_without_the_last_steps_gradients_and_holds_its_a
     r = bench.Runner("orepa", net, torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9))
     measure_variant_costs(r, torch.randn(2, 3, 16, 16), y, FakeCuda())
     assert grads_at_start == [False]
+
+
+def test_a_one_channel_model_is_benchmarked_on_one_channel_images(tmp_path, capsys):
+    """--model-option in_chans=1 was a keyword given twice (bench passed in_chans=3 itself): the
+    variants are now built for, and timed on, images of the channels asked for, and the result says so."""
+    from orepa.cli import main
+
+    for model, opts in (("resnet18", ["--model-option", "width_mult=0.0625"]), ("mobilenet_v3_small", [])):
+        tag = model.replace(":", "-")
+        assert main(["bench", "-m", model, *opts, "--model-option", "in_chans=1", "--methods", "base,orepa",
+                     "-b", "2", "--image-size", "32", "--reps", "1", "--warmup", "1", "--num-classes", "10",
+                     "--no-inference", "--no-memory-profile", "--no-plot", "--output-dir", str(tmp_path),
+                     "--tag", tag]) == 0, model
+        assert f"{model}, batch 2, 32x32, 1 input channel(s)," in capsys.readouterr().out
+        result = json.loads((tmp_path / f"{tag}.json").read_text())
+        assert result["config"]["in_chans"] == 1 and "in_chans" not in result["config"]["model_options"]
+        assert "32x32, 1 input channel(s)" in (tmp_path / f"{tag}.md").read_text()
+    # the components' ladder too; a variant's own in_chans names the flag that sets it
+    assert bench.component_variants("resnet18", 10, 1, {"width_mult": 0.0625})[:2] == ["base", "dbb"]
+    with pytest.raises(ValueError, match=r"in_chans is set by the image channels \(--model-option in_chans=N\)"):
+        bench.build_variant("resnet18", "orepa:in_chans=1", 10, 1, {"width_mult": 0.0625})
+
+
+def test_from_json_of_a_result_from_before_peak_start_says_its_peaks_are_not_comparable(tmp_path, capsys):
+    """Results written before the peak step started without the last step's gradients (no
+    config["peak_start"]: the H100 runs of benchmarks/results/gpu-h100) were re-rendered as if their
+    peaks were comparable with newer ones; the table now says in one line that they are not."""
+    from pathlib import Path
+
+    from orepa.cli import main
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    old, new = results / "gpu-h100" / "resnet18_b8_224_cuda.json", results / "resnet18_b2_224_cpu.json"
+    assert "peak_start" not in json.loads(old.read_text())["config"]
+    assert json.loads(new.read_text())["config"]["peak_start"] == "without gradients"
+    for path, said in ((old, True), (new, False)):
+        out = tmp_path / path.parent.name
+        assert main(["bench", "--from-json", str(path), "--output-dir", str(out), "--no-plot"]) == 0
+        note = [line for line in capsys.readouterr().out.splitlines() if "peak_start" in line]
+        assert len(note) == int(said), (path, note)
+        if said:  # one line of its own, under the table, in the .md too
+            assert note[0].startswith("note: peak MiB measured with the older start (it held the last step's "
+                                      "gradients"), note
+            assert note[0] in (out / f"{path.stem}.md").read_text().splitlines()

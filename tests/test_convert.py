@@ -1525,3 +1525,26 @@ def test_a_graph_module_keeps_its_mode_through_convert_and_reparameterize():
             tol_close(deployed(x)[key], extractor(x)[key])
     assert not any(m.training for m in orepa.convert(create_feature_extractor(
         torchvision.models.resnet18(num_classes=4), {"fc": "logits"}).eval(), "dbb").modules())
+
+
+def test_load_plain_state_dict_names_every_wrappers_prefix_whole():
+    """The wrapper prefixes are orepa.state_dicts' (they were spelt again here): each gets the hint,
+    and nested wrappers (DDP around torch.compile) are named whole, not by their outer prefix alone."""
+    from orepa.state_dicts import WRAPPER_PREFIXES, strip_prefixes
+
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4))
+    model = orepa.convert(plain, "orepa")
+    sd = plain.state_dict()
+    for prefix in (*WRAPPER_PREFIXES, "module._orig_mod.", "_orig_mod.module."):
+        wrapped = {prefix + k: v for k, v in sd.items()}
+        with pytest.raises(ValueError, match=rf"every key starts with '{prefix}', a wrapper's"):
+            orepa.load_plain_state_dict(model, wrapped)
+        orepa.load_plain_state_dict(model, strip_prefixes(wrapped))  # what the hint says removes it
+    # keys under different nestings: the prefix they all share
+    mixed = {("module._orig_mod." if i % 2 else "module.") + k: v for i, (k, v) in enumerate(sd.items())}
+    with pytest.raises(ValueError, match=r"every key starts with 'module\.', a wrapper's"):
+        orepa.load_plain_state_dict(model, mixed)
+    with pytest.raises(ValueError) as exc:  # no shared wrapper prefix: no hint
+        orepa.load_plain_state_dict(model, {("_orig_mod." if i % 2 else "module.") + k: v
+                                            for i, (k, v) in enumerate(sd.items())})
+    assert "every key starts" not in str(exc.value)

@@ -428,3 +428,45 @@ def test_a_state_dict_without_bn_batch_counts_loads_as_pytorch_loads_it(tmp_path
             "--small-input", "--width-mult", "0.25", "--input-size", "28", "--checkpoint", str(path),
             "--output", str(tmp_path / "a.onnx")]
     assert cli.main(args) == 0, capsys.readouterr().err
+
+
+def test_an_export_reads_a_checkpoints_data_as_its_run_read_it():
+    """export judged "trained on Fashion-MNIST" from the data path's name apart from how a run reads
+    it (data.resolve_kind): a run with --dataset imagefolder on a folder named fashion-mnist (RGB,
+    224 px) was exported for 28x28 grayscale input with Fashion-MNIST's statistics. Both now take
+    the one judgement (data.names_fashion_mnist) and agree wherever a run could have read the data."""
+    import argparse
+
+    from orepa.apps.data import resolve_kind
+    from orepa.apps.export import input_size_of, preprocessing_of
+
+    for data_path in ("fashion-mnist", "FMNIST", "fashion_mnist", "./fashion-mnist", "/data/birds"):
+        for dataset in ("auto", "fashion-mnist", "imagefolder"):
+            args = argparse.Namespace(data_path=data_path, dataset=dataset)
+            try:
+                fashion = resolve_kind(args) == "fashion-mnist"
+            except UserError:  # (--dataset fashion-mnist with a path: no run read that)
+                continue
+            ckpt = {"args": {"data_path": data_path, "dataset": dataset, "val_crop_size": 160}}
+            assert input_size_of(ckpt) == (28 if fashion else 160), (data_path, dataset)
+            assert (preprocessing_of(ckpt, 3)["image"] == "RGB") != fashion, (data_path, dataset)
+    # a run's settings without --dataset (older checkpoints): the name alone, as before
+    assert input_size_of({"args": {"data_path": "fmnist"}}) == 28
+    assert input_size_of({"args": {"data_path": "/data/birds"}}) == 224
+
+
+def test_a_bare_state_dict_of_the_other_stem_names_the_stem_flag(tmp_path, capsys):
+    """The loader of eval and export said only that no form fits a bare state_dict given the other
+    stem's flag; it now names the flag to pass, as analyze does."""
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet18", "orepa", num_classes=10, in_chans=1, small_input=True, width_mult=0.125)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    cmd = ["export", str(tmp_path / "sd.pt"), "-m", "resnet18", "--method", "orepa", "--num-classes", "10",
+           "--in-chans", "1", "--width-mult", "0.125", "-o", str(tmp_path / "m.pt"), "--format", "torchscript",
+           "--no-verify"]
+    assert cli.main([*cmd, "--no-small-input"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.rstrip().endswith("It fits the small-input stem (CIFAR / Fashion-MNIST "
+                                                          "style): pass --small-input."), err
+    assert not (tmp_path / "m.pt").exists()
+    assert cli.main([*cmd, "--small-input", "--input-size", "28"]) == 0

@@ -19,6 +19,7 @@ import ast
 import contextlib
 import copy
 import inspect
+import os
 import re
 import textwrap
 import warnings
@@ -48,6 +49,7 @@ from .blocks import (
     keep_layout,
 )
 from .engine import group_kernels
+from .state_dicts import wrapper_prefix
 
 __all__ = ["convert", "reparameterize", "load_plain_state_dict", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport",
            "METHODS", "make_block"]
@@ -1064,7 +1066,8 @@ def load_plain_state_dict(model: nn.Module, state_dict: Mapping[str, Tensor], ke
         except ValueError as exc:
             problems.append(f"{name}: {exc}")
     if problems:
-        prefixed = next((p for p in ("module.", "_orig_mod.") if sd and all(k.startswith(p) for k in sd)), None)
+        # the wrappers' prefixes every key carries, nested ones whole ("module._orig_mod.")
+        prefixed = wrapper_prefix(os.path.commonprefix([wrapper_prefix(k) for k in sd]))
         hint = (f" (every key starts with {prefixed!r}, a wrapper's: DataParallel / DDP, torch.compile; "
                 "orepa.state_dicts.strip_prefixes(state_dict) removes it)") if prefixed else ""
         raise ValueError("the plain state_dict does not fit this model: " + "; ".join(problems) + hint)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["EMA_KEYS", "SAFE_GLOBALS", "STATE_DICT_KEYS", "WRAPPER_PREFIXES", "find_state_dict", "is_state_dict",
-           "load_weights_only", "strip_prefixes", "without_ema_counter"]
+           "load_weights_only", "strip_prefixes", "without_ema_counter", "wrapper_prefix"]
 
 #: where tools keep the state_dict inside a checkpoint dict, first match taken (orepa's own and
 #: DeiT's: "model"; the paper's training script, timm's, mmengine's: "state_dict")
@@ -52,18 +52,18 @@ def is_state_dict(obj) -> bool:
     return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, Tensor) for v in obj.values())
 
 
+def wrapper_prefix(key: str) -> str:
+    """The wrapper prefixes ``key`` starts with, nested ones too: ``"module._orig_mod."`` for
+    ``"module._orig_mod.conv1.weight"``; ``""`` for none."""
+    rest = key
+    while (found := next((p for p in WRAPPER_PREFIXES if rest.startswith(p)), None)) is not None:
+        rest = rest[len(found):]
+    return key[:len(key) - len(rest)]
+
+
 def strip_prefixes(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``sd`` with every wrapper prefix removed from its keys (nested wrappers too)."""
-    out = {}
-    for k, v in sd.items():
-        stripped = True
-        while stripped:
-            stripped = False
-            for p in WRAPPER_PREFIXES:
-                if k.startswith(p):
-                    k, stripped = k[len(p):], True
-        out[k] = v
-    return out
+    return {k[len(wrapper_prefix(k)):]: v for k, v in sd.items()}
 
 
 def find_state_dict(obj) -> str | None:

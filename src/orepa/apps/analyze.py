@@ -23,15 +23,26 @@ from torch import nn
 
 from orepa.analysis import analyze_model
 from orepa.apps.checkpoint import (
+    EMA_NOTE,
     atomic_write_text,
     check_output_path,
+    check_use_ema,
+    checkpoint_weights,
     json_text,
     load_checkpoint,
+    other_stem_hint,
     same_file,
     state_dict_mismatch,
     with_bn_counts,
 )
-from orepa.apps.common import UserError, add_run_arguments, apply_threads, init_distributed, seed_everything
+from orepa.apps.common import (
+    UserError,
+    add_run_arguments,
+    add_use_ema_argument,
+    apply_threads,
+    init_distributed,
+    seed_everything,
+)
 from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.model_cfg import (
     EXTERNAL_SOURCES,
@@ -52,23 +63,32 @@ def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:
     return None
 
 
-def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str) -> nn.Module:
-    """Strictly load ``sd`` into ``model``; a mismatch raises a :class:`UserError` that lists it."""
+def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str, *, bare_cfg: dict | None = None
+                   ) -> nn.Module:
+    """Strictly load ``sd`` into ``model``; a mismatch raises a :class:`UserError` that lists it.
+    ``bare_cfg``: the model_cfg ``model`` was built from for a bare state_dict (none recorded), whose
+    stem the flags said or left at the default: a state_dict that fits the other stem names its flag."""
     own = model.state_dict()
     sd = with_bn_counts(model, sd)
     problem = state_dict_mismatch(model, sd)
     if problem:
-        unexpected = [k for k in sd if k not in own]
-        hint = ""
-        if any(".branches." in k for k in unexpected) and not any(".branches." in k for k in own):
-            hint = " The checkpoint is in training form: pass the --method it was trained with."
-        elif any(".branches." in k for k in unexpected) and any(".branches." in k for k in own):
-            hint = " Its branches are not those of this method's blocks: pass the --method it was trained with."
-        elif not any(".branches." in k for k in sd):
-            hint = " The checkpoint has no re-param branches (deployed or base model?): nothing to analyse."
-        raise UserError(f"checkpoint does not match {what}: {problem}.{hint}")
+        # the stem first: a small-input OREPA ResNet's 3x3 block against the deep stem reads as other branches
+        hint = other_stem_hint(bare_cfg, sd, forms=("train",)) if bare_cfg is not None else ""
+        raise UserError(f"checkpoint does not match {what}: {problem}.{hint or _branch_hint(sd, own)}")
     model.load_state_dict(sd, strict=True)
     return model
+
+
+def _branch_hint(sd: dict, own: dict) -> str:
+    """What a state_dict's re-param branches against the model's say about the mismatch."""
+    unexpected = [k for k in sd if k not in own]
+    if any(".branches." in k for k in unexpected) and not any(".branches." in k for k in own):
+        return " The checkpoint is in training form: pass the --method it was trained with."
+    if any(".branches." in k for k in unexpected) and any(".branches." in k for k in own):
+        return " Its branches are not those of this method's blocks: pass the --method it was trained with."
+    if not any(".branches." in k for k in sd):
+        return " The checkpoint has no re-param branches (deployed or base model?): nothing to analyse."
+    return ""
 
 
 # --------------------------------------------------------------------------- plots
@@ -182,6 +202,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", help="training-form checkpoint (.pt/.pth), or a model name to analyse at init")
     add_model_arguments(p)
     add_run_arguments(p)  # --seed: the weights of a model analysed at initialisation
+    add_use_ema_argument(p, "analyse")
     p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="analysis",
                    help="where analysis.json and the plots go (analysis; --out-dir: older spelling)")
     p.add_argument("--no-plot", action="store_true")
@@ -201,16 +222,18 @@ def run(args: argparse.Namespace) -> int:
         if form != "train":
             raise UserError(f"{target} holds a deployed model (form {form!r}): its branches are gone; "
                             "analyse the training-form checkpoint")
-        sd = ckpt["model"]
+        sd = checkpoint_weights(ckpt, target, args.use_ema)
         cfg = checkpoint_cfg(args, ckpt, target, num_classes=infer_num_classes(sd) or 1000, in_chans=3,
                              small_input=False) or ckpt["model_cfg"]
-        model = check_and_load(build_model(cfg), sd, _flags(cfg))
+        model = check_and_load(build_model(cfg), sd, _flags(cfg),
+                               bare_cfg=cfg if ckpt.get("model_cfg") is None else None)
         # the branches' tensors only: a classifier or stem BN holding NaN changes no branch statistic
         bad = next((k for k, t in model.state_dict().items() if "branches." in k and t.is_floating_point()
                     and not bool(torch.isfinite(t).all())), None)
         if bad:
-            raise UserError(f"{target} holds non-finite values (NaN/inf), first in {bad} (a branch): its branch "
-                            "statistics would be NaN; give a checkpoint from before the run diverged")
+            raise UserError(f"{target}{EMA_NOTE if args.use_ema else ''} holds non-finite values (NaN/inf), first "
+                            f"in {bad} (a branch): its branch statistics would be NaN; give a checkpoint from "
+                            "before the run diverged")
         source = str(target)
     elif target.is_dir() and not _names_a_model(args.target):  # a model name wins over a folder of that name
         raise UserError(f"{args.target} is a directory; give a checkpoint file in it"
@@ -222,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.target:
             raise UserError(f"two models: {args.target} and -m {args.model}; give one (the target names the model "
                             "to analyse at initialisation)")
+        check_use_ema(args.use_ema, None)
         if args.model is None:
             args = argparse.Namespace(**{**vars(args), "model": args.target})
         cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)
@@ -231,7 +255,9 @@ def run(args: argparse.Namespace) -> int:
     options = {**cfg.get("options", {}), **{k: cfg[k] for k in ("small_input", "width_mult") if cfg.get(k)}}
     if options.get("width_mult") == 1.0:
         del options["width_mult"]
-    meta = {"source": source, "model": cfg["model"], "method": cfg["method"], "options": options}
+    # "ema": which weights of the checkpoint (its EMA's: --use-ema), so that neither analysis passes for the other
+    meta = {"source": source, "ema": bool(args.use_ema), "model": cfg["model"], "method": cfg["method"],
+            "options": options}
     _check_previous(Path(args.output_dir), meta, args.overwrite)
     try:
         result = analyze(model.to(device).eval(), args.output_dir, plots=not args.no_plot, meta=meta)
@@ -239,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
         hint = ("analyse one trained with --method orepa, dbb, ..." if cfg["method"] == "base" else
                 "its blocks have one branch each (--branches): analyse a model of two or more")
         raise UserError(f"{source}: {describe_cfg(cfg)}: {exc}, so there is nothing to analyse; {hint}") from None
-    print(f"{source}: {result['summary']['blocks']} blocks, mean off-diagonal cosine "
+    print(f"{_described(meta)}: {result['summary']['blocks']} blocks, mean off-diagonal cosine "
           f"{result['summary']['mean_off_diagonal_cosine']:.3f}")
     print(f"{'block':<44}{'branches':>9}{'mean cos':>10}  mean share per branch")
     for name, v in result["layers"].items():
@@ -269,7 +295,7 @@ def _check_previous(out: Path, meta: dict, overwrite: bool) -> None:
         held = None
     if _same_analysis(held, json.loads(json_text(meta))):
         return
-    what = (f"the analysis of {held.get('source')} ({held.get('model')}/{held.get('method')})"
+    what = (f"the analysis of {_described(held)} ({held.get('model')}/{held.get('method')})"
             if isinstance(held, dict) else "another file")
     raise UserError(f"--output-dir {out}: {previous.name} holds {what}; pass --overwrite to replace it, or choose "
                     "another --output-dir")
@@ -280,11 +306,17 @@ def _same_analysis(held, meta: dict) -> bool:
     its checkpoint named by any path (``run/checkpoint.pth``, ``./run/...``, an absolute one)."""
     if not isinstance(held, dict):
         return False
+    held = {"ema": False, **held}  # (an analysis written before --use-ema was of the model's weights)
     (a, b), (rest_a, rest_b) = (held.get("source"), meta.get("source")), (
         {k: v for k, v in held.items() if k != "source"}, {k: v for k, v in meta.items() if k != "source"})
     if rest_a != rest_b:
         return False
     return a == b or (isinstance(a, str) and isinstance(b, str) and same_file(Path(a), Path(b)))
+
+
+def _described(meta: dict) -> str:
+    """An analysis' source as said: the checkpoint, and whether its EMA weights were analysed."""
+    return f"{meta.get('source')}{EMA_NOTE if meta.get('ema') else ''}"
 
 
 def _names_a_model(name: str) -> bool:

@@ -64,7 +64,7 @@ from ..state_dicts import (
     without_ema_counter,
 )
 from .common import UserError, first_nonfinite, some_of
-from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg
+from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg, external_source
 
 FORMAT = "orepa-checkpoint"
 VERSION = 1
@@ -914,6 +914,49 @@ def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str
     raise UserError(f"checkpoint {path} does not fit the model built, {built}{origin}: {problem}")
 
 
+#: what a command says after a checkpoint's name where it took the checkpoint's EMA weights (--use-ema)
+EMA_NOTE = " (its EMA weights)"
+
+
+def checkpoint_weights(ckpt: dict, path, use_ema: bool = False) -> dict:
+    """The state_dict a command loads from checkpoint ``ckpt`` (read from ``path``): its model's, or
+    with ``use_ema`` (--use-ema) its EMA's; an EMA it does not hold is a :class:`UserError` saying why."""
+    if not use_ema:
+        return ckpt["model"]
+    if "model_ema" not in ckpt:
+        if ckpt.get("ema"):
+            raise UserError(f"{path} holds EMA weights as its model (deployed by orepa reparam --use-ema): "
+                            "leave out --use-ema")
+        raise UserError(f"{path} has no EMA weights (train with --model-ema)")
+    return ckpt["model_ema"]
+
+
+def check_use_ema(use_ema: bool, path) -> None:
+    """--use-ema without a checkpoint (a model built at initialisation): there is no EMA to take."""
+    if use_ema and not path:
+        raise UserError("--use-ema needs a checkpoint with EMA weights")
+
+
+def other_stem_hint(cfg: dict, sd: dict, forms: Sequence[str] = FORMS) -> str:
+    """For a bare state_dict that does not fit ``cfg``'s zoo model: a sentence naming the flag to pass
+    where it fits the same model with the other stem (small-input, CIFAR / Fashion-MNIST style, or
+    the standard one) in one of ``forms``; else "". A bare state_dict records neither stem, and its
+    key mismatch reads as another method's branches (an OREPA ResNet's deep stem against a 3x3 block)."""
+    if external_source(cfg["model"]):  # (another library's network keeps its own stem)
+        return ""
+    other = {**cfg, "small_input": not cfg["small_input"]}
+    for form in forms:
+        try:
+            model = build_model_form(other, form)
+        except (UserError, ValueError, TypeError, KeyError):  # a model without that stem: no hint
+            return ""
+        if not state_dict_mismatch(model, with_bn_counts(model, sd)):
+            return (" It fits the small-input stem (CIFAR / Fashion-MNIST style): pass --small-input."
+                    if other["small_input"] else " It fits the standard stem, not the small-input one: pass "
+                    "--no-small-input.")
+    return ""
+
+
 def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema: bool = False
                           ) -> tuple[nn.Module, dict, str]:
     """Build the model a checkpoint describes (training or deployed form) and load its weights.
@@ -926,13 +969,7 @@ def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema:
     cfg = cfg or saved_cfg
     if cfg is None:
         raise UserError(f"{path} is a bare state_dict: pass --model/--method/--num-classes/... to say what it is")
-    key = "model_ema" if use_ema else "model"
-    if use_ema and key not in ckpt:
-        if ckpt.get("ema"):
-            raise UserError(f"{path} holds EMA weights as its model (deployed by orepa reparam --use-ema): "
-                            "leave out --use-ema")
-        raise UserError(f"{path} has no EMA weights (train with --model-ema)")
-    sd = ckpt[key]
+    sd = checkpoint_weights(ckpt, path, use_ema)
     saved_desc = describe_cfg(saved_cfg) if saved_cfg else None
     form = ckpt.get("form")
     if form is not None:
@@ -950,4 +987,6 @@ def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema:
             model.load_state_dict(full, strict=True)
             return model.eval(), cfg, form
         problems.append(f"as {form}: {problem}")
-    raise UserError(f"checkpoint {path} fits no form of {describe_cfg(cfg)}: " + " | ".join(problems))
+    hint = other_stem_hint(cfg, sd) if saved_cfg is None else ""  # (a saved model_cfg says its stem)
+    raise UserError(f"checkpoint {path} fits no form of {describe_cfg(cfg)}: " + " | ".join(problems)
+                    + (f".{hint}" if hint else ""))

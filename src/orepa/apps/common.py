@@ -189,6 +189,13 @@ def add_run_arguments(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
         g.add_argument("--seed", type=seed_int, default=0, help="random seed (0)")
 
 
+def add_use_ema_argument(p: argparse.ArgumentParser, verb: str) -> None:
+    """``--use-ema``: the checkpoint's EMA weights (``orepa train --model-ema``) instead of its model's,
+    taken by :func:`orepa.apps.checkpoint.checkpoint_weights`; ``verb`` says what the command does with them."""
+    p.add_argument("--use-ema", action="store_true",
+                   help=f"{verb} the checkpoint's EMA weights (orepa train --model-ema) instead of its model's")
+
+
 def add_kernel_builder_argument(g, default: str | None = "auto") -> None:
     """``--kernel-builder``: how online blocks build their kernels (:func:`orepa.engine.group_kernels`);
     ``default=None``: the command picks with :func:`default_kernel_builder`."""

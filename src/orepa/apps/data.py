@@ -413,9 +413,16 @@ class Data:
         return dataclasses.replace(self, val=Relabeled(self.val, index), num_classes=len(classes), classes=classes)
 
 
+def names_fashion_mnist(data_path) -> bool:
+    """Whether a --data-path names the embedded Fashion-MNIST (``fashion-mnist``, ``fmnist``, ... in
+    any case): a name, not a path (``./fashion-mnist`` is a folder). The one judgement of it, for a
+    run's data (:func:`resolve_kind`) and for what a checkpoint's run read (export)."""
+    return str(data_path).lower() in FASHION_MNIST_NAMES
+
+
 def resolve_kind(args) -> str:
     kind = getattr(args, "dataset", "auto") or "auto"
-    named = str(args.data_path).lower() in FASHION_MNIST_NAMES
+    named = names_fashion_mnist(args.data_path)
     if kind == "auto":
         if named and "data_path" in (getattr(args, "given", None) or ()) and \
                 (Path(str(args.data_path)) / "train").is_dir():

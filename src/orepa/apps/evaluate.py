@@ -28,6 +28,7 @@ from .common import (
     DistInfo,
     UserError,
     add_run_arguments,
+    add_use_ema_argument,
     apply_threads,
     cleanup_distributed,
     count_params,
@@ -128,7 +129,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", action="store_true", help="autocast (bf16 on CPU, fp16 on CUDA)")
     p.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
     p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--use-ema", action="store_true", help="evaluate the EMA weights of a training checkpoint")
+    add_use_ema_argument(p, "evaluate")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
 

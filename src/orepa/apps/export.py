@@ -44,6 +44,7 @@ from . import checkpoint as ckpt_io
 from .common import (
     UserError,
     add_run_arguments,
+    add_use_ema_argument,
     apply_threads,
     count_params,
     init_distributed,
@@ -325,10 +326,13 @@ def load_checkpoint(name: str, method: str, path, **create_kwargs) -> tuple[nn.M
 
 
 def _trained_on_fashion_mnist(saved: dict) -> bool:
-    from .data import FASHION_MNIST_NAMES
+    """Whether a checkpoint's run (its ``args``) read Fashion-MNIST: --dataset fashion-mnist, or a
+    --data-path naming it where --dataset was auto (``--dataset imagefolder`` reads a folder of that name)."""
+    from .data import names_fashion_mnist
 
-    return str(saved.get("data_path", "fashion-mnist")).lower() in FASHION_MNIST_NAMES or \
-        saved.get("dataset") == "fashion-mnist"
+    dataset = saved.get("dataset") or "auto"
+    return dataset == "fashion-mnist" or (dataset == "auto" and names_fashion_mnist(saved.get("data_path",
+                                                                                           "fashion-mnist")))
 
 
 def input_size_of(ckpt: dict) -> int | None:
@@ -393,7 +397,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamo", action="store_true", help="ONNX: use the torch.export-based exporter")
     p.add_argument("--atol", type=positive_float, default=1e-4, help="verification bound: atol * (1 + max|y|)")
     p.add_argument("--no-verify", action="store_true")
-    p.add_argument("--use-ema", action="store_true", help="export the checkpoint's EMA weights (train --model-ema)")
+    add_use_ema_argument(p, "export")
 
 
 def _check_output(out: Path, args: argparse.Namespace, path) -> None:
@@ -430,13 +434,12 @@ def run(args: argparse.Namespace) -> int:
         cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
         ckpt_io.check_finite(model, path, "an exported model would compute nothing useful")
-        print(f"loaded {path}{' (its EMA weights)' if args.use_ema else ''} as the {FORM_NAMES[form]} of "
+        print(f"loaded {path}{ckpt_io.EMA_NOTE if args.use_ema else ''} as the {FORM_NAMES[form]} of "
               f"{describe_cfg(cfg)}")
     else:
         if args.model is None:
             raise UserError("give a checkpoint, or --model for a randomly initialised zoo model")
-        if args.use_ema:
-            raise UserError("--use-ema needs a checkpoint with EMA weights")
+        ckpt_io.check_use_ema(args.use_ema, path)
         cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)
         model = build_model(cfg)
         print(f"no checkpoint: exporting a randomly initialised {describe_cfg(cfg)}")

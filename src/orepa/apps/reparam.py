@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .checkpoint import (
+    EMA_NOTE,
     args_dict,
     atomic_write_text,
     check_finite,
@@ -34,6 +35,7 @@ from .checkpoint import (
 from .common import (
     UserError,
     add_run_arguments,
+    add_use_ema_argument,
     apply_threads,
     count_params,
     full_float32,
@@ -54,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="replace --output even when it is not a deployed checkpoint (never the input, nor a run's "
                         "training checkpoint)")
     p.add_argument("--fuse-bn", action="store_true", help="also fold every BN into its conv (fastest inference)")
-    p.add_argument("--use-ema", action="store_true", help="deploy the EMA weights")
+    add_use_ema_argument(p, "deploy")
     p.add_argument("--rtol", type=positive_float, default=1e-4,
                    help="verification tolerance: max|diff| <= rtol * (1 + max|logit|) (1e-4); beyond it nothing "
                         "is written and the exit code is 1 (a failed check, as in export), not 2 (a usage error)")
@@ -157,7 +159,7 @@ def reparam(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     res = reparam(args)
-    print(f"{res['checkpoint']}{' (its EMA weights)' if res['ema'] else ''}: {res['model']}")
+    print(f"{res['checkpoint']}{EMA_NOTE if res['ema'] else ''}: {res['model']}")
     print(f"  params {res['params_train']:,} (training form) -> {res['params_deployed']:,} ({res['form']})")
     if "n" in res:
         print(f"  verified on {res['n']} validation images: top-1 {res['train_form_acc1']:.2f}% (training form) vs "

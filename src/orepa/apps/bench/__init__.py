@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=nonneg_int, default=2)
     p.add_argument("--num-classes", type=positive_int, default=1000)
     p.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="zoo model option for every variant, e.g. width_mult=0.5 or small_input=True (repeatable)")
+                   help="zoo model option for every variant, e.g. width_mult=0.5 or small_input=True (repeatable); "
+                        "in_chans=N (any model): the synthetic images' channels (3)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a result file of other variants (a rerun of the same variants replaces its own)")
     p.add_argument("--threads", type=thread_count, default=None, help="torch.set_num_threads (CPU)")
@@ -222,13 +223,15 @@ def run(args: argparse.Namespace) -> int:
     mopts = parse_options(args.model_option, "--model-option")
     for key in set(mopts) & set(MODEL_CFG_KEYS):  # width_mult, small_input, ...: the types every command checks
         mopts[key] = check_cfg_value(key, mopts[key])
+    # the synthetic images' channels, which every variant is built for (it was a keyword given twice)
+    in_chans = mopts.pop("in_chans", 3)
     model_flags = f"-m {args.model}" + "".join(f" --model-option {o}" for o in args.model_option)
     if args.components:
         if "methods" in set(getattr(args, "given", None) or ()):
             raise UserError("--components measures the ladder of the paper's components (its own variants): give "
                             "it or --methods, not both")
         try:
-            methods = component_variants(args.model, args.num_classes, 3, mopts)
+            methods = component_variants(args.model, args.num_classes, in_chans, mopts)
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"--components with {model_flags}: {exc}") from None
     else:
@@ -246,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     cuda = device.type == "cuda"
     _check_result_files(Path(args.output_dir), tag, {
         "methods": methods, "model": args.model, "model_options": mopts, "num_classes": args.num_classes,
-        "in_chans": 3, "lr": args.lr, "seed": args.seed, "compile": args.compile,
+        "in_chans": in_chans, "lr": args.lr, "seed": args.seed, "compile": args.compile,
         "pack_parameters": args.pack_parameters, "threads": torch.get_num_threads(),
         # (as the result records them)
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if cuda else None,
@@ -257,14 +260,14 @@ def run(args: argparse.Namespace) -> int:
     for spec in variant_specs(methods):
         try:
             runners.append(make_runner(args.model, spec, device=device, num_classes=args.num_classes,
-                                       model_options=mopts, lr=args.lr, seed=args.seed,
+                                       in_chans=in_chans, model_options=mopts, lr=args.lr, seed=args.seed,
                                        kernel_builder=args.kernel_builder, pack=args.pack_parameters,
                                        compiled_step=bool(args.compile)))
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}") from None
     # a network that cannot take the images (the plain one: variant_specs puts base first), said before
     # anything is measured
-    check_model_takes(runners[0].model, (args.image_size,), 3, model_flags,
+    check_model_takes(runners[0].model, (args.image_size,), in_chans, model_flags,
                       lambda size: f"--image-size {size} ({size}x{size} images)")
     try:
         check_step_modes(device, args.cuda_graphs, args.compile, runners)
@@ -273,8 +276,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_benchmark(
             args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
-            reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, lr=args.lr, seed=args.seed,
-            inference=not args.no_inference, profile_memory=not args.no_memory_profile, model_options=mopts,
+            reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, in_chans=in_chans, lr=args.lr,
+            seed=args.seed, inference=not args.no_inference, profile_memory=not args.no_memory_profile,
+            model_options=mopts,
             cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder,
             pack=args.pack_parameters, runners=runners,
         )

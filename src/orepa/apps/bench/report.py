@@ -77,7 +77,17 @@ def format_table(result: dict) -> str:
             "diverged" if r.get("diverged") else "n/a" if r.get("deploy_err") is None else f"{r['deploy_err']:.1e}",
         ]
         lines.append("| " + " | ".join(row) + " |")
+    config = result.get("config")  # (a table of results alone, without a run's config: no note)
+    if config is not None and "peak_start" not in config and any(r.get("peak_bytes") is not None
+                                                                 for r in res.values()):
+        lines += ["", OLD_PEAK_START]
     return "\n".join(lines)
+
+
+#: the table's line under a result written before its config said ``peak_start`` (the peak step now
+#: starts without the last step's gradients: :func:`orepa.apps.bench.measure.measure_variant_costs`)
+OLD_PEAK_START = ("note: peak MiB measured with the older start (it held the last step's gradients; this result "
+                  "records no peak_start): not comparable with the peaks of newer results")
 
 
 def format_header(result: dict) -> str:
@@ -96,7 +106,9 @@ def format_header(result: dict) -> str:
         graphs += f", packed parameters ({', '.join(packed)})"
     if "compiled" in {builder, *(r.get("kernel_builder") for r in result["results"].values())}:
         graphs += " (the compiled builder's fused kernels are not aten operators: not in the operator counts)"
-    return (f"{c['model']}, batch {c['batch_size']}, {c['image_size']}x{c['image_size']}, {dev}, "
+    chans = c.get("in_chans", 3)  # (said where not RGB's: --model-option in_chans=N)
+    size = f"{c['image_size']}x{c['image_size']}" + (f", {chans} input channel(s)" if chans != 3 else "")
+    return (f"{c['model']}, batch {c['batch_size']}, {size}, {dev}, "
             f"{e['threads']} threads, torch {e['torch']}, median of {c['reps']} interleaved steps "
             f"after {c['warmup']} warm-up{graphs}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
 

@@ -159,7 +159,8 @@ def build_variant(model: ModelSpec, spec: str, num_classes: int = 1000, in_chans
                                    | ({"preset"} if ladder_rung(name) is not None else set())))
     if taken:
         where = {k: "--model-option" if k in mopts else "--num-classes" if k == "num_classes" else
-                 "the image channels" if k == "in_chans" else f"the rung {name!r}" for k in taken}
+                 "the image channels (--model-option in_chans=N)" if k == "in_chans" else f"the rung {name!r}"
+                 for k in taken}
         raise ValueError("; ".join(f"{k} is set by {where[k]}, not in the variant" for k in taken))
     rung = ladder_rung(name)
     if rung is not None:
