@@ -158,6 +158,56 @@ def test_an_online_block_takes_any_padding_and_trains_and_deploys_exactly(k, s, 
         tol_close(deployed(x), model(x), rel=1e-12)
 
 
+@pytest.mark.parametrize("padding_mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("k,s,p,d,g", [(3, 1, 1, 1, 1), (3, 2, 1, 1, 2), (5, 1, 2, 1, 1), (3, 1, 2, 2, 8),
+                                       ((1, 3), 1, (0, 1), 1, 1), (3, 1, (1, 0), 1, 1), (1, 1, 0, 1, 1)])
+@pytest.mark.parametrize("builder", ["auto", "grouped"])
+def test_an_online_block_pads_by_its_convs_padding_mode_and_deploys_to_it(padding_mode, k, s, p, d, g, builder):
+    """A conv padded by reflection, replication or wrapping (image restoration and generator nets):
+    the online block pads its input so, then convolves with its squeezed kernel (a conv is linear in
+    its kernel whatever fills the border); float64, every route, against plain autograd through its
+    kernel; deployed to an nn.Conv2d of that padding mode."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, k, s, p, d, groups=g, padding_mode=padding_mode).double()
+    model, report = orepa.convert(nn.Sequential(conv, nn.BatchNorm2d(8)).double(), return_report=True)
+    assert report.converted == ["0"]
+    orepa.engine.group_kernels(model, builder)
+    block = model[0]
+    assert block.padding == conv.padding and block.padding_mode == padding_mode
+    x = torch.randn(3, 8, 11, 12, dtype=torch.double, requires_grad=True)
+    ph, pw = conv.padding
+    y = _trains_as_its_kernel(model, x, lambda w, b: F.conv2d(F.pad(x, (pw, pw, ph, ph), mode=padding_mode), w, b,
+                                                             block.stride, 0, block.dilation, block.groups))
+    assert y.shape == conv(x).shape
+    model.eval()
+    with torch.no_grad():
+        deployed = orepa.reparameterize(model)
+        assert type(deployed[0]) is nn.Conv2d and deployed[0].padding_mode == padding_mode
+        assert deployed[0].padding == conv.padding
+        tol_close(deployed(x), model(x), rel=1e-12)
+        conv.load_state_dict(deployed[0].state_dict())  # the vanilla conv computes it
+        tol_close(model[1](conv(x)), model(x), rel=1e-12)
+    assert f"padding_mode={padding_mode}" in repr(block)
+
+
+def test_only_online_blocks_take_a_padding_mode():
+    """Branches run on the feature map pad by zeros (DBB, RepVGG, the offline prototype): another
+    mode is refused, naming the blocks that take it; an unknown mode is named as such."""
+    for make in (lambda: OREPAConv2d(8, 8, 3, padding_mode="reflect", mode="offline"),
+                 lambda: orepa.check_conv_config(8, 8, 3, padding_mode="circular")):
+        with pytest.raises(ValueError, match=r"unsupported padding_mode '(reflect|circular)': branches run on the "
+                                             r"feature map pad by zeros; online OREPA blocks \(method 'orepa'\)"):
+            make()
+    with pytest.raises(ValueError, match=r"unknown padding_mode 'mirror'; nn.Conv2d's are zeros, reflect"):
+        OREPAConv2d(8, 8, 3, padding_mode="mirror")
+    with pytest.raises(ValueError, match="tf_same=True .* padding_mode='reflect'"):
+        OREPAConv2d(8, 8, 3, 2, tf_same=True, padding_mode="reflect")
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(8))
+    for method in ("dbb", "repvgg", "orepa-offline", "orepa-vgg"):
+        with pytest.raises(ValueError, match="unsupported padding_mode 'reflect'"):
+            orepa.convert(model, method)
+
+
 def test_blocks_with_feature_map_branches_need_same_padding():
     for make in (lambda: DBBConv2d(8, 8, 3, padding=0), lambda: RepVGGBlock(8, 8, 3, padding=0),
                  lambda: OREPAConv2d(8, 8, 3, padding=0, mode="offline")):
@@ -318,6 +368,7 @@ def test_more_bad_configurations():
         OREPAConv2d(4, 8, 3)(torch.randn(1, 3, 5, 5))
     with pytest.raises(ValueError, match="padding_mode"):
         orepa.check_conv_config(4, 8, 3, padding_mode="reflect")
+    assert orepa.check_conv_config(4, 8, 3, padding_mode="reflect", any_padding=True)[2] == (1, 1)
 
 
 @pytest.mark.parametrize(

@@ -93,6 +93,8 @@ TORCH_INIT_A = math.sqrt(5)
 #: ``"torch"`` - nn.Conv2d's default ``a=sqrt(5)`` everywhere, Rep-1x1's identity on its first factor
 #: (spread when it narrows). A number ``a`` is the reference scheme with that slope.
 INIT_SCHEMES = ("reference", "torch")
+#: nn.Conv2d's padding modes; online blocks take each (a conv is linear in its kernel whatever fills the border)
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 # Largest N*H*W for which a 1x1 step on the feature map runs as one matrix product.
 _GEMM_1X1_MAX_PIXELS = 2048
 
@@ -117,10 +119,10 @@ def check_conv_config(
     axes, ``groups`` dividing both channel counts and "same" padding
     ``(kh // 2 * dilation, kw // 2 * dilation)`` (``None`` picks it, and ``"same"`` at stride 1:
     as in nn.Conv2d, a strided ``"same"`` is refused).
-    ``any_padding``: any non-negative padding (``"valid"``: 0), for online
+    ``any_padding``: any non-negative padding (``"valid"``: 0) and any ``padding_mode``, for online
     blocks: they convolve with their squeezed kernel only, so their branches
-    need no common centre on the feature map. Anything else raises a ValueError
-    naming the problem.
+    need no common centre on the feature map, and the border's fill is the conv's
+    input, not part of its kernel. Anything else raises a ValueError naming the problem.
     """
     for n, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -160,8 +162,12 @@ def check_conv_config(
                 f"only 'same' padding {same[0] if same[0] == same[1] else same} keeps branch centres aligned "
                 f"({same_padding_because})"
             )
-    if padding_mode != "zeros":
-        raise ValueError(f"unsupported padding_mode {padding_mode!r}: only 'zeros' is linear in the kernel")
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"unknown padding_mode {padding_mode!r}; nn.Conv2d's are {', '.join(PADDING_MODES)}")
+    if padding_mode != "zeros" and not any_padding:
+        raise ValueError(f"unsupported padding_mode {padding_mode!r}: branches run on the feature map pad by zeros; "
+                         "online OREPA blocks (method 'orepa') take it: they pad the input once by that mode, then "
+                         "convolve with their squeezed kernel")
     if in_channels % groups or out_channels % groups:
         raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
     return (kh, kw), sh, pad, dh
@@ -200,12 +206,13 @@ def _no_padding(padding) -> bool:
         return False
 
 
-def _check_mode(mode: str, tf_same: bool, padding) -> None:
+def _check_mode(mode: str, tf_same: bool, padding, padding_mode: str = "zeros") -> None:
     if mode not in ("online", "offline"):
         raise ValueError(f"mode must be 'online' or 'offline', got {mode!r}")
-    if tf_same and (mode != "online" or not _no_padding(padding)):
+    if tf_same and (mode != "online" or not _no_padding(padding) or padding_mode != "zeros"):
         raise ValueError("tf_same=True (TensorFlow's 'same' padding, uneven where the stride needs it) is for "
-                         f"online blocks that pad nothing else; got mode={mode!r}, padding={padding!r}")
+                         f"online blocks that pad nothing else; got mode={mode!r}, padding={padding!r}, "
+                         f"padding_mode={padding_mode!r}")
 
 
 def _channels_last(t: Tensor) -> bool:
@@ -710,6 +717,9 @@ class ReparamConv2d(nn.Module):
     drops in where a conv stood. ``mode`` is fixed at construction (no global switch).
     """
 
+    #: (a block pickled before it had a padding mode pads by zeros)
+    padding_mode: str = "zeros"
+
     def __init__(
         self,
         in_channels: int,
@@ -725,17 +735,20 @@ class ReparamConv2d(nn.Module):
         mode: str = "online",
         recompute: bool | str = "auto",
         tf_same: bool = False,
+        padding_mode: str = "zeros",
     ):
         super().__init__()
-        _check_mode(mode, tf_same, padding)
+        _check_mode(mode, tf_same, padding, padding_mode)
         if recompute not in ("auto", True, False):
             raise ValueError(f"recompute must be 'auto', True or False, got {recompute!r}")
         self.recompute = recompute
         k, s, p, d = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding,
-                                       dilation, groups, any_padding=mode == "online")
-        # "same" padding: the branches could also run on the feature map (the offline path, and the
-        # engine's per-branch route); any other (online only) convolves with the squeezed kernel alone
-        self._aligned = p == (k[0] // 2 * d, k[1] // 2 * d)
+                                       dilation, groups, padding_mode, any_padding=mode == "online")
+        # "same" padding by zeros: the branches could also run on the feature map (the offline path, and
+        # the engine's per-branch route); any other (online only) convolves with the squeezed kernel alone
+        self._aligned = p == (k[0] // 2 * d, k[1] // 2 * d) and padding_mode == "zeros"
+        # another mode pads the input by it first, then the conv pads nothing (as nn.Conv2d does)
+        self.padding_mode = padding_mode
         if not branches:
             raise ValueError("a re-param block needs at least one branch")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
@@ -775,6 +788,12 @@ class ReparamConv2d(nn.Module):
     @staticmethod
     def _last_kernel_index(br: Branch) -> int:
         return br._last_kernel
+
+    @property
+    def conv_padding(self) -> tuple[int, int]:
+        """The padding the convolution itself applies: ``padding``, or none where the input is padded
+        by another ``padding_mode`` first (:meth:`_forward`)."""
+        return self.padding if self.padding_mode == "zeros" else (0, 0)
 
     @property
     def has_norm(self) -> bool:
@@ -864,13 +883,16 @@ class ReparamConv2d(nn.Module):
             )
         if self.tf_same:
             x = pad_tf_same(x, self.kernel_size, self.stride, self.dilation)
+        elif self.padding_mode != "zeros" and self.padding != (0, 0):
+            (ph, pw) = self.padding
+            x = F.pad(x, (pw, pw, ph, ph), mode=self.padding_mode)
         if self.mode == "online":
             if torch.jit.is_tracing():  # its kernel comes from autograd Functions and caches a trace cannot record
                 raise RuntimeError(f"torch.jit.trace of an online {type(self).__name__}: trace the deployed model, "
                                    "orepa.reparameterize(model), which computes the same function as plain convs")
             if self._closed_form and torch.is_grad_enabled() and not E.reference_path():
                 return E.train_forward(self, x)  # the engine picks the route
-            return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.padding, self.dilation, self.groups)
+            return F.conv2d(x, self._squeezed(), self.bias, self.stride, self.conv_padding, self.dilation, self.groups)
         out = None
         padded: dict[tuple, Tensor] = {}  # branches with the same receptive field share one padded input
         for br in self.branches.values():
@@ -885,9 +907,10 @@ class ReparamConv2d(nn.Module):
         """A plain ``nn.Conv2d`` computing this block in eval mode."""
         w, b = self.equivalent()
         cls = self.deploy_class or (Conv2dTFSame if self.tf_same else nn.Conv2d)
+        mode = {} if self.padding_mode == "zeros" else {"padding_mode": self.padding_mode}
         with torch.device(w.device):  # made where it goes (a class of another library takes no device=)
             conv = cls(self.in_channels, self.out_channels, self.kernel_size, self.stride, self.padding,
-                       self.dilation, self.groups, bias=b is not None).to(dtype=w.dtype)
+                       self.dilation, self.groups, bias=b is not None, **mode).to(dtype=w.dtype)
         conv.weight.copy_(w)
         if b is not None:
             conv.bias.copy_(b)
@@ -978,7 +1001,7 @@ class ReparamConv2d(nn.Module):
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={'tf_same' if self.tf_same else self.padding}, dilation={self.dilation}, groups={self.groups}, "
-            f"mode={self.mode}"
+            + ("" if self.padding_mode == "zeros" else f"padding_mode={self.padding_mode}, ") + f"mode={self.mode}"
         )
 
 
@@ -1236,6 +1259,9 @@ class OREPAConv2d(ReparamConv2d):
             unevenly where the stride needs it; timm's ``Conv2dSame`` in its ``tf_*`` networks)
             instead of by ``padding``; online mode only (branches on the feature map need a
             common centre). Deploys to :class:`Conv2dTFSame`.
+        padding_mode: as nn.Conv2d's (``"reflect"``, ``"replicate"``, ``"circular"``: the input padded
+            so, then convolved with the squeezed kernel); online mode only (branches on the feature map
+            pad by zeros).
     """
 
     def __init__(
@@ -1260,10 +1286,11 @@ class OREPAConv2d(ReparamConv2d):
         init: str | float = "reference",
         recompute: bool | str = "auto",
         tf_same: bool = False,
+        padding_mode: str = "zeros",
     ):
-        _check_mode(mode, tf_same, padding)
+        _check_mode(mode, tf_same, padding, padding_mode)
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding, dilation,
-                              groups, any_padding=mode == "online")[0]
+                              groups, padding_mode, any_padding=mode == "online")[0]
         init_a, reference_init = _resolve_init(init, k)
         if internal_channels is None and k != (1, 1):
             internal_channels = in_channels if groups <= 4 else 2 * in_channels
@@ -1288,7 +1315,7 @@ class OREPAConv2d(ReparamConv2d):
             reference_init=reference_init,
         )
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches=built, mode=mode, recompute=recompute, tf_same=tf_same)
+                         branches=built, mode=mode, recompute=recompute, tf_same=tf_same, padding_mode=padding_mode)
 
 
 def _resolve_init(init: str | float, k: tuple[int, int]) -> tuple[float, bool]:

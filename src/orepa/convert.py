@@ -127,6 +127,8 @@ def _orepa(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
         opts = {k: v for k, v in opts.items() if k not in ("branches", "dw_expand")}
     if _tf_same(conv):
         opts["tf_same"] = True
+    elif conv.padding_mode != "zeros":  # (online blocks only: check_conv_config refuses it offline)
+        opts["padding_mode"] = conv.padding_mode
     return OREPAConv2d(**_conv_args(conv), **opts)
 
 

@@ -1103,7 +1103,7 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             y = F.conv2d(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype),
-                         block.stride, block.padding, block.dilation, block.groups)
+                         block.stride, block.conv_padding, block.dilation, block.groups)
         ctx.block, ctx.names, ctx.conv_dtype, ctx.has_bias = block, names, dtype, bias is not None
         # x itself is kept, not its autocast copy: the layer before usually keeps x anyway, so
         # this adds no memory (and torch.compile cannot save an alias of an input made here)
@@ -1121,7 +1121,7 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         w = plan.squeeze(stacked)
         gx, gw, gb = torch.ops.aten.convolution_backward(
             grad_y.to(dtype), x.to(dtype), w.to(dtype), [block.out_channels] if ctx.has_bias else None,
-            list(block.stride), list(block.padding), list(block.dilation), False, [0, 0], block.groups,
+            list(block.stride), list(block.conv_padding), list(block.dilation), False, [0, 0], block.groups,
             [ctx.needs_input_grad[0], True, ctx.has_bias],
         )
         grads = plan.vjp(gw.to(w.dtype), stacked)
@@ -1196,7 +1196,7 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
     group = _grouped(block, x)
     if group is not None:
         # the kernel space on a GPU: launches, not FLOPs, decide
-        return F.conv2d(x, group.kernel_of(block), block.bias, block.stride, block.padding, block.dilation,
+        return F.conv2d(x, group.kernel_of(block), block.bias, block.stride, block.conv_padding, block.dilation,
                         block.groups)
     recompute = needs_recompute(block, x)
     squeezed, on_features = route(block, x, recompute)
@@ -1207,7 +1207,7 @@ def train_forward(block: nn.Module, x: Tensor) -> Tensor:
             y = RecomputedSqueezeConv.apply(x, block, tuple(squeezed), block.bias, *plan.params())
         else:
             (w,) = squeeze_kernels(plan, None, *plan.params())
-            y = F.conv2d(x, w, block.bias, block.stride, block.padding, block.dilation, block.groups)
+            y = F.conv2d(x, w, block.bias, block.stride, block.conv_padding, block.dilation, block.groups)
     for name in on_features:
         z = block.branches[name].run(x, block.stride[0], block.dilation[0])
         y = z if y is None else y + z
