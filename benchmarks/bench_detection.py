@@ -31,6 +31,7 @@ import ast
 import json
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -38,6 +39,7 @@ import torch
 import orepa
 from orepa.apps import detection as D
 from orepa.apps.bench import tally_saved
+from orepa.apps.common import UserError, parse_device
 
 
 def shapes_batch(n: int, size: int, seed: int = 0):
@@ -97,11 +99,11 @@ def main(argv=None) -> int:
                    help="SGD lr (the paper: 0.02 with pretrained weights; random weights diverge there; "
                         "the cost of a step does not depend on it)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared machine)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = parse_device(args.device)  # (a device this machine lacks: one line, not a driver's traceback)
     imgs, targets = shapes_batch(args.batch_size, args.size)
     imgs = [i.to(device) for i in imgs]
     targets = [{k: v.to(device) for k, v in t.items()} for t in targets]
@@ -185,4 +187,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except UserError as exc:  # a bad flag: one line
+        sys.exit(f"bench_detection.py: {exc}")

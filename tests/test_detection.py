@@ -665,3 +665,22 @@ def test_frozen_batchnorm_pairs_become_orepa_blocks_that_start_as_their_conv_and
     assert report.frozen_norm == ["layer2.0.downsample.0", "layer3.0.downsample.0", "layer4.0.downsample.0"]
     with torch.no_grad():
         torch.testing.assert_close(frozen.eval()(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_the_detection_benchmark_says_a_missing_device_in_one_line(monkeypatch):
+    """benchmarks/bench_detection.py --device cuda where there is none: the commands' one-line
+    error (it was the driver's traceback from the first tensor moved there)."""
+    import importlib.util
+    from pathlib import Path
+
+    from orepa.apps.common import UserError
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_detection.py"
+    spec = importlib.util.spec_from_file_location("bench_detection", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda requested but CUDA is not available"):
+        mod.main(["--device", "cuda"])
+    with pytest.raises(UserError, match="--device 'gpu': expected cpu, cuda or cuda:N"):
+        mod.main(["--device", "gpu"])
