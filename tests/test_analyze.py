@@ -324,15 +324,27 @@ def test_use_ema_analyses_the_checkpoints_ema_weights_and_says_so(tmp_path, caps
     (out / "analysis.json").write_text(json.dumps(held))
     assert main(cmd) == 0
     # the errors of the other commands' --use-ema, from the same loader
-    torch.save({k: v for k, v in torch.load(path, weights_only=True).items() if k != "model_ema"},
-               tmp_path / "no_ema.pth")
+    held = torch.load(path, weights_only=True)
+    torch.save({k: v for k, v in held.items() if k != "model_ema"}, tmp_path / "no_ema.pth")
+    torch.save({**held, "model_ema": None}, tmp_path / "none_ema.pth")  # (it was a TypeError)
     for argv, message in (
             ([str(tmp_path / "no_ema.pth")], "no_ema.pth has no EMA weights (train with --model-ema)"),
+            ([str(tmp_path / "none_ema.pth")], "none_ema.pth has no EMA weights (train with --model-ema)"),
             (["resnet18", "--width-mult", "0.0625"], "--use-ema needs a checkpoint with EMA weights")):
         assert main(["analyze", *argv, "--use-ema", "--output-dir", str(tmp_path / "x")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "x").exists()
+    # non-finite EMA weights (the model's finite): every command says it was the EMA's
+    nan_ema = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in held["model_ema"].items()}
+    torch.save({**held, "model_ema": nan_ema}, tmp_path / "nan_ema.pth")
+    nan_path = tmp_path / "nan_ema.pth"
+    for argv in (["analyze", str(nan_path), "--output-dir", str(tmp_path / "x")],
+                 ["export", str(nan_path), "-o", str(tmp_path / "m.onnx"), "--input-size", "32"],
+                 ["reparam", str(nan_path), "-o", str(tmp_path / "d.pth"), "--no-verify"]):
+        assert main([*argv, "--use-ema"]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{nan_path} (its EMA weights) holds non-finite values" in err, (argv, err)
 
 
 @pytest.mark.parametrize("small_input", [True, False])

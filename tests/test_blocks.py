@@ -190,6 +190,26 @@ def test_an_online_block_pads_by_its_convs_padding_mode_and_deploys_to_it(paddin
     assert f"padding_mode={padding_mode}" in repr(block)
 
 
+def test_a_deep_stem_takes_a_padding_mode_online_and_orepa_vgg_refuses_it():
+    """The composite blocks pad by their own mode, not their inner steps' (nested steps pad nothing):
+    they took padding_mode into their steps and padded by zeros (2.04 off OREPA-VGG's reflect
+    conv, ~10 off the deep stem's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OREPADeepStem(3, 8, 7, 2, padding_mode="reflect"), nn.BatchNorm2d(8)).double()
+    block = model[0]
+    assert block.padding_mode == "reflect"
+    x = torch.randn(2, 3, 13, 13, dtype=torch.double, requires_grad=True)
+    _trains_as_its_kernel(model, x, lambda w, b: F.conv2d(F.pad(x, (3, 3, 3, 3), mode="reflect"), w, b, 2))
+    with torch.no_grad():
+        deployed = orepa.reparameterize(model.eval())
+        assert deployed[0].padding_mode == "reflect"
+        tol_close(deployed(x), model(x), rel=1e-12)
+    for make in (lambda: OREPADeepStem(3, 8, 7, 2, padding_mode="reflect", mode="offline"),
+                 lambda: orepa.OREPAVGGBlock(8, 8, 3, padding_mode="reflect")):
+        with pytest.raises(ValueError, match="unsupported padding_mode 'reflect': branches run on the feature map"):
+            make()
+
+
 def test_only_online_blocks_take_a_padding_mode():
     """Branches run on the feature map pad by zeros (DBB, RepVGG, the offline prototype): another
     mode is refused, naming the blocks that take it; an unknown mode is named as such."""

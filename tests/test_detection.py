@@ -122,6 +122,25 @@ def test_dilated_features_and_deploy(name, method):
             tol_close(v, out[k])
 
 
+@pytest.mark.parametrize("padding_mode", ["reflect", "circular"])
+def test_new_geometry_of_a_conv_padded_by_another_mode_is_that_of_a_conv_built_so(padding_mode):
+    """An nn.Conv2d of another padding mode pads by a tuple it computes once, when built: dilated,
+    it kept padding by the old one (10x10 out of 12x12), while an OREPA block of that mode, dilated
+    alike, padded as its deployed conv does: the plain trunk and the converted one disagreed."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, (3, 5), padding=(1, 2), padding_mode=padding_mode).double()
+    fresh = nn.Conv2d(3, 4, (3, 5), padding=(2, 4), dilation=2, padding_mode=padding_mode).double()
+    fresh.load_state_dict(conv.state_dict())
+    block = orepa.convert(nn.Sequential(conv, nn.BatchNorm2d(4)).double(), "orepa")[0].eval()
+    D._set_geometry(conv, dilation=2)
+    D._set_geometry(block, dilation=2)
+    x = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    with torch.no_grad():
+        tol_close(conv(x), fresh(x), rel=1e-12)
+        tol_close(orepa.reparameterize(block)(x), block(x), rel=1e-12)
+        assert block(x).shape == conv(x).shape == (2, 4, 12, 12)
+
+
 def test_new_geometry_keeps_each_conv_padded_as_it_pads():
     """Dilating or un-striding a conv keeps its "same" padding per axis (a 1x3 pads its width
     only); one that pads by TensorFlow's rule (a tf_same block, timm's Conv2dSame) keeps padding 0

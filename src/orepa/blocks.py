@@ -1384,6 +1384,8 @@ class OREPAVGGBlock(ReparamConv2d):
             raise ValueError("OREPA-VGG needs kernel_size >= 3")
         if orepa_options.get("internal_channels") is None:  # None: OREPA-VGG's default, not OREPAConv2d's
             orepa_options["internal_channels"] = in_channels if groups < out_channels else 2 * in_channels
+        # the block's padding mode, not its inner block's (a nested step pads nothing): refused below, offline
+        padding_mode = orepa_options.pop("padding_mode", "zeros")
         inner = OREPAConv2d(in_channels, out_channels, k, 1, None, d, groups,
                             init=1.0 if init == "reference" else init, **orepa_options)
         if inner.mode != "online" or inner.has_norm:
@@ -1392,7 +1394,7 @@ class OREPAVGGBlock(ReparamConv2d):
         names = ["1x1"] + (["identity"] if in_channels == out_channels and s == 1 else [])
         built.update(build_branches(names, in_channels, out_channels, k, groups, norm=True))
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches=built, mode="offline")
+                         branches=built, mode="offline", padding_mode=padding_mode)
 
 
 class OREPADeepStem(ReparamConv2d):
@@ -1420,9 +1422,11 @@ class OREPADeepStem(ReparamConv2d):
         mid = out_channels if mid_channels is None else mid_channels
         n = (k - 1) // 2
         chans = [in_channels] + [mid] * (n - 1) + [out_channels]
+        # the stem's padding mode, not its steps' (nested steps pad nothing): online only, as any block's
+        padding_mode = orepa_options.pop("padding_mode", "zeros")
         steps = {f"layer{i}": OREPAConv2d(chans[i], chans[i + 1], 3, **orepa_options) for i in range(n)}
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches={"stem": Branch(steps)}, mode=mode)
+                         branches={"stem": Branch(steps)}, mode=mode, padding_mode=padding_mode)
 
 
 # --------------------------------------------------------------------------- absorbed BN placeholder

@@ -237,18 +237,16 @@ def _traced(model: nn.Module) -> torch.fx.Graph:
     and deployment. The hooks run (one that changes a module's input or output is part of the
     function; a caller's function that records outputs in its own list still records placeholders
     there). A model whose copy cannot be made or traced (one that looks itself up by ``id``) is
-    traced itself; not where the copy's forward branched on a placeholder (``TraceError``): that
-    code is the model's too, and a second trace would fail alike (each untraceable module of
-    :func:`_pairs_structural`'s walk would be traced twice)."""
+    traced itself, whatever the copy's error (a forward that branches on a placeholder only where
+    it does not find itself in such a registry fails on the copy alone), so an untraceable model
+    is traced twice."""
     try:
         twin = _deepcopy(model, {id(t): t for t in _held_tensors(model)})
     except Exception:  # noqa: BLE001 - weight_norm's computed weight refuses copies, as may other code
         return _LeafTracer().trace(model)
     try:
         return _LeafTracer().trace(twin)
-    except torch.fx.proxy.TraceError:  # control flow on a placeholder: the model's own code, as untraceable
-        raise
-    except Exception:  # noqa: BLE001 - e.g. a registry keyed by id(module): the model itself may trace
+    except Exception:  # noqa: BLE001 - e.g. a registry keyed by id(module), which control flow may read too
         return _LeafTracer().trace(model)
 
 
@@ -859,7 +857,8 @@ def convert(
         options: passed to the block (e.g. ``branches``, ``scaling``, ``scale_init``, ``rep_1x1``).
     Convs without a following BatchNorm2d are left alone (unless ``without_bn``): re-param
     blocks need a norm after them (OREPA uses it as the post-addition norm). So are convs a
-    block cannot replace (even kernels, ``padding_mode`` other than zeros, ...,
+    block cannot replace (even kernels; for the blocks that run branches on the feature map, a
+    padding other than "same" or a ``padding_mode`` other than zeros; ...,
     and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d; timm's
     ``Conv2dSame`` is the exception, an online OREPA block with ``tf_same=True``),
     convs and BNs that carry hooks (``torch.nn.utils.weight_norm`` / ``spectral_norm``, a caller's:

@@ -778,14 +778,20 @@ def _check_metadata(path: Path, ckpt: dict) -> None:
                         "of the epoch trained so far)")
 
 
-def check_finite(model: nn.Module, path, use: str, *, optimizer=None, ema=None) -> None:
+#: what a command says after a checkpoint's name where it took the checkpoint's EMA weights (--use-ema)
+EMA_NOTE = " (its EMA weights)"
+
+
+def check_finite(model: nn.Module, path, use: str, *, optimizer=None, ema=None, use_ema: bool = False) -> None:
     """A :class:`UserError` where the weights loaded from checkpoint ``path`` into ``model`` hold
     NaN/inf (orepa writes none: such a file is damaged, or another tool's diverged run); ``use``:
-    what this command would have made of them."""
+    what this command would have made of them; ``use_ema``: ``model`` holds the checkpoint's EMA
+    weights (--use-ema), said so."""
     bad = first_nonfinite(model, optimizer, ema)
     if bad:
-        raise UserError(f"{path} holds non-finite values (NaN/inf), first in {bad}: {use}; give a checkpoint "
-                        "from before the run diverged (`orepa eval` still reports what it computes)")
+        raise UserError(f"{path}{EMA_NOTE if use_ema else ''} holds non-finite values (NaN/inf), first in {bad}: "
+                        f"{use}; give a checkpoint from before the run diverged (`orepa eval` still reports what "
+                        "it computes)")
 
 
 def with_bn_counts(model: nn.Module, sd: dict) -> dict:
@@ -914,16 +920,12 @@ def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str
     raise UserError(f"checkpoint {path} does not fit the model built, {built}{origin}: {problem}")
 
 
-#: what a command says after a checkpoint's name where it took the checkpoint's EMA weights (--use-ema)
-EMA_NOTE = " (its EMA weights)"
-
-
 def checkpoint_weights(ckpt: dict, path, use_ema: bool = False) -> dict:
     """The state_dict a command loads from checkpoint ``ckpt`` (read from ``path``): its model's, or
     with ``use_ema`` (--use-ema) its EMA's; an EMA it does not hold is a :class:`UserError` saying why."""
     if not use_ema:
         return ckpt["model"]
-    if "model_ema" not in ckpt:
+    if ckpt.get("model_ema") is None:  # (absent, or saved as None by a run without one)
         if ckpt.get("ema"):
             raise UserError(f"{path} holds EMA weights as its model (deployed by orepa reparam --use-ema): "
                             "leave out --use-ema")

@@ -158,6 +158,8 @@ def _set_geometry(conv: nn.Module, stride: int | None = None, dilation: int | No
         conv.dilation = (dilation, dilation)
     if not pads_tf_same(conv):
         conv.padding = tuple(k // 2 * d for k, d in zip(conv.kernel_size, conv.dilation))
+        if hasattr(conv, "_reversed_padding_repeated_twice"):  # what an nn.Conv2d of another padding_mode pads by
+            conv._reversed_padding_repeated_twice = tuple(p for p in reversed(conv.padding) for _ in range(2))
 
 
 def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]) -> nn.Module:

@@ -433,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
                             "with, --small-input (orepa train's default on Fashion-MNIST) or --no-small-input")
         cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
-        ckpt_io.check_finite(model, path, "an exported model would compute nothing useful")
+        ckpt_io.check_finite(model, path, "an exported model would compute nothing useful", use_ema=args.use_ema)
         print(f"loaded {path}{ckpt_io.EMA_NOTE if args.use_ema else ''} as the {FORM_NAMES[form]} of "
               f"{describe_cfg(cfg)}")
     else:

@@ -133,7 +133,7 @@ def reparam(args: argparse.Namespace) -> dict:
         model, cfg, form = checkpoint_model(args, ckpt, data)
     if form != "train":
         raise UserError(f"{args.checkpoint} holds deployed weights ({form}); nothing to reparameterize")
-    check_finite(model, args.checkpoint, "its deployed form would compute nothing useful")
+    check_finite(model, args.checkpoint, "its deployed form would compute nothing useful", use_ema=args.use_ema)
     form_out = "deploy-fused" if args.fuse_bn else "deploy"
     model.to(device).eval()
     deployed = deploy(model, form_out).to(device).eval()
