@@ -190,10 +190,9 @@ def test_an_online_block_pads_by_its_convs_padding_mode_and_deploys_to_it(paddin
     assert f"padding_mode={padding_mode}" in repr(block)
 
 
-def test_a_deep_stem_takes_a_padding_mode_online_and_orepa_vgg_refuses_it():
+def test_a_deep_stem_pads_by_its_own_padding_mode_online():
     """The composite blocks pad by their own mode, not their inner steps' (nested steps pad nothing):
-    they took padding_mode into their steps and padded by zeros (2.04 off OREPA-VGG's reflect
-    conv, ~10 off the deep stem's)."""
+    they took padding_mode into their steps and padded by zeros (~10 off the deep stem's reflect conv)."""
     torch.manual_seed(0)
     model = nn.Sequential(OREPADeepStem(3, 8, 7, 2, padding_mode="reflect"), nn.BatchNorm2d(8)).double()
     block = model[0]
@@ -204,28 +203,56 @@ def test_a_deep_stem_takes_a_padding_mode_online_and_orepa_vgg_refuses_it():
         deployed = orepa.reparameterize(model.eval())
         assert deployed[0].padding_mode == "reflect"
         tol_close(deployed(x), model(x), rel=1e-12)
-    for make in (lambda: OREPADeepStem(3, 8, 7, 2, padding_mode="reflect", mode="offline"),
-                 lambda: orepa.OREPAVGGBlock(8, 8, 3, padding_mode="reflect")):
-        with pytest.raises(ValueError, match="unsupported padding_mode 'reflect': branches run on the feature map"):
-            make()
 
 
-def test_only_online_blocks_take_a_padding_mode():
-    """Branches run on the feature map pad by zeros (DBB, RepVGG, the offline prototype): another
-    mode is refused, naming the blocks that take it; an unknown mode is named as such."""
-    for make in (lambda: OREPAConv2d(8, 8, 3, padding_mode="reflect", mode="offline"),
-                 lambda: orepa.check_conv_config(8, 8, 3, padding_mode="circular")):
-        with pytest.raises(ValueError, match=r"unsupported padding_mode '(reflect|circular)': branches run on the "
-                                             r"feature map pad by zeros; online OREPA blocks \(method 'orepa'\)"):
-            make()
+@pytest.mark.parametrize("padding_mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("make", [
+    lambda m: DBBConv2d(8, 8, 3, padding_mode=m), lambda m: DBBConv2d(8, 16, 3, 2, groups=2, padding_mode=m),
+    lambda m: DBBConv2d(8, 8, 5, groups=8, padding_mode=m), lambda m: RepVGGBlock(8, 8, 3, padding_mode=m),
+    lambda m: RepVGGBlock(8, 16, 3, 2, padding_mode=m), lambda m: orepa.OREPAVGGBlock(8, 8, 3, padding_mode=m),
+    lambda m: OREPAConv2d(8, 8, 3, dilation=2, mode="offline", branch_norm=True, inner_norm=True, padding_mode=m),
+    lambda m: OREPADeepStem(8, 8, 7, 2, mode="offline", padding_mode=m)],
+    ids=["dbb", "dbb-s2-g2", "dbb-dw5", "repvgg", "repvgg-s2", "orepa-vgg", "offline-d2", "deep-stem-offline"])
+def test_a_block_of_feature_map_branches_pads_each_by_its_padding_mode(make, padding_mode):
+    """Offline blocks (DBB, RepVGG, OREPA-VGG, the prototype) pad each branch by the mode before its
+    first spatial step: its pointwise steps before that run on the map alone (a padding of copies of
+    the map's pixels commutes with them; a BN there gathers the map's statistics, as with zeros),
+    and in eval the block is one conv of that mode; float64, after training steps."""
+    torch.manual_seed(0)
+    block = make(padding_mode).double()
+    torch.manual_seed(0)
+    zeros = make("zeros").double()
+    x = torch.randn(4, block.in_channels, 11, 11, dtype=torch.double)
+    for _ in range(2):
+        block.train()(x)
+        zeros.train()(x)
+    inner = [n for n, m in block.named_modules() if isinstance(m, nn.BatchNorm2d) and n.endswith(".bn0")
+             and ".dw_pw." not in n]  # (dw -> pw's bn0 follows its spatial step)
+    for name in inner:
+        tol_close(block.get_submodule(name).running_mean, zeros.get_submodule(name).running_mean, rel=1e-12)
+    block.eval()
+    w, b = block.equivalent()
+    with torch.no_grad():
+        y = block(x)
+        (ph, pw) = block.padding
+        tol_close(F.conv2d(F.pad(x, (pw, pw, ph, ph), mode=padding_mode), w, b, block.stride, 0, block.dilation,
+                           block.groups), y, rel=1e-12)
+        deployed = orepa.reparameterize(block)
+        assert type(deployed) is nn.Conv2d and deployed.padding_mode == padding_mode
+        tol_close(deployed(x), y, rel=1e-12)
+
+
+def test_a_padding_mode_is_one_of_nn_conv2ds_and_every_method_takes_it():
     with pytest.raises(ValueError, match=r"unknown padding_mode 'mirror'; nn.Conv2d's are zeros, reflect"):
         OREPAConv2d(8, 8, 3, padding_mode="mirror")
+    with pytest.raises(ValueError, match=r"unknown padding_mode 'mirror'"):
+        DBBConv2d(8, 8, 3, padding_mode="mirror")
     with pytest.raises(ValueError, match="tf_same=True .* padding_mode='reflect'"):
         OREPAConv2d(8, 8, 3, 2, tf_same=True, padding_mode="reflect")
     model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(8))
-    for method in ("dbb", "repvgg", "orepa-offline", "orepa-vgg"):
-        with pytest.raises(ValueError, match="unsupported padding_mode 'reflect'"):
-            orepa.convert(model, method)
+    for method in ("orepa", "dbb", "repvgg", "orepa-offline", "orepa-vgg"):
+        converted = orepa.convert(model, method)
+        assert next(m for m in converted.modules() if isinstance(m, orepa.ReparamConv2d)).padding_mode == "reflect"
 
 
 def test_blocks_with_feature_map_branches_need_same_padding():
@@ -387,8 +414,8 @@ def test_more_bad_configurations():
     with pytest.raises(ValueError, match=r"expects input \[N, 4, H, W\]"):
         OREPAConv2d(4, 8, 3)(torch.randn(1, 3, 5, 5))
     with pytest.raises(ValueError, match="padding_mode"):
-        orepa.check_conv_config(4, 8, 3, padding_mode="reflect")
-    assert orepa.check_conv_config(4, 8, 3, padding_mode="reflect", any_padding=True)[2] == (1, 1)
+        orepa.check_conv_config(4, 8, 3, padding_mode="reflected")
+    assert orepa.check_conv_config(4, 8, 3, padding_mode="reflect")[2] == (1, 1)
 
 
 @pytest.mark.parametrize(

@@ -206,7 +206,7 @@ def test_unsupported_convs_are_skipped_with_reason():
         nn.Conv2d(3, 8, 4, padding=1), nn.BatchNorm2d(8),  # even kernel
         nn.Conv2d(8, 8, 3, padding=(1, 0)), nn.BatchNorm2d(8),  # a padding per axis: online blocks take it
         nn.Conv2d(8, 8, (1, 3), padding=(0, 1)), nn.BatchNorm2d(8),  # not square, "same"
-        nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(8),  # online blocks take it
+        nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"), nn.BatchNorm2d(8),  # every block takes it
         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8),
         nn.Conv2d(8, 8, 3, padding="valid"), nn.BatchNorm2d(8),  # not "same": online blocks take it
         nn.Conv2d(8, 8, 3, padding=2), nn.BatchNorm2d(8),
@@ -218,8 +218,7 @@ def test_unsupported_convs_are_skipped_with_reason():
     assert report.skipped["14"] == "unsupported kernel_size 3x2: even kernels have no centre to align branches on"
     # the blocks that also run their branches on the feature map need "same" padding
     _, report = orepa.convert(model, "dbb", return_report=True)
-    assert report.converted == ["4", "8"]
-    assert report.skipped["6"].startswith("unsupported padding_mode 'reflect': branches run on the feature map")
+    assert report.converted == ["4", "6", "8"]
     assert report.skipped["10"] == ("unsupported padding (0, 0) for kernel_size=3x3, dilation=1: only 'same' padding 1 "
                                     "keeps branch centres aligned (online OREPA blocks take any padding)")
 

@@ -93,7 +93,7 @@ TORCH_INIT_A = math.sqrt(5)
 #: ``"torch"`` - nn.Conv2d's default ``a=sqrt(5)`` everywhere, Rep-1x1's identity on its first factor
 #: (spread when it narrows). A number ``a`` is the reference scheme with that slope.
 INIT_SCHEMES = ("reference", "torch")
-#: nn.Conv2d's padding modes; online blocks take each (a conv is linear in its kernel whatever fills the border)
+#: nn.Conv2d's padding modes; every block takes each (a conv is linear in its kernel whatever fills the border)
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 # Largest N*H*W for which a 1x1 step on the feature map runs as one matrix product.
 _GEMM_1X1_MAX_PIXELS = 2048
@@ -119,10 +119,11 @@ def check_conv_config(
     axes, ``groups`` dividing both channel counts and "same" padding
     ``(kh // 2 * dilation, kw // 2 * dilation)`` (``None`` picks it, and ``"same"`` at stride 1:
     as in nn.Conv2d, a strided ``"same"`` is refused).
-    ``any_padding``: any non-negative padding (``"valid"``: 0) and any ``padding_mode``, for online
+    ``any_padding``: any non-negative padding (``"valid"``: 0), for online
     blocks: they convolve with their squeezed kernel only, so their branches
-    need no common centre on the feature map, and the border's fill is the conv's
-    input, not part of its kernel. Anything else raises a ValueError naming the problem.
+    need no common centre on the feature map. Every ``padding_mode`` of nn.Conv2d is
+    taken (see :meth:`Branch.run` for the branches on the feature map). Anything else
+    raises a ValueError naming the problem.
     """
     for n, v in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -164,10 +165,6 @@ def check_conv_config(
             )
     if padding_mode not in PADDING_MODES:
         raise ValueError(f"unknown padding_mode {padding_mode!r}; nn.Conv2d's are {', '.join(PADDING_MODES)}")
-    if padding_mode != "zeros" and not any_padding:
-        raise ValueError(f"unsupported padding_mode {padding_mode!r}: branches run on the feature map pad by zeros; "
-                         "online OREPA blocks (method 'orepa') take it: they pad the input once by that mode, then "
-                         "convolve with their squeezed kernel")
     if in_channels % groups or out_channels % groups:
         raise ValueError(f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}")
     return (kh, kw), sh, pad, dh
@@ -635,16 +632,23 @@ class Branch(nn.Sequential):
                     b = shift if b is None else b + shift
         return w, b, g
 
-    def run(self, x: Tensor, stride: int, dilation: int, padded: dict[tuple, Tensor] | None = None) -> Tensor:
+    def run(self, x: Tensor, stride: int, dilation: int, padded: dict[tuple, Tensor] | None = None,
+            padding_mode: str = "zeros") -> Tensor:
         """Run on the feature map: pad once by the branch's receptive field, then valid steps.
 
         When one kernel step is spatial and nothing before it adds a shift, padding
         there instead is the same function and needs no padded copy of ``x``.
-        ``padded`` shares padded inputs between branches of one block.
+        ``padded`` shares padded inputs between branches of one block. ``padding_mode``: another
+        of nn.Conv2d's pads by copies of the map's own pixels, with which the pointwise steps (1x1
+        convs, BNs, scales) commute: they run on the unpadded map (a BN's batch statistics are the
+        map's), which is padded so just before the first spatial step (no border value to make up,
+        as DBB's BN-and-pad does for zeros); in eval the same function as padding the input first.
         """
         if stride > 1 and self._subsample_first:
             x, stride = x[:, :, ::stride, ::stride], 1
         p = (self._extent[0] // 2 * dilation, self._extent[1] // 2 * dilation)
+        if padding_mode != "zeros" and p != (0, 0):
+            return self._run_padded_by(x, stride, dilation, p, padding_mode)
         h = x
         first, pad_after = 0, getattr(self, "_pad_after", None)  # (a branch pickled before it had one: None)
         if pad_after is not None and p != (0, 0):
@@ -670,6 +674,17 @@ class Branch(nn.Sequential):
                 h = step.run(h, stride if i == self._last_kernel else 1, dilation, p if i == self._pad_step else 0)
             else:
                 h = step(h)
+        return h
+
+    def _run_padded_by(self, x: Tensor, stride: int, dilation: int, p: tuple[int, int], mode: str) -> Tensor:
+        """:meth:`run` with a padding of copies of the map's pixels (``mode``, not zeros)."""
+        h = x
+        steps = list(self._modules.values())
+        first = next(i for i, (st, k) in enumerate(zip(steps, self._kinds)) if k and tuple(st.kernel_size) != (1, 1))
+        for i, (step, is_kernel) in enumerate(zip(steps, self._kinds)):
+            if i == first:
+                h = F.pad(h, (p[1], p[1], p[0], p[0]), mode=mode)
+            h = step.run(h, stride if i == self._last_kernel else 1, dilation) if is_kernel else step(h)
         return h
 
     @staticmethod
@@ -883,8 +898,8 @@ class ReparamConv2d(nn.Module):
             )
         if self.tf_same:
             x = pad_tf_same(x, self.kernel_size, self.stride, self.dilation)
-        elif self.padding_mode != "zeros" and self.padding != (0, 0):
-            (ph, pw) = self.padding
+        elif self.padding_mode != "zeros" and self.padding != (0, 0) and self.mode == "online":
+            (ph, pw) = self.padding  # (offline, each branch pads by it: Branch.run)
             x = F.pad(x, (pw, pw, ph, ph), mode=self.padding_mode)
         if self.mode == "online":
             if torch.jit.is_tracing():  # its kernel comes from autograd Functions and caches a trace cannot record
@@ -896,7 +911,7 @@ class ReparamConv2d(nn.Module):
         out = None
         padded: dict[tuple, Tensor] = {}  # branches with the same receptive field share one padded input
         for br in self.branches.values():
-            y = br.run(x, self.stride[0], self.dilation[0], padded)
+            y = br.run(x, self.stride[0], self.dilation[0], padded, self.padding_mode)
             out = y if out is None else out + y
         if self.bias is not None:
             out = out + self.bias.view(1, -1, 1, 1)
@@ -1259,9 +1274,9 @@ class OREPAConv2d(ReparamConv2d):
             unevenly where the stride needs it; timm's ``Conv2dSame`` in its ``tf_*`` networks)
             instead of by ``padding``; online mode only (branches on the feature map need a
             common centre). Deploys to :class:`Conv2dTFSame`.
-        padding_mode: as nn.Conv2d's (``"reflect"``, ``"replicate"``, ``"circular"``: the input padded
-            so, then convolved with the squeezed kernel); online mode only (branches on the feature map
-            pad by zeros).
+        padding_mode: as nn.Conv2d's (``"reflect"``, ``"replicate"``, ``"circular"``: online, the input
+            padded so, then convolved with the squeezed kernel; offline, each branch pads so before
+            its first spatial step, :meth:`Branch.run`).
     """
 
     def __init__(
@@ -1337,7 +1352,7 @@ class DBBConv2d(ReparamConv2d):
     """
 
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
-                 bias=False, *, internal_channels: int | None = None):
+                 bias=False, *, internal_channels: int | None = None, padding_mode: str = "zeros"):
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)[0]
         if k == (1, 1):
             raise ValueError("DBB needs kernel_size >= 3 (its branches degenerate for 1x1 convs)")
@@ -1351,21 +1366,21 @@ class DBBConv2d(ReparamConv2d):
         if first.out_channels != first.in_channels:  # DBB's identity-based layer is square; a wider one is a plain conv
             built["1x1_kxk"].conv1 = ConvStep(first.in_channels, first.out_channels, 1, first.groups)
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches=built, mode="offline")
+                         branches=built, mode="offline", padding_mode=padding_mode)
 
 
 class RepVGGBlock(ReparamConv2d):
     """RepVGG's block without its ReLU: kxk+BN, 1x1+BN, identity BN (when in == out, stride 1)."""
 
     def __init__(self, in_channels, out_channels, kernel_size=3, stride=1, padding=None, dilation=1, groups=1,
-                 bias=False):
+                 bias=False, *, padding_mode: str = "zeros"):
         k, s, _, _ = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups)
         if k == (1, 1):
             raise ValueError("RepVGG needs kernel_size >= 3")
         names = ["kxk", "1x1"] + (["identity"] if in_channels == out_channels and s == 1 else [])
         built = build_branches(names, in_channels, out_channels, k, groups, norm=True)
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches=built, mode="offline")
+                         branches=built, mode="offline", padding_mode=padding_mode)
 
 
 class OREPAVGGBlock(ReparamConv2d):
@@ -1384,7 +1399,7 @@ class OREPAVGGBlock(ReparamConv2d):
             raise ValueError("OREPA-VGG needs kernel_size >= 3")
         if orepa_options.get("internal_channels") is None:  # None: OREPA-VGG's default, not OREPAConv2d's
             orepa_options["internal_channels"] = in_channels if groups < out_channels else 2 * in_channels
-        # the block's padding mode, not its inner block's (a nested step pads nothing): refused below, offline
+        # the block's padding mode, not its inner block's (a nested step pads nothing)
         padding_mode = orepa_options.pop("padding_mode", "zeros")
         inner = OREPAConv2d(in_channels, out_channels, k, 1, None, d, groups,
                             init=1.0 if init == "reference" else init, **orepa_options)
@@ -1422,7 +1437,7 @@ class OREPADeepStem(ReparamConv2d):
         mid = out_channels if mid_channels is None else mid_channels
         n = (k - 1) // 2
         chans = [in_channels] + [mid] * (n - 1) + [out_channels]
-        # the stem's padding mode, not its steps' (nested steps pad nothing): online only, as any block's
+        # the stem's padding mode, not its steps' (nested steps pad nothing)
         padding_mode = orepa_options.pop("padding_mode", "zeros")
         steps = {f"layer{i}": OREPAConv2d(chans[i], chans[i + 1], 3, **orepa_options) for i in range(n)}
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,

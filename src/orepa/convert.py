@@ -111,10 +111,11 @@ def _convertible(m: nn.Module) -> bool:
 
 
 def _conv_args(conv: nn.Conv2d) -> dict:
+    mode = {} if conv.padding_mode == "zeros" else {"padding_mode": conv.padding_mode}  # (Conv2dSame: zeros)
     return dict(
         in_channels=conv.in_channels, out_channels=conv.out_channels, kernel_size=conv.kernel_size,
         stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups,
-        bias=conv.bias is not None,
+        bias=conv.bias is not None, **mode,
     )
 
 
@@ -127,8 +128,6 @@ def _orepa(conv: nn.Conv2d, rep_1x1: bool = True, **opts) -> ReparamConv2d:
         opts = {k: v for k, v in opts.items() if k not in ("branches", "dw_expand")}
     if _tf_same(conv):
         opts["tf_same"] = True
-    elif conv.padding_mode != "zeros":  # (online blocks only: check_conv_config refuses it offline)
-        opts["padding_mode"] = conv.padding_mode
     return OREPAConv2d(**_conv_args(conv), **opts)
 
 
@@ -858,7 +857,7 @@ def convert(
     Convs without a following BatchNorm2d are left alone (unless ``without_bn``): re-param
     blocks need a norm after them (OREPA uses it as the post-addition norm). So are convs a
     block cannot replace (even kernels; for the blocks that run branches on the feature map, a
-    padding other than "same" or a ``padding_mode`` other than zeros; ...,
+    padding other than "same"; ...,
     and every layer that is not a plain ``nn.Conv2d``: Conv1d, ConvTranspose2d; timm's
     ``Conv2dSame`` is the exception, an online OREPA block with ``tf_same=True``),
     convs and BNs that carry hooks (``torch.nn.utils.weight_norm`` / ``spectral_norm``, a caller's:
