@@ -762,7 +762,8 @@ class ReparamConv2d(nn.Module):
         # "same" padding by zeros: the branches could also run on the feature map (the offline path, and
         # the engine's per-branch route); any other (online only) convolves with the squeezed kernel alone
         self._aligned = p == (k[0] // 2 * d, k[1] // 2 * d) and padding_mode == "zeros"
-        # another mode pads the input by it first, then the conv pads nothing (as nn.Conv2d does)
+        # another mode: online, the input is padded by it, then convolved unpadded (as nn.Conv2d does);
+        # offline, each branch pads by it (Branch.run)
         self.padding_mode = padding_mode
         if not branches:
             raise ValueError("a re-param block needs at least one branch")
