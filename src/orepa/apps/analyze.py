@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.target:
             raise UserError(f"two models: {args.target} and -m {args.model}; give one (the target names the model "
                             "to analyse at initialisation)")
-        check_use_ema(args.use_ema, None)
+        check_use_ema(args.use_ema)
         if args.model is None:
             args = argparse.Namespace(**{**vars(args), "model": args.target})
         cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)

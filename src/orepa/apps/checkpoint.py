@@ -933,9 +933,10 @@ def checkpoint_weights(ckpt: dict, path, use_ema: bool = False) -> dict:
     return ckpt["model_ema"]
 
 
-def check_use_ema(use_ema: bool, path) -> None:
-    """--use-ema without a checkpoint (a model built at initialisation): there is no EMA to take."""
-    if use_ema and not path:
+def check_use_ema(use_ema: bool) -> None:
+    """Where a command was given no checkpoint (a model built at initialisation): --use-ema has no
+    EMA to take."""
+    if use_ema:
         raise UserError("--use-ema needs a checkpoint with EMA weights")
 
 

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.utils import _reverse_repeat_tuple
 from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
 from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
@@ -159,7 +160,7 @@ def _set_geometry(conv: nn.Module, stride: int | None = None, dilation: int | No
     if not pads_tf_same(conv):
         conv.padding = tuple(k // 2 * d for k, d in zip(conv.kernel_size, conv.dilation))
         if hasattr(conv, "_reversed_padding_repeated_twice"):  # what an nn.Conv2d of another padding_mode pads by
-            conv._reversed_padding_repeated_twice = tuple(p for p in reversed(conv.padding) for _ in range(2))
+            conv._reversed_padding_repeated_twice = _reverse_repeat_tuple(conv.padding, 2)  # (as nn.Conv2d makes it)
 
 
 def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]) -> nn.Module:

@@ -439,7 +439,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.model is None:
             raise UserError("give a checkpoint, or --model for a randomly initialised zoo model")
-        ckpt_io.check_use_ema(args.use_ema, path)
+        ckpt_io.check_use_ema(args.use_ema)
         cfg = model_cfg_from_args(args, num_classes=1000, in_chans=3, small_input=False)
         model = build_model(cfg)
         print(f"no checkpoint: exporting a randomly initialised {describe_cfg(cfg)}")
