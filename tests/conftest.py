@@ -19,6 +19,27 @@ SLOW_ARCHITECTURES = frozenset({
 })
 
 
+#: the zoo's models whose code differs from each other's: the basic block, the bottleneck, grouped
+#: bottlenecks, a width multiplier that rounds, the RepVGG family. The others (resnet34/101/152,
+#: wide_resnet18_2, repvgg_a1..b1) change only depth or width, which no method builds otherwise.
+ZOO_ARCHETYPES = ("resnet18", "resnet50", "resnext50_32x4d", "wide_resnet18_1_5", "repvgg_a0")
+
+
+def zoo_cases() -> list[tuple[str, str]]:
+    """(name, method) of the zoo for tests that check a method's build or deployment: every method
+    on each of ZOO_ARCHETYPES, base and the main online method (``orepa`` / ``orepa-vgg``) on the
+    depth and width variants (their configuration still builds, trains and deploys)."""
+    import orepa.models as zoo
+
+    cases = []
+    for name in zoo.list_models():
+        methods = zoo.list_methods(name)
+        if name not in ZOO_ARCHETYPES:
+            methods = [m for m in methods if m in ("base", "orepa", "orepa-vgg")]
+        cases += [(name, m) for m in methods]
+    return cases
+
+
 def pytest_configure(config):
     """One torch intra-op thread for the whole suite: the tests run tiny models, dominated by per-op
     overhead, and a second OpenMP thread only adds barriers; on shared cores (other jobs) two threads

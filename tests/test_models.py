@@ -5,13 +5,13 @@ import importlib.util
 import pytest
 import torch
 import torchvision
-from conftest import tol_close
+from conftest import tol_close, zoo_cases
 from torch import nn
 
 import orepa
 import orepa.models as zoo
 
-ALL = [(n, m) for n in zoo.list_models() for m in zoo.list_methods(n)]
+ALL = zoo_cases()  # every method on each distinct architecture, the main one on depth/width variants
 TORCHVISION = ["resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d"]
 # full eval-output equality after reparameterize: the small models, all methods, and a few big ones
 EXACT = {(n, m) for n, m in ALL if n in ("resnet18", "repvgg_a0")} | {
@@ -65,8 +65,7 @@ def test_builds_trains_and_reparameterizes(name, method):
         tol_close(orepa.reparameterize(model, fuse_bn=True)(x), y)
 
 
-@pytest.mark.parametrize("method", zoo.list_methods("resnet18"))
-@pytest.mark.parametrize("name", TORCHVISION)
+@pytest.mark.parametrize("name,method", [(n, m) for n, m in ALL if n in TORCHVISION])
 def test_deployed_loads_strictly_into_torchvision(name, method):
     """Full size on the meta device: keys, shapes and module types of the deployed model are torchvision's."""
     with meta_device():
@@ -283,7 +282,7 @@ def test_invalid_names_methods_options():
     with pytest.raises(ValueError, match="online-only"):
         zoo.create_model("resnet18", "orepa", preset="nope")
     assert zoo.list_models("repvgg") == [n for n in zoo.list_models() if n.startswith("repvgg")]
-    assert len(ALL) == 8 * 4 + 5 * 5
+    assert sum(len(zoo.list_methods(n)) for n in zoo.list_models()) == 8 * 4 + 5 * 5
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tol_close
+from conftest import tol_close, zoo_cases
 from torch import nn
 
 timm = pytest.importorskip("timm")
@@ -127,13 +127,7 @@ def test_import_orepa_is_enough_for_the_zoo_and_the_timm_names():
     assert "orepa_resnet18" in timm.list_models()
 
 
-def _zoo_models():
-    for name in zoo.list_models():
-        for method in zoo.list_methods(name):
-            yield name, method
-
-
-@pytest.mark.parametrize("name,method", list(_zoo_models()))
+@pytest.mark.parametrize("name,method", zoo_cases())
 def test_timm_reparameterize_model_deploys_every_zoo_model_exactly(name, method):
     """timm's protocol: a child with ``fuse()`` is replaced by what it returns (before, Branch.fuse
     returned a tuple and timm crashed on every re-param model)."""
