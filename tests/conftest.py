@@ -21,7 +21,7 @@ SLOW_ARCHITECTURES = frozenset({
 
 #: the zoo's models whose code differs from each other's: the basic block, the bottleneck, grouped
 #: bottlenecks, a width multiplier that rounds, the RepVGG family. The others (resnet34/101/152,
-#: wide_resnet18_2, repvgg_a1..b1) change only depth or width, which no method builds otherwise.
+#: wide_resnet18_2, repvgg_a1..b1) change only depth or width, which every method builds alike.
 ZOO_ARCHETYPES = ("resnet18", "resnet50", "resnext50_32x4d", "wide_resnet18_1_5", "repvgg_a0")
 
 

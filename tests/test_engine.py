@@ -701,9 +701,10 @@ def _small_converted_pair(pack: bool):
 @pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
 def test_a_compiled_model_builds_its_groups_kernels_together_inside_the_graph(pack):
     """``torch.compile`` of a grouped network (policy ``grouped``: what ``auto`` does on a GPU;
-    ``traced=True``): inside the graph the network's groups build their kernels together, as they do eagerly, instead
-    of block by block: at most 4 matrix products per group forward and backward, the per-block numbers, one compilation for two steps, and no kernel
-    left in the workspace after a forward. (A small network: tracing ResNet-18 took 1-2 minutes a case.)"""
+    ``traced=True``): inside the graph the network's groups build their kernels together, as they
+    do eagerly, instead of block by block: at most 4 matrix products per group forward and
+    backward, the per-block numbers, one compilation for two steps, and no kernel left in the
+    workspace after a forward. (A small network: tracing ResNet-18 took 1-2 minutes a case.)"""
     torch._dynamo.reset()
     ref, grouped = _small_converted_pair(pack)
     groups = engine.group_kernels(grouped, "grouped", pack=pack, traced=True)
