@@ -74,6 +74,16 @@ def one_thread():
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
+def benchmark_script(name: str):
+    """``benchmarks/<name>.py`` loaded as a module (the scripts are no package), to call its ``main``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def child_env(**extra: str) -> dict:
     """The environment of a child process the tests start (``python -m orepa``, torchrun): this
     checkout's ``src`` first on its path, one OpenMP thread (the suite's processes share two cores)."""

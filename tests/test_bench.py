@@ -5,6 +5,7 @@ import statistics
 
 import pytest
 import torch
+from conftest import benchmark_script
 from torch import nn
 
 from orepa.apps import bench
@@ -512,13 +513,7 @@ def test_cuda_graphs_need_cuda_and_steps_replay_the_captured_callable(monkeypatc
 @pytest.mark.slow
 def test_block_cost_script_reports_routes(tmp_path):
     """benchmarks/block_cost.py runs and shows the chain-order choice per ResNet-18 shape."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "block_cost.py"
-    spec = importlib.util.spec_from_file_location("block_cost", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_script("block_cost")
     out = tmp_path / "cost.json"
     rows = mod.main(["-b", "1", "--reps", "1", "--threads", "1", "--force", "", "--json", str(out)])
     assert len(rows) == len(mod.RESNET18_SHAPES) == len(json.loads(out.read_text())["rows"])
@@ -531,13 +526,7 @@ def test_block_cost_script_reports_routes(tmp_path):
 def test_profile_step_script_accounts_for_every_operator(tmp_path, capsys):
     """benchmarks/profile_step.py: categories sum to the total, ops sorted by self time, the
     online variant shows its kernel-space matrix products, and a bad method is refused."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
-    spec = importlib.util.spec_from_file_location("profile_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_script("profile_step")
     out = tmp_path / "prof.json"
     mod.main(["-m", "resnet18", "-b", "2", "--image-size", "32", "--num-classes", "10", "--steps", "1",
               "--warmup", "1", "--top", "3", "--json", str(out)])

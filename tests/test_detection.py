@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import tol_close
+from conftest import benchmark_script, tol_close
 from torch import nn
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.ops import box_iou
@@ -689,15 +689,9 @@ def test_frozen_batchnorm_pairs_become_orepa_blocks_that_start_as_their_conv_and
 def test_the_detection_benchmark_says_a_missing_device_in_one_line(monkeypatch):
     """benchmarks/bench_detection.py --device cuda where there is none: the commands' one-line
     error (it was the driver's traceback from the first tensor moved there)."""
-    import importlib.util
-    from pathlib import Path
-
     from orepa.apps.common import UserError
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_detection.py"
-    spec = importlib.util.spec_from_file_location("bench_detection", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = benchmark_script("bench_detection")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="--device cuda requested but CUDA is not available"):
         mod.main(["--device", "cuda"])

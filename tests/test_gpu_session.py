@@ -1,7 +1,6 @@
 """The lent-GPU script (benchmarks/gpu_session.sh) checked on any machine: every command of every phase
 parses with its command's own parser, every bench variant builds, every ``pytest -k`` selects tests. A GPU
 is lent for minutes, by chance; a typo found there costs the session's measurements."""
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -9,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_session.sh"
@@ -18,10 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="benchmarks
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("gpu_session_check", ROOT / "benchmarks" / "gpu_session_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("gpu_session_check")
 
 
 def _recorded(phase: str, results: Path) -> list[str]:
@@ -73,9 +70,7 @@ def test_the_goals_table_reads_the_recorded_gpu_results(tmp_path, capsys):
     <= 1.15x at batch 64, peak <= 1.10x, faster than DBB)."""
     import json
 
-    spec = importlib.util.spec_from_file_location("gpu_goals", ROOT / "benchmarks" / "gpu_goals.py")
-    goals = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(goals)
+    goals = benchmark_script("gpu_goals")
     folder = ROOT / "benchmarks" / "results" / "gpu-h100-builders"
     assert goals.main([str(folder), "--json", str(tmp_path / "goals.json")]) == 0
     rows = {(r["model"], r["batch"], r["mode"], r["variant"]): r for r in json.loads((tmp_path / "goals.json").read_text())}
