@@ -25,7 +25,7 @@ import warnings
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("orepa.apps.demo", "Fashion-MNIST: train OREPA and base ResNets, reparameterize, compare (~1.5-4 min on 2 CPU cores)"),
+    "demo": ("orepa.apps.demo", "Fashion-MNIST: train OREPA and base ResNets, reparameterize, compare (~1.5-5 min on 2 CPU cores)"),
     "train": ("orepa.apps.train", "train a model with the paper's recipe (Fashion-MNIST by default; torchrun for DDP)"),
     "eval": ("orepa.apps.evaluate", "top-1/top-5 of a training-form or deployed checkpoint"),
     "reparam": ("orepa.apps.reparam", "turn a training checkpoint into a deployed (vanilla / BN-folded) one, verified"),
