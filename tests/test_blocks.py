@@ -1,6 +1,7 @@
 """Every block, over a grid of conv configurations: train, then deploy exactly."""
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -559,6 +560,28 @@ def test_a_tf_same_block_pads_as_tensorflow_and_deploys_to_a_conv_that_does(k, s
         OREPAConv2d(8, 8, 3, 2, tf_same=True, mode="onlin")
 
 
+@pytest.mark.parametrize("size", [9, 10])
+def test_a_tf_same_deep_stem_pads_as_one_conv_of_its_composed_kernel(size):
+    """``OREPADeepStem(..., tf_same=True)`` went to its nested 3x3 steps, which pad nothing: the stem
+    padded symmetrically and deployed to an nn.Conv2d, without a word. It now pads by TensorFlow's
+    rule as one conv of its composed kernel (float64, gradients against autograd through that
+    kernel) and deploys to Conv2dTFSame; offline, it is refused as every block's tf_same is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OREPADeepStem(3, 8, 7, 2, tf_same=True), nn.BatchNorm2d(8)).double()
+    stem = model[0]
+    assert stem.tf_same and not any(getattr(m, "tf_same", False) for m in stem.branches.modules())
+    x = torch.randn(2, 3, size, size + 1, dtype=torch.double, requires_grad=True)
+    pads = [(t // 2, t - t // 2) for t in (max((-(-n // 2) - 1) * 2 + 7 - n, 0) for n in x.shape[-2:])]
+    _trains_as_its_kernel(model, x, lambda w, b: F.conv2d(F.pad(x, (*pads[1], *pads[0])), w, b, 2))
+    model.eval()
+    with torch.no_grad():
+        deployed = orepa.reparameterize(model)
+        assert type(deployed[0]) is orepa.Conv2dTFSame
+        tol_close(deployed(x), model(x), rel=1e-12)
+    with pytest.raises(ValueError, match="tf_same=True .* is for online blocks that pad nothing else"):
+        OREPADeepStem(3, 8, 7, 2, tf_same=True, mode="offline")
+
+
 @pytest.mark.parametrize("make", [lambda: OREPAConv2d(8, 8, 3), lambda: DBBConv2d(8, 8, 3),
                                   lambda: OREPADeepStem(3, 8)], ids=["orepa", "dbb", "deep_stem"])
 def test_a_block_made_on_the_meta_device_gets_its_fixed_kernels(make):
@@ -726,33 +749,48 @@ def test_a_symbolic_trace_records_each_block_as_one_call(mode):
     torch.testing.assert_close(got["f2"], seen["f2"], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("how", ["prune", "weight_norm"])
-def test_a_pruned_or_parametrized_branch_step_is_refused_by_name(how):
-    """``prune`` / ``weight_norm`` on a branch's conv take its weight slot away, which the block
-    reads to build its kernel: a bare ``KeyError: 'weight'`` at the next forward; now a TypeError
-    naming the step and what to do (the deployed model prunes as any conv net)."""
+def _reparametrize(step: nn.Module, how: str) -> None:
     from torch.nn.utils import prune
 
-    torch.manual_seed(0)
-    block = OREPAConv2d(4, 4, 3, padding=1)
-    step = block.branches["kxk"].conv
     if how == "prune":
         prune.l1_unstructured(step, "weight", amount=0.5)
-    else:
+    elif how == "weight_norm":
         torch.nn.utils.parametrizations.weight_norm(step)
-    x = torch.randn(2, 4, 6, 6)
-    for train in (True, False):
-        with pytest.raises(TypeError, match=r"the weight of branches\.kxk\.conv is pruned or parametrized.*"
-                                            r"prune or parametrize the deployed model"):
-            block.train(train)(x)
+    else:  # the hook-based weight_norm (weight_g, weight_v)
+        torch.nn.utils.weight_norm(step)
+
+
+@pytest.mark.parametrize("how", ["prune", "weight_norm", "hook_weight_norm"])
+def test_a_pruned_or_parametrized_branch_step_is_refused_by_name(how):
+    """``prune`` / ``weight_norm`` on a branch's step take its weight slot away, which the block
+    reads to build its kernel: a TypeError naming the step and what to do (the deployed model
+    prunes as any conv net), at the next forward, whatever route the input takes, and at deployment.
+    The hook-based ``weight_norm`` was a bare ``KeyError: 'weight'``; a small input (its 1x1 -> kxk and
+    dw -> pw branches on the feature map) trained on the step's stale pruned copy, and
+    ``reparameterize`` deployed it."""
+    torch.manual_seed(0)
+    for mode in ("online", "offline"):
+        block = OREPAConv2d(16, 16, 3, padding=1, mode=mode)
+        steps = [block.branches["kxk"].conv, block.branches["dw_pw"].pw, block.branches["1x1"].scale]
+        for step, name in zip(steps, ("branches.kxk.conv", "branches.dw_pw.pw", "branches.1x1.scale")):
+            fresh = OREPAConv2d(16, 16, 3, padding=1, mode=mode)
+            fresh.load_state_dict(block.state_dict())
+            _reparametrize(fresh.get_submodule(name), how)
+            refused = rf"the weight of {re.escape(name)} is pruned or parametrized.*prune or parametrize the deployed"
+            # large and small inputs: the kernel route, and (online) the feature map's for dw -> pw
+            for x in (torch.randn(4, 16, 16, 16), torch.randn(1, 16, 2, 2)):
+                for train in (True, False):
+                    with pytest.raises(TypeError, match=refused):
+                        fresh.train(train)(x)
+                with torch.no_grad(), pytest.raises(TypeError, match=refused):
+                    fresh.eval()(x)
+            with pytest.raises(TypeError, match=refused):
+                orepa.reparameterize(fresh.eval())
     net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), OREPAConv2d(4, 4, 3, padding=1))
     orepa.engine.group_kernels(net, "grouped")
-    if how == "prune":
-        prune.l1_unstructured(net[1].branches["kxk"].conv, "weight", amount=0.5)
-    else:
-        torch.nn.utils.parametrizations.weight_norm(net[1].branches["kxk"].conv)
+    _reparametrize(net[1].branches["kxk"].conv, how)
     with pytest.raises(TypeError, match=r"the weight of 1\.branches\.kxk\.conv is pruned"):  # named in the network
-        net(x)
+        net(torch.randn(2, 4, 6, 6))
 
 
 def test_reset_parameters_resets_the_branch_scales_too():

@@ -361,9 +361,11 @@ class ConvStep(PackableWeight, nn.Module):
         return K.pad_to(identity(self.out_channels, self.in_channels, self.groups), self.kernel_size).to(w)
 
     def kernel(self) -> Tensor:
+        _check_weight_slot(self)
         return self.weight
 
     def run(self, x: Tensor, stride: int, dilation: int, padding=0) -> Tensor:
+        _check_weight_slot(self)
         if self.kernel_size == (1, 1) and self.groups == 1 and padding in (0, (0, 0)):
             xs = x[:, :, ::stride, ::stride] if stride > 1 else x
             n, c, h, w = xs.shape
@@ -468,9 +470,11 @@ class Scale(PackableWeight, nn.Module):
             self.weight.fill_(self.init_value)
 
     def affine(self) -> tuple[Tensor, Tensor | None]:
+        _check_weight_slot(self)
         return self.weight, None
 
     def forward(self, x: Tensor) -> Tensor:
+        _check_weight_slot(self)
         return x * self.weight.view(1, -1, 1, 1).to(x.dtype)  # keeps autocast's dtype
 
     def extra_repr(self) -> str:
@@ -487,14 +491,30 @@ def _refuse_reparametrized_steps(block: nn.Module, error: Exception) -> None:
     # (named under the network the group was made for, where there is one)
     blocks = {id(b): (b, f"{name}.") for g in groups for b, name in zip(g.blocks, g.block_names or ("",) * len(g.blocks))}
     blocks.setdefault(id(block), (block, ""))
-    odd = [prefix + name for b, prefix in blocks.values() for name, m in b.named_modules() if _is_kernel_step(m)
-           and (hasattr(m, "parametrizations") or "weight_orig" in m._parameters)]
+    odd = [prefix + name for b, prefix in blocks.values() for name, m in b.named_modules()
+           if (_is_kernel_step(m) or isinstance(m, PackableWeight)) and _reparametrized(m)]
     if odd:
         raise TypeError(
             f"the weight of {', '.join(sorted(set(odd)))} is pruned or parametrized (torch.nn.utils.prune, "
             "parametrizations.weight_norm, ...): a re-param block builds its kernel from its steps' weight "
             "tensors, which these take away; prune or parametrize the deployed model (orepa.reparameterize), "
             "or remove them (prune.remove, parametrize.remove_parametrizations)") from error
+
+
+def _reparametrized(m: nn.Module) -> bool:
+    """Whether ``torch.nn.utils.prune`` (``weight_orig``), the hook-based ``weight_norm`` (``weight_v``;
+    ``spectral_norm``: ``weight_orig``) or ``parametrize`` (``parametrizations``) took ``m``'s weight slot
+    away: they recompute ``weight`` when ``m`` is called, which a step inside a block never is."""
+    return "parametrizations" in m._modules or "weight_orig" in m._parameters or "weight_v" in m._parameters
+
+
+def _check_weight_slot(step: nn.Module) -> None:
+    """The feature-map and reference routes read a step's ``weight`` attribute, which a pruned or
+    hook-normed step still has (a stale copy from its last call) and a parametrized one computes: a
+    KeyError as the kernel route's read of the slot gives, so that every route refuses alike (the
+    block names the step, :func:`_refuse_reparametrized_steps`)."""
+    if _reparametrized(step):
+        raise KeyError("weight")
 
 
 def _is_kernel_step(m: nn.Module) -> bool:
@@ -830,7 +850,11 @@ class ReparamConv2d(nn.Module):
         This is the reference path (plain autograd through :mod:`orepa.kernels`); deployment
         uses it for every block. Online training uses the equal closed-form squeeze.
         """
-        w, b = self._fused_parts()
+        try:
+            w, b = self._fused_parts()
+        except KeyError as e:  # a step's weight slot gone (see forward)
+            _refuse_reparametrized_steps(self, e)
+            raise
         if self.bias is not None:
             b = self.bias if b is None else b + self.bias
         return w, b
@@ -1425,7 +1449,11 @@ class OREPADeepStem(ReparamConv2d):
 
     def __init__(self, in_channels, out_channels, kernel_size=7, stride=2, padding=None, dilation=1, groups=1,
                  bias=False, *, mid_channels: int | None = None, mode: str = "online", **orepa_options):
-        kh, kw = check_conv_config(in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+        # TensorFlow's "SAME" padding is the stem's own (its composed kernel pads as one conv), never its
+        # nested steps', which pad nothing: taken out of the options the steps get
+        tf_same = orepa_options.pop("tf_same", False)  # (checked with the mode by ReparamConv2d)
+        kh, kw = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding,
+                                   dilation, groups, any_padding=bool(tf_same),
                                    same_padding_because="a deep stem's stacked convs need it, online too")[0]
         if kh != kw or kh < 5 or groups != 1:
             raise ValueError(f"a deep stem needs a square kernel_size >= 5 and groups=1, got k={_size_str((kh, kw))}, "
@@ -1442,7 +1470,7 @@ class OREPADeepStem(ReparamConv2d):
         padding_mode = orepa_options.pop("padding_mode", "zeros")
         steps = {f"layer{i}": OREPAConv2d(chans[i], chans[i + 1], 3, **orepa_options) for i in range(n)}
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         branches={"stem": Branch(steps)}, mode=mode, padding_mode=padding_mode)
+                         branches={"stem": Branch(steps)}, mode=mode, padding_mode=padding_mode, tf_same=tf_same)
 
 
 # --------------------------------------------------------------------------- absorbed BN placeholder
