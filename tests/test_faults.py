@@ -721,6 +721,27 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["export", str(ckpt), "-o", f"{tmp_path / 'exdir'}/"], "ends with '/', a directory's name"),
         (["eval", str(ckpt), "--json", f"{tmp_path / 'jdir'}/"], "ends with '/', a directory's name"),
         (["import-reference", str(ckpt), "-o", f"{tmp_path / 'idir'}/"], "ends with '/', a directory's name"),
+        # flags that another setting leaves nothing to do: each was taken, and the run did without it
+        ([*new, "--amp-dtype", "float16"], "mixed precision is off (no --amp); --amp-dtype do(es) not apply then"),
+        (["eval", str(ckpt), "--amp-dtype", "bfloat16"],
+         "mixed precision is off (no --amp); --amp-dtype do(es) not apply then"),
+        ([*new, "--model-ema-steps", "3", "--model-ema-decay", "0.9"], "the run keeps no EMA (no --model-ema); "
+         "--model-ema-decay, --model-ema-steps do(es) not apply then"),
+        ([*new, "--lr-step-size", "3"], "--lr-scheduler cosineannealinglr does not decay in steps (steplr does); "
+         "--lr-step-size do(es) not apply then"),
+        ([*new, "--lr-scheduler", "constant", "--lr-min", "0.001"],
+         "--lr-scheduler constant has no floor (cosine's has); --lr-min do(es) not apply then"),
+        ([*new, "--lr-warmup-epochs", "0", "--lr-warmup-decay", "0.5"],
+         "the run has no warm-up (--lr-warmup-epochs 0); --lr-warmup-decay do(es) not apply then"),
+        (["train", "--resume", str(ckpt), "--overwrite", "--cache-dir", cache],
+         f"--resume continues the run in {run}, which it does not replace; --overwrite do(es) not apply then"),
+        # a small-input stem is a 3x3 block: the deep stem (a 7x7 stem's) was dropped without a word
+        ([*new, "--method", "orepa", "--deep-stem", "--output-dir", str(tmp_path / "ds")],
+         "--deep-stem replaces a 7x7 stem conv by a linear deep stem, and the small-input stem (--small-input, "
+         "the default for Fashion-MNIST's 28x28 images) is a 3x3 conv"),
+        (["export", str(ckpt), "--format", "torchscript", "-o", str(tmp_path / "ts.onnx")],
+         f"--output {tmp_path / 'ts.onnx'} is named as an ONNX model, and --format torchscript writes a TorchScript "
+         "module: give --format onnx, or another name"),
     ]
     odd = tmp_path / "odd"  # val/ names another class than train/
     _png_tree(odd)

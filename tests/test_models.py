@@ -127,6 +127,13 @@ def test_small_input_and_in_chans():
     assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     r = zoo.create_model("repvgg_a0", "orepa-vgg", num_classes=10, in_chans=1, small_input=True, width_mult=0.25)
     assert r.forward_features(torch.randn(2, 1, 28, 28)).shape[-1] == 4  # 28 / 8 (rounded up)
+    # a deep stem asked for beside the small-input stem (a 3x3 block) was dropped without a word; a
+    # preset's (the ablation rows name one) is not asked for: those rows run at any stem
+    for method in ("orepa", "orepa-offline"):
+        with pytest.raises(ValueError, match="deep_stem=True replaces a 7x7 stem conv .* small_input=True makes"):
+            zoo.create_model("resnet18", method, small_input=True, deep_stem=True, width_mult=0.25)
+    m = zoo.create_model("resnet18", "orepa", small_input=True, preset="deep-stem", width_mult=0.25)
+    assert isinstance(m.conv1, orepa.OREPAConv2d) and m.conv1.kernel_size == (3, 3)
 
 
 # --------------------------------------------------------------------------- components and ablations

@@ -587,8 +587,15 @@ def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
     mid = _load(b / "checkpoint.pth")
     assert (mid["epoch"], mid["step_in_epoch"], mid["global_step"]) == (0, 3, 3)
     assert _train(cache, b, *args, "--max-steps", "6", "--resume", str(b / "checkpoint.pth")) == 0  # mid-epoch 2
+    # the summary's train time is the run's, of every command (it was this command's alone)
+    mid, summary = _load(b / "checkpoint.pth"), json.loads((b / "summary.json").read_text())
+    run_time = mid["history"][0]["epoch_time_s"] + mid["epoch_timed"][0]
+    assert mid["epoch_timed"][1] == 2 and summary["train_time_s"] == pytest.approx(run_time)
+    assert summary["time_per_batch_s"] == pytest.approx(run_time / 6)
     assert _train(cache, b, *args, "--resume", str(b / "checkpoint.pth")) == 0
     ca, cb = _load(tmp_path / "a" / "checkpoint.pth"), _load(b / "checkpoint.pth")
+    summary = json.loads((b / "summary.json").read_text())
+    assert summary["train_time_s"] == pytest.approx(sum(h["epoch_time_s"] for h in cb["history"]))
     assert cb["global_step"] == ca["global_step"] == 8
     for k, v in ca["model"].items():
         assert torch.equal(v, cb["model"][k]), k

@@ -44,6 +44,26 @@ class UserError(Exception):
     """An error with a message meant for the user (no traceback)."""
 
 
+#: flags whose destination is not their long name with dashes
+_SHORT_FLAGS = {"batch_size": "-b/--batch-size", "workers": "-j/--workers"}
+
+
+def flag_name(dest: str) -> str:
+    """The command-line spelling of an argparse destination (``batch_size`` -> ``-b/--batch-size``)."""
+    return _SHORT_FLAGS.get(dest, "--" + dest.replace("_", "-"))
+
+
+def refuse_idle_flags(args: argparse.Namespace, idle: Iterable[str], why: str, instead: str = "") -> None:
+    """A :class:`UserError` naming the flags of ``idle`` given explicitly (``args.given``, set by
+    ``orepa``), which this command's settings leave nothing to do (``why`` says which setting): a
+    command that quietly does other than its command line says is worse than one that stops before
+    it starts. Flags left at their defaults pass."""
+    given = [d for d in idle if d in (getattr(args, "given", None) or ())]
+    if given:
+        raise UserError(f"{why}; {', '.join(flag_name(d) for d in sorted(given))} do(es) not apply "
+                        + (f"({instead})" if instead else "then"))
+
+
 #: the signals that ask a training run to stop at the next step with a checkpoint: Ctrl-C, a
 #: scheduler's or ``kill``'s SIGTERM (SLURM sends it, then SIGKILL after its KillWait), SLURM's
 #: ``--signal=USR1@SECONDS`` warning, the SIGHUP of a closed terminal or dropped ssh session;
@@ -256,6 +276,16 @@ def default_pack(kernel_builder: str, device: torch.device, whole_step_compiled:
     rows through views (ResNet-18: 135 launches per step against 130 unpacked,
     ``benchmarks/compiled_model_launches.py``)."""
     return builds_together(kernel_builder, device) and not whole_step_compiled
+
+
+def add_amp_arguments(g, training: bool) -> None:
+    """``--amp`` / ``--amp-dtype``: autocast for training or evaluation (:func:`autocast_context`);
+    ``--amp-dtype`` without ``--amp`` is refused where the command runs (:func:`refuse_idle_flags`)."""
+    g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False,
+                   help="mixed precision (autocast): float16 on CUDA" + (" with a GradScaler" if training else "")
+                        + ", bfloat16 elsewhere (--amp-dtype to choose)")
+    g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"],
+                   help="with --amp: the autocast type (auto: float16 on CUDA, bfloat16 elsewhere)")
 
 
 def add_tf32_matmul_argument(g, default: bool | None) -> None:

@@ -27,6 +27,7 @@ from .checkpoint import (
 from .common import (
     DistInfo,
     UserError,
+    add_amp_arguments,
     add_run_arguments,
     add_use_ema_argument,
     apply_threads,
@@ -36,6 +37,7 @@ from .common import (
     init_distributed,
     peak_memory,
     positive_int,
+    refuse_idle_flags,
 )
 from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
 from .model_cfg import (
@@ -126,8 +128,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_run_arguments(p)
     p.add_argument("-b", "--batch-size", type=positive_int, default=256)
-    p.add_argument("--amp", action="store_true", help="autocast (bf16 on CPU, fp16 on CUDA)")
-    p.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
+    add_amp_arguments(p, training=False)
     p.add_argument("--channels-last", action="store_true")
     add_use_ema_argument(p, "evaluate")
     p.add_argument("--no-progress", action="store_true")
@@ -175,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     try:
+        if not args.amp:
+            refuse_idle_flags(args, ("amp_dtype",), "mixed precision is off (no --amp)")
         info, device = init_distributed(args.device)
         if args.json:
             check_output_path(args.json, "--json", report="eval", not_over={"the input checkpoint": args.checkpoint})

@@ -424,6 +424,11 @@ def run(args: argparse.Namespace) -> int:
     path = args.checkpoint or args.checkpoint_opt
     if args.output:  # before anything is loaded or built
         _check_output(Path(args.output), args, path)
+        named = {".onnx": "onnx", ".pt": "torchscript", ".pth": "torchscript"}.get(Path(args.output).suffix.lower())
+        if named not in (None, args.format):  # a file named for one format holding the other: said, not written
+            kinds = {"onnx": "an ONNX model", "torchscript": "a TorchScript module"}
+            raise UserError(f"--output {args.output} is named as {kinds[named]}, and --format {args.format} writes "
+                            f"{kinds[args.format]}: give --format {named}, or another name")
     ckpt = ckpt_io.load_checkpoint(path) if path else {}
     if path:
         if "model_cfg" not in ckpt and args.small_input is None and args.model and not external_source(args.model):

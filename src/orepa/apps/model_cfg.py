@@ -163,7 +163,12 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
     if cfg["method"] != saved.get("method", cfg["method"]):  # the others were the saved method's own
         carried = plain_network_options(cfg["model"], carried)
     cfg["options"] = {**carried, **options}  # (--no-deep-stem keeps a checkpoint's widths)
-    return checked_cfg(cfg)
+    cfg = checked_cfg(cfg)
+    if options.get("deep_stem") and cfg["small_input"] and not external_source(cfg["model"]):
+        raise UserError("--deep-stem replaces a 7x7 stem conv by a linear deep stem, and the small-input stem "
+                        "(--small-input, the default for Fashion-MNIST's 28x28 images) is a 3x3 conv, an OREPA "
+                        "block like every 3x3: add --no-small-input for a deep stem, or drop --deep-stem")
+    return cfg
 
 
 def plain_network_options(model: str, options: dict) -> dict:
@@ -409,10 +414,15 @@ def build_model(cfg: dict) -> nn.Module:
     if MODEL_KWARGS in cfg.get("options", {}):
         raise UserError(f"--model-kwarg passes keywords to a torchvision:NAME / timm:NAME network's constructor; "
                         f"{cfg['model']} is a zoo model (its options: --model-option KEY=VALUE)")
+    options = dict(cfg.get("options", {}))
+    if cfg["small_input"] and options.get("deep_stem"):
+        # recorded by a run from before the zoo refused the pair (model_cfg_from_args refuses the flag): its
+        # deep stem was never built, the small-input stem being a 3x3 block, so its model is the one without
+        del options["deep_stem"]
     try:
         return zoo.create_model(cfg["model"], method=cfg["method"], num_classes=cfg["num_classes"],
                                 in_chans=cfg["in_chans"], small_input=cfg["small_input"],
-                                width_mult=cfg["width_mult"], **cfg.get("options", {}))
+                                width_mult=cfg["width_mult"], **options)
     except (ValueError, TypeError, KeyError) as exc:
         raise UserError(f"cannot build {describe_cfg(cfg)}: {exc}") from None
 

@@ -42,6 +42,7 @@ from .common import (
     init_distributed,
     positive_float,
     positive_int,
+    refuse_idle_flags,
 )
 from .data import add_data_arguments, build_data, val_loader
 from .evaluate import checkpoint_model, data_args_from_checkpoint, evaluate
@@ -72,10 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 #: the destinations of the flags that only the verification on data reads
 VERIFY_FLAGS = frozenset({"data_path", "dataset", "cache_dir", "workers", "val_subset", "val_resize_size",
                           "val_crop_size", "rtol", "batch_size"})
-
-
-def _flag(dest: str) -> str:
-    return {"batch_size": "-b/--batch-size", "workers": "-j/--workers"}.get(dest, "--" + dest.replace("_", "-"))
 
 
 def verify(model, deployed, loader, device, rtol: float, progress: bool = False) -> dict:
@@ -110,10 +107,7 @@ def reparam(args: argparse.Namespace) -> dict:
     apply_threads(args)
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     if args.no_verify:  # said, not silently dropped: the flags of the verification on data
-        unused = sorted(set(getattr(args, "given", None) or ()) & VERIFY_FLAGS)
-        if unused:
-            raise UserError(f"--no-verify skips the verification on data; {', '.join(_flag(f) for f in unused)} "
-                            "do(es) not apply then")
+        refuse_idle_flags(args, VERIFY_FLAGS, "--no-verify skips the verification on data")
     info, device = init_distributed(args.device, one_process="orepa reparam")
     out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
         deployed_file_name(args.fuse_bn, args.use_ema))

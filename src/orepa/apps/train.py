@@ -80,6 +80,7 @@ from .checkpoint import (
 from .common import (
     DistInfo,
     UserError,
+    add_amp_arguments,
     add_kernel_builder_argument,
     add_kernel_graphs_argument,
     add_pack_argument,
@@ -105,6 +106,7 @@ from .common import (
     peak_memory,
     positive_float,
     positive_int,
+    refuse_idle_flags,
     run_fault,
     seed_everything,
     some_of,
@@ -207,8 +209,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label-smoothing", type=fraction, default=0.0, help="in [0, 1] (0)")
     g.add_argument("--clip-grad-norm", type=positive_float, default=None, help="clip the gradient norm (off)")
     g = p.add_argument_group("speed and memory")
-    g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False, help="mixed precision: fp16 + GradScaler on CUDA, bf16 on CPU")
-    g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"])
+    add_amp_arguments(g, training=True)
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=False, help="NHWC memory format")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the training model")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
@@ -371,6 +372,26 @@ def _given(args: argparse.Namespace) -> frozenset[str]:
     return frozenset(k for k, v in vars(args).items() if k in defaults and defaults[k] != v)
 
 
+def _refuse_idle_flags(args: argparse.Namespace) -> None:
+    """The flags given that the run's settings (a resumed run's included) leave nothing to do, refused
+    (:func:`refuse_idle_flags`): each acts only with another setting, which is off, and whoever gave it
+    expects the run to train with it. (``--val-subset`` beside ``--no-eval`` passes: it changes nothing
+    that trains, and a shared set of flags holds both.)"""
+    sched = {"cosine": "cosineannealinglr", "step": "steplr"}.get(args.lr_scheduler, args.lr_scheduler)
+    run_dir = Path(args.resume).parent if args.resume else None  # where a resumed run lives
+    for idle, flags, why in (
+            (not args.amp, ("amp_dtype",), "mixed precision is off (no --amp)"),
+            (not args.model_ema, ("model_ema_decay", "model_ema_steps"), "the run keeps no EMA (no --model-ema)"),
+            (sched != "steplr", ("lr_step_size", "lr_gamma"), f"--lr-scheduler {args.lr_scheduler} does not decay in steps (steplr does)"),
+            (sched != "cosineannealinglr", ("lr_min",), f"--lr-scheduler {args.lr_scheduler} has no floor (cosine's has)"),
+            (args.lr_warmup_epochs == 0, ("lr_warmup_decay",), "the run has no warm-up (--lr-warmup-epochs 0)"),
+            (run_dir is not None and args.output_dir is not None
+             and Path(args.output_dir).resolve() == run_dir.resolve(), ("overwrite",),
+             f"--resume continues the run in {run_dir}, which it does not replace")):
+        if idle:
+            refuse_idle_flags(args, flags, why)
+
+
 def _as_parsed(actions: list[argparse.Action], value):
     """A saved setting as the parser makes it from the command line (its type, bounds and choices
     checked); a ValueError says why it is none the parser would make."""
@@ -482,6 +503,9 @@ class Trainer:
         # TF32 is the run's precision (a run's --no-tf32-matmul holds on --resume); None: the
         # device's default, decided again by each session's device
         self.tf32_on = apply_tf32_matmul(args.tf32_matmul, device)
+        if "tf32_matmul" in _given(args) and device.type != "cuda":  # (a machine's setting: said, not refused)
+            self.log(f"note: --{'' if args.tf32_matmul else 'no-'}tf32-matmul acts on CUDA devices only; this run "
+                     f"is on {device.type}")
         if args.batch_size % args.micro_batches:
             raise UserError(f"--micro-batches {args.micro_batches} must divide the batch (-b {args.batch_size})")
         why = ("needs a CUDA device" if device.type != "cuda" else
@@ -559,6 +583,7 @@ class Trainer:
             saved_cfg = self.resume_ckpt.get("model_cfg")
             self.args, self.overrides = resumed_args(args, self.resume_ckpt)
             args = self.args
+        _refuse_idle_flags(args)
         self._step_modes(args)
         source = self.start_flag or f"--resume {args.resume}"
         self.data = build_data(args)
@@ -980,8 +1005,11 @@ class Trainer:
                             "--init-from")
         if saved.get("world_size") not in (None, world):
             self.overrides.append(f"world size {saved['world_size']} -> {world}")
-        self.log(f"resumed {args.resume}: epoch {self.state.epoch + 1}, step {self.state.step_in_epoch}, "
-                 f"global step {self.state.global_step}, "
+        st = self.state
+        # (a run that ended is at the end of its last epoch, not at the start of one more)
+        where = (f"epoch {st.epoch + 1}, step {st.step_in_epoch}" if st.epoch < args.epochs else
+                 f"its end ({st.epoch}/{args.epochs} epochs)")
+        self.log(f"resumed {args.resume}: {where}, global step {st.global_step}, "
                  + ("with its settings; " if saved else "with this command's settings (it records none); ")
                  + (f"overrides: {', '.join(self.overrides)}" if self.overrides else "no overrides"))
 
@@ -1118,8 +1146,6 @@ class Trainer:
             torch.cuda.synchronize(device)
         self.epoch_time = time.perf_counter() - t0
         self._epoch_t0 = None
-        self.session_time += self.epoch_time
-        self.session_steps += steps
         self._flush_sums(acc)
         return stop
 
@@ -1168,6 +1194,13 @@ class Trainer:
         _atomic_json(self.out / PROGRESS_FILE, row)
         self._last_progress = time.perf_counter()
 
+    def _run_time(self) -> float:
+        """Seconds the run has trained, by this command and the runs it resumed: its epochs' (each its own,
+        however many commands trained it) and the epoch in progress's, every step of the run timed once."""
+        s = self.state
+        done = sum(r.get("epoch_time_s") or 0.0 for r in s.history if isinstance(r, dict))
+        return done + (self._epoch_timed()[0] if s.step_in_epoch else 0.0)
+
     def _epoch_timed(self) -> list:
         """[seconds, steps] of the epoch in progress trained so far, by this command and the runs it resumed."""
         t = self.epoch_time if self._epoch_t0 is None else time.perf_counter() - self._epoch_t0
@@ -1208,7 +1241,6 @@ class Trainer:
 
     def fit(self) -> dict:
         args, s, info = self.args, self.state, self.info
-        self.session_time, self.session_steps = 0.0, 0
         if s.epoch >= args.epochs:  # resumed at its end: nothing to train, nothing of it rewritten
             return self._complete_run(f"ends a complete run ({s.epoch}/{args.epochs} epochs, {s.global_step} steps): "
                                       f"nothing to train; --epochs N above {args.epochs} continues it")
@@ -1287,9 +1319,7 @@ class Trainer:
             box = [saved]
             dist.broadcast_object_list(box, 0)
             saved = box[0]
-        if saved is None:  # rebuilt: the run's time is its epochs' (this command trained nothing)
-            self.session_time = sum(r.get("epoch_time_s") or 0.0 for r in s.history if isinstance(r, dict))
-            self.session_steps = s.global_step
+        if saved is None:  # rebuilt (this command trained nothing)
             return self.summary(None, s.history[-1] if s.history else {})
         if self.main:
             print_summary(saved)
@@ -1357,13 +1387,14 @@ class Trainer:
             hashes = [None] * info.world_size
             dist.all_gather_object(hashes, mine)
         mem, mem_kind = peak_memory(self.device)
+        run_time = self._run_time()
         out = {
             "model": describe_cfg(self.cfg), "model_cfg": self.cfg, "dataset": self.data.name,
             "epochs_done": self.state.epoch, "epochs": self.args.epochs, "global_step": self.state.global_step,
             # the signal that stopped the run (None: it was not stopped by one; "" another rank received it)
             "stopped": stop, "stop_signal": (self.signals.received or "") if stop and self.signal_stopped else None,
-            "train_time_s": self.session_time,
-            "time_per_batch_s": self.session_time / max(self.session_steps, 1),
+            "train_time_s": run_time,
+            "time_per_batch_s": run_time / max(self.state.global_step, 1),
             "global_batch": self.global_batch, "world_size": info.world_size, "device": str(self.device),
             "peak_memory_mib": mem, "peak_memory_kind": mem_kind,
             "params_train": self.params_train, "params_deploy": self.params_deploy,

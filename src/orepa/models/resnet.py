@@ -237,6 +237,11 @@ _METHOD_OPTS = {
 
 def _apply_preset(name: str, method: str, options: dict) -> dict:
     bottleneck = RESNET_CONFIGS[name][0] is Bottleneck
+    if options.get("deep_stem") and options.get("small_input"):
+        # asked for, not a preset's (whose deep stem a small-input network just has no 7x7 stem for): it
+        # built the small-input network's 3x3 stem block without a word
+        raise ValueError("deep_stem=True replaces a 7x7 stem conv by a linear deep stem, and small_input=True "
+                         "makes the stem a 3x3 conv (an OREPA block like every 3x3): pass one of them")
     preset = options.pop("preset", None)
     if preset is None:
         return options

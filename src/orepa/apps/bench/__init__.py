@@ -26,6 +26,7 @@ from orepa.apps.common import (
     parse_device,
     positive_float,
     positive_int,
+    refuse_idle_flags,
     thread_count,
 )
 from orepa.apps.model_cfg import MODEL_CFG_KEYS, check_cfg_value, check_model_takes, model_slug
@@ -170,11 +171,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.from_json.strip():
             raise UserError("--from-json '' names no file (a result JSON written by orepa bench)")
         given = set(getattr(args, "given", None) or ())
-        ignored = sorted(given - {"from_json", "output_dir", "no_plot", "overwrite"})
-        if ignored:  # said, not silently dropped: a re-rendered result keeps its own settings
-            flags = ", ".join("--" + f.replace("_", "-") for f in ignored)
-            raise UserError(f"--from-json re-renders a saved result as it was measured; {flags} do(es) not apply "
-                            "(only --output-dir, --overwrite and --no-plot do)")
+        # said, not silently dropped: a re-rendered result keeps its own settings
+        refuse_idle_flags(args, given - {"from_json", "output_dir", "no_plot", "overwrite"},
+                          "--from-json re-renders a saved result as it was measured",
+                          "only --output-dir, --overwrite and --no-plot do")
         source = Path(args.from_json)
         # an --output-dir given on the command line takes the files; else they go next to FILE
         out_dir = args.output_dir if "output_dir" in given else None
