@@ -382,8 +382,10 @@ def _refuse_idle_flags(args: argparse.Namespace) -> None:
     for idle, flags, why in (
             (not args.amp, ("amp_dtype",), "mixed precision is off (no --amp)"),
             (not args.model_ema, ("model_ema_decay", "model_ema_steps"), "the run keeps no EMA (no --model-ema)"),
-            (sched != "steplr", ("lr_step_size", "lr_gamma"), f"--lr-scheduler {args.lr_scheduler} does not decay in steps (steplr does)"),
-            (sched != "cosineannealinglr", ("lr_min",), f"--lr-scheduler {args.lr_scheduler} has no floor (cosine's has)"),
+            (sched != "steplr", ("lr_step_size", "lr_gamma"),
+             f"--lr-scheduler {args.lr_scheduler} does not decay in steps (steplr does)"),
+            (sched != "cosineannealinglr", ("lr_min",),
+             f"--lr-scheduler {args.lr_scheduler} has no floor (cosine's has)"),
             (args.lr_warmup_epochs == 0, ("lr_warmup_decay",), "the run has no warm-up (--lr-warmup-epochs 0)"),
             (run_dir is not None and args.output_dir is not None
              and Path(args.output_dir).resolve() == run_dir.resolve(), ("overwrite",),
