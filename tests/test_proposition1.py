@@ -47,6 +47,11 @@ def test_multibranch_online_equals_offline():
         torch.testing.assert_close(on(x), off(x), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="needs a scale"):
         MultiBranchConv(w, "vector", torch.rand(4, dtype=torch.float64))
+    # check_update's own arguments: a bare KeyError of its scale table, an autograd error of no branch
+    with pytest.raises(ValueError, match=r"scaling must be one of \('shared', 'vector', 'scalar', 'none'\), got 'x'"):
+        check_update("x")
+    with pytest.raises(ValueError, match="branches must be an int >= 1, got 0"):
+        check_update("vector", branches=0)
 
 
 @pytest.mark.slow

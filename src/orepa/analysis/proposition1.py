@@ -152,6 +152,12 @@ def check_update(scaling: str, *, branches: int = 3, c_in: int = 3, c_out: int =
       ``span{W_e[c], dL/dW_e[c]}`` (worst channel): 0 for a single layer;
     * ``update_norm``: ||first end-to-end update||.
     """
+    if scaling not in SCALINGS:  # (checked before the draws below, which differ by scaling)
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+    for name, value in (("branches", branches), ("c_in", c_in), ("c_out", c_out), ("k", k), ("steps", steps),
+                        ("batch", batch), ("size", size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     gen = torch.Generator().manual_seed(seed)
     dt = torch.float64
     w = torch.randn(branches, c_out, c_in, k, k, generator=gen, dtype=dt) / math.sqrt(c_in * k * k)
