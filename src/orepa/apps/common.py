@@ -280,12 +280,18 @@ def default_pack(kernel_builder: str, device: torch.device, whole_step_compiled:
 
 def add_amp_arguments(g, training: bool) -> None:
     """``--amp`` / ``--amp-dtype``: autocast for training or evaluation (:func:`autocast_context`);
-    ``--amp-dtype`` without ``--amp`` is refused where the command runs (:func:`refuse_idle_flags`)."""
+    ``--amp-dtype`` without ``--amp`` is refused where the command runs (:func:`refuse_amp_dtype_without_amp`)."""
     g.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False,
                    help="mixed precision (autocast): float16 on CUDA" + (" with a GradScaler" if training else "")
                         + ", bfloat16 elsewhere (--amp-dtype to choose)")
     g.add_argument("--amp-dtype", default="auto", choices=["auto", "float16", "bfloat16"],
                    help="with --amp: the autocast type (auto: float16 on CUDA, bfloat16 elsewhere)")
+
+
+def refuse_amp_dtype_without_amp(args: argparse.Namespace) -> None:
+    """``--amp-dtype`` given without ``--amp`` (:func:`add_amp_arguments`'s pair): refused."""
+    if not args.amp:
+        refuse_idle_flags(args, ("amp_dtype",), "mixed precision is off (no --amp)")
 
 
 def add_tf32_matmul_argument(g, default: bool | None) -> None:

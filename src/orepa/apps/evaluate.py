@@ -37,7 +37,7 @@ from .common import (
     init_distributed,
     peak_memory,
     positive_int,
-    refuse_idle_flags,
+    refuse_amp_dtype_without_amp,
 )
 from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
 from .model_cfg import (
@@ -176,8 +176,7 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     try:
-        if not args.amp:
-            refuse_idle_flags(args, ("amp_dtype",), "mixed precision is off (no --amp)")
+        refuse_amp_dtype_without_amp(args)
         info, device = init_distributed(args.device)
         if args.json:
             check_output_path(args.json, "--json", report="eval", not_over={"the input checkpoint": args.checkpoint})

@@ -401,13 +401,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_output(out: Path, args: argparse.Namespace, path) -> None:
-    """The output may be written: not the input, nor another kind of file unless ``--overwrite``."""
+    """The output may be written: not the input, nor a name of the other format, nor another kind of
+    file unless ``--overwrite``."""
     ckpt_io.check_output_path(args.output or out, "--output", not_over={  # (as given: a final "/")
         "the input checkpoint (export never writes over its input)": path or None})
     if out.exists() and not args.overwrite and not is_export(out, args.format):
         held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
             f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")
         raise UserError(f"--output {out} {held}; pass --overwrite to replace it, or choose another --output")
+    named = {".onnx": "onnx", ".pt": "torchscript", ".pth": "torchscript"}.get(out.suffix.lower())
+    if named not in (None, args.format):  # a file named for one format holding the other: said, not written
+        kinds = {"onnx": "an ONNX model", "torchscript": "a TorchScript module"}
+        raise UserError(f"--output {args.output or out} is named as {kinds[named]}, and --format {args.format} "
+                        f"writes {kinds[args.format]}: give --format {named}, or another name")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -424,11 +430,6 @@ def run(args: argparse.Namespace) -> int:
     path = args.checkpoint or args.checkpoint_opt
     if args.output:  # before anything is loaded or built
         _check_output(Path(args.output), args, path)
-        named = {".onnx": "onnx", ".pt": "torchscript", ".pth": "torchscript"}.get(Path(args.output).suffix.lower())
-        if named not in (None, args.format):  # a file named for one format holding the other: said, not written
-            kinds = {"onnx": "an ONNX model", "torchscript": "a TorchScript module"}
-            raise UserError(f"--output {args.output} is named as {kinds[named]}, and --format {args.format} writes "
-                            f"{kinds[args.format]}: give --format {named}, or another name")
     ckpt = ckpt_io.load_checkpoint(path) if path else {}
     if path:
         if "model_cfg" not in ckpt and args.small_input is None and args.model and not external_source(args.model):

@@ -106,6 +106,7 @@ from .common import (
     peak_memory,
     positive_float,
     positive_int,
+    refuse_amp_dtype_without_amp,
     refuse_idle_flags,
     run_fault,
     seed_everything,
@@ -274,11 +275,16 @@ def make_criterion(args) -> nn.Module:
     return nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
 
 
+def schedule_name(args) -> str:
+    """``--lr-scheduler`` without its aliases (``cosine``, ``step``)."""
+    return {"cosine": "cosineannealinglr", "step": "steplr"}.get(args.lr_scheduler, args.lr_scheduler)
+
+
 def lr_factor_fn(args, iters_per_epoch: int):
     """Multiplier of the peak lr after ``it`` optimizer steps: linear warm-up, then the schedule."""
     warm = int(round(args.lr_warmup_epochs * iters_per_epoch))
     total = args.epochs * iters_per_epoch
-    sched = {"cosine": "cosineannealinglr", "step": "steplr"}.get(args.lr_scheduler, args.lr_scheduler)
+    sched = schedule_name(args)
     floor = (args.lr_min / args.lr) if args.lr else 0.0
 
     def factor(it: int) -> float:
@@ -377,10 +383,10 @@ def _refuse_idle_flags(args: argparse.Namespace) -> None:
     (:func:`refuse_idle_flags`): each acts only with another setting, which is off, and whoever gave it
     expects the run to train with it. (``--val-subset`` beside ``--no-eval`` passes: it changes nothing
     that trains, and a shared set of flags holds both.)"""
-    sched = {"cosine": "cosineannealinglr", "step": "steplr"}.get(args.lr_scheduler, args.lr_scheduler)
+    refuse_amp_dtype_without_amp(args)
+    sched = schedule_name(args)
     run_dir = Path(args.resume).parent if args.resume else None  # where a resumed run lives
     for idle, flags, why in (
-            (not args.amp, ("amp_dtype",), "mixed precision is off (no --amp)"),
             (not args.model_ema, ("model_ema_decay", "model_ema_steps"), "the run keeps no EMA (no --model-ema)"),
             (sched != "steplr", ("lr_step_size", "lr_gamma"),
              f"--lr-scheduler {args.lr_scheduler} does not decay in steps (steplr does)"),
@@ -649,7 +655,7 @@ class Trainer:
         if args.lr is None:
             args.lr = 0.1 * global_batch / 256
         self.global_batch = global_batch
-        if args.lr_min > args.lr and args.lr_scheduler in ("cosineannealinglr", "cosine"):
+        if args.lr_min > args.lr and schedule_name(args) == "cosineannealinglr":
             raise UserError(f"--lr-min {args.lr_min:g} is above the peak --lr {args.lr:g}"
                             + ("" if "lr" in _given(args) else " (0.1 x global batch / 256)")
                             + ": the cosine schedule would raise the learning rate")
