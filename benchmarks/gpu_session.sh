@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent-GPU session, in two phases (run from the repository root):
+# The GPU checks for a lent GPU machine, one phase per call (run from the repository root):
 #   benchmarks/gpu_session.sh probe      # ~4 min: nccl/fp16/SyncBN smoke run + reparam, a torchvision network in
 #                                        #   the default CUDA mode + reparam, cost tables at the
 #                                        #   paper's setting (ResNet-18 and ResNet-50, batch 64, 224x224)
@@ -65,7 +65,7 @@ cuda_tests() {
         | tee "$R/test_cuda.log" | tail -15
     pack  # after each stage: a run cut off by its time limit still returns what it measured
 }
-# eager and CUDA-graph step times of base / OREPA / DBB at the settings: fp32 (TF32 convs),
+# eager and CUDA-graph step times of base / OREPA / DBB at the paper's setting: fp32 (TF32 convs),
 # cudnn.benchmark, SGD momentum, steps interleaved; $1: the time limit of each bench
 step_times() {
     local setting graphs
@@ -138,7 +138,7 @@ steps)
     ;;
 modes)
     # the step modes side by side after a change: the real-device tests, eager and CUDA-graph steps of
-    # base / OREPA / DBB at the settings, and torch.compile'd steps of base and OREPA (ResNet-18 b64)
+    # base / OREPA / DBB at the paper's setting, and torch.compile'd steps of base and OREPA (ResNet-18 b64)
     cuda_tests 150
     # the default mode (CUDA graphs) with the options that change what the capture sees: fp16 autocast,
     # channels_last, an EMA of the weights; one short epoch, then its deployment checked
@@ -258,7 +258,7 @@ long)
     ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
-# the GPU goals against what this phase measured (benchmarks/gpu_goals.py): the verdict at a glance
+# the GPU goals (docs/benchmarks.md) against what this phase measured (benchmarks/gpu_goals.py): the verdict at a glance
 if [ -d "$R/bench" ] || [ -n "${GPU_SESSION_DRY:-}" ]; then
     python3 benchmarks/gpu_goals.py "$R/bench" --json "$R/goals.json" 2>&1 | tee "$R/goals.md"
 fi

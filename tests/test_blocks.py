@@ -510,10 +510,16 @@ def test_a_new_branch_type_is_one_registration():
         model = orepa.create_model("resnet18", "orepa", num_classes=3, width_mult=0.125,
                                    branches=["kxk", "kxk_twin_test"], deep_stem=False)
         assert set(model.layer1[0].conv1.branches) == {"kxk", "kxk_twin_test"}
-        assert orepa.create_model("resnet18", "orepa", num_classes=3, width_mult=0.125, twin_test=False)
+        # its switch: off leaves the six, on adds it to them (it was accepted and added nothing)
+        off = orepa.create_model("resnet18", "orepa", num_classes=3, width_mult=0.125, twin_test=False)
+        assert tuple(off.layer1[0].conv1.branches) == orepa.OREPA_BRANCHES
+        on = orepa.create_model("resnet18", "orepa", num_classes=3, width_mult=0.125, twin_test=True)
+        assert tuple(on.layer1[0].conv1.branches) == (*orepa.OREPA_BRANCHES, "kxk_twin_test")
+        assert "kxk_twin_test" in on.conv1.branches[next(iter(on.conv1.branches))][0].branches  # the deep stem's too
         p = argparse.ArgumentParser()
         add_model_arguments(p)
         assert block_options_from_args(p.parse_args(["--no-twin-test"]))["twin_test"] is False
+        assert block_options_from_args(p.parse_args(["--twin-test"]))["twin_test"] is True
     finally:
         orepa.BRANCH_TYPES.pop("kxk_twin_test", None)
     with pytest.raises(ValueError, match="unknown branch"):

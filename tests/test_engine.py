@@ -755,12 +755,12 @@ def _dynamo_instructions(n: int) -> int:
 
 
 def test_a_compiled_groups_trace_grows_about_linearly_in_its_blocks():
-    """Dynamo's trace of a grouped network costs per instruction of the Python it traces (~60 us each on
-    a CPU: ResNet-18's trace was 298k instructions and 17 s, against base's 3k and 1 s). Looking at a
-    group's tensors once per forward (not once per block) and a Function per group (dynamo's model of a
-    Function compares each output with each input) keep it about linear in the blocks: 16 blocks of one
-    group trace 4.6x the instructions of 4 here (7.3x when each block looked at its group's tensors and
-    one Function took every group's parameters)."""
+    """Dynamo's trace of a grouped network costs per instruction of the Python it traces (ResNet-18 at
+    1/8 width: 146k instructions, 7.4 s, against base's 3.4k, 0.7 s; docs/benchmarks.md). Looking at
+    a group's tensors once per forward (not once per block) and a Function per group (dynamo's model
+    of a Function compares each output with each input) keep it about linear in the blocks: 16 blocks
+    of one group trace 4.6x the instructions of 4 here (7.3x with a look per block and one Function
+    for every group's parameters)."""
     four, sixteen = _dynamo_instructions(4), _dynamo_instructions(16)
     assert sixteen <= 5.5 * four, (four, sixteen)
 

@@ -1077,12 +1077,13 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class BranchType:
-    """One kind of branch: its linear steps, where its scale starts, and the switch that leaves it out.
+    """One kind of branch: its linear steps, where its scale starts, and the switch that turns it on and off.
 
     ``steps(cin, cout, k, groups, cfg)`` (``k``: the block's kernel size ``(kh, kw)``) returns the
     steps (its tail, a scale or BN, is added by
     :func:`build_branches`). ``switch`` names a ``create_model`` option and CLI flag
-    (``--<switch>`` / ``--no-<switch>``) that removes this branch from the OREPA blocks when False.
+    (``--<switch>`` / ``--no-<switch>``): False removes this branch from a model's OREPA blocks,
+    True adds it where the model's branch set lacks it (a type registered beyond the paper's six).
     """
 
     name: str

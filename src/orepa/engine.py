@@ -1427,8 +1427,8 @@ class KernelGroup:
 
     def _traced_kernel_of(self, i: int) -> Tensor:
         """Block ``i``'s kernel inside a dynamo trace: the first block to ask builds the kernels of
-        every group of the network that traces together (one :class:`GroupsFunction` over their
-        plans' traced twins, :func:`_autograd_twin`; only its own group's without ``joint``), keeping
+        every group of the network that traces together (a :class:`GroupsFunction` per group over its
+        plan's traced twin, :func:`_autograd_twin`; only its own group's without ``joint``), keeping
         them in the workspace for their blocks to read. Between graphs (a graph break) they stay there
         as the graph's outputs; the root's hooks drop them at the forward's start and end, so no kernel
         outlives its forward. A kernel serves while its block reads the tensors it was built from (the

@@ -138,18 +138,22 @@ BLOCK_OPTS = ("branches", "dw_expand", "internal_channels", "init")
 
 
 def branch_switches() -> tuple[str, ...]:
-    """The options that turn optional branches off (``orepa.blocks.BranchType.switch``)."""
+    """The options that turn optional branches on and off (``orepa.blocks.BranchType.switch``)."""
     return tuple(t.switch for t in BRANCH_TYPES.values() if t.switch)
 
 
 def branch_list(opts: Mapping[str, Any], base: Sequence[str] = OREPA_BRANCHES) -> tuple[str, ...]:
-    """The branches ``opts`` asks for: ``branches=`` as given, else ``base`` less those whose switch is False."""
+    """The branches ``opts`` asks for: ``branches=`` as given, else ``base`` less those whose switch is
+    False, and with those whose switch is True that ``base`` lacks (a registered type beyond the
+    paper's six), in their registration order."""
     switches = [k for k in branch_switches() if k in opts]
     if opts.get("branches") is not None:
         if switches:
             raise ValueError(f"pass either branches=... or {'/'.join(switches)}, not both")
         return tuple(opts["branches"])
-    return tuple(b for b in base if not BRANCH_TYPES[b].switch or opts.get(BRANCH_TYPES[b].switch, True))
+    kept = [b for b in base if not BRANCH_TYPES[b].switch or opts.get(BRANCH_TYPES[b].switch, True)]
+    added = [t.name for t in BRANCH_TYPES.values() if t.switch and opts.get(t.switch) is True and t.name not in base]
+    return (*kept, *added)
 
 
 def block_opts(opts: dict, *keys: str) -> dict:

@@ -1,0 +1,78 @@
+"""What dynamo's trace of a ``torch.compile``'d train step costs, base vs OREPA: bytecode instructions.
+
+Dynamo interprets every bytecode instruction of the Python it traces (the model's, and the engine's
+that builds the online blocks' kernels inside the graph), which on a CPU costs tens of microseconds
+each, so the instruction count is the trace's host cost in a deterministic number. Counted in the
+first forward and backward of a zoo model (10 classes, batch 2, 64x64, 1/8 width, the GPU's
+grouping: policy ``grouped``, ``traced=True``) compiled with ``backend="eager"`` (dynamo alone:
+inductor's compilation comes on top, the same for any trace of the same graph); the first step's
+time is recorded beside it::
+
+    python3 benchmarks/compile_trace_cost.py   # -> benchmarks/results/compile_trace_cost.json
+
+Counts ``torch._dynamo.symbolic_convert.InstructionTranslatorBase.step`` calls (an internal of
+dynamo: other torch versions may count differently; compare variants of one run).
+"""
+import argparse
+import collections
+import json
+import time
+
+import torch
+from torch._dynamo import symbolic_convert
+
+from orepa import engine
+from orepa.apps.bench.measure import environment, git_state
+from orepa.models import create_model
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("-m", "--model", default="resnet18", help="a zoo model with an orepa method (default resnet18)")
+parser.add_argument("--width-mult", type=float, default=0.125, help="width multiplier (default 1/8: the trace's "
+                    "instructions do not depend on the width, its compute does)")
+parser.add_argument("--top", type=int, default=10, help="the functions tracing the most instructions to list")
+args = parser.parse_args()
+torch.set_num_threads(2)
+
+counts: collections.Counter = collections.Counter()
+step = symbolic_convert.InstructionTranslatorBase.step
+
+
+def counted(self):
+    code = self.f_code
+    counts[f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_firstlineno}({code.co_name})"] += 1
+    return step(self)
+
+
+symbolic_convert.InstructionTranslatorBase.step = counted
+out = {"environment": environment(torch.device("cpu"), git_state()),
+       "setting": f"{args.model} x{args.width_mult} width, 10 classes, batch 2, 64x64, torch.compile(backend='eager'), "
+                  "grouped as on a GPU (traced=True)",
+       "models": {}}
+for method in ("base", "orepa"):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = create_model(args.model, method, num_classes=10, width_mult=args.width_mult).train()
+    if method != "base":
+        engine.group_kernels(model, "grouped", traced=True)
+    compiled = torch.compile(model, backend="eager")
+    x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 2])
+    counts.clear()
+    start = time.perf_counter()
+    torch.nn.functional.cross_entropy(compiled(x), y).backward()
+    seconds = time.perf_counter() - start
+    out["models"][method] = {"instructions": sum(counts.values()), "first_step_s": round(seconds, 1),
+                             "most": counts.most_common(args.top)}
+
+base = out["models"]["base"]
+print(out["setting"])
+print("| model | instructions traced | first step |")
+print("|---|---|---|")
+for method, row in out["models"].items():
+    print(f"| {method} | {row['instructions']:,} ({row['instructions'] / base['instructions']:.0f}x) "
+          f"| {row['first_step_s']:.1f} s |")
+print("\nmost instructions (orepa):")
+for where, n in out["models"]["orepa"]["most"]:
+    print(f"  {n:>7,}  {where}")
+suffix = "" if args.model == "resnet18" else f"_{args.model}"
+with open(f"benchmarks/results/compile_trace_cost{suffix}.json", "w") as fh:
+    json.dump(out, fh, indent=1)
