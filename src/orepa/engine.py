@@ -354,6 +354,9 @@ class Plan:
         self.learnable_roles = tuple(r for br in self.branches
                                      for r in (*br.learnable, *((True,) if br.scales is not None else ())))
         self._fixed_roles = tuple(r for r, learnable in enumerate(self.learnable_roles) if not learnable)
+        # per role, whether it is learnable and its index among the roles of its kind (_roles)
+        self._role_index = tuple((learnable, sum(1 for x in self.learnable_roles[:r] if x == learnable))
+                                 for r, learnable in enumerate(self.learnable_roles))
         ends = list(itertools.accumulate(len(br.steps) + (br.scales is not None) for br in self.branches))
         self._scale_roles = frozenset(e - 1 for e, br in zip(ends, self.branches) if br.scales is not None)
         self._slots, self._param_slots = [], []
@@ -388,17 +391,12 @@ class Plan:
     def _roles(self, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> list[Tensor]:
         """Per role, the blocks' tensors concatenated, from ``leaves`` (:meth:`params` order) and
         ``fixed`` (:meth:`fixed` order)."""
-        # block-major: a role's tensors are every m-th of its kind (a slice, one instruction where dynamo
+        # block-major: a role's tensors are every m-th of its kind (a slice: few instructions where dynamo
         # traces this, instead of a loop over every tensor)
+        if self.n == 1:
+            return [leaves[k] if learnable else fixed[k] for learnable, k in self._role_index]
         m, f = len(self.learnable_roles) - len(self._fixed_roles), len(self._fixed_roles)
-        out, li, fi = [], 0, 0
-        for learnable in self.learnable_roles:
-            if learnable:
-                ts, li = leaves[li::m], li + 1
-            else:
-                ts, fi = fixed[fi::f], fi + 1
-            out.append(ts[0] if self.n == 1 else torch.cat(ts))
-        return out
+        return [torch.cat(leaves[k::m] if learnable else fixed[k::f]) for learnable, k in self._role_index]
 
     def storage_from(self, leaves: Sequence[Tensor], fixed: Sequence[Tensor]) -> Storage:
         """The operands of a build that read ``leaves`` and ``fixed`` (see :meth:`_roles`) as a
@@ -723,9 +721,28 @@ def plan_of(block: nn.Module, names: Sequence[str], launch_bound: bool = False) 
         cache = block.__dict__.setdefault("_replica_plans", {})
     if torch.compiler.is_compiling():
         # traced by dynamo (a torch.compile'd model): the form written for a compiler, whose short
-        # contractions and scale gradients inductor fuses into the element-wise passes around them
-        return Plan((block,), names, launch_bound, traced=True)
+        # contractions and scale gradients inductor fuses into the element-wise passes around them;
+        # made before the trace where group_kernels(traced=True) could (_prepare_traced_plans): made in
+        # it, a plan costs dynamo thousands of instructions
+        plan = None if _is_replica(block) else block.__dict__.get("_traced_plans", {}).get((tuple(names), launch_bound))
+        return plan if plan is not None else Plan((block,), names, launch_bound, traced=True)
     return memo(cache, (tuple(names), launch_bound), lambda: Plan((block,), names, launch_bound))
+
+
+def _prepare_traced_plans(block: nn.Module) -> None:
+    """The traced plans (:func:`plan_of` inside a dynamo trace) of ``block``'s routes, made now: on a
+    GPU its whole branch set, on a CPU every set :func:`choose_route` may squeeze (its two-layer
+    branches may run on the feature map instead)."""
+    names = tuple(block.branches)
+    movable = [n for n, br in block.branches.items() if block._aligned and len(br._split()[0]) == 2
+               and _learnable(br._split()[0][0]) and br._pad_step is not None]
+    plans = {(names, True): Plan((block,), names, True, traced=True)}
+    for k in range(len(movable) + 1):
+        for off in itertools.combinations(movable, k):
+            squeezed = tuple(n for n in names if n not in off)
+            if squeezed:
+                plans[(squeezed, False)] = Plan((block,), squeezed, False, traced=True)
+    block._traced_plans = plans
 
 
 def _is_replica(module: nn.Module) -> bool:
@@ -1638,10 +1655,13 @@ class KernelGroup:
     def _replan(self) -> None:
         """New plans after the steps' weights moved (plans hold where each tensor lives)."""
         self.plan = Plan(self.blocks, self.names, launch_bound=True)
-        if self.workspace is not None and self.workspace.traced_scope:  # grouped with traced=True
+        traced = self.workspace is not None and self.workspace.traced_scope  # grouped with traced=True
+        if traced:
             _autograd_twin(self.plan)
         for b in self.blocks:
             b._plans.clear()
+            if traced:
+                _prepare_traced_plans(b)
         self._pending, self._compiled, self._compiled_for, self._graphed_for = {}, {}, None, None
         self._recording = None
 
@@ -2324,6 +2344,7 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
         if not hasattr(m, "_kernel_group"):
             continue
         m._kernel_group = None
+        m.__dict__.pop("_traced_plans", None)  # (made again for the blocks grouped with traced=True)
         if not m._closed_form or (tied and any(id(p) in tied for p in m.parameters())):
             continue
         sig = _signature(m)
@@ -2362,8 +2383,10 @@ def _make_groups(parts: Sequence[Sequence[nn.Module]], names: dict[int, str], po
         group.peers = groups
         if pack:
             group.pack()
-        if traced:
-            _autograd_twin(group.plan)  # made here, not inside a trace (see KernelGroup._traced_kernel_of)
+        if traced:  # made here, not inside a trace (see KernelGroup._traced_kernel_of and plan_of)
+            _autograd_twin(group.plan)
+            for blk in group.blocks:
+                _prepare_traced_plans(blk)
     return groups
 
 
