@@ -3,8 +3,9 @@
 Dynamo interprets every bytecode instruction of the Python it traces (the model's, and the engine's
 that builds the online blocks' kernels inside the graph), which on a CPU costs tens of microseconds
 each, so the instruction count is the trace's host cost in a deterministic number. Counted in the
-first forward and backward of a zoo model (10 classes, batch 2, 64x64, 1/8 width, the GPU's
-grouping: policy ``grouped``, ``traced=True``) compiled with ``backend="eager"`` (dynamo alone:
+first forward and backward of a zoo model (10 classes, batch 2, 64x64, 1/8 width; OREPA grouped
+as on a GPU, policy ``grouped``, and block by block as on a CPU, policy ``per-block``, both with
+``traced=True``) compiled with ``backend="eager"`` (dynamo alone:
 inductor's compilation comes on top, the same for any trace of the same graph); the first step's
 time is recorded beside it::
 
@@ -46,33 +47,36 @@ def counted(self):
 symbolic_convert.InstructionTranslatorBase.step = counted
 out = {"environment": environment(torch.device("cpu"), git_state()),
        "setting": f"{args.model} x{args.width_mult} width, 10 classes, batch 2, 64x64, torch.compile(backend='eager'), "
-                  "grouped as on a GPU (traced=True)",
+                  "group_kernels(traced=True)",
        "models": {}}
-for method in ("base", "orepa"):
+VARIANTS = {"base": ("base", None), "orepa, grouped": ("orepa", "grouped"), "orepa, per-block": ("orepa", "per-block")}
+for name, (method, policy) in VARIANTS.items():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = create_model(args.model, method, num_classes=10, width_mult=args.width_mult).train()
-    if method != "base":
-        engine.group_kernels(model, "grouped", traced=True)
+    if policy is not None:
+        engine.group_kernels(model, policy, traced=True)
     compiled = torch.compile(model, backend="eager")
     x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 2])
     counts.clear()
     start = time.perf_counter()
     torch.nn.functional.cross_entropy(compiled(x), y).backward()
     seconds = time.perf_counter() - start
-    out["models"][method] = {"instructions": sum(counts.values()), "first_step_s": round(seconds, 1),
+    out["models"][name] = {"instructions": sum(counts.values()), "first_step_s": round(seconds, 1),
                              "most": counts.most_common(args.top)}
 
 base = out["models"]["base"]
 print(out["setting"])
 print("| model | instructions traced | first step |")
 print("|---|---|---|")
-for method, row in out["models"].items():
-    print(f"| {method} | {row['instructions']:,} ({row['instructions'] / base['instructions']:.0f}x) "
+for name, row in out["models"].items():
+    print(f"| {name} | {row['instructions']:,} ({row['instructions'] / base['instructions']:.0f}x) "
           f"| {row['first_step_s']:.1f} s |")
-print("\nmost instructions (orepa):")
-for where, n in out["models"]["orepa"]["most"]:
-    print(f"  {n:>7,}  {where}")
+for name in VARIANTS:
+    if name != "base":
+        print(f"\nmost instructions ({name}):")
+        for where, n in out["models"][name]["most"]:
+            print(f"  {n:>7,}  {where}")
 suffix = "" if args.model == "resnet18" else f"_{args.model}"
 with open(f"benchmarks/results/compile_trace_cost{suffix}.json", "w") as fh:
     json.dump(out, fh, indent=1)
