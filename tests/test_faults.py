@@ -113,6 +113,7 @@ def test_kill_9_during_a_checkpoint_write_keeps_the_previous_one(cache, referenc
 
 SIGNAL_ON_SAVE = """
 import os, signal, sys, torch
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's run, however the suite was started (nohup ignores it)
 sig, at = int(sys.argv[1]), int(sys.argv[2])
 calls = {"n": 0}
 real_save = torch.save
@@ -272,6 +273,7 @@ def test_a_hangup_stops_a_run_unless_it_was_started_under_nohup():
     ignoring it (nohup) keeps ignoring it: it is meant to outlive the terminal."""
     before = signal.getsignal(signal.SIGHUP)
     try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a terminal's run, however the suite was started (nohup)
         with train.StopSignals() as signals:
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(0.01)

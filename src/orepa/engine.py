@@ -1245,8 +1245,9 @@ def train_kernel(block: nn.Module) -> Tensor:
     """The squeezed kernel of a closed-form online block with autograd (a block nested as a step)."""
     group = block._kernel_group
     # its group's plan where it has one: inside a dynamo trace plan_of makes a plan, which costs the trace
-    # more than the kernel's own operators
-    ref = group.plan.ref(group._index[id(block)]) if group is not None else plan_of(block, tuple(block.branches)).ref()
+    # more than the kernel's own operators (a DataParallel replica is not among its group's blocks)
+    i = None if group is None else group._index.get(id(block))
+    ref = group.plan.ref(i) if i is not None else plan_of(block, tuple(block.branches)).ref()
     group = _grouped(block, ref)
     if group is not None:
         return group.kernel_of(block)
