@@ -734,8 +734,7 @@ def _prepare_traced_plans(block: nn.Module) -> None:
     GPU its whole branch set, on a CPU every set :func:`choose_route` may squeeze (its two-layer
     branches may run on the feature map instead)."""
     names = tuple(block.branches)
-    movable = [n for n, br in block.branches.items() if block._aligned and len(br._split()[0]) == 2
-               and _learnable(br._split()[0][0]) and br._pad_step is not None]
+    movable = [n for n, br in block.branches.items() if block._aligned and _may_run_on_features(br)]
     plans = {(names, True): Plan((block,), names, True, traced=True)}
     for k in range(len(movable) + 1):
         for off in itertools.combinations(movable, k):
@@ -1247,11 +1246,13 @@ def train_kernel(block: nn.Module) -> Tensor:
     # its group's plan where it has one: inside a dynamo trace plan_of makes a plan, which costs the trace
     # more than the kernel's own operators (a DataParallel replica is not among its group's blocks)
     i = None if group is None else group._index.get(id(block))
-    ref = group.plan.ref(i) if i is not None else plan_of(block, tuple(block.branches)).ref()
+    plan = None if i is not None else plan_of(block, tuple(block.branches))
+    ref = group.plan.ref(i) if plan is None else plan.ref()
     group = _grouped(block, ref)
     if group is not None:
         return group.kernel_of(block)
-    plan = plan_of(block, tuple(block.branches))
+    if plan is None:
+        plan = plan_of(block, tuple(block.branches))
     if _launch_bound(ref):
         plan = plan_of(block, tuple(block.branches), True)
     return squeeze_kernels(plan, None, *plan.params())[0]
@@ -1295,6 +1296,13 @@ def force_route(block: nn.Module, x: Tensor, recompute: bool, on_features: Seque
                                                 [n for n in block.branches if n in on_features])
 
 
+def _may_run_on_features(br: nn.Module) -> bool:
+    """Whether branch ``br`` may run on the feature map instead of its kernel's (:func:`choose_route`): two
+    steps, the first learnable, padded where its kernel would be."""
+    steps, _ = br._split()
+    return len(steps) == 2 and _learnable(steps[0]) and br._pad_step is not None
+
+
 def choose_route(block: nn.Module, shape: torch.Size, recompute: bool,
                  launch_bound: bool = False) -> tuple[list[str], list[str]]:
     if launch_bound or not block._aligned:  # other than "same" padding, the kernel route is the only one
@@ -1305,9 +1313,8 @@ def choose_route(block: nn.Module, shape: torch.Size, recompute: bool,
     kernel_passes = 4 if recompute else 3  # forward, 2 in backward, (+1 rebuild)
     squeezed, on_features = [], []
     for name, br in block.branches.items():
-        steps, _ = br._split()
-        if len(steps) == 2 and _learnable(steps[0]) and br._pad_step is not None:
-            a, b = steps
+        if _may_run_on_features(br):
+            a, b = br._split()[0]
             first_pixels = n * ho * wo if br._subsample_first else n * h * w
             feature_macs = first_pixels * a.weight.numel() + n * ho * wo * b.weight.numel()
             if K.compose_case(a.weight.shape, a.groups, b.weight.shape, b.groups) == "depthwise_after_1x1":
