@@ -1330,9 +1330,11 @@ def test_the_data_flags_of_the_other_kind_of_data_are_refused(reference, cache, 
         assert msg in err, (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fmnist.pth", "imgs"]
     capsys.readouterr()
-    assert main(["train", *TINY, "--sync-bn", "--epochs", "1", "--max-steps", "1", "--cache-dir", cache,
-                 "--output-dir", str(tmp_path / "s")]) == 0
-    assert "note: --sync-bn has no effect in one process" in capsys.readouterr().out
+    assert main(["train", *TINY, "--sync-bn", "--dist-timeout", "5", "--epochs", "1", "--max-steps", "1",
+                 "--cache-dir", cache, "--output-dir", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "note: --sync-bn has no effect in one process" in out
+    assert "note: --dist-timeout has no effect in one process" in out
 
 
 def test_two_names_for_one_input_and_a_name_too_long_are_one_line(reference, tmp_path, capsys):
@@ -1701,6 +1703,30 @@ def test_a_forked_worker_does_not_hold_its_parents_run_lock(tmp_path):
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
         os.close(ready_r)
+
+
+def test_a_peer_that_fails_while_the_run_is_set_up_is_one_line(monkeypatch, capsys, tmp_path):
+    """A rank whose setup fails (its data directory missing) says so and exits; the survivor's next
+    collective (DistributedDataParallel's first broadcast) then fails with gloo's "Connection closed
+    by peer": one line naming that, not torch's traceback; torch's text cut at a word."""
+    from orepa.apps.common import DistInfo
+
+    gloo = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:5437 "
+            + "Check the logs of the remote worker for the error that ended it " * 4)
+
+    def setup(self):
+        raise RuntimeError(gloo)
+
+    monkeypatch.setattr(train, "init_distributed", lambda *a, **k: (DistInfo(0, 2, 0, True), torch.device("cpu")))
+    monkeypatch.setattr(train.Trainer, "setup", setup)
+    capsys.readouterr()
+    assert main(["train", *TINY, "--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "orepa train: error: another process of the run failed or stopped answering ([../third_party/gloo/"), err
+    assert err[0].endswith("Check the logs of the remote worker for ...) while the run was being set up, before its "
+                           "first step"), err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_failing_distributed_run_says_its_error_before_a_launchers_sigterm_ends_it(monkeypatch, capsys):

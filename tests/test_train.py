@@ -708,6 +708,22 @@ def test_a_resume_that_started_while_the_run_was_still_writing_refuses_to_train_
     assert _load(ckpt)["global_step"] == 5
 
 
+def test_a_resume_that_builds_kernels_otherwise_than_the_last_session_says_so(cache, tmp_path, capsys):
+    """The kernel builder is this session's device's choice, not the checkpoint's (every builder takes the
+    same steps, up to rounding): a resume without --kernel-builder on a run built otherwise says which
+    builder it takes and how to keep the run's; one that keeps it says nothing."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--kernel-builder", "grouped") == 0
+    ckpt = run / "checkpoint.pth"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--max-steps", "5", "--no-progress"]) == 0
+    assert ("note: kernel builder auto, this device's default; the run's last session built with grouped (the same "
+            "steps up to rounding; --kernel-builder grouped keeps it)") in capsys.readouterr().out
+    assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--max-steps", "6", "--no-progress",
+                 "--kernel-builder", "grouped"]) == 0
+    assert "note: kernel builder" not in capsys.readouterr().out
+
+
 def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     """--resume alone keeps the run's settings and directory; a given --lr / --epochs / --wd replaces
     the saved one and rescales the schedule from the current step; what cannot apply is refused."""
@@ -732,6 +748,9 @@ def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     for argv, msg in ((["-b", "8"], "this run's global batch is 1 x 16 = 16 images, this command's 1 x 8 = 8 (the "
                                     "position in the run and its schedule are counted in steps of that batch); -b 16 "
                                     "with 1 process(es) keeps it"),
+                      # a batch whose epoch has fewer steps than where the run stopped (step 2; here 1): the batch
+                      # is what changed, not the training set
+                      (["-b", "64"], "this run's global batch is 1 x 16 = 16 images, this command's 1 x 64 = 64"),
                       (["--train-subset", "32"], "--train-subset 32 cannot apply"),
                       # the seed chooses the subset's images and orders every epoch: it was taken silently
                       (["--seed", "5"], "--seed 5 cannot apply to this run (it was started with 0"),

@@ -126,7 +126,9 @@ def run_fault(exc: BaseException, world_size: int) -> tuple[str, str] | None:
     gloo's "Connection closed by peer", NCCL's errors, a timeout); None for any other error (a bug:
     its traceback stays)."""
     text = str(exc)
-    first = " ".join(text.strip().splitlines()[0].split())[:200] if text.strip() else type(exc).__name__
+    first = " ".join(text.strip().splitlines()[0].split()) if text.strip() else type(exc).__name__
+    if len(first) > 200:  # cut at a word, not inside one
+        first = first[:200].rsplit(" ", 1)[0] + " ..."
     if "DataLoader worker" in text and ("killed by signal" in text or "exited unexpectedly" in text):
         return f"a data-loading worker died ({first})", "the system may be out of memory: fewer workers (-j) need less"
     dist_error = getattr(torch.distributed, "DistError", ())

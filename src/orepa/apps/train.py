@@ -542,6 +542,10 @@ class Trainer:
             args.kernel_builder, why_not = default_kernel_builder(device, whole_step_compiled=bool(args.compile))
             if why_not:
                 self.log(f"orepa train: kernel builder auto, not compiled ({why_not})")
+            last = ((self.resume_ckpt or {}).get("args") or {}).get("kernel_builder")
+            if last and last != args.kernel_builder:  # (said: the weights then differ from its own by rounding)
+                self.log(f"note: kernel builder {args.kernel_builder}, this device's default; the run's last session "
+                         f"built with {last} (the same steps up to rounding; --kernel-builder {last} keeps it)")
 
     def setup(self) -> None:
         args, info, device = self.args, self.info, self.device
@@ -707,6 +711,9 @@ class Trainer:
         if args.sync_bn and not info.distributed:
             self.log("note: --sync-bn has no effect in one process (it shares BN statistics between the processes "
                      "of a torchrun run)")
+        if args.dist_timeout is not None and not info.distributed:
+            self.log("note: --dist-timeout has no effect in one process (how long the processes of a torchrun run "
+                     "wait for each other)")
         if args.sync_bn and info.distributed:
             if device.type != "cuda":
                 raise UserError("--sync-bn needs CUDA devices (SyncBatchNorm has no CPU implementation)")
@@ -724,6 +731,8 @@ class Trainer:
         decay_to_init(self.optimizer, model)  # the identity factors decay towards the identity
         self.loader, self.sampler = train_loader(self.data, args, info, device)
         self.iters_per_epoch = len(self.loader)
+        if self.resume_ckpt is not None:
+            self._check_global_batch(self.resume_ckpt)  # first: another batch also gives other steps per epoch
         if self.resume_ckpt is not None and int(self.resume_ckpt.get("step_in_epoch", 0)) > self.iters_per_epoch:
             # a checkpoint from before the image count was recorded, whose training set shrank since
             raise UserError(f"--resume {args.resume}: it stopped at step {self.resume_ckpt['step_in_epoch']} of an "
@@ -927,6 +936,22 @@ class Trainer:
                  "no checkpoint)")
         self.replaced = []
 
+    def _check_global_batch(self, ckpt: dict) -> None:
+        """The position in the run (its sampler's, its schedule's) is counted in steps of the global batch:
+        that stays, however many processes share it (each rank's part of an epoch's permutation is then the
+        same images: DistributedSampler's shards of one order)."""
+        args, saved = self.args, ckpt.get("args") or {}
+        world, b0 = self.info.world_size, saved.get("batch_size")
+        w0 = saved.get("world_size") or world
+        if isinstance(b0, int) and not isinstance(b0, bool) and b0 > 0 and b0 * w0 != self.global_batch:
+            share = b0 * w0 / world
+            keep = (f"-b {share:.0f} with {world} process(es) keeps it" if share.is_integer() else
+                    f"{world} process(es) cannot share it evenly")
+            raise UserError(f"--resume {args.resume}: this run's global batch is {w0} x {b0} = {b0 * w0} images, "
+                            f"this command's {world} x {args.batch_size} = {self.global_batch} (the position in the "
+                            f"run and its schedule are counted in steps of that batch); {keep}, or start a new run "
+                            "from its weights with --init-from")
+
     def _restore(self, ckpt: dict) -> None:
         args = self.args
         load_model_state(self.model, ckpt["model"], path=args.resume, built=describe_cfg(self.cfg),
@@ -985,19 +1010,9 @@ class Trainer:
         check_finite(self.model, args.resume, "the run cannot continue from it", optimizer=self.optimizer,
                      ema=self.ema)
         saved = ckpt.get("args") or {}
-        # the position in the run (its sampler's, its schedule's) is counted in steps of the global batch:
-        # that stays, however many processes share it (each rank's part of an epoch's permutation is then
-        # the same images: DistributedSampler's shards of one order)
-        world, b0 = self.info.world_size, saved.get("batch_size")
+        world = self.info.world_size
         w0 = saved.get("world_size") or world
-        if isinstance(b0, int) and not isinstance(b0, bool) and b0 > 0 and b0 * w0 != self.global_batch:
-            share = b0 * w0 / world
-            keep = (f"-b {share:.0f} with {world} process(es) keeps it" if share.is_integer() else
-                    f"{world} process(es) cannot share it evenly")
-            raise UserError(f"--resume {args.resume}: this run's global batch is {w0} x {b0} = {b0 * w0} images, "
-                            f"this command's {world} x {args.batch_size} = {self.global_batch} (the position in the "
-                            f"run and its schedule are counted in steps of that batch); {keep}, or start a new run "
-                            "from its weights with --init-from")
+        # (its global batch: _check_global_batch, before the loader was asked how many steps an epoch has)
         # and so is an epoch's step count, which the processes' shares of the images round (a sampler
         # pads each rank's share to the same size): the same global batch may still give other steps
         spe = ckpt.get("steps_per_epoch")
@@ -1478,7 +1493,15 @@ def train(args: argparse.Namespace) -> dict:
     trainer = Trainer(args)
     ended = False  # fit() returned (finished, or stopped at a step every rank agreed on)
     try:
-        trainer.setup()
+        try:
+            trainer.setup()
+        except RuntimeError as exc:  # a peer that failed while setting up (its own error is its message)
+            fault = run_fault(exc, trainer.info.world_size)
+            if fault is None:
+                raise
+            what, change = fault
+            raise UserError(f"{what} while the run was being set up, before its first step"
+                            + (f"; {change}" if change else "")) from None
         try:
             summary = trainer.fit()
             ended = True
