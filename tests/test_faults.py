@@ -1729,6 +1729,22 @@ def test_a_peer_that_fails_while_the_run_is_set_up_is_one_line(monkeypatch, caps
     assert not (tmp_path / "run").exists()
 
 
+def test_under_torchrun_a_process_other_than_rank_0_names_itself_in_its_error(monkeypatch, capsys):
+    """Every process of a torchrun run says its own error (it may be its alone: its data directory
+    missing); the others than rank 0 name themselves, so a rank's own error shows whose it is."""
+    from orepa.apps.common import UserError, fail
+
+    for rank, who in (("0", ""), ("3", " (rank 3 of 4)")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        assert fail("train", UserError("Fashion-MNIST not found")) == 2
+        assert capsys.readouterr().err == f"orepa train{who}: error: Fashion-MNIST not found\n"
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert fail("eval", UserError("no such file")) == 2
+    assert capsys.readouterr().err == "orepa eval: error: no such file\n"
+
+
 def test_a_failing_distributed_run_says_its_error_before_a_launchers_sigterm_ends_it(monkeypatch, capsys):
     """torchrun sends the surviving ranks SIGTERM the moment one fails (a rank killed outright): the
     survivor's training loop had failed already (its peer's socket closed), had given the signals their

@@ -167,8 +167,12 @@ def user_message(exc: BaseException) -> str:
 
 
 def fail(prog: str, exc: BaseException) -> int:
-    """Print ``exc`` as one ``error:`` line on stderr; return exit code 2."""
-    print(f"orepa {prog}: error: {user_message(exc)}", file=sys.stderr, flush=True)
+    """Print ``exc`` as one ``error:`` line on stderr; return exit code 2. Under torchrun every process
+    says its own (one process's error may be its alone: its data directory missing), the ones other
+    than rank 0 naming themselves."""
+    rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    who = f" (rank {rank} of {world})" if rank not in ("", "0") and world not in ("", "1") else ""
+    print(f"orepa {prog}{who}: error: {user_message(exc)}", file=sys.stderr, flush=True)
     return 2
 
 
