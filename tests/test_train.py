@@ -709,16 +709,16 @@ def test_a_resume_that_started_while_the_run_was_still_writing_refuses_to_train_
 
 
 def test_a_resume_that_builds_kernels_otherwise_than_the_last_session_says_so(cache, tmp_path, capsys):
-    """The kernel builder is this session's device's choice, not the checkpoint's (every builder takes the
-    same steps, up to rounding): a resume without --kernel-builder on a run built otherwise says which
-    builder it takes and how to keep the run's; one that keeps it says nothing."""
+    """The kernel builder is the resuming command's device's choice, not the checkpoint's (every builder
+    takes the same steps, up to rounding): a resume without --kernel-builder on a run built otherwise says
+    which builder it takes and how to keep the run's; one that keeps it says nothing."""
     run = tmp_path / "run"
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--kernel-builder", "grouped") == 0
     ckpt = run / "checkpoint.pth"
     capsys.readouterr()
     assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--max-steps", "5", "--no-progress"]) == 0
-    assert ("note: kernel builder auto, this device's default; the run's last session built with grouped (the same "
-            "steps up to rounding; --kernel-builder grouped keeps it)") in capsys.readouterr().out
+    assert ("note: kernel builder auto, this device's default; the checkpoint's run last built with grouped (the "
+            "same steps up to rounding; --kernel-builder grouped keeps it)") in capsys.readouterr().out
     assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--max-steps", "6", "--no-progress",
                  "--kernel-builder", "grouped"]) == 0
     assert "note: kernel builder" not in capsys.readouterr().out

@@ -1660,16 +1660,21 @@ class KernelGroup:
         self._replan()
         self._storage = None
 
+    def prepare_trace(self) -> None:
+        """What a dynamo trace of the group reads, made before it (made inside, a plan costs the trace
+        thousands of instructions): its plan's traced twin (:meth:`_traced_kernel_of`) and its blocks'
+        traced plans (:func:`plan_of`)."""
+        _autograd_twin(self.plan)
+        for b in self.blocks:
+            _prepare_traced_plans(b)
+
     def _replan(self) -> None:
         """New plans after the steps' weights moved (plans hold where each tensor lives)."""
         self.plan = Plan(self.blocks, self.names, launch_bound=True)
-        traced = self.workspace is not None and self.workspace.traced_scope  # grouped with traced=True
-        if traced:
-            _autograd_twin(self.plan)
         for b in self.blocks:
             b._plans.clear()
-            if traced:
-                _prepare_traced_plans(b)
+        if self.workspace is not None and self.workspace.traced_scope:  # grouped with traced=True
+            self.prepare_trace()
         self._pending, self._compiled, self._compiled_for, self._graphed_for = {}, {}, None, None
         self._recording = None
 
@@ -2391,10 +2396,8 @@ def _make_groups(parts: Sequence[Sequence[nn.Module]], names: dict[int, str], po
         group.peers = groups
         if pack:
             group.pack()
-        if traced:  # made here, not inside a trace (see KernelGroup._traced_kernel_of and plan_of)
-            _autograd_twin(group.plan)
-            for blk in group.blocks:
-                _prepare_traced_plans(blk)
+        if traced:
+            group.prepare_trace()
     return groups
 
 

@@ -544,8 +544,8 @@ class Trainer:
                 self.log(f"orepa train: kernel builder auto, not compiled ({why_not})")
             last = ((self.resume_ckpt or {}).get("args") or {}).get("kernel_builder")
             if last and last != args.kernel_builder:  # (said: the weights then differ from its own by rounding)
-                self.log(f"note: kernel builder {args.kernel_builder}, this device's default; the run's last session "
-                         f"built with {last} (the same steps up to rounding; --kernel-builder {last} keeps it)")
+                self.log(f"note: kernel builder {args.kernel_builder}, this device's default; the checkpoint's run "
+                         f"last built with {last} (the same steps up to rounding; --kernel-builder {last} keeps it)")
 
     def setup(self) -> None:
         args, info, device = self.args, self.info, self.device
