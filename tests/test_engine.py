@@ -999,6 +999,46 @@ class _TwoPasses(nn.Module):
         return (self.net(x) + torch.func.functional_call(self.net, other, (x,))).flatten(1)
 
 
+@pytest.mark.parametrize("compiled_part", [0, 2, 4], ids=["first block", "middle block", "last block"])
+def test_eager_and_compiled_parts_of_one_forward_build_each_kernel_once(compiled_part, monkeypatch):
+    """A grouped root that runs eagerly with one block compiled (``torch.compile`` of a stage, or
+    blocks past a graph break or dynamo's recompile limit): a kernel built earlier in the forward,
+    eagerly or inside the compiled part's graph, is read where the other kind of part needs it, not
+    built again (eager blocks after the compiled first block built the whole group once more; a
+    compiled block after eager ones built it again in its graph). The per-block numbers over two
+    steps, one frame compiled."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net, ref = _twins(nn.Sequential(OREPAConv2d(6, 6, 3, padding=1), nn.ReLU(), OREPAConv2d(6, 6, 3, padding=1),
+                                    nn.ReLU(), OREPAConv2d(6, 6, 3, padding=1), nn.Flatten()), "grouped", "per-block")
+    engine.group_kernels(net, "grouped", traced=True)
+    eager_builds = []
+    build = engine._build_groups
+    monkeypatch.setattr(engine, "_build_groups", lambda groups: (eager_builds.append(sum(map(len, groups))),
+                                                                 build(groups))[1])
+    graphs = []
+    counter = CompileCounterWithBackend(aot_graph_backend(graphs))
+    net[compiled_part] = torch.compile(net[compiled_part], backend=counter)
+    x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    for _ in range(2):
+        eager_builds.clear()
+        y1, g1 = _grads(net, x)
+        y0, g0 = _grads(ref, x)
+        torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+        for (k, b), a in zip(g0.items(), g1.values(), strict=True):  # (the compiled part's names: _orig_mod.)
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=k)
+        with torch.no_grad():
+            for a, b in zip(net.parameters(), ref.parameters()):
+                a.sub_(0.1 * a.grad), b.sub_(0.1 * b.grad)
+        # the first block compiled: its graph builds the group, the eager blocks read it; else the first
+        # (eager) block builds it and the compiled one reads its kernel (its graph builds nothing)
+        assert eager_builds == ([] if compiled_part == 0 else [3]), eager_builds
+    assert counter.frame_count == 1
+    assert (matrix_products(graphs) > 0) == (compiled_part == 0)
+
+
 @pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
 def test_a_traced_kernel_serves_only_the_tensors_it_was_built_from(pack):
     """Within one compiled forward a block that reads other tensors (``functional_call``) builds

@@ -1465,12 +1465,15 @@ class KernelGroup:
         kernel. A build inside such a region (its first online block) changes the workspace: dynamo
         then breaks the graph there and runs the region eagerly."""
         held = self.workspace.traced
-        key = (self.index_in_peers, i)
-        entry = held.get(key)
-        mine = self._sources(i)
-        if entry is None or len(entry[1]) != len(mine) or not all(a is b for a, b in zip(entry[1], mine)):
+        kernel = self._held_traced(i)
+        if kernel is None:
+            # built eagerly earlier in this forward (the root runs eagerly, a compiled part of it now):
+            # read, not built again (the pre-hook drops every eager kernel at the root's forward start)
+            pending = self._pending.get(i)
+            if pending is not None:
+                return pending[1]
             # this group, and every group of the network that traces together and holds no kernels yet
-            groups = [self, *(g for g in self.peers if self.joint and g is not self and g.prebuild
+            groups = [self, *(g for g in self.peers if self.joint and g is not self and g.prebuild and not g._pending
                               and (g.index_in_peers, 0) not in held and g.traces_together(g.plan.ref()))]
             # a Function per group, not one for them all: inside a compiled graph the autograd nodes are the
             # compiler's (one forward, one backward, whatever ``joint``), and dynamo's model of a Function
@@ -1480,8 +1483,18 @@ class KernelGroup:
                 kernels = GroupsFunction.apply(EagerBuild((plan,)), (None,), *plan.params())
                 for j in range(plan.n):
                     held[(g.index_in_peers, j)] = (kernels[j], g._sources(j))
-            entry = held[key]
-        return entry[0]
+            kernel = held[(self.index_in_peers, i)][0]
+        return kernel
+
+    def _held_traced(self, i: int) -> Tensor | None:
+        """Block ``i``'s kernel as a graph of this root's forward built it (:meth:`_traced_kernel_of`),
+        while the block reads the tensors it was built from; else None."""
+        ws = self.workspace
+        entry = None if ws is None or not ws.forward_open else ws.traced.get((self.index_in_peers, i))
+        if entry is None:
+            return None
+        mine = self._sources(i)
+        return entry[0] if len(entry[1]) == len(mine) and all(a is b for a, b in zip(entry[1], mine)) else None
 
     def kernel_of(self, block: nn.Module) -> Tensor:
         i = self._index[id(block)]
@@ -1492,8 +1505,14 @@ class KernelGroup:
         # (blocks skipped in one step and run in the next, gradients accumulated in between)
         if entry is not None and entry[0] == self._versions(i) and not getattr(entry[1].grad_fn, "spent", False):
             return entry[1]
+        # a graph of this forward built it (a block that runs eagerly after a compiled part of the root:
+        # past a graph break, or past dynamo's recompile limit)
+        kernel = self._held_traced(i)
+        if kernel is not None:
+            return kernel
+        traced = self.workspace.traced if self.workspace is not None and self.workspace.forward_open else {}
         others = [group for group in self.peers if group is not self and group.prebuild and not group._pending
-                  and group.active(group.plan.ref())]
+                  and (group.index_in_peers, 0) not in traced and group.active(group.plan.ref())]
         if self.joint:
             _build_groups([self, *others])
         else:
@@ -2324,7 +2343,10 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     the groups' kernels together inside the graph, where they build as groups (:meth:`KernelGroup.
     traces_together`), instead of block by block: ResNet-18's compiled train step launches 130 kernels
     instead of 224 (base 81). ``root`` gets a forward pre-hook and forward hook that scope those kernels
-    to its forward (:func:`forward_scope`; deployment removes them). Not with activation checkpointing
+    to its forward (:func:`forward_scope`; deployment removes them). Within one forward each kernel is
+    built once, eagerly or in a graph, and read by either: a compiled part after eager blocks reads
+    their kernels, eager blocks after a compiled part (a graph break, a part past dynamo's recompile
+    limit) read its graph's. Not with activation checkpointing
     in or around the compiled code: a compiled region called inside an eagerly checkpointed one
     recomputes block by block in backward (after the root's forward) and fails checkpoint's check of
     the recomputed tensors, and a checkpointed region that holds a network's first online block breaks
@@ -2527,10 +2549,10 @@ def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
     graph keeps none between calls), and kernels traced into a compiled graph may be built and kept
     for its blocks to read (none is left from a forward that stopped halfway). A training forward
     also looks at what packing changed (whatever route the blocks take: here, not at a build)."""
+    for group in workspace.groups:  # (inside a trace too: a compiled part of the forward reads them)
+        if group._pending:
+            group._pending = {}
     if not torch.compiler.is_compiling():
-        for group in workspace.groups:
-            if group._pending:
-                group._pending = {}
         if module.training and torch.is_grad_enabled():
             if workspace.replaced:
                 replaced, workspace.replaced = workspace.replaced, []
