@@ -11,6 +11,7 @@ from torch import nn
 
 import orepa
 from orepa import DBBConv2d, OREPAConv2d, OREPADeepStem, OREPAVGGBlock, RepVGGBlock
+from orepa import kernels as K
 
 FACTORIES = {
     "orepa": lambda *a, **k: OREPAConv2d(*a, **k),
@@ -340,6 +341,23 @@ def test_one_x_one_kxk_branch_starts_as_identity_then_kxk():
     b = OREPAConv2d(8, 8, 3, branches=("1x1_kxk",), scaling="none")
     conv2 = b.branches["1x1_kxk"].conv2.weight
     torch.testing.assert_close(b.kernel(), conv2.detach())
+
+
+@pytest.mark.parametrize("init", ["reference", "torch"])
+def test_a_widened_one_x_one_kxk_starts_from_the_identity_its_init_names(init):
+    """Where the 1x1 -> kxk branch widens its intermediate (a depthwise block: 2x its input), its 1x1
+    starts as the published code's tiled identity (``init="reference"``: output o reads input
+    o mod C_in of its group) or as the spread identity (``init="torch"``), exactly."""
+    b = OREPAConv2d(16, 16, 3, groups=16, init=init)
+    w = b.branches["1x1_kxk"].conv1.weight
+    assert w.shape == (32, 1, 1, 1)
+    tiled, spread = K.tiled_identity_1x1(32, 16, 16), K.identity_init_1x1(32, 16, 16)
+    assert not torch.equal(tiled, spread)  # (the case tells them apart)
+    torch.testing.assert_close(w.detach(), tiled if init == "reference" else spread, rtol=0, atol=0)
+    b = OREPAConv2d(4, 8, 3, groups=2, init=init, internal_channels=8)  # widened 2x per group
+    w = b.branches["1x1_kxk"].conv1.weight
+    torch.testing.assert_close(w.detach(), (K.tiled_identity_1x1 if init == "reference" else K.identity_init_1x1)(
+        8, 4, 2), rtol=0, atol=0)
 
 
 def test_fixed_filters_are_not_parameters_nor_checkpointed():
@@ -856,6 +874,15 @@ def test_activation_checkpointing_recomputes_the_bn_and_pad_branches_exactly(met
         m.train()(x).square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), checkpointed.parameters()):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
+    # a BN whose statistics the recomputation kept kept its batch count too (what a BN without
+    # momentum averages by); the stage's other BNs are counted twice, as torch's checkpointing does
+    kept = 0
+    bns = [[(n, m) for n, m in net.named_modules() if isinstance(m, nn.BatchNorm2d)] for net in (model, checkpointed)]
+    for (name, a), (_, b) in zip(*bns, strict=True):
+        same_stats = torch.equal(a.running_mean, b.running_mean)
+        kept += same_stats
+        assert same_stats == torch.equal(a.num_batches_tracked, b.num_batches_tracked), name
+    assert kept > 0
 
 
 def test_the_checkpointing_check_breaks_no_compiled_graph():

@@ -1558,3 +1558,31 @@ def test_load_plain_state_dict_names_every_wrappers_prefix_whole():
         orepa.load_plain_state_dict(model, {("_orig_mod." if i % 2 else "module.") + k: v
                                             for i, (k, v) in enumerate(sd.items())})
     assert "every key starts" not in str(exc.value)
+
+
+@pytest.mark.parametrize("method", ["dbb", "orepa-offline", "repvgg", "orepa"])
+def test_a_conv_with_a_bias_deploys_with_the_bias_it_trained_to(method):
+    """A conv with a bias before its BN: the block keeps a bias of its own, which training moves
+    off the plain conv's; the deployed network (the conv's bias, and where the block held its BNs
+    the rest moved into the restored BN) computes what the trained block computed."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=True), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, padding=1, bias=True), nn.BatchNorm2d(8), nn.Flatten())
+    model = orepa.convert(plain, method, example_input=torch.randn(2, 4, 6, 6)).double()
+    blocks = [m for m in model.modules() if isinstance(m, orepa.ReparamConv2d)]
+    assert len(blocks) == 2 and all(b.bias is not None for b in blocks)
+    with torch.no_grad():
+        for b in blocks:
+            b.bias.normal_()  # (as training leaves it: the plain conv's was a small uniform draw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 4, 6, 6, dtype=torch.float64)).square().mean().backward()
+        opt.step()
+    model.eval()
+    x = torch.randn(3, 4, 6, 6, dtype=torch.float64)
+    deployed = orepa.reparameterize(model)
+    assert not any(isinstance(m, orepa.ReparamConv2d) for m in deployed.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(deployed(x), model(x), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(orepa.reparameterize(model, fuse_bn=True)(x), model(x), rtol=1e-10, atol=1e-10)

@@ -1541,6 +1541,23 @@ class _Fan(nn.Module):
         return torch.cat([b(x) for b in self.blocks], 1).flatten(1)
 
 
+@pytest.mark.parametrize("pack", [False, True], ids=["unpacked", "packed"])
+def test_gradients_of_unscaled_branches_accumulate_over_backwards_on_the_grouped_route(pack):
+    """Branches without scales (``scaling="none"``: a kxk's gradient is the kernel's own, which the
+    grouped route assembles in its workspace): two backwards without zeroing accumulate what the
+    per-block route accumulates (a buffer handed out as ``.grad`` would be overwritten by the next
+    build)."""
+    torch.manual_seed(0)
+    net, ref = _twins(_Fan([8, 4, 12], scaling="none"), "per-block", "per-block")
+    engine.group_kernels(net, "grouped", pack=pack)
+    xs = torch.randn(2, 2, 4, 5, 5, dtype=torch.float64).unbind(0)
+    y1, g1 = _grads(net, *xs)
+    y0, g0 = _grads(ref, *xs)
+    torch.testing.assert_close(y1, y0, rtol=1e-10, atol=1e-12)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
 @pytest.mark.parametrize("k", [3, 1])  # OREPA's six branches; Rep-1x1 (1x1 -> 1x1)
 @pytest.mark.parametrize("pack", [False, True])
 def test_blocks_of_several_widths_build_as_one_group_with_the_per_block_numbers(k, pack):

@@ -51,6 +51,32 @@ def test_training_path_matches_offline_reference(k, s, g, ch, recompute):
             tol_close(a, b, rel=1e-10)
 
 
+@pytest.mark.parametrize("policy,recompute", [("per-block", "auto"), ("per-block", True), ("per-block", False),
+                                              ("grouped", "auto")])
+def test_scalar_scaling_trains_as_the_offline_reference(policy, recompute):
+    """``scaling="scalar"`` (the ablation's one factor per branch): every gradient, the scales' sums
+    over the output channels included, equals the offline blocks' autograd, on each route (feature-map
+    routes for the small input, kernel space for the larger one), a depthwise block's too."""
+    torch.manual_seed(0)
+
+    def net(mode):
+        return nn.Sequential(*(orepa.OREPAConv2d(8, 8, 3, groups=g, scaling="scalar", mode=mode, recompute=recompute)
+                               for g in (1, 8, 1))).double()
+
+    on = _randomized(net("online"))
+    off = net("offline")
+    off.load_state_dict(on.state_dict())
+    engine.group_kernels(on, policy)
+    for n, h in [(1, 3), (4, 9)]:
+        x = torch.randn(n, 8, h, h, dtype=torch.double, requires_grad=True)
+        y_on, g_on = _grads(on, x, gy := torch.randn_like(off(x)))
+        y_off, g_off = _grads(off, x, gy)
+        tol_close(y_on, y_off, rel=1e-12)
+        names = ["input", *(name for name, _ in on.named_parameters())]
+        for name, a, b in zip(names, g_on, g_off, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11, msg=name)
+
+
 @pytest.mark.parametrize("k", [3, (1, 7)])
 def test_chain_order_choice_depends_on_input_size(k):
     block = orepa.OREPAConv2d(64, 64, k)
