@@ -358,6 +358,30 @@ def test_weight_decay_groups_follow_the_paper():
     assert {g["name"]: g["weight_decay"] for g in opt_groups} == {"decay": 1e-4, "no_decay": 0.0, "branch_scales": 0.0}
 
 
+def test_every_one_dimensional_parameter_is_left_out_of_weight_decay():
+    """A 1-D (or 0-D) parameter is a bias or a per-channel factor whatever its module or name (a
+    PReLU's slopes, a learned temperature): it was decayed towards zero like a conv weight."""
+    class Temperature(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, x):
+            return x / self.t
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.PReLU(8), nn.Flatten(), nn.LazyLinear(4),
+                          nn.PReLU(), Temperature())
+    model(torch.randn(2, 3, 6, 6))
+    groups = common.split_params(model)
+
+    def names(params):
+        ids = {id(p) for p in params}
+        return {n for n, p in model.named_parameters() if id(p) in ids}
+
+    assert names(groups.no_decay) == {"0.bias", "1.weight", "1.bias", "2.weight", "4.bias", "5.weight", "6.t"}
+    assert names(groups.decay) == {"0.weight", "4.weight"} and not groups.scales
+
+
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("net", ["resnet18", "depthwise"])
 def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack, net):
@@ -432,6 +456,44 @@ def test_lr_schedule_warmup_then_cosine():
     assert f(0) == pytest.approx(0.01) and f(10) == pytest.approx(0.505) and f(20) == pytest.approx(1.0)
     assert f(60) == pytest.approx(0.5) and f(100) == pytest.approx(0.0, abs=1e-12)
     assert all(f(i) >= f(i + 1) for i in range(20, 100))
+
+
+def test_the_step_schedule_counts_its_steps_from_the_end_of_the_warm_up():
+    """steplr decays by --lr-gamma every --lr-step-size epochs counted from the end of the warm-up
+    (counted from iteration 0, each decay came a warm-up early: at iteration 30 here, not 50)."""
+    import argparse
+
+    a = argparse.Namespace(lr_warmup_epochs=2, epochs=10, lr_scheduler="step", lr_min=0.0, lr=0.1,
+                           lr_warmup_decay=0.01, lr_gamma=0.1, lr_step_size=3)
+    f = train.lr_factor_fn(a, iters_per_epoch=10)  # warm-up: iterations 0-19; a decay every 30 after it
+    assert f(19) == pytest.approx(0.01 + 0.99 * 19 / 20)
+    assert [f(i) for i in (20, 29, 30, 49)] == pytest.approx([1.0] * 4)
+    assert [f(i) for i in (50, 79, 80, 99)] == pytest.approx([0.1, 0.1, 0.01, 0.01])
+
+
+def test_the_ema_decays_per_update_by_the_interval_batch_and_world_size():
+    """torchvision's recipe: --model-ema-decay is per image at batch 1; an update every
+    --model-ema-steps steps of world x batch images moves the average by (1 - decay) x world x batch
+    x steps / epochs of the way to the model (the interval left out, it moved 32 times too little)."""
+    import argparse
+
+    from orepa.apps.common import DistInfo
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    args = argparse.Namespace(batch_size=16, model_ema_steps=32, epochs=10, model_ema_decay=0.999)
+    alpha = (1 - 0.999) * 2 * 16 * 32 / 10  # 0.1024
+    ema = train.make_ema(model, args, DistInfo(world_size=2), torch.device("cpu"))
+    floats = [t for t in model.state_dict().values() if t.is_floating_point()]
+    with torch.no_grad():
+        torch._foreach_zero_(floats)
+    ema.update_parameters(model)  # the first update: the model's weights as they are
+    with torch.no_grad():
+        torch._foreach_add_(floats, 1.0)
+    ema.update_parameters(model)  # then: a step of alpha from 0 towards 1
+    for key, value in ema.module.state_dict().items():
+        if value.is_floating_point():  # parameters and BN statistics (use_buffers) alike
+            torch.testing.assert_close(value, torch.full_like(value, alpha), msg=lambda m, key=key: f"{key}: {m}")
+    assert int(ema.n_averaged) == 2
 
 
 def test_the_logged_lr_of_an_epoch_is_the_rate_its_last_step_trained_at(cache, tmp_path):
@@ -603,6 +665,40 @@ def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
     assert all(torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"]) for i in sa)
     assert ca["lr_scheduler"]["last_epoch"] == cb["lr_scheduler"]["last_epoch"]
     assert [h["train_loss"] for h in ca["history"]] == pytest.approx([h["train_loss"] for h in cb["history"]])
+
+
+def test_a_resumed_run_continues_its_ema_average(cache, tmp_path):
+    """The EMA's update count is restored with its weights: from a count of 0, the first update after
+    a resume copied the model's weights over the average (AveragedModel's start) instead of averaging."""
+    args = ("--epochs", "1", "--no-eval", "--lr-warmup-epochs", "0", "--model-ema", "--model-ema-steps", "1")
+    assert _train(cache, tmp_path / "a", *args) == 0  # 4 steps, an EMA update at each
+    b = tmp_path / "b"
+    assert _train(cache, b, *args, "--max-steps", "2") == 0
+    assert int(_load(b / "checkpoint.pth")["ema_n_averaged"]) == 2
+    assert _train(cache, b, *args, "--resume", str(b / "checkpoint.pth")) == 0
+    ca, cb = _load(tmp_path / "a" / "checkpoint.pth"), _load(b / "checkpoint.pth")
+    assert cb["global_step"] == ca["global_step"] == 4
+    for k, v in ca["model_ema"].items():
+        assert torch.equal(v, cb["model_ema"][k]), k
+    assert int(cb["ema_n_averaged"]) == int(ca["ema_n_averaged"]) == 4
+    assert any(not torch.equal(v, ca["model"][k]) for k, v in ca["model_ema"].items())  # an average, not the model
+
+
+def test_a_resumed_run_draws_the_dropout_masks_it_would_have_drawn(cache, tmp_path):
+    """One process: --resume restores the global random stream, so a network with dropout stopped
+    mid-epoch and resumed ends bit-identical to one that was not (from the stream as a fresh run
+    leaves it, the resumed steps drew the first steps' masks again)."""
+    argv = ["train", "-m", "timm:resnet10t", "--method", "base", "--model-kwarg", "drop_rate=0.5", "--train-subset",
+            "16", "-b", "4", "--epochs", "1", "--lr-warmup-epochs", "0", "--no-eval", "--no-progress",
+            "--no-tensorboard", "--quiet", "-j", "0", "--cache-dir", cache]  # 4 steps
+    assert main([*argv, "--output-dir", str(tmp_path / "whole")]) == 0
+    assert main([*argv, "--output-dir", str(tmp_path / "parts"), "--max-steps", "2"]) == 0
+    torch.manual_seed(1)  # whatever stream this process is at: the checkpoint's is the one that counts
+    assert main(["train", "--resume", str(tmp_path / "parts" / "checkpoint.pth"), "--no-progress", "--quiet",
+                 "-j", "0"]) == 0
+    whole, parts = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "parts"))
+    assert whole["global_step"] == parts["global_step"] == 4
+    assert parts["weights_sha256"] == whole["weights_sha256"]
 
 
 def test_packed_parameters_train_as_unpacked_ones_and_resume_in_their_layout(cache, tmp_path, capsys):
@@ -1021,6 +1117,18 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
         ckpt_mod.save_checkpoint({"model": {"w": torch.zeros(2)}}, path)
     assert torch.equal(_load(path)["model"]["w"], torch.ones(2))  # the old file is intact
     assert [p.name for p in tmp_path.iterdir()] == ["c.pth"]      # no temp file left behind
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664)], ids=["umask022", "umask002"])
+def test_checkpoints_get_the_permissions_a_plain_open_would_give(tmp_path, umask, mode):
+    """The atomic write's temporary file is made owner-only (mkstemp's 0o600); the checkpoint it
+    becomes gets 0o666 less the umask, as one written in place would (others could not read it)."""
+    before = os.umask(umask)
+    try:
+        path = ckpt_mod.save_checkpoint({"model": {"w": torch.ones(2)}}, tmp_path / "c.pth")
+    finally:
+        os.umask(before)
+    assert oct(path.stat().st_mode & 0o777) == oct(mode)
 
 
 def test_the_default_kernel_builder_is_the_compiled_one_on_cuda_only_where_it_can_compile(monkeypatch):
