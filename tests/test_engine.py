@@ -792,12 +792,14 @@ def test_no_plan_is_made_inside_a_compiled_trace(policy, monkeypatch):
 
 class _Graphed(nn.Module):
     """Four blocks of one signature: ``a`` -> ``b`` -> ``c`` (``b`` checkpointed, or after a graph
-    break), ``unused`` never called."""
+    break), ``unused`` never called; ``"... wider"``: ``b`` twice as wide (one group of two widths)."""
 
     def __init__(self, how: str):
         super().__init__()
-        self.a, self.b, self.c, self.unused = (OREPAConv2d(6, 6, 3, padding=1) for _ in range(4))
-        self.how = how
+        wide = 12 if how.endswith("wider") else 6
+        self.a, self.unused = OREPAConv2d(6, 6, 3, padding=1), OREPAConv2d(6, 6, 3, padding=1)
+        self.b, self.c = OREPAConv2d(6, wide, 3, padding=1), OREPAConv2d(wide, 6, 3, padding=1)
+        self.how = how.removesuffix(", wider")
 
     def forward(self, x):
         x = self.a(x).relu()
@@ -810,12 +812,13 @@ class _Graphed(nn.Module):
         return self.c(x).flatten(1)
 
 
-@pytest.mark.parametrize("how,frames", [("plain", 1), ("graph break", 2), ("checkpoint", 1)])
+@pytest.mark.parametrize("how,frames", [("plain", 1), ("graph break", 2), ("checkpoint", 1), ("checkpoint, wider", 1)])
 def test_kernels_traced_into_a_graph_serve_across_graph_breaks_and_checkpoints(how, frames):
     """The kernels the first block builds inside a trace reach the blocks after a graph break (as
     the first graph's outputs) and inside an activation-checkpointed region (read, not changed there:
-    a side effect would break the graph), with the eager groups' numbers, no recompilation over three
-    calls, and nothing left after the forward (the unused block's kernel included)."""
+    a side effect would break the graph; a block wider than its group's narrowest there failed AOT's
+    partition of the graph), with the eager groups' numbers, no recompilation over three calls, and
+    nothing left after the forward (the unused block's kernel included)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()

@@ -5,6 +5,7 @@ intermediate kernels kept), may rebuild the kernel in backward instead of
 keeping it, and may run a 1x1 -> kxk branch on the feature map when that is
 cheaper for the input (matrix-chain order). All of it must be invisible.
 """
+import contextlib
 import copy
 import itertools
 
@@ -177,6 +178,47 @@ def test_autocast_bfloat16_on_cpu():
     tol_close(y.float(), y_ref.float(), rel=2e-2)
     y.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in block.parameters())
+
+
+_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default,
+             torch.ops.aten.addmm.default, torch.ops.aten.mm.out, torch.ops.aten.bmm.out}
+
+
+@pytest.mark.parametrize("route", ["per-block", "grouped", "compiled", "eval"])
+def test_under_autocast_the_kernels_are_built_in_the_parameters_dtype(route):
+    """Under bfloat16 autocast every route composes the branches' kernels in float32, as the eager
+    groups did (their products write through ``out=``, which autocast leaves alone) and the deployed
+    conv's float32 weight is: only the convolution runs in bfloat16. The per-block route, a compiled
+    model's traced construction and an eval forward composed in bfloat16 (1.5x the groups' error)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in _PRODUCTS:
+                self.dtypes.append(out.dtype)
+            return out
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(orepa.OREPAConv2d(8, 8, 3, padding=1), nn.ReLU(), orepa.OREPAConv2d(8, 16, 3, padding=1))
+    engine.group_kernels(net, "per-block" if route in ("per-block", "eval") else "grouped", traced=route == "compiled")
+    x = torch.randn(4, 8, 10, 10)  # (every branch squeezed on the per-block route: 4 x 10 x 10 pixels)
+    if route == "eval":
+        net.eval()
+    graphs = []
+    model = torch.compile(net, backend=aot_graph_backend(graphs)) if route == "compiled" else net
+    seen = Products() if route != "compiled" else contextlib.nullcontext()  # (dynamo skips frames under a mode)
+    with torch.autocast("cpu", dtype=torch.bfloat16), seen, torch.set_grad_enabled(route != "eval"):
+        y = model(x)
+    assert y.dtype == torch.bfloat16
+    dtypes = seen.dtypes if route != "compiled" else [
+        n.meta["val"].dtype for gm in graphs for n in gm.graph.nodes if n.target in _PRODUCTS]
+    assert dtypes and set(dtypes) == {torch.float32}, dtypes
 
 
 @pytest.mark.parametrize("update", ["in place", ".data"])

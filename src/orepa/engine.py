@@ -416,6 +416,10 @@ class Plan:
         the intermediates go to its buffers.
         """
         ops = stacked.operands if stacked is not None else self.operands()
+        with _autocast_off(ops[0][0][0].kernel):  # composed in the parameters' dtype, as a deployed conv's weight is
+            return self._squeeze(ops, stacked, scratch, into)
+
+    def _squeeze(self, ops, stacked: Storage | None, scratch: Scratch | None, into: Tensor | None) -> Tensor:
         family = stacked.family if stacked is not None else None
         skip = self._family_branches if family is not None else frozenset()
         out = None
@@ -446,7 +450,13 @@ class Plan:
     def kernels(self, stacked: Storage | None = None, scratch: Scratch | None = None) -> tuple[Tensor, ...]:
         """:meth:`squeeze` as one kernel per block (views of it)."""
         w = self.squeeze(stacked, scratch)
-        return (w,) if self.n == 1 else w.split(self.kernel_shape[0] if self.v == self.n else self.rows)
+        if self.n == 1:
+            return (w,)
+        if self.traced:  # slices, not a split: AOT's partitioner can neither save nor recompute a split's list
+            # for a block in an activation-checkpointed region of the graph (blocks of several widths)
+            starts = itertools.accumulate(self.rows, initial=0)
+            return tuple(w.narrow(0, lo, rows) for lo, rows in zip(starts, self.rows))
+        return w.split(self.kernel_shape[0] if self.v == self.n else self.rows)
 
     def kernels_vjp(self, grads: Sequence[Tensor], stacked: Storage | None = None,
                     scratch: Scratch | None = None) -> list[Tensor]:
@@ -539,6 +549,11 @@ class Plan:
         scratch: one tensor per packed parameter, in its shape, where its gradient is written, and
         returned (a recording's outputs, :class:`Recording`): each branch's gradients go to their rows
         as they are made, so no two copies of them live at once."""
+        with _autocast_off(grad):
+            return self._vjp(grad, stacked, scratch, into)
+
+    def _vjp(self, grad: Tensor, stacked: Storage | None, scratch: Scratch | None,
+             into: Sequence[Tensor] | None) -> list[Tensor]:
         ops = stacked.operands if stacked is not None else self.operands()
         n = self.n
         family = stacked.family if stacked is not None else None
