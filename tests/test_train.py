@@ -1676,3 +1676,139 @@ def test_reparam_whose_check_fails_exits_1_and_writes_nothing(cache, tmp_path, c
     with pytest.raises(SystemExit):
         main(["reparam", "--help"])
     assert "exit code is 1" in " ".join(capsys.readouterr().out.split())
+
+
+# --------------------------------------------------------------------------- transforms, sampling, evaluation pinned
+
+
+def _imagefolder_sets(tmp_path):
+    """The (train, val) ImageFolders of a tiny tree: train crop 32, val resize 36, val crop 32."""
+    _png_tree(tmp_path / "imgs")
+    return data.imagefolder(str(tmp_path / "imgs"), 32, 36, 32)
+
+
+def test_the_imagefolder_train_crop_takes_torchvisions_scale_and_ratio(tmp_path):
+    """The training crop is RandomResizedCrop with the paper's (torchvision's) defaults:
+    scale (0.08, 1.0), ratio (3/4, 4/3), at --train-crop-size."""
+    from torchvision import transforms as T
+
+    train_set, _ = _imagefolder_sets(tmp_path)
+    crops = [t for t in train_set.transform.transforms if isinstance(t, T.RandomResizedCrop)]
+    assert len(crops) == 1 and tuple(crops[0].size) == (32, 32)
+    assert tuple(crops[0].scale) == (0.08, 1.0)
+    assert tuple(crops[0].ratio) == pytest.approx((3 / 4, 4 / 3), rel=1e-12)
+
+
+def test_the_imagefolder_train_augmentation_flips_left_right_never_top_bottom(tmp_path):
+    """Over 200 seeded draws of an image whose red grows left to right and green top to bottom,
+    30-70% come out mirrored left-right (a horizontal flip) and none upside down."""
+    from PIL import Image
+
+    train_set, _ = _imagefolder_sets(tmp_path)
+    x = torch.arange(40, dtype=torch.uint8) * 6
+    arr = torch.stack([x[None, :].expand(40, 40), x[:, None].expand(40, 40), torch.full((40, 40), 128,
+                                                                                        dtype=torch.uint8)], -1)
+    img = Image.fromarray(arr.numpy(), "RGB")
+    lr = tb = 0
+    with torch.random.fork_rng(devices=[]):
+        for i in range(200):
+            torch.manual_seed(i)
+            out = train_set.transform(img)  # normalised: still increasing where the pixels increase
+            red, green = out[0], out[1]
+            lr += bool(red[:, 0].mean() > red[:, -1].mean())
+            tb += bool(green[0, :].mean() > green[-1, :].mean())
+    assert 60 <= lr <= 140 and tb == 0, (lr, tb)
+
+
+def test_the_imagefolder_val_transform_resizes_the_shorter_side_then_centre_crops(tmp_path):
+    """A 40x80 (h x w) image: shorter side to --val-resize-size 36 keeping the aspect (36x72), then
+    the centre 32x32 crop (rows 2-33, columns 20-51), normalised; not squashed to a square."""
+    from PIL import Image
+    from torchvision.transforms import functional as TF
+
+    _, val_set = _imagefolder_sets(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    arr = torch.randint(0, 256, (40, 80, 3), generator=g, dtype=torch.uint8)
+    arr[5:15, 50:70] = 255  # an asymmetric mark, right of the centre
+    img = Image.fromarray(arr.numpy(), "RGB")
+    got = val_set.transform(img)
+    resized = TF.pil_to_tensor(TF.resize(img, [36, 72], antialias=True)).float() / 255
+    ref = resized[:, 2:34, 20:52]
+    mean, std = torch.tensor(data.IMAGENET_MEAN)[:, None, None], torch.tensor(data.IMAGENET_STD)[:, None, None]
+    ref = (ref - mean) / std
+    assert got.shape == (3, 32, 32)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_a_validation_subset_is_spread_evenly_over_the_classes():
+    """--val-subset n takes indices i * len // n (an ImageFolder lists its images class by class;
+    the first n would hold the first classes only)."""
+    ds = [(i, 0 if i < 5 else 1) for i in range(10)]
+    sub = data._subset(ds, 4, None)
+    assert list(sub.indices) == [i * 10 // 4 for i in range(4)] == [0, 2, 5, 7]
+    assert {y for _, y in sub} == {0, 1}
+
+
+def test_the_epoch_sampler_yields_the_epoch_it_was_set_to_and_each_epoch_augments_anew(tmp_path):
+    """EpochSampler yields (index, epoch) with set_epoch's epoch; SeededAugment gives an index other
+    images in epochs 1 and 2, the same image again for the same (index, epoch)."""
+    train_set, _ = _imagefolder_sets(tmp_path)
+    ds = data.SeededAugment(train_set, seed=0)
+    s = data.EpochSampler(ds, num_replicas=1, rank=0, seed=0)
+    for epoch in (1, 2):
+        s.set_epoch(epoch)
+        keys = list(s)
+        assert len(keys) == len(ds) == 12
+        assert sorted(i for i, _ in keys) == list(range(12)) and {e for _, e in keys} == {epoch}
+    for i in range(3):
+        assert torch.equal(ds[(i, 1)][0], ds[(i, 1)][0])
+        assert not torch.equal(ds[(i, 1)][0], ds[(i, 2)][0])
+
+
+def test_evaluate_gives_the_top1_top5_and_mean_loss_per_sample_over_uneven_batches():
+    """evaluate's loss is the cross-entropy averaged per sample (batches of 4 and 1, not per batch),
+    top-5 counts the 5th-ranked class as a hit (7 classes), top-1 the first only."""
+    from orepa.apps.evaluate import evaluate
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 7, generator=g, dtype=torch.float32)
+    ranks = [1, 5, 3, 7, 5]  # the rank of each sample's target class
+    order = logits.argsort(dim=1, descending=True)
+    y = torch.tensor([order[i, r - 1].item() for i, r in enumerate(ranks)])
+    model = nn.Linear(7, 7)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(7))
+        model.bias.zero_()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(logits, y), batch_size=4)
+    res = evaluate(model, loader, torch.device("cpu"))
+    out = model(logits).detach()
+    acc1 = 100.0 * (out.argmax(1) == y).double().mean().item()
+    acc5 = 100.0 * (out.topk(5, dim=1).indices == y[:, None]).any(1).double().mean().item()
+    assert (acc1, acc5) == (20.0, 80.0) and res["n"] == 5
+    assert res["acc1"] == pytest.approx(acc1, rel=1e-6)
+    assert res["acc5"] == pytest.approx(acc5, rel=1e-6)
+    assert res["loss"] == pytest.approx(nn.functional.cross_entropy(out, y).item(), rel=1e-6)
+
+
+def test_the_training_criterion_applies_label_smoothing():
+    """make_criterion takes --label-smoothing: equal to F.cross_entropy with label_smoothing=0.1."""
+    import argparse
+
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(6, 5, generator=g), torch.randint(0, 5, (6,), generator=g)
+    got = train.make_criterion(argparse.Namespace(label_smoothing=0.1))(logits, y)
+    want = nn.functional.cross_entropy(logits, y, label_smoothing=0.1)
+    assert abs(got.item() - want.item()) <= 1e-7
+    assert abs(want.item() - nn.functional.cross_entropy(logits, y).item()) > 1e-3  # the smoothing matters here
+
+
+def test_the_no_decay_group_takes_norm_weight_decay_not_wd(cache, tmp_path):
+    """The optimizer group "no_decay" (BN, biases) gets --norm-weight-decay (default 0.0), the "decay"
+    group --wd, as the checkpoint's optimizer state records after one step."""
+    def groups(out, *extra):
+        assert _train(cache, out, "--epochs", "1", "--no-eval", "--max-steps", "1", "--wd", "0.001", *extra) == 0
+        return {g["name"]: g["weight_decay"] for g in _load(out / "checkpoint.pth")["optimizer"]["param_groups"]}
+
+    default = groups(tmp_path / "a")
+    assert default["no_decay"] == 0.0 and default["decay"] == pytest.approx(0.001)
+    assert groups(tmp_path / "b", "--norm-weight-decay", "0.03")["no_decay"] == pytest.approx(0.03)
