@@ -68,6 +68,25 @@ def test_cosine_and_norm_helpers():
     assert normalized_sorted_norms(n).sum(0).tolist() == pytest.approx([1.0, 1.0, 1.0])
 
 
+def test_cosine_similarity_of_opposite_kernels_is_signed():
+    """Branch cosine similarity keeps its sign: opposite kernels give -1 off the diagonal, not +1."""
+    k = torch.tensor([[1.0, -2.0], [0.5, 3.0]]).view(2, 2, 1, 1)
+    cos = cosine_matrix({"a": k, "b": -k})
+    want = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64)
+    assert torch.allclose(cos, want, rtol=0, atol=1e-12), cos
+    assert mean_off_diagonal(cos) == pytest.approx(-1.0, abs=1e-12)
+
+
+def test_channel_norms_are_l2_norms_per_output_channel():
+    """Per-channel branch norms are the L2 norm of each output channel's kernel (3, 4 -> 5), not L1."""
+    k = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 0.0]]).view(1, 3, 2, 1, 1)  # [M=1, C_out=3, C_in=2, 1, 1]
+    n = channel_norms(k)
+    assert n.tolist() == [[5.0, 1.0, 0.0]]
+    r = torch.randn(2, 4, 3, 3, 3, dtype=torch.float64)
+    want = torch.linalg.vector_norm(r.flatten(2), dim=2)
+    assert torch.allclose(channel_norms(r), want, rtol=0, atol=1e-12)
+
+
 def test_analyze_in_memory_model_writes_files(tmp_path):
     torch.manual_seed(0)
     model = TinyOREPANet(width=4)

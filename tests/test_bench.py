@@ -134,6 +134,27 @@ def test_saved_bytes_counts_shared_storage_once():
     assert st.count >= 3
 
 
+def test_saved_view_counts_the_whole_storage_it_keeps_alive():
+    """A saved 10-column view of a [4, 1000] float32 intermediate keeps all 16000 bytes alive: the
+    unique tally counts the storage, not the view's own numel * itemsize."""
+    class Narrow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(10, 3)
+
+        def forward(self, x):
+            h = x * 2.0  # a fresh [4, 1000] intermediate (mul by a number saves no tensor)
+            v = h[:, :10]  # a view into h's storage
+            return self.fc(v * v)  # mul saves the view (twice)
+
+    m = Narrow()
+    x = torch.randn(4, 1000, requires_grad=True)
+    st, loss = bench.measure_saved(m, x, torch.tensor([0, 1, 2, 0]))
+    loss.backward()
+    assert st.unique_bytes - st.param_bytes >= 4 * 1000 * 4
+    assert st.naive_bytes < 4 * 1000 * 4  # the naive tally does count views by their own size
+
+
 def test_saved_tensors_are_read_off_the_graph_and_leave_the_route_alone():
     """measure_saved reads what the graph keeps (the figures saved_tensors_hooks would give) without
     installing hooks: under hooks online blocks take the per-block route and groups stop building
@@ -601,6 +622,17 @@ def test_paired_step_ratio_cancels_slow_rounds():
     assert q["short"]["step_paired"] is None  # not one value per round: no pairing
     table = format_table({"results": res, "ratios": q})
     assert "(paired)" in table.splitlines()[0] and "| 1.30x |" in table
+
+
+def test_paired_step_ratio_is_the_median_not_the_mean_of_round_ratios():
+    """The paired ratio is the median of per-round ratios: one outlier round (5x) does not move it."""
+    from orepa.apps.bench import ratios
+
+    res = {"base": {"step_times_s": [1.0, 2.0, 1.0]},
+           "orepa": {"step_times_s": [1.3, 2.6, 5.0]}}  # per-round ratios 1.3, 1.3, 5.0
+    for r in res.values():
+        r["step_ms"] = 1e3 * statistics.median(r["step_times_s"])
+    assert ratios(res)["orepa"]["step_paired"] == pytest.approx(1.3, abs=1e-12)
 
 
 @pytest.mark.slow

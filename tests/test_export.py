@@ -328,6 +328,33 @@ def test_cli_export_rejects_an_opset_the_exporter_does_not_support(tmp_path, cap
     assert list(tmp_path.iterdir()) == []
 
 
+def _report(atol=1e-3):
+    return ExportReport(path="m.onnx", format="onnx", input_shape=(1, 3, 8, 8), params_training=1,
+                        params_deployed=1, atol=atol)
+
+
+def test_verification_bound_is_atol_times_one_plus_the_largest_reference_value():
+    """Export verification allows atol * (1 + max|ref|), not a bound that grows with the output's size
+    (sum|ref|): 1.5x the bound fails, 0.5x passes."""
+    ref = torch.tensor([[2.0, -2.0, 1.0, -1.0, 2.0, -2.0]])  # max|ref| = 2, sum|ref| = 10
+    bound = 1e-3 * (1 + 2.0)
+    report = _report()
+    export._check(report, "half", ref + 0.5 * bound, ref)
+    with pytest.raises(ExportVerificationError, match="max abs error"):
+        export._check(report, "over", ref + 1.5 * bound, ref)
+    assert report.bounds["half"] == report.bounds["over"] == pytest.approx(bound, rel=1e-9)
+    assert report.errors["half"] == pytest.approx(0.5 * bound, rel=1e-4)
+
+
+def test_a_nan_in_the_exported_output_fails_verification():
+    """A NaN in the exported model's output is a verification failure (a plain `err > bound` would pass it)."""
+    ref = torch.tensor([[0.5, -1.0, 2.0]])
+    y = ref.clone()
+    y[0, 1] = float("nan")
+    with pytest.raises(ExportVerificationError):
+        export._check(_report(), "nan", y, ref)
+
+
 def test_report_says_when_the_opset_written_is_not_the_one_asked_for():
     report = ExportReport("m.onnx", "onnx", (1, 3, 8, 8), 10, 5, opset=18, opset_requested=17)
     assert "exported onnx opset 18 to m.onnx" in str(report)

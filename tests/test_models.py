@@ -373,6 +373,40 @@ def test_deep_stem_models_deploy_exactly(method, opts):
         tol_close(base.eval()(x), y)
 
 
+def test_deep_stem_is_off_by_default_offline_and_for_dbb():
+    """Only online OREPA builds the linear deep stem by default (docs/models.md): orepa-offline and dbb
+    keep the plain 7x7 stem conv, and orepa-offline builds the deep stem only when asked."""
+    for method in ("orepa-offline", "dbb"):
+        m = zoo.create_model("resnet18", method, num_classes=5, width_mult=0.25)
+        assert type(m.conv1) is nn.Conv2d and m.conv1.kernel_size == (7, 7), (method, type(m.conv1))
+    m = zoo.create_model("resnet18", "orepa-offline", num_classes=5, width_mult=0.25, deep_stem=True)
+    assert isinstance(m.conv1, orepa.OREPADeepStem) and m.conv1.mode == "offline"
+    assert isinstance(zoo.create_model("resnet18", "orepa", num_classes=5, width_mult=0.25).conv1,
+                      orepa.OREPADeepStem)
+
+
+@pytest.mark.parametrize("name,method", [("repvgg_a0", "orepa-vgg"), ("resnet18", "orepa")])
+@pytest.mark.parametrize("small_input,size", [(True, 32), (False, 64)])
+def test_stage_outputs_match_their_feature_info_reductions(name, method, small_input, size):
+    """Every feature_info stage's output is input / reduction: the small-input strides (stride 1 in
+    the stem and the first stage) are where feature_info says they are."""
+    model = zoo.create_model(name, method, num_classes=5, width_mult=0.25, small_input=small_input).eval()
+    sizes = {}
+
+    def record(key):
+        def hook(mod, inp, out):
+            sizes.setdefault(key, tuple(out.shape[1:]))  # (the first call: the stem's relu)
+        return hook
+
+    for info in model.feature_info:
+        model.get_submodule(info["module"]).register_forward_hook(record(info["module"]))
+    with torch.no_grad():
+        model(torch.randn(1, 3, size, size))
+    for info in model.feature_info:
+        r = info["reduction"]
+        assert sizes[info["module"]] == (info["num_chs"], size // r, size // r), info
+
+
 def test_a_new_family_is_one_registration():
     """register_family is the whole of adding a family: create_model, list_models, list_methods and the
     deployment to the family's plain layout follow from it."""

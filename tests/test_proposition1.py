@@ -30,6 +30,14 @@ def test_branch_wise_scales_change_the_update(scaling):
     assert r["diff_same_lr"] > 1e-3 and r["diff_kernel_lr_x_M"] > 1e-3
 
 
+@pytest.mark.parametrize("scaling", ["vector", "scalar"])
+def test_branch_wise_single_layer_counterpart_starts_from_the_same_kernel(scaling):
+    """The single layer compared with branch-wise scales starts at W_e / mean gamma (the same W_e):
+    at a vanishing lr the two end-to-end kernels agree, so any later gap is the update's own."""
+    r = check_update(scaling, steps=1, branches=3, lr=1e-9)
+    assert r["diff_same_lr"] < 1e-6
+
+
 def test_single_branch_is_the_single_layer():
     for scaling in ("shared", "vector"):
         r = check_update(scaling, steps=3, branches=1)
