@@ -1002,14 +1002,25 @@ class _TwoPasses(nn.Module):
         return (self.net(x) + torch.func.functional_call(self.net, other, (x,))).flatten(1)
 
 
-@pytest.mark.parametrize("compiled_part", [0, 2, 4], ids=["first block", "middle block", "last block"])
-def test_eager_and_compiled_parts_of_one_forward_build_each_kernel_once(compiled_part, monkeypatch):
+class _CheckpointedPart(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("compiled_part,checkpointed", [(0, False), (2, False), (4, False), (2, True)],
+                         ids=["first block", "middle block", "last block", "middle block, checkpointed"])
+def test_eager_and_compiled_parts_of_one_forward_build_each_kernel_once(compiled_part, checkpointed, monkeypatch):
     """A grouped root that runs eagerly with one block compiled (``torch.compile`` of a stage, or
     blocks past a graph break or dynamo's recompile limit): a kernel built earlier in the forward,
     eagerly or inside the compiled part's graph, is read where the other kind of part needs it, not
     built again (eager blocks after the compiled first block built the whole group once more; a
     compiled block after eager ones built it again in its graph). The per-block numbers over two
-    steps, one frame compiled."""
+    steps, one frame compiled (a compiled activation-checkpointed part compiled none: the engine
+    wrote its memo of the groups' dtypes there, a side effect dynamo cannot keep in such a region)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -1023,7 +1034,8 @@ def test_eager_and_compiled_parts_of_one_forward_build_each_kernel_once(compiled
                                                                  build(groups))[1])
     graphs = []
     counter = CompileCounterWithBackend(aot_graph_backend(graphs))
-    net[compiled_part] = torch.compile(net[compiled_part], backend=counter)
+    part = _CheckpointedPart(net[compiled_part]) if checkpointed else net[compiled_part]
+    net[compiled_part] = torch.compile(part, backend=counter)
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
     for _ in range(2):
         eager_builds.clear()

@@ -1812,3 +1812,149 @@ def test_the_no_decay_group_takes_norm_weight_decay_not_wd(cache, tmp_path):
     default = groups(tmp_path / "a")
     assert default["no_decay"] == 0.0 and default["decay"] == pytest.approx(0.001)
     assert groups(tmp_path / "b", "--norm-weight-decay", "0.03")["no_decay"] == pytest.approx(0.03)
+
+
+# --------------------------------------------------------------------------- mutation round 3
+
+
+def _grad_l2(params) -> float:
+    return torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in params
+                                                 if p.grad is not None])).item()
+
+
+def test_clip_grad_norm_clips_the_unscaled_l2_norm_with_and_without_float16_scaling(cache, tmp_path, monkeypatch):
+    """--clip-grad-norm bounds the L2 norm of the true gradients: under float16 autocast the scaler
+    unscales them first (clipping the 65536x scaled ones would leave them ~65536x too small)."""
+    real, seen = nn.utils.clip_grad_norm_, []
+
+    def spy(parameters, max_norm, *a, **k):
+        params = list(parameters)
+        before = _grad_l2(params)
+        out = real(params, max_norm, *a, **k)
+        seen.append((before, _grad_l2(params)))
+        return out
+
+    monkeypatch.setattr(nn.utils, "clip_grad_norm_", spy)
+    extra = ("--epochs", "1", "--no-eval", "--max-steps", "1", "--lr-warmup-epochs", "0", "--clip-grad-norm", "0.01")
+    assert _train(cache, tmp_path / "fp32", *extra) == 0
+    assert _train(cache, tmp_path / "fp16", *extra, "--amp", "--amp-dtype", "float16") == 0
+    (fp32_before, fp32_after), (fp16_before, fp16_after) = seen
+    assert fp32_before > 0.05  # the clip did act
+    assert fp32_after == pytest.approx(0.01, rel=1e-3) and fp16_after == pytest.approx(0.01, rel=1e-3)
+    assert fp16_before == pytest.approx(fp32_before, rel=0.05)  # the true gradients', not the scaled ones'
+
+
+def test_the_default_lr_scales_with_the_global_batch_of_all_processes(cache, tmp_path, monkeypatch):
+    """Without --lr the peak rate is 0.1 x global batch / 256: with 2 processes of -b 16 it is
+    0.0125, not the 0.00625 of one process's batch."""
+    from orepa.apps.common import DistInfo
+
+    monkeypatch.setattr(train, "init_distributed", lambda *a, **k: (DistInfo(rank=0, world_size=2), torch.device("cpu")))
+    assert _train(cache, tmp_path / "run", "--epochs", "1", "--no-eval", "--max-steps", "1") == 0
+    ck = _load(tmp_path / "run" / "checkpoint.pth")
+    assert ck["args"]["lr"] == pytest.approx(0.1 * 32 / 256)
+
+
+def test_resume_allows_epochs_equal_to_the_finished_ones_and_refuses_fewer_than_begun(cache, tmp_path):
+    """A run that finished epoch 1 (at step 0 of epoch 2) has begun 1 epoch: --resume --epochs 1 is
+    allowed; one stopped inside epoch 2 has begun 2: --epochs 1 is refused."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--no-eval", "--max-steps", "4") == 0  # 4 steps an epoch
+    ck = _load(run / "checkpoint.pth")
+    assert (ck["epoch"], ck["step_in_epoch"]) == (1, 0)
+    argv = ["--resume", str(run / "checkpoint.pth"), "--epochs", "1"]
+    assert train.resumed_args(train._parser().parse_args(argv), ck)[0].epochs == 1
+    with pytest.raises(common.UserError, match="--epochs 1 is fewer than the 2 epoch"):
+        train.resumed_args(train._parser().parse_args(argv), {**ck, "step_in_epoch": 2})
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_micro_batch_loss_is_weighted_by_its_share_of_the_batch(n):
+    """_forward_backward over N micro-batches leaves the gradient of the whole batch's mean loss
+    (each piece's loss / N), and returns the batch's mean loss and its [loss sum, correct, images]."""
+    import argparse
+    import contextlib
+    import types
+
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    x, t = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    whole = nn.functional.cross_entropy(model(x), t)
+    whole.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    fake = types.SimpleNamespace(args=argparse.Namespace(micro_batches=n, amp=False, amp_dtype="auto",
+                                                         cuda_graphs=False),
+                                 train_model=model, criterion=nn.CrossEntropyLoss(), device=torch.device("cpu"),
+                                 scaler=None, info=common.DistInfo())
+    fake.train_model.no_sync = contextlib.nullcontext
+    loss, sums = train.Trainer._forward_backward(fake, x, t)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    assert loss.item() == pytest.approx(whole.item(), rel=1e-5)
+    assert sums[0].item() == pytest.approx(8 * whole.item(), rel=1e-5) and sums[2].item() == 8
+
+
+def test_pad_crop_flip_takes_every_offset_of_the_padded_image_and_flips_left_right_only():
+    """Fashion-MNIST's augmentation: a 28x28 crop of the image zero-padded by 2 on all four sides, at
+    any of the 5 x 5 offsets, mirrored left-right (never top-bottom) half the time."""
+    img = torch.arange(1, 28 * 28 + 1, dtype=torch.float32).reshape(1, 28, 28)
+    padded = nn.functional.pad(img, (2, 2, 2, 2))
+    crops = {}
+    for i in range(5):
+        for j in range(5):
+            c = padded[..., i:i + 28, j:j + 28]
+            crops[(i, j, False)], crops[(i, j, True)] = c, c.flip(-1)
+    t = data.PadCropFlip(28, 2)
+    seen = set()
+    for seed in range(400):
+        torch.manual_seed(seed)
+        out = t(img)
+        hits = [k for k, c in crops.items() if torch.equal(out, c)]
+        assert len(hits) == 1, f"seed {seed}: not a left-right-flipped crop of the zero-padded image"
+        seen.add(hits[0])
+    assert seen == set(crops)  # every offset, flipped and not
+
+
+def test_a_seeded_training_subset_depends_on_its_seed():
+    """--train-subset N picks N images at random from --seed: the same seed the same images (sorted),
+    another seed others."""
+    ds = list(range(1000))
+    a, b, c = (list(data._subset(ds, 16, seed)) for seed in (1, 1, 2))
+    assert a == b and a != c
+    assert a == sorted(set(a)) and len(a) == 16 and 0 <= a[0] and a[-1] < 1000
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """Yields the index (a training loader's keys are ``(index, epoch)``)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, key):
+        index, epoch = key
+        return torch.tensor(index), torch.tensor(epoch)
+
+
+def test_the_training_loader_shuffles_by_seed_and_epoch_and_drops_the_last_partial_batch():
+    """The order of a training epoch is a function of --seed and the epoch (another seed, another
+    order); every batch is full: the images left over (70 = 4 x 16 + 6) are dropped."""
+    import argparse
+
+    from orepa.apps.common import DistInfo
+
+    def epoch_order(seed, epoch=0):
+        d = argparse.Namespace(train=_Indexed(70))
+        loader, sampler = data.train_loader(d, argparse.Namespace(seed=seed, batch_size=16, workers=0), DistInfo(),
+                                            torch.device("cpu"))
+        sampler.set_epoch(epoch)
+        batches = [x for x, _ in loader]
+        assert len(loader) == 4 and [len(x) for x in batches] == [16] * 4
+        return torch.cat(batches).tolist()
+
+    a = epoch_order(0)
+    assert a == epoch_order(0) and len(set(a)) == 64
+    assert a != epoch_order(1) and a != epoch_order(0, epoch=1)

@@ -1448,14 +1448,17 @@ class KernelGroup:
         ws = self.workspace
         if ws is None or not ws.forward_open or not builds_together(self.policy, ref.device):
             return False
-        # looked at once per forward: every block of the group asks, and dynamo's instructions over the
-        # group's tensors cost more than the tensors' own tracing (ResNet-18: 58k of 298k instructions)
-        key = (self.index_in_peers, ref.device, ref.dtype)
-        together = ws.traced_together.get(key)
-        if together is None:
-            together = ws.traced_together[key] = all(t.device == ref.device and t.dtype == ref.dtype
-                                                     for b in range(self.plan.n) for t in self.plan.tensors_of(b))
-        return together
+        # looked at once per forward, by the root's pre-hook (:func:`_open_forward`): every block of the
+        # group asks, and dynamo's instructions over the group's tensors cost more than the tensors' own
+        # tracing (ResNet-18: 58k of 298k instructions); not written here, where the caller may be inside an
+        # activation-checkpointed region of a graph (a write there would make dynamo run it all eagerly)
+        together = ws.traced_together.get((self.index_in_peers, ref.device, ref.dtype))
+        return self._of_one_kind(ref) if together is None else together
+
+    def _of_one_kind(self, ref: Tensor) -> bool:
+        """Whether every tensor of the group is on ``ref``'s device and of its dtype."""
+        return all(t.device == ref.device and t.dtype == ref.dtype
+                   for b in range(self.plan.n) for t in self.plan.tensors_of(b))
 
     def _sources(self, b: int) -> tuple[Tensor, ...]:
         """What block ``b``'s kernel is built from, as objects: its packed parameters (unless a step reads
@@ -2577,6 +2580,10 @@ def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
         workspace.traced.clear()
         workspace.traced_together.clear()
         workspace.forward_open = True
+        for group in workspace.groups:  # (KernelGroup.traces_together reads them)
+            ref = group.plan.ref()
+            if builds_together(group.policy, ref.device):
+                workspace.traced_together[(group.index_in_peers, ref.device, ref.dtype)] = group._of_one_kind(ref)
 
 
 def _close_forward(workspace: Workspace, module: nn.Module, args, output) -> None:
