@@ -2033,10 +2033,17 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: list[Tensor]):
 
 
 def _autocast_off(t: Tensor):
-    """No autocast around compiled code (traced in the parameters' dtype), a no-op context where
-    autocast is off already (most calls)."""
+    """No autocast around a kernel construction (composed in the parameters' dtype), a no-op context
+    where autocast is off already (most calls) or the device has none (``meta``: FLOP counts)."""
     device = t.device.type
+    if device not in ("cpu", "cuda") and not _has_autocast(device):  # (cpu, cuda: nothing to ask inside a trace)
+        return contextlib.nullcontext()
     return torch.autocast(device, enabled=False) if torch.is_autocast_enabled(device) else contextlib.nullcontext()
+
+
+def _has_autocast(device: str) -> bool:
+    available = getattr(torch.amp, "is_autocast_available", None)  # (torch >= 2.4's; before it, cpu and cuda)
+    return available(device) if available is not None else device in ("cpu", "cuda")
 
 
 class CudaGraphRecorder:
