@@ -697,3 +697,22 @@ def test_the_detection_benchmark_says_a_missing_device_in_one_line(monkeypatch):
         mod.main(["--device", "cuda"])
     with pytest.raises(UserError, match="--device 'gpu': expected cpu, cuda or cuda:N"):
         mod.main(["--device", "gpu"])
+
+
+def test_a_frozen_stem_freezes_its_batchnorm_too():
+    """A frozen stem (trainable_layers=3 without a deep stem) is conv1 and bn1: neither has trainable
+    parameters, and bn1 keeps its statistics in train() like layer1's norms."""
+    f = D.resnet_features("resnet18", "base", trainable_layers=3, **TINY)
+    assert f.frozen_stages == ("stem", "layer1")
+    assert not any(p.requires_grad for p in f.bn1.parameters())
+    f.train()
+    assert not f.bn1.training and not f.layer1[0].bn1.training and f.layer2[0].bn1.training
+
+
+def test_a_small_input_trunk_reports_the_strides_its_features_have():
+    """Without the stride-2 stem conv and max-pool (small_input) C2..C5 have strides 1, 2, 4, 8, and
+    every returned feature map is the input size divided by its reported stride."""
+    f = D.resnet_features("resnet18", "base", small_input=True, width_mult=0.125)
+    out = f(torch.randn(1, 3, 32, 32))
+    assert f.strides == {"c2": 1, "c3": 2, "c4": 4, "c5": 8}
+    assert all(v.shape[-1] == 32 // f.strides[k] for k, v in out.items())

@@ -452,3 +452,16 @@ def test_a_new_family_is_one_registration():
             for name in ("base_tiny_test", "orepa_tiny_test"):
                 timm_registry.TIMM_NAMES.pop(name, None)
     assert "tiny_test" not in registry.list_models()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "repvgg_a0"])
+def test_reset_classifier_sets_the_head_and_the_num_classes_it_reports(name):
+    """timm's reset_classifier: a new head of num_classes outputs (0: the pooled features) and
+    .num_classes saying so."""
+    m = zoo.create_model(name, "base", num_classes=10, width_mult=0.125).eval()
+    x = torch.randn(2, 3, 32, 32)
+    m.reset_classifier(5)
+    assert m.num_classes == 5 and m(x).shape == (2, 5) and m.get_classifier().out_features == 5
+    m.reset_classifier(0)
+    assert m.num_classes == 0 and isinstance(m.get_classifier(), nn.Identity)
+    assert m(x).shape == (2, m.num_features)

@@ -1958,3 +1958,43 @@ def test_the_training_loader_shuffles_by_seed_and_epoch_and_drops_the_last_parti
     a = epoch_order(0)
     assert a == epoch_order(0) and len(set(a)) == 64
     assert a != epoch_order(1) and a != epoch_order(0, epoch=1)
+
+
+def test_a_checkpoint_whose_tensor_has_another_shape_is_refused_naming_the_key_and_both_shapes():
+    """A state_dict with every key but one tensor of another width (same rank) is a UserError that
+    names the key and both shapes, not torch's RuntimeError from load_state_dict."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    sd["0.weight"] = torch.zeros(5, 3, 3, 3)
+    assert "1 shape mismatch(es) (0.weight: checkpoint [5, 3, 3, 3] vs model [4, 3, 3, 3])" in \
+        ckpt_mod.state_dict_mismatch(model, sd)
+    with pytest.raises(common.UserError, match=r"does not fit the model built, net: .*0\.weight: checkpoint \[5, 3, 3, 3\]"):
+        ckpt_mod.load_model_state(model, sd, path="x.pth", built="net")
+
+
+def test_a_checkpoint_read_as_another_method_names_what_it_was_saved_for(tmp_path):
+    """A training checkpoint (form "train") of an OREPA ResNet-18 read as a DBB one is refused in that
+    form, naming the network built and the one it was saved for; read as itself it loads."""
+    cfg = {"model": "resnet18", "method": "orepa", "num_classes": 10, "in_chans": 1, "small_input": True,
+           "width_mult": 0.0625, "options": {}}
+    path = tmp_path / "orepa.pth"
+    saved = _training_checkpoint(cfg, path, seed=1)
+    ckpt = ckpt_mod.load_checkpoint(path)
+    model, _, form = ckpt_mod.model_from_checkpoint(ckpt, path)
+    assert form == "train" and all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
+    with pytest.raises(common.UserError) as e:
+        ckpt_mod.model_from_checkpoint(ckpt, path, cfg={**cfg, "method": "dbb"})
+    msg = str(e.value)
+    assert "does not fit the model built" in msg and "[train]" in msg and "(it was saved for" in msg
+
+
+def test_the_cosine_schedule_decays_from_the_peak_to_the_lr_min_floor():
+    """With --lr-min the cosine runs from 1 to lr_min / lr (0.1 of the peak here): 1 at the end of
+    the warm-up, 0.55 half-way, 0.1 at the end, never above 1."""
+    import argparse
+
+    a = argparse.Namespace(lr_warmup_epochs=2, epochs=10, lr_scheduler="cosine", lr_min=0.01, lr=0.1,
+                           lr_warmup_decay=0.01, lr_gamma=0.1, lr_step_size=3)
+    f = train.lr_factor_fn(a, iters_per_epoch=10)
+    assert [f(20), f(60), f(100)] == pytest.approx([1.0, 0.55, 0.1])
+    assert max(f(i) for i in range(101)) == pytest.approx(1.0)
