@@ -2587,10 +2587,11 @@ def _open_forward(workspace: Workspace, module: nn.Module, args) -> None:
         workspace.traced.clear()
         workspace.traced_together.clear()
         workspace.forward_open = True
-        for group in workspace.groups:  # (KernelGroup.traces_together reads them)
-            ref = group.plan.ref()
-            if builds_together(group.policy, ref.device):
-                workspace.traced_together[(group.index_in_peers, ref.device, ref.dtype)] = group._of_one_kind(ref)
+        if module.training and torch.is_grad_enabled():  # (KernelGroup.traces_together reads them: training only)
+            for group in workspace.groups:
+                ref = group.plan.ref()
+                if builds_together(group.policy, ref.device):
+                    workspace.traced_together[(group.index_in_peers, ref.device, ref.dtype)] = group._of_one_kind(ref)
 
 
 def _close_forward(workspace: Workspace, module: nn.Module, args, output) -> None:
