@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 # Inductor's CPU code without SIMD in the suite: the tests check the compiled constructions' graphs
 # and numbers, not inductor's vectorisation, which costs about 40% of a cold compile (probing the
@@ -110,6 +111,17 @@ def cache(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("fmnist-cache")
     data.prepare_fashion_mnist(root)
     return str(root)
+
+
+class Checkpointed(torch.nn.Module):
+    """``inner`` run under activation checkpointing (``torch.utils.checkpoint``)."""
+
+    def __init__(self, inner: torch.nn.Module, reentrant: bool = False):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
 
 
 def aot_graph_backend(graphs: list):

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tol_close
+from conftest import Checkpointed, tol_close
 from torch import nn
 
 import orepa
@@ -841,17 +841,6 @@ def test_a_symbolic_trace_of_a_bare_block_is_refused_with_the_way_out():
         torch.fx.symbolic_trace(OREPAConv2d(4, 4, 3, padding=1))
 
 
-class _Checkpointed(nn.Module):
-    def __init__(self, inner: nn.Module, reentrant: bool):
-        super().__init__()
-        self.inner, self.reentrant = inner, reentrant
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(self.inner, x, use_reentrant=self.reentrant)
-
-
 @pytest.mark.parametrize("method", ["dbb", "orepa-offline"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_recomputes_the_bn_and_pad_branches_exactly(method, reentrant):
@@ -868,7 +857,7 @@ def test_activation_checkpointing_recomputes_the_bn_and_pad_branches_exactly(met
             bn.running_mean.uniform_(-0.5, 0.5)
             bn.running_var.uniform_(0.5, 2.0)
     checkpointed = copy.deepcopy(model)
-    checkpointed.layer2 = _Checkpointed(checkpointed.layer2, reentrant)
+    checkpointed.layer2 = Checkpointed(checkpointed.layer2, reentrant)
     x = torch.randn(2, 3, 16, 16, dtype=torch.double, requires_grad=reentrant)
     for m in (model, checkpointed):
         m.train()(x).square().sum().backward()

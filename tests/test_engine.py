@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import aot_graph_backend, matrix_products, tol_close
+from conftest import Checkpointed, aot_graph_backend, matrix_products, tol_close
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1002,15 +1002,6 @@ class _TwoPasses(nn.Module):
         return (self.net(x) + torch.func.functional_call(self.net, other, (x,))).flatten(1)
 
 
-class _CheckpointedPart(nn.Module):
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
-
-
 @pytest.mark.parametrize("compiled_part,checkpointed", [(0, False), (2, False), (4, False), (2, True)],
                          ids=["first block", "middle block", "last block", "middle block, checkpointed"])
 def test_eager_and_compiled_parts_of_one_forward_build_each_kernel_once(compiled_part, checkpointed, monkeypatch):
@@ -1034,7 +1025,7 @@ def test_eager_and_compiled_parts_of_one_forward_build_each_kernel_once(compiled
                                                                  build(groups))[1])
     graphs = []
     counter = CompileCounterWithBackend(aot_graph_backend(graphs))
-    part = _CheckpointedPart(net[compiled_part]) if checkpointed else net[compiled_part]
+    part = Checkpointed(net[compiled_part]) if checkpointed else net[compiled_part]
     net[compiled_part] = torch.compile(part, backend=counter)
     x = torch.randn(2, 6, 5, 5, dtype=torch.float64)
     for _ in range(2):
