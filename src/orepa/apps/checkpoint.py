@@ -531,6 +531,12 @@ def json_text(obj, indent: int | None = None) -> str:
     return json.dumps(_strict_json(obj), indent=indent, allow_nan=False)
 
 
+def write_json(path: str | os.PathLike, obj, indent: int | None = None) -> Path:
+    """``obj`` written to ``path`` as :func:`json_text`, atomically: the one way orepa writes a JSON file
+    (a report, a run's progress, a benchmark's results)."""
+    return atomic_write_text(path, json_text(obj, indent))
+
+
 def save_checkpoint(obj: dict, path: str | os.PathLike) -> Path:
     """``torch.save`` through :func:`atomic_write`."""
     return atomic_write(path, lambda f: torch.save(obj, f))

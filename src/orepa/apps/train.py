@@ -62,11 +62,9 @@ from .checkpoint import (
     RUN_FILES,
     adapt_input_channels,
     args_dict,
-    atomic_write_text,
     check_finite,
     check_output_path,
     classifier_rows_by_name,
-    json_text,
     load_checkpoint,
     load_model_state,
     lock_run_dir,
@@ -76,6 +74,7 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
     unlock_run_dir,
+    write_json,
 )
 from .common import (
     DistInfo,
@@ -329,10 +328,6 @@ def _sync_buffers(info: DistInfo, *models: nn.Module | None) -> None:
         for model in models:
             for b in () if model is None else model.buffers():
                 dist.broadcast(b, 0)
-
-
-def _atomic_json(path: Path, obj) -> None:
-    atomic_write_text(path, json_text(obj))
 
 
 #: flags of one session, never taken from the checkpoint on --resume
@@ -1214,7 +1209,7 @@ class Trainer:
                "steps_per_epoch": self.iters_per_epoch, "global_step": s.global_step,
                "total_steps": self.args.epochs * self.iters_per_epoch, **self._running(acc, steps, t0),
                "elapsed_s": time.perf_counter() - self.t_start}
-        _atomic_json(self.out / PROGRESS_FILE, row)
+        write_json(self.out / PROGRESS_FILE, row)
         self._last_progress = time.perf_counter()
 
     def _run_time(self) -> float:
@@ -1384,7 +1379,7 @@ class Trainer:
         s.sums, s.timed = [0.0, 0.0, 0.0], [0.0, 0]
         self.checkpoint("epoch")
         if self.main:
-            _atomic_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": 0,
+            write_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": 0,
                                                       "steps_per_epoch": self.iters_per_epoch,
                                                       "global_step": s.global_step,
                                                       "total_steps": args.epochs * self.iters_per_epoch,
@@ -1428,7 +1423,7 @@ class Trainer:
             if k in last:
                 out[k] = last[k]
         if self.main:
-            atomic_write_text(self.out / "summary.json", json_text(out, indent=2))
+            write_json(self.out / "summary.json", out, indent=2)
             print_summary(out)
         return out
 
