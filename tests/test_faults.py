@@ -564,17 +564,21 @@ def test_a_wrong_torchrun_environment_is_one_line(env, message, tmp_path, capsys
 
 
 def test_one_process_commands_refuse_torchrun(tmp_path, capsys, monkeypatch):
-    """analyze, export and reparam under torchrun: each process wrote the same files (analyze and
-    reparam waited for peers when started alone with a WORLD_SIZE; reparam refused only after them)."""
+    """analyze, export, reparam, import-reference, bench and demo under torchrun: each process wrote the
+    same files (analyze and reparam waited for peers when started alone with a WORLD_SIZE; reparam
+    refused only after them; import-reference and bench wrote, the demo started its pipelines)."""
     for key, value in {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "29555"}.items():
         monkeypatch.setenv(key, value)
     for argv in (["analyze", "resnet18", "--width-mult", "0.0625", "--output-dir", str(tmp_path / "a")],
                  ["export", "--model", "resnet18", "-o", str(tmp_path / "m.onnx")],
-                 ["reparam", str(tmp_path / "x.pth")]):
+                 ["reparam", str(tmp_path / "x.pth")],
+                 ["import-reference", str(tmp_path / "x.pth"), "-o", str(tmp_path / "i.pth")],
+                 ["bench", "-m", "resnet18", "--methods", "base", "--output-dir", str(tmp_path / "b")],
+                 ["demo", "--output-dir", str(tmp_path / "d")]):
         assert main(argv) == 2
         assert f"orepa {argv[0]} runs in one process (WORLD_SIZE=2 in the environment)" in capsys.readouterr().err
-    assert not (tmp_path / "a").exists()
+    assert not any((tmp_path / d).exists() for d in ("a", "b", "d"))
 
 
 def _each_exits_2_with_one_line(cases, ckpt, capsys) -> None:

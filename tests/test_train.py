@@ -293,6 +293,12 @@ def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp
     assert main(["train", "--test-only", "--resume", str(ckpt_path), "--data-path", str(part), "--no-progress",
                  "-j", "0"]) == 0  # torchvision-style evaluation reads them alike
     assert f"top-1 {100 * sum(right) / 4:.2f}%" in capsys.readouterr().out
+    # and so does reparam's check (it read the folder by rank: fox as dog)
+    assert main(["reparam", str(ckpt_path), "--data-path", str(part), "--no-progress", "-j", "0", "-o",
+                 str(tmp_path / "part-deployed.pth"), "--json", str(tmp_path / "r.json")]) == 0
+    checked = json.loads((tmp_path / "r.json").read_text())
+    assert checked["train_form_acc1"] == checked["deployed_acc1"] == pytest.approx(100 * sum(right) / 4)
+    assert "the 2 classes of imagefolder read by name" in capsys.readouterr().out
     shutil.copytree(root / "val" / "dog", part / "val" / "wolf")
     assert main(["eval", str(ckpt_path), "--data-path", str(part), "--no-progress", "-j", "0"]) == 2
     err = capsys.readouterr().err
@@ -615,6 +621,37 @@ def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
     assert "top-1" in capsys.readouterr().out
 
 
+def test_test_only_is_orepa_eval_of_the_resume_checkpoint(cache, tmp_path, capsys):
+    """``train --test-only`` evaluated with an evaluation of its own: training flags beside it were
+    dropped without a word, ``--data-path fashion-mnist`` given explicitly was taken for the default
+    (the checkpoint's data evaluated instead), ``--amp-dtype`` without ``--amp`` passed, and eval's
+    notes were missing. It is ``orepa eval`` now, with the flags the two share."""
+    out = tmp_path / "run"
+    assert _train(cache, out, "--method", "base", "--epochs", "1", "--no-eval", "--max-steps", "1") == 0
+    ckpt = str(out / "checkpoint.pth")
+    capsys.readouterr()
+    for extra, msg in ((["--epochs", "5", "--model-ema"], "--test-only only evaluates the --resume checkpoint (as "
+                        "orepa eval does); --epochs, --model-ema do(es) not apply then"),
+                       (["--amp-dtype", "bfloat16"], "mixed precision is off (no --amp); --amp-dtype")):
+        assert main(["train", "--test-only", "--resume", ckpt, "--no-progress", *extra]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    said = []
+    for argv in (["train", "--test-only", "--resume", ckpt], ["eval", ckpt]):
+        assert main([*argv, "--val-subset", "16", "--no-progress"]) == 0
+        said.append(capsys.readouterr().out.splitlines())
+    assert said[0][0] == said[1][0] and said[0][0].startswith(f"{ckpt}: resnet18/base")
+    results = [lines[1].partition("(")[0] for lines in said]  # the numbers, before the time they took
+    assert results[0] == results[1] and "fashion-mnist val: top-1" in results[0]
+
+
+@pytest.mark.parametrize("cmd", ["eval", "reparam"])
+def test_commands_that_draw_nothing_take_no_seed(cmd, tmp_path, capsys):
+    """eval and reparam accepted --seed and read it nowhere (a --val-subset is spread evenly)."""
+    assert main([cmd, str(tmp_path / "x.pth"), "--seed", "3"]) == 2
+    assert "unrecognized arguments: --seed 3" in capsys.readouterr().err
+
+
 def test_micro_batches_give_the_whole_batchs_step(cache, tmp_path, capsys):
     """Without batch statistics (timm's ResNet with GroupNorm, OREPA blocks before its norms), a step
     over N micro-batches is the step over the whole batch: the same weights after two steps (float32
@@ -667,7 +704,7 @@ def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
     assert [h["train_loss"] for h in ca["history"]] == pytest.approx([h["train_loss"] for h in cb["history"]])
 
 
-def test_a_resumed_run_continues_its_ema_average(cache, tmp_path):
+def test_a_resumed_run_continues_its_ema_average(cache, tmp_path, capsys):
     """The EMA's update count is restored with its weights: from a count of 0, the first update after
     a resume copied the model's weights over the average (AveragedModel's start) instead of averaging."""
     args = ("--epochs", "1", "--no-eval", "--lr-warmup-epochs", "0", "--model-ema", "--model-ema-steps", "1")
@@ -682,6 +719,15 @@ def test_a_resumed_run_continues_its_ema_average(cache, tmp_path):
         assert torch.equal(v, cb["model_ema"][k]), k
     assert int(cb["ema_n_averaged"]) == int(ca["ema_n_averaged"]) == 4
     assert any(not torch.equal(v, ca["model"][k]) for k, v in ca["model_ema"].items())  # an average, not the model
+    # EMA weights that do not fit the model are named in one line, as the model's are (a traceback before)
+    damaged = _load(b / "checkpoint.pth")
+    lost = next(iter(damaged["model_ema"]))
+    del damaged["model_ema"][lost]
+    torch.save(damaged, tmp_path / "damaged.pth")
+    assert main(["train", "--resume", str(tmp_path / "damaged.pth"), "--epochs", "2", "--no-progress", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "damaged.pth (its EMA weights) does not fit the model built" in err and lost in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_a_resumed_run_draws_the_dropout_masks_it_would_have_drawn(cache, tmp_path):
@@ -742,12 +788,31 @@ def test_a_run_begun_on_a_gpu_resumes_on_this_device_with_its_precision(cache, t
                       device="cuda")  # what a one-GPU run started with --no-tf32-matmul saves
     torch.save(ck, ckpt)
     torch.backends.cuda.matmul.allow_tf32 = True
+    from orepa.apps import train as train_app
+
+    applied = []
+    set_tf32 = train_app.apply_tf32_matmul
+    monkeypatch.setattr(train_app, "apply_tf32_matmul", lambda *a: applied.append(set_tf32(*a)) or applied[-1])
     assert main(["train", "--resume", str(ckpt), "--micro-batches", "2", "--max-steps", "3", "--no-progress",
                  "--quiet"]) == 0
     after = _load(ckpt)
     assert after["global_step"] == 3
     assert after["args"]["cuda_graphs"] is False and after["args"]["kernel_builder"] == "auto"
-    assert after["args"]["tf32_matmul"] is False and torch.backends.cuda.matmul.allow_tf32 is False
+    assert after["args"]["tf32_matmul"] is False and applied == [False]
+    # the command's setting ends with it: the process has its own back
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+
+
+def test_a_command_leaves_the_process_its_threads_and_precision(cache, tmp_path):
+    """--threads, TF32 matrix products and cuDNN's autotuning hold for the command that set them: a
+    second command in the same process (``orepa demo --in-process``, a library caller) ran with the
+    first one's thread count."""
+    before = torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark
+    threads = 2 if before[0] == 1 else 1
+    out = tmp_path / "run"
+    assert _train(cache, out, "--method", "base", "--epochs", "1", "--no-eval", "--max-steps", "1", "--threads",
+                  str(threads), "--tf32-matmul") == 0
+    assert (torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before
 
 
 def test_a_run_replaced_by_an_overwrite_killed_before_its_first_checkpoint_comes_back(cache, tmp_path, capsys):

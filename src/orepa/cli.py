@@ -205,10 +205,10 @@ def _main(argv: list[str] | None) -> int:
         return 0
     args.given = given_flags(argv, args.command)
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    from orepa.apps.common import UserError, fail, out_of_memory
+    from orepa.apps.common import UserError, fail, out_of_memory, process_settings_kept
 
     try:
-        with _stop_signals_unwind(args.command):
+        with _stop_signals_unwind(args.command), process_settings_kept():
             try:
                 return int(module.run(args) or 0)
             except UserError as exc:  # (said with the command's signal handlers still in place: see train.StopSignals)

@@ -311,6 +311,21 @@ def add_tf32_matmul_argument(g, default: bool | None) -> None:
                            "default"))
 
 
+@contextmanager
+def process_settings_kept() -> Iterator[None]:
+    """What a command sets for the whole process (torch's threads: ``--threads``; TF32 matrix
+    products: ``--tf32-matmul``; cuDNN's autotuning) as it was before, once the command ends: a command
+    run in-process (``orepa demo --in-process``, a library caller, a test) leaves the next one the
+    settings it found. ``orepa``'s command line runs every command inside it."""
+    threads, tf32, autotune = torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark = tf32, autotune
+
+
 def apply_tf32_matmul(enabled: bool | None, device: torch.device) -> bool:
     """Set float32 matrix products to TF32 (``enabled``; None: on for a CUDA device) for this
     process; cuDNN convolutions keep PyTorch's setting (TF32). Returns the setting. Comparisons

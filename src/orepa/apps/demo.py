@@ -35,8 +35,8 @@ from .common import (
     STOP_WITH_PARENT_ENV,
     UserError,
     available_cpus,
+    init_distributed,
     nonneg_float,
-    parse_device,
     positive_float,
     positive_int,
     seed_int,
@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _commands(args, method: str, out: Path, threads: int) -> list[list[str]]:
     orepa = [sys.executable, "-m", "orepa"]
-    common = ["--threads", str(threads), "--seed", str(args.seed), "--no-progress"]
+    common = ["--threads", str(threads), "--no-progress"]
     if args.device:
         common += ["--device", args.device]
     if args.cache_dir:
@@ -85,7 +85,7 @@ def _commands(args, method: str, out: Path, threads: int) -> list[list[str]]:
     train = [*orepa, "train", "--model", args.model, "--method", method, *width,
              "--epochs", str(args.epochs), "-b", str(args.batch_size),
              "--lr-warmup-epochs", f"{args.lr_warmup_epochs:g}", "--no-eval", "--no-tensorboard",
-             "--output-dir", str(out), "--overwrite", *common]
+             "--output-dir", str(out), "--overwrite", "--seed", str(args.seed), *common]
     if args.lr is not None:
         train += ["--lr", f"{args.lr:g}"]
     if args.train_subset:
@@ -209,8 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if not methods:
         raise UserError(f"--methods {args.methods!r} names no method (e.g. base,orepa)")
     check_batch_fits(min(args.train_subset or FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN), args.batch_size)
-    if args.device is not None:  # (said once here, not by each pipeline's train after it started)
-        parse_device(args.device)
+    # (a bad --device said once here, not by each pipeline's train after it started)
+    init_distributed(args.device, one_process="orepa demo")
     check_output_path(args.output_dir, "--output-dir", directory=True)
     root = Path(args.output_dir)
     if run_files(root):  # a training run's own directory: the demo's would lie among its files

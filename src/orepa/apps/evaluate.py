@@ -17,12 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import (
-    atomic_write_text,
     check_output_path,
-    json_text,
     load_checkpoint,
     model_from_checkpoint,
     report_of,
+    write_json,
 )
 from .common import (
     DistInfo,
@@ -126,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # unset: the data the checkpoint was trained on
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
     add_model_arguments(p)
-    add_run_arguments(p)
+    add_run_arguments(p, seed=False)  # (nothing here draws: a --val-subset is spread evenly)
     p.add_argument("-b", "--batch-size", type=positive_int, default=256)
     add_amp_arguments(p, training=False)
     p.add_argument("--channels-last", action="store_true")
@@ -171,53 +170,61 @@ def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Mod
     return model, cfg, form
 
 
+def evaluate_checkpoint(args: argparse.Namespace, info: DistInfo, device: torch.device) -> dict:
+    """``orepa eval``'s work on parsed ``args`` (a copy the checkpoint's data settings may fill): the
+    checkpoint's model on its data, the result printed (by the main process) and returned. The one
+    evaluation of a checkpoint: ``orepa train --test-only`` runs it too."""
+    refuse_amp_dtype_without_amp(args)
+    if args.json:
+        check_output_path(args.json, "--json", report="eval", not_over={"the input checkpoint": args.checkpoint})
+    ckpt = load_checkpoint(args.checkpoint)
+    data_args_from_checkpoint(args, ckpt)
+    data = checkpoint_data(args, ckpt, info)
+    model, cfg, form = checkpoint_model(args, ckpt, data)
+    if cfg["num_classes"] > data.num_classes and info.is_main:  # allowed (a subset of its classes), but said
+        print(f"note: {args.checkpoint} predicts {cfg['num_classes']} classes, {data.name} has "
+              f"{data.num_classes}: an image predicted as one of the other "
+              f"{cfg['num_classes'] - data.num_classes} counts as wrong", flush=True)
+    bad = first_nonfinite(model)
+    if bad and info.is_main:
+        # a warning, not an error: eval reports what the weights compute, and looking at a diverged
+        # run (or a non-finite buffer the forward never reads) is legitimate; the numbers may be garbage
+        print(f"warning: {args.checkpoint} holds non-finite values (NaN/inf), first in {bad}: the accuracy "
+              "and loss below may be meaningless (a diverged run?)", file=sys.stderr, flush=True)
+    model.to(device)
+    if args.channels_last:
+        model.to(memory_format=torch.channels_last)
+    loader = val_loader(data, args, info, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ema = bool(args.use_ema or ckpt.get("ema"))  # EMA weights taken here, or deployed so by reparam
+    res = evaluate(model, loader, device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
+                   channels_last=args.channels_last, progress=not args.no_progress)
+    mem, mem_kind = peak_memory(device)
+    res.update(checkpoint=str(args.checkpoint), form=form, model=describe_cfg(cfg), params=count_params(model),
+               peak_memory_mib=mem, peak_memory_kind=mem_kind, dataset=data.name, ema=ema,
+               nonfinite=bad)
+    if info.is_main:
+        print(f"{args.checkpoint}: {describe_cfg(cfg)}, {form} form{' (EMA)' if ema else ''}, "
+              f"{res['params']:,} params")
+        print(f"  {data.name} val: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}  "
+              f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch, peak memory {mem:.0f} MiB "
+              f"[{mem_kind}])")
+        if args.json:
+            write_json(args.json, report_of("eval", res), indent=2)
+    return res
+
+
 def run(args: argparse.Namespace) -> int:
     info = DistInfo()
     apply_threads(args)
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     try:
-        refuse_amp_dtype_without_amp(args)
         info, device = init_distributed(args.device)
-        if args.json:
-            check_output_path(args.json, "--json", report="eval", not_over={"the input checkpoint": args.checkpoint})
-        ckpt = load_checkpoint(args.checkpoint)
-        data_args_from_checkpoint(args, ckpt)
-        data = checkpoint_data(args, ckpt, info)
-        model, cfg, form = checkpoint_model(args, ckpt, data)
-        if cfg["num_classes"] > data.num_classes and info.is_main:  # allowed (a subset of its classes), but said
-            print(f"note: {args.checkpoint} predicts {cfg['num_classes']} classes, {data.name} has "
-                  f"{data.num_classes}: an image predicted as one of the other "
-                  f"{cfg['num_classes'] - data.num_classes} counts as wrong", flush=True)
-        bad = first_nonfinite(model)
-        if bad and info.is_main:
-            # a warning, not an error: eval reports what the weights compute, and looking at a diverged
-            # run (or a non-finite buffer the forward never reads) is legitimate; the numbers may be garbage
-            print(f"warning: {args.checkpoint} holds non-finite values (NaN/inf), first in {bad}: the accuracy "
-                  "and loss below may be meaningless (a diverged run?)", file=sys.stderr, flush=True)
-        model.to(device)
-        if args.channels_last:
-            model.to(memory_format=torch.channels_last)
-        loader = val_loader(data, args, info, device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        ema = bool(args.use_ema or ckpt.get("ema"))  # EMA weights taken here, or deployed so by reparam
-        res = evaluate(model, loader, device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
-                       channels_last=args.channels_last, progress=not args.no_progress)
-        mem, mem_kind = peak_memory(device)
-        res.update(checkpoint=str(args.checkpoint), form=form, model=describe_cfg(cfg), params=count_params(model),
-                   peak_memory_mib=mem, peak_memory_kind=mem_kind, dataset=data.name, ema=ema,
-                   nonfinite=bad)
-        if info.is_main:
-            print(f"{args.checkpoint}: {describe_cfg(cfg)}, {form} form{' (EMA)' if ema else ''}, "
-                  f"{res['params']:,} params")
-            print(f"  {data.name} val: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}  "
-                  f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch, peak memory {mem:.0f} MiB "
-                  f"[{mem_kind}])")
-            if args.json:
-                atomic_write_text(args.json, json_text(report_of("eval", res), indent=2))
+        evaluate_checkpoint(args, info, device)
         return 0
     finally:
         cleanup_distributed(info)
 
 
-__all__ = ["evaluate", "autocast_context", "add_arguments", "run", "FASHION_MNIST_NAMES"]
+__all__ = ["evaluate", "evaluate_checkpoint", "autocast_context", "add_arguments", "run", "FASHION_MNIST_NAMES"]

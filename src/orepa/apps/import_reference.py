@@ -29,7 +29,7 @@ from .checkpoint import (
     model_from_checkpoint,
     save_checkpoint,
 )
-from .common import UserError, add_run_arguments, apply_threads, count_params, fail, parse_device, positive_float
+from .common import UserError, add_run_arguments, apply_threads, count_params, init_distributed, positive_float
 from .model_cfg import deploy, describe_cfg, model_cfg_of
 
 
@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def import_checkpoint(args: argparse.Namespace) -> dict:
     apply_threads(args)
-    device = parse_device(args.device)  # where the written checkpoint is checked against the imported model
+    # where the written checkpoint is checked against the imported model
+    _, device = init_distributed(args.device, one_process="orepa import-reference")
     src, out = Path(args.checkpoint), Path(args.output)
     if args.fuse_bn and not args.deploy:
         raise UserError("--fuse-bn needs --deploy (a training-form checkpoint keeps its BNs)")
@@ -94,10 +95,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        res = import_checkpoint(args)
-    except UserError as exc:
-        return fail("import-reference", exc)
+    res = import_checkpoint(args)
     print(f"{res['source']}: {res['model']}")
     print(f"  {res['form']} form, {res['params_written']:,} parameters (training form {res['params_train']:,}); "
           f"checked on a random batch: max |logit diff| {res['max_abs_diff']:.1e}")

@@ -20,17 +20,18 @@ from pathlib import Path
 
 from .checkpoint import (
     EMA_NOTE,
+    FORMAT,
+    VERSION,
     args_dict,
-    atomic_write_text,
     check_finite,
     check_output_path,
     checkpoint_form,
     deployed_file_name,
-    json_text,
     load_checkpoint,
     model_from_checkpoint,
     report_of,
     save_checkpoint,
+    write_json,
 )
 from .common import (
     UserError,
@@ -44,8 +45,8 @@ from .common import (
     positive_int,
     refuse_idle_flags,
 )
-from .data import add_data_arguments, build_data, val_loader
-from .evaluate import checkpoint_model, data_args_from_checkpoint, evaluate
+from .data import add_data_arguments, val_loader
+from .evaluate import checkpoint_data, checkpoint_model, data_args_from_checkpoint, evaluate
 from .model_cfg import deploy, describe_cfg
 
 
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_data_arguments(p, training_set=False)
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
     p.add_argument("-b", "--batch-size", type=positive_int, default=256)
-    add_run_arguments(p)
+    add_run_arguments(p, seed=False)  # (nothing here draws: a --val-subset is spread evenly)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
 
@@ -120,7 +121,7 @@ def reparam(args: argparse.Namespace) -> dict:
                         "(orepa train's checkpoint.pth, or orepa import-reference's output)")
     data_args_from_checkpoint(args, ckpt)
     need_data = not args.no_verify
-    data = build_data(args, need_train=False) if need_data else None
+    data = checkpoint_data(args, ckpt, info) if need_data else None  # its images labelled as the checkpoint's classes
     if data is None:
         model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, use_ema=args.use_ema)
     else:
@@ -140,7 +141,7 @@ def reparam(args: argparse.Namespace) -> dict:
         res["output"] = None
         return res
     save_checkpoint({
-        "format": "orepa-checkpoint", "version": 1, "form": form_out, "model_cfg": cfg,
+        "format": FORMAT, "version": VERSION, "form": form_out, "model_cfg": cfg,
         "classes": list(ckpt.get("classes") or []),
         "model": {k: v.detach().cpu() for k, v in deployed.state_dict().items()},
         "source": str(args.checkpoint), "ema": bool(args.use_ema), "args": ckpt.get("args", {}),
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"  wrote {res['output']}")
     if args.json:
-        atomic_write_text(args.json, json_text(report_of("reparam", res), indent=2))
+        write_json(args.json, report_of("reparam", res), indent=2)
     return 0
 
 

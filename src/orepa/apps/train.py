@@ -58,8 +58,10 @@ from ..blocks import ReparamConv2d
 from ..engine import group_kernels
 from .checkpoint import (
     DERIVED_FILES,
+    FORMAT,
     PROGRESS_FILE,
     RUN_FILES,
+    VERSION,
     adapt_input_channels,
     args_dict,
     check_finite,
@@ -974,7 +976,8 @@ class Trainer:
             self.scaler.load_state_dict(ckpt["scaler"])
         if self.ema is not None:
             if "model_ema" in ckpt:
-                self.ema.module.load_state_dict(ckpt["model_ema"])
+                load_model_state(self.ema.module, ckpt["model_ema"], path=f"{args.resume} (its EMA weights)",
+                                 built=describe_cfg(self.cfg))
                 self.ema.n_averaged.copy_(ckpt.get("ema_n_averaged", self.ema.n_averaged))
             else:
                 self.ema.module.load_state_dict(self.model.state_dict())
@@ -1052,7 +1055,7 @@ class Trainer:
             return None
         s = self.state
         ckpt = {
-            "format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": self.cfg,
+            "format": FORMAT, "version": VERSION, "form": "train", "model_cfg": self.cfg,
             "classes": list(self.data.classes),  # label i's name: eval reads other folders by name
             "train_images": self.data.train_images,  # a resumed run's data must be the same (setup)
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -1449,33 +1452,31 @@ def print_summary(s: dict) -> None:
         print(f"  {k:<{w}}  {v}")
 
 
+#: flags ``--test-only`` takes besides those it shares with ``orepa eval``
+_TEST_ONLY_FLAGS = frozenset({"resume", "test_only", "dist_timeout", "quiet"})
+
+
 def test_only(args: argparse.Namespace) -> dict:
-    """``--test-only``: evaluate the --resume checkpoint (any form)."""
-    from .evaluate import checkpoint_data, checkpoint_model, data_args_from_checkpoint
+    """``--test-only`` (torchvision's spelling): ``orepa eval`` of the --resume checkpoint, with the flags
+    the two share as given here and eval's defaults for the rest (the checkpoint's data, unless given);
+    a training flag given beside it is refused, not dropped."""
+    from . import evaluate as ev
 
     if not args.resume:
         raise UserError("--test-only evaluates the checkpoint given with --resume")
-    args = argparse.Namespace(**vars(args))
+    parser = argparse.ArgumentParser()
+    ev.add_arguments(parser)
+    eval_args = parser.parse_args([args.resume])
+    given = _given(args)
+    shared = given & vars(eval_args).keys()
+    refuse_idle_flags(argparse.Namespace(given=given), given - shared - _TEST_ONLY_FLAGS,
+                      "--test-only only evaluates the --resume checkpoint (as orepa eval does)")
+    for key in shared:
+        setattr(eval_args, key, getattr(args, key))
+    eval_args.given = shared
     info, device = init_distributed(args.device, timeout_min=args.dist_timeout)
     try:
-        ckpt = load_checkpoint(args.resume)
-        args.checkpoint, args.use_ema = args.resume, False
-        if args.data_path == "fashion-mnist" and (ckpt.get("args") or {}).get("data_path"):
-            args.data_path = None
-        given = _given(args)
-        for key in ("val_resize_size", "val_crop_size"):  # train's defaults: the checkpoint's sizes unless given
-            if key not in given:
-                setattr(args, key, None)
-        data_args_from_checkpoint(args, ckpt)
-        data = checkpoint_data(args, ckpt, info)
-        model, cfg, form = checkpoint_model(args, ckpt, data)
-        model.to(device)
-        r = evaluate(model, val_loader(data, args, info, device), device, info=info, amp=args.amp,
-                     amp_dtype=args.amp_dtype, progress=not args.no_progress)
-        if info.is_main:
-            print(f"{args.resume} ({describe_cfg(cfg)}, {form}): top-1 {r['acc1']:.2f}%  top-5 {r['acc5']:.2f}%  "
-                  f"loss {r['loss']:.4f} on {r['n']} {data.name} images")
-        return r
+        return ev.evaluate_checkpoint(eval_args, info, device)
     finally:
         cleanup_distributed(info)
 

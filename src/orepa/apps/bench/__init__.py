@@ -22,8 +22,8 @@ from orepa.apps.common import (
     add_tf32_matmul_argument,
     apply_tf32_matmul,
     apply_threads,
+    init_distributed,
     nonneg_int,
-    parse_device,
     positive_float,
     positive_int,
     refuse_idle_flags,
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # every check on the flags before the first build: a bad one fails in seconds, not after minutes
     apply_threads(args)
-    device = parse_device(None if args.device == "auto" else args.device)
+    _, device = init_distributed(None if args.device == "auto" else args.device, one_process="orepa bench")
     try:
         check_step_modes(device, args.cuda_graphs, args.compile)
     except ValueError as exc:

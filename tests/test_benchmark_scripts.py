@@ -1,0 +1,188 @@
+"""The measurement scripts (benchmarks/*.py) held to what ``orepa``'s subcommands do: every path a script
+will write checked before it measures (never a run's training checkpoint, never a directory), flags
+parsed by the subcommands' argument types (``--threads 0``, ``-b 0``: argparse's error, exit code 2),
+errors as one line with exit code 2, and ``--methods`` read as ``orepa bench`` reads it."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import benchmark_script, child_env
+
+from orepa.apps.common import UserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+#: a refusal comes before any measurement: seconds (imports), where the measurement takes minutes
+REFUSED_WITHIN_S = 120
+
+
+def run_checkpoint(path: Path) -> bytes:
+    """A run's training checkpoint (training form with optimizer state, what ``--resume`` continues) at
+    ``path``; its bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": {"w": torch.zeros(4)}, "optimizer": {"state": {}, "param_groups": []}, "epoch": 3,
+                "padding": torch.zeros(4096)}, path)
+    return path.read_bytes()
+
+
+def run_script(script: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *argv], cwd=cwd, capture_output=True, text=True,
+                          env=child_env(), timeout=REFUSED_WITHIN_S)
+
+
+def _slow(*values):
+    return pytest.param(*values, marks=pytest.mark.slow)  # (importing torchvision's detectors: seconds more)
+
+
+#: script, its arguments with CKPT for the checkpoint's path and TMP for a scratch folder, the checkpoint's
+#: path relative to the working directory (TMP), the flag the error names
+REFUSALS = [
+    ("aten_ops.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    ("block_cost.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    ("recorded_memory.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    ("recorded_host_time.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    ("profile_step.py", ["-b", "2", "--image-size", "32", "--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    _slow("bench_detection.py", ["--backbone", "resnet18", "--size", "64", "--json", "CKPT"], "victim/checkpoint.pth",
+          "--json"),
+    ("gpu_goals.py", ["TMP", "--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    ("init_schemes.py", ["--epochs", "1", "--train-subset", "8", "--seeds", "0", "--jobs", "1", "--runs", "TMP/runs",
+                         "--out", "CKPT"], "victim/checkpoint.pth", "--out"),
+    # the scripts whose results file is fixed (relative to the working directory)
+    ("compile_trace_cost.py", [], "benchmarks/results/compile_trace_cost.json", "results file"),
+    ("compiled_model_launches.py", ["-m", "resnet50"], "benchmarks/results/compiled_model_launches_resnet50.json",
+     "results file"),
+]
+
+
+@pytest.mark.parametrize("script,argv,victim,flag", REFUSALS)
+def test_a_script_refuses_to_write_over_a_runs_checkpoint_before_it_measures(tmp_path, script, argv, victim, flag):
+    """``--json victim/checkpoint.pth`` (block_cost.py replaced a 5 MB checkpoint with its JSON, after
+    measuring): one error line naming the flag, exit code 2, nothing measured or printed, the
+    checkpoint byte for byte as it was."""
+    ckpt = tmp_path / victim
+    held = run_checkpoint(ckpt)
+    argv = [str(ckpt) if a == "CKPT" else a.replace("TMP", str(tmp_path)) for a in argv]
+    done = run_script(script, argv, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout == ""  # refused before the first measurement (each script prints as it measures)
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"orepa {script}: error: {flag} "), done.stderr
+    assert "is the training checkpoint of a run" in done.stderr
+    assert ckpt.read_bytes() == held
+
+
+def test_proposition1_refuses_a_runs_checkpoint_in_its_output_dir_before_training(tmp_path):
+    """benchmarks/proposition1.py checks the files it will write in --output-dir before part (a) runs
+    (it keeps its own one-line error and exit code 1, which tests/test_proposition1.py holds it to)."""
+    out = tmp_path / "p"
+    held = run_checkpoint(out / "proposition1.json")
+    done = run_script("proposition1.py", ["--steps", "1", "--data", "synthetic", "--output-dir", str(out)], tmp_path)
+    assert done.returncode == 1 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.startswith(f"proposition1.py: --output-dir {out / 'proposition1.json'} is the training "
+                                  "checkpoint of a run"), done.stderr
+    assert (out / "proposition1.json").read_bytes() == held
+
+
+def test_a_directory_or_a_bad_force_is_refused_before_any_timing(tmp_path):
+    """block_cost.py: a directory given to --json (found after minutes of timing), a --force naming no
+    branch (found after the first layer's timings) are one-line errors before the first timing."""
+    mod = benchmark_script("block_cost")
+    with pytest.raises(UserError, match="--json .* is a directory, not a file"):
+        mod.main(["--json", str(tmp_path)])
+    with pytest.raises(UserError, match=r"--force 1x1,nope: no branch \['nope'\]"):
+        mod.main(["--force", "1x1", "--force", "1x1,nope"])
+
+
+def test_gpu_goals_refuses_to_write_its_table_over_a_result_it_reads(tmp_path):
+    """gpu_goals.py FILE --json FILE replaced the bench result it read with its table."""
+    goals = benchmark_script("gpu_goals")
+    source = BENCHMARKS / "results" / "gpu-h100-builders"
+    result = tmp_path / "bench.json"
+    held = next(f for f in sorted(source.glob("*.json")) if goals.collect([str(f)])).read_bytes()
+    result.write_bytes(held)
+    with pytest.raises(UserError, match="is a bench result this table reads"):
+        goals.main([str(tmp_path), "--json", str(result)])
+    assert result.read_bytes() == held
+    assert goals.main([str(result), "--json", str(tmp_path / "goals.json")]) == 0
+    assert json.loads((tmp_path / "goals.json").read_text())  # (strict JSON: Python's reader is not the judge)
+
+
+#: script, arguments (the smallest settings, where an unchecked value would run), the message argparse gives
+BAD_FLAGS = [
+    ("block_cost", ["--threads", "0", "-b", "1", "--reps", "1"], "argument --threads: must be a positive integer"),
+    ("block_cost", ["-b", "0", "--reps", "1", "--threads", "1"], "argument -b/--batch-size: must be a positive integer"),
+    ("block_cost", ["--reps", "0", "-b", "1"], "argument --reps: must be a positive integer"),
+    ("bench_detection", ["--threads", "0", "--steps", "0"], "argument --threads: must be a positive integer"),
+    ("bench_detection", ["-b", "0", "--steps", "0"], "argument -b/--batch-size: must be a positive integer"),
+    ("bench_detection", ["--steps", "-1"], "argument --steps: must be an integer >= 0"),
+    ("bench_detection", ["--lr", "nan"], "argument --lr: must be a positive number"),
+    ("bench_detection", ["--trainable-layers", "6"], "argument --trainable-layers: invalid choice: 6"),
+    ("profile_step", ["--threads", "0"], "argument --threads: must be a positive integer"),
+    ("profile_step", ["-b", "0"], "argument -b/--batch-size: must be a positive integer"),
+    ("init_schemes", ["-b", "0", "--epochs", "1", "--seeds", "0", "--jobs", "1", "--runs", "TMP/runs", "--out",
+                      "TMP/out.json"], "argument -b/--batch-size: must be a positive integer"),
+    ("init_schemes", ["--seeds", "-1", "--epochs", "1", "--jobs", "1", "--runs", "TMP/runs", "--out", "TMP/out.json"],
+     "argument --seeds: must be an integer in [0, 2**32 - 1]"),
+    ("init_schemes", ["--jobs", "0", "--runs", "TMP/runs", "--out", "TMP/out.json"],
+     "argument --jobs: must be a positive integer"),
+    ("proposition1", ["--seeds", "-1", "--steps", "1", "--data", "synthetic", "--output-dir", "TMP/p"],
+     "argument --seeds: must be an integer in [0, 2**32 - 1]"),
+]
+
+
+@pytest.mark.parametrize("script,argv,said", BAD_FLAGS)
+def test_a_bad_count_is_argparses_error(tmp_path, capsys, script, argv, said):
+    """``--threads 0`` (block_cost.py ignored it; bench_detection.py ended in a traceback), ``-b 0``
+    (block_cost.py printed timings of empty batches), ...: exit code 2 with argparse's message."""
+    mod = benchmark_script(script)
+    with pytest.raises(SystemExit) as exc:
+        mod.main([a.replace("TMP", str(tmp_path)) for a in argv])
+    assert exc.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_the_fixed_path_scripts_take_only_zoo_models_with_an_orepa_method(capsys):
+    """compile_trace_cost.py / compiled_model_launches.py -m: a name argparse checks (it failed after
+    base's trace), and their counts' flags positive."""
+    for script, argv, said in (("compile_trace_cost", ["--width-mult", "0"], "argument --width-mult: must be a positive"),
+                               ("compile_trace_cost", ["--top", "0"], "argument --top: must be a positive integer"),
+                               ("compiled_model_launches", ["-m", "resnet9"], "argument -m/--model: invalid choice")):
+        with pytest.raises(SystemExit) as exc:
+            benchmark_script(script).main(argv)
+        assert exc.value.code == 2 and said in capsys.readouterr().err, script
+
+
+def test_profile_step_takes_methods_as_orepa_bench_does(tmp_path):
+    """profile_step.py --methods base,orepa: two variants, as ``orepa bench --methods base,orepa``
+    (it was one unknown method "base,orepa"); the report's config lists them one a word."""
+    mod = benchmark_script("profile_step")
+    out = tmp_path / "prof.json"
+    res = mod.main(["-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32",
+                    "--num-classes", "10", "--steps", "1", "--warmup", "1", "--top", "1", "--threads", "1",
+                    "--methods", "base,orepa", "--json", str(out)])
+    assert list(res) == ["base", "orepa"]
+    held = json.loads(out.read_text())
+    assert held["config"]["methods"] == ["base", "orepa"] and set(held["results"]) == {"base", "orepa"}
+    assert mod.build_parser().parse_args(["--methods", "base", "orepa"]).methods == ["base", "orepa"]
+    with pytest.raises(UserError, match="names no variant"):
+        mod.main(["--methods", ","])
+
+
+def test_bench_detection_takes_methods_as_orepa_bench_does():
+    """bench_detection.py --methods: words or comma-separated lists, each ``METHOD[:key=value:...]``; an
+    option that does not parse is one line before anything is built (it was a traceback)."""
+    mod = benchmark_script("bench_detection")
+    specs = mod.variants(argparse.Namespace(methods=["base,orepa:train_stem=False", "dbb"]))
+    assert specs == [("base", "base", {}), ("orepa:train_stem=False", "orepa", {"train_stem": False}), ("dbb", "dbb", {})]
+    for bad in ("orepa:train_stem", "orepa:train_stem=nope"):
+        with pytest.raises(UserError, match=f"--methods {bad}: option"):
+            mod.variants(argparse.Namespace(methods=[bad]))
+    with pytest.raises(UserError, match="--size 4: the synthetic images need at least 8 pixels"):
+        mod.main(["--size", "4"])
