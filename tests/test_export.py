@@ -22,7 +22,7 @@ from orepa.apps.export import (  # noqa: E402
     ExportVerificationError,
     export_onnx,
     export_torchscript,
-    load_checkpoint,
+    load_model_file,
     onnx_opset_range,
 )
 
@@ -111,7 +111,7 @@ def test_cli_export_with_checkpoints(tmp_path, capsys):
 
     deployed_ckpt = tmp_path / "deployed.pt"
     torch.save(orepa.reparameterize(model).state_dict(), deployed_ckpt)
-    m, form = load_checkpoint("resnet18", "orepa", deployed_ckpt, **kw)
+    m, form = load_model_file("resnet18", "orepa", deployed_ckpt, **kw)
     assert form == "deployed form"
     assert cli.main(args + ["--checkpoint", str(deployed_ckpt), "--format", "torchscript",
                             "--output", str(tmp_path / "a.pt")]) == 0
@@ -126,7 +126,7 @@ def test_cli_export_with_checkpoints(tmp_path, capsys):
     assert err.count("\n") == 1 and not (tmp_path / "b.onnx").exists()
     with pytest.raises(UserError, match="holds no state_dict"):
         torch.save({"epoch": 1}, tmp_path / "empty.pt")
-        load_checkpoint("resnet18", "orepa", tmp_path / "empty.pt", **kw)
+        load_model_file("resnet18", "orepa", tmp_path / "empty.pt", **kw)
 
 
 def test_cli_export_errors_name_the_problem(tmp_path, capsys):
@@ -497,3 +497,31 @@ def test_a_bare_state_dict_of_the_other_stem_names_the_stem_flag(tmp_path, capsy
                                                           "style): pass --small-input."), err
     assert not (tmp_path / "m.pt").exists()
     assert cli.main([*cmd, "--small-input", "--input-size", "28"]) == 0
+
+
+def test_a_bare_state_dicts_classes_and_channels_are_read_from_its_weights(tmp_path, capsys):
+    """Without --num-classes / --in-chans, export and analyze built a bare state_dict's model for 1000
+    classes and 3 channels (eval takes them from the data): a Fashion-MNIST state_dict given its
+    model flags failed on its stem's shape. Its classifier and first convolution say them."""
+    torch.manual_seed(0)
+    model = zoo.create_model("resnet18", "orepa", num_classes=10, in_chans=1, small_input=True, width_mult=0.125)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    flags = ["-m", "resnet18", "--method", "orepa", "--width-mult", "0.125", "--small-input"]
+    assert cli.main(["export", str(tmp_path / "sd.pt"), *flags, "-o", str(tmp_path / "m.pt"), "--format",
+                     "torchscript", "--input-size", "28"]) == 0
+    assert "1 input channel(s), 10 classes" in capsys.readouterr().out
+    assert cli.main(["analyze", str(tmp_path / "sd.pt"), *flags, "--output-dir", str(tmp_path / "a")]) == 0
+    assert json.loads((tmp_path / "a" / "analysis.json").read_text())
+    # the flags still decide
+    assert cli.main(["export", str(tmp_path / "sd.pt"), *flags, "--num-classes", "7", "-o", str(tmp_path / "n.pt"),
+                     "--format", "torchscript", "--no-verify"]) == 2
+    assert "fc.weight: checkpoint [10, 64] vs model [7, 64]" in capsys.readouterr().err
+
+
+def test_exporting_leaves_the_callers_model_in_its_mode(tmp_path):
+    """export_torchscript / export_onnx put the model they were given into eval mode (a training loop
+    that exported a snapshot went on with frozen BN statistics)."""
+    model = zoo.create_model("resnet18", "orepa", num_classes=10, in_chans=1, small_input=True, width_mult=0.0625)
+    model.train()
+    export_torchscript(model, tmp_path / "m.pt", (1, 1, 28, 28))
+    assert model.training and all(m.training for m in model.modules())

@@ -417,3 +417,8 @@ def test_a_checkpoint_of_the_papers_code_given_to_another_command_names_import_r
         assert "holds a model in the layout of the paper's own code" in err and \
             f"orepa import-reference {src} -o OUT.pth" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.pth.tar"]
+    # a detection backbone given it (a list of keys in every form before)
+    from orepa.apps.detection import resnet_features
+
+    with pytest.raises(ValueError, match="layout of the paper's own code: convert it first"):
+        resnet_features("resnet18", "orepa", weights=src)

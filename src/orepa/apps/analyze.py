@@ -51,16 +51,9 @@ from orepa.apps.model_cfg import (
     checkpoint_cfg,
     describe_cfg,
     model_cfg_from_args,
+    sizes_of_weights,
 )
 from orepa.models import list_models
-
-
-def infer_num_classes(sd: dict[str, torch.Tensor]) -> int | None:
-    for key in ("fc.weight", "head.fc.weight", "head.weight", "classifier.weight", "classifier.1.weight",
-                "classifier.6.weight"):
-        if key in sd and sd[key].dim() == 2:
-            return int(sd[key].shape[0])
-    return None
 
 
 def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str, *, bare_cfg: dict | None = None
@@ -223,8 +216,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{target} holds a deployed model (form {form!r}): its branches are gone; "
                             "analyse the training-form checkpoint")
         sd = checkpoint_weights(ckpt, target, args.use_ema)
-        cfg = checkpoint_cfg(args, ckpt, target, num_classes=infer_num_classes(sd) or 1000, in_chans=3,
-                             small_input=False) or ckpt["model_cfg"]
+        cfg = checkpoint_cfg(args, ckpt, target, **sizes_of_weights(sd), small_input=False) or ckpt["model_cfg"]
         model = check_and_load(build_model(cfg), sd, _flags(cfg),
                                bare_cfg=cfg if ckpt.get("model_cfg") is None else None)
         # the branches' tensors only: a classifier or stem BN holding NaN changes no branch statistic

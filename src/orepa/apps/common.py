@@ -41,7 +41,17 @@ from orepa.engine import PackedParameters, builds_together
 
 
 class UserError(Exception):
-    """An error with a message meant for the user (no traceback)."""
+    """An error with a message meant for the user (no traceback), said by :func:`fail`; ``exit_code`` is
+    the command's (2: bad input or a usage error, as argparse's)."""
+
+    exit_code = 2
+
+
+class CheckFailed(UserError):
+    """A check a command ran on its own output failed (the deployed or exported form computes other
+    outputs than the trained one): exit code 1, a result that is wrong, not a usage error."""
+
+    exit_code = 1
 
 
 #: flags whose destination is not their long name with dashes
@@ -167,13 +177,14 @@ def user_message(exc: BaseException) -> str:
 
 
 def fail(prog: str, exc: BaseException) -> int:
-    """Print ``exc`` as one ``error:`` line on stderr; return exit code 2. Under torchrun every process
+    """Print ``exc`` as one ``error:`` line on stderr; return its exit code (a :class:`UserError`'s
+    ``exit_code``, else 2): the one way a command ends with an error. Under torchrun every process
     says its own (one process's error may be its alone: its data directory missing), the ones other
     than rank 0 naming themselves."""
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     who = f" (rank {rank} of {world})" if rank not in ("", "0") and world not in ("", "1") else ""
     print(f"orepa {prog}{who}: error: {user_message(exc)}", file=sys.stderr, flush=True)
-    return 2
+    return getattr(exc, "exit_code", 2)
 
 
 # --------------------------------------------------------------------------- argument types
@@ -372,6 +383,13 @@ def parse_key_values(items: Iterable[str] | None, flag: str = "--model-option") 
         out[key] = list(value) if isinstance(value, tuple) else value
     return out
 
+
+
+def tolerance_bound(reference: torch.Tensor, tol: float) -> float:
+    """The verification bound of ``orepa reparam``, ``export`` and ``import-reference``: a form's outputs
+    agree with ``reference`` when their max abs difference is at most ``tol x (1 + max|reference|)``
+    (relative for large outputs, absolute near zero; 0 for no outputs)."""
+    return tol * (1.0 + reference.abs().max().item()) if reference.numel() else 0.0
 
 
 def count_params(model: nn.Module) -> int:

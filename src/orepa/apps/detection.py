@@ -63,12 +63,13 @@ from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
 from ..convert import load_plain_state_dict, pads_tf_same, reparameterize
 from ..engine import kernel_groups
+from ..models.reference import is_reference_state_dict
 from ..state_dicts import EMA_KEYS, STATE_DICT_KEYS, WRAPPER_PREFIXES, is_state_dict, without_ema_counter
 from .common import split_params
 
 __all__ = [
     "METHODS", "NORM_MODES", "STAGES", "STRIDES",
-    "build_trunk", "dilate_resnet", "load_backbone_weights", "checkpoint_form",
+    "build_trunk", "dilate_resnet", "load_backbone_weights", "method_of_weights",
     "ResNetFeatures", "resnet_features", "fpn_backbone", "stage_channels", "stage_strides",
     "fasterrcnn", "retinanet", "deeplabv3", "fcn", "pspnet", "deeplabv3plus",
     "PSPHead", "DeepLabV3PlusHead", "DeepLabV3Plus", "PSPNet",
@@ -264,7 +265,7 @@ def _backbone_keys(keys: Iterable[str]) -> set[str]:
 _COMMON_OPTIONS = ("width_mult", "small_input", "zero_init_residual")
 
 
-def checkpoint_form(state_dict: Mapping[str, Tensor], name: str, **options) -> str | None:
+def method_of_weights(state_dict: Mapping[str, Tensor], name: str, **options) -> str | None:
     """Which method's training form (``"base"`` = deployed / vanilla) ``state_dict``'s keys are, or None.
 
     Compares key sets (the classifier ``fc.*`` ignored) with the trunk of every
@@ -321,7 +322,10 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
         _load_matching(trunk, sd, f"checkpoint for {name}/{method}")
         return method
-    form = checkpoint_form(sd, name, **options)
+    form = method_of_weights(sd, name, **options)
+    if form is None and is_reference_state_dict(sd):  # (its key lists would name nothing the user can act on)
+        raise ValueError("the checkpoint holds a model in the layout of the paper's own code: convert it first "
+                         "(orepa.import_reference, or `orepa import-reference CKPT -o OUT.pth`), then give OUT.pth")
     if form is None:
         own = _backbone_keys(trunk.state_dict())
         theirs = _backbone_keys(sd)

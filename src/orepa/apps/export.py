@@ -27,9 +27,9 @@ before anything is built (:func:`check_onnx_request`).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
-import sys
 import tempfile
 import warnings
 from collections.abc import Mapping
@@ -42,6 +42,7 @@ from torch import nn
 from ..blocks import ReparamConv2d
 from . import checkpoint as ckpt_io
 from .common import (
+    CheckFailed,
     UserError,
     add_run_arguments,
     add_use_ema_argument,
@@ -50,6 +51,7 @@ from .common import (
     init_distributed,
     positive_float,
     positive_int,
+    tolerance_bound,
 )
 from .model_cfg import (
     add_model_arguments,
@@ -60,10 +62,11 @@ from .model_cfg import (
     external_source,
     model_cfg_from_args,
     model_slug,
+    sizes_of_weights,
 )
 from .model_cfg import deploy as deploy_form
 
-__all__ = ["deploy", "export_onnx", "export_torchscript", "load_checkpoint", "check_onnx_request",
+__all__ = ["deploy_fused", "export_onnx", "export_torchscript", "load_model_file", "check_onnx_request",
            "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError", "add_arguments", "run"]
 
 
@@ -100,10 +103,28 @@ class ExportReport:
         return "\n".join(lines)
 
 
+def _in_eval_mode(fn):
+    """``fn(model, ...)`` with ``model`` in eval mode (its BNs' statistics are what is folded and
+    compared), each of its modules given back its own mode after: a training loop that exports a
+    snapshot goes on training."""
+    @functools.wraps(fn)
+    def wrapper(model: nn.Module, *args, **kwargs):
+        modes = [(m, m.training) for m in model.modules()]
+        model.eval()
+        try:
+            return fn(model, *args, **kwargs)
+        finally:
+            for m, training in modes:
+                m.training = training
+    return wrapper
+
+
+@_in_eval_mode
 @torch.no_grad()
-def deploy(model: nn.Module) -> nn.Module:
-    """The inference form: eval mode, every re-param block a conv, every BN folded (a copy)."""
-    return deploy_form(model.eval(), "deploy-fused")
+def deploy_fused(model: nn.Module) -> nn.Module:
+    """The inference form of ``model`` (a copy, in eval mode): every re-param block a conv, every BN
+    folded."""
+    return deploy_form(model, "deploy-fused").eval()
 
 
 def _check(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) -> None:
@@ -112,7 +133,7 @@ def _check(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) 
         report.errors[name], report.bounds[name] = float("inf"), 0.0
         raise ExportVerificationError(f"{name}: output shape {list(y.shape)} vs {list(ref.shape)} for {report.path}")
     err = (y - ref).abs().max().item()
-    bound = report.atol * (1 + ref.abs().max().item())
+    bound = tolerance_bound(ref, report.atol)
     report.errors[name], report.bounds[name] = err, bound
     if not err <= bound:  # also catches NaN
         raise ExportVerificationError(f"{name}: max abs error {err:.3e} > {bound:.3e} "
@@ -189,6 +210,7 @@ def default_opset(dynamo: bool = False) -> int:
     return 18 if dynamo else 17
 
 
+@_in_eval_mode
 def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: int | None = None, verify: bool = True,
                 atol: float = 1e-4, dynamic_batch: bool = True, dynamo: bool = False,
                 metadata: Mapping[str, str] | None = None) -> ExportReport:
@@ -210,8 +232,7 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     check_onnx_request(opset, dynamo=dynamo, verify=verify)
     import onnx
 
-    model.eval()
-    deployed = deploy(model)
+    deployed = deploy_fused(model)
     size = sum(t.numel() * t.element_size() for t in deployed.state_dict().values())
     if size >= onnx.checker.MAXIMUM_PROTOBUF:  # protobuf's limit on one message: refuse before exporting
         raise UserError(f"the deployed model's weights take {size / 2**30:.2f} GiB: over the 2 GiB that one ONNX "
@@ -273,14 +294,14 @@ def _verify_onnx(model, deployed, path: str, x, input_shape, report, dynamic_bat
     report.verified = True
 
 
+@_in_eval_mode
 @torch.no_grad()
 def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, verify: bool = True,
                        atol: float = 1e-4, metadata: Mapping[str, str] | None = None) -> ExportReport:
     """Deploy ``model``, ``torch.jit.trace`` it and save it at ``path``; verify the reloaded module.
     ``metadata`` (key -> text) is saved as extra files of the archive (``torch.jit.load(path,
     _extra_files={"classes": ""})`` reads them)."""
-    model.eval()
-    deployed = deploy(model)
+    deployed = deploy_fused(model)
     x = _example(input_shape, device=_device(model))
     report = ExportReport(str(path), "torchscript", tuple(input_shape), count_params(model), count_params(deployed),
                           atol=atol)
@@ -306,7 +327,7 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
 FORM_NAMES = {"train": "training form", "deploy": "deployed form", "deploy-fused": "deployed form, BN folded"}
 
 
-def load_checkpoint(name: str, method: str, path, **create_kwargs) -> tuple[nn.Module, str]:
+def load_model_file(name: str, method: str, path, **create_kwargs) -> tuple[nn.Module, str]:
     """Build ``create_model(name, method, **create_kwargs)`` and load a checkpoint into it.
 
     The checkpoint (read by :func:`orepa.apps.checkpoint.load_checkpoint`: ``weights_only``,
@@ -395,7 +416,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opset", type=positive_int, default=None,
                    help="ONNX opset (default: 17; 18 with --dynamo, that exporter's lowest)")
     p.add_argument("--dynamo", action="store_true", help="ONNX: use the torch.export-based exporter")
-    p.add_argument("--atol", type=positive_float, default=1e-4, help="verification bound: atol * (1 + max|y|)")
+    # (--atol: this command's earlier spelling of the bound reparam and import-reference call --rtol)
+    p.add_argument("--rtol", "--atol", dest="rtol", type=positive_float, default=1e-4,
+                   help="verification bound: max|diff| <= rtol * (1 + max|y|) (1e-4)")
     p.add_argument("--no-verify", action="store_true")
     add_use_ema_argument(p, "export")
 
@@ -437,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
             # fit either stem, so a guess would export another network without a word
             raise UserError(f"{path} is a bare state_dict (it records no model): say which stem it was trained "
                             "with, --small-input (orepa train's default on Fashion-MNIST) or --no-small-input")
-        cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
+        cfg = checkpoint_cfg(args, ckpt, path, **sizes_of_weights(ckpt["model"]), small_input=False)
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
         ckpt_io.check_finite(model, path, "an exported model would compute nothing useful", use_ema=args.use_ema)
         print(f"loaded {path}{ckpt_io.EMA_NOTE if args.use_ema else ''} as the {FORM_NAMES[form]} of "
@@ -464,13 +487,12 @@ def run(args: argparse.Namespace) -> int:
                 **({"preprocessing": json.dumps(preprocessing)} if preprocessing else {})} or None
     try:
         if args.format == "onnx":
-            report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.atol,
+            report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.rtol,
                                  dynamo=args.dynamo, metadata=metadata)
         else:
-            report = export_torchscript(model, out, shape, verify=not args.no_verify, atol=args.atol,
+            report = export_torchscript(model, out, shape, verify=not args.no_verify, atol=args.rtol,
                                         metadata=metadata)
     except ExportVerificationError as exc:
-        print(f"orepa export: error: verification failed: {exc}", file=sys.stderr, flush=True)
-        return 1
+        raise CheckFailed(f"verification failed: {exc}") from None
     print(report)
     return 0

@@ -29,7 +29,15 @@ from .checkpoint import (
     model_from_checkpoint,
     save_checkpoint,
 )
-from .common import UserError, add_run_arguments, apply_threads, count_params, init_distributed, positive_float
+from .common import (
+    UserError,
+    add_run_arguments,
+    apply_threads,
+    count_params,
+    init_distributed,
+    positive_float,
+    tolerance_bound,
+)
 from .model_cfg import deploy, describe_cfg, model_cfg_of
 
 
@@ -85,7 +93,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     with torch.no_grad():
         ref, got = model.to(device)(x), reread.to(device)(x)
     diff = (ref - got).abs().max().item()
-    bound = args.rtol * (1 + ref.abs().max().item())
+    bound = tolerance_bound(ref, args.rtol)
     if not diff <= bound:
         raise UserError(f"the {form} form computes other logits than the imported model (max |diff| {diff:.2e} > "
                         f"{bound:.2e}); nothing written")

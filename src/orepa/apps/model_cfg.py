@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -250,6 +251,24 @@ def checkpoint_cfg(args: argparse.Namespace, ckpt: dict, path, *, num_classes: i
                         f"{describe_cfg(cfg)} (" + "; ".join(cfg_mismatch(saved, cfg)) + "): leave them out "
                         "to use the checkpoint's settings")
     return cfg
+
+
+#: where networks keep their classifier's weight (torchvision's, timm's, the zoo's)
+CLASSIFIER_KEYS = ("fc.weight", "head.fc.weight", "head.weight", "classifier.weight", "classifier.1.weight",
+                   "classifier.6.weight", "last_linear.weight")
+
+
+def sizes_of_weights(sd: Mapping[str, torch.Tensor], *, num_classes: int = 1000, in_chans: int = 3) -> dict:
+    """``num_classes`` and ``in_chans`` as a bare state_dict's tensors say them (its classifier's rows,
+    its first convolution's input channels), for a command that has no data to take them from; the
+    given values where they say nothing. The flags, where given, still decide (:func:`model_cfg_from_args`):
+    these are only the defaults, which otherwise built an ImageNet model for a Fashion-MNIST state_dict."""
+    rows = next((sd[k].shape[0] for k in CLASSIFIER_KEYS if isinstance(sd.get(k), torch.Tensor) and sd[k].dim() == 2),
+                None)
+    first = next((t for t in sd.values() if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()),
+                 None)
+    return {"num_classes": int(rows) if rows is not None else num_classes,
+            "in_chans": int(first.shape[1]) if first is not None else in_chans}
 
 
 def cfg_mismatch(saved: dict, wanted: dict) -> list[str]:

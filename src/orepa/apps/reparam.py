@@ -15,7 +15,6 @@ replaces another file that is not a deployed checkpoint only with ``--overwrite`
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .checkpoint import (
@@ -34,6 +33,7 @@ from .checkpoint import (
     write_json,
 )
 from .common import (
+    CheckFailed,
     UserError,
     add_run_arguments,
     add_use_ema_argument,
@@ -44,6 +44,7 @@ from .common import (
     positive_float,
     positive_int,
     refuse_idle_flags,
+    tolerance_bound,
 )
 from .data import add_data_arguments, val_loader
 from .evaluate import checkpoint_data, checkpoint_model, data_args_from_checkpoint, evaluate
@@ -83,7 +84,7 @@ def verify(model, deployed, loader, device, rtol: float, progress: bool = False)
         b = evaluate(deployed, loader, device, keep_outputs=True, progress=progress, desc="deployed")
     ya, yb = a.pop("outputs"), b.pop("outputs")
     diff = (ya - yb).abs().max().item() if len(ya) else 0.0
-    bound = rtol * (1.0 + ya.abs().max().item()) if len(ya) else 0.0
+    bound = tolerance_bound(ya, rtol)
     return {"n": a["n"], "train_form_acc1": a["acc1"], "deployed_acc1": b["acc1"],
             "train_form_acc5": a["acc5"], "deployed_acc5": b["acc5"],
             "predictions_differ": int((ya.argmax(1) != yb.argmax(1)).sum()), "max_abs_diff": diff,
@@ -161,9 +162,8 @@ def run(args: argparse.Namespace) -> int:
               f"{res['deployed_acc1']:.2f}% (deployed), {res['predictions_differ']} prediction(s) differ; "
               f"max |logit diff| {res['max_abs_diff']:.2e} (tolerance {res['tolerance']:.2e})")
     if res.get("output") is None:
-        print("orepa reparam: error: the deployed model's outputs differ from the training form's beyond the "
-              "tolerance; nothing written", file=sys.stderr, flush=True)
-        return 1
+        raise CheckFailed("the deployed model's outputs differ from the training form's beyond the tolerance; "
+                          "nothing written")
     print(f"  wrote {res['output']}")
     if args.json:
         write_json(args.json, report_of("reparam", res), indent=2)

@@ -96,7 +96,6 @@ from .common import (
     decay_to_init,
     default_kernel_builder,
     default_pack,
-    fail,
     first_nonfinite,
     fraction,
     init_distributed,
@@ -136,8 +135,10 @@ from .model_cfg import (
 EXIT_NONFINITE = 3
 
 
-class NonFiniteLoss(Exception):
+class NonFiniteLoss(UserError):
     """The loss became NaN/inf; the message says where and which checkpoint is the last good one."""
+
+    exit_code = EXIT_NONFINITE
 
 
 class Interrupted(KeyboardInterrupt):
@@ -1558,11 +1559,7 @@ def train(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """``orepa train``'s exit code: 0 for a run that ended or stopped at a limit it was given, 128 + the
     signal's number for one a signal stopped (with a checkpoint; 130 for Ctrl-C, as the shell's)."""
-    try:
-        name = train(args).get("stop_signal")
-        if name is None:
-            return 0
-        return 128 + (signal.Signals[name] if name else signal.SIGTERM).value
-    except NonFiniteLoss as exc:
-        fail("train", exc)
-        return EXIT_NONFINITE
+    name = train(args).get("stop_signal")  # (a NonFiniteLoss ends it as every UserError: exit code 3)
+    if name is None:
+        return 0
+    return 128 + (signal.Signals[name] if name else signal.SIGTERM).value
