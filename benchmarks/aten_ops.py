@@ -20,34 +20,45 @@ are not the point), which leaves what the host issues besides the replays::
     python3 benchmarks/aten_ops.py            # -> benchmarks/results/aten_ops.json
 """
 import argparse
-import json
 
 import torch
 
 from orepa.apps.bench.measure import count_ops, make_runner, record_builds
+from orepa.apps.checkpoint import check_output_path, write_json
 
-# the results file (a --help must not run the measurement and overwrite it)
-PARSER = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-PARSER.add_argument("--json", default="benchmarks/results/aten_ops.json", help="where the results go (default %(default)s)")
-ARGS = PARSER.parse_args()
 
-out = {}
-for model, b in (("resnet18", 64), ("resnet50", 32)):
-    x, y = torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
-    for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa:pack=false", "grouped"),
-                          ("orepa", "recorded"), ("orepa", "per-block"), ("orepa", "compiled"),
-                          ("orepa:pack=false", "compiled")):
-        key = f"{model} b{b} {spec.split(':')[0]}" + ("" if spec == "base" or spec == "dbb" else f" {builder}") + (
-            " unpacked" if spec.endswith("pack=false") else "")
-        r = make_runner(model, spec, device=torch.device("cpu"),
-                        kernel_builder="grouped" if builder == "recorded" else builder)
-        if builder == "recorded":
-            record_builds(r.model)
-        r.step(x, y)
-        ops, kernels = count_ops(lambda r=r: r.step(x, y))
-        out[key], out[f"{key} kernels"] = ops, kernels
-        base = f"{model} b{b} base"
-        print(f"{key:32} {ops:6d} ops ({ops / out[base]:.2f}x base), {kernels:5d} kernels "
-              f"({kernels / out[base + ' kernels']:.2f}x)", flush=True)
-with open(ARGS.json, "w") as f:
-    json.dump(out, f, indent=1)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="benchmarks/results/aten_ops.json", help="where the results go (default %(default)s)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)  # (a --help must not run the measurement and overwrite the results)
+    check_output_path(args.json, "--json")  # before minutes of counting
+    out = {}
+    for model, b in (("resnet18", 64), ("resnet50", 32)):
+        x, y = torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
+        for spec, builder in (("base", "auto"), ("dbb", "auto"), ("orepa", "grouped"), ("orepa:pack=false", "grouped"),
+                              ("orepa", "recorded"), ("orepa", "per-block"), ("orepa", "compiled"),
+                              ("orepa:pack=false", "compiled")):
+            key = f"{model} b{b} {spec.split(':')[0]}" + ("" if spec == "base" or spec == "dbb" else f" {builder}") + (
+                " unpacked" if spec.endswith("pack=false") else "")
+            r = make_runner(model, spec, device=torch.device("cpu"),
+                            kernel_builder="grouped" if builder == "recorded" else builder)
+            if builder == "recorded":
+                record_builds(r.model)
+            r.step(x, y)
+            ops, kernels = count_ops(lambda r=r: r.step(x, y))
+            out[key], out[f"{key} kernels"] = ops, kernels
+            base = f"{model} b{b} base"
+            print(f"{key:32} {ops:6d} ops ({ops / out[base]:.2f}x base), {kernels:5d} kernels "
+                  f"({kernels / out[base + ' kernels']:.2f}x)", flush=True)
+    write_json(args.json, out, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    from _script import run
+
+    raise SystemExit(run(main))

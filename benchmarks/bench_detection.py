@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import platform
 import statistics
-import sys
 import time
 
 import torch
@@ -39,7 +37,19 @@ import torch
 import orepa
 from orepa.apps import detection as D
 from orepa.apps.bench import tally_saved
-from orepa.apps.common import UserError, parse_device
+from orepa.apps.checkpoint import check_output_path, json_text, write_json
+from orepa.apps.common import (
+    UserError,
+    method_list,
+    nonneg_int,
+    parse_device,
+    positive_float,
+    positive_int,
+    thread_count,
+)
+
+#: the least image side the synthetic batch's boxes fit in (1/8 to 1/2 of it)
+MIN_SIZE = 8
 
 
 def shapes_batch(n: int, size: int, seed: int = 0):
@@ -83,25 +93,57 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--detectors", nargs="+", default=["fasterrcnn", "retinanet"], choices=["fasterrcnn", "retinanet"])
     p.add_argument("--backbone", default="resnet50")
     p.add_argument("--methods", nargs="+", default=["base", "dbb", "orepa", "orepa:train_stem=False"],
-                   help="METHOD[:key=value:...] with backbone keywords, e.g. orepa:train_stem=False")
-    p.add_argument("--trainable-layers", type=int, default=3, help="3: stem + layer1 frozen (mmdet's frozen_stages=1)")
-    p.add_argument("-b", "--batch-size", type=int, default=2)
-    p.add_argument("--size", type=int, default=320, help="image side (min_size); the paper uses 800")
-    p.add_argument("--max-size", type=int, default=None, help="default: --size (paper: 1333)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per variant (after --warmup); 0: memory only")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3,
+                   help="METHOD[:key=value:...] with backbone keywords, e.g. orepa:train_stem=False; words or "
+                        "comma-separated lists (base dbb, base,dbb), as orepa bench --methods")
+    p.add_argument("--trainable-layers", type=nonneg_int, choices=range(6), default=3,
+                   help="3: stem + layer1 frozen (mmdet's frozen_stages=1)")
+    p.add_argument("-b", "--batch-size", type=positive_int, default=2)
+    p.add_argument("--size", type=positive_int, default=320, help="image side (min_size); the paper uses 800")
+    p.add_argument("--max-size", type=positive_int, default=None, help="default: --size (paper: 1333)")
+    p.add_argument("--steps", type=nonneg_int, default=3, help="timed steps per variant (after --warmup); 0: memory only")
+    p.add_argument("--warmup", type=nonneg_int, default=1)
+    p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="SGD lr (the paper: 0.02 with pretrained weights; random weights diverge there; "
                         "the cost of a step does not depend on it)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is steadiest on a shared machine)")
+    p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads (1 is steadiest on a shared machine)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cpu)")
     p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
+    """``(spec, method, backbone keywords)`` of each ``--methods`` variant ``METHOD[:key=value:...]``, the
+    words split at commas as ``orepa bench`` splits them; a :class:`UserError` for one that does not parse."""
+    out = []
+    for spec in method_list(args.methods):
+        method, *opts = spec.split(":")
+        kw = {}
+        for o in opts:
+            key, eq, value = o.partition("=")
+            try:
+                if not (key and eq):
+                    raise ValueError("not key=value")
+                kw[key] = ast.literal_eval(value)
+            except (ValueError, SyntaxError) as exc:
+                raise UserError(f"--methods {spec}: option {o!r} is no key=VALUE with a Python literal VALUE "
+                                f"(e.g. orepa:train_stem=False): {exc}") from None
+        out.append((spec, method, kw))
+    return out
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.json:  # before minutes of measuring
+        check_output_path(args.json, "--json")
+    if args.size < MIN_SIZE:
+        raise UserError(f"--size {args.size}: the synthetic images need at least {MIN_SIZE} pixels a side")
+    specs = variants(args)
+    args.methods = [spec for spec, _, _ in specs]  # (the report's config: one variant a word)
     torch.set_num_threads(args.threads)
     device = parse_device(args.device)  # (a device this machine lacks: one line, not a driver's traceback)
     imgs, targets = shapes_batch(args.batch_size, args.size)
@@ -111,13 +153,15 @@ def main(argv=None) -> int:
 
     runs = []
     for det in args.detectors:
-        for variant in args.methods:
-            method, *opts = variant.split(":")
-            kw = dict(trainable_layers=args.trainable_layers, norm="eval")
-            kw.update({k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in opts)})
+        for variant, method, opts in specs:
+            kw = {"trainable_layers": args.trainable_layers, "norm": "eval", **opts}
             torch.manual_seed(0)
-            model = getattr(D, det)(args.backbone, method, num_classes=5, min_size=args.size, max_size=max_size,
-                                    **kw).to(device)
+            try:  # what goes wrong in a build is the variant's or the backbone's
+                model = getattr(D, det)(args.backbone, method, num_classes=5, min_size=args.size, max_size=max_size,
+                                        **kw).to(device)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise UserError(f"cannot build {det} with the {args.backbone} backbone, variant {variant}: "
+                                f"{exc}") from None
             calibrate_bn(model, imgs)
             opt = torch.optim.SGD(D.param_groups(model, args.lr, 1e-4), lr=args.lr, momentum=0.9)
             runs.append(dict(detector=det, method=variant, model=model, opt=opt, times=[]))
@@ -179,15 +223,13 @@ def main(argv=None) -> int:
                   machine=dict(platform=platform.platform(), torch=torch.__version__, threads=torch.get_num_threads(),
                                device=str(device) if device.type != "cuda" else torch.cuda.get_device_name()),
                   results=results)
-    print(json.dumps(report))
+    print(json_text(report))  # (strict JSON, as the file: NaN as null)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
+        write_json(args.json, report, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except UserError as exc:  # a bad flag: one line
-        sys.exit(f"bench_detection.py: {exc}")
+    from _script import run
+
+    raise SystemExit(run(main))

@@ -10,7 +10,6 @@ kernel is recomputed. ``--force`` also times fixed routes, e.g. ``--force 1x1_kx
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -18,6 +17,8 @@ import torch
 from torch import nn
 
 from orepa import engine
+from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.common import UserError, positive_int, thread_count
 from orepa.blocks import OREPAConv2d
 
 RESNET18_SHAPES = [(64, 64, 1, 56), (64, 128, 2, 56), (128, 128, 1, 28), (128, 256, 2, 28),
@@ -35,15 +36,32 @@ def _time(fn, reps: int, warmup: int = 2) -> tuple[float, float]:
     return min(ts) * 1e3, statistics.median(ts) * 1e3
 
 
-def main(argv=None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-b", "--batch-size", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("-b", "--batch-size", type=positive_int, default=2)
+    ap.add_argument("--threads", type=thread_count, default=None)
+    ap.add_argument("--reps", type=positive_int, default=12)
     ap.add_argument("--force", action="append", default=[],
                     help="comma-separated branches to run on the feature map (repeatable; '' = all in kernel space)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_forced(specs: list[str]) -> None:
+    """A :class:`UserError` for a ``--force`` naming a branch some layer's block lacks: before any timing."""
+    for cin, cout, stride, _ in RESNET18_SHAPES:
+        branches = list(OREPAConv2d(cin, cout, 3, stride).branches)
+        for spec in specs:
+            unknown = [n for n in spec.split(",") if n and n not in branches]
+            if unknown:
+                raise UserError(f"--force {spec}: no branch {unknown} in {branches}")
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.json:
+        check_output_path(args.json, "--json")
+    check_forced(args.force)
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
@@ -63,9 +81,6 @@ def main(argv=None) -> list[dict]:
                "recompute": recompute, "forced": {}}
         for spec in args.force:
             feat = [n for n in spec.split(",") if n]
-            unknown = [n for n in feat if n not in block.branches]
-            if unknown:
-                raise SystemExit(f"--force {spec}: no branch {unknown} in {list(block.branches)}")
             engine.force_route(block, x, recompute, feat)
             assert engine.route(block, x, recompute)[1] == feat  # (the memo is read: the forced route runs)
             row["forced"][spec or "(none)"] = _time(lambda: step(block), args.reps)
@@ -76,10 +91,11 @@ def main(argv=None) -> list[dict]:
               f"({row['orepa_ms'][0] / row['conv_ms'][0]:.2f}x)  features={row['on_features']} "
               f"recompute={recompute}  {forced}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"batch_size": args.batch_size, "threads": torch.get_num_threads(), "rows": rows}, f, indent=1)
+        write_json(args.json, {"batch_size": args.batch_size, "threads": torch.get_num_threads(), "rows": rows}, indent=1)
     return rows
 
 
 if __name__ == "__main__":
-    main()
+    from _script import run
+
+    raise SystemExit(run(main))

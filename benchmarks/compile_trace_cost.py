@@ -16,7 +16,6 @@ dynamo: other torch versions may count differently; compare variants of one run)
 """
 import argparse
 import collections
-import json
 import time
 
 import torch
@@ -24,59 +23,81 @@ from torch._dynamo import symbolic_convert
 
 from orepa import engine
 from orepa.apps.bench.measure import environment, git_state
-from orepa.models import create_model
+from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.common import positive_float, positive_int
+from orepa.models import create_model, list_models
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("-m", "--model", default="resnet18", help="a zoo model with an orepa method (default resnet18)")
-parser.add_argument("--width-mult", type=float, default=0.125, help="width multiplier (default 1/8: the trace's "
-                    "instructions do not depend on the width, its compute does)")
-parser.add_argument("--top", type=int, default=10, help="the functions tracing the most instructions to list")
-args = parser.parse_args()
-torch.set_num_threads(2)
-
-counts: collections.Counter = collections.Counter()
-step = symbolic_convert.InstructionTranslatorBase.step
-
-
-def counted(self):
-    code = self.f_code
-    counts[f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_firstlineno}({code.co_name})"] += 1
-    return step(self)
-
-
-symbolic_convert.InstructionTranslatorBase.step = counted
-out = {"environment": environment(torch.device("cpu"), git_state()),
-       "setting": f"{args.model} x{args.width_mult} width, 10 classes, batch 2, 64x64, torch.compile(backend='eager'), "
-                  "group_kernels(traced=True)",
-       "models": {}}
 VARIANTS = {"base": ("base", None), "orepa, grouped": ("orepa", "grouped"), "orepa, per-block": ("orepa", "per-block")}
-for name, (method, policy) in VARIANTS.items():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = create_model(args.model, method, num_classes=10, width_mult=args.width_mult).train()
-    if policy is not None:
-        engine.group_kernels(model, policy, traced=True)
-    compiled = torch.compile(model, backend="eager")
-    x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 2])
-    counts.clear()
-    start = time.perf_counter()
-    torch.nn.functional.cross_entropy(compiled(x), y).backward()
-    seconds = time.perf_counter() - start
-    out["models"][name] = {"instructions": sum(counts.values()), "first_step_s": round(seconds, 1),
-                             "most": counts.most_common(args.top)}
 
-base = out["models"]["base"]
-print(out["setting"])
-print("| model | instructions traced | first step |")
-print("|---|---|---|")
-for name, row in out["models"].items():
-    print(f"| {name} | {row['instructions']:,} ({row['instructions'] / base['instructions']:.0f}x) "
-          f"| {row['first_step_s']:.1f} s |")
-for name in VARIANTS:
-    if name != "base":
-        print(f"\nmost instructions ({name}):")
-        for where, n in out["models"][name]["most"]:
-            print(f"  {n:>7,}  {where}")
-suffix = "" if args.model == "resnet18" else f"_{args.model}"
-with open(f"benchmarks/results/compile_trace_cost{suffix}.json", "w") as fh:
-    json.dump(out, fh, indent=1)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", default="resnet18", choices=list_models("orepa"), metavar="MODEL",
+                        help="a zoo model with an orepa method (default resnet18)")
+    parser.add_argument("--width-mult", type=positive_float, default=0.125, help="width multiplier (default 1/8: the "
+                        "trace's instructions do not depend on the width, its compute does)")
+    parser.add_argument("--top", type=positive_int, default=10, help="the functions tracing the most instructions to list")
+    return parser
+
+
+def results_file(model: str) -> str:
+    """Where the counts go (relative to the working directory: the repository's root)."""
+    suffix = "" if model == "resnet18" else f"_{model}"
+    return f"benchmarks/results/compile_trace_cost{suffix}.json"
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    path = check_output_path(results_file(args.model), "results file")  # before minutes of tracing
+    torch.set_num_threads(2)
+    counts: collections.Counter = collections.Counter()
+    step = symbolic_convert.InstructionTranslatorBase.step
+
+    def counted(self):
+        code = self.f_code
+        counts[f"{code.co_filename.rsplit('site-packages/', 1)[-1]}:{code.co_firstlineno}({code.co_name})"] += 1
+        return step(self)
+
+    symbolic_convert.InstructionTranslatorBase.step = counted
+    try:
+        out = {"environment": environment(torch.device("cpu"), git_state()),
+               "setting": f"{args.model} x{args.width_mult} width, 10 classes, batch 2, 64x64, "
+                          "torch.compile(backend='eager'), group_kernels(traced=True)",
+               "models": {}}
+        for name, (method, policy) in VARIANTS.items():
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = create_model(args.model, method, num_classes=10, width_mult=args.width_mult).train()
+            if policy is not None:
+                engine.group_kernels(model, policy, traced=True)
+            compiled = torch.compile(model, backend="eager")
+            x, y = torch.randn(2, 3, 64, 64), torch.tensor([1, 2])
+            counts.clear()
+            start = time.perf_counter()
+            torch.nn.functional.cross_entropy(compiled(x), y).backward()
+            seconds = time.perf_counter() - start
+            out["models"][name] = {"instructions": sum(counts.values()), "first_step_s": round(seconds, 1),
+                                   "most": counts.most_common(args.top)}
+    finally:
+        symbolic_convert.InstructionTranslatorBase.step = step
+
+    base = out["models"]["base"]
+    print(out["setting"])
+    print("| model | instructions traced | first step |")
+    print("|---|---|---|")
+    for name, row in out["models"].items():
+        print(f"| {name} | {row['instructions']:,} ({row['instructions'] / base['instructions']:.0f}x) "
+              f"| {row['first_step_s']:.1f} s |")
+    for name in VARIANTS:
+        if name != "base":
+            print(f"\nmost instructions ({name}):")
+            for where, n in out["models"][name]["most"]:
+                print(f"  {n:>7,}  {where}")
+    write_json(path, out, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    from _script import run
+
+    raise SystemExit(run(main))

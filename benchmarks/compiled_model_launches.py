@@ -21,56 +21,77 @@ recorded, inductor's caches off)::
     python3 benchmarks/compiled_model_launches.py -m resnet50   # -> ..._resnet50.json
 """
 import argparse
-import json
 import time
 
 import torch
 
 from orepa import engine
 from orepa.apps.bench.measure import compiled_launches, environment, git_state, inductor_code
-from orepa.models import create_model
+from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.common import UserError
+from orepa.models import create_model, list_models
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("-m", "--model", default="resnet18", help="a zoo model with an orepa method (default resnet18)")
-args = parser.parse_args()
-engine._launch_bound = lambda t: True  # the route of a CUDA device: every branch in kernel space (see above)
-torch.set_num_threads(2)
-torch._inductor.config.force_disable_caches = True  # each compilation from scratch: its time is recorded
-git = git_state()
-out = {"environment": environment(torch.device("cpu"), git),
-       "setting": f"{args.model}, 10 classes, batch 8, 64x64, torch.compile (inductor), GPU route",
-       "models": {}}
 # OREPA as a GPU groups it (policy "auto" there, "grouped" here), unpacked and packed, and block by block
 VARIANTS = {"base": ("base", None, False), "orepa": ("orepa", "grouped", False),
             "orepa, packed": ("orepa", "grouped", True), "orepa, per-block": ("orepa", "per-block", False)}
-for name, (method, policy, pack) in VARIANTS.items():
-    torch.manual_seed(0)
-    model = create_model(args.model, method, num_classes=10).train()
-    if policy is not None:
-        engine.group_kernels(model, policy, pack=pack, traced=True)
-    compiled = torch.compile(model)
-    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
 
-    def step():
-        torch.nn.functional.cross_entropy(compiled(x), y).backward()
 
-    start = time.perf_counter()
-    with inductor_code() as codes:
-        step()
-    seconds = time.perf_counter() - start  # the first step: tracing and compiling
-    if len(codes) != 2:
-        raise SystemExit(f"{name}: expected one forward and one backward module, got {len(codes)}")
-    row = {**compiled_launches(codes), "first_step_s": round(seconds, 1)}
-    out["models"][name] = row
-    torch._dynamo.reset()
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-m", "--model", default="resnet18", choices=list_models("orepa"), metavar="MODEL",
+                        help="a zoo model with an orepa method (default resnet18)")
+    return parser
 
-print(out["setting"])
-print("| model | forward: fused / extern / aten | backward: fused / extern / aten | launches per step | first step |")
-print("|---|---|---|---|---|")
-for method, row in out["models"].items():
-    f, b = row["forward"], row["backward"]
-    print(f"| {method} | {f['fused']} / {f['extern']} / {f['aten']} | {b['fused']} / {b['extern']} / {b['aten']} "
-          f"| {row['total']} ({row['total'] / out['models']['base']['total']:.2f}x) | {row['first_step_s']:.0f} s |")
-suffix = "" if args.model == "resnet18" else f"_{args.model}"
-with open(f"benchmarks/results/compiled_model_launches{suffix}.json", "w") as fh:
-    json.dump(out, fh, indent=1)
+
+def results_file(model: str) -> str:
+    """Where the counts go (relative to the working directory: the repository's root)."""
+    suffix = "" if model == "resnet18" else f"_{model}"
+    return f"benchmarks/results/compiled_model_launches{suffix}.json"
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    path = check_output_path(results_file(args.model), "results file")  # before minutes of compilation
+    engine._launch_bound = lambda t: True  # the route of a CUDA device: every branch in kernel space (see above)
+    torch.set_num_threads(2)
+    torch._inductor.config.force_disable_caches = True  # each compilation from scratch: its time is recorded
+    git = git_state()
+    out = {"environment": environment(torch.device("cpu"), git),
+           "setting": f"{args.model}, 10 classes, batch 8, 64x64, torch.compile (inductor), GPU route",
+           "models": {}}
+    for name, (method, policy, pack) in VARIANTS.items():
+        torch.manual_seed(0)
+        model = create_model(args.model, method, num_classes=10).train()
+        if policy is not None:
+            engine.group_kernels(model, policy, pack=pack, traced=True)
+        compiled = torch.compile(model)
+        x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+
+        def step():
+            torch.nn.functional.cross_entropy(compiled(x), y).backward()
+
+        start = time.perf_counter()
+        with inductor_code() as codes:
+            step()
+        seconds = time.perf_counter() - start  # the first step: tracing and compiling
+        if len(codes) != 2:
+            raise UserError(f"{name}: expected one forward and one backward module, got {len(codes)}")
+        row = {**compiled_launches(codes), "first_step_s": round(seconds, 1)}
+        out["models"][name] = row
+        torch._dynamo.reset()
+
+    print(out["setting"])
+    print("| model | forward: fused / extern / aten | backward: fused / extern / aten | launches per step | first step |")
+    print("|---|---|---|---|---|")
+    for method, row in out["models"].items():
+        f, b = row["forward"], row["backward"]
+        print(f"| {method} | {f['fused']} / {f['extern']} / {f['aten']} | {b['fused']} / {b['extern']} / {b['aten']} "
+              f"| {row['total']} ({row['total'] / out['models']['base']['total']:.2f}x) | {row['first_step_s']:.0f} s |")
+    write_json(path, out, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    from _script import run
+
+    raise SystemExit(run(main))

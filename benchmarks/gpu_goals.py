@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from orepa.apps.checkpoint import check_output_path, same_file, write_json
+
 PEAK_GOAL = 1.10
 
 
@@ -84,8 +86,9 @@ def rows_of(result: dict, source: str) -> list[dict]:
     return out
 
 
-def collect(folders: list[str]) -> list[dict]:
-    rows = []
+def bench_results(folders: list[str]) -> list[tuple[Path, dict]]:
+    """``(file, result)`` of every CUDA bench result with base in ``folders`` (folders of JSONs, or JSON files)."""
+    out = []
     for folder in folders:
         path = Path(folder)
         files = sorted(path.glob("*.json")) if path.is_dir() else [path]
@@ -98,8 +101,16 @@ def collect(folders: list[str]) -> list[dict]:
                     and "base" in (result.get("ratios") or {})
                     and "cuda" in str(result.get("environment", {}).get("device", ""))):
                 continue  # not a CUDA bench result with base (a summary, an accuracy file, a CPU run)
-            rows.extend(rows_of(result, f"{f.parent.name}/{f.name}"))
-    return rows
+            out.append((f, result))
+    return out
+
+
+def table_rows(results: list[tuple[Path, dict]]) -> list[dict]:
+    return [row for f, result in results for row in rows_of(result, f"{f.parent.name}/{f.name}")]
+
+
+def collect(folders: list[str]) -> list[dict]:
+    return table_rows(bench_results(folders))
 
 
 def _x(v, nd: int = 2) -> str:
@@ -138,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    rows = collect(args.folders)
+    results = bench_results(args.folders)
+    if args.json:  # (--json naming a bench result it reads would replace that measurement with the table)
+        check_output_path(args.json, "--json", not_over={"a bench result this table reads": next(
+            (f for f, _ in results if same_file(Path(args.json), f)), None)})
+    rows = table_rows(results)
     if not rows:
         print(f"no CUDA bench result with base and an OREPA variant in {' '.join(args.folders)}", file=sys.stderr)
         return 1
@@ -148,9 +163,11 @@ def main(argv=None) -> int:
           "paired step ratios to base in the same run\n")
     print(format_table(rows))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_json(args.json, rows, indent=1)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _script import run
+
+    raise SystemExit(run(main))

@@ -47,12 +47,12 @@ def _parse_orepa(argv: list[str]) -> argparse.Namespace:
 
 
 def _check_bench(args: argparse.Namespace) -> str:
-    from orepa.apps.bench import _methods
     from orepa.apps.bench.measure import variant_specs
     from orepa.apps.bench.variants import build_variant, in_zoo, parse_spec, split_run_options
+    from orepa.apps.common import method_list
     from orepa.engine import POLICIES
 
-    specs = variant_specs(_methods(args))
+    specs = variant_specs(method_list(args.methods))
     for spec in specs:
         network, builder, _ = split_run_options(spec, args.kernel_builder)
         if builder not in POLICIES:

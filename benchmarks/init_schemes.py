@@ -21,6 +21,16 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.common import (
+    UserError,
+    nonneg_float,
+    positive_float,
+    positive_int,
+    seed_int,
+    thread_count,
+)
+
 VARIANTS = {
     "base": ["--method", "base"],
     "orepa, init=reference": ["--method", "orepa", "--block-opt", "init=reference"],
@@ -41,23 +51,32 @@ def run_one(args, variant: str, seed: int) -> dict:
                "--output-dir", str(out), "--no-progress", "--no-tensorboard", "--quiet"]
         if args.train_subset:
             cmd += ["--train-subset", str(args.train_subset)]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL)
+        if done.returncode:  # (its error is on stderr, above)
+            raise UserError(f"orepa train of {variant!r}, seed {seed}, in {out} failed (exit code {done.returncode})")
     s = json.loads(summary.read_text())
     return {"variant": variant, "seed": seed, "val_acc1": s["val_acc1"], "train_time_s": s["train_time_s"]}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width-mult", type=float, default=0.125)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("-b", "--batch-size", type=int, default=128)
-    p.add_argument("--warmup", type=float, default=0.2, help="linear warm-up epochs")
-    p.add_argument("--train-subset", type=int, default=None)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
+    p.add_argument("--width-mult", type=positive_float, default=0.125)
+    p.add_argument("--epochs", type=positive_int, default=2)
+    p.add_argument("-b", "--batch-size", type=positive_int, default=128)
+    p.add_argument("--warmup", type=nonneg_float, default=0.2, help="linear warm-up epochs")
+    p.add_argument("--train-subset", type=positive_int, default=None)
+    p.add_argument("--seeds", type=seed_int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--jobs", type=thread_count, default=2, help="runs at a time (one thread each)")
     p.add_argument("--runs", default="runs/init_schemes", help="run directories")
     p.add_argument("--out", default="benchmarks/results/init_schemes.json")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    # before hours of training: the table's file, and the folder the runs go in
+    check_output_path(args.out, "--out")
+    check_output_path(args.runs, "--runs", directory=True)
     todo = [(v, s) for s in args.seeds for v in VARIANTS]
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda vs: run_one(args, *vs), todo))
@@ -72,11 +91,12 @@ def main(argv=None) -> int:
                           "per_seed": accs}
         print(f"{variant:24} {statistics.mean(accs):7.2f} {std:6.2f} {min(accs):7.2f} {max(accs):7.2f}  "
               + " ".join(f"{a:.2f}" for a in accs))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"settings": vars(args), "results": table, "runs": rows}, indent=2))
+    write_json(args.out, {"settings": vars(args), "results": table, "runs": rows}, indent=2)
     print(f"wrote {args.out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _script import run
+
+    raise SystemExit(run(main))

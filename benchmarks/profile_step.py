@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import sys
 from collections import defaultdict
 
 import torch
@@ -32,9 +30,11 @@ from torch.profiler import ProfilerActivity, profile
 from orepa.apps.bench import make_runner, parse_spec
 from orepa.apps.bench.measure import quiet_cpu_profiler
 from orepa.apps.bench.variants import parse_options
+from orepa.apps.checkpoint import check_output_path, write_json
 from orepa.apps.common import (
     UserError,
     add_kernel_builder_argument,
+    method_list,
     nonneg_int,
     parse_device,
     positive_int,
@@ -182,7 +182,8 @@ def format_report(result: dict, top: int = 20) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default="resnet18")
-    ap.add_argument("--methods", nargs="+", default=["base", "orepa"])
+    ap.add_argument("--methods", nargs="+", default=["base", "orepa"],
+                    help="variants as orepa bench takes them: words or comma-separated lists (base orepa, base,orepa)")
     ap.add_argument("-b", "--batch-size", type=positive_int, default=16)
     ap.add_argument("--image-size", type=positive_int, default=224)
     ap.add_argument("--num-classes", type=positive_int, default=1000)
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.json:  # before minutes of profiling
+        check_output_path(args.json, "--json")
+    args.methods = method_list(args.methods)  # (orepa bench's reading: "base,orepa" is two variants)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = parse_device(args.device)  # (a CUDA device this machine lacks: one line)
@@ -227,13 +231,11 @@ def main(argv=None) -> dict:
 
         saved = {n: {**trimmed(r), **({"device": trimmed(r["device"])} if "device" in r else {})}
                  for n, r in result.items()}
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "results": saved}, f, indent=1)
+        write_json(args.json, {"config": vars(args), "results": saved}, indent=1)
     return result
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as exc:  # a bad spec, model or option: one line
-        sys.exit(f"profile_step.py: {exc}")
+    from _script import run
+
+    raise SystemExit(run(main))

@@ -11,16 +11,18 @@ training, per scaling) and ``similarity_final.png`` (the final matrices).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
 from orepa.analysis.proposition1 import proposition1_table
-from orepa.apps.checkpoint import atomic_write_text, json_text
-from orepa.apps.common import UserError, positive_float, positive_int, thread_count
+from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.common import positive_float, positive_int, seed_int, thread_count
 from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.proposition1 import similarity_experiment
+
+#: what a run writes in --output-dir
+FILES = ("proposition1.json", "similarity_curves.png", "similarity_final.png")
 
 
 def plot(exp: dict, out: Path) -> list[Path]:
@@ -72,13 +74,15 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=positive_int, default=32)
     p.add_argument("--lr", type=positive_float, default=0.1)
     p.add_argument("--n-train", type=positive_int, default=4096)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--seeds", type=seed_int, nargs="+", default=[0])
     p.add_argument("--data", default="fashion-mnist", choices=["fashion-mnist", "synthetic"])
     p.add_argument("--scalings", nargs="+", default=["none", "scalar", "vector"], choices=["none", "scalar", "vector"])
     p.add_argument("--threads", type=thread_count, default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    out = Path(args.output_dir)
+    out = check_output_path(args.output_dir, "--output-dir", directory=True)  # before any training
+    for name in FILES:  # (a directory, a run's checkpoint there by that name)
+        check_output_path(out / name, "--output-dir")
     out.mkdir(parents=True, exist_ok=True)
 
     rows = proposition1_table(steps=20)
@@ -101,14 +105,12 @@ def main(argv=None) -> int:
                  f"{100 * r['test_accuracy']:4.1f}%" for r in exp["runs"].values()]
         print(f"{exp['config']['seed']:>4} " + "".join(f"{c:>30}" for c in cells))
     files = plot(experiments[0], out)
-    # strict JSON: a diverged run's NaN as null
-    atomic_write_text(out / "proposition1.json", json_text({"update_check": rows, "experiments": experiments}, indent=1))
+    write_json(out / "proposition1.json", {"update_check": rows, "experiments": experiments}, indent=1)  # NaN as null
     print("wrote", out / "proposition1.json", *files)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except UserError as exc:  # missing data, an unwritable --output-dir: one line
-        sys.exit(f"proposition1.py: {exc}")
+    from _script import run
+
+    raise SystemExit(run(main))  # missing data, an unwritable --output-dir: one line, exit code 2

@@ -13,20 +13,14 @@ the host's share of an eager GPU step, not a GPU measurement::
     python3 benchmarks/recorded_host_time.py     # -> benchmarks/results/recorded_host_time.json
 """
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 from orepa.apps.bench.measure import environment, git_state, make_runner, record_builds
+from orepa.apps.checkpoint import check_output_path, write_json
 
-# the results file (a --help must not run the measurement and overwrite it)
-PARSER = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-PARSER.add_argument("--json", default="benchmarks/results/recorded_host_time.json", help="where the results go (default %(default)s)")
-ARGS = PARSER.parse_args()
-
-torch.set_num_threads(1)
 OPTIONS = {"width_mult": 0.0625, "small_input": True}
 VARIANTS = (  # name, spec, recorded
     ("base", "base", False),
@@ -37,30 +31,48 @@ VARIANTS = (  # name, spec, recorded
 )
 WARMUP, REPS = 10, 80
 
-git = git_state()
-x, y = torch.randn(1, 3, 32, 32), torch.randint(0, 1000, (1,))
-runners = {}
-for name, spec, recorded in VARIANTS:
-    r = make_runner("resnet18", spec, device=torch.device("cpu"), kernel_builder="grouped", model_options=OPTIONS)
-    if recorded:
-        record_builds(r.model)
-    for _ in range(WARMUP):
-        r.step(x, y)
-    runners[name] = r
-times: dict[str, list[float]] = {name: [] for name in runners}
-for _ in range(REPS):
-    for name, r in runners.items():
-        t0 = time.perf_counter()
-        r.step(x, y)
-        times[name].append(time.perf_counter() - t0)
-env = environment(torch.device("cpu"), git)
-out = {"environment": env, "reps": REPS, "variants": {},
-       "setting": "resnet18 width_mult=0.0625 small_input, batch 1, 32x32, kernel builder grouped, packed"}
-print(f"{env['cpu']}, 1 thread, torch {env['torch']}; {out['setting']}")
-print("| variant | step ms (median) | paired ratio to base |\n|---|---|---|")
-for name, ts in times.items():
-    paired = statistics.median(t / b for t, b in zip(ts, times["base"]))
-    out["variants"][name] = {"step_ms": statistics.median(ts) * 1e3, "paired": paired}
-    print(f"| {name} | {statistics.median(ts) * 1e3:.2f} | {paired:.2f}x |")
-with open(ARGS.json, "w") as f:
-    json.dump(out, f, indent=1)
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="benchmarks/results/recorded_host_time.json",
+                    help="where the results go (default %(default)s)")
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)  # (a --help must not run the measurement and overwrite the results)
+    check_output_path(args.json, "--json")  # before the timing
+    torch.set_num_threads(1)
+    git = git_state()
+    x, y = torch.randn(1, 3, 32, 32), torch.randint(0, 1000, (1,))
+    runners = {}
+    for name, spec, recorded in VARIANTS:
+        r = make_runner("resnet18", spec, device=torch.device("cpu"), kernel_builder="grouped", model_options=OPTIONS)
+        if recorded:
+            record_builds(r.model)
+        for _ in range(WARMUP):
+            r.step(x, y)
+        runners[name] = r
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(REPS):
+        for name, r in runners.items():
+            t0 = time.perf_counter()
+            r.step(x, y)
+            times[name].append(time.perf_counter() - t0)
+    env = environment(torch.device("cpu"), git)
+    out = {"environment": env, "reps": REPS, "variants": {},
+           "setting": "resnet18 width_mult=0.0625 small_input, batch 1, 32x32, kernel builder grouped, packed"}
+    print(f"{env['cpu']}, 1 thread, torch {env['torch']}; {out['setting']}")
+    print("| variant | step ms (median) | paired ratio to base |\n|---|---|---|")
+    for name, ts in times.items():
+        paired = statistics.median(t / b for t, b in zip(ts, times["base"]))
+        out["variants"][name] = {"step_ms": statistics.median(ts) * 1e3, "paired": paired}
+        print(f"| {name} | {statistics.median(ts) * 1e3:.2f} | {paired:.2f}x |")
+    write_json(args.json, out, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    from _script import run
+
+    raise SystemExit(run(main))

@@ -15,17 +15,21 @@ The groups build eagerly here: the memory of a compiled construction (``--kernel
 compiled``) is allocated by inductor's generated code, which no dispatch mode sees.
 """
 import argparse
-import json
 
 import torch
 
 from orepa import engine
 from orepa.apps.bench.measure import PoolEstimator, environment, git_state, make_runner, record_builds
+from orepa.apps.checkpoint import check_output_path, write_json
 
 MiB = 2 ** 20
-# the results file (a --help must not run the measurement and overwrite it)
-PARSER = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-PARSER.add_argument("--json", default="benchmarks/results/recorded_memory.json", help="where the results go (default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="benchmarks/results/recorded_memory.json",
+                    help="where the results go (default %(default)s)")
+    return ap
 
 
 def estimate(arch: str) -> dict:
@@ -47,8 +51,9 @@ def estimate(arch: str) -> dict:
             "parameter_gradients_mib": sum(t.nbytes for rec in recordings for t in rec.grads) / MiB}
 
 
-if __name__ == "__main__":
-    ARGS = PARSER.parse_args()
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)  # (a --help must not run the measurement and overwrite the results)
+    check_output_path(args.json, "--json")  # before the estimates
     torch.set_num_threads(2)
     git = git_state()
     out = {"environment": environment(torch.device("cpu"), git), "dtype": "float32", "builder": "grouped (eager)",
@@ -59,5 +64,11 @@ if __name__ == "__main__":
         e = out["models"][arch] = estimate(arch)
         print(f"| {arch} | {e['pool_mib']:.0f} MiB | {e['gradient_inputs_mib']:.0f} MiB | {e['outputs_mib']:.0f} MiB | "
               f"**{e['total_mib']:.0f} MiB** | {e['kernels_mib']:.0f} / {e['parameter_gradients_mib']:.0f} MiB |")
-    with open(ARGS.json, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(args.json, out, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    from _script import run
+
+    raise SystemExit(run(main))

@@ -306,7 +306,7 @@ _BAD_CLI = [
     (["--from-json", "{tmp}/other.json", "--methods", "dbb", "--reps", "3"],
      "--from-json re-renders a saved result as it was measured; --methods, --reps do(es) not apply"),
     (["--tag", "../x"], "--tag '../x' is a file stem in --output-dir, not a path"),
-    (["--methods", ","], "--methods ',' names no variant"),
+    (["--methods", ","], "--methods ',' names none"),
     (["--methods", "orepa:builder"], "--methods orepa:builder: builder expects builder=VALUE"),
     # a spec with options is split at commas too (it was not: 'grouped,dbb' read as the builder)
     (["--methods", "orepa:builder=nope,dbb"], "cannot build variant 'orepa:builder=nope'"),

@@ -37,56 +37,72 @@ def run_script(script: str, argv: list[str], cwd: Path) -> subprocess.CompletedP
                           env=child_env(), timeout=REFUSED_WITHIN_S)
 
 
-def _slow(*values):
-    return pytest.param(*values, marks=pytest.mark.slow)  # (importing torchvision's detectors: seconds more)
-
-
 #: script, its arguments with CKPT for the checkpoint's path and TMP for a scratch folder, the checkpoint's
 #: path relative to the working directory (TMP), the flag the error names
-REFUSALS = [
-    ("aten_ops.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
-    ("block_cost.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
-    ("recorded_memory.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
-    ("recorded_host_time.py", ["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
-    ("profile_step.py", ["-b", "2", "--image-size", "32", "--json", "CKPT"], "victim/checkpoint.pth", "--json"),
-    _slow("bench_detection.py", ["--backbone", "resnet18", "--size", "64", "--json", "CKPT"], "victim/checkpoint.pth",
-          "--json"),
-    ("gpu_goals.py", ["TMP", "--json", "CKPT"], "victim/checkpoint.pth", "--json"),
-    ("init_schemes.py", ["--epochs", "1", "--train-subset", "8", "--seeds", "0", "--jobs", "1", "--runs", "TMP/runs",
+REFUSALS = {
+    "aten_ops.py": (["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    "block_cost.py": (["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    "recorded_memory.py": (["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    "recorded_host_time.py": (["--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    "profile_step.py": (["-b", "2", "--image-size", "32", "--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    "bench_detection.py": (["--backbone", "resnet18", "--size", "64", "--json", "CKPT"], "victim/checkpoint.pth",
+                           "--json"),
+    "gpu_goals.py": (["TMP", "--json", "CKPT"], "victim/checkpoint.pth", "--json"),
+    "init_schemes.py": (["--epochs", "1", "--train-subset", "8", "--seeds", "0", "--jobs", "1", "--runs", "TMP/runs",
                          "--out", "CKPT"], "victim/checkpoint.pth", "--out"),
     # the scripts whose results file is fixed (relative to the working directory)
-    ("compile_trace_cost.py", [], "benchmarks/results/compile_trace_cost.json", "results file"),
-    ("compiled_model_launches.py", ["-m", "resnet50"], "benchmarks/results/compiled_model_launches_resnet50.json",
-     "results file"),
-]
+    "compile_trace_cost.py": ([], "benchmarks/results/compile_trace_cost.json", "results file"),
+    "compiled_model_launches.py": (["-m", "resnet50"], "benchmarks/results/compiled_model_launches_resnet50.json",
+                                   "results file"),
+}
 
 
-@pytest.mark.parametrize("script,argv,victim,flag", REFUSALS)
-def test_a_script_refuses_to_write_over_a_runs_checkpoint_before_it_measures(tmp_path, script, argv, victim, flag):
-    """``--json victim/checkpoint.pth`` (block_cost.py replaced a 5 MB checkpoint with its JSON, after
-    measuring): one error line naming the flag, exit code 2, nothing measured or printed, the
-    checkpoint byte for byte as it was."""
+def _victim(tmp_path: Path, script: str) -> tuple[list[str], Path, bytes, str]:
+    """The arguments of ``script``'s case in :data:`REFUSALS`, the checkpoint made for it, its bytes, the flag."""
+    argv, victim, flag = REFUSALS[script]
     ckpt = tmp_path / victim
     held = run_checkpoint(ckpt)
-    argv = [str(ckpt) if a == "CKPT" else a.replace("TMP", str(tmp_path)) for a in argv]
+    return [str(ckpt) if a == "CKPT" else a.replace("TMP", str(tmp_path)) for a in argv], ckpt, held, flag
+
+
+@pytest.mark.parametrize("script", list(REFUSALS))
+def test_a_script_refuses_to_write_over_a_runs_checkpoint_before_it_measures(tmp_path, monkeypatch, capsys, script):
+    """``--json victim/checkpoint.pth`` (block_cost.py replaced a 5 MB checkpoint with its JSON, after
+    measuring): an error naming the flag before anything is measured or printed; the checkpoint byte
+    for byte as it was."""
+    monkeypatch.chdir(tmp_path)  # (where the fixed results files are)
+    argv, ckpt, held, flag = _victim(tmp_path, script)
+    mod = benchmark_script(script.removesuffix(".py"))
+    with pytest.raises(UserError, match=f"^{flag} .* is the training checkpoint of a run"):
+        mod.main(argv)
+    assert capsys.readouterr().out == ""  # (each script prints as it measures)
+    assert ckpt.read_bytes() == held
+
+
+@pytest.mark.parametrize("script", [s if s == "block_cost.py" else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in REFUSALS])  # (a process each: seconds of imports)
+def test_a_scripts_refusal_is_one_line_and_exit_code_2(tmp_path, script):
+    """On the command line, as ``orepa``'s subcommands end: one ``error:`` line on stderr, no
+    traceback, exit code 2; nothing measured (nothing on stdout), the checkpoint as it was."""
+    argv, ckpt, held, flag = _victim(tmp_path, script)
     done = run_script(script, argv, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stdout == ""  # refused before the first measurement (each script prints as it measures)
+    assert done.stdout == ""
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(f"orepa {script}: error: {flag} "), done.stderr
     assert "is the training checkpoint of a run" in done.stderr
     assert ckpt.read_bytes() == held
 
 
-def test_proposition1_refuses_a_runs_checkpoint_in_its_output_dir_before_training(tmp_path):
+def test_proposition1_refuses_a_runs_checkpoint_in_its_output_dir_before_training(tmp_path, capsys):
     """benchmarks/proposition1.py checks the files it will write in --output-dir before part (a) runs
-    (it keeps its own one-line error and exit code 1, which tests/test_proposition1.py holds it to)."""
+    (on the command line it keeps its own one-line error and exit code 1, which tests/test_proposition1.py
+    holds it to)."""
     out = tmp_path / "p"
     held = run_checkpoint(out / "proposition1.json")
-    done = run_script("proposition1.py", ["--steps", "1", "--data", "synthetic", "--output-dir", str(out)], tmp_path)
-    assert done.returncode == 1 and done.stdout == "", done.stderr[-2000:]
-    assert done.stderr.startswith(f"proposition1.py: --output-dir {out / 'proposition1.json'} is the training "
-                                  "checkpoint of a run"), done.stderr
+    with pytest.raises(UserError, match="^--output-dir .*proposition1.json is the training checkpoint of a run"):
+        benchmark_script("proposition1").main(["--steps", "1", "--data", "synthetic", "--output-dir", str(out)])
+    assert capsys.readouterr().out == ""
     assert (out / "proposition1.json").read_bytes() == held
 
 
@@ -171,7 +187,7 @@ def test_profile_step_takes_methods_as_orepa_bench_does(tmp_path):
     held = json.loads(out.read_text())
     assert held["config"]["methods"] == ["base", "orepa"] and set(held["results"]) == {"base", "orepa"}
     assert mod.build_parser().parse_args(["--methods", "base", "orepa"]).methods == ["base", "orepa"]
-    with pytest.raises(UserError, match="names no variant"):
+    with pytest.raises(UserError, match="--methods .,. names none"):
         mod.main(["--methods", ","])
 
 

@@ -875,7 +875,7 @@ def test_damaged_settings_and_unwritable_paths_exit_2_with_one_line(cache, refer
         (["reparam", str(ckpt), "-o", str(a_file / "x.pth")], f"{a_file} is a file, not a directory"),
         (["eval", str(ckpt), "--json", str(a_dir), "--cache-dir", cache], f"--json {a_dir} is a directory"),
         (["analyze", str(ckpt), "--output-dir", str(a_file)], f"--output-dir {a_file} is a file, not a directory"),
-        (["demo", "--methods", ",", "--cache-dir", cache], "names no method"),
+        (["demo", "--methods", ",", "--cache-dir", cache], "--methods ',' names none"),
         (["demo", "--output-dir", str(a_file), "--cache-dir", cache], f"--output-dir {a_file} is a file"),
         (["import-reference", str(a_dir), "-o", str(tmp_path / "imp.pth")], f"{a_dir} is not a file"),
         (["train", "--data-path", str(one_class), "--model", "resnet18", "--width-mult", "0.0625", "-b", "1",
@@ -1245,6 +1245,11 @@ def test_the_demo_checks_its_batch_first_and_runs_each_method_once(tmp_path, cap
     assert made == ["orepa"] and "methods orepa;" in captured.out, captured.out
     assert captured.err.count("orepa failed (exit 1)") == 1, captured.err
     assert sorted(p.name for p in out.iterdir()) == ["orepa"]
+    # words, as orepa bench takes them (the demo took one comma-separated word only)
+    made.clear()
+    assert main(["demo", "--methods", "base", "orepa,base", "--output-dir", str(tmp_path / "words"),
+                 "--no-progress"]) == 1
+    assert made == ["base", "orepa"]
 
 
 def test_a_checkpoint_of_nan_weights_is_refused_except_by_eval(reference, tmp_path, cache, capsys):

@@ -113,8 +113,8 @@ def test_the_script_says_bad_input_in_one_line_and_writes_its_plots_whole(tmp_pa
         assert run.returncode == 2 and said in run.stderr and "Traceback" not in run.stderr, run.stderr
     run = subprocess.run(base, capture_output=True, text=True, env={
         **env, "OREPA_FASHION_MNIST_DIR": str(tmp_path / "absent"), "OREPA_CACHE": str(tmp_path / "cache")})
-    assert run.returncode == 1 and "Traceback" not in run.stderr
-    assert run.stderr.startswith("proposition1.py: Fashion-MNIST not found"), run.stderr
+    assert run.returncode == 2 and "Traceback" not in run.stderr and run.stderr.count("\n") == 1
+    assert run.stderr.startswith("orepa proposition1.py: error: Fashion-MNIST not found"), run.stderr
     run = subprocess.run(base + ["--data", "synthetic", "--scalings", "none"], capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [

@@ -36,6 +36,7 @@ from .common import (
     UserError,
     available_cpus,
     init_distributed,
+    method_list,
     nonneg_float,
     positive_float,
     positive_int,
@@ -49,7 +50,8 @@ from .train import PROGRESS_FILE, run_files
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--methods", default="base,orepa", help="methods to compare (base,orepa)")
+    p.add_argument("--methods", nargs="+", default=["base", "orepa"],
+                   help="methods to compare: words or a comma-separated list (base orepa)")
     p.add_argument("--model", default="resnet18")
     p.add_argument("--width-mult", type=positive_float, default=0.125,
                    help="stage width multiplier (0.125: 8-16-32-64)")
@@ -205,9 +207,7 @@ def _watch(pipes: list[_Pipeline], show: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     prepare_fashion_mnist(args.cache_dir)  # fails early, with the install hint, if the package is missing
     # each once: two pipelines of one method would share its directory
-    methods = list(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip()))
-    if not methods:
-        raise UserError(f"--methods {args.methods!r} names no method (e.g. base,orepa)")
+    methods = method_list(args.methods)
     check_batch_fits(min(args.train_subset or FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN), args.batch_size)
     # (a bad --device said once here, not by each pipeline's train after it started)
     init_distributed(args.device, one_process="orepa demo")

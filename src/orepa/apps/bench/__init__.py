@@ -23,10 +23,12 @@ from orepa.apps.common import (
     apply_tf32_matmul,
     apply_threads,
     init_distributed,
+    method_list,
     nonneg_int,
     positive_float,
     positive_int,
     refuse_idle_flags,
+    seed_int,
     thread_count,
 )
 from orepa.apps.model_cfg import MODEL_CFG_KEYS, check_cfg_value, check_model_takes, model_slug
@@ -80,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=thread_count, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="SGD lr (momentum 0.9, wd 1e-4); cost does not depend on it, small keeps random-data steps finite")
-    p.add_argument("--seed", type=nonneg_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--no-inference", action="store_true", help="skip deployed inference timing")
     p.add_argument("--no-memory-profile", action="store_true", help="CPU: skip the profiler peak-memory pass")
     p.add_argument("--cudnn-benchmark", action="store_true")
@@ -100,13 +102,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "given, else next to FILE")
 
 
-def _methods(args) -> list[str]:
-    """The variant specs of ``--methods``: words, each a comma-separated list (option values never
-    hold commas: a branch list is written ``branches=kxk/1x1``)."""
-    out = [m.strip() for word in args.methods for m in word.split(",") if m.strip()]
-    if not out:
-        raise UserError(f"--methods {' '.join(args.methods)!r} names no variant (e.g. --methods base orepa dbb)")
-    return out
 
 
 #: the files one result is written as (:func:`orepa.apps.bench.report.save`): TAG + each suffix
@@ -235,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, TypeError, KeyError) as exc:
             raise UserError(f"--components with {model_flags}: {exc}") from None
     else:
-        methods = _methods(args)
+        methods = method_list(args.methods)
     dev = "cuda" if str(device).startswith("cuda") else "cpu"
     tag = args.tag or (f"{model_slug(args.model)}_b{args.batch_size}_{args.image_size}_{dev}"
                        + ("_graphs" if args.cuda_graphs else "") + ("_compiled" if args.compile else "")
