@@ -388,14 +388,17 @@ def test_every_one_dimensional_parameter_is_left_out_of_weight_decay():
     assert names(groups.decay) == {"0.weight", "4.weight"} and not groups.scales
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["", "loss-scaled"])
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("net", ["resnet18", "depthwise"])
-def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack, net):
+def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack, net, scaled):
     """The published OREPA block trains its 1x1 -> kxk first factor as a delta on a fixed identity
     (tiled where a depthwise-like conv widens it to 2 C_in), so weight decay shrinks the delta; here
     the factor itself is the parameter, and decay pulled it towards zero, eroding the identity the
     branch starts from. With zero gradients, one SGD step: those factors move as I + (W - I)(1 - lr
-    wd), every other decayed weight as W (1 - lr wd), packed into a group's parameters or not."""
+    wd), every other decayed weight as W (1 - lr wd), packed into a group's parameters or not, and
+    stepped by a GradScaler (float16 training), which handed the fused SGD scaled gradients: the
+    pull towards the identity was added to them and divided by the scale (towards zero, 3x the step)."""
     from orepa.blocks import ConvStep
     from orepa.engine import group_kernels
 
@@ -416,14 +419,49 @@ def test_weight_decay_pulls_the_identity_factors_towards_the_identity(pack, net)
     assert {steps[n].out_channels // steps[n].in_channels for n in anchored} == ({1} if net == "resnet18" else {2})
     before = {n: m.weight.detach().clone() for n, m in steps.items()}
     lr, wd = 0.5, 0.1
-    opt = common.make_sgd(common.split_params(model).torch_groups(wd, 0.0), lr=lr, momentum=0.9)
+    opt = common.make_sgd(common.split_params(model).torch_groups(wd, 0.0), lr=lr, momentum=0.9, loss_scaled=scaled)
     assert common.decay_to_init(opt, model) is not None
-    (0.0 * model(torch.randn(2, 1, 32, 32)).sum()).backward()  # every gradient zero
-    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.5, enabled=scaled)
+    scaler.scale(0.0 * model(torch.randn(2, 1, 32, 32)).sum()).backward()  # every gradient zero
+    scaler.step(opt)
     for n, m in steps.items():
         start = m.init_weight() if m.decays_to_init else torch.zeros_like(before[n])
         torch.testing.assert_close(m.weight.detach(), start + (before[n] - start) * (1 - lr * wd),
                                    rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_a_loss_scaled_sgd_skips_an_overflowing_step_whole():
+    """float16 training (GradScaler): the scaler's first scale often overflows and it skips that step;
+    the fused SGD it was given then kept momentum buffers as allocated, never written (1e34 here), and
+    the next step wrote them into the weights (DBB's loss NaN at its third step). make_sgd's
+    ``loss_scaled`` optimizer steps after the skip as from the start."""
+    def net():
+        torch.manual_seed(0)
+        # (OREPA's: DBB's padding reads the BN statistics, which the skipped step's forward moved)
+        return orepa.models.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625, in_chans=1,
+                                         small_input=True)
+
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    hp = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
+    model = net()
+    opt = common.make_sgd(model.parameters(), loss_scaled=True, **hp)
+    assert not opt.defaults["fused"]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        if step == 0:  # the first scale overflowed a float16 gradient: that step is skipped, the next one taken
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0**9
+    # the skipped step left nothing behind: the model is a fresh one after one plain step
+    fresh = net()
+    plain = torch.optim.SGD(fresh.parameters(), **hp)
+    nn.functional.cross_entropy(fresh(x), y).backward()
+    plain.step()
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_make_sgd_is_fused_where_possible_and_steps_like_plain_sgd():

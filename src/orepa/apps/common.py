@@ -680,7 +680,7 @@ def full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def make_sgd(params, **kwargs) -> torch.optim.SGD:
+def make_sgd(params, *, loss_scaled: bool = False, **kwargs) -> torch.optim.SGD:
     """``torch.optim.SGD`` with the fused kernel where this torch has one for every parameter's
     device and dtype (CPU and CUDA floating point since torch 2.4), else the default one.
 
@@ -688,6 +688,13 @@ def make_sgd(params, **kwargs) -> torch.optim.SGD:
     of once per elementwise op: a re-param model trains 2-4x the plain net's parameters, so its
     optimizer step is a visible share of a step.
     torch checks the devices only at the first step, hence the check here.
+
+    ``loss_scaled`` (a ``GradScaler`` steps it: float16 autocast): the default one. A scaler hands a
+    fused SGD the still-scaled gradients with their scale, so (a) a first step the scaler skips (its
+    first scale overflows, as it often does) leaves the fused kernel's momentum buffers as allocated,
+    never written (values up to 1e34 here: the next step's weights were -7e33, the loss NaN), and
+    (b) a step pre-hook (:func:`decay_to_init`) that adds to the gradients would add to scaled ones.
+    Unfused, the scaler unscales the gradients before the step and skips the step whole.
     """
     params = list(params)
     tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
@@ -696,7 +703,8 @@ def make_sgd(params, **kwargs) -> torch.optim.SGD:
         devices = set(_get_fused_kernels_supported_devices())
     except ImportError:  # a torch without the helper: stay with the default implementation
         devices = set()
-    fused = bool(tensors) and all(t.device.type in devices and t.is_floating_point() for t in tensors)
+    fused = not loss_scaled and bool(tensors) and all(t.device.type in devices and t.is_floating_point()
+                                                      for t in tensors)
     return torch.optim.SGD(params, fused=fused or None, **kwargs)
 
 

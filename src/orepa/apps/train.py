@@ -725,7 +725,10 @@ class Trainer:
         for g in groups:
             if g["name"] == "no_decay":
                 g["weight_decay"] = args.norm_weight_decay
-        self.optimizer = make_sgd(groups, lr=args.lr, momentum=args.momentum)
+        # float16 gradients underflow without loss scaling: "auto" is float16 on CUDA, bfloat16 elsewhere, but
+        # --amp-dtype float16 may be asked on a CPU too
+        amp_fp16 = args.amp and (args.amp_dtype == "float16" or (device.type == "cuda" and args.amp_dtype == "auto"))
+        self.optimizer = make_sgd(groups, lr=args.lr, momentum=args.momentum, loss_scaled=amp_fp16)
         decay_to_init(self.optimizer, model)  # the identity factors decay towards the identity
         self.loader, self.sampler = train_loader(self.data, args, info, device)
         self.iters_per_epoch = len(self.loader)
@@ -738,9 +741,6 @@ class Trainer:
                             "set changed since the run began); put the folder back as it was, or start a new run "
                             "from its weights with --init-from")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
-        # float16 gradients underflow without loss scaling: "auto" is float16 on CUDA, bfloat16 elsewhere, but
-        # --amp-dtype float16 may be asked on a CPU too
-        amp_fp16 = args.amp and (args.amp_dtype == "float16" or (device.type == "cuda" and args.amp_dtype == "auto"))
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_fp16) if device.type == "cuda" or amp_fp16 \
             else None
         self.criterion = make_criterion(args)
