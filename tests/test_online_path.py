@@ -221,6 +221,52 @@ def test_under_autocast_the_kernels_are_built_in_the_parameters_dtype(route):
     assert dtypes and set(dtypes) == {torch.float32}, dtypes
 
 
+@pytest.mark.parametrize("method", ["orepa", "dbb"])
+def test_deployment_and_the_reference_path_under_autocast_compose_in_the_parameters_dtype(method):
+    """The reference path (every block's deployment, ``equivalent()``; the linear deep stem's kernel in
+    training and eval) composed under the caller's autocast: ``reparameterize`` inside a bfloat16
+    region gave a float32 model a bfloat16 stem (its next float32 forward failed) and DBB weights
+    0.2% off; the deep stem's kernel had 2x the rounding of the float32 kernel cast."""
+    torch.manual_seed(0)
+    model = orepa.create_model("resnet18", method, num_classes=10, width_mult=0.0625)  # (the deep stem: orepa)
+    x = torch.randn(2, 3, 64, 64)
+    model.train()
+    model(x)  # BN statistics off their start
+    model.eval()
+    reference = orepa.reparameterize(model, fuse_bn=True).state_dict()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        deployed = orepa.reparameterize(model, fuse_bn=True).state_dict()
+    assert deployed.keys() == reference.keys()
+    for k, v in deployed.items():
+        assert v.dtype == reference[k].dtype and torch.equal(v, reference[k]), k
+    if method == "orepa":
+        stem = model.conv1
+        assert isinstance(stem, orepa.OREPADeepStem)
+        for training in (True, False):
+            stem.train(training)
+            with torch.set_grad_enabled(training):
+                exact = stem._squeezed().to(torch.bfloat16)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    assert torch.equal(stem._squeezed().to(torch.bfloat16), exact), training
+
+
+def test_a_float64_model_under_autocast_runs_in_float64():
+    """Autocast leaves float64 alone (base, DBB, the grouped route did); the per-block route's
+    recomputed convolution cast a float64 input to bfloat16 (output 48% off)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(orepa.OREPAConv2d(8, 8, 3, padding=1, recompute=True), nn.BatchNorm2d(8)).double()
+    engine.group_kernels(net, "per-block")
+    x = torch.randn(2, 8, 10, 10, dtype=torch.float64, requires_grad=True)
+    y = net(x)
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = net(x)
+        (ga,) = torch.autograd.grad(ya.square().sum(), x)
+    assert ya.dtype == torch.float64
+    torch.testing.assert_close(ya, y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ga, g, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("update", ["in place", ".data"])
 def test_eval_forwards_follow_every_parameter_update(update):
     """An eval-mode forward sees the weights as they are now, however they were written: in place

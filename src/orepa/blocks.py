@@ -836,13 +836,17 @@ class ReparamConv2d(nn.Module):
         return any(br.has_norm for br in self.branches.values())
 
     def _fused_parts(self) -> tuple[Tensor, Tensor | None]:
-        parts = []
-        for br in self.branches.values():
-            w, b, g = br.fused_kernel()
-            if g != self.groups:
-                w = K.expand_groups(w, g, self.groups)
-            parts.append((w, b))
-        return K.add_parallel(parts, self.kernel_size)
+        # composed in the parameters' dtype whatever autocast the caller runs under, as the engine's routes
+        # compose: a deployment inside an autocast region gave bfloat16 weights to a float32 model
+        ref = next(m.weight for m in self.modules() if isinstance(getattr(m, "weight", None), Tensor))
+        with E.autocast_off(ref):
+            parts = []
+            for br in self.branches.values():
+                w, b, g = br.fused_kernel()
+                if g != self.groups:
+                    w = K.expand_groups(w, g, self.groups)
+                parts.append((w, b))
+            return K.add_parallel(parts, self.kernel_size)
 
     def equivalent(self) -> tuple[Tensor, Tensor | None]:
         """Eval-mode ``(weight, bias)`` of the whole block: the squeeze (BNs use running stats).

@@ -416,7 +416,7 @@ class Plan:
         the intermediates go to its buffers.
         """
         ops = stacked.operands if stacked is not None else self.operands()
-        with _autocast_off(ops[0][0][0].kernel):  # composed in the parameters' dtype, as a deployed conv's weight is
+        with autocast_off(ops[0][0][0].kernel):  # composed in the parameters' dtype, as a deployed conv's weight is
             return self._squeeze(ops, stacked, scratch, into)
 
     def _squeeze(self, ops, stacked: Storage | None, scratch: Scratch | None, into: Tensor | None) -> Tensor:
@@ -549,7 +549,7 @@ class Plan:
         scratch: one tensor per packed parameter, in its shape, where its gradient is written, and
         returned (a recording's outputs, :class:`Recording`): each branch's gradients go to their rows
         as they are made, so no two copies of them live at once."""
-        with _autocast_off(grad):
+        with autocast_off(grad):
             return self._vjp(grad, stacked, scratch, into)
 
     def _vjp(self, grad: Tensor, stacked: Storage | None, scratch: Scratch | None,
@@ -1139,7 +1139,9 @@ class RecomputedSqueezeConv(torch.autograd.Function):
         w = plan.squeeze()
         ctx.fixed = plan.fixed()  # as read now (see GroupsFunction.backward)
         device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        # (autocast leaves float64 as it is)
+        cast = torch.is_autocast_enabled(device) and x.dtype is not torch.float64
+        dtype = torch.get_autocast_dtype(device) if cast else x.dtype
         with torch.autocast(device, enabled=False):
             y = F.conv2d(x.to(dtype), w.to(dtype), None if bias is None else bias.to(dtype),
                          block.stride, block.conv_padding, block.dilation, block.groups)
@@ -2012,11 +2014,11 @@ class CompiledBuild(_Build):
         return [t for st in storages for t in (*st.roles, *(st.family or ()))]
 
     def kernels(self, storages: Sequence[Storage]) -> tuple[Tensor, ...]:
-        with _autocast_off(storages[0].roles[0]):
+        with autocast_off(storages[0].roles[0]):
             return tuple(self._kernels(*self.inputs(storages)))
 
     def kernels_vjp(self, grads: Sequence[Tensor], storages: Sequence[Storage]) -> list[Tensor]:
-        with _autocast_off(grads[0]):
+        with autocast_off(grads[0]):
             return list(self._vjp(*(g.contiguous() for g in grads), *self.inputs(storages)))
 
 
@@ -2032,7 +2034,7 @@ def compile_graph(gm: torch.fx.GraphModule, inputs: list[Tensor]):
     return torch._inductor.compile(gm, inputs)
 
 
-def _autocast_off(t: Tensor):
+def autocast_off(t: Tensor):
     """No autocast around a kernel construction (composed in the parameters' dtype), a no-op context
     where autocast is off already (most calls) or the device has none (``meta``: FLOP counts)."""
     device = t.device.type
