@@ -23,32 +23,26 @@ from torch._dynamo import symbolic_convert
 
 from orepa import engine
 from orepa.apps.bench.measure import environment, git_state
+from orepa.apps.bench.report import add_zoo_model_argument, model_results_file
 from orepa.apps.checkpoint import check_output_path, write_json
 from orepa.apps.common import positive_float, positive_int
-from orepa.models import create_model, list_models
+from orepa.models import create_model
 
 VARIANTS = {"base": ("base", None), "orepa, grouped": ("orepa", "grouped"), "orepa, per-block": ("orepa", "per-block")}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-m", "--model", default="resnet18", choices=list_models("orepa"), metavar="MODEL",
-                        help="a zoo model with an orepa method (default resnet18)")
+    add_zoo_model_argument(parser)
     parser.add_argument("--width-mult", type=positive_float, default=0.125, help="width multiplier (default 1/8: the "
                         "trace's instructions do not depend on the width, its compute does)")
     parser.add_argument("--top", type=positive_int, default=10, help="the functions tracing the most instructions to list")
     return parser
 
 
-def results_file(model: str) -> str:
-    """Where the counts go (relative to the working directory: the repository's root)."""
-    suffix = "" if model == "resnet18" else f"_{model}"
-    return f"benchmarks/results/compile_trace_cost{suffix}.json"
-
-
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    path = check_output_path(results_file(args.model), "results file")  # before minutes of tracing
+    path = check_output_path(model_results_file("compile_trace_cost", args.model), "results file")  # before minutes of tracing
     torch.set_num_threads(2)
     counts: collections.Counter = collections.Counter()
     step = symbolic_convert.InstructionTranslatorBase.step

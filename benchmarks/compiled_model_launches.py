@@ -27,9 +27,10 @@ import torch
 
 from orepa import engine
 from orepa.apps.bench.measure import compiled_launches, environment, git_state, inductor_code
+from orepa.apps.bench.report import add_zoo_model_argument, model_results_file
 from orepa.apps.checkpoint import check_output_path, write_json
 from orepa.apps.common import UserError
-from orepa.models import create_model, list_models
+from orepa.models import create_model
 
 # OREPA as a GPU groups it (policy "auto" there, "grouped" here), unpacked and packed, and block by block
 VARIANTS = {"base": ("base", None, False), "orepa": ("orepa", "grouped", False),
@@ -38,20 +39,13 @@ VARIANTS = {"base": ("base", None, False), "orepa": ("orepa", "grouped", False),
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-m", "--model", default="resnet18", choices=list_models("orepa"), metavar="MODEL",
-                        help="a zoo model with an orepa method (default resnet18)")
+    add_zoo_model_argument(parser)
     return parser
-
-
-def results_file(model: str) -> str:
-    """Where the counts go (relative to the working directory: the repository's root)."""
-    suffix = "" if model == "resnet18" else f"_{model}"
-    return f"benchmarks/results/compiled_model_launches{suffix}.json"
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    path = check_output_path(results_file(args.model), "results file")  # before minutes of compilation
+    path = check_output_path(model_results_file("compiled_model_launches", args.model), "results file")  # before minutes of compilation
     engine._launch_bound = lambda t: True  # the route of a CUDA device: every branch in kernel space (see above)
     torch.set_num_threads(2)
     torch._inductor.config.force_disable_caches = True  # each compilation from scratch: its time is recorded

@@ -271,3 +271,18 @@ def rerender(path: str | Path, plots: bool = True, out_dir: str | Path | None = 
                 else f"{type(exc).__name__}: {exc}")
         raise ValueError(f"{path} is not an orepa bench result as written by orepa bench ({what})") from None
     return result, save(result, path.parent if out_dir is None else Path(out_dir), path.stem, plots=plots)
+
+
+def add_zoo_model_argument(parser) -> None:
+    """``-m/--model``: a zoo model with an OREPA form, for the scripts that measure one (its results file
+    named by :func:`model_results_file`)."""
+    from orepa.models import list_models
+
+    parser.add_argument("-m", "--model", default="resnet18", choices=list_models("orepa"), metavar="MODEL",
+                        help="a zoo model with an orepa method (default resnet18)")
+
+
+def model_results_file(stem: str, model: str) -> str:
+    """Where a script's results for ``model`` go (relative to the repository's root): ``stem.json`` for
+    ResNet-18, ``stem_MODEL.json`` for another."""
+    return f"benchmarks/results/{stem}{'' if model == 'resnet18' else f'_{model}'}.json"
