@@ -54,6 +54,14 @@ FASHION_MNIST_BYTES = dict(zip(FASHION_MNIST_FILES, (16 + FASHION_MNIST_TRAIN * 
 FASHION_MNIST_SOURCE = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+#: the paper's ImageFolder sizes: RandomResizedCrop for training; resize, then centre crop, for validation
+TRAIN_CROP, VAL_RESIZE, VAL_CROP = 224, 256, 224
+
+
+def saved_val_sizes(saved: dict) -> tuple[int, int]:
+    """``(resize, crop)`` of the validation images a run's recorded flags (a checkpoint's ``args``) say,
+    the defaults where they say nothing: what eval's data and an export's preprocessing are made of."""
+    return int(saved.get("val_resize_size") or VAL_RESIZE), int(saved.get("val_crop_size") or VAL_CROP)
 FASHION_MNIST_NAMES = ("fashion-mnist", "fashion_mnist", "fashionmnist", "fmnist")
 
 
@@ -83,9 +91,10 @@ def add_data_arguments(p: argparse.ArgumentParser, training_set: bool = True) ->
                    help="evaluate on N validation images spread evenly over the set (every class of a "
                         "folder), the same ones every time")
     if training_set:
-        g.add_argument("--train-crop-size", type=positive_int, default=224, help="ImageFolder: RandomResizedCrop size")
-    g.add_argument("--val-resize-size", type=positive_int, default=256, help="ImageFolder: validation resize")
-    g.add_argument("--val-crop-size", type=positive_int, default=224, help="ImageFolder: validation centre crop")
+        g.add_argument("--train-crop-size", type=positive_int, default=TRAIN_CROP,
+                       help="ImageFolder: RandomResizedCrop size")
+    g.add_argument("--val-resize-size", type=positive_int, default=VAL_RESIZE, help="ImageFolder: validation resize")
+    g.add_argument("--val-crop-size", type=positive_int, default=VAL_CROP, help="ImageFolder: validation centre crop")
     if training_set:
         g.add_argument("--pad-crop", type=nonneg_int, default=2, help="Fashion-MNIST: zero padding of the random crop")
 
@@ -245,7 +254,8 @@ def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
 # --------------------------------------------------------------------------- ImageFolder
 
 
-def imagefolder(root: str, train_crop: int = 224, val_resize: int = 256, val_crop: int = 224, need_train: bool = True):
+def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_RESIZE, val_crop: int = VAL_CROP,
+                need_train: bool = True):
     """``(train, val)`` ImageFolders with the paper's transforms; ``train`` is None unless ``need_train``
     (scanning ImageNet's train/ takes a while, and eval/reparam do not need it)."""
     from torchvision import datasets
@@ -485,8 +495,8 @@ def build_data(args, *, need_train: bool = True) -> Data:
         train, val = fashion_mnist(getattr(args, "cache_dir", None), getattr(args, "pad_crop", 2))
         in_chans, small, sizes = 1, True, (28,)
     else:
-        train_crop, val_crop = getattr(args, "train_crop_size", 224), getattr(args, "val_crop_size", 224)
-        train, val = imagefolder(args.data_path, train_crop, getattr(args, "val_resize_size", 256), val_crop,
+        train_crop, val_crop = getattr(args, "train_crop_size", TRAIN_CROP), getattr(args, "val_crop_size", VAL_CROP)
+        train, val = imagefolder(args.data_path, train_crop, getattr(args, "val_resize_size", VAL_RESIZE), val_crop,
                                  need_train=need_train)
         in_chans, small, sizes = 3, False, tuple(sorted({train_crop, val_crop} if need_train else {val_crop}))
     classes = val.classes

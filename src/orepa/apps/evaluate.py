@@ -38,7 +38,7 @@ from .common import (
     positive_int,
     refuse_amp_dtype_without_amp,
 )
-from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, val_loader
+from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, saved_val_sizes, val_loader
 from .model_cfg import (
     add_model_arguments,
     check_model_fits_data,
@@ -144,9 +144,9 @@ def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:
         if args.cache_dir is None:
             args.cache_dir = saved.get("cache_dir")
         args._data_path_of = args.checkpoint  # (build_data's message names where the path came from)
-    for key, default in (("val_resize_size", 256), ("val_crop_size", 224)):
+    for key, size in zip(("val_resize_size", "val_crop_size"), saved_val_sizes(saved)):
         if getattr(args, key, None) is None:
-            setattr(args, key, saved.get(key) or default)
+            setattr(args, key, size)
 
 
 def checkpoint_data(args: argparse.Namespace, ckpt: dict, info: DistInfo):

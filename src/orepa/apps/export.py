@@ -358,17 +358,19 @@ def _trained_on_fashion_mnist(saved: dict) -> bool:
 
 def input_size_of(ckpt: dict) -> int | None:
     """The image size a checkpoint's training run used (28 for Fashion-MNIST), if it says."""
+    from .data import saved_val_sizes
+
     saved = ckpt.get("args") or {}
     if not saved:
         return None
-    return 28 if _trained_on_fashion_mnist(saved) else int(saved.get("val_crop_size") or 224)
+    return 28 if _trained_on_fashion_mnist(saved) else saved_val_sizes(saved)[1]
 
 
 def preprocessing_of(ckpt: dict, in_chans: int) -> dict | None:
     """How the checkpoint's run made its validation images into tensors (what an exported model's
     input must be: without it a model fed pixels in [0, 1] scores at chance), if it says: pixels
     scaled to [0, 1], then per channel ``(x - mean) / std``, after ImageFolder's resize and centre crop."""
-    from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGENET_MEAN, IMAGENET_STD
+    from .data import FASHION_MNIST_MEAN, FASHION_MNIST_STD, IMAGENET_MEAN, IMAGENET_STD, saved_val_sizes
 
     saved = ckpt.get("args") or {}
     if not saved:
@@ -378,8 +380,8 @@ def preprocessing_of(ckpt: dict, in_chans: int) -> dict | None:
                 "mean": list(FASHION_MNIST_MEAN), "std": list(FASHION_MNIST_STD)}
     if in_chans != len(IMAGENET_MEAN):
         return None
-    return {"image": "RGB", "resize": int(saved.get("val_resize_size") or 256),
-            "center_crop": int(saved.get("val_crop_size") or 224), "scale": "pixel / 255",
+    resize, crop = saved_val_sizes(saved)
+    return {"image": "RGB", "resize": resize, "center_crop": crop, "scale": "pixel / 255",
             "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
 
 
