@@ -1384,10 +1384,10 @@ class Trainer:
         self.checkpoint("epoch")
         if self.main:
             write_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": 0,
-                                                      "steps_per_epoch": self.iters_per_epoch,
-                                                      "global_step": s.global_step,
-                                                      "total_steps": args.epochs * self.iters_per_epoch,
-                                                      "elapsed_s": time.perf_counter() - self.t_start})
+                                                  "steps_per_epoch": self.iters_per_epoch,
+                                                  "global_step": s.global_step,
+                                                  "total_steps": args.epochs * self.iters_per_epoch,
+                                                  "elapsed_s": time.perf_counter() - self.t_start})
             write_history(self.out, s.history)
             tb.epoch(row)
             plot_curves(s.history, self.out / "curves.png", describe_cfg(self.cfg))
