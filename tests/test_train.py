@@ -841,6 +841,18 @@ def test_a_run_begun_on_a_gpu_resumes_on_this_device_with_its_precision(cache, t
     assert torch.backends.cuda.matmul.allow_tf32 is True
 
 
+def test_a_library_caller_of_train_gets_the_commands_refusals(cache, tmp_path):
+    """``train.train(args)`` with a Namespace of its own (no ``args.given``, which the command line
+    sets): part of train took the flags off their defaults as given, the shared refusals none, so a
+    flag the command refuses (a step size for the cosine schedule) trained without a word."""
+    args = train._parser().parse_args([*TINY, "--cache-dir", cache, "--output-dir", str(tmp_path / "run"),
+                                       "--lr-step-size", "5"])
+    assert getattr(args, "given", None) is None
+    with pytest.raises(common.UserError, match="does not decay in steps .*--lr-step-size"):
+        train.train(args)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_command_leaves_the_process_its_threads_and_precision(cache, tmp_path):
     """--threads, TF32 matrix products and cuDNN's autotuning hold for the command that set them: a
     second command in the same process (``orepa demo --in-process``, a library caller) ran with the

@@ -1484,6 +1484,11 @@ def test_only(args: argparse.Namespace) -> dict:
 
 def train(args: argparse.Namespace) -> dict:
     """Run ``orepa train`` with parsed ``args``; returns the summary. Raises UserError / NonFiniteLoss."""
+    if getattr(args, "given", None) is None:
+        # a library caller's Namespace: the flags given are those off their defaults, for every check that
+        # asks (refuse_idle_flags read none as given, so an idle flag there passed where the command refused it)
+        args, given = argparse.Namespace(**vars(args)), _given(args)
+        args.given = given
     apply_threads(args)
     if args.test_only:
         return test_only(args)
