@@ -175,6 +175,16 @@ def test_the_fixed_path_scripts_take_only_zoo_models_with_an_orepa_method(capsys
         assert exc.value.code == 2 and said in capsys.readouterr().err, script
 
 
+def test_methods_split_at_the_commas_outside_an_options_brackets():
+    """bench_detection's variant options are Python literals (``returned_layers=[2,3,4]``): a split at
+    every comma cut them apart."""
+    from orepa.apps.common import method_list
+
+    assert method_list(["orepa:returned_layers=[2,3,4],base", "dbb:backbone_options={'a':1,'b':2}"]) == [
+        "orepa:returned_layers=[2,3,4]", "base", "dbb:backbone_options={'a':1,'b':2}"]
+    assert method_list(["base,orepa", "orepa"]) == ["base", "orepa"]
+
+
 def test_profile_step_takes_methods_as_orepa_bench_does(tmp_path):
     """profile_step.py --methods base,orepa: two variants, as ``orepa bench --methods base,orepa``
     (it was one unknown method "base,orepa"); the report's config lists them one a word."""

@@ -516,6 +516,26 @@ def test_a_bare_state_dicts_classes_and_channels_are_read_from_its_weights(tmp_p
     assert cli.main(["export", str(tmp_path / "sd.pt"), *flags, "--num-classes", "7", "-o", str(tmp_path / "n.pt"),
                      "--format", "torchscript", "--no-verify"]) == 2
     assert "fc.weight: checkpoint [10, 64] vs model [7, 64]" in capsys.readouterr().err
+    # the network built from the flags says which tensors to read, whatever their order: a block whose
+    # depthwise branch comes first (its weight has 1 input channel), RepVGG's classifier ("linear"), a
+    # timm network whose position embedding comes before its stem, AlexNet's hidden layers before its head
+    from orepa.apps.model_cfg import checked_cfg, sizes_of_weights
+
+    cases = [("resnet18", "orepa", {"branches": ["dw_pw", "kxk"]}), ("repvgg_a0", "repvgg", {})]
+    for name, method, opts in cases:
+        with torch.device("meta"):
+            sd = zoo.create_model(name, method, num_classes=7, in_chans=2, small_input=True, width_mult=0.25,
+                                  **opts).state_dict()
+        cfg = checked_cfg({"model": name, "method": method, "num_classes": 1000, "in_chans": 3, "small_input": True,
+                           "width_mult": 0.25, "options": opts})
+        assert sizes_of_weights(cfg, sd) == {"num_classes": 7, "in_chans": 2}, name
+    import torchvision
+
+    with torch.device("meta"):
+        sd = torchvision.models.alexnet(num_classes=7).state_dict()
+    cfg = checked_cfg({"model": "torchvision:alexnet", "method": "base", "num_classes": 1000, "in_chans": 3,
+                       "small_input": False, "width_mult": 1.0, "options": {}})
+    assert sizes_of_weights(cfg, sd) == {"num_classes": 7, "in_chans": 3}
 
 
 def test_exporting_leaves_the_callers_model_in_its_mode(tmp_path):

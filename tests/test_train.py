@@ -659,7 +659,7 @@ def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
     assert "top-1" in capsys.readouterr().out
 
 
-def test_test_only_is_orepa_eval_of_the_resume_checkpoint(cache, tmp_path, capsys):
+def test_test_only_is_orepa_eval_of_the_resume_checkpoint(cache, tmp_path, capsys, monkeypatch):
     """``train --test-only`` evaluated with an evaluation of its own: training flags beside it were
     dropped without a word, ``--data-path fashion-mnist`` given explicitly was taken for the default
     (the checkpoint's data evaluated instead), ``--amp-dtype`` without ``--amp`` passed, and eval's
@@ -674,6 +674,13 @@ def test_test_only_is_orepa_eval_of_the_resume_checkpoint(cache, tmp_path, capsy
         assert main(["train", "--test-only", "--resume", ckpt, "--no-progress", *extra]) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
+    # a checkpoint whose name begins with "-" (given as --resume=-NAME) is a file name to eval too
+    import shutil
+
+    shutil.copy(ckpt, tmp_path / "-dash.pth")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--test-only", "--resume=-dash.pth", "--val-subset", "16", "--no-progress"]) == 0
+    capsys.readouterr()
     said = []
     for argv in (["train", "--test-only", "--resume", ckpt], ["eval", ckpt]):
         assert main([*argv, "--val-subset", "16", "--no-progress"]) == 0

@@ -392,13 +392,25 @@ def tolerance_bound(reference: torch.Tensor, tol: float) -> float:
     return tol * (1.0 + reference.abs().max().item()) if reference.numel() else 0.0
 
 
+def _top_level_split(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets and braces (an option's value may be a Python
+    literal: ``orepa:returned_layers=[2,3,4]``)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [*parts, text[start:]]
+
+
 def method_list(words: Iterable[str], flag: str = "--methods") -> list[str]:
     """The methods (or variant specs) of a ``--methods`` flag, given as words, each a comma-separated
     list (``base orepa`` and ``base,orepa`` alike; option values never hold commas: a branch list is
     written ``branches=kxk/1x1``), each once, in order. The one reading of ``--methods`` for
     ``orepa bench``, ``orepa demo`` and the benchmark scripts."""
     words = list(words)
-    out = list(dict.fromkeys(m.strip() for word in words for m in word.split(",") if m.strip()))
+    out = list(dict.fromkeys(m.strip() for word in words for m in _top_level_split(word) if m.strip()))
     if not out:
         raise UserError(f"{flag} {' '.join(words)!r} names none (e.g. {flag} base orepa)")
     return out

@@ -462,7 +462,9 @@ def run(args: argparse.Namespace) -> int:
             # fit either stem, so a guess would export another network without a word
             raise UserError(f"{path} is a bare state_dict (it records no model): say which stem it was trained "
                             "with, --small-input (orepa train's default on Fashion-MNIST) or --no-small-input")
-        cfg = checkpoint_cfg(args, ckpt, path, **sizes_of_weights(ckpt["model"]), small_input=False)
+        cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
+        if cfg is not None and "model_cfg" not in ckpt:  # a bare state_dict: its sizes from its weights
+            cfg = checkpoint_cfg(args, ckpt, path, **sizes_of_weights(cfg, ckpt["model"]), small_input=False)
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
         ckpt_io.check_finite(model, path, "an exported model would compute nothing useful", use_ema=args.use_ema)
         print(f"loaded {path}{ckpt_io.EMA_NOTE if args.use_ema else ''} as the {FORM_NAMES[form]} of "

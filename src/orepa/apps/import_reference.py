@@ -30,6 +30,7 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .common import (
+    CheckFailed,
     UserError,
     add_run_arguments,
     apply_threads,
@@ -95,7 +96,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     diff = (ref - got).abs().max().item()
     bound = tolerance_bound(ref, args.rtol)
     if not diff <= bound:
-        raise UserError(f"the {form} form computes other logits than the imported model (max |diff| {diff:.2e} > "
+        raise CheckFailed(f"the {form} form computes other logits than the imported model (max |diff| {diff:.2e} > "
                         f"{bound:.2e}); nothing written")
     save_checkpoint(ckpt, out)
     return {"source": str(src), "model": describe_cfg(cfg), "form": form, "output": str(out),

@@ -253,24 +253,6 @@ def checkpoint_cfg(args: argparse.Namespace, ckpt: dict, path, *, num_classes: i
     return cfg
 
 
-#: where networks keep their classifier's weight (torchvision's, timm's, the zoo's)
-CLASSIFIER_KEYS = ("fc.weight", "head.fc.weight", "head.weight", "classifier.weight", "classifier.1.weight",
-                   "classifier.6.weight", "last_linear.weight")
-
-
-def sizes_of_weights(sd: Mapping[str, torch.Tensor], *, num_classes: int = 1000, in_chans: int = 3) -> dict:
-    """``num_classes`` and ``in_chans`` as a bare state_dict's tensors say them (its classifier's rows,
-    its first convolution's input channels), for a command that has no data to take them from; the
-    given values where they say nothing. The flags, where given, still decide (:func:`model_cfg_from_args`):
-    these are only the defaults, which otherwise built an ImageNet model for a Fashion-MNIST state_dict."""
-    rows = next((sd[k].shape[0] for k in CLASSIFIER_KEYS if isinstance(sd.get(k), torch.Tensor) and sd[k].dim() == 2),
-                None)
-    first = next((t for t in sd.values() if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point()),
-                 None)
-    return {"num_classes": int(rows) if rows is not None else num_classes,
-            "in_chans": int(first.shape[1]) if first is not None else in_chans}
-
-
 def cfg_mismatch(saved: dict, wanted: dict) -> list[str]:
     """What differs between two model_cfgs, key by key (a checkpoint's, and what a command would build)."""
     keys = sorted(set(saved) | set(wanted))
@@ -476,3 +458,29 @@ def build_model_form(cfg: dict, form: str) -> nn.Module:
     if form not in FORMS:
         raise UserError(f"unknown model form {form!r}; expected one of {FORMS}")
     return deploy(build_model(cfg), form)
+
+
+def sizes_of_weights(cfg: dict, sd: Mapping[str, torch.Tensor]) -> dict:
+    """``num_classes`` and ``in_chans`` as a bare state_dict says them, for a command without data to
+    take them from (export, analyze), ``cfg``'s where it says nothing: ``cfg``'s network, built on the
+    meta device in each form, names the tensors to read (its first weight over the input's
+    ``cfg["in_chans"]`` channels, its classifier's ``nn.Linear`` of ``cfg["num_classes"]`` rows), whatever
+    order the tensors come in (a timm network's position embedding first, a block's depthwise branch
+    first). The flags, where given, still decide (:func:`model_cfg_from_args`)."""
+    found: dict[str, int] = {}
+    for form in FORMS:
+        try:
+            with torch.device("meta"):
+                model = build_model_form(cfg, form)
+        except (UserError, ValueError, TypeError, RuntimeError):  # a form this network has not
+            continue
+        stem = next((k for k, t in model.state_dict().items() if t.dim() == 4 and t.shape[1] == cfg["in_chans"]), None)
+        if "in_chans" not in found and isinstance(sd.get(stem), torch.Tensor) and sd[stem].dim() == 4:
+            found["in_chans"] = int(sd[stem].shape[1])
+        head = next((f"{name}.weight" for name, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and m.out_features == cfg["num_classes"]), None)
+        if "num_classes" not in found and isinstance(sd.get(head), torch.Tensor) and sd[head].dim() == 2:
+            found["num_classes"] = int(sd[head].shape[0])
+        if len(found) == 2:
+            break
+    return {"num_classes": cfg["num_classes"], "in_chans": cfg["in_chans"], **found}

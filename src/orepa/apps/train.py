@@ -1465,9 +1465,9 @@ def test_only(args: argparse.Namespace) -> dict:
 
     if not args.resume:
         raise UserError("--test-only evaluates the checkpoint given with --resume")
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="orepa train --test-only")
     ev.add_arguments(parser)
-    eval_args = parser.parse_args([args.resume])
+    eval_args = parser.parse_args(["--", args.resume])  # (a file name may begin with "-")
     given = _given(args)
     shared = given & vars(eval_args).keys()
     refuse_idle_flags(argparse.Namespace(given=given), given - shared - _TEST_ONLY_FLAGS,
