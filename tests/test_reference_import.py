@@ -247,6 +247,30 @@ def test_cli_writes_training_and_deployed_checkpoints(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_cli_a_written_form_that_computes_otherwise_fails_its_check_with_exit_1(tmp_path, capsys, monkeypatch):
+    """The check of what import-reference writes is a failed check (exit 1, as reparam's and export's),
+    not a usage error (2), and writes nothing."""
+    from orepa.apps import import_reference
+    from orepa.cli import main
+
+    src = tmp_path / "ref.pth.tar"
+    torch.save({"state_dict": make_resnet("orepa", [2, 2, 2, 2], [4, 8, 16, 32], seed=5)}, src)
+    reread = import_reference.model_from_checkpoint
+
+    def off(*args, **kwargs):  # what was written computes other logits
+        model, cfg, form = reread(*args, **kwargs)
+        with torch.no_grad():
+            model.fc.bias.add_(1.0)
+        return model, cfg, form
+
+    monkeypatch.setattr(import_reference, "model_from_checkpoint", off)
+    capsys.readouterr()
+    assert main(["import-reference", str(src), "-o", str(tmp_path / "out.pth")]) == 1
+    err = capsys.readouterr().err
+    assert "computes other logits than the imported model" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out.pth").exists()
+
+
 @pytest.mark.parametrize("case", ["exists", "same", "missing", "garbage", "fuse_without_deploy"])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     from orepa.cli import main
