@@ -40,7 +40,7 @@ import copy
 import math
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -835,11 +835,15 @@ class ReparamConv2d(nn.Module):
     def has_norm(self) -> bool:
         return any(br.has_norm for br in self.branches.values())
 
+    def _step_weights(self) -> Iterator[Tensor]:
+        """The steps' weights, not parameters(): a packed group's steps hold rows of parameters the group
+        keeps; a fixed filter's weight is a buffer."""
+        return (m.weight for m in self.modules() if isinstance(getattr(m, "weight", None), Tensor))
+
     def _fused_parts(self) -> tuple[Tensor, Tensor | None]:
         # composed in the parameters' dtype whatever autocast the caller runs under, as the engine's routes
         # compose: a deployment inside an autocast region gave bfloat16 weights to a float32 model
-        ref = next(m.weight for m in self.modules() if isinstance(getattr(m, "weight", None), Tensor))
-        with E.autocast_off(ref):
+        with E.autocast_off(next(self._step_weights())):
             parts = []
             for br in self.branches.values():
                 w, b, g = br.fused_kernel()
@@ -958,8 +962,7 @@ class ReparamConv2d(nn.Module):
         conv.weight.copy_(w)
         if b is not None:
             conv.bias.copy_(b)
-        # the steps' weights, not parameters(): a packed group's steps hold rows of parameters the group keeps
-        return keep_layout(conv, (m.weight for m in self.modules() if isinstance(getattr(m, "weight", None), Tensor)))
+        return keep_layout(conv, self._step_weights())
 
     @torch.no_grad()
     def load_conv(self, weight: Tensor, bias: Tensor | None = None, norm: Mapping[str, Tensor] | None = None

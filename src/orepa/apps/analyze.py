@@ -48,10 +48,9 @@ from orepa.apps.model_cfg import (
     EXTERNAL_SOURCES,
     add_model_arguments,
     build_model,
-    checkpoint_cfg,
+    checkpoint_cfg_without_data,
     describe_cfg,
     model_cfg_from_args,
-    sizes_of_weights,
 )
 from orepa.models import list_models
 
@@ -216,10 +215,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{target} holds a deployed model (form {form!r}): its branches are gone; "
                             "analyse the training-form checkpoint")
         sd = checkpoint_weights(ckpt, target, args.use_ema)
-        cfg = checkpoint_cfg(args, ckpt, target, num_classes=1000, in_chans=3, small_input=False)
-        if cfg is not None and ckpt.get("model_cfg") is None:  # a bare state_dict: its sizes from its weights
-            cfg = checkpoint_cfg(args, ckpt, target, **sizes_of_weights(cfg, sd), small_input=False)
-        cfg = cfg or ckpt["model_cfg"]
+        cfg = checkpoint_cfg_without_data(args, ckpt, target, sd) or ckpt["model_cfg"]
         model = check_and_load(build_model(cfg), sd, _flags(cfg),
                                bare_cfg=cfg if ckpt.get("model_cfg") is None else None)
         # the branches' tensors only: a classifier or stem BN holding NaN changes no branch statistic

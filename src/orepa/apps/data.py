@@ -56,13 +56,13 @@ FASHION_MNIST_MEAN, FASHION_MNIST_STD = (0.2860,), (0.3530,)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 #: the paper's ImageFolder sizes: RandomResizedCrop for training; resize, then centre crop, for validation
 TRAIN_CROP, VAL_RESIZE, VAL_CROP = 224, 256, 224
+FASHION_MNIST_NAMES = ("fashion-mnist", "fashion_mnist", "fashionmnist", "fmnist")
 
 
 def saved_val_sizes(saved: dict) -> tuple[int, int]:
     """``(resize, crop)`` of the validation images a run's recorded flags (a checkpoint's ``args``) say,
     the defaults where they say nothing: what eval's data and an export's preprocessing are made of."""
     return int(saved.get("val_resize_size") or VAL_RESIZE), int(saved.get("val_crop_size") or VAL_CROP)
-FASHION_MNIST_NAMES = ("fashion-mnist", "fashion_mnist", "fashionmnist", "fmnist")
 
 
 def default_cache_dir() -> Path:

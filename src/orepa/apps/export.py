@@ -57,12 +57,11 @@ from .model_cfg import (
     add_model_arguments,
     build_model,
     check_model_takes,
-    checkpoint_cfg,
+    checkpoint_cfg_without_data,
     describe_cfg,
     external_source,
     model_cfg_from_args,
     model_slug,
-    sizes_of_weights,
 )
 from .model_cfg import deploy as deploy_form
 
@@ -462,9 +461,7 @@ def run(args: argparse.Namespace) -> int:
             # fit either stem, so a guess would export another network without a word
             raise UserError(f"{path} is a bare state_dict (it records no model): say which stem it was trained "
                             "with, --small-input (orepa train's default on Fashion-MNIST) or --no-small-input")
-        cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
-        if cfg is not None and "model_cfg" not in ckpt:  # a bare state_dict: its sizes from its weights
-            cfg = checkpoint_cfg(args, ckpt, path, **sizes_of_weights(cfg, ckpt["model"]), small_input=False)
+        cfg = checkpoint_cfg_without_data(args, ckpt, path, ckpt["model"])
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
         ckpt_io.check_finite(model, path, "an exported model would compute nothing useful", use_ema=args.use_ema)
         print(f"loaded {path}{ckpt_io.EMA_NOTE if args.use_ema else ''} as the {FORM_NAMES[form]} of "

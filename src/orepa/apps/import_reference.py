@@ -97,7 +97,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     bound = tolerance_bound(ref, args.rtol)
     if not diff <= bound:
         raise CheckFailed(f"the {form} form computes other logits than the imported model (max |diff| {diff:.2e} > "
-                        f"{bound:.2e}); nothing written")
+                          f"{bound:.2e}); nothing written")
     save_checkpoint(ckpt, out)
     return {"source": str(src), "model": describe_cfg(cfg), "form": form, "output": str(out),
             "params_train": count_params(model), "params_written": count_params(written), "max_abs_diff": diff}

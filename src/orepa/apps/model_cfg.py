@@ -460,6 +460,17 @@ def build_model_form(cfg: dict, form: str) -> nn.Module:
     return deploy(build_model(cfg), form)
 
 
+def checkpoint_cfg_without_data(args: argparse.Namespace, ckpt: dict, path, sd: Mapping[str, torch.Tensor]
+                                ) -> dict | None:
+    """:func:`checkpoint_cfg` for a command that has no data to say the class count, the input channels
+    and the stem (export, analyze): a bare state_dict's sizes read from its weights (:func:`sizes_of_weights`,
+    ImageNet's where they say nothing), the standard stem."""
+    cfg = checkpoint_cfg(args, ckpt, path, num_classes=1000, in_chans=3, small_input=False)
+    if cfg is not None and ckpt.get("model_cfg") is None:
+        cfg = checkpoint_cfg(args, ckpt, path, **sizes_of_weights(cfg, sd), small_input=False)
+    return cfg
+
+
 def sizes_of_weights(cfg: dict, sd: Mapping[str, torch.Tensor]) -> dict:
     """``num_classes`` and ``in_chans`` as a bare state_dict says them, for a command without data to
     take them from (export, analyze), ``cfg``'s where it says nothing: ``cfg``'s network, built on the

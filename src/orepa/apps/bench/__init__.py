@@ -102,8 +102,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "given, else next to FILE")
 
 
-
-
 #: the files one result is written as (:func:`orepa.apps.bench.report.save`): TAG + each suffix
 RESULT_SUFFIXES = (".json", ".md", "_ratios.png", "_budgets.png")
 
