@@ -414,6 +414,57 @@ def test_ema_weights_through_init_cfg(registries, imagenet_checkpoint, tmp_path)
         det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, ema=True))
 
 
+class _RunsCode:
+    """Unpickling it runs code (writes a file): what a checkpoint must never do when read."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_uri_is_read_with_weights_only_whatever_torchs_default(registries, imagenet_checkpoint, tmp_path,
+                                                                monkeypatch):
+    """A ``scheme://`` checkpoint goes through mmengine's loaders, which call ``torch.load(f,
+    map_location)`` without ``weights_only``: torch < 2.6 (here its default forced back by
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``) would unpickle code. They read weights only, a fetched file
+    with the messages of a path, a stream (ceph's loader) too; ``torch.load`` is torch's again after."""
+    import io
+
+    from mmengine.runner import CheckpointLoader
+
+    path, saved = imagenet_checkpoint
+    marker = tmp_path / "code-ran"
+    hostile = tmp_path / "hostile.pth"
+    torch.save({"state_dict": saved, "payload": _RunsCode(marker)}, hostile)
+    damaged = tmp_path / "damaged.pth"
+    damaged.write_bytes(path.read_bytes()[:1000])
+    files = {"good": path, "hostile": hostile, "damaged": damaged}
+    # as mmengine's own: torch.load of a fetched file (http, torchvision, open-mmlab), of a stream (ceph)
+    CheckpointLoader.register_scheme("orepa-test-file://", lambda name, map_location=None: torch.load(
+        files[name.split("://")[1]], map_location=map_location), force=True)
+    CheckpointLoader.register_scheme("orepa-test-stream://", lambda name, map_location=None: torch.load(
+        io.BytesIO(files[name.split("://")[1]].read_bytes()), map_location=map_location), force=True)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    det, _ = registries
+    real_load = torch.load
+    for scheme in ("orepa-test-file", "orepa-test-stream"):
+        backbone = det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
+                                  init_cfg=dict(type="Pretrained", checkpoint=f"{scheme}://good")))
+        backbone.init_weights()
+        for k, v in backbone.features.state_dict().items():
+            assert torch.equal(v, saved[k]), (scheme, k)
+        with pytest.raises(ValueError, match=r"checkpoint .*hostile.* holds Python objects \(io\.open\)"):
+            det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH,
+                           weights=f"{scheme}://hostile"))
+        assert not marker.exists(), scheme
+        assert torch.load is real_load
+    with pytest.raises(ValueError, match=r"checkpoint .*damaged\.pth is corrupt, truncated"):
+        det.build(dict(type="OREPAResNet", name="resnet18", width_mult=WIDTH, weights="orepa-test-file://damaged"))
+    assert torch.load is real_load
+
+
 def test_a_config_file_registers_without_importing_mmdetection_first(tmp_path):
     """``Config.fromfile`` (what a training script runs first) imports mmengine only: the
     ``custom_imports`` module registers there, under either of its names."""

@@ -12,13 +12,16 @@ statistics frozen in mmdetection (``norm_eval=True``), trained in mmsegmentation
 from __future__ import annotations
 
 import inspect
+import os
+import pickle
 import re
 import warnings
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import Tensor, nn
 
-from ..state_dicts import strip_prefixes
+from ..state_dicts import load_weights_only, strip_prefixes
 from .detection import _unwrap, build_trunk, load_backbone_weights, resnet_features
 
 __all__ = ["register_mm_backbones"]
@@ -153,9 +156,7 @@ def _read(source, prefix: str | None, ema: bool):
     keys under ``prefix`` (of the EMA weights with ``ema``) taken before any wrapper prefix is
     stripped."""
     if isinstance(source, str) and "://" in source:
-        from mmengine.runner import CheckpointLoader  # mm* installed: this config came from there
-
-        source = CheckpointLoader.load_checkpoint(source, map_location="cpu")
+        source = _fetch(source)
     if not prefix:
         return source
     sd = strip_prefixes(_unwrap(source, ema=ema)[0])  # (DDP's module., torch.compile's _orig_mod. first)
@@ -165,6 +166,37 @@ def _read(source, prefix: str | None, ema: bool):
         raise _refuse(f"no key of the checkpoint starts with prefix {prefix!r} (its keys begin "
                       f"{sorted({k.split('.')[0] + '.' for k in sd})[:5]})")
     return taken
+
+
+def _fetch(uri: str):
+    """A checkpoint named by a URI (``https://``, ``torchvision://``, ``open-mmlab://``, ... : the
+    schemes of mmengine's checkpoint loader), read with ``weights_only``. mmengine's loaders fetch the
+    file and call ``torch.load(f, map_location)``, which before torch 2.6 unpickles whatever the file
+    holds (code too): for this call ``torch.load`` is orepa's reader (a fetched file: the checks and
+    messages of every checkpoint path; a stream, e.g. from ceph: ``weights_only`` alone)."""
+    from mmengine.runner import CheckpointLoader  # mm* installed: this config came from there
+
+    from .checkpoint import _unpickling_error, read_checkpoint_file
+    from .common import UserError
+
+    real_load = torch.load
+
+    def load(f, map_location=None, **_):
+        torch.load = real_load  # what the readers below call
+        try:
+            return read_checkpoint_file(f) if isinstance(f, (str, os.PathLike)) else load_weights_only(f)
+        except pickle.UnpicklingError as exc:  # (a stream; a path's reader says what is wrong itself)
+            raise _unpickling_error(uri, exc) from None
+        finally:
+            torch.load = load
+
+    torch.load = load
+    try:
+        return CheckpointLoader.load_checkpoint(uri, map_location="cpu")
+    except UserError as exc:  # a ValueError, as a path's (detection._unwrap)
+        raise ValueError(str(exc)) from None
+    finally:
+        torch.load = real_load
 
 
 class _MMBackbone(nn.Module):
