@@ -24,7 +24,10 @@ import argparse
 import torch
 
 from orepa.apps.bench.measure import count_ops, make_runner, record_builds
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
+
+#: the mark of this script's reports (report_of): --json replaces those alone, not a file of another kind
+REPORT = "benchmarks/aten_ops.py"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)  # (a --help must not run the measurement and overwrite the results)
-    check_output_path(args.json, "--json")  # before minutes of counting
+    check_output_path(args.json, "--json", report=REPORT)  # before minutes of counting
     out = {}
     for model, b in (("resnet18", 64), ("resnet50", 32)):
         x, y = torch.randn(b, 3, 224, 224), torch.randint(0, 1000, (b,))
@@ -54,7 +57,7 @@ def main(argv=None) -> dict:
             base = f"{model} b{b} base"
             print(f"{key:32} {ops:6d} ops ({ops / out[base]:.2f}x base), {kernels:5d} kernels "
                   f"({kernels / out[base + ' kernels']:.2f}x)", flush=True)
-    write_json(args.json, out, indent=1)
+    write_json(args.json, report_of(REPORT, out), indent=1)
     return out
 
 

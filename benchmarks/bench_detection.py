@@ -37,7 +37,7 @@ import torch
 import orepa
 from orepa.apps import detection as D
 from orepa.apps.bench import tally_saved
-from orepa.apps.checkpoint import check_output_path, json_text, write_json
+from orepa.apps.checkpoint import check_output_path, json_text, report_of, write_json
 from orepa.apps.common import (
     UserError,
     method_list,
@@ -48,6 +48,8 @@ from orepa.apps.common import (
     thread_count,
 )
 
+#: the mark of this script's reports (report_of): --json replaces those alone, not a file of another kind
+REPORT = "benchmarks/bench_detection.py"
 #: the least image side the synthetic batch's boxes fit in (1/8 to 1/2 of it)
 MIN_SIZE = 8
 
@@ -139,7 +141,7 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.json:  # before minutes of measuring
-        check_output_path(args.json, "--json")
+        check_output_path(args.json, "--json", report=REPORT)
     if args.size < MIN_SIZE:
         raise UserError(f"--size {args.size}: the synthetic images need at least {MIN_SIZE} pixels a side")
     specs = variants(args)
@@ -225,7 +227,7 @@ def main(argv=None) -> int:
                   results=results)
     print(json_text(report))  # (strict JSON, as the file: NaN as null)
     if args.json:
-        write_json(args.json, report, indent=1)
+        write_json(args.json, report_of(REPORT, report), indent=1)
     return 0
 
 

@@ -17,9 +17,12 @@ import torch
 from torch import nn
 
 from orepa import engine
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import UserError, positive_int, thread_count
 from orepa.blocks import OREPAConv2d
+
+#: the mark of this script's reports (report_of): --json replaces those alone, not a file of another kind
+REPORT = "benchmarks/block_cost.py"
 
 RESNET18_SHAPES = [(64, 64, 1, 56), (64, 128, 2, 56), (128, 128, 1, 28), (128, 256, 2, 28),
                    (256, 256, 1, 14), (256, 512, 2, 14), (512, 512, 1, 7)]
@@ -60,7 +63,7 @@ def check_forced(specs: list[str]) -> None:
 def main(argv=None) -> list[dict]:
     args = build_parser().parse_args(argv)
     if args.json:
-        check_output_path(args.json, "--json")
+        check_output_path(args.json, "--json", report=REPORT)
     check_forced(args.force)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -91,7 +94,8 @@ def main(argv=None) -> list[dict]:
               f"({row['orepa_ms'][0] / row['conv_ms'][0]:.2f}x)  features={row['on_features']} "
               f"recompute={recompute}  {forced}")
     if args.json:
-        write_json(args.json, {"batch_size": args.batch_size, "threads": torch.get_num_threads(), "rows": rows}, indent=1)
+        write_json(args.json, report_of(REPORT, {"batch_size": args.batch_size, "threads": torch.get_num_threads(),
+                                         "rows": rows}), indent=1)
     return rows
 
 

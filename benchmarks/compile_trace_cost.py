@@ -24,9 +24,12 @@ from torch._dynamo import symbolic_convert
 from orepa import engine
 from orepa.apps.bench.measure import environment, git_state
 from orepa.apps.bench.report import add_zoo_model_argument, model_results_file
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import positive_float, positive_int
 from orepa.models import create_model
+
+#: the mark of this script's reports (report_of): its results file replaces those alone, not a file of another kind
+REPORT = "benchmarks/compile_trace_cost.py"
 
 VARIANTS = {"base": ("base", None), "orepa, grouped": ("orepa", "grouped"), "orepa, per-block": ("orepa", "per-block")}
 
@@ -42,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    path = check_output_path(model_results_file("compile_trace_cost", args.model), "results file")  # before minutes of tracing
+    path = check_output_path(model_results_file("compile_trace_cost", args.model), "results file",
+                             report=REPORT)  # before minutes of tracing
     torch.set_num_threads(2)
     counts: collections.Counter = collections.Counter()
     step = symbolic_convert.InstructionTranslatorBase.step
@@ -87,7 +91,7 @@ def main(argv=None) -> dict:
             print(f"\nmost instructions ({name}):")
             for where, n in out["models"][name]["most"]:
                 print(f"  {n:>7,}  {where}")
-    write_json(path, out, indent=1)
+    write_json(path, report_of(REPORT, out), indent=1)
     return out
 
 

@@ -28,9 +28,12 @@ import torch
 from orepa import engine
 from orepa.apps.bench.measure import compiled_launches, environment, git_state, inductor_code
 from orepa.apps.bench.report import add_zoo_model_argument, model_results_file
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import UserError
 from orepa.models import create_model
+
+#: the mark of this script's reports (report_of): its results file replaces those alone, not a file of another kind
+REPORT = "benchmarks/compiled_model_launches.py"
 
 # OREPA as a GPU groups it (policy "auto" there, "grouped" here), unpacked and packed, and block by block
 VARIANTS = {"base": ("base", None, False), "orepa": ("orepa", "grouped", False),
@@ -45,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    path = check_output_path(model_results_file("compiled_model_launches", args.model), "results file")  # before minutes of compilation
+    path = check_output_path(model_results_file("compiled_model_launches", args.model), "results file",
+                             report=REPORT)  # before minutes of compilation
     engine._launch_bound = lambda t: True  # the route of a CUDA device: every branch in kernel space (see above)
     torch.set_num_threads(2)
     torch._inductor.config.force_disable_caches = True  # each compilation from scratch: its time is recorded
@@ -81,7 +85,7 @@ def main(argv=None) -> dict:
         f, b = row["forward"], row["backward"]
         print(f"| {method} | {f['fused']} / {f['extern']} / {f['aten']} | {b['fused']} / {b['extern']} / {b['aten']} "
               f"| {row['total']} ({row['total'] / out['models']['base']['total']:.2f}x) | {row['first_step_s']:.0f} s |")
-    write_json(path, out, indent=1)
+    write_json(path, report_of(REPORT, out), indent=1)
     return out
 
 

@@ -21,8 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-from orepa.apps.checkpoint import check_output_path, same_file, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, same_file, write_json
 
+#: the mark of this script's reports (report_of): --json replaces those alone, not a file of another kind
+REPORT = "benchmarks/gpu_goals.py"
 PEAK_GOAL = 1.10
 
 
@@ -143,7 +145,7 @@ def format_table(rows: list[dict]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folders", nargs="+", help="folders of bench result JSONs (or JSON files)")
-    ap.add_argument("--json", default=None, help="also write the rows as JSON")
+    ap.add_argument("--json", default=None, help='also write the rows as JSON (under "rows")')
     return ap
 
 
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     results = bench_results(args.folders)
     if args.json:  # (--json naming a bench result it reads would replace that measurement with the table)
-        check_output_path(args.json, "--json", not_over={"a bench result this table reads": next(
+        check_output_path(args.json, "--json", report=REPORT, not_over={"a bench result this table reads": next(
             (f for f, _ in results if same_file(Path(args.json), f)), None)})
     rows = table_rows(results)
     if not rows:
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
           "paired step ratios to base in the same run\n")
     print(format_table(rows))
     if args.json:
-        write_json(args.json, rows, indent=1)
+        write_json(args.json, report_of(REPORT, {"rows": rows}), indent=1)
     return 0
 
 

@@ -21,7 +21,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import (
     UserError,
     nonneg_float,
@@ -30,6 +30,9 @@ from orepa.apps.common import (
     seed_int,
     thread_count,
 )
+
+#: the mark of this script's reports (report_of): --out replaces those alone, not a file of another kind
+REPORT = "benchmarks/init_schemes.py"
 
 VARIANTS = {
     "base": ["--method", "base"],
@@ -75,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     # before hours of training: the table's file, and the folder the runs go in
-    check_output_path(args.out, "--out")
+    check_output_path(args.out, "--out", report=REPORT)
     check_output_path(args.runs, "--runs", directory=True)
     todo = [(v, s) for s in args.seeds for v in VARIANTS]
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -91,7 +94,7 @@ def main(argv=None) -> int:
                           "per_seed": accs}
         print(f"{variant:24} {statistics.mean(accs):7.2f} {std:6.2f} {min(accs):7.2f} {max(accs):7.2f}  "
               + " ".join(f"{a:.2f}" for a in accs))
-    write_json(args.out, {"settings": vars(args), "results": table, "runs": rows}, indent=2)
+    write_json(args.out, report_of(REPORT, {"settings": vars(args), "results": table, "runs": rows}), indent=2)
     print(f"wrote {args.out}")
     return 0
 

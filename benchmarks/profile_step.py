@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile
 from orepa.apps.bench import make_runner, parse_spec
 from orepa.apps.bench.measure import quiet_cpu_profiler
 from orepa.apps.bench.variants import parse_options
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import (
     UserError,
     add_kernel_builder_argument,
@@ -40,6 +40,9 @@ from orepa.apps.common import (
     positive_int,
     thread_count,
 )
+
+#: the mark of this script's reports (report_of): --json replaces those alone, not a file of another kind
+REPORT = "benchmarks/profile_step.py"
 
 # operator name (without "aten::") -> category; anything else is "other"
 CATEGORIES = {
@@ -202,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.json:  # before minutes of profiling
-        check_output_path(args.json, "--json")
+        check_output_path(args.json, "--json", report=REPORT)
     args.methods = method_list(args.methods)  # (orepa bench's reading: "base,orepa" is two variants)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,7 +234,7 @@ def main(argv=None) -> dict:
 
         saved = {n: {**trimmed(r), **({"device": trimmed(r["device"])} if "device" in r else {})}
                  for n, r in result.items()}
-        write_json(args.json, {"config": vars(args), "results": saved}, indent=1)
+        write_json(args.json, report_of(REPORT, {"config": vars(args), "results": saved}), indent=1)
     return result
 
 

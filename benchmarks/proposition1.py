@@ -16,13 +16,16 @@ from pathlib import Path
 import torch
 
 from orepa.analysis.proposition1 import proposition1_table
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import positive_float, positive_int, seed_int, thread_count
 from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.proposition1 import similarity_experiment
 
+#: the mark of this script's reports (report_of): its JSON replaces those alone, not a file of another kind
+REPORT = "benchmarks/proposition1.py"
+REPORT_FILE = "proposition1.json"
 #: what a run writes in --output-dir
-FILES = ("proposition1.json", "similarity_curves.png", "similarity_final.png")
+FILES = (REPORT_FILE, "similarity_curves.png", "similarity_final.png")
 
 
 def plot(exp: dict, out: Path) -> list[Path]:
@@ -82,7 +85,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     out = check_output_path(args.output_dir, "--output-dir", directory=True)  # before any training
     for name in FILES:  # (a directory, a run's checkpoint there by that name)
-        check_output_path(out / name, "--output-dir")
+        check_output_path(out / name, "--output-dir", report=REPORT if name == REPORT_FILE else None)
     out.mkdir(parents=True, exist_ok=True)
 
     rows = proposition1_table(steps=20)
@@ -105,8 +108,9 @@ def main(argv=None) -> int:
                  f"{100 * r['test_accuracy']:4.1f}%" for r in exp["runs"].values()]
         print(f"{exp['config']['seed']:>4} " + "".join(f"{c:>30}" for c in cells))
     files = plot(experiments[0], out)
-    write_json(out / "proposition1.json", {"update_check": rows, "experiments": experiments}, indent=1)  # NaN as null
-    print("wrote", out / "proposition1.json", *files)
+    write_json(out / REPORT_FILE, report_of(REPORT, {"update_check": rows, "experiments": experiments}),
+               indent=1)  # NaN as null
+    print("wrote", out / REPORT_FILE, *files)
     return 0
 
 

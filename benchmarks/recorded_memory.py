@@ -20,8 +20,10 @@ import torch
 
 from orepa import engine
 from orepa.apps.bench.measure import PoolEstimator, environment, git_state, make_runner, record_builds
-from orepa.apps.checkpoint import check_output_path, write_json
+from orepa.apps.checkpoint import check_output_path, report_of, write_json
 
+#: the mark of this script's reports (report_of): --json replaces those alone, not a file of another kind
+REPORT = "benchmarks/recorded_memory.py"
 MiB = 2 ** 20
 
 
@@ -53,7 +55,7 @@ def estimate(arch: str) -> dict:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)  # (a --help must not run the measurement and overwrite the results)
-    check_output_path(args.json, "--json")  # before the estimates
+    check_output_path(args.json, "--json", report=REPORT)  # before the estimates
     torch.set_num_threads(2)
     git = git_state()
     out = {"environment": environment(torch.device("cpu"), git), "dtype": "float32", "builder": "grouped (eager)",
@@ -64,7 +66,7 @@ def main(argv=None) -> dict:
         e = out["models"][arch] = estimate(arch)
         print(f"| {arch} | {e['pool_mib']:.0f} MiB | {e['gradient_inputs_mib']:.0f} MiB | {e['outputs_mib']:.0f} MiB | "
               f"**{e['total_mib']:.0f} MiB** | {e['kernels_mib']:.0f} / {e['parameter_gradients_mib']:.0f} MiB |")
-    write_json(args.json, out, indent=1)
+    write_json(args.json, report_of(REPORT, out), indent=1)
     return out
 
 

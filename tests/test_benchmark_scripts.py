@@ -1,11 +1,13 @@
 """The measurement scripts (benchmarks/*.py) held to what ``orepa``'s subcommands do: every path a script
-will write checked before it measures (never a run's training checkpoint, never a directory), flags
+will write checked before it measures (never a run's training checkpoint, never a directory; its JSON
+report replaces only an earlier report of that script, as ``orepa eval --json`` does), flags
 parsed by the subcommands' argument types (``--threads 0``, ``-b 0``: argparse's error, exit code 2),
 errors as one line with exit code 2, and ``--methods`` read as ``orepa bench`` reads it."""
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import torch
 from conftest import benchmark_script, child_env
 
+from orepa.apps.checkpoint import check_output_path, json_text, report_of
 from orepa.apps.common import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,12 +71,12 @@ def _victim(tmp_path: Path, script: str) -> tuple[list[str], Path, bytes, str]:
 @pytest.mark.parametrize("script", list(REFUSALS))
 def test_a_script_refuses_to_write_over_a_runs_checkpoint_before_it_measures(tmp_path, monkeypatch, capsys, script):
     """``--json victim/checkpoint.pth`` (block_cost.py replaced a 5 MB checkpoint with its JSON, after
-    measuring): an error naming the flag before anything is measured or printed; the checkpoint byte
-    for byte as it was."""
+    measuring): an error naming the flag before anything is measured or printed (a report replaces no
+    checkpoint, as ``orepa eval --json`` says it); the checkpoint byte for byte as it was."""
     monkeypatch.chdir(tmp_path)  # (where the fixed results files are)
     argv, ckpt, held, flag = _victim(tmp_path, script)
     mod = benchmark_script(script.removesuffix(".py"))
-    with pytest.raises(UserError, match=f"^{flag} .* is the training checkpoint of a run"):
+    with pytest.raises(UserError, match=rf"^{flag} .* is a checkpoint \(a zip archive\), not a report to replace"):
         mod.main(argv)
     assert capsys.readouterr().out == ""  # (each script prints as it measures)
     assert ckpt.read_bytes() == held
@@ -90,7 +93,7 @@ def test_a_scripts_refusal_is_one_line_and_exit_code_2(tmp_path, script):
     assert done.stdout == ""
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(f"orepa {script}: error: {flag} "), done.stderr
-    assert "is the training checkpoint of a run" in done.stderr
+    assert "is a checkpoint (a zip archive), not a report to replace" in done.stderr
     assert ckpt.read_bytes() == held
 
 
@@ -100,7 +103,7 @@ def test_proposition1_refuses_a_runs_checkpoint_in_its_output_dir_before_trainin
     holds it to)."""
     out = tmp_path / "p"
     held = run_checkpoint(out / "proposition1.json")
-    with pytest.raises(UserError, match="^--output-dir .*proposition1.json is the training checkpoint of a run"):
+    with pytest.raises(UserError, match=r"^--output-dir .*proposition1.json is a checkpoint \(a zip archive\)"):
         benchmark_script("proposition1").main(["--steps", "1", "--data", "synthetic", "--output-dir", str(out)])
     assert capsys.readouterr().out == ""
     assert (out / "proposition1.json").read_bytes() == held
@@ -128,6 +131,171 @@ def test_gpu_goals_refuses_to_write_its_table_over_a_result_it_reads(tmp_path):
     assert result.read_bytes() == held
     assert goals.main([str(result), "--json", str(tmp_path / "goals.json")]) == 0
     assert json.loads((tmp_path / "goals.json").read_text())  # (strict JSON: Python's reader is not the judge)
+
+
+#: REFUSALS' scripts and proposition1.py, whose report is proposition1.json in its --output-dir (beside its plots)
+REPORTS = {**REFUSALS, "proposition1.py": (["--steps", "1", "--data", "synthetic", "--output-dir", "TMP/p"],
+                                           "p/proposition1.json", "--output-dir")}
+RESULTS = BENCHMARKS / "results"
+#: a report of each script in benchmarks/results; None: the test makes one
+RESULT = {"aten_ops.py": "aten_ops.json", "block_cost.py": "block_cost_b2_cpu.json",
+          "recorded_memory.py": "recorded_memory.json", "recorded_host_time.py": "recorded_host_time.json",
+          "profile_step.py": None, "bench_detection.py": "detection/resnet50_320_cpu.json", "gpu_goals.py": None,
+          "init_schemes.py": "init_schemes.json", "compile_trace_cost.py": "compile_trace_cost.json",
+          "compiled_model_launches.py": "compiled_model_launches_resnet50.json",
+          "proposition1.py": "proposition1/proposition1.json"}
+#: what ``orepa eval --json`` writes: a marked report
+EVAL_REPORT = {"report": "eval", "checkpoint": "run/checkpoint.pth", "loss": 0.31, "acc1": 90.1, "acc5": 99.8,
+               "n": 10000}
+
+
+def report_text(script: str) -> str:
+    """The text of a report of ``script``: its file in benchmarks/results, else one it would write."""
+    if RESULT[script]:
+        return (RESULTS / RESULT[script]).read_text()
+    if script == "gpu_goals.py":
+        rows = benchmark_script("gpu_goals").collect([str(RESULTS / "gpu-h100-builders")])
+        return json_text(report_of("benchmarks/gpu_goals.py", {"rows": rows}), indent=1)
+    return json_text(report_of("benchmarks/profile_step.py", {
+        "config": {"model": "resnet18", "methods": ["base", "orepa"], "json": "prof.json"},
+        "results": {"base": {"total_ms": 1.0, "categories_ms": {"conv": 1.0}, "ops": []}}}))
+
+
+def _report_at(tmp_path: Path, script: str, name: str) -> tuple[list[str], Path, str]:
+    """``script``'s arguments (:data:`REPORTS`) with its JSON report at ``name`` in TMP where a flag names
+    that path (else at the script's own path), that path, the flag the error names."""
+    argv, own, flag = REPORTS[script]
+    path = tmp_path / (name if "CKPT" in argv else own)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return [str(path) if a == "CKPT" else a.replace("TMP", str(tmp_path)) for a in argv], path, flag
+
+
+class Checked(Exception):
+    """A script's check of its report's path passed: the test stops there, before anything is measured."""
+
+
+def stop_after_check(monkeypatch, mod, path: Path) -> None:
+    """``mod``'s checks as they are, and :class:`Checked` (with the check's keywords) once the one of
+    ``path`` passed: a test that expects a refusal ends there too where there is none."""
+    def check(where, flag, **kw):
+        checked = check_output_path(where, flag, **kw)
+        if checked.resolve() == path.resolve():
+            raise Checked(kw)
+        return checked
+
+    monkeypatch.setattr(mod, "check_output_path", check)
+
+
+def _bench_result(path: Path, script: str) -> None:  # orepa bench's: config, environment, ratios, results
+    path.write_bytes((RESULTS / "resnet18_b2_224_cpu.json").read_bytes())
+
+
+def _run_summary(path: Path, script: str) -> None:  # a run's summary.json, beside the run's checkpoint
+    run_checkpoint(path.parent / "checkpoint.pth")
+    path.write_bytes((RESULTS / "gpu-h100" / "accuracy_base_default.json").read_bytes())
+
+
+def _another_scripts(path: Path, script: str) -> None:
+    path.write_text(report_text("aten_ops.py" if script == "block_cost.py" else "block_cost.py"))
+
+
+#: a file that is no report of the script: its name, how it is made, what the refusal says it is
+NOT_ITS_REPORT = {
+    "onnx": ("model.onnx", lambda p, s: p.write_bytes(b"\x08\x08\x12\x07pytorch\x1a\x052.5.1:\xff\xfe\x00\x9a"),
+             "a file that is no JSON report"),
+    "eval report": ("eval.json", lambda p, s: p.write_text(json.dumps(EVAL_REPORT)), "the report of orepa eval"),
+    "another script's report": ("other.json", _another_scripts, "the report of benchmarks/"),
+    "bench result": ("bench.json", _bench_result, "a JSON file that is no report of benchmarks/"),
+    "run summary": ("run/summary.json", _run_summary, "a file of the training run in "),
+}
+
+
+@pytest.mark.parametrize("victim", list(NOT_ITS_REPORT))
+@pytest.mark.parametrize("script", list(REPORTS))
+def test_a_scripts_report_replaces_no_file_of_another_kind(tmp_path, monkeypatch, capsys, script, victim):
+    """``aten_ops.py --json model.onnx`` (or a run's summary.json, or the results of another script or
+    command) replaced that file with the script's report: an error naming the flag and what the file is,
+    before anything is measured or printed; the file byte for byte as it was."""
+    name, make, what = NOT_ITS_REPORT[victim]
+    if victim == "run summary" and "CKPT" not in REPORTS[script][0]:
+        pytest.skip("the script's report has a path of its own, no run's file")
+    monkeypatch.chdir(tmp_path)  # (where the fixed results files are)
+    argv, path, flag = _report_at(tmp_path, script, name)
+    make(path, script)
+    held = path.read_bytes()
+    mod = benchmark_script(script.removesuffix(".py"))
+    stop_after_check(monkeypatch, mod, path)  # (without the check, minutes of measuring)
+    with pytest.raises(UserError, match=f"^{re.escape(flag)} [^\n]*{re.escape(path.name)} is {re.escape(what)}"
+                                        "[^\n]*, not a report to replace; choose another path$"):
+        mod.main(argv)
+    assert capsys.readouterr().out == ""
+    assert path.read_bytes() == held
+
+
+def test_a_scripts_refusal_of_another_report_is_one_line_and_exit_code_2(tmp_path):
+    """On the command line (the scripts share their ending, benchmarks/_script.run): an ``orepa eval``
+    report given as the script's report is one ``error:`` line naming the flag and the report, exit
+    code 2, nothing measured; the report as it was."""
+    argv, path, flag = _report_at(tmp_path, "block_cost.py", "eval.json")
+    path.write_text(json.dumps(EVAL_REPORT))
+    held = path.read_bytes()
+    done = run_script("block_cost.py", argv, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(f"orepa block_cost.py: error: {flag} "), done.stderr
+    assert "is the report of orepa eval, not a report to replace" in done.stderr
+    assert path.read_bytes() == held
+
+
+@pytest.mark.parametrize("script", list(REPORTS))
+def test_a_script_replaces_its_own_earlier_report(tmp_path, monkeypatch, script):
+    """A rerun to the same path: the script's report (marked ``"report": "benchmarks/<script>"``, as
+    the files in benchmarks/results are) passes the check before measuring."""
+    text = report_text(script)
+    assert json.loads(text)["report"] == f"benchmarks/{script}"
+    monkeypatch.chdir(tmp_path)
+    argv, path, _ = _report_at(tmp_path, script, "earlier.json")
+    path.write_text(text)
+    mod = benchmark_script(script.removesuffix(".py"))
+    stop_after_check(monkeypatch, mod, path)
+    with pytest.raises(Checked) as passed:
+        mod.main(argv)
+    assert passed.value.args[0]["report"] == mod.REPORT == f"benchmarks/{script}"
+    assert path.read_text() == text
+
+
+def test_a_rerun_replaces_the_scripts_report(tmp_path):
+    """block_cost.py and gpu_goals.py run twice to one path: the second run replaces the first's report,
+    marked as the script's."""
+    out = tmp_path / "block_cost.json"
+    for _ in range(2):
+        benchmark_script("block_cost").main(["-b", "1", "--reps", "1", "--json", str(out)])
+        held = json.loads(out.read_text())
+        assert held["report"] == "benchmarks/block_cost.py" and len(held["rows"]) == 7
+    goals = tmp_path / "goals.json"
+    for _ in range(2):
+        assert benchmark_script("gpu_goals").main([str(RESULTS / "gpu-h100-builders"), "--json", str(goals)]) == 0
+        held = json.loads(goals.read_text())
+        assert held["report"] == "benchmarks/gpu_goals.py" and held["rows"]
+
+
+def test_every_result_in_the_repository_is_known_as_its_writers():
+    """Each JSON file in benchmarks/results is an orepa bench result, a run's summary, or a report marked
+    by the script that wrote it (which a rerun replaces): no script replaces another's, no orepa command
+    a script's."""
+    writers = {f"benchmarks/{s}" for s in REPORTS}
+    for path in sorted(RESULTS.rglob("*.json")):
+        held = json.loads(path.read_text())
+        if {"config", "environment", "results"} <= held.keys() or "global_step" in held:
+            continue  # (orepa bench's results, a run's summary: the scripts replace neither)
+        assert held.get("report") in writers, path
+        for writer in [*writers, "eval", "reparam"]:
+            if writer == held["report"]:
+                check_output_path(path, "--json", report=writer)
+            else:
+                with pytest.raises(UserError, match=f"is the report of {re.escape(held['report'])}, not a report"):
+                    check_output_path(path, "--json", report=writer)
 
 
 #: script, arguments (the smallest settings, where an unchecked value would run), the message argparse gives

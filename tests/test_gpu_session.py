@@ -73,7 +73,7 @@ def test_the_goals_table_reads_the_recorded_gpu_results(tmp_path, capsys):
     goals = benchmark_script("gpu_goals")
     folder = ROOT / "benchmarks" / "results" / "gpu-h100-builders"
     assert goals.main([str(folder), "--json", str(tmp_path / "goals.json")]) == 0
-    rows = {(r["model"], r["batch"], r["mode"], r["variant"]): r for r in json.loads((tmp_path / "goals.json").read_text())}
+    rows = {(r["model"], r["batch"], r["mode"], r["variant"]): r for r in json.loads((tmp_path / "goals.json").read_text())["rows"]}
     eager = rows[("resnet18", 64, "eager", "orepa:builder=compiled")]
     assert eager["step_ratio"] == pytest.approx(1.61, abs=0.005) and eager["step_goal"] == 1.25
     assert eager["step_met"] is False and eager["faster_than_dbb"] is True

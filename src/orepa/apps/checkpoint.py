@@ -398,16 +398,23 @@ DERIVED_FILES = tuple(deployed_file_name(fuse, ema) for ema in (False, True) for
 
 def report_of(command: str, res: dict) -> dict:
     """A command's JSON report: ``res`` marked as ``command``'s (``"report"``), so that a later
-    ``--json`` of another command does not replace it (:func:`_not_a_report`)."""
+    ``--json`` of another command does not replace it (:func:`_not_a_report`). ``command`` is an
+    ``orepa`` subcommand ("eval") or a benchmark script by its path in the repository
+    ("benchmarks/aten_ops.py")."""
     return {"report": command, **res}
+
+
+def _writer(command: str) -> str:
+    """Who writes ``command``'s reports, as an error names it: ``orepa eval``, or ``benchmarks/aten_ops.py``."""
+    return command if command.endswith(".py") else f"orepa {command}"
 
 
 def _not_a_report(path: Path, command: str) -> str | None:
     """What an existing file is where ``command``'s JSON report would replace it, or None where it is
-    one of that command's reports (marked by :func:`report_of`; unmarked, from before the mark: a
-    JSON object with the keys that command's reports hold). A report is rewritten only by the command that wrote it:
-    an ONNX model, an image, a run's summary or another command's results (a benchmark's) given
-    to --json by a slip would be lost."""
+    one of that command's reports (marked by :func:`report_of`; an ``orepa`` command's, unmarked, from
+    before the mark: a JSON object with the keys its reports hold). A report is rewritten only by the
+    command that wrote it: an ONNX model, an image, a run's summary or another command's results (a
+    benchmark's) given to --json by a slip would be lost."""
     if path.suffix == ".json" and path.name in RUN_FILES and \
             any((path.parent / f).is_file() for f in ("checkpoint.pth", PROGRESS_FILE)):
         return f"a file of the training run in {path.parent}"
@@ -418,14 +425,16 @@ def _not_a_report(path: Path, command: str) -> str | None:
     except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
         return "a file that is no JSON report"
     if not isinstance(held, dict):
-        return f"a JSON file that is no report of orepa {command}"
-    if "report" in held:
-        return None if held["report"] == command else f"the report of orepa {held['report']}"
-    return None if _LEGACY_REPORT_KEYS.get(command, {"report"}) <= held.keys() else \
-        f"a JSON file that is no report of orepa {command} (another command's results?)"
+        return f"a JSON file that is no report of {_writer(command)}"
+    if isinstance(held.get("report"), str):
+        return None if held["report"] == command else f"the report of {_writer(held['report'])}"
+    legacy = _LEGACY_REPORT_KEYS.get(command)
+    return None if legacy and legacy <= held.keys() else \
+        f"a JSON file that is no report of {_writer(command)} (another command's results?)"
 
 
-#: what each command's report held before reports were marked (a run's summary holds a checkpoint too)
+#: what each command's report held before reports were marked (a run's summary holds a checkpoint too); a
+#: benchmark script's reports are known by their mark alone
 _LEGACY_REPORT_KEYS = {"eval": {"checkpoint", "loss", "acc1", "acc5", "n"},
                        "reparam": {"checkpoint", "form", "params_train", "params_deployed"}}
 
