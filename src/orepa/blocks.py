@@ -1074,7 +1074,7 @@ class StepConfig:
     init_a: float = TORCH_INIT_A  # kaiming_uniform_ slope of the random weights
     reference_init: bool = False  # identity factors placed as the published models place them (INIT_SCHEMES)
 
-    def conv(self, cin: int, cout: int, k: int, groups: int, init: str = "kaiming",
+    def conv(self, cin: int, cout: int, k: int | tuple[int, int], groups: int, init: str = "kaiming",
              decays_to_init: bool = False) -> ConvStep:
         return ConvStep(cin, cout, k, groups, init=init, a=self.init_a, decays_to_init=decays_to_init)
 
@@ -1094,7 +1094,7 @@ class BranchType:
     """
 
     name: str
-    steps: Callable[[int, int, int, int, StepConfig], dict]
+    steps: Callable[[int, int, tuple[int, int], int, StepConfig], dict]
     scale_init: float
     switch: str | None = None
     help: str = ""
