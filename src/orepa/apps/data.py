@@ -277,6 +277,13 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
     val_tf = T.Compose([T.Resize(val_resize, antialias=True), T.CenterCrop(val_crop),
                         T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
     def folder(split: str, tf):
+        again = _folder_read_twice(root_p / split)
+        if again:
+            link, first = again
+            raise UserError(f"--data-path {root}: {split}/: the symbolic link {link} leads to {first}, "
+                            + ("a folder above it (a loop)" if link.is_relative_to(first) else "which the tree holds "
+                               "already") + ": its images would be read again, labelled as the class the link is in; "
+                            "remove the link")
         try:
             return datasets.ImageFolder(str(root_p / split), tf, loader=load_image)
         except (FileNotFoundError, RuntimeError) as exc:  # torchvision's message names no split
@@ -294,6 +301,32 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
         raise UserError(f"--data-path {root}: train/ has {len(train.classes)} class folder "
                         f"({', '.join(train.classes)}); a classifier needs at least 2")
     return train, val
+
+
+def _folder_read_twice(top: Path) -> tuple[Path, Path] | None:
+    """A folder of the tree under ``top`` that symbolic links lead to twice, as ``(the second way to it, the
+    first)``; None where each is reached once. torchvision's ImageFolder follows links (class folders
+    linked from other disks are common) and would walk a loop 40 levels deep or read a folder twice."""
+    first_way: dict[str, Path] = {}
+    todo = [top]
+    while todo:
+        folder = todo.pop()
+        real = os.path.realpath(folder)
+        if real in first_way:  # (the way through a link first: the other may be the folder itself)
+            ways = sorted((folder, first_way[real]), key=lambda w: not _through_link(w, top))
+            return ways[0], ways[1]
+        first_way[real] = folder
+        try:
+            with os.scandir(folder) as entries:
+                todo += sorted(Path(e.path) for e in entries if e.is_dir())  # (is_dir follows links)
+        except OSError:  # unreadable: ImageFolder's reading says so
+            continue
+    return None
+
+
+def _through_link(path: Path, top: Path) -> bool:
+    """Whether ``path`` (under ``top``) is reached through a symbolic link below ``top``."""
+    return any(p.is_symlink() for p in (path, *path.parents) if p != top and p.is_relative_to(top))
 
 
 def load_image(path: str):

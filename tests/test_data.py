@@ -1,0 +1,72 @@
+"""Reading an ImageFolder tree (``orepa.apps.data.imagefolder``): what the tree holds is read once, each
+image under its own class, or the command says what is wrong with the tree."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from orepa.apps.common import UserError
+from orepa.apps.data import imagefolder
+from orepa.cli import main as cli_main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tree(root: Path, per_class: int = 3) -> Path:
+    """``root/{train,val}/{a,b}/*.png``: 8x8 images."""
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (root / split / c).mkdir(parents=True)
+            for i in range(per_class):
+                Image.new("RGB", (8, 8), (40 * i, 0, 0)).save(root / split / c / f"{i}.png")
+    return root
+
+
+def read(root: Path):
+    return imagefolder(str(root), train_crop=8, val_resize=8, val_crop=8)
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links on this system")
+def test_a_folder_reached_twice_through_links_is_refused_a_linked_class_folder_is_read(tmp_path):
+    """A link back to a folder above it (``val/a/up -> ..``) made torchvision's ImageFolder walk the
+    loop 40 levels deep: 328 validation images from 6, every one labelled ``a``, and an evaluation at
+    98.8%; a link to a folder the tree holds already read its images twice under the link's class.
+    Both are named; a class folder linked from elsewhere (another disk) is read as before."""
+    root = tree(tmp_path / "d")
+    train, val = read(root)
+    assert (len(train), len(val)) == (6, 6)
+
+    (root / "val" / "a" / "up").symlink_to("..")
+    with pytest.raises(UserError, match=r"^--data-path .*: val/: the symbolic link .*val/a/up leads to .*val, a "
+                                        r"folder above it \(a loop\): its images would be read again"):
+        read(root)
+    (root / "val" / "a" / "up").unlink()
+
+    (root / "train" / "b" / "again").symlink_to(root / "train" / "a", target_is_directory=True)
+    with pytest.raises(UserError, match=r"train/: the symbolic link .*train/b/again leads to .*train/a, which the "
+                                        r"tree holds already"):
+        read(root)
+    (root / "train" / "b" / "again").unlink()
+
+    elsewhere = tree(tmp_path / "disk2", per_class=2) / "val" / "b"
+    for split in ("train", "val"):
+        (root / split / "c").symlink_to(elsewhere, target_is_directory=True)
+    train, val = read(root)
+    assert (len(train), len(val)) == (8, 8) and val.classes == ["a", "b", "c"]
+    assert sorted(t for _, t in val.samples).count(2) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links on this system")
+def test_the_command_line_says_the_loop_in_one_line(tmp_path, capsys):
+    root = tree(tmp_path / "d")
+    (root / "val" / "a" / "up").symlink_to("..")
+    code = cli_main(["train", "--data-path", str(root), "--width-mult", "0.125", "--epochs", "1", "-b", "2",
+                     "--train-crop-size", "8", "--val-resize-size", "8", "--val-crop-size", "8", "--no-progress",
+                     "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "a folder above it (a loop)" in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "checkpoint.pth").exists()
