@@ -473,6 +473,47 @@ def test_a_result_written_without_plots_takes_the_earlier_results_plot_away(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.md"]
 
 
+def test_from_json_never_replaces_a_md_that_is_not_the_results_table(tmp_path, capsys):
+    """Re-rendered next to itself, a result took any X.md and X_ratios.png beside it for its own: a
+    user's notes beside a copied result were replaced by the table. A .md that is not the result's
+    table (and plots beside none) is refused as into an --output-dir, next to the file or beside a
+    result of the same variants there; the result's own table, in any version's format, is renewed."""
+    from pathlib import Path
+
+    from orepa.cli import main
+
+    src = tmp_path / "x.json"
+    src.write_text(json.dumps(_result_json({"base": {"step_ms": 1.0}, "orepa": {"step_ms": 2.0}})))
+    table = tmp_path / "x.md"
+    for _ in range(2):  # its own table: written, then renewed
+        assert main(["bench", "--from-json", str(src), "--no-plot"]) == 0
+    assert table.read_text().startswith("resnet18, batch 2, 32x32, cpu") and "| orepa |" in table.read_text()
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "x.json").write_bytes(src.read_bytes())  # a copy of the result there: its .md only if its table
+    for where, flags in ((tmp_path, []), (out, ["--output-dir", str(out)])):
+        (where / "x.md").write_text("MY NOTES\n")
+        capsys.readouterr()
+        assert main(["bench", "--from-json", str(src), "--no-plot", *flags]) == 2
+        err = capsys.readouterr().err
+        assert "x.md is not the table of x.json but another file; pass --overwrite" in err and err.count("\n") == 1
+        assert (where / "x.md").read_text() == "MY NOTES\n"
+    (tmp_path / "x.md").unlink()
+    (tmp_path / "x_ratios.png").write_bytes(b"my plot")
+    assert main(["bench", "--from-json", str(src), "--no-plot"]) == 2
+    assert "x_ratios.png exist(s) beside no table of x.json" in capsys.readouterr().err
+    assert (tmp_path / "x_ratios.png").read_bytes() == b"my plot"
+    assert main(["bench", "--from-json", str(src), "--no-plot", "--output-dir", str(out), "--overwrite"]) == 0
+    assert (out / "x.md").read_text().startswith("resnet18, batch 2")
+    # the tables of the results kept in the repository, of every version since the first, are theirs
+    from orepa.apps.bench.report import is_table_of
+
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    pairs = [(p, p.with_suffix(".md")) for p in results.rglob("*.json") if p.with_suffix(".md").is_file()]
+    assert len(pairs) >= 10 and all(is_table_of(md, json.loads(p.read_text())) for p, md in pairs)
+    assert not is_table_of(tmp_path / "x_ratios.png", _result_json({"base": {}}))
+
+
 def test_cuda_code_path_with_stubbed_stats(monkeypatch):
     """No GPU here: run the CUDA branch of the memory measurement with torch.cuda stats stubbed."""
     calls = []

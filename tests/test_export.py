@@ -545,3 +545,64 @@ def test_exporting_leaves_the_callers_model_in_its_mode(tmp_path):
     model.train()
     export_torchscript(model, tmp_path / "m.pt", (1, 1, 28, 28))
     assert model.training and all(m.training for m in model.modules())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_reparam_and_export_replace_only_an_output_of_the_same_source(tmp_path, capsys, monkeypatch):
+    """reparam and export replaced an output made from another checkpoint without a word (an epoch's
+    deployed model or export by the last checkpoint's). Each output records its source: a rerun on
+    the same one (by any path; the same path after more training, as analyze judges it) replaces its
+    own, another checkpoint, its EMA weights or the other form is refused, --overwrite replacing it;
+    an output that records no source (an older orepa's, another tool's) is refused too."""
+    import onnx
+
+    from orepa.apps.checkpoint import save_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    def with_ema(path):  # (weights of its own for --use-ema)
+        ckpt = torch.load(_run_checkpoint(path), weights_only=True)
+        return save_checkpoint({**ckpt, "model_ema": ckpt["model"]}, path)
+
+    first, last = with_ema(tmp_path / "run" / "model_1.pth"), _run_checkpoint(tmp_path / "run" / "checkpoint.pth")
+    deployed = tmp_path / "run" / "deployed.pth"
+
+    def refused(argv, out, said):
+        before = out.read_bytes()
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert said in err and "pass --overwrite" in err and err.count("\n") == 1, err
+        assert out.read_bytes() == before
+
+    reparam = ["reparam", "--no-verify"]
+    assert cli.main([*reparam, str(first)]) == 0
+    refused([*reparam, str(last)], deployed, f"--output {deployed} holds the deployed model of {first}, BN not folded")
+    for extra in (["--fuse-bn"], ["--use-ema"]):
+        refused([*reparam, str(first), "-o", str(deployed), *extra], deployed, f"holds the deployed model of {first}")
+    assert cli.main([*reparam, "run/./model_1.pth"]) == 0  # the same checkpoint by another path
+    with_ema(first)  # trained further: the same path is the same source
+    assert cli.main([*reparam, str(first)]) == 0
+    assert cli.main([*reparam, str(last), "--overwrite"]) == 0
+    assert torch.load(deployed, weights_only=True)["source_path"] == str(last)
+    # an older reparam's record (the path as given) still names its source; a deployed model without one is refused
+    held = torch.load(deployed, weights_only=True)
+    save_checkpoint({k: v for k, v in held.items() if k != "source_path"}, deployed)
+    assert cli.main([*reparam, str(last)]) == 0
+    save_checkpoint({k: v for k, v in held.items() if k not in ("source", "source_path")}, deployed)
+    refused([*reparam, str(last)], deployed, "holds a deployed model that records no source checkpoint")
+
+    onnx_out, ts_out = tmp_path / "m.onnx", tmp_path / "m.pt"
+    exporting = ["export", "--no-verify", "--input-size", "28"]
+    for out, fmt in ((onnx_out, "onnx"), (ts_out, "torchscript")):
+        cmd = [*exporting, "--format", fmt, "-o", str(out)]
+        assert cli.main([*cmd, str(first)]) == 0
+        refused([*cmd, str(last)], out, f"--output {out} holds the export of {first}, resnet18/orepa")
+        refused([*cmd, str(first), "--use-ema"], out, f"holds the export of {first}, resnet18/orepa")
+        assert cli.main([*cmd, "run/model_1.pth"]) == 0 and cli.main([*cmd, str(first)]) == 0
+        assert cli.main([*cmd, str(last), "--overwrite"]) == 0
+        assert export.export_source(out, fmt)["checkpoint"] == str(last)
+    # an ONNX model that records no source: another tool's, or an older orepa's export
+    model = onnx.load(str(onnx_out))
+    del model.metadata_props[:]
+    onnx.save(model, str(onnx_out))
+    refused([*exporting, "-o", str(onnx_out), str(last)], onnx_out, "holds an ONNX model that records no source")

@@ -1626,6 +1626,25 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     assert (foreign / "base" / "checkpoint.pth").read_bytes() == before and not (foreign / "orepa").exists()
 
 
+def test_a_demo_rerun_never_replaces_a_run_trained_on_since(cache, tmp_path, capsys):
+    """Rerunning the demo put its run back at the demo's epoch after the user had continued it (train
+    --resume), without a word. The demo records the checkpoint it left: a run trained on since is
+    refused as one the demo did not make; the demo's own run is still replaced by a rerun."""
+    demo = ["demo", "--width-mult", "0.0625", "--train-subset", "32", "--val-subset", "16", "-b", "16", "--methods",
+            "base", "--output-dir", str(tmp_path / "d"), "--cache-dir", cache, "--no-progress", "--in-process"]
+    for _ in range(2):
+        assert main(demo) == 0
+    ckpt = tmp_path / "d" / "base" / "checkpoint.pth"
+    assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--no-progress", "--quiet"]) == 0
+    before = ckpt.read_bytes()
+    capsys.readouterr()
+    assert main(demo) == 2
+    out = capsys.readouterr()
+    assert (f"{tmp_path / 'd' / 'base'} holds a run trained on since the demo made it" in out.err
+            and "$ orepa train" not in out.out), out
+    assert ckpt.read_bytes() == before and _load(ckpt)["epoch"] == 2
+
+
 @pytest.mark.slow
 def test_the_demo_takes_another_network_as_it_is_built(cache, tmp_path, capsys):
     """``--model timm:NAME`` (or torchvision:NAME), which the demo's unknown-model error offers, was refused

@@ -453,6 +453,21 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
+def same_source(held, record: Mapping, path_key: str) -> bool:
+    """Whether ``held``, what an existing output records of what it was made from, is ``record``: a
+    rerun of the command that made it on the same source, which replaces its own output without
+    --overwrite. The same values, with the checkpoint (``path_key``) named by any path
+    (``run/checkpoint.pth``, ``./run/...``, an absolute one); the same path is the same source, as
+    ``orepa analyze`` judges it (a run's checkpoint.pth trained further is still that run's)."""
+    if not isinstance(held, Mapping):
+        return False
+    held, record = plain(dict(held)), plain(dict(record))  # (tuples as lists: the form a file gives back)
+    a, b = held.pop(path_key, None), record.pop(path_key, None)
+    if held != record:
+        return False
+    return a == b or (isinstance(a, str) and isinstance(b, str) and same_file(Path(a), Path(b)))
+
+
 @contextmanager
 def _writing(path: Path) -> Iterator[Path]:
     """The temporary file of an atomic write of ``path`` (made beside it, removed unless it became

@@ -19,6 +19,7 @@ and gives both methods the same conditions for the timing comparison.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -27,9 +28,10 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
-from .checkpoint import atomic_write_text, check_output_path, json_text
+from .checkpoint import atomic_write_text, check_output_path, json_text, write_json
 from .common import (
     STOP_SIGNALS,
     STOP_WITH_PARENT_ENV,
@@ -68,11 +70,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=thread_count, default=None,
                    help="torch threads of all pipelines together (default: the CPUs available)")
     p.add_argument("--output-dir", default="runs/demo",
-                   help="where the runs go (runs/demo); a previous demo there is replaced (a run the demo did not make is refused)")
+                   help="where the runs go (runs/demo); a previous demo there is replaced (a run the demo did not make, "
+                        "or trained on since, e.g. with --resume, is refused)")
     p.add_argument("--cache-dir", default=None, help="Fashion-MNIST cache (default ~/.cache/orepa)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--in-process", action="store_true",
                    help="run the commands one after the other inside this process (no subprocesses; for tests)")
+
+
+#: the demo's record, in each method's folder, of the checkpoint its pipeline left there: a run trained
+#: on since (a --resume) is the user's, no longer the demo's to replace
+DEMO_RECORD = "demo-run.json"
+
+
+def _checkpoint_digest(folder: Path) -> str | None:
+    """The sha256 of ``folder``'s checkpoint.pth (None where there is none): whether it is still the
+    one the demo left, whatever path or copy it is read from."""
+    digest = hashlib.sha256()
+    try:
+        with open(folder / "checkpoint.pth", "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    except FileNotFoundError:
+        return None
+    return digest.hexdigest()
+
+
+def _trained_on(folder: Path) -> bool:
+    """Whether the demo's run in ``folder`` was trained on after the demo left it (its checkpoint.pth is
+    not the one the demo recorded). A folder without the record is taken as the demo's, as before the
+    record: an older demo's (its demo.log says it is the demo's), or one whose demo was killed outright;
+    the demo has no --overwrite, so refusing it would leave removing it by hand as the only way on."""
+    try:
+        record = json.loads((folder / DEMO_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        return not isinstance(record, dict) or record.get("checkpoint_sha256") != _checkpoint_digest(folder)
+    except OSError:  # a checkpoint it cannot read: not known to be the one the demo left
+        return True
 
 
 def _commands(args, method: str, out: Path, threads: int) -> list[list[str]]:
@@ -169,6 +205,9 @@ class _Pipeline(threading.Thread):
                 self.stage = "done" if self.rc == 0 and not self._halt.is_set() else \
                     "stopped" if self.stopped_by or self._halt.is_set() else "failed"
                 self.t1 = time.perf_counter()
+                # what the demo left, however it ended (a stopped run's checkpoint is the demo's too)
+                with suppress(OSError, UserError):
+                    write_json(self.out / DEMO_RECORD, {"checkpoint_sha256": _checkpoint_digest(self.out)})
 
 
 def _watch(pipes: list[_Pipeline], show: bool) -> None:
@@ -226,6 +265,9 @@ def run(args: argparse.Namespace) -> int:
         if found and not (root / m / "demo.log").exists():  # a demo replaces its own runs, no other
             raise UserError(f"--output-dir {root}: {root / m} holds a run the demo did not make "
                             f"({', '.join(found)}); choose another --output-dir")
+        if found and _trained_on(root / m):  # ... nor one of its runs that a user continued
+            raise UserError(f"--output-dir {root}: {root / m} holds a run trained on since the demo made it (its "
+                            "checkpoint.pth is not the one the demo left: a --resume?); choose another --output-dir")
     cpus = args.threads or available_cpus()
     jobs = 1 if args.in_process else args.jobs or max(1, min(len(methods), cpus))
     threads = max(1, cpus // jobs)
@@ -240,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
         out = root / m
         out.mkdir(parents=True, exist_ok=True)
         (out / PROGRESS_FILE).unlink(missing_ok=True)
+        (out / DEMO_RECORD).unlink(missing_ok=True)  # (its checkpoint is about to change: recorded again at the end)
         cmds = _commands(args, m, out, threads)
         for c in cmds:
             print("  $ " + shlex.join(["orepa", *c[3:]]), flush=True)

@@ -30,8 +30,10 @@ import argparse
 import functools
 import importlib
 import json
+import os
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -225,7 +227,7 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
         atol: the bound is ``atol * (1 + max|y_ref|)`` on the max abs error.
         dynamo: use the torch.export-based exporter (slower); default the TorchScript-based one.
         metadata: key -> text stored in the model's ``metadata_props`` (``export`` stores ``classes``,
-            the class names as a JSON list, where the checkpoint has them).
+            the class names as a JSON list, where the checkpoint has them, and :data:`SOURCE_KEY`).
     """
     opset = default_opset(dynamo) if opset is None else opset
     check_onnx_request(opset, dynamo=dynamo, verify=verify)
@@ -386,11 +388,68 @@ def preprocessing_of(ckpt: dict, in_chans: int) -> dict | None:
 
 def is_export(path: Path, fmt: str) -> bool:
     """Whether ``path`` holds an earlier export of format ``fmt``: what export replaces without
-    --overwrite (any other file is refused). TorchScript: a zip archive with code (a checkpoint has
-    none); ONNX: a model with a graph (loaded without its external data)."""
+    --overwrite, where it was made from the same source (:func:`export_source`; any other file is
+    refused). TorchScript: a zip archive with code (a checkpoint has none); ONNX: a model with a graph
+    (loaded without its external data)."""
     if not path.is_file():
         return False
     return ckpt_io.is_torchscript(path) if fmt == "torchscript" else ckpt_io.is_onnx(path)
+
+
+#: the metadata entry in which an export records what it was made from: ``{"checkpoint": its absolute
+#: path, or None for a randomly initialised model, "ema": --use-ema, "model_cfg": the model}`` as JSON
+SOURCE_KEY = "source"
+
+
+def export_source(path: Path, fmt: str) -> dict | None:
+    """What an earlier export of format ``fmt`` at ``path`` records of its source (:data:`SOURCE_KEY`):
+    the ONNX model's metadata_props, the TorchScript archive's extra file (read from the zip: loading
+    the module would run its code). None where it records none: an export by an orepa from before the
+    record, or another tool's model."""
+    try:
+        if fmt == "onnx":
+            import onnx
+
+            with open(path, "rb") as f:  # (a file object: onnx's path reader takes no name that is not UTF-8)
+                props = onnx.load_model(f, load_external_data=False).metadata_props
+            text = next((p.value for p in props if p.key == SOURCE_KEY), None)
+        else:
+            with zipfile.ZipFile(path) as archive:  # the entry <archive name>/extra/<key>
+                name = next((n for n in archive.namelist() if n.split("/")[1:] == ["extra", SOURCE_KEY]), None)
+                text = archive.read(name).decode() if name else None
+        held = json.loads(text) if text is not None else None
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError, a torn zip, text that is no JSON: no record
+        return None
+    return held if isinstance(held, dict) else None
+
+
+def _described(source: dict) -> str:
+    """An export's source as said: the checkpoint (and whether its EMA weights), or the model exported at
+    initialisation."""
+    try:
+        model = describe_cfg(source["model_cfg"])
+    except (KeyError, TypeError, ValueError):
+        model = "a model it does not describe"
+    if source.get("checkpoint"):
+        return f"{source['checkpoint']}{ckpt_io.EMA_NOTE if source.get('ema') else ''}, {model}"
+    return f"a randomly initialised model, {model}"
+
+
+def _check_previous(out: Path, fmt: str, source: dict, overwrite: bool) -> None:
+    """An earlier export at ``out`` (all that :func:`_check_output` lets through) of another checkpoint,
+    of its other weights (--use-ema) or of another model is replaced only with --overwrite; a rerun on
+    the same source replaces its own, whatever its other flags (--input-size, --opset, ...). One that
+    records no source is refused too: any ONNX graph passes :func:`is_export` (another tool's model
+    the user keeps), and an older orepa's export costs one --overwrite."""
+    if overwrite or not out.is_file():
+        return
+    held = export_source(out, fmt)
+    if ckpt_io.same_source(held, source, "checkpoint"):
+        return
+    what = (f"the export of {_described(held)}" if held is not None else
+            f"{'an ONNX model' if fmt == 'onnx' else 'a TorchScript module'} that records no source (another "
+            "tool's, or exported by an older orepa)")
+    raise UserError(f"--output {out} holds {what}; pass --overwrite to replace it, or choose another --output")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -407,8 +466,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_run_arguments(p, seed=False)
     p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}[_ema].onnx / .pt)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --output when it holds anything but an earlier export of this --format (never "
-                        "a run's training checkpoint)")
+                   help="replace --output whatever it holds (without it only an earlier export of the same "
+                        "checkpoint or model, with the same --use-ema, in this --format is replaced); never a run's "
+                        "training checkpoint")
     p.add_argument("--input-size", type=positive_int, default=None,
                    help="height = width of the example input (default: the checkpoint's training size, "
                         "28 for Fashion-MNIST; else 224)")
@@ -479,13 +539,18 @@ def run(args: argparse.Namespace) -> int:
                               f"{'.onnx' if args.format == 'onnx' else '.pt'}")
     if not args.output:  # (a given one was checked before the model was loaded)
         _check_output(out, args, path)
+    # what the export records of its source (the checkpoint by its absolute path: a relative one names
+    # another file from another directory), by which a rerun knows its own file
+    source = {"checkpoint": os.path.abspath(path) if path else None, "ema": bool(args.use_ema), "model_cfg": cfg}
+    _check_previous(out, args.format, source, args.overwrite)
     check_model_takes(model, (size,), cfg["in_chans"], describe_cfg(cfg),
                       lambda s: f"--input-size {s} ({s}x{s} images)")
     model.to(device)
     # for whoever runs the exported model: the class names (label i is classes[i]) and what its input must be
     preprocessing = preprocessing_of(ckpt, cfg["in_chans"])
     metadata = {**({"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else {}),
-                **({"preprocessing": json.dumps(preprocessing)} if preprocessing else {})} or None
+                **({"preprocessing": json.dumps(preprocessing)} if preprocessing else {}),
+                SOURCE_KEY: ckpt_io.json_text(ckpt_io.plain(source))}
     try:
         if args.format == "onnx":
             report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.rtol,

@@ -9,12 +9,15 @@ images of it) and checks that the logits agree to float32 tolerance
 many predictions differ. Exit code 1 if the outputs disagree (a failed check, as
 ``orepa export``'s verification, not a usage error: those exit 2), nothing written.
 
-It never writes over its input or a run's training checkpoint (one with optimizer state), and
-replaces another file that is not a deployed checkpoint only with ``--overwrite``.
+It never writes over its input or a run's training checkpoint (one with optimizer state). Without
+``--overwrite`` it replaces only its own earlier output: a deployed checkpoint of the same input (by
+any path: the same path is the same source, as for ``orepa analyze``, so a rerun after more training
+replaces it), with the same ``--use-ema`` and ``--fuse-bn``, and the same model.
 """
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from .checkpoint import (
@@ -29,6 +32,7 @@ from .checkpoint import (
     load_checkpoint,
     model_from_checkpoint,
     report_of,
+    same_source,
     save_checkpoint,
     write_json,
 )
@@ -56,8 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None,
                    help="deployed checkpoint to write (default: <checkpoint dir>/deployed[-ema][-fused].pth)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --output even when it is not a deployed checkpoint (never the input, nor a run's "
-                        "training checkpoint)")
+                   help="replace --output whatever it holds (without it only an earlier deployment of this "
+                        "checkpoint with the same --use-ema and --fuse-bn is replaced); never the input, nor a run's "
+                        "training checkpoint")
     p.add_argument("--fuse-bn", action="store_true", help="also fold every BN into its conv (fastest inference)")
     add_use_ema_argument(p, "deploy")
     p.add_argument("--rtol", type=positive_float, default=1e-4,
@@ -105,6 +110,32 @@ def _check_output(out: Path, args) -> None:
                         "pass --overwrite to replace it, or choose another --output")
 
 
+def _check_previous(out: Path, record: dict, overwrite: bool) -> None:
+    """A deployed checkpoint at ``out`` (all that :func:`_check_output` lets through) made from another
+    checkpoint, from its other weights (--use-ema), in the other form (--fuse-bn) or of another model
+    is replaced only with --overwrite; a rerun on the same source replaces its own. One without a
+    source (not written by reparam: every reparam recorded it) is refused too."""
+    if overwrite or not out.is_file():
+        return
+    try:
+        held = load_checkpoint(out, lazy=True)
+    except UserError:  # (changed since _check_output read it) nothing to compare: another file
+        held = {}
+    # its input by its absolute path ("source_path"; the path as given, "source", is all an older reparam wrote)
+    previous = {"source": held.get("source_path", held.get("source")), "ema": bool(held.get("ema", False)),
+                "form": held.get("form"), "model_cfg": held.get("model_cfg")}
+    if same_source(previous, record, "source"):
+        return
+    if previous["source"] is None:
+        what = "a deployed model that records no source checkpoint (not written by orepa reparam)"
+    else:
+        folded = "BN folded (--fuse-bn)" if previous["form"] == "deploy-fused" else "BN not folded"
+        what = f"the deployed model of {previous['source']}{EMA_NOTE if previous['ema'] else ''}, {folded}"
+        if previous["model_cfg"] != record["model_cfg"] and isinstance(previous["model_cfg"], dict):
+            what += f", {describe_cfg(previous['model_cfg'])}"
+    raise UserError(f"--output {out} holds {what}; pass --overwrite to replace it, or choose another --output")
+
+
 def reparam(args: argparse.Namespace) -> dict:
     apply_threads(args)
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
@@ -120,6 +151,11 @@ def reparam(args: argparse.Namespace) -> dict:
     if ckpt.get("model_cfg") is None:  # reparam takes no model flags: what the weights are must be recorded
         raise UserError(f"{args.checkpoint} is a bare state_dict; reparam needs an orepa training checkpoint "
                         "(orepa train's checkpoint.pth, or orepa import-reference's output)")
+    form_out = "deploy-fused" if args.fuse_bn else "deploy"
+    # (the input by its absolute path: a relative one names another file from another directory)
+    source = {"source": os.path.abspath(args.checkpoint), "ema": bool(args.use_ema), "form": form_out,
+              "model_cfg": ckpt["model_cfg"]}
+    _check_previous(out, source, args.overwrite)  # before the data is read and the verification runs
     data_args_from_checkpoint(args, ckpt)
     need_data = not args.no_verify
     data = checkpoint_data(args, ckpt, info) if need_data else None  # its images labelled as the checkpoint's classes
@@ -130,7 +166,6 @@ def reparam(args: argparse.Namespace) -> dict:
     if form != "train":
         raise UserError(f"{args.checkpoint} holds deployed weights ({form}); nothing to reparameterize")
     check_finite(model, args.checkpoint, "its deployed form would compute nothing useful", use_ema=args.use_ema)
-    form_out = "deploy-fused" if args.fuse_bn else "deploy"
     model.to(device).eval()
     deployed = deploy(model, form_out).to(device).eval()
     res = {"checkpoint": str(args.checkpoint), "model": describe_cfg(cfg), "form": form_out, "ema": bool(args.use_ema),
@@ -145,7 +180,8 @@ def reparam(args: argparse.Namespace) -> dict:
         "format": FORMAT, "version": VERSION, "form": form_out, "model_cfg": cfg,
         "classes": list(ckpt.get("classes") or []),
         "model": {k: v.detach().cpu() for k, v in deployed.state_dict().items()},
-        "source": str(args.checkpoint), "ema": bool(args.use_ema), "args": ckpt.get("args", {}),
+        "source": str(args.checkpoint), "source_path": source["source"], "ema": bool(args.use_ema),
+        "args": ckpt.get("args", {}),
         "reparam_args": args_dict(args),
         "metrics": {k: v for k, v in res.items() if isinstance(v, (int, float, bool))},
     }, out)

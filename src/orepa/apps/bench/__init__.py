@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from orepa.apps.checkpoint import check_output_path
+from orepa.apps.checkpoint import check_output_path, same_file
 from orepa.apps.common import (
     UserError,
     add_kernel_builder_argument,
@@ -45,7 +45,17 @@ from .measure import (
     tally_saved,
     variant_specs,
 )
-from .report import format_header, format_table, no_plot_reason, plot_budgets, plot_ratios, ratios, rerender, save
+from .report import (
+    format_header,
+    format_table,
+    is_table_of,
+    no_plot_reason,
+    plot_budgets,
+    plot_ratios,
+    ratios,
+    rerender,
+    save,
+)
 from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_options, parse_spec
 
 __all__ = [
@@ -121,34 +131,45 @@ def _check_result_files(out_dir: Path, tag: str, wanted: dict | None, overwrite:
     the result to write, its ``methods`` and :data:`DEFINING_SETTINGS`; the default name says the
     model, batch, size and device only), or a table or plot of its names beside no result of
     these, is replaced only with --overwrite; a rerun of the same measurement replaces its own.
-    ``replacing``: the result being re-rendered, whose own files these may be."""
+    ``replacing``: the result being re-rendered, which may be the result file itself (in place).
+    Either way, a .md beside the result that is not its table (:func:`is_table_of`: a user's notes),
+    or plots beside no table of it, are replaced only with --overwrite too."""
     paths = [out_dir / f"{tag}{suffix}" for suffix in RESULT_SUFFIXES]
     for path in paths:
         if path.is_dir():
             raise UserError(f"--output-dir {out_dir}: {path.name} is a directory; remove it, or give --tag NAME")
-    result = paths[0]
-    if overwrite or not any(p.exists() for p in paths) or (replacing is not None and result.exists()
-                                                           and result.resolve() == replacing.resolve()):
+    result, table = paths[0], paths[1]
+    if overwrite or not any(p.exists() for p in paths):
         return
+    in_place = replacing is not None and same_file(result, replacing)
     try:
         saved = json.loads(result.read_text())
         config = {**saved.get("config", {}), "threads": saved.get("environment", {}).get("threads")}
         held = config.get("methods")
-    except (OSError, ValueError, AttributeError):
-        config, held = {}, None
+    except (OSError, ValueError, AttributeError, TypeError):  # (TypeError: a config that is no mapping)
+        saved, config, held = None, {}, None
+    where = f"--from-json {replacing}" if in_place else f"--output-dir {out_dir}"
+    elsewhere = "another --output-dir" if replacing is not None else "--tag NAME to write this run's result beside it"
     methods = None if wanted is None else wanted.get("methods")
     if not isinstance(methods, list) or not isinstance(held, list):
         methods = held = None
     differ = [] if methods is None else [
         f"{k}: {config.get(k)!r} there, {wanted.get(k)!r} here" for k in DEFINING_SETTINGS
         if k in wanted and config.get(k) != wanted.get(k)]
-    if methods is None or variant_specs(held) != variant_specs(methods) or differ:
+    if not in_place and (methods is None or variant_specs(held) != variant_specs(methods) or differ):
         what = (f"{result.name} holds a result of {', '.join(map(str, held))}"
                 + (f" with other settings ({'; '.join(differ)})" if differ else "") if isinstance(held, list) else
                 f"{result.name} holds another file" if result.exists() else
                 f"{', '.join(p.name for p in paths if p.exists())} exist(s) beside no result of these variants")
-        elsewhere = "another --output-dir" if replacing is not None else "--tag NAME to write this run's result beside it"
-        raise UserError(f"--output-dir {out_dir}: {what}; pass --overwrite to replace it, or {elsewhere}")
+        raise UserError(f"{where}: {what}; pass --overwrite to replace it, or {elsewhere}")
+    if in_place and not isinstance(saved, dict):
+        return  # a damaged source: rerender says what is wrong with it, before it writes anything
+    # the result's own files: its table, and the plots beside it; another .md of the table's name is a user's
+    others = [p.name for p in paths[1:] if p.exists()]
+    if others and not is_table_of(table, saved):
+        what = (f"{table.name} is not the table of {result.name} but another file" if table.exists() else
+                f"{', '.join(others)} exist(s) beside no table of {result.name}")
+        raise UserError(f"{where}: {what}; pass --overwrite to replace it, or {elsewhere}")
 
 
 def _say_no_plot(result: dict, no_plot: bool) -> None:

@@ -107,10 +107,30 @@ def format_header(result: dict) -> str:
     if "compiled" in {builder, *(r.get("kernel_builder") for r in result["results"].values())}:
         graphs += " (the compiled builder's fused kernels are not aten operators: not in the operator counts)"
     chans = c.get("in_chans", 3)  # (said where not RGB's: --model-option in_chans=N)
-    size = f"{c['image_size']}x{c['image_size']}" + (f", {chans} input channel(s)" if chans != 3 else "")
-    return (f"{c['model']}, batch {c['batch_size']}, {size}, {dev}, "
+    return (f"{table_head(c)}{f', {chans} input channel(s)' if chans != 3 else ''}, {dev}, "
             f"{e['threads']} threads, torch {e['torch']}, median of {c['reps']} interleaved steps "
             f"after {c['warmup']} warm-up{graphs}; load avg {e.get('loadavg_1m', float('nan')):.2f}{code}")
+
+
+def table_head(config: dict) -> str:
+    """How the header of a result's table starts (every version's): its model, batch and image size."""
+    return f"{config['model']}, batch {config['batch_size']}, {config['image_size']}x{config['image_size']}"
+
+
+def is_table_of(path: Path, result) -> bool:
+    """Whether the file at ``path`` is a table :func:`save` wrote of ``result`` (a result as read from
+    its JSON), in any version's format (a re-rendering renews an older one): its header starts with
+    the result's :func:`table_head` and it has a row of each of its variants. A .md of that name
+    that is not (a user's notes) is not the result's to replace."""
+    try:
+        if path.stat().st_size > 1 << 20:  # larger than any table
+            return False
+        lines = path.read_text().splitlines()
+        rows = {line.split("|")[1].strip() for line in lines if line.startswith("| ")}
+        return bool(lines) and lines[0].startswith(table_head(result["config"]) + ",") and \
+            set(result["results"]) <= rows
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (UnicodeDecodeError is a ValueError)
+        return False
 
 
 #: the panels of the ratio plot: metric -> title
