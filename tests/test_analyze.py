@@ -145,6 +145,23 @@ def test_a_model_at_initialisation_gives_the_same_figures_for_the_same_seed(tmp_
     assert runs["a"] == runs["b"] and runs["a"] != runs["c"]
 
 
+def test_a_seed_is_refused_for_a_checkpoint(tmp_path, capsys):
+    """--seed draws the weights of a model analysed at initialisation: given with a checkpoint it was
+    taken, and changed nothing, without a word."""
+    from orepa.cli import main
+
+    _, path = _zoo_checkpoint(tmp_path)
+    cmd = ["analyze", str(path), "-m", "resnet18", "--method", "orepa", "--option", "width_mult=0.125",
+           "--output-dir", str(tmp_path / "out"), "--no-plot"]
+    for seed in ("3", "0"):  # given is given, the default's value too
+        assert main([*cmd, "--seed", seed]) == 2
+        err = capsys.readouterr().err
+        assert (f"{path} is a checkpoint, analysed with the weights it holds; --seed do(es) not apply (it seeds a "
+                "model analysed at initialisation)") in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    assert main(cmd) == 0
+
+
 def test_checkpoint_mismatch_is_a_clear_error(tmp_path, capsys):
     from orepa.cli import main
 
@@ -330,13 +347,17 @@ def test_use_ema_analyses_the_checkpoints_ema_weights_and_says_so(tmp_path, caps
     # the model's weights of the same checkpoint are another analysis, both ways
     before = (out / "analysis.json").read_bytes()
     capsys.readouterr()
+    # (the refusal said "holds the analysis of" the very checkpoint given, not which weights differ)
     assert main(cmd) == 2
-    assert (f"analysis.json holds the analysis of {path} (its EMA weights) (resnet18/orepa); pass --overwrite"
-            in capsys.readouterr().err) and (out / "analysis.json").read_bytes() == before
+    assert (f"analysis.json holds the analysis of {path}'s EMA weights (resnet18/orepa), and this run analyses its "
+            "model weights; pass --overwrite" in capsys.readouterr().err)
+    assert (out / "analysis.json").read_bytes() == before
     assert main([*cmd, "--overwrite"]) == 0
     assert json.loads((out / "analysis.json").read_text())["meta"]["ema"] is False
-    assert main([*cmd, "--use-ema"]) == 2
-    assert f"holds the analysis of {path} (resnet18/orepa); pass --overwrite" in capsys.readouterr().err
+    (tmp_path / "link").symlink_to(path.parent, target_is_directory=True)  # the checkpoint by another name
+    assert main([*cmd[:1], str(tmp_path / "link" / path.name), *cmd[2:], "--use-ema"]) == 2
+    assert (f"holds the analysis of {path}'s model weights (resnet18/orepa), and this run analyses its EMA weights; "
+            "pass --overwrite") in capsys.readouterr().err
     # an analysis written before --use-ema (no "ema" in its meta) was of the model's weights
     held = json.loads((out / "analysis.json").read_text())
     del held["meta"]["ema"]

@@ -269,7 +269,7 @@ _BAD_CLI = [
     (["--methods", "orepa:builder=fast"], "kernel-builder policy must be one of"),
     (["--methods", "orepa:foo"], "--methods orepa:foo expects KEY=VALUE, got 'foo'"),
     (["--methods", "orepa:scaling=none:scaling=vector"], "gives scaling twice ('none', then 'vector'): give it once"),
-    (["--from-json", ""], "--from-json '' names no file"),
+    (["--from-json", ""], "argument --from-json: '' names no file or directory"),
     (["--cudnn-benchmark", "--device", "cpu"], "--cudnn-benchmark applies to CUDA devices, not cpu"),
     (["--device", ""], "--device '' names no device"),
     (["--components", "--methods", "base", "orepa"], "give it or --methods, not both"),

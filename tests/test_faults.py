@@ -593,7 +593,8 @@ def _each_exits_2_with_one_line(cases, ckpt, capsys) -> None:
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
 
 
-def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
+def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (where a default output would go)
     run = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(run), "--method",
                  "base"]) == 0
@@ -748,6 +749,41 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
         (["export", str(ckpt), "--format", "torchscript", "-o", str(tmp_path / "ts.onnx")],
          f"--output {tmp_path / 'ts.onnx'} is named as an ONNX model, and --format torchscript writes a TorchScript "
          "module: give --format onnx, or another name"),
+        # an empty path (an unset shell variable): the current directory ("error: . is not a file"), the
+        # flag's default, or nothing written without a word
+        (["eval", ""], "argument checkpoint: '' names no file or directory; give a path"),
+        (["eval", str(ckpt), "--json", ""], "argument --json: '' names no file or directory"),
+        ([*new, "--epochs", "1", "--output-dir", ""], "argument --output-dir: '' names no file or directory"),
+        ([*new, "--epochs", "1", "--resume", ""], "argument --resume: '' names no file or directory"),
+        ([*new, "--init-from", " ", "--output-dir", str(tmp_path / "e")], "argument --init-from: ' ' names no file"),
+        (["analyze", ""], "argument target: '' names no file or directory"),
+        (["analyze", str(ckpt), "--output-dir", ""], "argument --output-dir/--out-dir: '' names no file"),
+        (["import-reference", "", "-o", str(tmp_path / "i.pth")], "argument checkpoint: '' names no file"),
+        (["import-reference", str(ckpt), "-o", ""], "argument -o/--output: '' names no file or directory"),
+        (["reparam", str(ckpt), "-o", ""], "argument -o/--output: '' names no file"),
+        (["reparam", str(ckpt), "--json", ""], "argument --json: '' names no file"),
+        (["export", str(ckpt), "-o", "", "--no-verify"], "argument -o/--output: '' names no file"),
+        (["demo", "--output-dir", ""], "argument --output-dir: '' names no file"),
+        ([*new, "--epochs", "1", "--cache-dir", "", "--output-dir", str(tmp_path / "e")],
+         "argument --cache-dir: '' names no file"),
+        ([*new, "--epochs", "1", "--data-path", " ", "--output-dir", str(tmp_path / "e")],
+         "argument --data-path: ' ' names no file"),
+        # the zoo's own options on another library's network: "found nothing to convert ... unexpected keyword"
+        *(([*external, *flags, "--output-dir", str(tmp_path / "z")],
+           f"{said}: options of the zoo's models, not of torchvision:resnet18")
+          for flags, said in ((["--deep-stem"], "deep_stem=True"), (["--no-post-bn"], "post_bn=False"),
+                              (["--no-dw-sep"], "dw_sep=False"), (["--preset", "online-only"], "preset=online-only"),
+                              (["--model-option", "stem_width=16"], "stem_width=16"),
+                              (["--model-option", "zero_init_residual=true"], "zero_init_residual=True"))),
+        ([*external, "--no-freq-prior", "--output-dir", str(tmp_path / "z")],
+         "freq_prior=False: options of the zoo's models, not of torchvision:resnet18 (name its blocks' branches "
+         "instead: --branches kxk,1x1,1x1_avg,1x1_kxk,dw_pw)"),
+        ([*external, "--model-option", "bogus=1", "--output-dir", str(tmp_path / "z")],
+         "bogus=1): option(s) ['bogus'] not accepted by convert(method='orepa'); accepted: ['branch_norm', "),
+        ([*external, "--model-option", "init=foo", "--output-dir", str(tmp_path / "z")],
+         "init=foo): init must be one of ('reference', 'torch') or a non-negative kaiming slope, got 'foo'"),
+        ([*external, "--method", "dbb", "--branches", "kxk", "--output-dir", str(tmp_path / "z")],
+         "option(s) ['branches'] not accepted by convert(method='dbb'); accepted: ['internal_channels']"),
     ]
     odd = tmp_path / "odd"  # val/ names another class than train/
     _png_tree(odd)
@@ -781,7 +817,7 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys):
     assert ckpt.read_bytes() == before and not deployed.exists()  # nothing replaced, nothing written
     assert json.loads(bench_result.read_text())["variants"] == ["base"] and json.loads(eval_report.read_text())["acc1"]
     assert copied_summary.read_text() == (run / "summary.json").read_text()
-    assert not any((tmp_path / made).exists() for made in ("newdir", "exdir", "jdir", "idir"))
+    assert not any((tmp_path / made).exists() for made in ("newdir", "exdir", "jdir", "idir", "z", "e", "runs"))
     # the same through a real process: exit status 2, one line on stderr; and a plain pickle: one
     # line, not torch's warning about its protocol first (pytest hides warnings in-process). The two
     # processes run at once (each spends seconds importing torch)

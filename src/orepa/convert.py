@@ -44,6 +44,7 @@ from .blocks import (
     ReparamConv2d,
     RepVGGBlock,
     _materialise_fixed_kernels,
+    _resolve_init,
     check_block_options,
     check_conv_config,
     keep_layout,
@@ -52,7 +53,7 @@ from .engine import group_kernels
 from .state_dicts import wrapper_prefix
 
 __all__ = ["convert", "reparameterize", "load_plain_state_dict", "fuse_conv_bn", "find_conv_bn_pairs", "ConversionReport",
-           "METHODS", "make_block"]
+           "METHODS", "METHOD_OPTIONS", "make_block"]
 
 
 @dataclass
@@ -156,6 +157,17 @@ METHODS: dict[str, Callable[..., ReparamConv2d]] = {
     "dbb": _dbb,
     "repvgg": _repvgg,
     "orepa-vgg": _orepa_vgg,
+}
+
+#: the block options each method's factory takes (``convert(model, method, **options)``); the others
+#: come from the conv a block replaces (``padding_mode``, timm's ``tf_same``) or from the method
+_OREPA_OPTIONS = ("branches", "scaling", "scale_init", "dw_expand", "internal_channels", "init", "recompute")
+METHOD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "orepa": (*_OREPA_OPTIONS, "rep_1x1", "mode", "branch_norm", "inner_norm"),
+    "orepa-offline": (*_OREPA_OPTIONS, "rep_1x1", "inner_norm"),
+    "dbb": ("internal_channels",),
+    "repvgg": (),
+    "orepa-vgg": _OREPA_OPTIONS,
 }
 
 
@@ -853,7 +865,8 @@ def convert(
             starts ~3x the plain conv's in scale: start such a network as the plain one
             (:func:`load_plain_state_dict`) or keep those convs plain (``exclude``;
             ``rep_1x1=False`` for the 1x1 convs, squeeze-excitation's among them).
-        options: passed to the block (e.g. ``branches``, ``scaling``, ``scale_init``, ``rep_1x1``).
+        options: passed to the block (e.g. ``branches``, ``scaling``, ``scale_init``, ``rep_1x1``;
+            :data:`METHOD_OPTIONS` lists each method's).
     Convs without a following BatchNorm2d are left alone (unless ``without_bn``): re-param
     blocks need a norm after them (OREPA uses it as the post-addition norm). So are convs a
     block cannot replace (even kernels; for the blocks that run branches on the feature map, a
@@ -881,8 +894,8 @@ def convert(
     stages) give blocks that do not either.
 
     Raises:
-        ValueError: an unknown ``method`` or branch name (in ``branches`` /
-            ``scale_init``), or a model in which nothing was converted (no
+        ValueError: an unknown ``method``, option (not in :data:`METHOD_OPTIONS`) or branch name
+            (in ``branches`` / ``scale_init``), or a model in which nothing was converted (no
             supported conv -> BN pair, and no re-param block from an earlier
             ``convert``): the message lists every conv and why it was skipped.
     """
@@ -893,9 +906,17 @@ def convert(
         raise ValueError(f"without_bn=True is for method 'orepa', whose blocks keep the BN after them as it is; "
                          f"{method!r} blocks hold BNs of their own and absorb the BatchNorm2d after them, so they "
                          "need one")
-    # option values wrong for every conv fail here: in the loop a block's ValueError skips its conv
+    # options, and option values, wrong for every conv fail here: in the loop a block's ValueError (or
+    # TypeError: an unexpected keyword) skips its conv, and "found nothing to convert" would name the convs
+    unknown = sorted(set(options) - set(METHOD_OPTIONS[method]))
+    if unknown:
+        accepted = sorted({*METHOD_OPTIONS[method], *(("without_bn",) if method == "orepa" else ())})
+        raise ValueError(f"option(s) {unknown} not accepted by convert(method={method!r}); accepted: "
+                         f"{accepted or 'none'}")
     check_block_options(**{k: options[k] for k in ("branches", "scaling", "scale_init", "dw_expand",
                                                    "internal_channels") if k in options})
+    if "init" in options:
+        _resolve_init(options["init"], (3, 3))  # (the kernel size sets only the default's slope)
     if not inplace:
         try:
             model = _deepcopy(model)

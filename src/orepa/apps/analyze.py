@@ -41,6 +41,8 @@ from orepa.apps.common import (
     add_use_ema_argument,
     apply_threads,
     init_distributed,
+    path_arg,
+    refuse_idle_flags,
     seed_everything,
 )
 from orepa.apps.logs import pyplot, save_figure
@@ -191,11 +193,12 @@ PLOT_FILES = ("cosine.png", "norms.png", "summary.png")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("target", help="training-form checkpoint (.pt/.pth), or a model name to analyse at init")
+    p.add_argument("target", type=path_arg,
+                   help="training-form checkpoint (.pt/.pth), or a model name to analyse at init")
     add_model_arguments(p)
     add_run_arguments(p)  # --seed: the weights of a model analysed at initialisation
     add_use_ema_argument(p, "analyse")
-    p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="analysis",
+    p.add_argument("--output-dir", "--out-dir", dest="output_dir", type=path_arg, default="analysis",
                    help="where analysis.json and the plots go (analysis; --out-dir: older spelling)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--overwrite", action="store_true",
@@ -214,6 +217,9 @@ def run(args: argparse.Namespace) -> int:
         if form != "train":
             raise UserError(f"{target} holds a deployed model (form {form!r}): its branches are gone; "
                             "analyse the training-form checkpoint")
+        # said, not ignored: only a model built here at initialisation draws its weights
+        refuse_idle_flags(args, ("seed",), f"{target} is a checkpoint, analysed with the weights it holds",
+                          "it seeds a model analysed at initialisation")
         sd = checkpoint_weights(ckpt, target, args.use_ema)
         cfg = checkpoint_cfg_without_data(args, ckpt, target, sd) or ckpt["model_cfg"]
         model = check_and_load(build_model(cfg), sd, _flags(cfg),
@@ -286,8 +292,13 @@ def _check_previous(out: Path, meta: dict, overwrite: bool) -> None:
         held = None
     if _same_analysis(held, json.loads(json_text(meta))):
         return
-    what = (f"the analysis of {_described(held)} ({held.get('model')}/{held.get('method')})"
-            if isinstance(held, dict) else "another file")
+    if not isinstance(held, dict):
+        what = "another file"
+    elif _other_weights_of_one_checkpoint(held, meta):  # its name alone would say it holds this very analysis
+        what = (f"the analysis of {held['source']}'s {_weights(held)} ({held.get('model')}/{held.get('method')}), "
+                f"and this run analyses its {_weights(meta)}")
+    else:
+        what = f"the analysis of {_described(held)} ({held.get('model')}/{held.get('method')})"
     raise UserError(f"--output-dir {out}: {previous.name} holds {what}; pass --overwrite to replace it, or choose "
                     "another --output-dir")
 
@@ -308,6 +319,19 @@ def _same_analysis(held, meta: dict) -> bool:
 def _described(meta: dict) -> str:
     """An analysis' source as said: the checkpoint, and whether its EMA weights were analysed."""
     return f"{meta.get('source')}{EMA_NOTE if meta.get('ema') else ''}"
+
+
+def _weights(meta: dict) -> str:
+    """Which weights of its checkpoint an analysis is of (``--use-ema``: the EMA's)."""
+    return "EMA weights" if meta.get("ema") else "model weights"
+
+
+def _other_weights_of_one_checkpoint(held: dict, meta: dict) -> bool:
+    """Whether analyses ``held`` and ``meta`` are of one checkpoint (by any path), one of its model's
+    weights and the other of its EMA's."""
+    a, b = held.get("source"), meta.get("source")
+    return (bool(held.get("ema")) != bool(meta.get("ema")) and isinstance(a, str) and isinstance(b, str)
+            and (a == b or same_file(Path(a), Path(b))))
 
 
 def _names_a_model(name: str) -> bool:

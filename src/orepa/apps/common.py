@@ -3,7 +3,8 @@
 * :class:`UserError`: a problem the user can fix (bad path, missing package,
   wrong checkpoint, bad value); ``orepa`` prints ``orepa CMD: error: MESSAGE`` on
   stderr (one line, no traceback) and exits with code 2 (:func:`fail`).
-* argument types that reject bad numbers at parse time (:func:`positive_int`, ...),
+* argument types that reject bad numbers and empty paths at parse time (:func:`positive_int`,
+  :func:`path_arg`, ...),
   the flags every computing subcommand shares (:func:`add_run_arguments`) and the one
   ``KEY=VALUE`` parser (:func:`parse_key_values`);
 * distributed setup (torchrun environment, nccl on GPUs, gloo on CPU);
@@ -213,6 +214,18 @@ fraction = _number(float, 0.0, False, "a number in [0, 1]", high=1.0)
 below_one = _number(float, 0.0, False, "a number in [0, 1)", high=math.nextafter(1.0, 0.0))
 #: numpy's range for a seed (torch takes 64 bits, but the samplers add the epoch to it)
 seed_int = _number(int, 0, False, "an integer in [0, 2**32 - 1]", high=2**32 - 1)
+
+
+def path_arg(text: str) -> str:
+    """The type of every path argument (a checkpoint, ``-o/--output``, ``--json``, ``--output-dir``, ...):
+    an empty one (``''``, an unset shell variable) is refused as the command line is read; taken
+    further it was the current directory, or the flag's default written without a word."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} names no file or directory; give a path")
+    return text
+
+
+path_arg.__name__ = "path"  # argparse names the type in its messages
 
 
 def add_run_arguments(p: argparse.ArgumentParser, *, seed: bool = True) -> None:

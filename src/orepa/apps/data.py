@@ -41,7 +41,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from .checkpoint import atomic_write
-from .common import STOP_SIGNALS, DistInfo, UserError, available_cpus, nonneg_int, per_cpu_cap, positive_int, some_of
+from .common import (
+    STOP_SIGNALS,
+    DistInfo,
+    UserError,
+    available_cpus,
+    nonneg_int,
+    path_arg,
+    per_cpu_cap,
+    positive_int,
+    some_of,
+)
 
 FASHION_MNIST_FILES = (
     "train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte",
@@ -75,12 +85,12 @@ def add_data_arguments(p: argparse.ArgumentParser, training_set: bool = True) ->
     """The data flags; without ``training_set`` (commands that read the validation set only) not
     those of the training set, which such a command would accept and ignore."""
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", default="fashion-mnist",
+    g.add_argument("--data-path", type=path_arg, default="fashion-mnist",
                    help="'fashion-mnist' (default; Debian package dataset-fashion-mnist) or an ImageFolder root "
                         "holding train/ and val/")
     g.add_argument("--dataset", choices=["auto", "fashion-mnist", "imagefolder"], default="auto",
                    help="how to read --data-path (auto: 'fashion-mnist' by name, else ImageFolder)")
-    g.add_argument("--cache-dir", default=None,
+    g.add_argument("--cache-dir", type=path_arg, default=None,
                    help="where Fashion-MNIST is un-gzipped once (default $OREPA_CACHE or ~/.cache/orepa)")
     g.add_argument("-j", "--workers", type=nonneg_int, default=None,
                    help="data loading processes per rank (default: 0 for Fashion-MNIST on CPU, else min(8, CPUs))")

@@ -40,6 +40,7 @@ from .common import (
     init_distributed,
     method_list,
     nonneg_float,
+    path_arg,
     positive_float,
     positive_int,
     seed_int,
@@ -69,10 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="passed to train and reparam (default: cuda if available)")
     p.add_argument("--threads", type=thread_count, default=None,
                    help="torch threads of all pipelines together (default: the CPUs available)")
-    p.add_argument("--output-dir", default="runs/demo",
+    p.add_argument("--output-dir", type=path_arg, default="runs/demo",
                    help="where the runs go (runs/demo); a previous demo there is replaced (a run the demo did not make, "
                         "or trained on since, e.g. with --resume, is refused)")
-    p.add_argument("--cache-dir", default=None, help="Fashion-MNIST cache (default ~/.cache/orepa)")
+    p.add_argument("--cache-dir", type=path_arg, default=None, help="Fashion-MNIST cache (default ~/.cache/orepa)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--in-process", action="store_true",
                    help="run the commands one after the other inside this process (no subprocesses; for tests)")

@@ -34,6 +34,7 @@ from .common import (
     count_params,
     first_nonfinite,
     init_distributed,
+    path_arg,
     peak_memory,
     positive_int,
     refuse_amp_dtype_without_amp,
@@ -119,8 +120,9 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
 # --------------------------------------------------------------------------- the subcommand
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a training checkpoint (orepa train), a deployed one (orepa reparam) "
-                                      "or a bare state_dict (then give --model/--method/...)")
+    p.add_argument("checkpoint", type=path_arg,
+                   help="a training checkpoint (orepa train), a deployed one (orepa reparam) or a bare state_dict "
+                        "(then give --model/--method/...)")
     add_data_arguments(p, training_set=False)
     # unset: the data the checkpoint was trained on
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
@@ -131,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--channels-last", action="store_true")
     add_use_ema_argument(p, "evaluate")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
+    p.add_argument("--json", type=path_arg, default=None, metavar="PATH", help="also write the results to PATH as JSON")
 
 
 def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:

@@ -51,6 +51,7 @@ from .common import (
     apply_threads,
     count_params,
     init_distributed,
+    path_arg,
     positive_float,
     positive_int,
     tolerance_bound,
@@ -456,15 +457,15 @@ def _check_previous(out: Path, fmt: str, source: dict, overwrite: bool) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", nargs="?", default=None,
+    p.add_argument("checkpoint", nargs="?", type=path_arg, default=None,
                    help="an orepa checkpoint or a state_dict (training form, deployed form, or deployed with BN "
                         "folded), bare or wrapped; default: a randomly initialised --model")
-    p.add_argument("--checkpoint", dest="checkpoint_opt", default=None, metavar="CHECKPOINT",
+    p.add_argument("--checkpoint", dest="checkpoint_opt", type=path_arg, default=None, metavar="CHECKPOINT",
                    help=argparse.SUPPRESS)  # the older spelling of the positional argument
     add_model_arguments(p, model_default="the checkpoint's; without a checkpoint, required (a randomly initialised "
                                           "zoo model)")
     add_run_arguments(p, seed=False)
-    p.add_argument("-o", "--output", default=None, help="output file (default: {model}_{method}[_ema].onnx / .pt)")
+    p.add_argument("-o", "--output", type=path_arg, default=None, help="output file (default: {model}_{method}[_ema].onnx / .pt)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --output whatever it holds (without it only an earlier export of the same "
                         "checkpoint or model, with the same --use-ema, in this --format is replaced); never a run's "

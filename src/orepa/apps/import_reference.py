@@ -36,6 +36,7 @@ from .common import (
     apply_threads,
     count_params,
     init_distributed,
+    path_arg,
     positive_float,
     tolerance_bound,
 )
@@ -43,9 +44,9 @@ from .model_cfg import deploy, describe_cfg, model_cfg_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="state_dict or {'state_dict': ...} saved by the paper's code (any "
-                                      "'module.' prefix)")
-    p.add_argument("-o", "--output", required=True, help="orepa checkpoint to write")
+    p.add_argument("checkpoint", type=path_arg,
+                   help="state_dict or {'state_dict': ...} saved by the paper's code (any 'module.' prefix)")
+    p.add_argument("-o", "--output", type=path_arg, required=True, help="orepa checkpoint to write")
     p.add_argument("--deploy", action="store_true", help="write the deployed model (vanilla layout) instead of "
                                                           "the training form")
     p.add_argument("--fuse-bn", action="store_true", help="with --deploy: also fold every BN into its conv")

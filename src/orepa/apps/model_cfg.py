@@ -19,6 +19,8 @@ from torch import nn
 
 import orepa
 from orepa import models as zoo
+from orepa.convert import METHOD_OPTIONS
+from orepa.models.zoo import branch_list, branch_switches
 
 from .common import UserError, parse_key_values, positive_float, positive_int
 
@@ -84,8 +86,6 @@ def block_options_from_args(args: argparse.Namespace) -> dict:
         opts["branches"] = [b.strip() for b in args.branches.split(",") if b.strip()]
         if not opts["branches"]:  # not the default set, silently
             raise UserError(f"--branches {args.branches!r} names no branch (e.g. --branches kxk,1x1,1x1_avg)")
-    from orepa.models.zoo import branch_switches
-
     for key in (*BLOCK_FLAGS, *branch_switches()):
         if getattr(args, key, None) is not None:
             opts[key] = getattr(args, key)
@@ -383,16 +383,42 @@ def unknown_model(name: str) -> UserError:
                      f"{' / '.join(s + ':NAME' for s in EXTERNAL_SOURCES)} for a network of those libraries")
 
 
+def zoo_only_options() -> set[str]:
+    """The options of the zoo's models that no method of :func:`orepa.convert` takes: the plain
+    network's (widths, stem, ``zero_init_residual``), the zoo's OREPA ResNet's (``deep_stem``,
+    ``post_bn``, ``preset``) and the branch switches (``freq_prior``, ...: convert takes ``branches``)."""
+    options = set(branch_switches())
+    for name in zoo.list_models():
+        family = zoo.family_of(name)
+        options.update(family.common_options, *family.method_options.values())
+    return options.difference(*METHOD_OPTIONS.values())
+
+
+def _refuse_zoo_only_options(cfg: dict, options: dict) -> None:
+    """A :class:`UserError` naming every option of ``cfg`` (a torchvision / timm network's) that only the
+    zoo's models have (:func:`zoo_only_options`): convert's blocks would not take it (a TypeError in
+    each block, said as "found nothing to convert")."""
+    zoo_only = {k: cfg[k] for k, plain in (("width_mult", 1.0), ("small_input", False)) if cfg[k] != plain}
+    zoo_only_keys = zoo_only_options()
+    zoo_only.update((k, v) for k, v in options.items() if k in zoo_only_keys)
+    if not zoo_only:
+        return
+    switches = {k: v for k, v in zoo_only.items() if k in branch_switches()}
+    hint = ""
+    if switches and "branches" not in options and "branches" in METHOD_OPTIONS.get(cfg["method"], ()):
+        hint = f" (name its blocks' branches instead: --branches {','.join(branch_list(switches))})"
+    raise UserError(f"{', '.join(f'{k}={v}' for k, v in zoo_only.items())}: options of the zoo's models, not of "
+                    f"{cfg['model']}{hint}")
+
+
 def build_model(cfg: dict) -> nn.Module:
     """The training-form model described by ``cfg`` (see :data:`MODEL_CFG_KEYS`): from the zoo, or a
     torchvision / timm network (:func:`external_model`) turned into ``method`` by :func:`orepa.convert`
     with the block options of ``cfg["options"]``."""
     if external_source(cfg["model"]) is not None:
         check_external_name(cfg["model"])
-        zoo_only = [f"{k}={cfg[k]}" for k, plain in (("width_mult", 1.0), ("small_input", False)) if cfg[k] != plain]
-        if zoo_only:
-            raise UserError(f"{', '.join(zoo_only)}: options of the zoo's models, not of {cfg['model']}")
         options = dict(cfg["options"])
+        _refuse_zoo_only_options(cfg, options)
         kwargs = options.pop(MODEL_KWARGS, {})
         if not isinstance(kwargs, dict):
             raise UserError(f"{MODEL_KWARGS} must be a mapping of constructor keywords, got {kwargs!r}")

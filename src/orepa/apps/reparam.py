@@ -45,6 +45,7 @@ from .common import (
     count_params,
     full_float32,
     init_distributed,
+    path_arg,
     positive_float,
     positive_int,
     refuse_idle_flags,
@@ -56,8 +57,8 @@ from .model_cfg import deploy, describe_cfg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="a training checkpoint written by `orepa train`")
-    p.add_argument("-o", "--output", default=None,
+    p.add_argument("checkpoint", type=path_arg, help="a training checkpoint written by `orepa train`")
+    p.add_argument("-o", "--output", type=path_arg, default=None,
                    help="deployed checkpoint to write (default: <checkpoint dir>/deployed[-ema][-fused].pth)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --output whatever it holds (without it only an earlier deployment of this "
@@ -74,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--batch-size", type=positive_int, default=256)
     add_run_arguments(p, seed=False)  # (nothing here draws: a --val-subset is spread evenly)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results to PATH as JSON")
+    p.add_argument("--json", type=path_arg, default=None, metavar="PATH", help="also write the results to PATH as JSON")
 
 
 #: the destinations of the flags that only the verification on data reads

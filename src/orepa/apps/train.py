@@ -103,6 +103,7 @@ from .common import (
     nonneg_float,
     nonneg_int,
     out_of_memory,
+    path_arg,
     peak_memory,
     positive_float,
     positive_int,
@@ -233,14 +234,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="EMA decay per step at batch 1 (adjusted like torchvision's reference script)")
     add_run_arguments(p)
     g = p.add_argument_group("outputs, checkpoints and budgets")
-    g.add_argument("--output-dir", default=None,
+    g.add_argument("--output-dir", type=path_arg, default=None,
                    help="default runs/<data>-<model>-<method>; with --resume: the checkpoint's directory")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the run an --output-dir already holds (default: refuse)")
-    g.add_argument("--resume", default=None,
+    g.add_argument("--resume", type=path_arg, default=None,
                    help="continue the run of a training checkpoint (model, optimizer, scheduler, scaler, epoch, "
                         "position in the epoch, RNG) with its settings; flags given override them")
-    g.add_argument("--init-from", default=None, metavar="CKPT",
+    g.add_argument("--init-from", type=path_arg, default=None, metavar="CKPT",
                    help="start a new run from the weights of a checkpoint: training-form (of `orepa train`, or "
                         "`orepa import-reference`), or plain weights that start every block as its conv (deployed, a "
                         "--method base run's, or a plain network's state_dict such as torchvision's or timm's: "

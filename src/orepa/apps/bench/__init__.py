@@ -25,6 +25,7 @@ from orepa.apps.common import (
     init_distributed,
     method_list,
     nonneg_int,
+    path_arg,
     positive_float,
     positive_int,
     refuse_idle_flags,
@@ -103,11 +104,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_pack_argument(p)
     p.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
                    help="time steps of torch.compile'd models (default backend inductor; compiled outside the timing)")
-    p.add_argument("--output-dir", "--out-dir", dest="output_dir", default="bench_results",
+    p.add_argument("--output-dir", "--out-dir", dest="output_dir", type=path_arg, default="bench_results",
                    help="where TAG.json, TAG.md and the plots go (--out-dir: older spelling)")
     p.add_argument("--tag", default=None, help="output file stem (default from the settings)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--from-json", default=None, metavar="FILE",
+    p.add_argument("--from-json", type=path_arg, default=None, metavar="FILE",
                    help="re-render the table and plots of a saved result (no measurement), into --output-dir if "
                         "given, else next to FILE")
 
@@ -182,8 +183,6 @@ def run(args: argparse.Namespace) -> int:
     if args.tag is not None and (Path(args.tag).name != args.tag or args.tag in ("", ".", "..")):
         raise UserError(f"--tag {args.tag!r} is a file stem in --output-dir, not a path")
     if args.from_json is not None:
-        if not args.from_json.strip():
-            raise UserError("--from-json '' names no file (a result JSON written by orepa bench)")
         given = set(getattr(args, "given", None) or ())
         # said, not silently dropped: a re-rendered result keeps its own settings
         refuse_idle_flags(args, given - {"from_json", "output_dir", "no_plot", "overwrite"},
