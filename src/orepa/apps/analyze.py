@@ -32,6 +32,7 @@ from orepa.apps.checkpoint import (
     load_checkpoint,
     other_stem_hint,
     same_file,
+    same_source,
     state_dict_mismatch,
     with_bn_counts,
 )
@@ -306,14 +307,8 @@ def _check_previous(out: Path, meta: dict, overwrite: bool) -> None:
 def _same_analysis(held, meta: dict) -> bool:
     """Whether an earlier analysis's ``held`` meta is that of ``meta`` (a rerun of it): the same, with
     its checkpoint named by any path (``run/checkpoint.pth``, ``./run/...``, an absolute one)."""
-    if not isinstance(held, dict):
-        return False
-    held = {"ema": False, **held}  # (an analysis written before --use-ema was of the model's weights)
-    (a, b), (rest_a, rest_b) = (held.get("source"), meta.get("source")), (
-        {k: v for k, v in held.items() if k != "source"}, {k: v for k, v in meta.items() if k != "source"})
-    if rest_a != rest_b:
-        return False
-    return a == b or (isinstance(a, str) and isinstance(b, str) and same_file(Path(a), Path(b)))
+    # (an analysis written before --use-ema was of the model's weights)
+    return isinstance(held, dict) and same_source({"ema": False, **held}, meta, "source")
 
 
 def _described(meta: dict) -> str:
