@@ -232,22 +232,6 @@ def test_a_scripts_report_replaces_no_file_of_another_kind(tmp_path, monkeypatch
     assert path.read_bytes() == held
 
 
-def test_a_scripts_refusal_of_another_report_is_one_line_and_exit_code_2(tmp_path):
-    """On the command line (the scripts share their ending, benchmarks/_script.run): an ``orepa eval``
-    report given as the script's report is one ``error:`` line naming the flag and the report, exit
-    code 2, nothing measured; the report as it was."""
-    argv, path, flag = _report_at(tmp_path, "block_cost.py", "eval.json")
-    path.write_text(json.dumps(EVAL_REPORT))
-    held = path.read_bytes()
-    done = run_script("block_cost.py", argv, tmp_path)
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert done.stdout == ""
-    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert done.stderr.startswith(f"orepa block_cost.py: error: {flag} "), done.stderr
-    assert "is the report of orepa eval, not a report to replace" in done.stderr
-    assert path.read_bytes() == held
-
-
 @pytest.mark.parametrize("script", list(REPORTS))
 def test_a_script_replaces_its_own_earlier_report(tmp_path, monkeypatch, script):
     """A rerun to the same path: the script's report (marked ``"report": "benchmarks/<script>"``, as

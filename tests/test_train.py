@@ -21,6 +21,7 @@ from torch import nn
 import orepa
 from orepa.apps import checkpoint as ckpt_mod
 from orepa.apps import common, data, train
+from orepa.apps import demo as demo_app
 from orepa.apps.model_cfg import build_model
 from orepa.cli import main
 
@@ -1632,8 +1633,8 @@ def test_a_demo_rerun_never_replaces_a_run_trained_on_since(cache, tmp_path, cap
     refused as one the demo did not make; the demo's own run is still replaced by a rerun."""
     demo = ["demo", "--width-mult", "0.0625", "--train-subset", "32", "--val-subset", "16", "-b", "16", "--methods",
             "base", "--output-dir", str(tmp_path / "d"), "--cache-dir", cache, "--no-progress", "--in-process"]
-    for _ in range(2):
-        assert main(demo) == 0
+    assert main(demo) == 0
+    assert not demo_app._trained_on(tmp_path / "d" / "base")  # its own run: a rerun replaces it
     ckpt = tmp_path / "d" / "base" / "checkpoint.pth"
     assert main(["train", "--resume", str(ckpt), "--epochs", "2", "--no-progress", "--quiet"]) == 0
     before = ckpt.read_bytes()
