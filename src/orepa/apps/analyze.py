@@ -31,7 +31,6 @@ from orepa.apps.checkpoint import (
     json_text,
     load_checkpoint,
     other_stem_hint,
-    same_file,
     same_source,
     state_dict_mismatch,
     with_bn_counts,
@@ -325,8 +324,8 @@ def _other_weights_of_one_checkpoint(held: dict, meta: dict) -> bool:
     """Whether analyses ``held`` and ``meta`` are of one checkpoint (by any path), one of its model's
     weights and the other of its EMA's."""
     a, b = held.get("source"), meta.get("source")
-    return (bool(held.get("ema")) != bool(meta.get("ema")) and isinstance(a, str) and isinstance(b, str)
-            and (a == b or same_file(Path(a), Path(b))))
+    return (bool(held.get("ema")) != bool(meta.get("ema")) and isinstance(a, str)
+            and same_source({"source": a}, {"source": b}, "source"))
 
 
 def _names_a_model(name: str) -> bool:
