@@ -68,25 +68,47 @@ def _victim(tmp_path: Path, script: str) -> tuple[list[str], Path, bytes, str]:
     return [str(ckpt) if a == "CKPT" else a.replace("TMP", str(tmp_path)) for a in argv], ckpt, held, flag
 
 
+def _ends_through_run(script: str) -> bool:
+    """Whether ``benchmarks/SCRIPT``'s ``if __name__ == "__main__":`` ends with ``raise SystemExit(run(main))``
+    (:func:`benchmarks._script.run`, the command line's one ending)."""
+    import ast
+
+    tree = ast.parse((BENCHMARKS / script).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("__name__ == '__main__'", '__name__ == "__main__"'):
+            return ast.unparse(node.body[-1]) == "raise SystemExit(run(main))" and any(
+                ast.unparse(n) == "from _script import run" for n in node.body)
+    return False
+
+
 @pytest.mark.parametrize("script", list(REFUSALS))
 def test_a_script_refuses_to_write_over_a_runs_checkpoint_before_it_measures(tmp_path, monkeypatch, capsys, script):
     """``--json victim/checkpoint.pth`` (block_cost.py replaced a 5 MB checkpoint with its JSON, after
     measuring): an error naming the flag before anything is measured or printed (a report replaces no
-    checkpoint, as ``orepa eval --json`` says it); the checkpoint byte for byte as it was."""
+    checkpoint, as ``orepa eval --json`` says it); the checkpoint byte for byte as it was. Through the
+    scripts' command-line ending (``_script.run``, which each script's ``__main__`` calls), as
+    ``orepa``'s subcommands end: one ``error:`` line on stderr, no traceback, exit code 2 (a process of
+    its own for one script: the next test; one each cost seconds of imports apiece)."""
     monkeypatch.chdir(tmp_path)  # (where the fixed results files are)
     argv, ckpt, held, flag = _victim(tmp_path, script)
     mod = benchmark_script(script.removesuffix(".py"))
     with pytest.raises(UserError, match=rf"^{flag} .* is a checkpoint \(a zip archive\), not a report to replace"):
         mod.main(argv)
     assert capsys.readouterr().out == ""  # (each script prints as it measures)
+    assert _ends_through_run(script)
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *argv])
+    assert benchmark_script("_script").run(mod.main) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1, out
+    assert out.err.startswith(f"orepa {script}: error: {flag} "), out.err
     assert ckpt.read_bytes() == held
 
 
-@pytest.mark.parametrize("script", [s if s == "block_cost.py" else pytest.param(s, marks=pytest.mark.slow)
-                                    for s in REFUSALS])  # (a process each: seconds of imports)
-def test_a_scripts_refusal_is_one_line_and_exit_code_2(tmp_path, script):
-    """On the command line, as ``orepa``'s subcommands end: one ``error:`` line on stderr, no
-    traceback, exit code 2; nothing measured (nothing on stdout), the checkpoint as it was."""
+def test_a_scripts_refusal_is_one_line_and_exit_code_2(tmp_path):
+    """On the command line, in a process of its own (block_cost.py; every script ends through the
+    same ``_script.run``, checked in process above): one ``error:`` line on stderr, no traceback,
+    exit code 2; nothing measured (nothing on stdout), the checkpoint as it was."""
+    script = "block_cost.py"
     argv, ckpt, held, flag = _victim(tmp_path, script)
     done = run_script(script, argv, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]

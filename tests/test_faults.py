@@ -209,52 +209,6 @@ def test_ctrl_c_in_the_demo_stops_every_pipeline_at_a_checkpoint(cache, tmp_path
     assert not (out / "demo.json").exists()
 
 
-SIGNAL_RANK_ONE = """
-import os, signal, sys, time
-from orepa.apps import train
-real_time_up = train.Trainer._time_up
-def time_up(self):  # asked once a step: rank 1 alone gets a SIGTERM during its third (mid-epoch 2)
-    if os.environ["RANK"] == "1" and self.state.global_step == 2:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real_time_up(self)
-train.Trainer._time_up = time_up
-real_write = train.write_json
-def slow_write(path, *a, **k):  # rank 0's summary on a slow disk: rank 1, stopped by its signal, exits first
-    if os.environ["RANK"] == "0" and str(path).endswith("summary.json"):
-        time.sleep(3)
-    return real_write(path, *a, **k)
-train.write_json = slow_write
-from orepa.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-@pytest.mark.slow  # two torchrun launches
-def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(cache, tmp_path):
-    """Two gloo processes, 2 steps an epoch: only rank 1 receives SIGTERM, both stop after the same
-    step with one mid-epoch checkpoint and exit with 143; the resumed run ends with the ranks in sync.
-    Rank 0 writes its summary slowly: torchrun stops the other ranks when one exits non-zero, and
-    rank 1 no longer leaves before rank 0 is done."""
-    script = tmp_path / "signal_rank_one.py"
-    script.write_text(SIGNAL_RANK_ONE)
-    out = tmp_path / "ddp"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    argv = ["train", *TINY, "--epochs", "3", "--cache-dir", cache, "--output-dir", str(out), "--device", "cpu"]
-    proc = subprocess.run([*launch, str(script), *argv], env=child_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "exitcode  : 143" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ckpt = out / "checkpoint.pth"
-    assert f"stopped: a stop signal received (by another rank); continue with --resume {ckpt}" in proc.stdout
-    s = json.loads((out / "summary.json").read_text())
-    assert s["global_step"] == 3 and s["epochs_done"] == 1 and s["stop_signal"] == "" and s["ranks_in_sync"]
-    assert _load(ckpt)["global_step"] == 3 and _load(ckpt)["step_in_epoch"] == 1
-    # a DDP run resumes mid-epoch: the ranks in sync at its end
-    proc = subprocess.run([*launch, "-m", "orepa", "train", "--resume", str(ckpt), "--no-progress", "--quiet",
-                           "--device", "cpu"], env=child_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["global_step"] == 6 and s["stop_signal"] is None and s["ranks_in_sync"]
-
-
 def test_stop_signals_are_recorded_then_a_second_ctrl_c_interrupts_and_the_handlers_come_back():
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     with train.StopSignals() as signals:

@@ -34,34 +34,31 @@ def _recorded(phase: str, results: Path) -> list[str]:
 
 
 def test_every_command_of_every_phase_would_run(tmp_path):
-    import shlex
-
-    check = _checker().check
     lines = {phase: _recorded(phase, tmp_path) for phase in PHASES}
     for phase, commands in lines.items():
         assert commands, f"phase {phase} runs no command"
-    seen: dict[str, str] = {}
-    for phase, commands in lines.items():
-        for line in commands:
-            if line not in seen:  # phases share commands (step_times, the accuracy runs)
-                seen[line] = check(shlex.split(line))
+    # phases share commands (step_times, the accuracy runs): each distinct one checked once, in one batch
+    seen = _checker().Checker().check_all([line for commands in lines.values() for line in commands])
+    failed = {line: said for line, said in seen.items() if isinstance(said, Exception)}
+    assert not failed, failed
     assert any("variants built" in v for v in seen.values()) and any("tests selected" in v for v in seen.values())
 
 
 def test_the_check_names_what_would_fail():
-    import shlex
-
-    check = _checker().check
     bad = {"python3 -m orepa bench -m resnet18 --methods base orepa:graphz=true --device cuda": "graphz",
            "python3 -m orepa bench -m resnet18 --methods base orepa:builder=compield": "compield",
            "python3 -m orepa train --epochs 1 --kernel-graphz": "--kernel-graphz",
            "python3 -m orepa bench -m resnet18 --reps ten": "ten",
            "python3 -m pytest tests/test_cuda.py -k no_such_test_name": "selects no test",
+           "python3 -m pytest tests/test_cuda.py -k 'not ('": "pytest refuses -k 'not (' on tests/test_cuda.py (exit 4): ERROR: Wrong expression",
            "python3 benchmarks/profile_step.py --device cuda --stepz 3": "--stepz",
            "torchrun --nproc_per_node=1 -m orepa train --amp --sync-bn --bogus": "--bogus"}
+    said = _checker().Checker().check_all([*bad, "python3 -m pytest tests/test_cuda.py -k capture"])
     for line, word in bad.items():
-        with pytest.raises(Exception, match=word.replace("-", r"\-")):
-            check(shlex.split(line))
+        assert isinstance(said[line], Exception) and word in str(said[line]), (line, said[line])
+    assert "tests selected" in said["python3 -m pytest tests/test_cuda.py -k capture"]  # one batch: the others still run
+    with pytest.raises(ValueError, match="--bogus"):  # one command alone
+        _checker().check(["torchrun", "--nproc_per_node=1", "-m", "orepa", "train", "--bogus"])
 
 
 def test_the_goals_table_reads_the_recorded_gpu_results(tmp_path, capsys):

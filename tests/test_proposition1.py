@@ -1,6 +1,7 @@
 """Proposition 1 (gradient analysis on multi-branch topology), checked in float64 and empirically."""
 import pytest
 import torch
+from conftest import benchmark_script
 
 from orepa.analysis.proposition1 import MultiBranchConv, check_update
 from orepa.apps.proposition1 import load_fashion_mnist, similarity_experiment, synthetic_data
@@ -95,27 +96,34 @@ def test_fashion_mnist_comes_from_the_applications_reader(tmp_path, monkeypatch)
         load_fashion_mnist(5, cache_dir=tmp_path / "empty")
 
 
-def test_the_script_says_bad_input_in_one_line_and_writes_its_plots_whole(tmp_path):
+def test_the_script_says_bad_input_in_one_line_and_writes_its_plots_whole(tmp_path, monkeypatch, capsys):
     """benchmarks/proposition1.py: an unknown scaling (it failed after part (a) had run), --threads 0
-    and missing data were tracebacks; a run writes its JSON and both plots."""
+    and missing data were tracebacks; a run writes its JSON and both plots. The refusals through the
+    script's command-line ending in this process (``_script.run``, as its ``__main__`` ends), the run
+    in a process of its own."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "proposition1.py"
-    base = [sys.executable, str(script), "--steps", "2", "--n-train", "64", "--width", "4", "--batch", "8",
-            "--output-dir", str(tmp_path / "p")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--steps", "2", "--n-train", "64", "--width", "4", "--batch", "8", "--output-dir", str(tmp_path / "p")]
+    mod, ending = benchmark_script("proposition1"), benchmark_script("_script")
     for extra, said in ((["--scalings", "bogus"], "invalid choice: 'bogus'"),
                         (["--threads", "0"], "--threads: must be a positive integer")):
-        run = subprocess.run(base + extra, capture_output=True, text=True, env=env)
-        assert run.returncode == 2 and said in run.stderr and "Traceback" not in run.stderr, run.stderr
-    run = subprocess.run(base, capture_output=True, text=True, env={
-        **env, "OREPA_FASHION_MNIST_DIR": str(tmp_path / "absent"), "OREPA_CACHE": str(tmp_path / "cache")})
-    assert run.returncode == 2 and "Traceback" not in run.stderr and run.stderr.count("\n") == 1
-    assert run.stderr.startswith("orepa proposition1.py: error: Fashion-MNIST not found"), run.stderr
-    run = subprocess.run(base + ["--data", "synthetic", "--scalings", "none"], capture_output=True, text=True, env=env)
+        monkeypatch.setattr(sys, "argv", [str(script), *args, *extra])
+        with pytest.raises(SystemExit) as stop:  # argparse's own ending: usage, one error line
+            ending.run(mod.main)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and said in err and "Traceback" not in err, err
+    monkeypatch.setenv("OREPA_FASHION_MNIST_DIR", str(tmp_path / "absent"))
+    monkeypatch.setenv("OREPA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    assert ending.run(mod.main) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("orepa proposition1.py: error: Fashion-MNIST not found"), err
+    run = subprocess.run([sys.executable, str(script), *args, "--data", "synthetic", "--scalings", "none"],
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
         "proposition1.json", "similarity_curves.png", "similarity_final.png"]

@@ -1556,37 +1556,69 @@ def test_a_ddp_run_interrupted_inside_the_wrappers_call_frees_its_group(cache, t
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
 
 
-@pytest.mark.slow
-def test_ddp_ranks_draw_their_own_random_numbers_and_resume_each_stream(cache, tmp_path):
-    """Every rank had the same global random state (seeded alike, never offset): dropout and
-    drop-path dropped the same units on every rank. Now each rank draws from seed + rank after the
-    model is built alike, checkpoints keep every rank's streams, and a run stopped mid-epoch and
-    resumed ends bit-identical to one that was not (dropout 0.5 in the network; evaluated every epoch).
-    The loaders draw their workers' seeds from generators of their own: from the global one, the
-    resumed run's new iterator and every evaluation shifted the stream the masks are drawn from."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa"]
+SIGNAL_RANK_ONE = """
+import os, signal, sys, time
+from orepa.apps import train
+real_time_up = train.Trainer._time_up
+def time_up(self):  # asked once a step: rank 1 alone gets a SIGTERM during its third (mid-epoch 2)
+    if os.environ["RANK"] == "1" and self.state.global_step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_time_up(self)
+train.Trainer._time_up = time_up
+real_write = train.write_json
+def slow_write(path, *a, **k):  # rank 0's summary on a slow disk: rank 1, stopped by its signal, exits first
+    if os.environ["RANK"] == "0" and str(path).endswith("summary.json"):
+        time.sleep(3)
+    return real_write(path, *a, **k)
+train.write_json = slow_write
+from orepa.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow  # three torchrun launches: one test, not two, for the second costs as much again
+def test_a_signal_to_one_rank_stops_every_rank_and_the_resumed_run_ends_as_one_never_stopped(cache, tmp_path):
+    """Two gloo processes, 2 steps an epoch, dropout 0.5 in the network, evaluated every epoch.
+    Stopping: only rank 1 receives SIGTERM (during the third step); both stop after that step with
+    one mid-epoch checkpoint and exit with 143. Rank 0 writes its summary slowly: torchrun stops the
+    other ranks when one exits non-zero, and rank 1 no longer leaves before rank 0 is done.
+    Random streams: every rank had the same global random state (seeded alike, never offset), so
+    dropout and drop-path dropped the same units on every rank. Each rank draws from seed + rank
+    after the model is built alike, checkpoints keep every rank's streams, and the resumed run ends
+    bit-identical to one never stopped. The loaders draw their workers' seeds from generators of
+    their own: from the global one, the resumed run's new iterator and every evaluation shifted the
+    stream the masks are drawn from."""
+    script = tmp_path / "signal_rank_one.py"
+    script.write_text(SIGNAL_RANK_ONE)
+    env = child_env()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     argv = ["train", "-m", "timm:resnet10t", "--method", "base", "--model-kwarg", "drop_rate=0.5", "--train-subset",
             "32", "--val-subset", "16", "-b", "8", "--epochs", "2", "--lr-warmup-epochs", "0", "--no-progress",
             "--no-tensorboard", "--quiet", "-j", "0", "--cache-dir", cache, "--device", "cpu"]
 
-    def run(*extra):
-        proc = subprocess.run([*launch, *argv, *extra], env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    def run(*cmd):
+        return subprocess.run([*launch, *cmd], env=env, capture_output=True, text=True, timeout=300)
 
-    run("--output-dir", str(tmp_path / "whole"))
-    run("--output-dir", str(tmp_path / "parts"), "--max-steps", "3")  # 2 steps an epoch: stopped mid-epoch
-    ckpt = _load(tmp_path / "parts" / "checkpoint.pth")
+    proc = run("-m", "orepa", *argv, "--output-dir", str(tmp_path / "whole"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "parts"
+    proc = run(str(script), *argv, "--output-dir", str(out))
+    assert proc.returncode != 0 and "exitcode  : 143" in proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ckpt_path = out / "checkpoint.pth"
+    assert f"stopped: a stop signal received (by another rank); continue with --resume {ckpt_path}" in proc.stdout
+    s = json.loads((out / "summary.json").read_text())
+    assert s["global_step"] == 3 and s["epochs_done"] == 1 and s["stop_signal"] == "" and s["ranks_in_sync"]
+    ckpt = _load(ckpt_path)
+    assert ckpt["global_step"] == 3 and ckpt["step_in_epoch"] == 1
     ranks = ckpt["rng_ranks"]
     assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
     assert torch.equal(ckpt["rng"]["torch"], ranks[0]["torch"])
-    proc = subprocess.run([*launch, "train", "--resume", str(tmp_path / "parts" / "checkpoint.pth"), "--no-progress",
-                           "--quiet", "--device", "cpu", "-j", "0"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run("-m", "orepa", "train", "--resume", str(ckpt_path), "--no-progress", "--quiet", "--device", "cpu",
+               "-j", "0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     whole, parts = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "parts"))
     assert whole["global_step"] == parts["global_step"] == 4 and whole["ranks_in_sync"] and parts["ranks_in_sync"]
-    assert parts["weights_sha256"] == whole["weights_sha256"]
+    assert parts["stop_signal"] is None and parts["weights_sha256"] == whole["weights_sha256"]
 
 
 # --------------------------------------------------------------------------- CLI
