@@ -153,9 +153,14 @@ class Checker:
 
     def check_all(self, lines: list[str]) -> dict[str, str | Exception]:
         """Each distinct line's result: what it would do, or the exception saying why it would fail."""
-        argvs = {line: _strip_runner(shlex.split(line)) for line in lines}
-        self.collect([_pytest_selection(a[3:]) for a in argvs.values() if a[:3] == ["python3", "-m", "pytest"]])
         results: dict[str, str | Exception] = {}
+        argvs: dict[str, list[str]] = {}
+        for line in lines:
+            try:
+                argvs[line] = _strip_runner(shlex.split(line))
+            except ValueError as exc:  # an unbalanced quote: the shell would not run it either
+                results[line] = exc
+        self.collect([_pytest_selection(a[3:]) for a in argvs.values() if a[:3] == ["python3", "-m", "pytest"]])
         for line, argv in argvs.items():
             try:
                 results[line] = self.check(argv)

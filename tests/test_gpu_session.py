@@ -52,7 +52,8 @@ def test_the_check_names_what_would_fail():
            "python3 -m pytest tests/test_cuda.py -k no_such_test_name": "selects no test",
            "python3 -m pytest tests/test_cuda.py -k 'not ('": "pytest refuses -k 'not (' on tests/test_cuda.py (exit 4): ERROR: Wrong expression",
            "python3 benchmarks/profile_step.py --device cuda --stepz 3": "--stepz",
-           "torchrun --nproc_per_node=1 -m orepa train --amp --sync-bn --bogus": "--bogus"}
+           "torchrun --nproc_per_node=1 -m orepa train --amp --sync-bn --bogus": "--bogus",
+           "python3 -m orepa train --output-dir 'unclosed": "No closing quotation"}
     said = _checker().Checker().check_all([*bad, "python3 -m pytest tests/test_cuda.py -k capture"])
     for line, word in bad.items():
         assert isinstance(said[line], Exception) and word in str(said[line]), (line, said[line])
