@@ -18,6 +18,7 @@ import torch
 from orepa.analysis.proposition1 import proposition1_table
 from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import positive_float, positive_int, seed_int, thread_count
+from orepa.apps.data import prepare_fashion_mnist
 from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.proposition1 import similarity_experiment
 
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
     out = check_output_path(args.output_dir, "--output-dir", directory=True)  # before any training
     for name in FILES:  # (a directory, a run's checkpoint there by that name)
         check_output_path(out / name, "--output-dir", report=REPORT if name == REPORT_FILE else None)
-    out.mkdir(parents=True, exist_ok=True)
+    if args.data == "fashion-mnist":  # missing data said before part (a) runs and before --output-dir is made
+        prepare_fashion_mnist()
 
     rows = proposition1_table(steps=20)
     print("(a) end-to-end SGD update, multi-branch (3 branches) vs single conv-scale, float64")
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
         cells = [f"{r['initial_mean_cos']:+.3f}->{r['final_mean_cos']:+.3f} | {r['final_update_cos']:+.3f} "
                  f"{100 * r['test_accuracy']:4.1f}%" for r in exp["runs"].values()]
         print(f"{exp['config']['seed']:>4} " + "".join(f"{c:>30}" for c in cells))
+    out.mkdir(parents=True, exist_ok=True)
     files = plot(experiments[0], out)
     write_json(out / REPORT_FILE, report_of(REPORT, {"update_check": rows, "experiments": experiments}),
                indent=1)  # NaN as null

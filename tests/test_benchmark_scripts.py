@@ -121,8 +121,7 @@ def test_a_scripts_refusal_is_one_line_and_exit_code_2(tmp_path):
 
 def test_proposition1_refuses_a_runs_checkpoint_in_its_output_dir_before_training(tmp_path, capsys):
     """benchmarks/proposition1.py checks the files it will write in --output-dir before part (a) runs
-    (on the command line it keeps its own one-line error and exit code 1, which tests/test_proposition1.py
-    holds it to)."""
+    (on the command line: one error line, exit code 2, as tests/test_proposition1.py holds it to)."""
     out = tmp_path / "p"
     held = run_checkpoint(out / "proposition1.json")
     with pytest.raises(UserError, match=r"^--output-dir .*proposition1.json is a checkpoint \(a zip archive\)"):

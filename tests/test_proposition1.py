@@ -98,7 +98,8 @@ def test_fashion_mnist_comes_from_the_applications_reader(tmp_path, monkeypatch)
 
 def test_the_script_says_bad_input_in_one_line_and_writes_its_plots_whole(tmp_path, monkeypatch, capsys):
     """benchmarks/proposition1.py: an unknown scaling (it failed after part (a) had run), --threads 0
-    and missing data were tracebacks; a run writes its JSON and both plots. The refusals through the
+    and missing data were tracebacks (missing data is said before part (a) runs and before the output
+    directory is made); a run writes its JSON and both plots. The refusals through the
     script's command-line ending in this process (``_script.run``, as its ``__main__`` ends), the run
     in a process of its own."""
     import os
@@ -120,8 +121,9 @@ def test_the_script_says_bad_input_in_one_line_and_writes_its_plots_whole(tmp_pa
     monkeypatch.setenv("OREPA_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(sys, "argv", [str(script), *args])
     assert ending.run(mod.main) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("orepa proposition1.py: error: Fashion-MNIST not found"), err
+    said = capsys.readouterr()
+    assert said.err.count("\n") == 1 and said.err.startswith("orepa proposition1.py: error: Fashion-MNIST not found")
+    assert said.out == "" and not (tmp_path / "p").exists()  # before part (a) ran, nothing made
     run = subprocess.run([sys.executable, str(script), *args, "--data", "synthetic", "--scalings", "none"],
                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr
