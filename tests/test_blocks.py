@@ -472,6 +472,10 @@ def test_more_bad_configurations():
         (lambda: OREPAConv2d(4, 8, 3, mode="offline", branch_norm=True, scale_init={"kxk": 0.5}), ValueError,
          r"scale_init=.* has no scale to start.*branch_norm=True"),
         (lambda: OREPAConv2d(4, 8, 3, scale_init={"kxk": "0.5"}), TypeError, r"scale_init\['kxk'\] must be a number"),
+        # a NaN or inf scale made every output NaN
+        (lambda: OREPAConv2d(4, 8, 3, scale_init={"1x1": float("inf")}), ValueError,
+         r"scale_init\['1x1'\] must be a finite number, got inf"),
+        (lambda: orepa.build_branches([], 4, 8, 3, 1), ValueError, "branches must name at least one branch"),
     ],
 )
 def test_bad_sizes_and_types_raise_at_construction(make, error, match):

@@ -239,6 +239,8 @@ def test_unknown_branch_names_are_errors_not_skips():
     ({"scaling": "nope"}, "scaling must be one of"),
     ({"branches": ("kxk", "kxk")}, "duplicate branches ['kxk']"),
     ({"scale_init": {"kxk": "big"}}, "scale_init['kxk'] must be a number"),
+    ({"branches": ()}, "branches must name at least one branch"),
+    ({"scale_init": {"kxk": float("nan")}}, "scale_init['kxk'] must be a finite number"),
 ])
 def test_a_wrong_option_value_is_an_error_not_a_skip(opts, error):
     """Option values wrong whatever the conv: convert skips a conv whose block raises ValueError, so
@@ -1236,6 +1238,37 @@ def test_a_bare_block_deploys_in_its_mode_and_frozen_as_inside_a_model():
     assert orepa.reparameterize(orepa.OREPAConv2d(4, 4, 3)).training
 
 
+def test_a_method_or_exclude_of_the_wrong_type_is_named():
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4))
+    with pytest.raises(ValueError, match=r"unknown method \['orepa'\]; choose from"):
+        orepa.convert(plain, ["orepa"])
+    with pytest.raises(ValueError, match=r"unknown method \['dbb'\]"):
+        orepa.make_block(["dbb"], plain[0])
+    with pytest.raises(TypeError, match=r"exclude must be a function \(name, conv\) -> bool, got list"):
+        orepa.convert(plain, exclude=["0"])
+
+
+def test_a_bare_conv_converts_without_bn_to_its_block():
+    """The model itself the one conv: its block is the result (a KeyError before), deployed back to the conv."""
+    conv = nn.Conv2d(3, 5, 3, padding=1, bias=True).double()
+    block, report = orepa.convert(conv, without_bn=True, return_report=True)
+    assert isinstance(block, orepa.OREPAConv2d) and report.without_bn == [""]
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    block.train()(x).sum().backward()
+    deployed = orepa.reparameterize(block.eval())
+    assert type(deployed) is nn.Conv2d
+    torch.testing.assert_close(deployed(x), block(x))
+
+
+def test_a_bare_placeholder_deploys_to_its_batch_norm():
+    """Before, the restored BN was registered as a child named '' of the placeholder itself."""
+    placeholder = orepa.AbsorbedNorm(nn.BatchNorm2d(3, eps=1e-3))
+    restored = orepa.reparameterize(placeholder)
+    assert type(restored) is nn.BatchNorm2d and restored.eps == 1e-3 and not list(restored.children())
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(restored.eval()(x), x)
+
+
 def test_what_convert_skips_and_refuses_says_so_plainly():
     """A BN without running statistics is named as such (it was 'not followed by a BatchNorm2d it
     alone feeds'); a deep stem's padding refusal no longer says online blocks take any padding."""
@@ -1352,6 +1385,24 @@ def test_a_channels_last_model_deploys_to_channels_last_convs(fuse_bn, pack):
     assert len(kernels) == 17 and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
                                       for w in kernels)
     tol_close(deployed(x.to(memory_format=torch.channels_last)), y, rel=1e-5)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_model_converted_in_channels_last_keeps_that_layout_through_deployment(method):
+    """Moved to channels_last before convert: the blocks were made contiguous, so the deployed convs came
+    back contiguous in a channels_last network."""
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.Conv2d(4, 4, 5, padding=2, groups=2), nn.BatchNorm2d(4)).double()
+    model = orepa.convert(plain.to(memory_format=torch.channels_last), method)
+    _random_bn_state(model)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    model.train()(x).sum().backward()
+    y = model.eval()(x)
+    for fuse_bn in (False, True):
+        deployed = orepa.reparameterize(model, fuse_bn=fuse_bn)
+        assert all(deployed[i].weight.is_contiguous(memory_format=torch.channels_last)
+                   and not deployed[i].weight.is_contiguous() for i in (0, 3))
+        torch.testing.assert_close(deployed(x), y)
 
 
 class _LayerList(nn.Module):

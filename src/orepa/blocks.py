@@ -1218,6 +1218,8 @@ def check_block_options(*, branches=None, scaling: str = "vector", scale_init=No
     if isinstance(branches, str):
         raise TypeError(f"branches must be a sequence of branch names, got the string {branches!r}")
     names = tuple(branches or ())
+    if branches is not None and not names:  # (None: the block's default set)
+        raise ValueError("branches must name at least one branch")
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"duplicate branches {duplicates} in branches={list(names)}: name each branch once")
@@ -1230,6 +1232,8 @@ def check_block_options(*, branches=None, scaling: str = "vector", scale_init=No
     for n, v in (scale_init or {}).items():
         if isinstance(v, (bool, str, bytes)) or not hasattr(v, "__float__"):
             raise TypeError(f"scale_init[{n!r}] must be a number, got {v!r}")
+        if not math.isfinite(float(v)):  # a NaN or inf scale makes every output of the block NaN
+            raise ValueError(f"scale_init[{n!r}] must be a finite number, got {v!r}")
     if scale_init and scaling == "none":
         raise ValueError(f"scale_init={dict(scale_init)} has no scale to start: scaling='none'")
     for n, v, default in (("dw_expand", dw_expand, ""),

@@ -43,6 +43,7 @@ from .blocks import (
     OREPAVGGBlock,
     ReparamConv2d,
     RepVGGBlock,
+    _channels_last,
     _materialise_fixed_kernels,
     _resolve_init,
     check_block_options,
@@ -187,9 +188,9 @@ def _block_could_take(conv: nn.Module) -> bool:
 
 
 def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
-    """The ``method`` block replacing ``conv`` (same device, dtype, mode, and frozen where the conv's
-    weight is: a frozen stage stays frozen); ValueError if unsupported."""
-    if method not in METHODS:
+    """The ``method`` block replacing ``conv`` (same device, dtype, memory format, mode, and frozen where
+    the conv's weight is: a frozen stage stays frozen); ValueError if unsupported."""
+    if not isinstance(method, str) or method not in METHODS:  # (a list is unhashable: no dict lookup)
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     if not _convertible(conv):
         raise ValueError(f"{type(conv).__name__} is not a plain nn.Conv2d")
@@ -207,7 +208,9 @@ def make_block(method: str, conv: nn.Conv2d, **options) -> ReparamConv2d:
         block.deploy_class = type(conv)  # deployed back to the class it replaced
     if not conv.weight.requires_grad:
         block.requires_grad_(False)
-    return block.to(device=conv.weight.device, dtype=conv.weight.dtype).train(conv.training)
+    # laid out as the conv was (a model moved to channels_last before convert deploys to channels_last convs)
+    layout = {"memory_format": torch.channels_last} if _channels_last(conv.weight) else {}
+    return block.to(device=conv.weight.device, dtype=conv.weight.dtype, **layout).train(conv.training)
 
 
 #: the hooks a module may carry (attribute, what they are called), none of which a module replacing it has
@@ -734,7 +737,8 @@ def _replace_reason(model: nn.Module, slots: dict[int, int], names) -> str | Non
     (a tied weight: ``c2.weight = c1.weight``); swapping it under one name would leave the other
     name, or the other module, holding the old tensors. Or one carries hooks (:func:`_hooks`), which
     its replacement would drop. None where they can."""
-    shared = [n for n in names if n is not None and slots[id(model.get_submodule(n))] > 1]
+    # (the model itself is registered nowhere)
+    shared = [n for n in names if n is not None and slots.get(id(model.get_submodule(n)), 0) > 1]
     if shared:
         return (f"{shared[0]!r} is registered at several places (another attribute holds the same module), so "
                 "replacing it under one name would split it")
@@ -900,8 +904,10 @@ def convert(
             ``convert``): the message lists every conv and why it was skipped.
     """
     _check_module(model, "convert")
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:  # (a list is unhashable: no dict lookup)
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+    if exclude is not None and not callable(exclude):  # (else a TypeError at the first conv, naming no option)
+        raise TypeError(f"exclude must be a function (name, conv) -> bool, got {type(exclude).__name__}")
     if without_bn and method != "orepa":
         raise ValueError(f"without_bn=True is for method 'orepa', whose blocks keep the BN after them as it is; "
                          f"{method!r} blocks hold BNs of their own and absorb the BatchNorm2d after them, so they "
@@ -959,7 +965,10 @@ def convert(
             continue
         if bn_name is None:  # without_bn: orepa's block, which leaves what follows it as it is
             del report.skipped[conv_name]
-            _set_submodule(model, conv_name, block)
+            if conv_name:
+                _set_submodule(model, conv_name, block)
+            else:  # the model is the conv itself: its block is the result (as reparameterize gives a block's conv)
+                model = block
             report.converted.append(conv_name)
             report.without_bn.append(conv_name)
             continue
@@ -1209,11 +1218,13 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     state_dict keys as the model before :func:`convert`: blocks that held their
     own BNs give their bias to the restored BatchNorm2d. With ``fuse_bn=True``
     every conv-BN pair is folded as well (fastest inference form).
-    A bare block passed directly is returned as its ``nn.Conv2d``.
+    A bare block passed directly is returned as its ``nn.Conv2d``, a bare placeholder as its BatchNorm2d.
     """
     _check_module(model, "reparameterize")
     if isinstance(model, ReparamConv2d):
         return _deployed_conv(model)
+    if isinstance(model, AbsorbedNorm):  # a bare placeholder: its BN (no child of itself can stand for it)
+        return model.restore(None)
     if not inplace:
         model = _deepcopy(model)
     blocks = _top_level_blocks(model)
