@@ -1248,6 +1248,17 @@ def test_a_method_or_exclude_of_the_wrong_type_is_named():
         orepa.convert(plain, exclude=["0"])
 
 
+@pytest.mark.parametrize("opts,flag", [({"rep_1x1": "no"}, "rep_1x1"), ({"without_bn": "yes"}, "without_bn"),
+                                       ({"inplace": 1}, "inplace"), ({"branch_norm": 0.5}, "branch_norm")])
+def test_a_flag_that_is_not_true_or_false_is_named(opts, flag):
+    """``rep_1x1="no"`` was taken by its truth: the 1x1 convs converted, what it did not say."""
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    with pytest.raises(TypeError, match=rf"^{flag} must be True or False, got "):
+        orepa.convert(plain, **opts)
+    with pytest.raises(TypeError, match=r"^branch_norm must be True or False, got 'no' \(str\)"):
+        orepa.OREPAConv2d(4, 4, 3, mode="offline", branch_norm="no")
+
+
 def test_a_bare_conv_converts_without_bn_to_its_block():
     """The model itself the one conv: its block is the result (a KeyError before), deployed back to the conv."""
     conv = nn.Conv2d(3, 5, 3, padding=1, bias=True).double()

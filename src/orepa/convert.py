@@ -48,6 +48,7 @@ from .blocks import (
     _resolve_init,
     check_block_options,
     check_conv_config,
+    check_flags,
     keep_layout,
 )
 from .engine import group_kernels
@@ -908,6 +909,8 @@ def convert(
         raise ValueError(f"unknown method {method!r}; choose from {sorted(METHODS)}")
     if exclude is not None and not callable(exclude):  # (else a TypeError at the first conv, naming no option)
         raise TypeError(f"exclude must be a function (name, conv) -> bool, got {type(exclude).__name__}")
+    check_flags({"inplace": inplace, "return_report": return_report, "without_bn": without_bn, **options},
+                ("inplace", "return_report", "without_bn", "rep_1x1", "branch_norm", "inner_norm"))
     if without_bn and method != "orepa":
         raise ValueError(f"without_bn=True is for method 'orepa', whose blocks keep the BN after them as it is; "
                          f"{method!r} blocks hold BNs of their own and absorb the BatchNorm2d after them, so they "

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from ..blocks import BRANCH_TYPES, OREPA_BRANCHES, ReparamConv2d, Scale, check_block_options
+from ..blocks import BRANCH_TYPES, OREPA_BRANCHES, ReparamConv2d, Scale, check_block_options, check_flags
 from ..engine import group_kernels
 
 __all__ = ["create_model", "list_models", "list_methods", "ABLATIONS", "model_family",
@@ -176,9 +176,7 @@ def _check_model_args(num_classes, in_chans, options: Mapping[str, Any]) -> None
     ``convert`` skips a conv whose block raises a ValueError, which would leave convs plain silently."""
     _check_count("num_classes", num_classes, 0, " (0: no classifier, the pooled features)")
     _check_count("in_chans", in_chans, 1)
-    for key in (*BOOL_OPTIONS, *branch_switches()):
-        if key in options and not isinstance(options[key], bool):
-            raise TypeError(f"{key} must be True or False, got {options[key]!r} ({type(options[key]).__name__})")
+    check_flags(options, (*BOOL_OPTIONS, *branch_switches()))
     if "width_mult" in options:
         w = options["width_mult"]
         if isinstance(w, bool) or not isinstance(w, numbers.Real):
