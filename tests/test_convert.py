@@ -1269,6 +1269,9 @@ def test_a_bare_conv_converts_without_bn_to_its_block():
     deployed = orepa.reparameterize(block.eval())
     assert type(deployed) is nn.Conv2d
     torch.testing.assert_close(deployed(x), block(x))
+    conv.register_forward_hook(lambda *args: None)  # its refusal names the model, not ''
+    with pytest.raises(ValueError, match="the Conv2d itself carries forward hooks"):
+        orepa.convert(conv, without_bn=True)
 
 
 def test_a_bare_placeholder_deploys_to_its_batch_norm():

@@ -748,7 +748,8 @@ def _replace_reason(model: nn.Module, slots: dict[int, int], names) -> str | Non
             continue
         hooks = _hooks(model.get_submodule(n))
         if hooks:
-            return (f"{n!r} carries {hooks} (a caller's, or torch.nn.utils.weight_norm / spectral_norm's), which "
+            who = repr(n) if n else f"the {type(model).__name__} itself"  # (the model is the conv: its name is '')
+            return (f"{who} carries {hooks} (a caller's, or torch.nn.utils.weight_norm / spectral_norm's), which "
                     "the block or fold replacing it would drop")
         for pname, p in model.get_submodule(n)._parameters.items():
             if p is not None and slots.get(id(p), 1) > 1:
