@@ -142,6 +142,11 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
          "--dynamo applies to --format onnx, not --format torchscript"),
         (["--model", "resnet18", "--format", "torchscript", "--opset", "17"],
          "--opset 17 applies to --format onnx, not --format torchscript"),
+        # the bound of a verification that does not run: taken and ignored, exit 0
+        (["--model", "resnet18", "--no-verify", "--rtol", "0.5", "-o", str(tmp_path / "nv.onnx")],
+         "--no-verify skips the verification; --rtol do(es) not apply then"),
+        (["--model", "resnet18", "--no-verify", "--atol", "0.5", "-o", str(tmp_path / "nv.onnx")],
+         "--no-verify skips the verification; --rtol do(es) not apply then"),
     ]
     bare = tmp_path / "bare.pt"
     torch.save(zoo.create_model("resnet18", "base", num_classes=10, width_mult=0.25).state_dict(), bare)

@@ -1275,6 +1275,54 @@ def test_a_checkpoint_of_nan_weights_is_refused_except_by_eval(reference, tmp_pa
     assert res["loss"] is None and res["nonfinite"], res
 
 
+def test_a_negative_bn_running_variance_is_refused_except_by_eval(reference, tmp_path, cache, capsys):
+    """A BN running variance below zero (a damaged file) passes the non-finite check, and its square
+    root is NaN: reparam --fuse-bn --no-verify wrote a deployed model of NaN weights and export
+    --no-verify a NaN graph, both exit 0 (verified, they failed as outputs that "differ", NaN > NaN);
+    eval said nothing beside a loss of NaN. Now deploying, exporting or starting a run from it is one
+    line naming the buffer (the check of loaded weights every command runs), and eval warns."""
+    model = dict(reference["model"])
+    model["bn1.running_var"] = model["bn1.running_var"].clone()
+    model["bn1.running_var"][0] = -1.0
+    ema = dict(reference["model"])  # (the weights --use-ema takes)
+    d = tmp_path / "negative"
+    d.mkdir()
+    path = _damaged_copy(reference, d / "negative.pth", model=model, model_ema=ema)
+    for argv in (["reparam", path, "-o", str(tmp_path / "deployed.pth"), "--fuse-bn", "--no-verify"],
+                 ["reparam", path, "-o", str(tmp_path / "deployed.pth"), "--cache-dir", cache, "--val-subset", "16"],
+                 ["export", path, "-o", str(tmp_path / "m.pt"), "--format", "torchscript", "--no-verify"],
+                 ["export", path, "-o", str(tmp_path / "m.onnx")],
+                 ["train", *TINY, "--init-from", path, "--cache-dir", cache, "--output-dir", str(tmp_path / "run")]):
+        err = _one_error_line(argv, capsys)
+        assert f"{path} holds a negative BN running variance, in buffer bn1.running_var (min -1)" in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["negative"]
+    capsys.readouterr()
+    assert main(["reparam", path, "-o", str(tmp_path / "ema.pth"), "--use-ema", "--no-verify"]) == 0  # its EMA is whole
+    capsys.readouterr()
+    assert main(["eval", path, "--val-subset", "16", "--no-progress", "--cache-dir", cache]) == 0
+    err = capsys.readouterr().err
+    assert "warning: " in err and "negative BN running variance, in buffer bn1.running_var" in err, err
+
+
+@pytest.mark.parametrize("kind", ["int", "complex", "sparse"])
+def test_weights_that_are_not_real_floats_are_refused_naming_the_key(reference, tmp_path, capsys, kind):
+    """Integer or complex weights were cast by load_state_dict without a word (complex losing its
+    imaginary part; eval, reparam and export exited 0), sparse ones failed deep inside it."""
+    model = dict(reference["model"])
+    w = model["fc.weight"]
+    model["fc.weight"] = {"int": lambda: w.round().long(), "complex": lambda: w.to(torch.complex64),
+                          "sparse": lambda: w.to_sparse()}[kind]()
+    d = tmp_path / "kinds"
+    d.mkdir()
+    path = _damaged_copy(reference, d / "kinds.pth", model=model)
+    for argv in (["eval", path, "--val-subset", "16", "--no-progress"],
+                 ["reparam", path, "-o", str(tmp_path / "deployed.pth"), "--no-verify"]):
+        err = _one_error_line(argv, capsys)
+        assert "1 tensor(s) not of real floats (fc.weight: checkpoint torch." in err and "vs model torch.float32" in err, \
+            (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kinds"]
+
+
 def test_a_run_that_fails_in_setup_leaves_no_directory_it_made(cache, tmp_path, capsys):
     """-b larger than the training set fails after the output directory was made: the directories
     the run made go again (an empty tree was left behind); one that existed before stays."""

@@ -408,6 +408,24 @@ def test_damaged_tensors_are_refused_naming_the_key(tmp_path, capsys):
         orepa.import_reference({**sd, vec: torch.cat([sd[vec], sd[vec][:1]])})
 
 
+def test_a_tensor_with_no_rows_is_one_line(tmp_path, capsys):
+    """A DBB identity conv with no rows: its group count came out 0 and the import ended in a
+    ZeroDivisionError traceback (orepa.import_reference: the ZeroDivisionError, not its ValueError)."""
+    from orepa.cli import main
+
+    sd = make_resnet("dbb", [2, 2, 2, 2], [4, 8, 16, 32], seed=3)
+    key = "stage2.0.conv1.dbb_1x1_kxk.idconv1.weight"
+    torch.save({**sd, key: sd[key][:0]}, tmp_path / "ref.pth")
+    capsys.readouterr()
+    assert main(["import-reference", str(tmp_path / "ref.pth"), "-o", str(tmp_path / "out.pth")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reading reference module 'stage2.0.conv1': a tensor of the checkpoint has the wrong " \
+        "shape or type for the reference layout (ZeroDivisionError" in err[0], err
+    assert not (tmp_path / "out.pth").exists()
+    with pytest.raises(ValueError, match="wrong shape or type"):  # the library's documented error, not the CLI's
+        orepa.import_reference({**sd, key: sd[key][:0]})
+
+
 def test_train_resume_of_an_import_that_does_not_fit_the_data_is_one_line(tmp_path, capsys):
     """A 3-channel import fine-tuned on Fashion-MNIST (1 channel): one error line, not a shape
     error at the first batch."""

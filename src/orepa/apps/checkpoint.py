@@ -63,7 +63,7 @@ from ..state_dicts import (
     strip_prefixes,
     without_ema_counter,
 )
-from .common import UserError, first_nonfinite, some_of
+from .common import UserError, first_nonfinite, negative_bn_variance, some_of
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg, external_source
 
 FORMAT = "orepa-checkpoint"
@@ -812,16 +812,23 @@ def _check_metadata(path: Path, ckpt: dict) -> None:
 EMA_NOTE = " (its EMA weights)"
 
 
-def check_finite(model: nn.Module, path, use: str, *, optimizer=None, ema=None, use_ema: bool = False) -> None:
-    """A :class:`UserError` where the weights loaded from checkpoint ``path`` into ``model`` hold
-    NaN/inf (orepa writes none: such a file is damaged, or another tool's diverged run); ``use``:
-    what this command would have made of them; ``use_ema``: ``model`` holds the checkpoint's EMA
-    weights (--use-ema), said so."""
+def check_loaded_weights(model: nn.Module, path, use: str, *, optimizer=None, ema=None,
+                         use_ema: bool = False) -> None:
+    """A :class:`UserError` where the weights loaded from checkpoint ``path`` into ``model`` (and the
+    optimizer's state, the EMA's weights given) hold NaN/inf, or a BN running variance below zero
+    (finite, but the BN's square root of it is NaN): orepa writes neither, so such a file is damaged,
+    or another tool's diverged run. ``use``: what this command would have made of them;
+    ``use_ema``: ``model`` holds the checkpoint's EMA weights (--use-ema), said so."""
+    where = f"{path}{EMA_NOTE if use_ema else ''}"
+    after = "(`orepa eval` still reports what it computes)"
     bad = first_nonfinite(model, optimizer, ema)
     if bad:
-        raise UserError(f"{path}{EMA_NOTE if use_ema else ''} holds non-finite values (NaN/inf), first in {bad}: "
-                        f"{use}; give a checkpoint from before the run diverged (`orepa eval` still reports what "
-                        "it computes)")
+        raise UserError(f"{where} holds non-finite values (NaN/inf), first in {bad}: {use}; give a checkpoint from "
+                        f"before the run diverged {after}")
+    bad = negative_bn_variance(model, ema)
+    if bad:
+        raise UserError(f"{where} holds a negative BN running variance, in {bad}: a damaged statistic (the BN's "
+                        f"square root of it is NaN); {use} {after}")
 
 
 def with_bn_counts(model: nn.Module, sd: dict) -> dict:
@@ -840,6 +847,12 @@ def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
     unexpected = [k for k in sd if k not in own]
     shapes = [f"{k}: checkpoint {list(sd[k].shape)} vs model {list(own[k].shape)}"
               for k in own if k in sd and isinstance(sd[k], torch.Tensor) and sd[k].shape != own[k].shape]
+    # integers, booleans, complex or sparse tensors where the model holds real floats: load_state_dict
+    # casts them without a word (complex loses its imaginary part) or fails deep inside (sparse)
+    kinds = [f"{k}: checkpoint {sd[k].dtype}{'' if sd[k].layout == torch.strided else f' {sd[k].layout}'} vs "
+             f"model {own[k].dtype}" for k in own
+             if k in sd and isinstance(sd[k], torch.Tensor) and own[k].is_floating_point()
+             and (not sd[k].is_floating_point() or sd[k].layout != torch.strided)]
     parts = []
     if missing:
         parts.append(f"{len(missing)} missing key(s) ({some_of(missing)})")
@@ -847,6 +860,8 @@ def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
         parts.append(f"{len(unexpected)} unexpected key(s) ({some_of(unexpected)})")
     if shapes:
         parts.append(f"{len(shapes)} shape mismatch(es) ({some_of(shapes, 2)})")
+    if kinds:
+        parts.append(f"{len(kinds)} tensor(s) not of real floats ({some_of(kinds, 2)})")
     return "; ".join(parts)
 
 

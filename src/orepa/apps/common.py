@@ -167,6 +167,19 @@ def first_nonfinite(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     return None
 
 
+def negative_bn_variance(model: nn.Module, ema=None) -> str | None:
+    """The first BN running variance of ``model`` (or of the EMA's) holding a value below zero, as
+    ``"buffer NAME (min VALUE)"``; else None. No trained or folded statistic is negative: such a file
+    is damaged, and the BN's square root of it makes every output NaN though each value is finite."""
+    modules = [("", model), *([("EMA ", ema.module)] if ema is not None else [])]
+    for who, root in modules:
+        for name, m in root.named_modules():
+            var = getattr(m, "running_var", None) if isinstance(m, nn.modules.batchnorm._NormBase) else None
+            if isinstance(var, torch.Tensor) and var.is_floating_point() and bool((var < 0).any()):
+                return f"{who}buffer {name + '.' if name else ''}running_var (min {var.min().item():.3g})"
+    return None
+
+
 def user_message(exc: BaseException) -> str:
     """``exc``'s message as one line (one re-raised from a DataLoader worker: its original message)."""
     msg = str(exc).strip()

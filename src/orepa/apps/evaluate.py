@@ -34,6 +34,7 @@ from .common import (
     count_params,
     first_nonfinite,
     init_distributed,
+    negative_bn_variance,
     path_arg,
     peak_memory,
     positive_int,
@@ -193,6 +194,11 @@ def evaluate_checkpoint(args: argparse.Namespace, info: DistInfo, device: torch.
         # run (or a non-finite buffer the forward never reads) is legitimate; the numbers may be garbage
         print(f"warning: {args.checkpoint} holds non-finite values (NaN/inf), first in {bad}: the accuracy "
               "and loss below may be meaningless (a diverged run?)", file=sys.stderr, flush=True)
+    negative = negative_bn_variance(model)
+    if negative and info.is_main:  # (a warning for the same reason: eval reports what the weights compute)
+        print(f"warning: {args.checkpoint} holds a negative BN running variance, in {negative}: a damaged "
+              "statistic, whose square root is NaN: the accuracy and loss below may be meaningless",
+              file=sys.stderr, flush=True)
     model.to(device)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)

@@ -54,6 +54,7 @@ from .common import (
     path_arg,
     positive_float,
     positive_int,
+    refuse_idle_flags,
     tolerance_bound,
 )
 from .model_cfg import (
@@ -503,6 +504,8 @@ def _check_output(out: Path, args: argparse.Namespace, path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     apply_threads(args)
+    if args.no_verify:  # said, not silently dropped (as reparam says it)
+        refuse_idle_flags(args, ("rtol",), "--no-verify skips the verification")
     if args.format != "onnx" and (args.dynamo or args.opset is not None):  # said, not silently dropped
         raise UserError(f"{'--dynamo' if args.dynamo else f'--opset {args.opset}'} applies to --format onnx, not "
                         f"--format {args.format}")
@@ -524,7 +527,8 @@ def run(args: argparse.Namespace) -> int:
                             "with, --small-input (orepa train's default on Fashion-MNIST) or --no-small-input")
         cfg = checkpoint_cfg_without_data(args, ckpt, path, ckpt["model"])
         model, cfg, form = ckpt_io.model_from_checkpoint(ckpt, path, cfg=cfg, use_ema=args.use_ema)
-        ckpt_io.check_finite(model, path, "an exported model would compute nothing useful", use_ema=args.use_ema)
+        ckpt_io.check_loaded_weights(model, path, "an exported model would compute nothing useful",
+                                     use_ema=args.use_ema)
         print(f"loaded {path}{ckpt_io.EMA_NOTE if args.use_ema else ''} as the {FORM_NAMES[form]} of "
               f"{describe_cfg(cfg)}")
     else:

@@ -25,7 +25,7 @@ from .checkpoint import (
     FORMAT,
     VERSION,
     args_dict,
-    check_finite,
+    check_loaded_weights,
     check_output_path,
     checkpoint_form,
     deployed_file_name,
@@ -166,7 +166,8 @@ def reparam(args: argparse.Namespace) -> dict:
         model, cfg, form = checkpoint_model(args, ckpt, data)
     if form != "train":
         raise UserError(f"{args.checkpoint} holds deployed weights ({form}); nothing to reparameterize")
-    check_finite(model, args.checkpoint, "its deployed form would compute nothing useful", use_ema=args.use_ema)
+    check_loaded_weights(model, args.checkpoint, "its deployed form would compute nothing useful",
+                         use_ema=args.use_ema)
     model.to(device).eval()
     deployed = deploy(model, form_out).to(device).eval()
     res = {"checkpoint": str(args.checkpoint), "model": describe_cfg(cfg), "form": form_out, "ema": bool(args.use_ema),

@@ -64,7 +64,7 @@ from .checkpoint import (
     VERSION,
     adapt_input_channels,
     args_dict,
-    check_finite,
+    check_loaded_weights,
     check_output_path,
     classifier_rows_by_name,
     load_checkpoint,
@@ -814,7 +814,7 @@ class Trainer:
         how = load_model_state(model, sd, path=path, built=describe_cfg(self.cfg),
                                saved=describe_cfg(saved_cfg) if saved_cfg else None, keep=fresh,
                                plain=bare or self.plain_start)
-        check_finite(model, path, "a run started from it would train on NaN")
+        check_loaded_weights(model, path, "a run started from it would train on NaN")
         # where the checkpoint came from: a reference checkpoint it was imported from, a run it was deployed from
         source = self.start_weights.get("source")
         made = "imported" if self.start_weights.get("imported_from") else "deployed"
@@ -1007,7 +1007,7 @@ class Trainer:
                 raise UserError(f"--resume {args.resume}: damaged rng (the random generators' state: "
                                 f"{type(exc).__name__}: {why[:160]}); the run cannot continue exactly from it: "
                                 "start a new run from its weights with --init-from") from None
-        check_finite(self.model, args.resume, "the run cannot continue from it", optimizer=self.optimizer,
+        check_loaded_weights(self.model, args.resume, "the run cannot continue from it", optimizer=self.optimizer,
                      ema=self.ema)
         saved = ckpt.get("args") or {}
         world = self.info.world_size

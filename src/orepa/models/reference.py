@@ -523,11 +523,12 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
 
 @contextlib.contextmanager
 def _layout_errors(what: str):
-    """A tensor of another shape or type than the layout's (a 1-D kernel, ...) met while reading
-    ``what``: a ValueError naming it, not an IndexError from deep inside."""
+    """A tensor of another shape or type than the layout's (a 1-D kernel, one with no rows: a group
+    count of 0, ...) met while reading ``what``: a ValueError naming it, not an IndexError or a
+    ZeroDivisionError from deep inside."""
     try:
         yield
-    except (IndexError, RuntimeError, TypeError) as exc:
+    except (IndexError, RuntimeError, TypeError, ArithmeticError) as exc:
         raise ValueError(f"reading {what}: a tensor of the checkpoint has the wrong shape or type for the "
                          f"reference layout ({type(exc).__name__}: {str(exc)[:120]})") from None
 
