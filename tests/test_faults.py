@@ -1323,6 +1323,19 @@ def test_weights_that_are_not_real_floats_are_refused_naming_the_key(reference, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kinds"]
 
 
+def test_use_ema_on_a_deployed_checkpoint_says_where_the_ema_weights_are(reference, tmp_path, capsys):
+    """A deployed checkpoint holds one set of weights: --use-ema said "train with --model-ema", wrong
+    advice where the run had an EMA; it names the command that deploys the run's EMA weights."""
+    (tmp_path / "run").mkdir()
+    reference_path = _damaged_copy(reference, tmp_path / "run" / "checkpoint.pth")
+    deployed = tmp_path / "deployed.pth"
+    assert main(["reparam", reference_path, "-o", str(deployed), "--no-verify"]) == 0
+    capsys.readouterr()
+    err = _one_error_line(["eval", str(deployed), "--use-ema", "--val-subset", "16", "--no-progress"], capsys)
+    assert (f"{deployed} holds deployed model weights, no EMA weights; deploy the run's EMA weights with `orepa "
+            f"reparam {os.path.abspath(reference_path)} --use-ema`") in err, err
+
+
 def test_a_run_that_fails_in_setup_leaves_no_directory_it_made(cache, tmp_path, capsys):
     """-b larger than the training set fails after the output directory was made: the directories
     the run made go again (an empty tree was left behind); one that existed before stays."""

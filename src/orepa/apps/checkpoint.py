@@ -974,6 +974,10 @@ def checkpoint_weights(ckpt: dict, path, use_ema: bool = False) -> dict:
         if ckpt.get("ema"):
             raise UserError(f"{path} holds EMA weights as its model (deployed by orepa reparam --use-ema): "
                             "leave out --use-ema")
+        if ckpt.get("form", "train") != "train":  # deployed from a run's model weights: its EMA, if any, is there
+            source = ckpt.get("source_path") or ckpt.get("source")
+            raise UserError(f"{path} holds deployed model weights, no EMA weights; deploy the run's EMA weights with "
+                            f"`orepa reparam {source or 'CHECKPOINT'} --use-ema`")
         raise UserError(f"{path} has no EMA weights (train with --model-ema)")
     return ckpt["model_ema"]
 
