@@ -2148,7 +2148,8 @@ def test_a_checkpoint_whose_tensor_has_another_shape_is_refused_naming_the_key_a
 
 def test_a_checkpoint_read_as_another_method_names_what_it_was_saved_for(tmp_path):
     """A training checkpoint (form "train") of an OREPA ResNet-18 read as a DBB one is refused in that
-    form, naming the network built and the one it was saved for; read as itself it loads."""
+    form, naming the network built and the one it was saved for; read as itself it loads. EMA weights
+    that do not fit were named as the checkpoint's, with a clause repeating the network built."""
     cfg = {"model": "resnet18", "method": "orepa", "num_classes": 10, "in_chans": 1, "small_input": True,
            "width_mult": 0.0625, "options": {}}
     path = tmp_path / "orepa.pth"
@@ -2160,6 +2161,12 @@ def test_a_checkpoint_read_as_another_method_names_what_it_was_saved_for(tmp_pat
         ckpt_mod.model_from_checkpoint(ckpt, path, cfg={**cfg, "method": "dbb"})
     msg = str(e.value)
     assert "does not fit the model built" in msg and "[train]" in msg and "(it was saved for" in msg
+    # EMA weights that do not fit: named as the EMA's, and no clause saying it was saved for the same network
+    damaged = {**ckpt, "model_ema": dict(list(ckpt["model"].items())[1:])}
+    with pytest.raises(common.UserError) as e:
+        ckpt_mod.model_from_checkpoint(damaged, path, use_ema=True)
+    msg = str(e.value)
+    assert f"checkpoint {path} (its EMA weights) does not fit" in msg and "(it was saved for" not in msg, msg
 
 
 def test_the_cosine_schedule_decays_from_the_peak_to_the_lr_min_floor():

@@ -1028,7 +1028,9 @@ def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema:
         if form not in FORMS:
             raise UserError(f"{path}: unknown model form {form!r}")
         model = build_model_form(cfg, form)
-        load_model_state(model, sd, path=path, built=f"{describe_cfg(cfg)} [{form}]", saved=saved_desc)
+        # (the EMA named where its weights are the ones that do not fit; the saved model said where it differs)
+        load_model_state(model, sd, path=f"{path}{EMA_NOTE if use_ema else ''}", built=f"{describe_cfg(cfg)} [{form}]",
+                         saved=f"{saved_desc} [{form}]" if saved_desc else None)
         return model.eval(), cfg, form
     problems = []
     for form in FORMS:
@@ -1040,5 +1042,6 @@ def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema:
             return model.eval(), cfg, form
         problems.append(f"as {form}: {problem}")
     hint = other_stem_hint(cfg, sd) if saved_cfg is None else ""  # (a saved model_cfg says its stem)
-    raise UserError(f"checkpoint {path} fits no form of {describe_cfg(cfg)}: " + " | ".join(problems)
+    raise UserError(f"checkpoint {path}{EMA_NOTE if use_ema else ''} fits no form of {describe_cfg(cfg)}: "
+                    + " | ".join(problems)
                     + (f".{hint}" if hint else ""))
