@@ -1008,7 +1008,7 @@ class Trainer:
                                 f"{type(exc).__name__}: {why[:160]}); the run cannot continue exactly from it: "
                                 "start a new run from its weights with --init-from") from None
         check_loaded_weights(self.model, args.resume, "the run cannot continue from it", optimizer=self.optimizer,
-                     ema=self.ema)
+                             ema=self.ema)
         saved = ckpt.get("args") or {}
         world = self.info.world_size
         w0 = saved.get("world_size") or world
