@@ -18,7 +18,7 @@ import torch
 from orepa.analysis.proposition1 import proposition1_table
 from orepa.apps.checkpoint import check_output_path, report_of, write_json
 from orepa.apps.common import positive_float, positive_int, seed_int, thread_count
-from orepa.apps.data import prepare_fashion_mnist
+from orepa.apps.data import add_cache_dir_argument, prepare_fashion_mnist
 from orepa.apps.logs import pyplot, save_figure
 from orepa.apps.proposition1 import similarity_experiment
 
@@ -82,13 +82,14 @@ def main(argv=None) -> int:
     p.add_argument("--data", default="fashion-mnist", choices=["fashion-mnist", "synthetic"])
     p.add_argument("--scalings", nargs="+", default=["none", "scalar", "vector"], choices=["none", "scalar", "vector"])
     p.add_argument("--threads", type=thread_count, default=1)
+    add_cache_dir_argument(p)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = check_output_path(args.output_dir, "--output-dir", directory=True)  # before any training
     for name in FILES:  # (a directory, a run's checkpoint there by that name)
         check_output_path(out / name, "--output-dir", report=REPORT if name == REPORT_FILE else None)
     if args.data == "fashion-mnist":  # missing data said before part (a) runs and before --output-dir is made
-        prepare_fashion_mnist()
+        prepare_fashion_mnist(args.cache_dir)
 
     rows = proposition1_table(steps=20)
     print("(a) end-to-end SGD update, multi-branch (3 branches) vs single conv-scale, float64")
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     for seed in args.seeds:
         exp = similarity_experiment(args.scalings, steps=args.steps, batch=args.batch, lr=args.lr, width=args.width,
                                     n_train=args.n_train, data=args.data, seed=seed, log_every=max(args.steps // 20, 1),
-                                    log=print)
+                                    log=print, cache_dir=args.cache_dir)
         experiments.append(exp)
     print("\n(b) mean off-diagonal cosine after training (kernels | accumulated updates), test accuracy")
     print(f"{'seed':>4} " + "".join(f"{s:>30}" for s in args.scalings))

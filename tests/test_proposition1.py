@@ -1,4 +1,6 @@
 """Proposition 1 (gradient analysis on multi-branch topology), checked in float64 and empirically."""
+import json
+
 import pytest
 import torch
 from conftest import benchmark_script
@@ -129,3 +131,15 @@ def test_the_script_says_bad_input_in_one_line_and_writes_its_plots_whole(tmp_pa
     assert run.returncode == 0, run.stderr
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
         "proposition1.json", "similarity_curves.png", "similarity_final.png"]
+
+
+def test_the_script_reads_fashion_mnist_from_its_cache_dir(cache, tmp_path, monkeypatch):
+    """``--cache-dir`` (the flag of every command that reads Fashion-MNIST): the script read only
+    $OREPA_CACHE's, here a place without the data set, whose package is out of reach too."""
+    monkeypatch.setenv("OREPA_FASHION_MNIST_DIR", str(tmp_path / "absent"))
+    monkeypatch.setenv("OREPA_CACHE", str(tmp_path / "cache"))
+    mod = benchmark_script("proposition1")
+    assert mod.main(["--steps", "2", "--n-train", "64", "--width", "4", "--batch", "8", "--scalings", "none",
+                     "--output-dir", str(tmp_path / "p"), "--cache-dir", cache]) == 0
+    report = json.loads((tmp_path / "p" / "proposition1.json").read_text())
+    assert report["experiments"][0]["config"]["data"] == "fashion-mnist" and not (tmp_path / "cache").exists()

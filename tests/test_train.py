@@ -1242,6 +1242,28 @@ def test_checkpoint_writes_are_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["c.pth"]      # no temp file left behind
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links on this system")
+def test_a_write_through_a_symbolic_link_replaces_the_file_it_names(tmp_path):
+    """An output path that is a symbolic link (``-o latest.pth`` -> a file elsewhere): the atomic
+    rename replaced the link itself by a new file and left its target as it was; the target is
+    written now, the link kept, and no temporary file left in either folder."""
+    elsewhere = tmp_path / "store"
+    elsewhere.mkdir()
+    target = elsewhere / "c.pth"
+    ckpt_mod.save_checkpoint({"model": {"w": torch.ones(2)}}, target)
+    link = tmp_path / "latest.pth"
+    link.symlink_to(target)
+    ckpt_mod.save_checkpoint({"model": {"w": torch.zeros(2)}}, link)
+    assert link.is_symlink() and link.resolve() == target.resolve()
+    assert torch.equal(_load(target)["model"]["w"], torch.zeros(2))
+    ckpt_mod.write_json(tmp_path / "r.json", {"a": 1})
+    (tmp_path / "report.json").symlink_to("r.json")  # a relative link
+    ckpt_mod.write_json(tmp_path / "report.json", {"a": 2})
+    assert (tmp_path / "report.json").is_symlink() and json.loads((tmp_path / "r.json").read_text()) == {"a": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pth", "r.json", "report.json", "store"]
+    assert [p.name for p in elsewhere.iterdir()] == ["c.pth"]
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o002, 0o664)], ids=["umask022", "umask002"])
 def test_checkpoints_get_the_permissions_a_plain_open_would_give(tmp_path, umask, mode):
     """The atomic write's temporary file is made owner-only (mkstemp's 0o600); the checkpoint it

@@ -24,9 +24,9 @@ takes a bare state_dict (e.g. a torchvision one) or one wrapped as ``{"state_dic
 ``_orig_mod.``), and checks ``format`` / ``version``.
 
 Writes are atomic (temporary file, fsync, rename) with the permissions of any other
-file the process creates (0666 minus the umask); temporary files that a killed write
-left behind (``.<name>.<host>-<pid>.*.tmp``, whose process is gone) are removed by the
-next write of that file.
+file the process creates (0666 minus the umask), through a symbolic link to the file it
+names; temporary files that a killed write left behind (``.<name>.<host>-<pid>.*.tmp``,
+whose process is gone) are removed by the next write of that file.
 """
 from __future__ import annotations
 
@@ -475,6 +475,8 @@ def _writing(path: Path) -> Iterator[Path]:
     :class:`UserError` naming ``path``. The previous ``path`` is untouched either way, and the
     directories made for it are removed again when the write fails."""
     tmp = None
+    if path.is_symlink():  # the file it names is replaced, the link kept (a rename would replace the link itself)
+        path = Path(os.path.realpath(path))
     made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]  # deepest first
     done = False
     try:

@@ -81,6 +81,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orepa"
 
 
+def add_cache_dir_argument(p) -> None:
+    """``--cache-dir``, Fashion-MNIST's cache: one flag for every command and script that reads it."""
+    p.add_argument("--cache-dir", type=path_arg, default=None,
+                   help="where Fashion-MNIST is un-gzipped once (default $OREPA_CACHE or ~/.cache/orepa)")
+
+
 def add_data_arguments(p: argparse.ArgumentParser, training_set: bool = True) -> None:
     """The data flags; without ``training_set`` (commands that read the validation set only) not
     those of the training set, which such a command would accept and ignore."""
@@ -90,8 +96,7 @@ def add_data_arguments(p: argparse.ArgumentParser, training_set: bool = True) ->
                         "holding train/ and val/")
     g.add_argument("--dataset", choices=["auto", "fashion-mnist", "imagefolder"], default="auto",
                    help="how to read --data-path (auto: 'fashion-mnist' by name, else ImageFolder)")
-    g.add_argument("--cache-dir", type=path_arg, default=None,
-                   help="where Fashion-MNIST is un-gzipped once (default $OREPA_CACHE or ~/.cache/orepa)")
+    add_cache_dir_argument(g)
     g.add_argument("-j", "--workers", type=nonneg_int, default=None,
                    help="data loading processes per rank (default: 0 for Fashion-MNIST on CPU, else min(8, CPUs))")
     if training_set:

@@ -47,7 +47,13 @@ from .common import (
     stop_signals_to_catch,
     thread_count,
 )
-from .data import FASHION_MNIST_TEST, FASHION_MNIST_TRAIN, check_batch_fits, prepare_fashion_mnist
+from .data import (
+    FASHION_MNIST_TEST,
+    FASHION_MNIST_TRAIN,
+    add_cache_dir_argument,
+    check_batch_fits,
+    prepare_fashion_mnist,
+)
 from .model_cfg import build_model, external_source
 from .train import PROGRESS_FILE, run_files
 
@@ -73,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", type=path_arg, default="runs/demo",
                    help="where the runs go (runs/demo); a previous demo there is replaced (a run the demo did not make, "
                         "or trained on since, e.g. with --resume, is refused)")
-    p.add_argument("--cache-dir", type=path_arg, default=None, help="Fashion-MNIST cache (default ~/.cache/orepa)")
+    add_cache_dir_argument(p)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--in-process", action="store_true",
                    help="run the commands one after the other inside this process (no subprocesses; for tests)")

@@ -64,9 +64,10 @@ def synthetic_data(n: int, seed: int = 0, num_classes: int = 10, size: int = 28)
     return x, y
 
 
-def _data(data: str, n_train: int, n_test: int, seed: int):
+def _data(data: str, n_train: int, n_test: int, seed: int, cache_dir=None):
     if data == "fashion-mnist":  # a missing data set is an error (UserError naming the fix), never a silent swap
-        return load_fashion_mnist(n_train), load_fashion_mnist(n_test, train=False)
+        return load_fashion_mnist(n_train, cache_dir=cache_dir), load_fashion_mnist(n_test, train=False,
+                                                                                    cache_dir=cache_dir)
     if data != "synthetic":
         raise ValueError(f"data must be 'fashion-mnist' or 'synthetic', got {data!r}")
     x, y = synthetic_data(n_train + n_test, seed)
@@ -95,11 +96,11 @@ def _update_cos(model: nn.Module, init: dict[str, Tensor]) -> tuple[float, dict[
 def similarity_experiment(scalings=("none", "scalar", "vector"), *, steps: int = 150, batch: int = 64,
                           lr: float = 0.05, width: int = 16, n_train: int = 4096, n_test: int = 1000,
                           data: str = "fashion-mnist", seed: int = 0, log_every: int = 10, branches=None,
-                          log=None) -> dict:
+                          log=None, cache_dir=None) -> dict:
     """Train :class:`TinyOREPANet` once per scaling (same seed, same init of the branch kernels,
     same batches; SGD momentum 0.9) and track the mean off-diagonal cosine similarity of the
     branch kernels (each fused with its scale) over training."""
-    (xtr, ytr), (xte, yte) = _data(data, n_train, n_test, seed)
+    (xtr, ytr), (xte, yte) = _data(data, n_train, n_test, seed, cache_dir)
     out = {"config": dict(scalings=list(scalings), steps=steps, batch=batch, lr=lr, width=width,
                           n_train=len(xtr), n_test=len(xte), data=data, seed=seed,
                           branches=list(branches) if branches else None),
