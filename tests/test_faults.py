@@ -1302,6 +1302,13 @@ def test_a_negative_bn_running_variance_is_refused_except_by_eval(reference, tmp
     assert main(["eval", path, "--val-subset", "16", "--no-progress", "--cache-dir", cache]) == 0
     err = capsys.readouterr().err
     assert "warning: " in err and "negative BN running variance, in buffer bn1.running_var" in err, err
+    # both kinds of damage in one file: one warning naming both (there were two, one per kind)
+    model["fc.weight"] = torch.full_like(model["fc.weight"], float("nan"))
+    both = _damaged_copy(reference, d / "both.pth", model=model)
+    assert main(["eval", both, "--val-subset", "16", "--no-progress", "--cache-dir", cache]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 1 and "non-finite values (NaN/inf), first in parameter fc.weight and a negative BN running " \
+        "variance, in buffer bn1.running_var (min -1)" in warned[0], warned
 
 
 @pytest.mark.parametrize("kind", ["int", "complex", "sparse"])

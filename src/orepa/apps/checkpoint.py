@@ -63,7 +63,7 @@ from ..state_dicts import (
     strip_prefixes,
     without_ema_counter,
 )
-from .common import UserError, first_nonfinite, negative_bn_variance, some_of
+from .common import UserError, some_of, weights_damage
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg, external_source
 
 FORMAT = "orepa-checkpoint"
@@ -823,14 +823,10 @@ def check_loaded_weights(model: nn.Module, path, use: str, *, optimizer=None, em
     ``use_ema``: ``model`` holds the checkpoint's EMA weights (--use-ema), said so."""
     where = f"{path}{EMA_NOTE if use_ema else ''}"
     after = "(`orepa eval` still reports what it computes)"
-    bad = first_nonfinite(model, optimizer, ema)
-    if bad:
-        raise UserError(f"{where} holds non-finite values (NaN/inf), first in {bad}: {use}; give a checkpoint from "
-                        f"before the run diverged {after}")
-    bad = negative_bn_variance(model, ema)
-    if bad:
-        raise UserError(f"{where} holds a negative BN running variance, in {bad}: a damaged statistic (the BN's "
-                        f"square root of it is NaN); {use} {after}")
+    bad, damage = weights_damage(model, optimizer, ema)
+    if damage:
+        raise UserError(f"{where} holds {damage}: {use}; {'give a checkpoint from before the run diverged ' if bad else ''}"
+                        f"{after}")
 
 
 def with_bn_counts(model: nn.Module, sd: dict) -> dict:

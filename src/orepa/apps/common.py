@@ -180,6 +180,18 @@ def negative_bn_variance(model: nn.Module, ema=None) -> str | None:
     return None
 
 
+def weights_damage(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, ema=None) -> tuple[str | None, str]:
+    """What makes the weights loaded into ``model`` (the optimizer's state, the EMA's given)
+    compute nonsense: (the first tensor holding NaN/inf or None, a phrase naming every kind of
+    damage found for "FILE holds ...", empty where there is none)."""
+    bad, negative = first_nonfinite(model, optimizer, ema), negative_bn_variance(model, ema)
+    damage = [f"non-finite values (NaN/inf), first in {bad}"] if bad else []
+    if negative:
+        damage.append(f"a negative BN running variance, in {negative} (a damaged statistic: the BN's square root "
+                      "of it is NaN)")
+    return bad, " and ".join(damage)
+
+
 def user_message(exc: BaseException) -> str:
     """``exc``'s message as one line (one re-raised from a DataLoader worker: its original message)."""
     msg = str(exc).strip()

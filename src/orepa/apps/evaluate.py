@@ -32,13 +32,12 @@ from .common import (
     apply_threads,
     cleanup_distributed,
     count_params,
-    first_nonfinite,
     init_distributed,
-    negative_bn_variance,
     path_arg,
     peak_memory,
     positive_int,
     refuse_amp_dtype_without_amp,
+    weights_damage,
 )
 from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, saved_val_sizes, val_loader
 from .model_cfg import (
@@ -188,17 +187,12 @@ def evaluate_checkpoint(args: argparse.Namespace, info: DistInfo, device: torch.
         print(f"note: {args.checkpoint} predicts {cfg['num_classes']} classes, {data.name} has "
               f"{data.num_classes}: an image predicted as one of the other "
               f"{cfg['num_classes'] - data.num_classes} counts as wrong", flush=True)
-    bad = first_nonfinite(model)
-    if bad and info.is_main:
+    bad, damage = weights_damage(model)
+    if damage and info.is_main:
         # a warning, not an error: eval reports what the weights compute, and looking at a diverged
         # run (or a non-finite buffer the forward never reads) is legitimate; the numbers may be garbage
-        print(f"warning: {args.checkpoint} holds non-finite values (NaN/inf), first in {bad}: the accuracy "
-              "and loss below may be meaningless (a diverged run?)", file=sys.stderr, flush=True)
-    negative = negative_bn_variance(model)
-    if negative and info.is_main:  # (a warning for the same reason: eval reports what the weights compute)
-        print(f"warning: {args.checkpoint} holds a negative BN running variance, in {negative}: a damaged "
-              "statistic, whose square root is NaN: the accuracy and loss below may be meaningless",
-              file=sys.stderr, flush=True)
+        print(f"warning: {args.checkpoint} holds {damage}: the accuracy and loss below may be meaningless"
+              f"{' (a diverged run?)' if bad else ''}", file=sys.stderr, flush=True)
     model.to(device)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
