@@ -1805,6 +1805,14 @@ def test_compiled_orepa_training_runs_and_saves_the_plain_model(cache, tmp_path,
     out = tmp_path / "run"
     assert _train(cache, out, "--method", "orepa", "--epochs", "1", "--compile") == 0
     assert used == ["ResNet"]
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from orepa import engine
+    # the engine's scope hooks, each compiled at most once (one code object served both hooks and was
+    # compiled twice, guarded on its arguments' count)
+    compiled = [len(_debug_get_cache_entry_list(hook.__call__.__code__))
+                for hook in (engine._ScopeHook, engine._ScopeCloseHook)]
+    assert max(compiled) <= 1, compiled
     ck = _load(out / "checkpoint.pth")
     assert not any(k.startswith("_orig_mod.") for k in ck["model"])  # the plain model is saved
     assert main(["reparam", str(out / "checkpoint.pth"), "--no-progress", "-j", "0", "--val-subset", "16"]) == 0

@@ -2477,11 +2477,21 @@ class _ScopeHook:
         if self.root is not None:
             workspace.root = self.root
 
-    def __call__(self, module: nn.Module, *args):
-        return self.fn(self.workspace, module, *args)
+    def __call__(self, module: nn.Module, args):
+        return self.fn(self.workspace, module, args)
 
     def __reduce__(self):
-        return (_ScopeHook, (self.workspace, None if self.root is None else self.root(), self.fn))
+        return (type(self), (self.workspace, None if self.root is None else self.root(), self.fn))
+
+
+class _ScopeCloseHook(_ScopeHook):
+    """:class:`_ScopeHook` as a forward hook. A ``__call__`` of its own: one code object serving both
+    arities made dynamo compile its frame twice (guarded on ``len(args)``) under ``torch.compile``."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args, output):
+        return self.fn(self.workspace, module, args, output)
 
 
 def forward_scope(root: nn.Module, workspace: Workspace, traced: bool = False) -> None:
@@ -2497,7 +2507,7 @@ def forward_scope(root: nn.Module, workspace: Workspace, traced: bool = False) -
     workspace.traced_scope = traced
     root.register_forward_pre_hook(_ScopeHook(workspace, root, _open_forward))
     if traced:
-        root.register_forward_hook(_ScopeHook(workspace, root, _close_forward), always_call=True)
+        root.register_forward_hook(_ScopeCloseHook(workspace, root, _close_forward), always_call=True)
 
 
 def _strip_scope_hooks(module: nn.Module, workspace: Workspace | None = None) -> None:
