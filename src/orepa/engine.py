@@ -2635,16 +2635,17 @@ def _warn_of_stale_optimizers(replaced: Sequence[weakref.ref], workspace: Worksp
     ``torch.optim.Optimizer`` holds some (a loop variable or a list may hold them too: not a mistake
     to warn of). Returns whether any of them is still alive (something may yet make an optimizer of
     them)."""
-    if not any(ref() is not None for ref in replaced):
-        return False
-    gc.collect()  # (the model's own references may linger in cycles until a collection)
-    held = {id(p) for ref in replaced if (p := ref()) is not None}
-    if not held or (workspace is not None and workspace.said_replaced):
-        return bool(held)
-    # (type(o), not isinstance: a proxy's __class__ may warn, e.g. torch.distributed's deprecated reduce_op)
-    optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
-    stale = sorted({type(o).__name__ for o in optimizers
-                    if any(id(p) in held for g in o.param_groups for p in g["params"])})
+    alive = [p for ref in replaced if (p := ref()) is not None]  # (held here: their ids stay theirs)
+    if not alive or (workspace is not None and workspace.said_replaced):
+        return bool(alive)
+    stale = _optimizers_holding(alive)
+    if stale:
+        # an optimizer deleted in a reference cycle is found until a collection: collected, looked at
+        # again (only then: a full collection of a large process takes most of a second)
+        del alive
+        gc.collect()
+        alive = [p for ref in replaced if (p := ref()) is not None]
+        stale = _optimizers_holding(alive) if alive else []
     if stale:
         if workspace is not None:
             workspace.said_replaced = True
@@ -2653,7 +2654,17 @@ def _warn_of_stale_optimizers(replaced: Sequence[weakref.ref], workspace: Worksp
             f"out of the model: it was made before group_kernels(model, policy, pack={packed}), and stepping them "
             "does not train the online blocks; make the optimizer (and any model average, e.g. torch.optim."
             "swa_utils.AveragedModel) after grouping, from model.parameters()", stacklevel=_caller_level())
-    return True
+    return bool(alive)
+
+
+def _optimizers_holding(tensors: Sequence[Tensor]) -> list[str]:
+    """The class names of the ``torch.optim.Optimizer`` objects (not yet collected) holding any of
+    ``tensors``."""
+    held = {id(t) for t in tensors}
+    # (type(o), not isinstance: a proxy's __class__ may warn, e.g. torch.distributed's deprecated reduce_op)
+    optimizers = [o for o in gc.get_objects() if issubclass(type(o), torch.optim.Optimizer)]
+    return sorted({type(o).__name__ for o in optimizers
+                   if any(id(p) in held for g in o.param_groups for p in g["params"])})
 
 
 def _stage(name: str) -> str:
