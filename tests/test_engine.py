@@ -1377,17 +1377,26 @@ def test_checkpointed_blocks_of_a_packed_group_give_the_per_block_gradients(reen
         torch.testing.assert_close(p.grad, want, msg=name)
 
 
-@pytest.mark.parametrize("frozen", [False, True])
+_FAMILY = ("1x1.conv", "1x1.scale", "1x1_avg.conv", "1x1_avg.scale", "1x1_prior.conv", "1x1_prior.scale")
+
+
+@pytest.mark.parametrize("frozen", [(), ("kxk.conv",), ("kxk.scale",), ("kxk.conv", "kxk.scale"), _FAMILY,
+                                    ("1x1_prior.conv", "1x1_prior.scale"), ("1x1.conv",), ("1x1_avg.scale",)],
+                         ids=["none", "kxk weight", "kxk scale", "kxk", "filter family", "1x1-prior (of the family)",
+                              "1x1 weight (of the family)", "1x1-avg scale (of the family)"])
 def test_a_group_packs_one_parameter_per_kind_row_shape_and_trainability(frozen):
     """Packed parameters are the concatenations of the steps whose rows agree in kind (scale or conv
     weight), in shape and in trainability (a branch frozen in every block gets a parameter of its
     own, without gradient): every branch's scales in one, the 3x3 kernels of kxk and 1x1 -> kxk in
-    one, ... The gradients are each step's, by its rows."""
+    one, ... The gradients are each step's, by its rows. The filter family's 1x1 weights (and its
+    scales) are one operand: frozen in the whole family they pack apart, in part of it the group
+    stays unpacked. (A frozen kxk scale, alone in its parameter, crashed the backward; a frozen
+    1x1-prior trained, and a frozen 1x1 weight froze the family's other 1x1 weights.)"""
     torch.manual_seed(0)
     net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), nn.ReLU(), OREPAConv2d(4, 4, 3, padding=1)).double()
-    if frozen:
-        for i in (0, 2):
-            net[i].branches["kxk"].conv.weight.requires_grad_(False)
+    for i in (0, 2):
+        for name in frozen:
+            net[i].branches.get_submodule(name).weight.requires_grad_(False)
     plain = copy.deepcopy(net)
     engine.group_kernels(plain, "grouped")
     want = {}
@@ -1397,19 +1406,34 @@ def test_a_group_packs_one_parameter_per_kind_row_shape_and_trainability(frozen)
             key = ("scale" if w.dim() == 1 else "weight", tuple(w.shape[1:]), w.requires_grad)
             want[key] = want.get(key, 0) + w.shape[0]
     (group,) = engine.group_kernels(net, "grouped", pack=True)
-    got = {(group.packed.kinds[n], tuple(p.shape[1:]), p.requires_grad): p.shape[0]
-           for n, p in group.packed.named_parameters()}
-    assert got == want and len(got) == (6 if frozen else 5)
-    assert "scales" in dict(group.packed.named_parameters())
-    x = torch.randn(2, 4, 4, 4, dtype=torch.float64)
-    (y0, g0), (y1, g1) = _grads(plain, x), _grads(net, x)
-    torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
-    for k, g in g0.items():
-        if g is None:
-            assert k.endswith("branches.kxk.conv.weight") and frozen
-            continue
-        torch.testing.assert_close(g1[k], g, rtol=1e-12, atol=1e-12, msg=k)
-    assert all((p.grad is None) == (not p.requires_grad) for p in group.packed.parameters())
+    if frozen and set(frozen) < set(_FAMILY):
+        assert group.packed is None
+    else:
+        got = {(group.packed.kinds[n], tuple(p.shape[1:]), p.requires_grad): p.shape[0]
+               for n, p in group.packed.named_parameters()}
+        assert got == want and len(got) > (5 if frozen else 4) and "scales" in dict(group.packed.named_parameters())
+    xs = [torch.randn(2, 4, 4, 4, dtype=torch.float64) for _ in range(2)]
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, weight_decay=1e-2)
+            for m in (plain, net)]
+    for x in xs:  # two steps: the second reads what the first wrote
+        (y0, g0), (y1, g1) = _grads(plain, x), _grads(net, x)
+        torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-12)
+        for k, g in g0.items():
+            if g is None:
+                assert any(k.endswith(f"branches.{n}.weight") for n in frozen), k
+                assert g1[k] is None, k
+                continue
+            torch.testing.assert_close(g1[k], g, rtol=1e-12, atol=1e-12, msg=k)
+        if group.packed is not None:
+            assert all((p.grad is None) == (not p.requires_grad) for p in group.packed.parameters())
+        for opt in opts:
+            opt.step()
+    after = net.state_dict()
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(after[k], v, rtol=1e-12, atol=1e-12, msg=k)
+        if any(k.endswith(f"branches.{n}.weight") for n in frozen):
+            assert torch.equal(after[k], before[k]), k  # frozen: unchanged
 
 
 def test_a_group_frozen_in_some_blocks_only_stays_unpacked():

@@ -679,10 +679,10 @@ def _branch_vjp(ks: list[Operand], s: Tensor | None, scalar: bool, grad: Tensor,
         if grads is not None:
             return list(grads)
     if outs is not None and n == 1 and last.learnable and not scalar:  # a kxk: into its places
+        # (a place may be None: a packed parameter of this role alone, e.g. one frozen apart, gets a fresh tensor)
         if s is not None:
-            K.rowdot(grad, last.kernel, out=outs[1])
-            return [torch.mul(grad, K.channel_column(s), out=outs[0]), outs[1]]
-        return [outs[0].copy_(grad), None]
+            return [torch.mul(grad, K.channel_column(s), out=outs[0]), K.rowdot(grad, last.kernel, out=outs[1])]
+        return [grad.clone() if outs[0] is None else outs[0].copy_(grad), None]
 
     def scale_grad(ds: Tensor) -> Tensor:
         return ds.sum(0, keepdim=True) if scalar else ds
@@ -1612,8 +1612,9 @@ class KernelGroup:
         ``torch.func.functional_call`` takes the packed names or the
         state_dict's (the steps' own, see :class:`PackedSlot`). Returns
         whether the group packed: a group of one block without a filter family has nothing to pack,
-        and tensors on several devices or dtypes, frozen in some blocks only, or that the blocks do
-        not own (``functional_call``, FSDP) stay as they are."""
+        and tensors on several devices or dtypes, frozen in some blocks only (or in some branches of
+        the filter family only), or that the blocks do not own (``functional_call``, FSDP) stay as
+        they are."""
         plan = self.plan
         if self.packed is not None:
             return True
@@ -1626,6 +1627,9 @@ class KernelGroup:
         roles = len(tensors) // plan.n
         if any(len({t.requires_grad for t in tensors[r::roles]}) > 1 for r in range(roles)):
             return False  # some blocks frozen, others not: a role's rows in one parameter cannot say which
+        if any(len({tensors[r].requires_grad for r in rs}) > 1
+               for rs in ([w for w, _, _ in plan.family], [s_ for _, _, s_ in plan.family])):
+            return False  # the filter family's 1x1 weights (its scales) pack as one operand: alike or not at all
         stacked = self._stacked(tensors)  # the blocks' tensors become views of one storage per role
         if stacked is None:
             return False
