@@ -2338,8 +2338,9 @@ def group_kernels(root: nn.Module, policy: str = "auto", pack: bool = False, joi
     size, groups, branch set and step shapes; the output channels where the blocks' convs are
     grouped) so each group builds its kernels together in training forwards. Blocks of one
     signature but several widths share a group where their widths are multiples of the narrowest,
-    up to :data:`_MAX_WIDTH_RATIO` (see the module docstring). Idempotent: regrouping replaces earlier groups (e.g. to change ``policy``), and
-    unpacks them first.
+    up to :data:`_MAX_WIDTH_RATIO` (see the module docstring). Regrouping replaces earlier groups
+    (e.g. to change ``policy``) and unpacks them first: the same numbers, but packing again makes
+    new parameters, so an optimizer made before a second call must be made again (warned of).
 
     Blocks with scalar scales stay alone (their scales do not concatenate per channel): a group
     of one, which still takes the grouped route (the kernel space, no recomputation). Blocks holding
