@@ -560,6 +560,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys, monkeypa
     _png_tree(imgs, corrupt=True)
     garbage = tmp_path / "garbage.pth"
     garbage.write_bytes(os.urandom(4096))
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
     # a checkpoint changed in the middle after it was written (torch's zip reader checks no CRC: it
     # evaluated such a file at loss nan, exit 0)
     damaged = tmp_path / "damaged.pth"
@@ -668,7 +670,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys, monkeypa
         (["eval", str(ckpt), "--json", str(run / "summary.json")],
          f"--json {run / 'summary.json'} is a file of the training run in {run}, not a report to replace"),
         # an atomic write renames over its target: a device node (as root) would be replaced by a file
-        (["reparam", str(ckpt), "-o", os.devnull, "--overwrite"], f"--output {os.devnull} is not a regular file"),
+        # (a pipe of the test's own, not /dev/null: a regression of the check would rename over it, as root too)
+        (["reparam", str(ckpt), "-o", str(pipe), "--overwrite"], f"--output {pipe} is not a regular file"),
         # another command's results (a benchmark's), or another command's report: replaced without a word
         (["eval", str(ckpt), "--json", str(bench_result)],
          f"--json {bench_result} is a JSON file that is no report of orepa eval (another command's results?)"),
