@@ -1207,11 +1207,11 @@ for _branch in (
     register_branch(_branch)
 
 
-def check_flags(options: Mapping[str, object], names: Sequence[str]) -> None:
-    """The ``names`` of ``options`` that must be True or False (a TypeError naming the first other
-    value): ``rep_1x1="no"`` or ``branch_norm=0.5`` were taken by their truth, and built what they
-    did not say. The one check behind blocks, ``convert`` and ``create_model``."""
-    for key in names:
+def check_flags(options: Mapping[str, object], names: Sequence[str] | None = None) -> None:
+    """The ``names`` of ``options`` (None: all of them) that must be True or False (a TypeError naming
+    the first other value): ``rep_1x1="no"`` or ``branch_norm=0.5`` were taken by their truth, and
+    built what they did not say. The one check behind blocks, ``convert`` and ``create_model``."""
+    for key in options if names is None else names:
         if key in options and not isinstance(options[key], bool):
             raise TypeError(f"{key} must be True or False, got {options[key]!r} ({type(options[key]).__name__})")
 
@@ -1350,8 +1350,7 @@ class OREPAConv2d(ReparamConv2d):
         padding_mode: str = "zeros",
     ):
         _check_mode(mode, tf_same, padding, padding_mode)
-        check_flags({"bias": bias, "branch_norm": branch_norm, "inner_norm": inner_norm, "tf_same": tf_same},
-                    ("bias", "branch_norm", "inner_norm", "tf_same"))
+        check_flags({"bias": bias, "branch_norm": branch_norm, "inner_norm": inner_norm, "tf_same": tf_same})
         k = check_conv_config(in_channels, out_channels, kernel_size, stride, 0 if tf_same else padding, dilation,
                               groups, padding_mode, any_padding=mode == "online")[0]
         init_a, reference_init = _resolve_init(init, k)
