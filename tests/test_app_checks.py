@@ -280,3 +280,74 @@ def test_a_model_option_without_a_key_is_refused():
     for item in ("=5", " =true"):
         with pytest.raises(UserError, match=f"--model-option expects KEY=VALUE, got '{item}'"):
             parse_key_values([item])
+
+
+# --------------------------------------------------------------------------- a batch's memory
+
+
+def _probe_net() -> torch.nn.Module:
+    # conv 3->8, BN, in-place ReLU, a view, linear: a BN's input is the conv's output, the linear's
+    # is the BN's (the ReLU wrote into it, the flatten is a view of it)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                               torch.nn.ReLU(inplace=True), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5))
+
+
+@pytest.mark.parametrize("training,amp,per_image", [
+    (False, False, 4 * (8 + 8) * 36),  # the BN's input and output (the conv's: 3 + 8 channels)
+    (True, False, 4 * (3 + 8 + 8) * 36),  # conv, BN and linear inputs, each storage once
+    (True, True, 2 * (3 + 8 + 8) * 36),  # half-precision activations under autocast
+])
+def test_a_batch_is_refused_where_its_activations_need_more_than_the_device_has_free(monkeypatch, training, amp,
+                                                                                     per_image):
+    """The memory a batch needs at least, measured on one image and scaled by the batch, against
+    what the device has free: exactly at the bound it runs, a byte over it is refused naming -b."""
+    from orepa.apps import model_cfg
+
+    net = _probe_net()
+    check = lambda batch: model_cfg.check_model_takes(  # noqa: E731
+        net, (6,), 3, "probe", lambda s: f"{s}x{s} images", batch=batch, training=training, amp=amp, hint=" (hint)")
+    free = 10 * per_image
+    monkeypatch.setattr(model_cfg, "free_memory", lambda device: free)
+    check(10)
+    with pytest.raises(common.UserError) as err:
+        check(11)
+    step = "a training step" if training else "an inference"
+    assert str(err.value) == (f"-b 11, 6x6 images: {step} of probe needs at least {common.size_text(11 * per_image)} "
+                              f"({common.size_text(per_image)} an image), more than the {common.size_text(free)} "
+                              "free on cpu; a smaller batch needs less (hint)")
+    monkeypatch.setattr(model_cfg, "free_memory", lambda device: None)  # unknown: not refused
+    check(10**9)
+    assert not any(m._forward_hooks for m in net.modules())  # the probe's hooks are gone
+    assert net.training
+
+
+def test_free_memory_is_the_systems_within_a_containers_limit(tmp_path, monkeypatch):
+    if not os.path.exists("/proc/meminfo"):
+        pytest.skip("reads /proc/meminfo (Linux)")
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    monkeypatch.setattr(common, "CGROUP_MEMORY_FILES", ((str(limit), str(usage)),))
+    system = common.free_memory(torch.device("cpu"))  # no container files: the system's
+    assert system > 0
+    limit.write_text("max\n")
+    usage.write_text("1000\n")
+    assert abs(common.free_memory(torch.device("cpu")) - system) < 2**30  # no limit (the machine moves a little)
+    limit.write_text(f"{2**20 + 1000}\n")
+    assert common.free_memory(torch.device("cpu")) == 2**20  # the limit less what the container uses
+    usage.write_text(f"{2**21}\n")
+    assert common.free_memory(torch.device("cpu")) == 0
+    assert common.free_memory(torch.device("meta")) is None
+    assert [common.size_text(n) for n in (512, 1536, 3 * 2**30, 2**50)] == ["512 B", "1.5 KiB", "3.0 GiB", "1024.0 TiB"]
+
+
+def test_an_export_of_a_batch_no_machine_holds_is_refused_before_it_runs(tmp_path, capsys):
+    """``orepa export -b 10000000`` (3x224x224 images): refused in one line with what the batch
+    needs and what is free here, nothing written; it was ended by the system's out-of-memory
+    killer (exit 137, no message)."""
+    from orepa.cli import main
+
+    out = tmp_path / "x.onnx"
+    assert main(["export", "--model", "resnet18", "--method", "base", "-b", "10000000", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"-b 10000000, --input-size 224 \(224x224 images\): an inference of resnet18/base .* needs at "
+                     r"least [\d.]+ TiB \(6\.1 MiB an image\), more than the [\d.]+ [GT]iB free on cpu", err), err
+    assert "-b sizes only its example input" in err and not out.exists()

@@ -2209,3 +2209,43 @@ def test_the_cosine_schedule_decays_from_the_peak_to_the_lr_min_floor():
     f = train.lr_factor_fn(a, iters_per_epoch=10)
     assert [f(20), f(60), f(100)] == pytest.approx([1.0, 0.55, 0.1])
     assert max(f(i) for i in range(101)) == pytest.approx(1.0)
+
+
+def test_every_command_refuses_a_batch_its_device_cannot_hold_before_it_writes(cache, tmp_path, monkeypatch, capsys):
+    """train, eval, reparam, export and bench measure what one image needs and refuse a batch
+    needing more than the device has free (here: 1 MiB), naming -b, before any output exists.
+    train checks its micro-batch (--micro-batches 16 fits), eval and reparam their batch of the
+    validation images (-b larger than the set: the set)."""
+    from orepa.apps import model_cfg
+
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--method", "base") == 0
+    ckpt = run / "checkpoint.pth"
+    monkeypatch.setattr(model_cfg, "free_memory", lambda device: 2**20)
+    small = ["--width-mult", "0.0625"]
+    cases = {
+        "train": (["train", *TINY, "--cache-dir", cache, "--output-dir", str(tmp_path / "t"), "-b", "64"],
+                  "-b 64 (64 images a step), fashion-mnist's 28x28 images: a training step of", tmp_path / "t"),
+        "eval": (["eval", str(ckpt), "--cache-dir", cache, "--val-subset", "64", "-b", "1000", "--no-progress",
+                  "--json", str(tmp_path / "e.json")], "-b 1000 (64 images), fashion-mnist's 28x28 images: an inference of",
+                 tmp_path / "e.json"),
+        "reparam": (["reparam", str(ckpt), "--cache-dir", cache, "--val-subset", "64", "--no-progress", "-o",
+                     str(tmp_path / "r.pth")], "-b 256 (64 images), fashion-mnist's 28x28 images: an inference of",
+                    tmp_path / "r.pth"),
+        "export": (["export", "--model", "resnet18", "--method", "orepa", *small, "-b", "256", "--input-size", "32",
+                    "-o", str(tmp_path / "x.onnx")], "-b 256, --input-size 32 (32x32 images): an inference of",
+                   tmp_path / "x.onnx"),
+        "bench": (["bench", "-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "64", "--image-size", "32",
+                   "--methods", "base", "orepa", "--output-dir", str(tmp_path / "b")],
+                  "-b 64, --image-size 32 (32x32 images): a training step of", tmp_path / "b"),
+    }
+    for command, (argv, said, output) in cases.items():
+        capsys.readouterr()
+        assert main(argv) == 2, command
+        err = capsys.readouterr().err
+        assert said in err and "more than the 1.0 MiB free on cpu; a smaller batch needs less" in err, err
+        assert not output.exists(), command
+    assert main(["train", *TINY, "--cache-dir", cache, "--output-dir", str(tmp_path / "t"), "-b", "64",
+                 "--micro-batches", "8"]) == 2
+    assert "-b 64 --micro-batches 8 (8 images a step)" in capsys.readouterr().err
+    assert _train(cache, tmp_path / "t", "-b", "64", "--micro-batches", "16", "--epochs", "1", "--no-eval") == 0

@@ -130,6 +130,45 @@ def out_of_memory(exc: BaseException) -> str | None:
     return f"out of memory ({what})"
 
 
+#: a container's memory limit and use: (limit, usage) files of cgroup v2, then v1
+CGROUP_MEMORY_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                       ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that tensors on ``device`` can still take: a GPU's free memory; on a CPU (Linux) the
+    system's available memory and free swap, within the container's memory limit (cgroup v2 or
+    v1); None where neither can be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        free = info["MemAvailable"] + info.get("SwapFree", 0)
+    except (OSError, KeyError, ValueError):
+        return None
+    for limit, usage in CGROUP_MEMORY_FILES:
+        try:
+            with open(limit) as f_limit, open(usage) as f_usage:
+                text = f_limit.read().strip()
+                if text != "max":  # (v1 says "no limit" with a number near 2**63)
+                    free = min(free, max(int(text) - int(f_usage.read()), 0))
+            break
+        except (OSError, ValueError):
+            continue
+    return free
+
+
+def size_text(n: float) -> str:
+    """Bytes as a short text: ``1.2 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
 def run_fault(exc: BaseException, world_size: int) -> tuple[str, str] | None:
     """A fault of the machine or of a peer met in a training loop, as ``(what happened, what to
     change)`` clauses: a data-loading worker that died (the out-of-memory killer's usual target),

@@ -162,13 +162,17 @@ def checkpoint_data(args: argparse.Namespace, ckpt: dict, info: DistInfo):
     return read
 
 
-def checkpoint_model(args: argparse.Namespace, ckpt: dict, data) -> tuple[nn.Module, dict, str]:
-    """The checkpoint's model (its model_cfg, or the model flags given), checked against ``data``."""
+def checkpoint_model(args: argparse.Namespace, ckpt: dict, data, device: torch.device) -> tuple[nn.Module, dict, str]:
+    """The checkpoint's model (its model_cfg, or the model flags given), checked against ``data``
+    and its batches of -b validation images on ``device``."""
     cfg = checkpoint_cfg(args, ckpt, args.checkpoint, num_classes=data.num_classes, in_chans=data.in_chans,
                          small_input=data.small_input)
     model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
     check_model_fits_data(cfg, data, args.checkpoint)
-    check_model_takes_images(model, data, f"{args.checkpoint} ({describe_cfg(cfg)})")
+    batch = min(args.batch_size, len(data.val))
+    check_model_takes_images(model, data, f"{args.checkpoint} ({describe_cfg(cfg)})", batch=batch,
+                             amp=getattr(args, "amp", False), device=device,
+                             batch_flags=f"-b {args.batch_size}" + (f" ({batch} images)" if batch < args.batch_size else ""))
     return model, cfg, form
 
 
@@ -182,7 +186,7 @@ def evaluate_checkpoint(args: argparse.Namespace, info: DistInfo, device: torch.
     ckpt = load_checkpoint(args.checkpoint)
     data_args_from_checkpoint(args, ckpt)
     data = checkpoint_data(args, ckpt, info)
-    model, cfg, form = checkpoint_model(args, ckpt, data)
+    model, cfg, form = checkpoint_model(args, ckpt, data, device)
     if cfg["num_classes"] > data.num_classes and info.is_main:  # allowed (a subset of its classes), but said
         print(f"note: {args.checkpoint} predicts {cfg['num_classes']} classes, {data.name} has "
               f"{data.num_classes}: an image predicted as one of the other "

@@ -548,8 +548,9 @@ def run(args: argparse.Namespace) -> int:
     # another file from another directory), by which a rerun knows its own file
     source = {"checkpoint": os.path.abspath(path) if path else None, "ema": bool(args.use_ema), "model_cfg": cfg}
     _check_previous(out, args.format, source, args.overwrite)
-    check_model_takes(model, (size,), cfg["in_chans"], describe_cfg(cfg),
-                      lambda s: f"--input-size {s} ({s}x{s} images)")
+    check_model_takes(model, (size,), cfg["in_chans"], describe_cfg(cfg), lambda s: f"--input-size {s} ({s}x{s} images)",
+                      batch=args.batch_size, device=device,
+                      hint=" (the exported model takes any batch size: -b sizes only its example input)")
     model.to(device)
     # for whoever runs the exported model: the class names (label i is classes[i]) and what its input must be
     preprocessing = preprocessing_of(ckpt, cfg["in_chans"])

@@ -22,7 +22,7 @@ from orepa import models as zoo
 from orepa.convert import METHOD_OPTIONS
 from orepa.models.zoo import branch_list, branch_switches
 
-from .common import UserError, parse_key_values, positive_float, positive_int
+from .common import UserError, free_memory, parse_key_values, positive_float, positive_int, size_text
 
 #: model_cfg keys; ``options`` holds the block options (and, for a torchvision / timm network, its
 #: constructor keywords under :data:`MODEL_KWARGS`)
@@ -109,24 +109,41 @@ def check_model_fits_data(cfg: dict, data, source) -> None:
                         "classes in a new run (orepa train --init-from CHECKPOINT makes a new classifier)")
 
 
-def check_model_takes_images(model: nn.Module, data, what: str) -> None:
-    """One blank image of each size ``data`` gives through ``model``: see :func:`check_model_takes`."""
-    check_model_takes(model, data.image_sizes, data.in_chans, what, lambda size: f"{data.name}'s {size}x{size} images")
+def check_model_takes_images(model: nn.Module, data, what: str, **batch) -> None:
+    """One blank image of each size ``data`` gives through ``model``: see :func:`check_model_takes`
+    (``batch``: its keywords of the batch's memory)."""
+    check_model_takes(model, data.image_sizes, data.in_chans, what, lambda size: f"{data.name}'s {size}x{size} images",
+                      **batch)
 
 
-def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images) -> None:
+def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images, *, batch: int = 1,
+                      training: bool = False, amp: bool = False, device: torch.device | None = None,
+                      batch_flags: str | None = None, hint: str = "") -> None:
     """One blank image of each of ``sizes`` through ``model`` (eval mode, no gradients, on the
     model's device): a network that cannot take them (one that downsamples a 28x28 image to nothing,
     a fixed-size one) gives a :class:`UserError` naming the size (``images(size)`` says what they
     are), not a traceback at the first batch. Any error of that forward is the model's on that
-    input, so it is reported as such."""
+    input, so it is reported as such.
+
+    With ``batch`` > 1, also the memory that ``batch`` images need at least, measured on the one
+    image and scaled: for an inference, one layer's input and output (both live when it returns);
+    for a ``training`` step, every input that a layer with trainable parameters keeps for its
+    gradients. More than the device has free (:func:`~orepa.apps.common.free_memory`) is a
+    :class:`UserError` naming the batch (``batch_flags``, default ``-b N``; ``hint`` after the
+    advice): allocations on a CPU succeed
+    and the system's out-of-memory killer then ends the process without a word. ``device``: where
+    the batches will run (default: the model's); ``amp``: under autocast, whose activations take
+    half the bytes of the probe's float32 ones."""
     was = model.training
     param = next(model.parameters(), None)
+    on = param.device if param is not None else torch.device("cpu")
+    per_image = {}  # size -> bytes of activations one image needs at least
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _activation_bytes(model, training) as measured:
             for size in sizes:
-                x = torch.zeros(1, in_chans, size, size, device=param.device if param is not None else None)
+                x = torch.zeros(1, in_chans, size, size, device=on)
+                measured.clear()
                 try:
                     out = model(x)
                 except (RuntimeError, ValueError, AssertionError) as exc:  # AssertionError: timm's fixed-size models
@@ -137,8 +154,58 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images)
                     raise UserError(f"{what} gives {got} for one image, not a row of class logits: these commands "
                                     "train and evaluate classifiers (a detection or segmentation network takes a "
                                     "re-param backbone: docs/detection.md)")
+                per_image[size] = measured.total()
     finally:
         model.train(was)
+    if batch > 1 and per_image:
+        size = max(per_image, key=per_image.get)
+        device = torch.device(device) if device is not None else on
+        per = per_image[size] // (2 if amp else 1)
+        need, free = batch * per, free_memory(device)
+        if free is not None and need > free:
+            step = "a training step" if training else "an inference"
+            raise UserError(f"{batch_flags or f'-b {batch}'}, {images(size)}: {step} of {what} needs at least "
+                            f"{size_text(need)} ({size_text(per)} an image), more than the "
+                            f"{size_text(free)} free on {device}; a smaller batch needs less{hint}")
+
+
+class _activation_bytes:
+    """Forward hooks on every module of ``model`` while open, adding up the activation bytes one
+    forward needs at least (:func:`check_model_takes`); a tensor counted once however many modules
+    see it (an in-place ReLU's output is its input). Training: the inputs are held until the
+    forward ends, as a training step keeps them (freed, their memory would serve later tensors at
+    the same address, counted as one)."""
+
+    def __init__(self, model: nn.Module, training: bool):
+        self.model, self.training = model, training
+        self.kept: dict[int, torch.UntypedStorage] = {}  # training: address -> storage of an input kept
+        self.peak = 0  # inference: the largest input + output of one module
+
+    def clear(self) -> None:
+        self.kept, self.peak = {}, 0
+
+    def total(self) -> int:
+        return sum(s.nbytes() for s in self.kept.values()) if self.training else self.peak
+
+    def _hook(self, module: nn.Module, inputs, output) -> None:
+        def storages(value) -> dict[int, torch.UntypedStorage]:
+            tensors = [t for t in (value if isinstance(value, (tuple, list)) else (value,))
+                       if isinstance(t, torch.Tensor) and t.numel()]
+            return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+
+        if self.training:
+            if any(p.requires_grad for p in module.parameters(recurse=False)):
+                self.kept.update(storages(inputs))
+        else:
+            self.peak = max(self.peak, sum(s.nbytes() for s in {**storages(inputs), **storages(output)}.values()))
+
+    def __enter__(self):
+        self.handles = [m.register_forward_hook(self._hook) for m in self.model.modules()]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans: int, small_input: bool,

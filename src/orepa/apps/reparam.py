@@ -163,7 +163,7 @@ def reparam(args: argparse.Namespace) -> dict:
     if data is None:
         model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, use_ema=args.use_ema)
     else:
-        model, cfg, form = checkpoint_model(args, ckpt, data)
+        model, cfg, form = checkpoint_model(args, ckpt, data, device)
     if form != "train":
         raise UserError(f"{args.checkpoint} holds deployed weights ({form}); nothing to reparameterize")
     check_loaded_weights(model, args.checkpoint, "its deployed form would compute nothing useful",

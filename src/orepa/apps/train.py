@@ -671,7 +671,11 @@ class Trainer:
         # before the directory is made: a model that cannot be built, or cannot take the data, leaves none
         model = build_model(self.cfg)
         deploy_form = build_model_form(self.cfg, "deploy")  # its size, and the plain layout's shapes
-        check_model_takes_images(deploy_form, self.data, describe_cfg(self.cfg))
+        step = min(args.batch_size // args.micro_batches, len(self.data.train))  # the images of one forward
+        flags = f"-b {args.batch_size}" + (f" --micro-batches {args.micro_batches}" if args.micro_batches > 1 else "")
+        check_model_takes_images(deploy_form, self.data, describe_cfg(self.cfg), training=True, amp=args.amp,
+                                 batch=step, device=self.device, batch_flags=f"{flags} ({step} images a step)",
+                                 hint="; more --micro-batches keep the batch and need less")
         if self.main:
             # the directories this run makes, deepest first: a run that fails before writing anything
             # leaves none of them (remove_made_dirs)

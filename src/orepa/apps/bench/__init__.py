@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     # a network that cannot take the images (the plain one: variant_specs puts base first), said before
     # anything is measured
     check_model_takes(runners[0].model, (args.image_size,), in_chans, model_flags,
-                      lambda size: f"--image-size {size} ({size}x{size} images)")
+                      lambda size: f"--image-size {size} ({size}x{size} images)", batch=args.batch_size, training=True)
     try:
         check_step_modes(device, args.cuda_graphs, args.compile, runners)
     except ValueError as exc:
