@@ -315,6 +315,13 @@ def test_a_batch_is_refused_where_its_activations_need_more_than_the_device_has_
     assert str(err.value) == (f"-b 11, 6x6 images: {step} of probe needs at least {common.size_text(11 * per_image)} "
                               f"({common.size_text(per_image)} an image), more than the {common.size_text(free)} "
                               "free on cpu; a smaller batch needs less (hint)")
+    # images of several sizes (train's crops and validation's): the bound of the smallest
+    pooled = torch.nn.Sequential(*list(_probe_net())[:3], torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                 torch.nn.Linear(8, 5))
+    monkeypatch.setattr(model_cfg, "free_memory", lambda device: 10 * 4 * 16 * 36)  # its BN's at 6x6, 10 images
+    model_cfg.check_model_takes(pooled, (12, 6), 3, "pooled", lambda s: f"{s}x{s} images", batch=10)
+    with pytest.raises(common.UserError, match="^-b 11, 6x6 images: an inference of pooled"):
+        model_cfg.check_model_takes(pooled, (12, 6), 3, "pooled", lambda s: f"{s}x{s} images", batch=11)
     monkeypatch.setattr(model_cfg, "free_memory", lambda device: None)  # unknown: not refused
     check(10**9)
     assert not any(m._forward_hooks for m in net.modules())  # the probe's hooks are gone

@@ -158,7 +158,7 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images,
     finally:
         model.train(was)
     if batch > 1 and per_image:
-        size = max(per_image, key=per_image.get)
+        size = min(per_image, key=per_image.get)  # a bound for every size (train's: its crops' and validation's)
         device = torch.device(device) if device is not None else on
         per = per_image[size] // (2 if amp else 1)
         need, free = batch * per, free_memory(device)
