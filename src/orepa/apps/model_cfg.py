@@ -130,17 +130,16 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images,
     for a ``training`` step, every input that a layer with trainable parameters keeps for its
     gradients. More than the device has free (:func:`~orepa.apps.common.free_memory`) is a
     :class:`UserError` naming the batch (``batch_flags``, default ``-b N``; ``hint`` after the
-    advice): allocations on a CPU succeed
-    and the system's out-of-memory killer then ends the process without a word. ``device``: where
-    the batches will run (default: the model's); ``amp``: under autocast, whose activations take
-    half the bytes of the probe's float32 ones."""
+    advice): allocations on a CPU succeed and the system's out-of-memory killer then ends the
+    process without a word. ``device``: where the batches will run (default: the model's);
+    ``amp``: under autocast, whose activations take half the bytes of the probe's float32 ones."""
     was = model.training
     param = next(model.parameters(), None)
     on = param.device if param is not None else torch.device("cpu")
     per_image = {}  # size -> bytes of activations one image needs at least
     model.eval()
     try:
-        with torch.no_grad(), _activation_bytes(model, training) as measured:
+        with torch.no_grad(), _ActivationBytes(model, training) as measured:
             for size in sizes:
                 x = torch.zeros(1, in_chans, size, size, device=on)
                 measured.clear()
@@ -169,7 +168,7 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images,
                             f"{size_text(free)} free on {device}; a smaller batch needs less{hint}")
 
 
-class _activation_bytes:
+class _ActivationBytes:
     """Forward hooks on every module of ``model`` while open, adding up the activation bytes one
     forward needs at least (:func:`check_model_takes`); a tensor counted once however many modules
     see it (an in-place ReLU's output is its input). Training: the inputs are held until the
