@@ -1821,19 +1821,34 @@ def test_compiled_orepa_training_runs_and_saves_the_plain_model(cache, tmp_path,
 def test_the_command_quiets_only_torchs_warning_about_its_own_deprecated_helper():
     """A fresh ``--compile`` run printed torch's FutureWarning about ``_prims_common.check``, which
     inductor's own lowering of ``diagonal`` calls (nothing a user can act on); the same warning
-    raised from anywhere else still shows."""
+    raised from anywhere else still shows. A ``--compile``d DDP run printed the reducer's warning
+    of gradient strides for each 1x1 conv weight whose strides differ only in size-1 dimensions
+    (the same layout); a mismatch of strides that lays the data out otherwise still shows."""
     import warnings
 
     from orepa import cli
 
     message = "`torch._prims_common.check` is deprecated and will be removed in the future."
+
+    def strides(grad, bucket, sizes="[32, 32, 1, 1]"):  # DDP's reducer's words, as torch 2.x writes them
+        return ("Grad strides do not match bucket view strides. This may indicate grad was not created according "
+                "to the gradient layout contract, or that the param's strides changed since DDP was constructed.  "
+                f"This is not an error, but may impair performance.\ngrad.sizes() = {sizes}, strides() = {grad}\n"
+                f"bucket_view.sizes() = {sizes}, strides() = {bucket} (Triggered internally at reducer.cpp:335.)")
+
+    same_layout = strides("[32, 1, 32, 32]", "[32, 1, 1, 1]")  # a 1x1 conv's weight: size-1 dims' strides only
+    other = [strides("[32, 1, 1, 32]", "[32, 1, 1, 1]", "[32, 32, 1, 2]"),  # strides that move data
+             strides("[1, 32, 32, 32]", "[32, 1, 1, 1]")]  # (a transposed 1x1 weight)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         cli._quiet_torch_internals()
         warnings.warn_explicit(message, FutureWarning, "lowering.py", 1, module="torch._inductor.lowering")
         warnings.warn_explicit(message, FutureWarning, "mine.py", 1, module="mine")
         warnings.warn_explicit("another", FutureWarning, "lowering.py", 2, module="torch._inductor.lowering")
-    assert [(w.filename, str(w.message)) for w in seen] == [("mine.py", message), ("lowering.py", "another")]
+        for text in (same_layout, *other):
+            warnings.warn_explicit(text, UserWarning, "graph.py", 3, module="torch.autograd.graph")
+    assert [(w.filename, str(w.message)) for w in seen] == [("mine.py", message), ("lowering.py", "another"),
+                                                             *(("graph.py", text) for text in other)]
 
 
 def test_eval_warns_of_non_finite_weights(cache, tmp_path, capsys):

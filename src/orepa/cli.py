@@ -129,9 +129,16 @@ def _survivable_streams():
 def _quiet_torch_internals() -> None:
     """Warnings torch's own code raises at itself, which no flag of ours can act on: inductor's
     lowering of ``diagonal`` (a compiled kernel construction's vjp, a ``--compile``d step) calls
-    torch's deprecated ``_prims_common.check``."""
+    torch's deprecated ``_prims_common.check``; DDP's reducer, given a 1x1 conv's weight gradient
+    from a compiled backward (strides ``[I, 1, I, I]``), says its strides do not match its bucket's
+    (``[I, 1, 1, 1]``), comparing the strides of size-1 dimensions: the same layout in memory
+    (pytorch/pytorch#47163). Any other mismatch of strides still shows."""
     warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated",
                             category=FutureWarning, module=r"torch\._inductor\.")
+    warnings.filterwarnings("ignore", category=UserWarning, message=(
+        r"Grad strides do not match bucket view strides\.[^\n]*\n"
+        r"grad\.sizes\(\) = \[(\d+), (\d+), 1, 1\], strides\(\) = \[\2, 1, \d+, \d+\]\n"
+        r"bucket_view\.sizes\(\) = \[\1, \2, 1, 1\], strides\(\) = \[\2, 1, \d+, \d+\]"))
 
 
 #: commands that take the stop signals over themselves (a run stops at its next step, with a checkpoint)
