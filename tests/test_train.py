@@ -1851,6 +1851,32 @@ def test_the_command_quiets_only_torchs_warning_about_its_own_deprecated_helper(
                                                              *(("graph.py", text) for text in other)]
 
 
+def test_the_command_drops_two_of_torchs_logs_about_itself_and_keeps_the_rest(caplog):
+    """A --compile'd torchrun run logged dynamo's "Profiler record function ... will be ignored" (DDP's
+    forward opens a profiler range) and, on a machine without CUDA, cpp_extension's "No CUDA runtime is
+    found" (inductor's CPU compiler uses no CUDA): those two formats are dropped, once however often
+    the filters are installed; the loggers' other records pass."""
+    import logging
+
+    from orepa import cli
+
+    cli._quiet_torch_internals()
+    cli._quiet_torch_internals()
+    dynamo, cpp = (logging.getLogger(n) for n in ("torch._dynamo.variables.ctx_manager", "torch.utils.cpp_extension"))
+    assert sum(isinstance(f, cli._DropMessage) for f in dynamo.filters) == 1
+    for logger in (dynamo, cpp):  # (torch's loggers do not propagate to the root's handlers)
+        logger.addHandler(caplog.handler)
+    try:
+        dynamo.warning("Profiler record function %s will be ignored", torch.autograd.profiler.record_function)
+        cpp.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+        dynamo.warning("Profiler function %s will be ignored", "f")
+        cpp.warning("another %s", "x")
+    finally:
+        for logger in (dynamo, cpp):
+            logger.removeHandler(caplog.handler)
+    assert [r.getMessage() for r in caplog.records] == ["Profiler function f will be ignored", "another x"]
+
+
 def test_eval_warns_of_non_finite_weights(cache, tmp_path, capsys):
     """A checkpoint with NaN weights was evaluated to an accuracy without a word; a warning on
     stderr names the first such tensor (eval still reports: looking at a diverged run is fair)."""

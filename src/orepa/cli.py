@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import importlib
 import io
+import logging
 import os
 import signal
 import sys
@@ -132,13 +133,36 @@ def _quiet_torch_internals() -> None:
     torch's deprecated ``_prims_common.check``; DDP's reducer, given a 1x1 conv's weight gradient
     from a compiled backward (strides ``[I, 1, I, I]``), says its strides do not match its bucket's
     (``[I, 1, 1, 1]``), comparing the strides of size-1 dimensions: the same layout in memory
-    (pytorch/pytorch#47163). Any other mismatch of strides still shows."""
+    (pytorch/pytorch#47163). Any other mismatch of strides still shows. And two of torch's logs
+    (:data:`_TORCH_LOG_NOISE`)."""
     warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated",
                             category=FutureWarning, module=r"torch\._inductor\.")
     warnings.filterwarnings("ignore", category=UserWarning, message=(
         r"Grad strides do not match bucket view strides\.[^\n]*\n"
         r"grad\.sizes\(\) = \[(\d+), (\d+), 1, 1\], strides\(\) = \[\2, 1, \d+, \d+\]\n"
         r"bucket_view\.sizes\(\) = \[\1, \2, 1, 1\], strides\(\) = \[\2, 1, \d+, \d+\]"))
+    for name, message in _TORCH_LOG_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.message == message for f in logger.filters):
+            logger.addFilter(_DropMessage(message))
+
+
+#: (logger, message format) of torch's logs about itself in a command's run: dynamo does not trace the
+#: profiler range DDP's forward opens (every --compile'd torchrun run); a CUDA build of torch on a
+#: machine without CUDA names the CUDA_HOME that inductor's CPU compiler does not use (every --compile)
+_TORCH_LOG_NOISE = (("torch._dynamo.variables.ctx_manager", "Profiler record function %s will be ignored"),
+                    ("torch.utils.cpp_extension", "No CUDA runtime is found, using CUDA_HOME='%s'"))
+
+
+class _DropMessage(logging.Filter):
+    """Drops a logger's records of one message format."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message
 
 
 #: commands that take the stop signals over themselves (a run stops at its next step, with a checkpoint)
