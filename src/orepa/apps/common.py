@@ -153,7 +153,7 @@ def free_memory(device: torch.device) -> int | None:
         try:
             with open(limit) as f_limit, open(usage) as f_usage:
                 text = f_limit.read().strip()
-                if text != "max":  # (v1 says "no limit" with a number near 2**63)
+                if text != "max":  # (v2's "no limit"; v1's is a number near 2**63, which min() passes over)
                     free = min(free, max(int(text) - int(f_usage.read()), 0))
             break
         except (OSError, ValueError):
