@@ -2256,7 +2256,7 @@ def test_every_command_refuses_a_batch_its_device_cannot_hold_before_it_writes(c
     """train, eval, reparam, export and bench measure what one image needs and refuse a batch
     needing more than the device has free (here: 1 MiB), naming -b, before any output exists.
     train checks its micro-batch (--micro-batches 16 fits), eval and reparam their batch of the
-    validation images (-b larger than the set: the set)."""
+    validation images (-b larger than the set: the set; under torchrun: the rank's shard)."""
     from orepa.apps import model_cfg
 
     run = tmp_path / "run"
@@ -2286,6 +2286,14 @@ def test_every_command_refuses_a_batch_its_device_cannot_hold_before_it_writes(c
         err = capsys.readouterr().err
         assert said in err and "more than the 1.0 MiB free on cpu; a smaller batch needs less" in err, err
         assert not output.exists(), command
+    # eval under torchrun: each rank's batches are of its shard of the validation set (here rank 1 of
+    # 2: 32 of the 64 images, which fit; stood in for, without a process group)
+    from orepa.apps import evaluate
+    from orepa.apps.common import DistInfo
+
+    monkeypatch.setattr(evaluate, "init_distributed", lambda device, **kw: (DistInfo(rank=1, world_size=2),
+                                                                          torch.device("cpu")))
+    assert main(cases["eval"][0]) == 0, capsys.readouterr()  # (rank 1 prints and writes nothing)
     assert main(["train", *TINY, "--cache-dir", cache, "--output-dir", str(tmp_path / "t"), "-b", "64",
                  "--micro-batches", "8"]) == 2
     assert "-b 64 --micro-batches 8 (8 images a step)" in capsys.readouterr().err

@@ -39,7 +39,7 @@ from .common import (
     refuse_amp_dtype_without_amp,
     weights_damage,
 )
-from .data import FASHION_MNIST_NAMES, add_data_arguments, build_data, saved_val_sizes, val_loader
+from .data import FASHION_MNIST_NAMES, ShardSampler, add_data_arguments, build_data, saved_val_sizes, val_loader
 from .model_cfg import (
     add_model_arguments,
     check_model_fits_data,
@@ -162,14 +162,16 @@ def checkpoint_data(args: argparse.Namespace, ckpt: dict, info: DistInfo):
     return read
 
 
-def checkpoint_model(args: argparse.Namespace, ckpt: dict, data, device: torch.device) -> tuple[nn.Module, dict, str]:
+def checkpoint_model(args: argparse.Namespace, ckpt: dict, data, device: torch.device,
+                     info: DistInfo | None = None) -> tuple[nn.Module, dict, str]:
     """The checkpoint's model (its model_cfg, or the model flags given), checked against ``data``
-    and its batches of -b validation images on ``device``."""
+    and the batches of -b validation images this process (``info``'s rank) gives it on ``device``."""
     cfg = checkpoint_cfg(args, ckpt, args.checkpoint, num_classes=data.num_classes, in_chans=data.in_chans,
                          small_input=data.small_input)
     model, cfg, form = model_from_checkpoint(ckpt, args.checkpoint, cfg=cfg, use_ema=args.use_ema)
     check_model_fits_data(cfg, data, args.checkpoint)
-    batch = min(args.batch_size, len(data.val))
+    shard = len(ShardSampler(len(data.val), info.world_size, info.rank)) if info is not None else len(data.val)
+    batch = min(args.batch_size, shard)
     check_model_takes_images(model, data, f"{args.checkpoint} ({describe_cfg(cfg)})", batch=batch,
                              amp=getattr(args, "amp", False), device=device,
                              batch_flags=f"-b {args.batch_size}" + (f" ({batch} images)" if batch < args.batch_size else ""))
@@ -186,7 +188,7 @@ def evaluate_checkpoint(args: argparse.Namespace, info: DistInfo, device: torch.
     ckpt = load_checkpoint(args.checkpoint)
     data_args_from_checkpoint(args, ckpt)
     data = checkpoint_data(args, ckpt, info)
-    model, cfg, form = checkpoint_model(args, ckpt, data, device)
+    model, cfg, form = checkpoint_model(args, ckpt, data, device, info)
     if cfg["num_classes"] > data.num_classes and info.is_main:  # allowed (a subset of its classes), but said
         print(f"note: {args.checkpoint} predicts {cfg['num_classes']} classes, {data.name} has "
               f"{data.num_classes}: an image predicted as one of the other "
