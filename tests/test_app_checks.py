@@ -353,7 +353,8 @@ def test_an_export_of_a_batch_no_machine_holds_is_refused_before_it_runs(tmp_pat
     from orepa.cli import main
 
     out = tmp_path / "x.onnx"
-    assert main(["export", "--model", "resnet18", "--method", "base", "-b", "10000000", "-o", str(out)]) == 2
+    assert main(["export", "--model", "resnet18", "--method", "base", "-b", "10000000", "--device", "cpu", "-o",
+                 str(out)]) == 2
     err = capsys.readouterr().err
     assert re.search(r"-b 10000000, --input-size 224 \(224x224 images\): an inference of resnet18/base .* needs at "
                      r"least [\d.]+ TiB \(6\.1 MiB an image\), more than the [\d.]+ [GT]iB free on cpu", err), err
