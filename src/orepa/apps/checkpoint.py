@@ -63,7 +63,7 @@ from ..state_dicts import (
     strip_prefixes,
     without_ema_counter,
 )
-from .common import UserError, some_of, weights_damage
+from .common import UserError, size_text, some_of, weights_damage
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg, external_source
 
 FORMAT = "orepa-checkpoint"
@@ -497,7 +497,7 @@ def _writing(path: Path) -> Iterator[Path]:
         # (its own text, e.g. "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0", says
         # nothing to a user; the disk's free space does)
         try:
-            free = f"{shutil.disk_usage(path.parent).free / 2**20:,.1f} MiB free there"
+            free = f"{size_text(shutil.disk_usage(path.parent).free)} free there"
         except OSError:
             free = "the disk may be full"
         raise UserError(f"cannot write {path}: torch's writer failed ({free}); the file before it, if any, is "
