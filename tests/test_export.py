@@ -1,4 +1,4 @@
-"""Export of deployed zoo models: ONNX round trip through onnxruntime, TorchScript, the CLI."""
+"""Export of deployed zoo models: ONNX round trip through onnxruntime, ExportedProgram, TorchScript, the CLI."""
 import importlib.util
 import inspect
 import json
@@ -20,6 +20,7 @@ from orepa.apps.common import UserError  # noqa: E402
 from orepa.apps.export import (  # noqa: E402
     ExportReport,
     ExportVerificationError,
+    export_exported_program,
     export_onnx,
     export_torchscript,
     load_model_file,
@@ -75,6 +76,76 @@ def test_torchscript_and_verification_failure(tmp_path):
     assert cli.main(["eval", str(tmp_path / "m.pt")]) == 2
 
 
+def test_exported_program_round_trip_with_a_dynamic_batch(tmp_path):
+    """torch.export's program of the deployed network: no BN left, any batch size (its trace of a
+    batch of 1 would fix the batch at 1), the metadata as extra files, reloaded and checked."""
+    model = _trained("resnet18", "orepa", num_classes=10, width_mult=0.25, small_input=True, in_chans=1)
+    path = tmp_path / "m.pt2"
+    report = export_exported_program(model, path, (1, 1, 28, 28), metadata={"classes": '["a"]'})
+    assert report.verified and report.format == "exported-program"
+    assert set(report.errors) == {"deployed vs training form", "exported program vs pytorch (batch 1)",
+                                  "exported program vs pytorch (batch 2)"}
+    extra = {"classes": ""}
+    program = torch.export.load(str(path), extra_files=extra)
+    assert extra == {"classes": '["a"]'}
+    ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert any("conv" in op for op in ops) and not any("batch_norm" in op for op in ops), ops
+    deployed = export.deploy_fused(model)
+    for batch in (1, 7):
+        x = torch.randn(batch, 1, 28, 28)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(x), deployed(x), rtol=0, atol=0)
+    assert export.is_export(path, "exported-program") and not export.is_export(path, "torchscript")
+    # a fixed batch, when asked for: another size is refused by the program's own guard
+    report = export_exported_program(model, tmp_path / "fixed.pt2", (3, 1, 28, 28), dynamic_batch=False)
+    assert set(report.errors) == {"deployed vs training form", "exported program vs pytorch (batch 3)"}
+    with pytest.raises(Exception, match="3"):
+        torch.export.load(str(tmp_path / "fixed.pt2")).module()(torch.randn(2, 1, 28, 28))
+    # a failed check writes nothing; an ExportedProgram is not a checkpoint
+    with pytest.raises(ExportVerificationError):
+        export_exported_program(model, tmp_path / "m2.pt2", (1, 1, 28, 28), atol=-1.0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fixed.pt2", "m.pt2"]
+    with pytest.raises(UserError, match="is an ExportedProgram archive"):
+        load_model_file("resnet18", "orepa", path, num_classes=10)
+
+
+class _DataDependent(torch.nn.Module):
+    """A network whose path depends on its input's values: torch.export cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 2, 3)
+
+    def forward(self, x):
+        return self.conv(x) if x.mean() > 0 else -self.conv(x)
+
+
+def test_a_model_torch_export_cannot_trace_is_one_error_and_no_file(tmp_path, capfd):
+    """torch prints the partial graph of a failed trace and logs a warning: not shown, the error says it."""
+    with pytest.raises(UserError, match=r"^torch\.export cannot export this model \(\w+: .*\); --format onnx or "
+                                        "torchscript may$"):
+        export_exported_program(_DataDependent(), tmp_path / "m.pt2", (1, 1, 8, 8))
+    assert list(tmp_path.iterdir()) == [] and capfd.readouterr() == ("", "")
+
+
+def test_an_exported_program_of_an_older_torch_is_known_with_its_source(tmp_path):
+    """torch.export.save before torch 2.6 wrote another layout: serialized_exported_program.json and
+    extra_files/<key> at the top of the zip."""
+    import zipfile
+
+    old = tmp_path / "old.pt2"
+    with zipfile.ZipFile(old, "w") as z:
+        z.writestr("serialized_exported_program.json", "{}")
+        z.writestr("version", "7.0")
+        z.writestr(f"extra_files/{export.SOURCE_KEY}", json.dumps({"checkpoint": None, "ema": False}))
+    assert export.is_export(old, "exported-program") and not export.is_export(old, "torchscript")
+    assert export.export_source(old, "exported-program") == {"checkpoint": None, "ema": False}
+    other = tmp_path / "other.zip"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("archive/archive_format", "not pt2")
+    assert not export.is_export(other, "exported-program")
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_export_writes_to_a_file_name_that_is_not_utf8(tmp_path, capsys):
     """torch's C++ writers and onnxruntime take no such name (a TypeError deep in torch.jit.save);
@@ -85,7 +156,7 @@ def test_export_writes_to_a_file_name_that_is_not_utf8(tmp_path, capsys):
         odd.unlink()
     except (OSError, UnicodeEncodeError):
         pytest.skip("this file system takes no file name that is not UTF-8")
-    formats = ["torchscript"] + (["onnx"] if importlib.util.find_spec("onnxruntime") else [])
+    formats = ["torchscript", "exported-program"] + (["onnx"] if importlib.util.find_spec("onnxruntime") else [])
     for fmt in formats:
         out = f"{odd}.{fmt}"
         assert cli.main(["export", *TINY_ARGS, "--format", fmt, "-o", out, "--threads", "1"]) == 0, fmt
@@ -93,7 +164,9 @@ def test_export_writes_to_a_file_name_that_is_not_utf8(tmp_path, capsys):
         assert export.is_export(Path(out), fmt)
         # an export given where a checkpoint belongs is named as what it is
         assert cli.main(["eval", out]) == 2
-        assert ("is an ONNX model" if fmt == "onnx" else "is a TorchScript archive") in capsys.readouterr().err
+        said = {"onnx": "is an ONNX model", "torchscript": "is a TorchScript archive",
+                "exported-program": "is an ExportedProgram archive"}[fmt]
+        assert said in capsys.readouterr().err
 
 
 def test_cli_export_with_checkpoints(tmp_path, capsys):
@@ -164,7 +237,8 @@ def test_cli_export_errors_name_the_problem(tmp_path, capsys):
     # any other file: only a previous export of the same format is replaced without --overwrite
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
-    for fmt, what in (("onnx", "an ONNX model"), ("torchscript", "a TorchScript module")):
+    for fmt, what in (("onnx", "an ONNX model"), ("torchscript", "a TorchScript module"),
+                      ("exported-program", "an ExportedProgram (torch.export)")):
         cases.append((["--model", "resnet18", "--format", fmt, "-o", str(notes)],
                       f"--output {notes} exists and is not {what}; pass --overwrite"))
     cases.append(([str(bare), "--model", "resnet18", "--num-classes", "10", "--width-mult", "0.25",
@@ -596,9 +670,9 @@ def test_reparam_and_export_replace_only_an_output_of_the_same_source(tmp_path, 
     save_checkpoint({k: v for k, v in held.items() if k not in ("source", "source_path")}, deployed)
     refused([*reparam, str(last)], deployed, "holds a deployed model that records no source checkpoint")
 
-    onnx_out, ts_out = tmp_path / "m.onnx", tmp_path / "m.pt"
+    onnx_out, ts_out, ep_out = tmp_path / "m.onnx", tmp_path / "m.pt", tmp_path / "m.pt2"
     exporting = ["export", "--no-verify", "--input-size", "28"]
-    for out, fmt in ((onnx_out, "onnx"), (ts_out, "torchscript")):
+    for out, fmt in ((onnx_out, "onnx"), (ts_out, "torchscript"), (ep_out, "exported-program")):
         cmd = [*exporting, "--format", fmt, "-o", str(out)]
         assert cli.main([*cmd, str(first)]) == 0
         refused([*cmd, str(last)], out, f"--output {out} holds the export of {first}, resnet18/orepa")

@@ -706,6 +706,9 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys, monkeypa
         (["export", str(ckpt), "--format", "torchscript", "-o", str(tmp_path / "ts.onnx")],
          f"--output {tmp_path / 'ts.onnx'} is named as an ONNX model, and --format torchscript writes a TorchScript "
          "module: give --format onnx, or another name"),
+        (["export", str(ckpt), "--format", "exported-program", "-o", str(tmp_path / "ep.pt")],
+         f"--output {tmp_path / 'ep.pt'} is named as a TorchScript module, and --format exported-program writes an "
+         "ExportedProgram (torch.export): give --format torchscript, or another name"),
         # an empty path (an unset shell variable): the current directory ("error: . is not a file"), the
         # flag's default, or nothing written without a word
         (["eval", ""], "argument checkpoint: '' names no file or directory; give a path"),

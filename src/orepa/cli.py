@@ -32,7 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "reparam": ("orepa.apps.reparam", "turn a training checkpoint into a deployed (vanilla / BN-folded) one, verified"),
     "bench": ("orepa.apps.bench", "training cost of re-param methods side by side (time, memory, FLOPs)"),
     "analyze": ("orepa.apps.analyze", "branch similarity and branch norms of every re-param block (Fig. viz)"),
-    "export": ("orepa.apps.export", "deploy a model (reparameterize + fold BN), export to ONNX / TorchScript, verify"),
+    "export": ("orepa.apps.export", "deploy a model (reparameterize + fold BN), export to ONNX / torch.export / "
+               "TorchScript, verify"),
     "import-reference": ("orepa.apps.import_reference",
                          "a checkpoint trained with the paper's public code -> an orepa training or deployed one"),
 }

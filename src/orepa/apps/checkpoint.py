@@ -577,6 +577,18 @@ def is_torchscript(path: Path) -> bool:
         return False
 
 
+def is_exported_program(path: Path) -> bool:
+    """Whether ``path`` is a ``torch.export.save`` archive (an ExportedProgram: a zip whose
+    ``archive_format`` says ``pt2``, or, from torch before 2.6, holding ``serialized_exported_program.json``)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            fmt = next((n for n in names if n.rsplit("/", 1)[-1] == "archive_format"), None)
+            return (fmt is not None and z.read(fmt).strip() == b"pt2") or "serialized_exported_program.json" in names
+    except (zipfile.BadZipFile, OSError, KeyError):
+        return False
+
+
 def is_onnx(path: Path) -> bool:
     """Whether ``path`` is an ONNX model (a graph; read without its external data). False where the
     onnx package is missing: such a file is then only a file torch cannot read."""
@@ -624,7 +636,7 @@ def _check_crcs(path: Path) -> None:
 def read_checkpoint_file(path: str | os.PathLike, *, lazy: bool = False):
     """What a checkpoint file holds, read with ``weights_only=True`` (no code in the file runs), as
     it was saved; :class:`UserError` naming what is wrong with the file (missing, empty, damaged,
-    a TorchScript / ONNX / text file, Python objects). ``lazy``: the tensors are memory-mapped,
+    a TorchScript / ExportedProgram / ONNX / text file, Python objects). ``lazy``: the tensors are memory-mapped,
     not read, nor checked against their CRCs. :func:`load_checkpoint` interprets what it holds."""
     path = Path(path)
     if not path.is_file():
@@ -641,6 +653,9 @@ def read_checkpoint_file(path: str | os.PathLike, *, lazy: bool = False):
     if is_torchscript(path):  # torch.load would hand it to torch.jit.load
         raise UserError(f"{path} is a TorchScript archive (a compiled program), not a checkpoint; "
                         "load it with torch.jit.load")
+    if is_exported_program(path):  # (torch.load says only that data.pkl is missing: "corrupt")
+        raise UserError(f"{path} is an ExportedProgram archive (torch.export), not a checkpoint; load it with "
+                        "torch.export.load, or give the checkpoint it was exported from")
     if not lazy:
         _check_crcs(path)
     try:

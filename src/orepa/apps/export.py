@@ -1,18 +1,20 @@
-"""``orepa export``: deploy a zoo model (reparameterize + fold BN) and export it to ONNX or TorchScript.
+"""``orepa export``: deploy a zoo model (reparameterize + fold BN) and export it to ONNX, an
+ExportedProgram (``torch.export``) or TorchScript.
 
 Library use::
 
-    from orepa.apps.export import export_onnx, export_torchscript
+    from orepa.apps.export import export_exported_program, export_onnx, export_torchscript
     report = export_onnx(model, "model.onnx", (1, 3, 224, 224))   # verified with onnxruntime
     print(report)
 
-Both functions put the model in eval mode, deploy it with
+Each function puts the model in eval mode, deploys it with
 ``orepa.reparameterize(model, fuse_bn=True)`` (a plain conv net, every BN folded),
 export the deployed model, and (``verify=True``) check on a random input that
 
 * the deployed PyTorch model equals the training-form model in eval mode, and
-* the exported artifact (onnxruntime / the reloaded TorchScript module) equals the
-  deployed PyTorch model,
+* the exported artifact (onnxruntime / the reloaded ExportedProgram / TorchScript module)
+  equals the deployed PyTorch model (ONNX and ExportedProgram: at two batch sizes, their batch
+  axis being dynamic),
 
 each to ``max|y - y_ref| <= atol * (1 + max|y_ref|)`` (default ``atol=1e-4`` in float32;
 the test-suite's reparameterization bound is 1e-5 in the same form). A failed check raises
@@ -27,10 +29,14 @@ before anything is built (:func:`check_onnx_request`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
+import io
 import json
+import logging
 import os
+import sys
 import tempfile
 import warnings
 import zipfile
@@ -69,7 +75,7 @@ from .model_cfg import (
 )
 from .model_cfg import deploy as deploy_form
 
-__all__ = ["deploy_fused", "export_onnx", "export_torchscript", "load_model_file", "check_onnx_request",
+__all__ = ["deploy_fused", "export_onnx", "export_exported_program", "export_torchscript", "load_model_file", "check_onnx_request",
            "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError", "add_arguments", "run"]
 
 
@@ -324,6 +330,67 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
     return report
 
 
+@_in_eval_mode
+@torch.no_grad()
+def export_exported_program(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, verify: bool = True,
+                            atol: float = 1e-4, dynamic_batch: bool = True,
+                            metadata: Mapping[str, str] | None = None) -> ExportReport:
+    """Deploy ``model``, ``torch.export.export`` it and ``torch.export.save`` the ExportedProgram at
+    ``path`` (a ``.pt2`` archive: the graph of aten operators and the weights, no Python code; what
+    AOTInductor (``torch._inductor.aoti_compile_and_package``) and ExecuTorch take); verify the
+    reloaded program's module. The batch axis is dynamic unless ``dynamic_batch=False``.
+    ``metadata`` (key -> text) is saved as the archive's extra files (``torch.export.load(path,
+    extra_files={"classes": ""})`` reads them)."""
+    deployed = deploy_fused(model)
+    x = _example(input_shape, device=_device(model))
+    report = ExportReport(str(path), "exported-program", tuple(input_shape), count_params(model),
+                          count_params(deployed), atol=atol)
+    # torch.export fixes a size of 1 to 1 (its 0/1 specialisation): a dynamic batch is traced on two images
+    traced_on = _example((2, *input_shape[1:]), device=x.device) if dynamic_batch and input_shape[0] == 1 else x
+    dims = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
+    program = _torch_export(deployed, traced_on, dims)
+    with ckpt_io.atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:  # a file object, as for TorchScript
+            torch.export.save(program, f, extra_files=dict(metadata or {}))
+        if verify:
+            with open(tmp, "rb") as f:
+                loaded = torch.export.load(f).module()
+            y_train, y_dep = model(x), deployed(x)
+            _check(report, _deploy_check(model), y_dep, y_train)
+            xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
+            for i, xi in enumerate(xs):
+                _check(report, f"exported program vs pytorch (batch {xi.shape[0]})", loaded(xi),
+                       deployed(xi) if i else y_dep)
+            report.verified = True
+    return report
+
+
+def _torch_export(deployed: nn.Module, x: torch.Tensor, dims):
+    """``torch.export.export``, a failure said in one line (:class:`UserError`). torch also prints the
+    partial graph of a failed trace to stderr (what it prints is held, and written out only where the
+    export succeeds) and logs a warning on the symbols it could not place (that logger says only
+    errors while the export runs)."""
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level, printed = shapes_log.level, io.StringIO()
+    shapes_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(printed):
+            program = torch.export.export(deployed, (x,), dynamic_shapes=dims)
+    except Exception as exc:  # noqa: BLE001 - torch.export's many error types: what a model does that it cannot trace
+        text = " ".join((str(exc).strip().splitlines() or [""])[0].split())[:300]
+        raise UserError(f"torch.export cannot export this model ({type(exc).__name__}: {text}); "
+                        "--format onnx or torchscript may") from exc
+    finally:
+        shapes_log.setLevel(level)
+    sys.stderr.write(printed.getvalue())
+    return program
+
+
+#: ``--format`` -> (its default file suffix, what a file of it is called)
+FORMATS = {"onnx": (".onnx", "an ONNX model"), "exported-program": (".pt2", "an ExportedProgram (torch.export)"),
+           "torchscript": (".pt", "a TorchScript module")}
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 #: labels of the model forms a checkpoint may hold
@@ -391,11 +458,12 @@ def preprocessing_of(ckpt: dict, in_chans: int) -> dict | None:
 def is_export(path: Path, fmt: str) -> bool:
     """Whether ``path`` holds an earlier export of format ``fmt``: what export replaces without
     --overwrite, where it was made from the same source (:func:`export_source`; any other file is
-    refused). TorchScript: a zip archive with code (a checkpoint has none); ONNX: a model with a graph
-    (loaded without its external data)."""
+    refused). TorchScript: a zip archive with code (a checkpoint has none); ExportedProgram: a zip
+    that says it is one; ONNX: a model with a graph (loaded without its external data)."""
     if not path.is_file():
         return False
-    return ckpt_io.is_torchscript(path) if fmt == "torchscript" else ckpt_io.is_onnx(path)
+    return {"torchscript": ckpt_io.is_torchscript, "exported-program": ckpt_io.is_exported_program,
+            "onnx": ckpt_io.is_onnx}[fmt](path)
 
 
 #: the metadata entry in which an export records what it was made from: ``{"checkpoint": its absolute
@@ -405,9 +473,10 @@ SOURCE_KEY = "source"
 
 def export_source(path: Path, fmt: str) -> dict | None:
     """What an earlier export of format ``fmt`` at ``path`` records of its source (:data:`SOURCE_KEY`):
-    the ONNX model's metadata_props, the TorchScript archive's extra file (read from the zip: loading
-    the module would run its code). None where it records none: an export by an orepa from before the
-    record, or another tool's model."""
+    the ONNX model's metadata_props, the TorchScript or ExportedProgram archive's extra file (read
+    from the zip: loading the module would run its code, the program would deserialize the whole
+    graph). None where it records none: an export by an orepa from before the record, or another
+    tool's model."""
     try:
         if fmt == "onnx":
             import onnx
@@ -415,9 +484,10 @@ def export_source(path: Path, fmt: str) -> dict | None:
             with open(path, "rb") as f:  # (a file object: onnx's path reader takes no name that is not UTF-8)
                 props = onnx.load_model(f, load_external_data=False).metadata_props
             text = next((p.value for p in props if p.key == SOURCE_KEY), None)
-        else:
-            with zipfile.ZipFile(path) as archive:  # the entry <archive name>/extra/<key>
-                name = next((n for n in archive.namelist() if n.split("/")[1:] == ["extra", SOURCE_KEY]), None)
+        else:  # the entry <archive name>/extra/<key> (torch.export.save before torch 2.6: extra_files/<key>)
+            with zipfile.ZipFile(path) as archive:
+                name = next((n for n in archive.namelist() if n.split("/")[-2:] in (["extra", SOURCE_KEY],
+                                                                                     ["extra_files", SOURCE_KEY])), None)
                 text = archive.read(name).decode() if name else None
         held = json.loads(text) if text is not None else None
     except Exception:  # noqa: BLE001 - protobuf's DecodeError, a torn zip, text that is no JSON: no record
@@ -449,8 +519,7 @@ def _check_previous(out: Path, fmt: str, source: dict, overwrite: bool) -> None:
     if ckpt_io.same_source(held, source, "checkpoint"):
         return
     what = (f"the export of {_described(held)}" if held is not None else
-            f"{'an ONNX model' if fmt == 'onnx' else 'a TorchScript module'} that records no source (another "
-            "tool's, or exported by an older orepa)")
+            f"{FORMATS[fmt][1]} that records no source (another tool's, or exported by an older orepa)")
     raise UserError(f"--output {out} holds {what}; pass --overwrite to replace it, or choose another --output")
 
 
@@ -466,7 +535,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, model_default="the checkpoint's; without a checkpoint, required (a randomly initialised "
                                           "zoo model)")
     add_run_arguments(p, seed=False)
-    p.add_argument("-o", "--output", type=path_arg, default=None, help="output file (default: {model}_{method}[_ema].onnx / .pt)")
+    p.add_argument("-o", "--output", type=path_arg, default=None, help="output file (default: {model}_{method}[_ema].onnx / .pt2 / .pt)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --output whatever it holds (without it only an earlier export of the same "
                         "checkpoint or model, with the same --use-ema, in this --format is replaced); never a run's "
@@ -475,7 +544,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="height = width of the example input (default: the checkpoint's training size, "
                         "28 for Fashion-MNIST; else 224)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=1)
-    p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx")
+    p.add_argument("--format", choices=tuple(FORMATS), default="onnx",
+                   help="onnx (for onnxruntime, TensorRT, ...), exported-program (torch.export's .pt2: for "
+                        "AOTInductor, ExecuTorch, torch.export.load) or torchscript (torch.jit, deprecated by torch)")
     p.add_argument("--opset", type=positive_int, default=None,
                    help="ONNX opset (default: 17; 18 with --dynamo, that exporter's lowest)")
     p.add_argument("--dynamo", action="store_true", help="ONNX: use the torch.export-based exporter")
@@ -493,13 +564,12 @@ def _check_output(out: Path, args: argparse.Namespace, path) -> None:
         "the input checkpoint (export never writes over its input)": path or None})
     if out.exists() and not args.overwrite and not is_export(out, args.format):
         held = "holds a checkpoint" if ckpt_io.checkpoint_form(out) is not None else (
-            f"exists and is not {'an ONNX model' if args.format == 'onnx' else 'a TorchScript module'}")
+            f"exists and is not {FORMATS[args.format][1]}")
         raise UserError(f"--output {out} {held}; pass --overwrite to replace it, or choose another --output")
-    named = {".onnx": "onnx", ".pt": "torchscript", ".pth": "torchscript"}.get(out.suffix.lower())
-    if named not in (None, args.format):  # a file named for one format holding the other: said, not written
-        kinds = {"onnx": "an ONNX model", "torchscript": "a TorchScript module"}
-        raise UserError(f"--output {args.output or out} is named as {kinds[named]}, and --format {args.format} "
-                        f"writes {kinds[args.format]}: give --format {named}, or another name")
+    named = {".pth": "torchscript", **{suffix: fmt for fmt, (suffix, _) in FORMATS.items()}}.get(out.suffix.lower())
+    if named not in (None, args.format):  # a file named for one format holding another: said, not written
+        raise UserError(f"--output {args.output or out} is named as {FORMATS[named][1]}, and --format {args.format} "
+                        f"writes {FORMATS[args.format][1]}: give --format {named}, or another name")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -541,7 +611,7 @@ def run(args: argparse.Namespace) -> int:
     size = args.input_size or input_size_of(ckpt) or 224
     shape = (args.batch_size, cfg["in_chans"], size, size)
     out = Path(args.output or f"{model_slug(cfg['model'])}_{cfg['method']}{'_ema' if args.use_ema else ''}"
-                              f"{'.onnx' if args.format == 'onnx' else '.pt'}")
+                              f"{FORMATS[args.format][0]}")
     if not args.output:  # (a given one was checked before the model was loaded)
         _check_output(out, args, path)
     # what the export records of its source (the checkpoint by its absolute path: a relative one names
@@ -562,8 +632,8 @@ def run(args: argparse.Namespace) -> int:
             report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.rtol,
                                  dynamo=args.dynamo, metadata=metadata)
         else:
-            report = export_torchscript(model, out, shape, verify=not args.no_verify, atol=args.rtol,
-                                        metadata=metadata)
+            export = export_torchscript if args.format == "torchscript" else export_exported_program
+            report = export(model, out, shape, verify=not args.no_verify, atol=args.rtol, metadata=metadata)
     except ExportVerificationError as exc:
         raise CheckFailed(f"verification failed: {exc}") from None
     print(report)
