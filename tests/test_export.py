@@ -162,8 +162,8 @@ def test_export_writes_to_a_file_name_that_is_not_utf8(tmp_path, capsys):
         assert cli.main(["export", *TINY_ARGS, "--format", fmt, "-o", out, "--threads", "1"]) == 0, fmt
         assert "vs pytorch" in capsys.readouterr().out  # verified from the file written
         assert export.is_export(Path(out), fmt)
-        # an export given where a checkpoint belongs is named as what it is
-        assert cli.main(["eval", out]) == 2
+        # an export given where a checkpoint belongs is named as what it is (eval runs one: below)
+        assert cli.main(["reparam", out]) == 2
         said = {"onnx": "is an ONNX model", "torchscript": "is a TorchScript archive",
                 "exported-program": "is an ExportedProgram archive"}[fmt]
         assert said in capsys.readouterr().err
@@ -685,3 +685,56 @@ def test_reparam_and_export_replace_only_an_output_of_the_same_source(tmp_path, 
     del model.metadata_props[:]
     onnx.save(model, str(onnx_out))
     refused([*exporting, "-o", str(onnx_out), str(last)], onnx_out, "holds an ONNX model that records no source")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_eval_runs_each_export_by_its_runtime_on_the_data_its_metadata_names(tmp_path, capsys, cache):
+    """What is shipped, measured as it is: ``orepa eval`` of each export gives its checkpoint's numbers
+    on Fashion-MNIST (named by the export's metadata); flags that cannot apply to a fixed network are
+    refused, and an export that does not say its data (another tool's) needs --data-path."""
+    import onnx
+
+    ckpt = _run_checkpoint(tmp_path / "run" / "checkpoint.pth")
+    torch.save({**torch.load(ckpt, weights_only=True), "args": {"data_path": "fashion-mnist"}}, ckpt)
+    common = ["--val-subset", "64", "-b", "16", "--no-progress", "-j", "0", "--cache-dir", cache]
+    result = tmp_path / "e.json"
+
+    def evaluated(path, *extra):
+        assert cli.main(["eval", str(path), *common, "--json", str(result), *extra]) == 0
+        return json.loads(result.read_text())
+
+    ref = evaluated(ckpt)
+    weights = set()
+    for fmt, runtime in (("onnx", "onnxruntime (CPUExecutionProvider)"), ("exported-program", "torch.export.load"),
+                         ("torchscript", "torch.jit.load")):
+        path = tmp_path / f"m{export.FORMATS[fmt][0]}"
+        assert cli.main(["export", str(ckpt), "--format", fmt, "-o", str(path), "--no-verify"]) == 0
+        capsys.readouterr()
+        res = evaluated(path)
+        assert (res["acc1"], res["acc5"], res["n"]) == (ref["acc1"], ref["acc5"], 64), fmt
+        assert res["loss"] == pytest.approx(ref["loss"], rel=1e-5), fmt
+        assert (res["form"], res["exported_from"], res["runtime"]) == (fmt, str(ckpt), runtime)
+        assert f"{path}: {export.FORMATS[fmt][1]} of {ckpt}, resnet18/orepa" in capsys.readouterr().out
+        weights.add(res["params"])
+    assert len(weights) == 1 and weights.pop() < ref["params"]  # the deployed network's, BN folded
+    onnx_path = tmp_path / "m.onnx"
+    for extra, said in ((["--use-ema"], "--use-ema do(es) not apply"), (["--amp"], "--amp do(es) not apply"),
+                        (["--model", "resnet18"], "a network fixed at its export; the model flags")):
+        capsys.readouterr()
+        assert cli.main(["eval", str(onnx_path), *common, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+    # an ONNX model that records nothing (another tool's): its data must be named
+    model = onnx.load(str(onnx_path))
+    del model.metadata_props[:]
+    onnx.save(model, str(onnx_path))
+    capsys.readouterr()
+    assert cli.main(["eval", str(onnx_path), *common]) == 2
+    assert f"{onnx_path} does not say which data it was trained on: give its --data-path" in capsys.readouterr().err
+    res = evaluated(onnx_path, "--data-path", "fashion-mnist")
+    assert (res["acc1"], res["exported_from"], res["model"]) == (ref["acc1"], None, "a model it does not describe")
+    random = tmp_path / "random.pt2"
+    assert cli.main(["export", *TINY_ARGS, "--format", "exported-program", "-o", str(random), "--no-verify"]) == 0
+    capsys.readouterr()
+    assert cli.main(["eval", str(random), *common]) == 2
+    assert "is the export of a randomly initialised model: give the --data-path" in capsys.readouterr().err

@@ -291,6 +291,15 @@ def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp
                      "--json", str(tmp_path / "e.json")]) == 0
         assert json.loads((tmp_path / "e.json").read_text())["acc1"] == pytest.approx(100 * sum(right) / 4)
         assert "the 2 classes of imagefolder read by name" in capsys.readouterr().out
+    # an export of it alike: its metadata say the classes and the 36 -> 32 resize and crop
+    exported = tmp_path / "m.pt2"
+    assert main(["export", str(ckpt_path), "--format", "exported-program", "-o", str(exported), "--no-verify"]) == 0
+    assert main(["eval", str(exported), "--data-path", str(part), "--no-progress", "-j", "0",
+                 "--json", str(tmp_path / "e.json")]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["acc1"] == pytest.approx(100 * sum(right) / 4)
+    capsys.readouterr()
+    assert main(["eval", str(exported), "--data-path", str(part), "--val-crop-size", "28", "--no-progress"]) == 2
+    assert "cannot take imagefolder's images (" in capsys.readouterr().err  # (its graph fixes its input size)
     assert main(["train", "--test-only", "--resume", str(ckpt_path), "--data-path", str(part), "--no-progress",
                  "-j", "0"]) == 0  # torchvision-style evaluation reads them alike
     assert f"top-1 {100 * sum(right) / 4:.2f}%" in capsys.readouterr().out

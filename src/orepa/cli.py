@@ -28,7 +28,7 @@ import warnings
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("orepa.apps.demo", "Fashion-MNIST: train OREPA and base ResNets, reparameterize, compare (~1.5-5 min on 2 CPU cores)"),
     "train": ("orepa.apps.train", "train a model with the paper's recipe (Fashion-MNIST by default; torchrun for DDP)"),
-    "eval": ("orepa.apps.evaluate", "top-1/top-5 of a training-form or deployed checkpoint"),
+    "eval": ("orepa.apps.evaluate", "top-1/top-5 of a training-form or deployed checkpoint, or of an export"),
     "reparam": ("orepa.apps.reparam", "turn a training checkpoint into a deployed (vanilla / BN-folded) one, verified"),
     "bench": ("orepa.apps.bench", "training cost of re-param methods side by side (time, memory, FLOPs)"),
     "analyze": ("orepa.apps.analyze", "branch similarity and branch norms of every re-param block (Fig. viz)"),

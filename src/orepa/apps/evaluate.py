@@ -1,9 +1,10 @@
-"""``orepa eval``: top-1/top-5 of a checkpoint, in training form or deployed.
+"""``orepa eval``: top-1/top-5 of a checkpoint, in training form or deployed, or of an export.
 
 The checkpoint says which form it holds (``form``: train / deploy / deploy-fused)
 and which model (``model_cfg``); the matching module layout is built before its
 weights load. A bare state_dict (e.g. torchvision's) is matched against every form
-of the model given with ``--model/--method/...``.
+of the model given with ``--model/--method/...``. An export (``orepa export``: ONNX,
+ExportedProgram, TorchScript) runs as it was exported, on the data its metadata names.
 """
 from __future__ import annotations
 
@@ -37,15 +38,18 @@ from .common import (
     peak_memory,
     positive_int,
     refuse_amp_dtype_without_amp,
+    refuse_idle_flags,
     weights_damage,
 )
 from .data import FASHION_MNIST_NAMES, ShardSampler, add_data_arguments, build_data, saved_val_sizes, val_loader
+from .export import FORMATS, SOURCE_KEY, export_format, export_record, load_export
 from .model_cfg import (
     add_model_arguments,
     check_model_fits_data,
     check_model_takes_images,
     checkpoint_cfg,
     describe_cfg,
+    model_flags_given,
 )
 
 
@@ -121,8 +125,9 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=path_arg,
-                   help="a training checkpoint (orepa train), a deployed one (orepa reparam) or a bare state_dict "
-                        "(then give --model/--method/...)")
+                   help="a training checkpoint (orepa train), a deployed one (orepa reparam), a bare state_dict "
+                        "(then give --model/--method/...), or an export (orepa export: ONNX, ExportedProgram, "
+                        "TorchScript), run as it was exported")
     add_data_arguments(p, training_set=False)
     # unset: the data the checkpoint was trained on
     p.set_defaults(data_path=None, val_resize_size=None, val_crop_size=None)
@@ -223,13 +228,72 @@ def evaluate_checkpoint(args: argparse.Namespace, info: DistInfo, device: torch.
     return res
 
 
+def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.device, fmt: str) -> dict:
+    """``orepa eval`` of an export (``fmt``: :data:`orepa.apps.export.FORMATS`): the file run by its own
+    runtime on the validation data, what was shipped measured as it is. Its metadata say the classes and
+    the images it takes (Fashion-MNIST, or the size of an ImageFolder run's crops); an export that does
+    not (another tool's) needs ``--data-path``, read with that data's own preprocessing."""
+    path, what = args.checkpoint, FORMATS[fmt][1]
+    if model_flags_given(args):
+        raise UserError(f"{path} is {what}, a network fixed at its export; the model flags (--model, --method, ...) "
+                        "do not apply")
+    refuse_idle_flags(args, ("use_ema", "amp", "amp_dtype", "channels_last"),
+                      f"{path} is {what}, run in float32 as it was exported (its weights chosen then)")
+    refuse_amp_dtype_without_amp(args)
+    if args.json:
+        check_output_path(args.json, "--json", report="eval", not_over={"the export": path})
+    source = export_record(path, fmt, SOURCE_KEY)
+    source = source if isinstance(source, dict) else {}
+    classes = export_record(path, fmt, "classes")
+    prep = export_record(path, fmt, "preprocessing")
+    prep = prep if isinstance(prep, dict) else {}
+    if args.data_path is None:
+        if "Fashion-MNIST" not in str(prep.get("image", "")):
+            raise UserError(f"{path} is the export of a randomly initialised model: give the --data-path to run it on"
+                            if source and not source.get("checkpoint") else
+                            f"{path} does not say which data it was trained on: give its --data-path")
+        args.data_path = "fashion-mnist"
+    for key, size in (("val_resize_size", prep.get("resize")), ("val_crop_size", prep.get("center_crop"))):
+        if getattr(args, key, None) is None and isinstance(size, int):
+            setattr(args, key, size)
+    data = build_data(args, need_train=False)
+    data = data.read_as(classes if isinstance(classes, list) else (), path)
+    cfg = source.get("model_cfg")
+    if isinstance(cfg, dict) and {"in_chans", "num_classes"} <= set(cfg):
+        check_model_fits_data(cfg, data, path)
+    model, runner, params = load_export(path, fmt, device)
+    try:  # one image first: a shape the export was not made for is said in one line
+        model(data.val[0][0][None].to(device))
+    except Exception as exc:  # noqa: BLE001 - each runtime's own error type
+        text = " ".join((str(exc).strip().splitlines() or [""])[0].split())[:300]
+        raise UserError(f"{path} cannot take {data.name}'s images ({type(exc).__name__}: {text})") from None
+    loader = val_loader(data, args, info, device)
+    res = evaluate(model, loader, device, info=info, progress=not args.no_progress)
+    described = describe_cfg(cfg) if isinstance(cfg, dict) else "a model it does not describe"
+    res.update(checkpoint=str(path), form=fmt, model=described, params=params, dataset=data.name,
+               ema=bool(source.get("ema")), exported_from=source.get("checkpoint"), runtime=runner)
+    if info.is_main:
+        origin = f" of {source['checkpoint']}" if source.get("checkpoint") else ""
+        print(f"{path}: {what}{origin}, {described}{' (EMA)' if res['ema'] else ''}, {params:,} weights, "
+              f"run by {runner}")
+        print(f"  {data.name} val: top-1 {res['acc1']:.2f}%  top-5 {res['acc5']:.2f}%  loss {res['loss']:.4f}  "
+              f"({res['n']} images, {res['time_per_batch_s'] * 1e3:.1f} ms/batch)")
+        if args.json:
+            write_json(args.json, report_of("eval", res), indent=2)
+    return res
+
+
 def run(args: argparse.Namespace) -> int:
     info = DistInfo()
     apply_threads(args)
     args = argparse.Namespace(**vars(args))  # the checkpoint's data settings fill this copy
     try:
         info, device = init_distributed(args.device)
-        evaluate_checkpoint(args, info, device)
+        fmt = export_format(args.checkpoint)
+        if fmt is not None:
+            evaluate_export(args, info, device, fmt)
+        else:
+            evaluate_checkpoint(args, info, device)
         return 0
     finally:
         cleanup_distributed(info)

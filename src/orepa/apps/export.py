@@ -35,6 +35,7 @@ import importlib
 import io
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -471,28 +472,105 @@ def is_export(path: Path, fmt: str) -> bool:
 SOURCE_KEY = "source"
 
 
-def export_source(path: Path, fmt: str) -> dict | None:
-    """What an earlier export of format ``fmt`` at ``path`` records of its source (:data:`SOURCE_KEY`):
-    the ONNX model's metadata_props, the TorchScript or ExportedProgram archive's extra file (read
-    from the zip: loading the module would run its code, the program would deserialize the whole
-    graph). None where it records none: an export by an orepa from before the record, or another
-    tool's model."""
-    try:
-        if fmt == "onnx":
-            import onnx
+def export_format(path) -> str | None:
+    """The ``--format`` of the export at ``path`` (:func:`is_export`), None for any other file. ONNX is
+    looked for only in a file that is no zip archive (a checkpoint is one, and parsing it as protobuf
+    would cost its size)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    if zipfile.is_zipfile(path):
+        return next((fmt for fmt in ("torchscript", "exported-program") if is_export(path, fmt)), None)
+    return "onnx" if is_export(path, "onnx") else None
 
-            with open(path, "rb") as f:  # (a file object: onnx's path reader takes no name that is not UTF-8)
-                props = onnx.load_model(f, load_external_data=False).metadata_props
-            text = next((p.value for p in props if p.key == SOURCE_KEY), None)
-        else:  # the entry <archive name>/extra/<key> (torch.export.save before torch 2.6: extra_files/<key>)
-            with zipfile.ZipFile(path) as archive:
-                name = next((n for n in archive.namelist() if n.split("/")[-2:] in (["extra", SOURCE_KEY],
-                                                                                     ["extra_files", SOURCE_KEY])), None)
-                text = archive.read(name).decode() if name else None
-        held = json.loads(text) if text is not None else None
+
+def export_metadata(path, fmt: str) -> dict[str, str]:
+    """The metadata an export of format ``fmt`` carries (key -> text): the ONNX model's metadata_props,
+    the TorchScript or ExportedProgram archive's extra files (read from the zip: loading the module
+    would run its code, the program would deserialize the whole graph). Raises what the reader raises
+    for a damaged file."""
+    if fmt == "onnx":
+        import onnx
+
+        with open(path, "rb") as f:  # (a file object: onnx's path reader takes no name that is not UTF-8)
+            return {p.key: p.value for p in onnx.load_model(f, load_external_data=False).metadata_props}
+    with zipfile.ZipFile(path) as archive:  # <archive name>/extra/<key> (torch.export.save before 2.6: extra_files/<key>)
+        return {parts[-1]: archive.read(n).decode() for n in archive.namelist()
+                if len(parts := n.split("/")) >= 2 and parts[-2] in ("extra", "extra_files") and parts[-1]}
+
+
+def export_record(path, fmt: str, key: str):
+    """The JSON value an export records under ``key`` (:data:`SOURCE_KEY`, ``classes``,
+    ``preprocessing``), None where it records none (an older orepa's export, another tool's model) or
+    the file cannot be read."""
+    try:
+        text = export_metadata(path, fmt).get(key)
+        return json.loads(text) if text is not None else None
     except Exception:  # noqa: BLE001 - protobuf's DecodeError, a torn zip, text that is no JSON: no record
         return None
+
+
+def export_source(path: Path, fmt: str) -> dict | None:
+    """What an earlier export of format ``fmt`` at ``path`` records of its source (:data:`SOURCE_KEY`),
+    None where it records none."""
+    held = export_record(path, fmt, SOURCE_KEY)
     return held if isinstance(held, dict) else None
+
+
+class OnnxModel(nn.Module):
+    """An ONNX model run by onnxruntime as a module: tensors in and out on the caller's device (the
+    session runs on the CPU, or on CUDA where onnxruntime has that provider and the input is there)."""
+
+    def __init__(self, path, device: torch.device):
+        super().__init__()
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()  # (--threads, as for torch)
+        cuda = device.type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers()
+        self.provider = "CUDAExecutionProvider" if cuda else "CPUExecutionProvider"
+        serialized = Path(path).read_bytes()
+        self.session = ort.InferenceSession(serialized, options, providers=[self.provider])
+        self.input_name = self.session.get_inputs()[0].name
+        import onnx
+
+        floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+        self.params = sum(math.prod(t.dims) for t in onnx.load_model_from_string(serialized).graph.initializer
+                          if t.data_type in floats)  # the weights (not the graph's integer shape constants)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.session.run(None, {self.input_name: x.detach().float().cpu().numpy()})[0]
+        return torch.from_numpy(y).to(x.device)
+
+
+class _TracedInEvalMode(nn.Module):
+    """An ExportedProgram's module, whose ``eval()`` and ``train()`` raise (torch: "not supported
+    yet"): its graph was traced in eval mode, so there is nothing to switch. Held outside the module
+    tree, which ``eval()`` walks."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.__dict__["program"] = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.program(x)
+
+
+def load_export(path, fmt: str, device: torch.device) -> tuple[nn.Module, str, int]:
+    """The exported model at ``path`` as a module on ``device``, what runs it (onnxruntime and its
+    execution provider, the ExportedProgram's module from ``torch.export.load``, the TorchScript
+    module from ``torch.jit.load``) and its number of weights."""
+    if fmt == "onnx":
+        model = OnnxModel(path, device)
+        return model, f"onnxruntime ({model.provider})", model.params
+    with open(path, "rb") as f:  # (file objects: torch's readers take no file name that is not UTF-8)
+        if fmt == "exported-program":
+            module = torch.export.load(f).module().to(device)
+            return _TracedInEvalMode(module), "torch.export.load", count_params(module)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deprecated.*")
+            module = torch.jit.load(f, map_location=device)
+        return module, "torch.jit.load", count_params(module)
 
 
 def _described(source: dict) -> str:
