@@ -738,3 +738,12 @@ def test_eval_runs_each_export_by_its_runtime_on_the_data_its_metadata_names(tmp
     capsys.readouterr()
     assert cli.main(["eval", str(random), *common]) == 2
     assert "is the export of a randomly initialised model: give the --data-path" in capsys.readouterr().err
+
+
+def test_a_legacy_checkpoint_is_not_parsed_as_onnx_to_tell_it_from_an_export(tmp_path, monkeypatch):
+    """eval looks for an export before it reads a checkpoint: torch's legacy format (a pickle, no zip)
+    is told apart by its first byte, not by parsing the whole file as protobuf."""
+    legacy = tmp_path / "legacy.pth"
+    torch.save({"model": {"w": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
+    monkeypatch.setattr(export.ckpt_io, "is_onnx", lambda path: pytest.fail("parsed as ONNX"))
+    assert export.export_format(legacy) is None and export.export_format(tmp_path) is None

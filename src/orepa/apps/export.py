@@ -474,14 +474,19 @@ SOURCE_KEY = "source"
 
 def export_format(path) -> str | None:
     """The ``--format`` of the export at ``path`` (:func:`is_export`), None for any other file. ONNX is
-    looked for only in a file that is no zip archive (a checkpoint is one, and parsing it as protobuf
-    would cost its size)."""
+    looked for only in a file that is neither a zip archive nor a pickle (a checkpoint is one of them,
+    torch's legacy format a pickle, and parsing one as protobuf would cost its size)."""
     path = Path(path)
     if not path.is_file():
         return None
     if zipfile.is_zipfile(path):
         return next((fmt for fmt in ("torchscript", "exported-program") if is_export(path, fmt)), None)
-    return "onnx" if is_export(path, "onnx") else None
+    try:
+        with open(path, "rb") as f:
+            pickled = f.read(1) == b"\x80"  # pickle's PROTO opcode; no ONNX model starts with it
+    except OSError:
+        return None
+    return "onnx" if not pickled and is_export(path, "onnx") else None
 
 
 def export_metadata(path, fmt: str) -> dict[str, str]:
