@@ -263,7 +263,8 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
         check_model_fits_data(cfg, data, path)
     model, runner, params = load_export(path, fmt, device)
     try:  # one image first: a shape the export was not made for is said in one line
-        model(data.val[0][0][None].to(device))
+        with torch.no_grad():
+            model(data.val[0][0][None].to(device))
     except Exception as exc:  # noqa: BLE001 - each runtime's own error type
         text = " ".join((str(exc).strip().splitlines() or [""])[0].split())[:300]
         raise UserError(f"{path} cannot take {data.name}'s images ({type(exc).__name__}: {text})") from None
