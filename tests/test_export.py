@@ -747,3 +747,78 @@ def test_a_legacy_checkpoint_is_not_parsed_as_onnx_to_tell_it_from_an_export(tmp
     torch.save({"model": {"w": torch.ones(2)}}, legacy, _use_new_zipfile_serialization=False)
     monkeypatch.setattr(export.ckpt_io, "is_onnx", lambda path: pytest.fail("parsed as ONNX"))
     assert export.export_format(legacy) is None and export.export_format(tmp_path) is None
+
+
+def test_eval_of_a_damaged_or_foreign_export_is_one_error(tmp_path, capsys, cache):
+    """An export orepa did not make, or one torn after it was written, is said in one line (exit 2),
+    never a traceback: a program its runtime cannot load, one that predicts fewer classes than the
+    data has or gives no tensor, an export without preprocessing read from an ImageFolder tree."""
+    import zipfile
+
+    from PIL import Image
+
+    common = ["--val-subset", "16", "-b", "8", "--no-progress", "-j", "0", "--cache-dir", cache]
+
+    def refused(path, said, *extra):
+        capsys.readouterr()
+        assert cli.main(["eval", str(path), *common, *extra]) == 2, path
+        err = capsys.readouterr().err
+        assert said in err and err.count("\n") == 1, err
+
+    class Head(torch.nn.Module):
+        def __init__(self, classes=10, pair=False):
+            super().__init__()
+            self.fc, self.pair = torch.nn.Linear(28 * 28, classes), pair
+
+        def forward(self, x):
+            y = self.fc(x.flatten(1))
+            return (y, y) if self.pair else y
+
+    x, batch = torch.randn(2, 1, 28, 28), ({0: torch.export.Dim("batch")},)
+    for name, module, said in (("five", Head(5), "predicts 5 classes but fashion-mnist has 10"),
+                               ("pair", Head(pair=True), "gives a tuple, not a tensor of logits")):
+        path = tmp_path / f"{name}.pt2"
+        torch.export.save(torch.export.export(module, (x,), dynamic_shapes=batch), str(path))
+        refused(path, said, "--data-path", "fashion-mnist")
+    # an ExportedProgram archive that torch.export.load cannot read (its program taken out)
+    torn = tmp_path / "torn.pt2"
+    with zipfile.ZipFile(tmp_path / "five.pt2") as src, zipfile.ZipFile(torn, "w") as dst:
+        for n in src.namelist():
+            if "/models/" not in n:
+                dst.writestr(n, src.read(n))
+    refused(torn, "torch.export.load cannot load it", "--data-path", "fashion-mnist")
+    # no preprocessing recorded, an ImageFolder tree: that data's own sizes (as the docs say), not a TypeError
+    for c in ("a", "b"):
+        (tmp_path / "tree" / "val" / c).mkdir(parents=True)
+        Image.new("RGB", (40, 40), (200 if c == "a" else 20, 0, 0)).save(tmp_path / "tree" / "val" / c / "0.png")
+    random = tmp_path / "random.pt2"  # (records its model, no preprocessing)
+    assert cli.main(["export", *TINY_ARGS, "--format", "exported-program", "-o", str(random), "--no-verify"]) == 0
+    refused(random, "takes 1-channel images but imagefolder has 3", "--data-path", str(tmp_path / "tree"))
+
+
+def test_an_export_at_another_input_size_records_the_crops_its_graph_takes(tmp_path, capsys):
+    """``--input-size`` other than the run's crop: the graph (ONNX, ExportedProgram) fixes its height and
+    width, so its ``preprocessing`` says that crop (the run's resize scaled alike), which eval then reads."""
+    from orepa.apps.model_cfg import model_cfg_of
+
+    model, ckpt = _trained("resnet18", "orepa", **{**TINY, "in_chans": 3}), tmp_path / "checkpoint.pth"
+    torch.save({"format": "orepa-checkpoint", "version": 1, "form": "train", "model_cfg": model_cfg_of(model),
+                "model": model.state_dict(),
+                "args": {"data_path": "/data/birds", "val_resize_size": 36, "val_crop_size": 32}}, ckpt)
+    out = tmp_path / "m.pt2"
+    assert cli.main(["export", str(ckpt), "--format", "exported-program", "-o", str(out), "--input-size", "48",
+                     "--no-verify"]) == 0
+    prep = json.loads(export.export_metadata(out, "exported-program")["preprocessing"])
+    assert (prep["resize"], prep["center_crop"]) == (54, 48)
+
+
+def test_an_export_of_ema_weights_deployed_by_reparam_says_so(tmp_path, capsys):
+    """A checkpoint whose model is EMA weights (``orepa reparam --use-ema``: ``"ema": True``) exports with
+    ``source.ema`` true, as ``orepa eval`` says "(EMA)" of the checkpoint itself."""
+    ckpt = _run_checkpoint(tmp_path / "run" / "checkpoint.pth")
+    saved = torch.load(ckpt, weights_only=True)
+    deployed = tmp_path / "deployed.pth"
+    torch.save({k: v for k, v in saved.items() if k != "optimizer"} | {"ema": True}, deployed)
+    out = tmp_path / "m.pt2"
+    assert cli.main(["export", str(deployed), "--format", "exported-program", "-o", str(out), "--no-verify"]) == 0
+    assert export.export_source(out, "exported-program")["ema"] is True

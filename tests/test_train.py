@@ -299,7 +299,10 @@ def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp
     assert json.loads((tmp_path / "e.json").read_text())["acc1"] == pytest.approx(100 * sum(right) / 4)
     capsys.readouterr()
     assert main(["eval", str(exported), "--data-path", str(part), "--val-crop-size", "28", "--no-progress"]) == 2
-    assert "cannot take imagefolder's images (" in capsys.readouterr().err  # (its graph fixes its input size)
+    assert "cannot take a batch of one of imagefolder's images (" in capsys.readouterr().err  # (its graph fixes its input size)
+    assert main(["eval", str(exported), "--no-progress"]) == 2
+    assert f"{exported} was trained on an ImageFolder tree, which an export does not record: give its --data-path" \
+        in capsys.readouterr().err
     assert main(["train", "--test-only", "--resume", str(ckpt_path), "--data-path", str(part), "--no-progress",
                  "-j", "0"]) == 0  # torchvision-style evaluation reads them alike
     assert f"top-1 {100 * sum(right) / 4:.2f}%" in capsys.readouterr().out

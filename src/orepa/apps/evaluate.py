@@ -237,7 +237,7 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
     if model_flags_given(args):
         raise UserError(f"{path} is {what}, a network fixed at its export; the model flags (--model, --method, ...) "
                         "do not apply")
-    refuse_idle_flags(args, ("use_ema", "amp", "amp_dtype", "channels_last"),
+    refuse_idle_flags(args, ("use_ema", "amp_dtype", "channels_last") + ("amp",) * bool(args.amp),  # (--no-amp: as run)
                       f"{path} is {what}, run in float32 as it was exported (its weights chosen then)")
     refuse_amp_dtype_without_amp(args)
     if args.json:
@@ -251,23 +251,36 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
         if "Fashion-MNIST" not in str(prep.get("image", "")):
             raise UserError(f"{path} is the export of a randomly initialised model: give the --data-path to run it on"
                             if source and not source.get("checkpoint") else
+                            f"{path} was trained on an ImageFolder tree, which an export does not record: give its "
+                            "--data-path" if "center_crop" in prep else
                             f"{path} does not say which data it was trained on: give its --data-path")
         args.data_path = "fashion-mnist"
-    for key, size in (("val_resize_size", prep.get("resize")), ("val_crop_size", prep.get("center_crop"))):
-        if getattr(args, key, None) is None and isinstance(size, int):
-            setattr(args, key, size)
-    data = build_data(args, need_train=False)
-    data = data.read_as(classes if isinstance(classes, list) else (), path)
+    for key, size, default in zip(("val_resize_size", "val_crop_size"), (prep.get("resize"), prep.get("center_crop")),
+                                  saved_val_sizes({})):  # (none recorded: that data's own, as a run's defaults)
+        if getattr(args, key, None) is None:
+            setattr(args, key, size if isinstance(size, int) else default)
+    data = checkpoint_data(args, {"classes": classes if isinstance(classes, list) else ()}, info)  # (with its note)
     cfg = source.get("model_cfg")
     if isinstance(cfg, dict) and {"in_chans", "num_classes"} <= set(cfg):
         check_model_fits_data(cfg, data, path)
-    model, runner, params = load_export(path, fmt, device)
+    try:
+        model, runner, params = load_export(path, fmt, device)
+    except Exception as exc:  # noqa: BLE001 - each runtime's own error type: a torn or foreign file
+        runtime = {"onnx": "onnxruntime", "exported-program": "torch.export.load"}.get(fmt, "torch.jit.load")
+        raise UserError(f"{path} looks like {what}, but {runtime} cannot load it (damaged or truncated?): "
+                        f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
     try:  # one image first: a shape the export was not made for is said in one line
         with torch.no_grad():
-            model(data.val[0][0][None].to(device))
+            y = model(data.val[0][0][None].to(device))
     except Exception as exc:  # noqa: BLE001 - each runtime's own error type
-        text = " ".join((str(exc).strip().splitlines() or [""])[0].split())[:300]
-        raise UserError(f"{path} cannot take {data.name}'s images ({type(exc).__name__}: {text})") from None
+        text = " ".join(str(exc).split())[:300]  # (all its lines: onnxruntime names the sizes on the next ones)
+        raise UserError(f"{path} cannot take a batch of one of {data.name}'s images ({type(exc).__name__}: {text})") from None
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        gives = f"an output of shape {list(y.shape)}" if isinstance(y, torch.Tensor) else f"a {type(y).__name__}"
+        raise UserError(f"{path} gives {gives}, not a tensor of logits (batch, classes)")
+    if y.shape[1] < data.num_classes:  # (a model it does not describe: check_model_fits_data could not say it)
+        raise UserError(f"{path} predicts {y.shape[1]} classes but {data.name} has {data.num_classes}; pass the "
+                        "--data-path it was trained on")
     loader = val_loader(data, args, info, device)
     res = evaluate(model, loader, device, info=info, progress=not args.no_progress)
     described = describe_cfg(cfg) if isinstance(cfg, dict) else "a model it does not describe"

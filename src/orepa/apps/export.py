@@ -246,7 +246,7 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     size = sum(t.numel() * t.element_size() for t in deployed.state_dict().values())
     if size >= onnx.checker.MAXIMUM_PROTOBUF:  # protobuf's limit on one message: refuse before exporting
         raise UserError(f"the deployed model's weights take {size / 2**30:.2f} GiB: over the 2 GiB that one ONNX "
-                        "file can hold; export it with --format torchscript")
+                        "file can hold; export it with --format exported-program (or torchscript)")
     x = _example(input_shape, device=_device(model))
     report = ExportReport(str(path), "onnx", tuple(input_shape), count_params(model), count_params(deployed),
                           atol=atol, opset_requested=opset)
@@ -699,7 +699,9 @@ def run(args: argparse.Namespace) -> int:
         _check_output(out, args, path)
     # what the export records of its source (the checkpoint by its absolute path: a relative one names
     # another file from another directory), by which a rerun knows its own file
-    source = {"checkpoint": os.path.abspath(path) if path else None, "ema": bool(args.use_ema), "model_cfg": cfg}
+    # ("ema": its EMA weights, taken with --use-ema or deployed so by orepa reparam --use-ema, as eval says of it)
+    source = {"checkpoint": os.path.abspath(path) if path else None, "ema": bool(args.use_ema or ckpt.get("ema")),
+              "model_cfg": cfg}
     _check_previous(out, args.format, source, args.overwrite)
     check_model_takes(model, (size,), cfg["in_chans"], describe_cfg(cfg), lambda s: f"--input-size {s} ({s}x{s} images)",
                       batch=args.batch_size, device=device,
@@ -707,6 +709,10 @@ def run(args: argparse.Namespace) -> int:
     model.to(device)
     # for whoever runs the exported model: the class names (label i is classes[i]) and what its input must be
     preprocessing = preprocessing_of(ckpt, cfg["in_chans"])
+    if preprocessing and preprocessing.get("center_crop") not in (None, size):  # --input-size: the crops the graph
+        # takes (ONNX and ExportedProgram fix height and width), after the run's resize scaled alike
+        resize = round(preprocessing["resize"] * size / preprocessing["center_crop"])
+        preprocessing.update(resize=resize, center_crop=size)
     metadata = {**({"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else {}),
                 **({"preprocessing": json.dumps(preprocessing)} if preprocessing else {}),
                 SOURCE_KEY: ckpt_io.json_text(ckpt_io.plain(source))}
