@@ -359,3 +359,11 @@ def test_an_export_of_a_batch_no_machine_holds_is_refused_before_it_runs(tmp_pat
     assert re.search(r"-b 10000000, --input-size 224 \(224x224 images\): an inference of resnet18/base .* needs at "
                      r"least [\d.]+ TiB \(6\.1 MiB an image\), more than the [\d.]+ [GT]iB free on cpu", err), err
     assert "-b sizes only its example input" in err and not out.exists()
+
+
+def test_another_librarys_error_is_said_in_one_line_cut_at_a_word():
+    exc = RuntimeError("  Got invalid dimensions\n index: 2 Got: 32   Expected: 48\n")
+    assert common.error_text(exc) == "RuntimeError: Got invalid dimensions"
+    assert common.error_text(exc, all_lines=True) == "RuntimeError: Got invalid dimensions index: 2 Got: 32 Expected: 48"
+    assert common.error_text(ValueError("alpha beta gamma"), 12) == "ValueError: alpha beta ..."
+    assert common.error_text(KeyError()) == "KeyError"

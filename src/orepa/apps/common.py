@@ -169,6 +169,17 @@ def size_text(n: float) -> str:
         n /= 1024
 
 
+def error_text(exc: BaseException, limit: int = 300, *, all_lines: bool = False) -> str:
+    """``TypeName: message`` of another library's exception, for a one-line error: its first line (or,
+    ``all_lines``, every line: some libraries put the sizes on the next ones) with its whitespace
+    collapsed, cut at a word past ``limit`` characters (and said so)."""
+    text = str(exc).strip()
+    text = " ".join((text if all_lines else (text.splitlines() or [""])[0]).split())
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def run_fault(exc: BaseException, world_size: int) -> tuple[str, str] | None:
     """A fault of the machine or of a peer met in a training loop, as ``(what happened, what to
     change)`` clauses: a data-loading worker that died (the out-of-memory killer's usual target),

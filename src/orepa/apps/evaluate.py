@@ -33,6 +33,7 @@ from .common import (
     apply_threads,
     cleanup_distributed,
     count_params,
+    error_text,
     init_distributed,
     path_arg,
     peak_memory,
@@ -248,13 +249,15 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
     prep = export_record(path, fmt, "preprocessing")
     prep = prep if isinstance(prep, dict) else {}
     if args.data_path is None:
-        if "Fashion-MNIST" not in str(prep.get("image", "")):
-            raise UserError(f"{path} is the export of a randomly initialised model: give the --data-path to run it on"
-                            if source and not source.get("checkpoint") else
-                            f"{path} was trained on an ImageFolder tree, which an export does not record: give its "
-                            "--data-path" if "center_crop" in prep else
-                            f"{path} does not say which data it was trained on: give its --data-path")
-        args.data_path = "fashion-mnist"
+        if "Fashion-MNIST" in str(prep.get("image", "")):
+            args.data_path = "fashion-mnist"
+        elif source and not source.get("checkpoint"):
+            raise UserError(f"{path} is the export of a randomly initialised model: give the --data-path to run it on")
+        elif "center_crop" in prep:
+            raise UserError(f"{path} was trained on an ImageFolder tree, which an export does not record: give its "
+                            "--data-path")
+        else:
+            raise UserError(f"{path} does not say which data it was trained on: give its --data-path")
     for key, size, default in zip(("val_resize_size", "val_crop_size"), (prep.get("resize"), prep.get("center_crop")),
                                   saved_val_sizes({})):  # (none recorded: that data's own, as a run's defaults)
         if getattr(args, key, None) is None:
@@ -268,13 +271,13 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
     except Exception as exc:  # noqa: BLE001 - each runtime's own error type: a torn or foreign file
         runtime = {"onnx": "onnxruntime", "exported-program": "torch.export.load"}.get(fmt, "torch.jit.load")
         raise UserError(f"{path} looks like {what}, but {runtime} cannot load it (damaged or truncated?): "
-                        f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+                        f"{error_text(exc, all_lines=True)}") from None
     try:  # one image first: a shape the export was not made for is said in one line
         with torch.no_grad():
             y = model(data.val[0][0][None].to(device))
-    except Exception as exc:  # noqa: BLE001 - each runtime's own error type
-        text = " ".join(str(exc).split())[:300]  # (all its lines: onnxruntime names the sizes on the next ones)
-        raise UserError(f"{path} cannot take a batch of one of {data.name}'s images ({type(exc).__name__}: {text})") from None
+    except Exception as exc:  # noqa: BLE001 - each runtime's own error type (onnxruntime's sizes on its next lines)
+        raise UserError(f"{path} cannot take a batch of one of {data.name}'s images "
+                        f"({error_text(exc, all_lines=True)})") from None
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         gives = f"an output of shape {list(y.shape)}" if isinstance(y, torch.Tensor) else f"a {type(y).__name__}"
         raise UserError(f"{path} gives {gives}, not a tensor of logits (batch, classes)")

@@ -57,6 +57,7 @@ from .common import (
     add_use_ema_argument,
     apply_threads,
     count_params,
+    error_text,
     init_distributed,
     path_arg,
     positive_float,
@@ -378,9 +379,8 @@ def _torch_export(deployed: nn.Module, x: torch.Tensor, dims):
         with contextlib.redirect_stderr(printed):
             program = torch.export.export(deployed, (x,), dynamic_shapes=dims)
     except Exception as exc:  # noqa: BLE001 - torch.export's many error types: what a model does that it cannot trace
-        text = " ".join((str(exc).strip().splitlines() or [""])[0].split())[:300]
-        raise UserError(f"torch.export cannot export this model ({type(exc).__name__}: {text}); "
-                        "--format onnx or torchscript may") from exc
+        raise UserError(f"torch.export cannot export this model ({error_text(exc)}); --format onnx or torchscript "
+                        "may") from exc
     finally:
         shapes_log.setLevel(level)
     sys.stderr.write(printed.getvalue())
