@@ -77,8 +77,10 @@ from .model_cfg import (
 )
 from .model_cfg import deploy as deploy_form
 
-__all__ = ["deploy_fused", "export_onnx", "export_exported_program", "export_torchscript", "load_model_file", "check_onnx_request",
-           "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError", "add_arguments", "run"]
+__all__ = ["deploy_fused", "export_onnx", "export_exported_program", "export_torchscript", "load_model_file",
+           "check_onnx_request", "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError",
+           "FORMATS", "export_format", "export_metadata", "export_record", "load_export", "OnnxModel",
+           "add_arguments", "run"]
 
 
 class ExportVerificationError(RuntimeError):
@@ -499,7 +501,8 @@ def export_metadata(path, fmt: str) -> dict[str, str]:
 
         with open(path, "rb") as f:  # (a file object: onnx's path reader takes no name that is not UTF-8)
             return {p.key: p.value for p in onnx.load_model(f, load_external_data=False).metadata_props}
-    with zipfile.ZipFile(path) as archive:  # <archive name>/extra/<key> (torch.export.save before 2.6: extra_files/<key>)
+    # the entries <archive name>/extra/<key> (torch.export.save before torch 2.6: extra_files/<key>)
+    with zipfile.ZipFile(path) as archive:
         return {parts[-1]: archive.read(n).decode() for n in archive.namelist()
                 if len(parts := n.split("/")) >= 2 and parts[-2] in ("extra", "extra_files") and parts[-1]}
 
@@ -618,7 +621,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p, model_default="the checkpoint's; without a checkpoint, required (a randomly initialised "
                                           "zoo model)")
     add_run_arguments(p, seed=False)
-    p.add_argument("-o", "--output", type=path_arg, default=None, help="output file (default: {model}_{method}[_ema].onnx / .pt2 / .pt)")
+    p.add_argument("-o", "--output", type=path_arg, default=None,
+                   help="output file (default: {model}_{method}[_ema].onnx / .pt2 / .pt)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace --output whatever it holds (without it only an earlier export of the same "
                         "checkpoint or model, with the same --use-ema, in this --format is replaced); never a run's "
