@@ -810,6 +810,12 @@ def test_an_export_at_another_input_size_records_the_crops_its_graph_takes(tmp_p
                      "--no-verify"]) == 0
     prep = json.loads(export.export_metadata(out, "exported-program")["preprocessing"])
     assert (prep["resize"], prep["center_crop"]) == (54, 48)
+    # a Fashion-MNIST run's 28x28 images: the size they must be brought to said beside them
+    torch.save({**torch.load(ckpt, weights_only=True), "args": {"data_path": "fashion-mnist"}}, ckpt)
+    assert cli.main(["export", str(ckpt), "--format", "exported-program", "-o", str(out), "--input-size", "32",
+                     "--no-verify"]) == 0
+    prep = json.loads(export.export_metadata(out, "exported-program")["preprocessing"])
+    assert prep["image"] == "grayscale 28x28 (Fashion-MNIST), resized to 32x32 (this export's input size)"
 
 
 def test_an_export_of_ema_weights_deployed_by_reparam_says_so(tmp_path, capsys):

@@ -717,6 +717,8 @@ def run(args: argparse.Namespace) -> int:
         # takes (ONNX and ExportedProgram fix height and width), after the run's resize scaled alike
         resize = round(preprocessing["resize"] * size / preprocessing["center_crop"])
         preprocessing.update(resize=resize, center_crop=size)
+    elif preprocessing and "center_crop" not in preprocessing and size != 28:  # Fashion-MNIST's, at another size
+        preprocessing["image"] += f", resized to {size}x{size} (this export's input size)"
     metadata = {**({"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else {}),
                 **({"preprocessing": json.dumps(preprocessing)} if preprocessing else {}),
                 SOURCE_KEY: ckpt_io.json_text(ckpt_io.plain(source))}
