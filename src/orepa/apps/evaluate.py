@@ -43,7 +43,7 @@ from .common import (
     weights_damage,
 )
 from .data import FASHION_MNIST_NAMES, ShardSampler, add_data_arguments, build_data, saved_val_sizes, val_loader
-from .export import FORMATS, SOURCE_KEY, export_format, export_record, load_export
+from .export import FORMATS, SOURCE_KEY, export_format, export_records, load_export
 from .model_cfg import (
     add_model_arguments,
     check_model_fits_data,
@@ -240,13 +240,11 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
                         "do not apply")
     refuse_idle_flags(args, ("use_ema", "amp_dtype", "channels_last") + ("amp",) * bool(args.amp),  # (--no-amp: as run)
                       f"{path} is {what}, run in float32 as it was exported (its weights chosen then)")
-    refuse_amp_dtype_without_amp(args)
     if args.json:
         check_output_path(args.json, "--json", report="eval", not_over={"the export": path})
-    source = export_record(path, fmt, SOURCE_KEY)
+    records = export_records(path, fmt)  # (an ONNX model's metadata are read by parsing the whole model: once)
+    source, classes, prep = (records.get(k) for k in (SOURCE_KEY, "classes", "preprocessing"))
     source = source if isinstance(source, dict) else {}
-    classes = export_record(path, fmt, "classes")
-    prep = export_record(path, fmt, "preprocessing")
     prep = prep if isinstance(prep, dict) else {}
     if args.data_path is None:
         if "Fashion-MNIST" in str(prep.get("image", "")):

@@ -79,7 +79,7 @@ from .model_cfg import deploy as deploy_form
 
 __all__ = ["deploy_fused", "export_onnx", "export_exported_program", "export_torchscript", "load_model_file",
            "check_onnx_request", "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError",
-           "FORMATS", "export_format", "export_metadata", "export_record", "load_export", "OnnxModel",
+           "FORMATS", "export_format", "export_metadata", "export_records", "load_export", "OnnxModel",
            "add_arguments", "run"]
 
 
@@ -507,21 +507,27 @@ def export_metadata(path, fmt: str) -> dict[str, str]:
                 if len(parts := n.split("/")) >= 2 and parts[-2] in ("extra", "extra_files") and parts[-1]}
 
 
-def export_record(path, fmt: str, key: str):
-    """The JSON value an export records under ``key`` (:data:`SOURCE_KEY`, ``classes``,
-    ``preprocessing``), None where it records none (an older orepa's export, another tool's model) or
-    the file cannot be read."""
+def export_records(path, fmt: str) -> dict:
+    """The JSON values an export records (:data:`SOURCE_KEY`, ``classes``, ``preprocessing``), read
+    once: an entry that is no JSON is left out, and a file that cannot be read records nothing (an
+    older orepa's export, another tool's model may record none)."""
     try:
-        text = export_metadata(path, fmt).get(key)
-        return json.loads(text) if text is not None else None
-    except Exception:  # noqa: BLE001 - protobuf's DecodeError, a torn zip, text that is no JSON: no record
-        return None
+        metadata = export_metadata(path, fmt)
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError, a torn zip: no record
+        return {}
+    records = {}
+    for key, text in metadata.items():
+        try:
+            records[key] = json.loads(text)
+        except ValueError:
+            pass
+    return records
 
 
 def export_source(path: Path, fmt: str) -> dict | None:
     """What an earlier export of format ``fmt`` at ``path`` records of its source (:data:`SOURCE_KEY`),
     None where it records none."""
-    held = export_record(path, fmt, SOURCE_KEY)
+    held = export_records(path, fmt).get(SOURCE_KEY)
     return held if isinstance(held, dict) else None
 
 
