@@ -265,7 +265,7 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     with ckpt_io.atomic_path(path) as tmp:
         onnx.save_model(proto, str(tmp))
         if verify:
-            _verify_onnx(model, deployed, str(tmp), x, input_shape, report, dynamic_batch)
+            _verify_onnx(model, deployed, str(tmp), x, report, dynamic_batch)
     return report
 
 
@@ -291,7 +291,7 @@ def _export_with_torch(deployed, path: str, x, opset, dynamic_batch, dynamo) -> 
                               output_names=["output"], dynamic_axes=dyn)
 
 
-def _verify_onnx(model, deployed, path: str, x, input_shape, report, dynamic_batch) -> None:
+def _verify_onnx(model, deployed, path: str, x, report, dynamic_batch) -> None:
     import onnx
     import onnxruntime as ort
 
@@ -300,11 +300,18 @@ def _verify_onnx(model, deployed, path: str, x, input_shape, report, dynamic_bat
     y_train, y_dep = model(x), deployed(x)
     _check(report, _deploy_check(model), y_dep, y_train)
     sess = ort.InferenceSession(serialized, providers=["CPUExecutionProvider"])
-    xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
-    for i, xi in enumerate(xs):
-        y_ort = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0])
-        _check(report, f"onnxruntime vs pytorch (batch {xi.shape[0]})", y_ort, deployed(xi) if i else y_dep)
+    _check_batches(report, "onnxruntime vs pytorch", lambda xi: torch.from_numpy(
+        sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0]), deployed, x, y_dep, dynamic_batch)
     report.verified = True
+
+
+def _check_batches(report: ExportReport, name: str, run, deployed: nn.Module, x: torch.Tensor, y_dep: torch.Tensor,
+                   dynamic_batch: bool) -> None:
+    """``run`` (the reloaded export) against the deployed model at the example's batch, and at one more
+    image where the export's batch axis is dynamic."""
+    xs = [x] + ([_example((x.shape[0] + 1, *x.shape[1:]), 1, x.device)] if dynamic_batch else [])
+    for i, xi in enumerate(xs):
+        _check(report, f"{name} (batch {xi.shape[0]})", run(xi), deployed(xi) if i else y_dep)
 
 
 @_in_eval_mode
@@ -361,10 +368,7 @@ def export_exported_program(model: nn.Module, path, input_shape=(1, 3, 224, 224)
                 loaded = torch.export.load(f).module()
             y_train, y_dep = model(x), deployed(x)
             _check(report, _deploy_check(model), y_dep, y_train)
-            xs = [x] + ([_example((input_shape[0] + 1, *input_shape[1:]), 1, x.device)] if dynamic_batch else [])
-            for i, xi in enumerate(xs):
-                _check(report, f"exported program vs pytorch (batch {xi.shape[0]})", loaded(xi),
-                       deployed(xi) if i else y_dep)
+            _check_batches(report, "exported program vs pytorch", loaded, deployed, x, y_dep, dynamic_batch)
             report.verified = True
     return report
 
