@@ -367,3 +367,23 @@ def test_another_librarys_error_is_said_in_one_line_cut_at_a_word():
     assert common.error_text(exc, all_lines=True) == "RuntimeError: Got invalid dimensions index: 2 Got: 32 Expected: 48"
     assert common.error_text(ValueError("alpha beta gamma"), 12) == "ValueError: alpha beta ..."
     assert common.error_text(KeyError()) == "KeyError"
+    assert common.error_text(ValueError("alpha beta gamma"), 12, typed=False) == "alpha beta ..."
+    assert common.error_text(KeyError(), typed=False) == "KeyError"  # no message: its type says what it was
+
+
+def test_an_exception_quoted_by_a_commands_error_is_cut_at_a_word(tmp_path):
+    """The commands' one-line errors quote exceptions through ``error_text`` (an unreadable image's
+    was cut inside a word, without saying so)."""
+    from unittest import mock
+
+    from PIL import Image
+
+    from orepa.apps import data
+
+    path = tmp_path / "img.png"
+    path.write_bytes(b"not an image")
+    why = OSError("cannot identify image file " + "x" * 150 + " " + "y" * 100)
+    with pytest.raises(common.UserError) as raised, mock.patch.object(Image, "open", side_effect=why):
+        data.load_image(str(path))
+    assert str(raised.value) == (f"cannot read image {path}: OSError: cannot identify image file {'x' * 150} ... "
+                                 "(remove or replace the file)")

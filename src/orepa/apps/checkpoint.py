@@ -63,7 +63,7 @@ from ..state_dicts import (
     strip_prefixes,
     without_ema_counter,
 )
-from .common import UserError, size_text, some_of, weights_damage
+from .common import UserError, error_text, size_text, some_of, weights_damage
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg, external_source
 
 FORMAT = "orepa-checkpoint"
@@ -669,11 +669,7 @@ def read_checkpoint_file(path: str | os.PathLike, *, lazy: bool = False):
                             "pickle in torch's legacy format)")
         if isinstance(exc, pickle.UnpicklingError):
             raise _unpickling_error(path, exc) from None
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        msg = msg if len(msg) <= 200 else msg[:200].rsplit(" ", 1)[0] + " ..."  # cut at a word, and said so
-        raise UserError(
-            f"checkpoint {path} is {_DAMAGED} ({type(exc).__name__}{': ' + msg if msg else ''})"
-        ) from None
+        raise UserError(f"checkpoint {path} is {_DAMAGED} ({error_text(exc, 200)})") from None
     return obj
 
 

@@ -169,15 +169,18 @@ def size_text(n: float) -> str:
         n /= 1024
 
 
-def error_text(exc: BaseException, limit: int = 300, *, all_lines: bool = False) -> str:
+def error_text(exc: BaseException, limit: int = 300, *, all_lines: bool = False, typed: bool = True) -> str:
     """``TypeName: message`` of another library's exception, for a one-line error: its first line (or,
     ``all_lines``, every line: some libraries put the sizes on the next ones) with its whitespace
-    collapsed, cut at a word past ``limit`` characters (and said so)."""
+    collapsed, cut at a word past ``limit`` characters (and said so). ``typed=False``: the message
+    alone (the type name where there is none). Every one-line error quoting an exception says it so."""
     text = str(exc).strip()
     text = " ".join((text if all_lines else (text.splitlines() or [""])[0]).split())
     if len(text) > limit:
         text = text[:limit].rsplit(" ", 1)[0] + " ..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if typed else text
 
 
 def run_fault(exc: BaseException, world_size: int) -> tuple[str, str] | None:
@@ -187,9 +190,7 @@ def run_fault(exc: BaseException, world_size: int) -> tuple[str, str] | None:
     gloo's "Connection closed by peer", NCCL's errors, a timeout); None for any other error (a bug:
     its traceback stays)."""
     text = str(exc)
-    first = " ".join(text.strip().splitlines()[0].split()) if text.strip() else type(exc).__name__
-    if len(first) > 200:  # cut at a word, not inside one
-        first = first[:200].rsplit(" ", 1)[0] + " ..."
+    first = error_text(exc, 200, typed=False)
     if "DataLoader worker" in text and ("killed by signal" in text or "exited unexpectedly" in text):
         return f"a data-loading worker died ({first})", "the system may be out of memory: fewer workers (-j) need less"
     dist_error = getattr(torch.distributed, "DistError", ())

@@ -46,6 +46,7 @@ from .common import (
     DistInfo,
     UserError,
     available_cpus,
+    error_text,
     nonneg_int,
     path_arg,
     per_cpu_cap,
@@ -366,7 +367,7 @@ def load_image(path: str):
                                 "says: save it as 8- or 16-bit")
             return img.convert("RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # UnidentifiedImageError: OSError
-        raise UserError(f"cannot read image {path}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]} "
+        raise UserError(f"cannot read image {path}: {error_text(exc, 200)} "
                         "(remove or replace the file)") from None
 
 

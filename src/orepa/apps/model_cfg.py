@@ -22,7 +22,7 @@ from orepa import models as zoo
 from orepa.convert import METHOD_OPTIONS
 from orepa.models.zoo import branch_list, branch_switches
 
-from .common import UserError, free_memory, parse_key_values, positive_float, positive_int, size_text
+from .common import UserError, error_text, free_memory, parse_key_values, positive_float, positive_int, size_text
 
 #: model_cfg keys; ``options`` holds the block options (and, for a torchvision / timm network, its
 #: constructor keywords under :data:`MODEL_KWARGS`)
@@ -146,8 +146,7 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images,
                 try:
                     out = model(x)
                 except (RuntimeError, ValueError, AssertionError) as exc:  # AssertionError: timm's fixed-size models
-                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                    raise UserError(f"{what} cannot take {images(size)}: {first}") from None
+                    raise UserError(f"{what} cannot take {images(size)}: {error_text(exc, typed=False)}") from None
                 if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != 1:
                     got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                     raise UserError(f"{what} gives {got} for one image, not a row of class logits: these commands "

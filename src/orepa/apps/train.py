@@ -96,6 +96,7 @@ from .common import (
     decay_to_init,
     default_kernel_builder,
     default_pack,
+    error_text,
     first_nonfinite,
     fraction,
     init_distributed,
@@ -1007,9 +1008,8 @@ class Trainer:
                         seed_everything((args.seed + 1_000_003 * int(ckpt.get("global_step", 0)) + self.info.rank)
                                         % 2**32)
             except _UNFIT_STATE as exc:
-                why = " ".join(str(exc).split())
                 raise UserError(f"--resume {args.resume}: damaged rng (the random generators' state: "
-                                f"{type(exc).__name__}: {why[:160]}); the run cannot continue exactly from it: "
+                                f"{error_text(exc, 160, all_lines=True)}); the run cannot continue exactly from it: "
                                 "start a new run from its weights with --init-from") from None
         check_loaded_weights(self.model, args.resume, "the run cannot continue from it", optimizer=self.optimizer,
                              ema=self.ema)
