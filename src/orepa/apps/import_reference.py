@@ -35,6 +35,7 @@ from .common import (
     add_run_arguments,
     apply_threads,
     count_params,
+    error_text,
     init_distributed,
     path_arg,
     positive_float,
@@ -78,9 +79,8 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     except ValueError as exc:
         raise UserError(f"{src}: {exc}") from None
     except (RuntimeError, IndexError, TypeError) as exc:  # a tensor of the wrong rank, shape or dtype
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise UserError(f"{src}: a tensor of the reference layout has the wrong shape or type "
-                        f"({type(exc).__name__}: {first})") from None
+                        f"({error_text(exc, 200)})") from None
     model.eval()
     cfg = model_cfg_of(model)
     form = ("deploy-fused" if args.fuse_bn else "deploy") if args.deploy else "train"
