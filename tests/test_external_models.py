@@ -60,25 +60,27 @@ def test_the_first_convolution_takes_the_data_channels():
 
 
 def test_the_command_line_trains_deploys_and_evaluates_a_torchvision_network(cache, tmp_path, capsys, monkeypatch):
+    """(MobileNetV3-Small: a fifth of ResNet-18's weights, whose OREPA form is written, deployed and checked
+    several times here; the --init-from tests below take torchvision's ResNet-18 through the command line.)"""
     run = tmp_path / "run"
     common = ["--train-subset", "32", "--val-subset", "16", "-b", "16", "--no-progress", "--cache-dir", cache]
-    assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--epochs", "1", "--no-tensorboard",
-                 "--quiet", "--output-dir", str(run), *common]) == 0
+    assert main(["train", "-m", "torchvision:mobilenet_v3_small", "--method", "orepa", "--epochs", "1",
+                 "--no-tensorboard", "--quiet", "--output-dir", str(run), *common]) == 0
     ckpt = torch.load(run / "checkpoint.pth", map_location="cpu", weights_only=True)
     # Fashion-MNIST's small_input default is the zoo's stem switch: torchvision's stem stays
-    assert ckpt["model_cfg"]["model"] == "torchvision:resnet18" and ckpt["model_cfg"]["small_input"] is False
+    assert ckpt["model_cfg"]["model"] == "torchvision:mobilenet_v3_small" and ckpt["model_cfg"]["small_input"] is False
     deployed = tmp_path / "deployed.pth"
     assert main(["reparam", str(run / "checkpoint.pth"), "-o", str(deployed), *common[2:]]) == 0
     assert "0 prediction(s) differ" in capsys.readouterr().out
     assert main(["eval", str(deployed), *common[2:]]) == 0
     import torchvision
 
-    plain = torchvision.models.resnet18(num_classes=10)
-    plain.conv1 = torch.nn.Conv2d(1, 64, 7, 2, 3, bias=False)
+    plain = torchvision.models.mobilenet_v3_small(num_classes=10)
+    plain.features[0][0] = torch.nn.Conv2d(1, 16, 3, 2, 1, bias=False)
     plain.load_state_dict(torch.load(deployed, map_location="cpu", weights_only=True)["model"], strict=True)
     monkeypatch.chdir(tmp_path)  # export's default file name: the model's name without its colon
     assert main(["export", str(deployed), "--format", "torchscript"]) == 0
-    assert (tmp_path / "torchvision-resnet18_orepa.pt").is_file()
+    assert (tmp_path / "torchvision-mobilenet_v3_small_orepa.pt").is_file()
 
 
 def test_constructor_keywords_reach_the_network_and_stay_in_its_settings():
@@ -200,35 +202,38 @@ def test_rgb_weights_are_made_for_the_datas_channels():
 
 
 def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):
+    """(MobileNetV3-Small, whose first convolution is features.0.0: a fifth of ResNet-18's weights in the two
+    runs' OREPA form; the test above takes ResNet-18's weights, stem conv1, through the same --init-from.)"""
     from orepa.apps.model_cfg import external_model
 
+    net, stem = "torchvision:mobilenet_v3_small", "features.0.0.weight"
     torch.manual_seed(2)
-    plain = external_model("torchvision:resnet18", 1000, in_chans=3).state_dict()
+    plain = external_model(net, 1000, in_chans=3).state_dict()
     weights = tmp_path / "rgb.pth"
     torch.save(plain, weights)
     run = tmp_path / "run"
     capsys.readouterr()
-    assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--init-from", str(weights), "--epochs",
+    assert main(["train", "-m", net, "--method", "orepa", "--init-from", str(weights), "--epochs",
                  "1", "--lr", "1e-9", "--train-subset", "16", "--no-eval", "-b", "16", "--no-progress",
                  "--no-tensorboard", "--cache-dir", cache, "--output-dir", str(run)]) == 0
-    assert "RGB weights made for 1 input channel(s), summed over RGB: conv1.weight" in capsys.readouterr().out
+    assert f"RGB weights made for 1 input channel(s), summed over RGB: {stem}" in capsys.readouterr().out
     deployed = tmp_path / "deployed.pth"
     assert main(["reparam", str(run / "checkpoint.pth"), "-o", str(deployed), "--no-verify"]) == 0
     sd = torch.load(deployed, map_location="cpu", weights_only=True)["model"]
-    torch.testing.assert_close(sd["conv1.weight"], plain["conv1.weight"].sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sd[stem], plain[stem].sum(1, keepdim=True), rtol=1e-5, atol=1e-5)
     # an RGB run's deployed checkpoint (ImageNet-trained, say) starts a run on gray data the same way
     from orepa.apps.checkpoint import save_checkpoint
 
-    cfg = _cfg("torchvision:resnet18", "dbb", num_classes=1000, in_chans=3)
+    cfg = _cfg(net, "dbb", num_classes=1000, in_chans=3)
     rgb_run = tmp_path / "rgb_deployed.pth"
     save_checkpoint({"format": "orepa-checkpoint", "version": 1, "form": "deploy", "model_cfg": cfg, "model": plain},
                     rgb_run)
     capsys.readouterr()
-    assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--init-from", str(rgb_run), "--epochs",
+    assert main(["train", "-m", net, "--method", "orepa", "--init-from", str(rgb_run), "--epochs",
                  "1", "--lr", "1e-9", "--train-subset", "16", "--no-eval", "-b", "16", "--no-progress",
                  "--no-tensorboard", "--cache-dir", cache, "--output-dir", str(tmp_path / "from_rgb_run")]) == 0
     out = capsys.readouterr().out
-    assert "RGB weights made for 1 input channel(s), summed over RGB: conv1.weight" in out
+    assert f"RGB weights made for 1 input channel(s), summed over RGB: {stem}" in out
     assert "deployed weights: every re-param block starts as its conv" in out
     assert _load_model(tmp_path / "from_rgb_run" / "checkpoint.pth")["model_cfg"]["in_chans"] == 1
 

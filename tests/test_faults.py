@@ -22,7 +22,7 @@ from conftest import child_env
 
 from orepa.apps import train
 from orepa.apps.checkpoint import RUN_LOCK
-from orepa.apps.common import STOP_SIGNALS
+from orepa.apps.common import STOP_SIGNALS, STOP_WITH_PARENT_ENV
 from orepa.cli import main
 
 TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
@@ -243,11 +243,12 @@ def test_a_hangup_stops_a_run_unless_it_was_started_under_nohup():
         signal.signal(signal.SIGHUP, before)
 
 
+# the variable's name comes as the first argument (the test reads orepa's constant): the parent imports
+# neither orepa nor torch (seconds of a process start, nothing the signal depends on) and starts its child at once
 PARENT_OF_A_RUN = """
 import os, subprocess, sys
-from orepa.apps.common import STOP_WITH_PARENT_ENV
-child = subprocess.Popen([sys.executable, "-m", "orepa", *sys.argv[1:]],
-                         env={**os.environ, STOP_WITH_PARENT_ENV: str(os.getpid())})
+child = subprocess.Popen([sys.executable, "-m", "orepa", *sys.argv[2:]],
+                         env={**os.environ, sys.argv[1]: str(os.getpid())})
 print(child.pid, flush=True)
 child.wait()
 """
@@ -268,8 +269,8 @@ def test_a_demo_command_whose_parent_is_killed_stops_with_a_checkpoint(cache, tm
     directory, instead of training on as an orphan. Started after its parent died, it ends at once."""
     out = tmp_path / "run"
     argv = ["train", *TINY, "--train-subset", "20000", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]
-    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_RUN, *argv], env=child_env(), stdout=subprocess.PIPE,
-                              text=True, start_new_session=True)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_RUN, STOP_WITH_PARENT_ENV, *argv], env=child_env(),
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         child = int(parent.stdout.readline())
         deadline, step = time.monotonic() + 180, 0
