@@ -4,8 +4,8 @@ Two sources:
 
 * ``--data-path fashion-mnist`` (default): the Debian package
   ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist/*.gz``), un-gzipped
-  once into ``<cache-dir>/FashionMNIST/raw/`` and read with torchvision's
-  ``FashionMNIST``. 1 channel, 28x28, 10 classes. Train transform: random 28x28
+  once into ``<cache-dir>/FashionMNIST/raw/`` (the layout torchvision's ``FashionMNIST``
+  reads; read here as tensors). 1 channel, 28x28, 10 classes. Train transform: random 28x28
   crop of the image zero-padded by 2, horizontal flip, normalisation; test: only
   normalisation. The images stay tensors (no PIL), which keeps data loading
   negligible next to the model on a CPU.
@@ -251,19 +251,34 @@ class TensorImages(Dataset):
         return self.transform(self.images[i]), int(self.targets[i])
 
 
-def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
-    from torchvision.datasets import FashionMNIST
+#: Fashion-MNIST's class names in label order (torchvision's ``FashionMNIST.classes``)
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                         "Ankle boot")
 
+
+def _read_idx(path: Path, name: str) -> torch.Tensor:
+    """The uint8 images ``[N, 28, 28]`` or labels ``[N]`` of an un-gzipped IDX file that
+    :func:`prepare_fashion_mnist` checked (size, header, labels). Read here, not by torchvision's
+    ``FashionMNIST``: the same bytes, without importing torchvision, whose ops import torch._dynamo
+    (1.2-1.5 s of a process's start on a 2-core CPU; a process that builds a torch optimizer imports
+    dynamo anyway, so ``orepa eval`` saves it, ``orepa train`` only torchvision's own ~0.1 s)."""
+    labels = "labels" in name
+    body = torch.frombuffer(bytearray(path.read_bytes()[8 if labels else 16:]), dtype=torch.uint8)
+    return body if labels else body.view(-1, 28, 28)
+
+
+def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
     if pad_crop >= 28:  # a crop could then hold no pixel of the image
         raise UserError(f"--pad-crop {pad_crop}: the padding must be smaller than Fashion-MNIST's 28-pixel images "
                         "(the default: 2)")
     root = prepare_fashion_mnist(cache_dir)
-    sets = []
+    raw, sets = root / "FashionMNIST" / "raw", []
     for train in (True, False):
-        ds = FashionMNIST(str(root), train=train, download=False)
+        images, labels = (n for n in FASHION_MNIST_FILES if n.startswith("train" if train else "t10k"))
         norm = Normalize(FASHION_MNIST_MEAN, FASHION_MNIST_STD)
         tf = Compose(PadCropFlip(28, pad_crop), norm) if train else norm
-        sets.append(TensorImages(ds.data, ds.targets, tf, ds.classes))
+        sets.append(TensorImages(_read_idx(raw / images, images), _read_idx(raw / labels, labels), tf,
+                                 FASHION_MNIST_CLASSES))
     return sets[0], sets[1]
 
 
