@@ -414,7 +414,8 @@ def test_torch_compile_traces_the_online_path(recompute, n, hw):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    block = _randomized(orepa.OREPAConv2d(8, 8, 3, recompute=recompute))
+    # two branches, one a two-layer chain (its order cached per shape): dynamo's trace grows with the branches
+    block = _randomized(orepa.OREPAConv2d(8, 8, 3, recompute=recompute, branches=("kxk", "1x1_kxk")))
     x = torch.randn(n, 8, hw, hw, requires_grad=True)
     gy = torch.randn(n, 8, hw, hw)
     on_features = engine.route(block, x, engine.needs_recompute(block, x))[1]
