@@ -602,8 +602,8 @@ def test_profile_step_script_accounts_for_every_operator(tmp_path, capsys):
     mod = benchmark_script("profile_step")
     out = tmp_path / "prof.json"
     # (at 1/16 width: the script's flags and report are what is checked, not ResNet-18's operators' times)
-    mod.main(["-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32", "--num-classes", "10", "--steps", "1",
-              "--warmup", "1", "--top", "3", "--json", str(out)])
+    mod.main(["-m", "resnet18", "--model-option", "width_mult=0.0625", "-b", "2", "--image-size", "32",
+              "--num-classes", "10", "--steps", "1", "--warmup", "1", "--top", "3", "--json", str(out)])
     assert set(json.loads(out.read_text())["results"]) == {"base", "orepa"}
     assert "orepa: top operators" in capsys.readouterr().out
     res = mod.profile_variants(tiny_net, ["base", "orepa"], batch_size=2, image_size=16, steps=1, warmup=1,
@@ -948,4 +948,3 @@ def test_from_json_of_a_result_from_before_peak_start_says_its_peaks_are_not_com
             assert note[0].startswith("note: peak MiB measured with the older start (it held the last step's "
                                       "gradients"), note
             assert note[0] in (out / f"{path.stem}.md").read_text().splitlines()
-
