@@ -173,7 +173,7 @@ def error_text(exc: BaseException, limit: int = 300, *, all_lines: bool = False,
     """``TypeName: message`` of another library's exception, for a one-line error: its first line (or,
     ``all_lines``, every line: some libraries put the sizes on the next ones) with its whitespace
     collapsed, cut at a word past ``limit`` characters (and said so). ``typed=False``: the message
-    alone (the type name where there is none). Every one-line error quoting an exception says it so."""
+    alone (the type name where there is none). The one way the commands quote an exception."""
     text = str(exc).strip()
     text = " ".join((text if all_lines else (text.splitlines() or [""])[0]).split())
     if len(text) > limit:

@@ -263,7 +263,10 @@ def _read_idx(path: Path, name: str) -> torch.Tensor:
     (1.2-1.5 s of a process's start on a 2-core CPU; a process that builds a torch optimizer imports
     dynamo anyway, so ``orepa eval`` saves it, ``orepa train`` only torchvision's own ~0.1 s)."""
     labels = "labels" in name
-    body = torch.frombuffer(bytearray(path.read_bytes()[8 if labels else 16:]), dtype=torch.uint8)
+    buf = bytearray(path.stat().st_size)
+    with open(path, "rb") as f:  # (into one writable buffer: the tensor shares it, no copy)
+        f.readinto(buf)
+    body = torch.frombuffer(buf, dtype=torch.uint8, offset=8 if labels else 16)
     return body if labels else body.view(-1, 28, 28)
 
 
