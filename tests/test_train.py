@@ -84,7 +84,7 @@ def test_a_torn_fashion_mnist_cache_file_is_extracted_again(cache, tmp_path):
 def test_fashion_mnist_is_read_as_torchvision_reads_it_without_importing_torchvision(cache):
     """orepa reads the IDX files it checked itself: the images, labels and class names torchvision's
     ``FashionMNIST`` gives, and a process that reads them does not import torchvision (nor, through its
-    ops, torch._dynamo: 1.2-1.5 s of an ``orepa eval``'s start)."""
+    ops, torch._dynamo: about 2 s of an ``orepa eval``'s start)."""
     from torchvision.datasets import FashionMNIST
 
     for ds, is_train in zip(data.fashion_mnist(cache), (True, False)):

@@ -260,8 +260,8 @@ def _read_idx(path: Path, name: str) -> torch.Tensor:
     """The uint8 images ``[N, 28, 28]`` or labels ``[N]`` of an un-gzipped IDX file that
     :func:`prepare_fashion_mnist` checked (size, header, labels). Read here, not by torchvision's
     ``FashionMNIST``: the same bytes, without importing torchvision, whose ops import torch._dynamo
-    (1.2-1.5 s of a process's start on a 2-core CPU; a process that builds a torch optimizer imports
-    dynamo anyway, so ``orepa eval`` saves it, ``orepa train`` only torchvision's own ~0.1 s)."""
+    (about 2 s of a 2-core CPU's ``orepa eval`` start; a process that builds a torch optimizer
+    imports dynamo anyway)."""
     labels = "labels" in name
     buf = bytearray(path.stat().st_size)
     with open(path, "rb") as f:  # (into one writable buffer: the tensor shares it, no copy)
