@@ -256,13 +256,13 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", 
                          "Ankle boot")
 
 
-def _read_idx(path: Path, name: str) -> torch.Tensor:
+def _read_idx(path: Path) -> torch.Tensor:
     """The uint8 images ``[N, 28, 28]`` or labels ``[N]`` of an un-gzipped IDX file that
     :func:`prepare_fashion_mnist` checked (size, header, labels). Read here, not by torchvision's
     ``FashionMNIST``: the same bytes, without importing torchvision, whose ops import torch._dynamo
     (about 2 s of a 2-core CPU's ``orepa eval`` start; a process that builds a torch optimizer
     imports dynamo anyway)."""
-    labels = "labels" in name
+    labels = "labels" in path.name
     buf = bytearray(path.stat().st_size)
     with open(path, "rb") as f:  # (into one writable buffer: the tensor shares it, no copy)
         f.readinto(buf)
@@ -280,8 +280,7 @@ def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
         images, labels = (n for n in FASHION_MNIST_FILES if n.startswith("train" if train else "t10k"))
         norm = Normalize(FASHION_MNIST_MEAN, FASHION_MNIST_STD)
         tf = Compose(PadCropFlip(28, pad_crop), norm) if train else norm
-        sets.append(TensorImages(_read_idx(raw / images, images), _read_idx(raw / labels, labels), tf,
-                                 FASHION_MNIST_CLASSES))
+        sets.append(TensorImages(_read_idx(raw / images), _read_idx(raw / labels), tf, FASHION_MNIST_CLASSES))
     return sets[0], sets[1]
 
 
