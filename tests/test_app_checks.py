@@ -387,3 +387,21 @@ def test_an_exception_quoted_by_a_commands_error_is_cut_at_a_word(tmp_path):
         data.load_image(str(path))
     assert str(raised.value) == (f"cannot read image {path}: OSError: cannot identify image file {'x' * 150} ... "
                                  "(remove or replace the file)")
+
+
+def test_the_onnx_exporters_internals_are_left_out_of_its_error_and_the_error_is_cut_at_a_word():
+    """The ONNX exporter appends its internals (" [Caused by ...") to a message that may span lines:
+    the command's error quotes the message alone, whole words only."""
+    from unittest import mock
+
+    import torch
+
+    from orepa.apps import export
+
+    why = torch.onnx.OnnxExporterError("Unsupported: ONNX export of operator\n  Pad in opset 9 "
+                                       + "z" * 290 + " tail [Caused by the value 'x' of node 7]")
+    with mock.patch.object(export, "_export_with_torch", side_effect=why), \
+            pytest.raises(common.UserError) as raised:
+        export._export_raw(None, "m.onnx", None, 9, False, False)
+    assert str(raised.value) == ("the ONNX exporter cannot write this model at opset 9: Unsupported: ONNX export "
+                                 "of operator Pad in opset 9 ...; a higher --opset may have it")

@@ -169,12 +169,16 @@ def size_text(n: float) -> str:
         n /= 1024
 
 
-def error_text(exc: BaseException, limit: int = 300, *, all_lines: bool = False, typed: bool = True) -> str:
+def error_text(exc: BaseException, limit: int = 300, *, all_lines: bool = False, typed: bool = True,
+               trailer: str | None = None) -> str:
     """``TypeName: message`` of another library's exception, for a one-line error: its first line (or,
     ``all_lines``, every line: some libraries put the sizes on the next ones) with its whitespace
     collapsed, cut at a word past ``limit`` characters (and said so). ``typed=False``: the message
-    alone (the type name where there is none). The one way the commands quote an exception."""
-    text = str(exc).strip()
+    alone (the type name where there is none); ``trailer``: the message up to that text (where a
+    library appends its internals, e.g. the ONNX exporter's " [Caused by"). The one way the commands
+    quote an exception."""
+    text = str(exc)
+    text = (text.split(trailer)[0] if trailer else text).strip()
     text = " ".join((text if all_lines else (text.splitlines() or [""])[0]).split())
     if len(text) > limit:
         text = text[:limit].rsplit(" ", 1)[0] + " ..."

@@ -273,9 +273,9 @@ def _export_raw(deployed, path: str, x, opset, dynamic_batch, dynamo) -> None:
     try:
         _export_with_torch(deployed, path, x, opset, dynamic_batch, dynamo)
     except torch.onnx.OnnxExporterError as exc:  # an operator the opset lacks (Pad before 11, ...): said in one line
-        text = " ".join(str(exc).split(" [Caused by")[0].split())
+        text = error_text(exc, all_lines=True, typed=False, trailer=" [Caused by")
         hint = "; a higher --opset may have it" if "opset" in text.lower() else ""
-        raise UserError(f"the ONNX exporter cannot write this model at opset {opset}: {text[:300]}{hint}") from None
+        raise UserError(f"the ONNX exporter cannot write this model at opset {opset}: {text}{hint}") from None
 
 
 def _export_with_torch(deployed, path: str, x, opset, dynamic_batch, dynamo) -> None:
