@@ -236,6 +236,24 @@ def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
         in err and "/train/" not in err
 
 
+def test_a_batch_a_training_batchnorm_sees_as_one_value_is_refused_before_the_run(tmp_path, capsys):
+    """-b 1 (or micro-batches of one image) with crops the network reduces to 1x1: a training BN then
+    normalises one value per channel, which torch refuses at the first step (a traceback). Refused in
+    one line, and no directory is made; a 1x1 validation crop (BNs in eval mode) is no such case."""
+    root = tmp_path / "imgs"
+    _png_tree(root, n_train=2, n_val=1)
+    out = tmp_path / "run"
+    base = ["train", "--data-path", str(root), "--model", "resnet18", "--width-mult", "0.0625", "--epochs", "1",
+            "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard", "-j", "0", "--output-dir", str(out)]
+    for flags in (["-b", "1", "--train-crop-size", "16"], ["-b", "2", "--micro-batches", "2", "--train-crop-size", "16"]):
+        assert main([*base, *flags, "--val-crop-size", "16", "--val-resize-size", "16"]) == 2
+        err = capsys.readouterr().err
+        assert "16x16 images: a training BatchNorm sees one value per channel in resnet18/orepa" in err
+        assert "Traceback" not in err
+        assert not out.exists()
+    assert main([*base, "-b", "2", "--train-crop-size", "16", "--val-crop-size", "1", "--val-resize-size", "1"]) == 0
+
+
 def test_a_relative_data_path_from_a_checkpoint_is_named_as_the_checkpoints(tmp_path, capsys, monkeypatch):
     """A run trained on --data-path imgs (relative), evaluated or resumed from another directory:
     the message says the path is the checkpoint's, relative to where its run started (it named a
