@@ -68,6 +68,15 @@ def test_missing_fashion_mnist_says_how_to_install(tmp_path, monkeypatch):
         data.prepare_fashion_mnist(tmp_path / "cache")
 
 
+@pytest.mark.parametrize("xdg", ["", "rel/cache"])
+def test_an_empty_or_relative_xdg_cache_home_is_not_the_current_directory(monkeypatch, xdg):
+    """XDG_CACHE_HOME set empty (or relative, which the spec says to ignore) put the 55 MB cache under
+    ./orepa of wherever the command ran; the spec's default, ~/.cache, is meant."""
+    monkeypatch.delenv("OREPA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    assert data.default_cache_dir() == Path.home() / ".cache" / "orepa"
+
+
 def test_a_torn_fashion_mnist_cache_file_is_extracted_again(cache, tmp_path):
     """A cached IDX file of the wrong size (a copy cut short) is un-gzipped again, not read."""
     import shutil
