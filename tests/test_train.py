@@ -620,6 +620,16 @@ def test_float16_autocast_scales_the_loss_on_a_cpu_too(cache, tmp_path, dtype, s
     assert (scaler.get("scale") == 65536.0) == scaled and bool(scaler) == scaled
 
 
+def test_progress_json_says_where_a_run_stopped_mid_epoch(cache, tmp_path):
+    """progress.json, written every few seconds, kept its first step's position after a stop mid-epoch
+    (step 1 of a run checkpointed at step 3): it is written at the stop too."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--max-steps", "3") == 0
+    progress = json.loads((run / "progress.json").read_text())
+    assert (progress["global_step"], progress["step"], progress["epoch"]) == (3, 3, 1)
+    assert _load(run / "checkpoint.pth")["global_step"] == 3
+
+
 def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
     """The default 5-epoch warm-up with --epochs 1 ended at 21% of the peak lr, the schedule never
     begun, and nothing said so; a run whose warm-up ends inside it gets no note."""

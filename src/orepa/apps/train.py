@@ -1166,6 +1166,8 @@ class Trainer:
                 elif flags[2].item() > 0:
                     stop = self._signal_stop()
                 if stop:
+                    if self.main:  # (else it keeps the position of its last periodic write)
+                        self._write_progress(acc, steps, t0)
                     break
         finally:  # a fault in the loop (an unreadable image, a peer gone) ends the bar's line first
             if bar is not None:
