@@ -1749,6 +1749,22 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     assert (foreign / "base" / "checkpoint.pth").read_bytes() == before and not (foreign / "orepa").exists()
 
 
+def test_demo_jobs_beyond_its_methods_leave_no_threads_idle(cache, tmp_path, capsys, monkeypatch):
+    """--jobs 3 with one method said "3 pipeline(s) at once" and gave the one pipeline a third of the
+    CPUs: the pipelines that run at once are at most the methods."""
+    threads = []
+
+    def commands(args, method, out, n):  # (the plan is what is checked: no pipeline runs)
+        threads.append(n)
+        raise common.UserError("planned")
+
+    monkeypatch.setattr(demo_app, "available_cpus", lambda: 4)
+    monkeypatch.setattr(demo_app, "_commands", commands)
+    assert main(["demo", "--methods", "base", "--jobs", "3", "--output-dir", str(tmp_path / "d"),
+                 "--cache-dir", cache]) == 2
+    assert "1 pipeline(s) at once, 4 thread(s) each" in capsys.readouterr().out and threads == [4]
+
+
 def test_a_demo_rerun_never_replaces_a_run_trained_on_since(cache, tmp_path, capsys):
     """Rerunning the demo put its run back at the demo's epoch after the user had continued it (train
     --resume), without a word. The demo records the checkpoint it left: a run trained on since is
