@@ -313,7 +313,10 @@ _BAD_CLI = [
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
     (["--from-json", "{tmp}/nope.json"], "--from-json {tmp}/nope.json: No such file or directory"),
     (["--from-json", "{tmp}/other.json"], "{tmp}/other.json is not an orepa bench result"),
-    (["--from-json", "{tmp}/broken.json"], "--from-json {tmp}/broken.json: Expecting value"),
+    (["--from-json", "{tmp}/broken.json"], "--from-json {tmp}/broken.json is not JSON (JSONDecodeError: Expecting value"),
+    # a binary file (a checkpoint) was said as "'utf-8' codec can't decode byte 0x80", an empty one as "Expecting value"
+    (["--from-json", "{tmp}/run.pth"], "--from-json {tmp}/run.pth is not JSON (UnicodeDecodeError: "),
+    (["--from-json", "{tmp}/empty.json"], "--from-json {tmp}/empty.json is not JSON (an empty file)"),
     (["--from-json", "{tmp}/other.json", "--methods", "dbb", "--reps", "3"],
      "--from-json re-renders a saved result as it was measured; --methods, --reps do(es) not apply"),
     (["--tag", "../x"], "--tag '../x' is a file stem in --output-dir, not a path"),
@@ -332,6 +335,8 @@ def test_cli_bad_input_is_one_error_line(extra, message, tmp_path, capsys):
 
     (tmp_path / "other.json").write_text(json.dumps({"results": {"orepa": {}}}))
     (tmp_path / "broken.json").write_text("not json")
+    (tmp_path / "empty.json").write_text("")
+    torch.save({"model": {}}, tmp_path / "run.pth")
     extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
     out_dir = tmp_path / "out"
     measure = [] if "--from-json" in extra else [  # a re-rendering takes no measurement settings

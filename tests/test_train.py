@@ -68,6 +68,15 @@ def test_missing_fashion_mnist_says_how_to_install(tmp_path, monkeypatch):
         data.prepare_fashion_mnist(tmp_path / "cache")
 
 
+@pytest.mark.parametrize("xdg", ["", "rel/cache"])
+def test_an_empty_or_relative_xdg_cache_home_is_not_the_current_directory(monkeypatch, xdg):
+    """XDG_CACHE_HOME set empty (or relative, which the spec says to ignore) put the 55 MB cache under
+    ./orepa of wherever the command ran; the spec's default, ~/.cache, is meant."""
+    monkeypatch.delenv("OREPA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    assert data.default_cache_dir() == Path.home() / ".cache" / "orepa"
+
+
 def test_a_torn_fashion_mnist_cache_file_is_extracted_again(cache, tmp_path):
     """A cached IDX file of the wrong size (a copy cut short) is un-gzipped again, not read."""
     import shutil
@@ -234,6 +243,24 @@ def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"expected an ImageFolder tree with {root}/val/<class>/*.jpg (this command reads the validation set only)" \
         in err and "/train/" not in err
+
+
+def test_a_batch_a_training_batchnorm_sees_as_one_value_is_refused_before_the_run(tmp_path, capsys):
+    """-b 1 (or micro-batches of one image) with crops the network reduces to 1x1: a training BN then
+    normalises one value per channel, which torch refuses at the first step (a traceback). Refused in
+    one line, and no directory is made; a 1x1 validation crop (BNs in eval mode) is no such case."""
+    root = tmp_path / "imgs"
+    _png_tree(root, n_train=2, n_val=1)
+    out = tmp_path / "run"
+    base = ["train", "--data-path", str(root), "--model", "resnet18", "--width-mult", "0.0625", "--epochs", "1",
+            "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard", "-j", "0", "--output-dir", str(out)]
+    for flags in (["-b", "1", "--train-crop-size", "16"], ["-b", "2", "--micro-batches", "2", "--train-crop-size", "16"]):
+        assert main([*base, *flags, "--val-crop-size", "16", "--val-resize-size", "16"]) == 2
+        err = capsys.readouterr().err
+        assert "16x16 images: a training BatchNorm sees one value per channel in resnet18/orepa" in err
+        assert "Traceback" not in err
+        assert not out.exists()
+    assert main([*base, "-b", "2", "--train-crop-size", "16", "--val-crop-size", "1", "--val-resize-size", "1"]) == 0
 
 
 def test_a_relative_data_path_from_a_checkpoint_is_named_as_the_checkpoints(tmp_path, capsys, monkeypatch):
@@ -591,6 +618,16 @@ def test_float16_autocast_scales_the_loss_on_a_cpu_too(cache, tmp_path, dtype, s
     assert _train(cache, run, "--epochs", "1", "--no-eval", "--amp", "--amp-dtype", dtype, "--max-steps", "2") == 0
     scaler = _load(run / "checkpoint.pth")["scaler"]
     assert (scaler.get("scale") == 65536.0) == scaled and bool(scaler) == scaled
+
+
+def test_progress_json_says_where_a_run_stopped_mid_epoch(cache, tmp_path):
+    """progress.json, written every few seconds, kept its first step's position after a stop mid-epoch
+    (step 1 of a run checkpointed at step 3): it is written at the stop too."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "1", "--no-eval", "--max-steps", "3") == 0
+    progress = json.loads((run / "progress.json").read_text())
+    assert (progress["global_step"], progress["step"], progress["epoch"]) == (3, 3, 1)
+    assert _load(run / "checkpoint.pth")["global_step"] == 3
 
 
 def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
@@ -1710,6 +1747,22 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
         out = capsys.readouterr()
         assert msg in out.err and "$ orepa train" not in out.out, out
     assert (foreign / "base" / "checkpoint.pth").read_bytes() == before and not (foreign / "orepa").exists()
+
+
+def test_demo_jobs_beyond_its_methods_leave_no_threads_idle(cache, tmp_path, capsys, monkeypatch):
+    """--jobs 3 with one method said "3 pipeline(s) at once" and gave the one pipeline a third of the
+    CPUs: the pipelines that run at once are at most the methods."""
+    threads = []
+
+    def commands(args, method, out, n):  # (the plan is what is checked: no pipeline runs)
+        threads.append(n)
+        raise common.UserError("planned")
+
+    monkeypatch.setattr(demo_app, "available_cpus", lambda: 4)
+    monkeypatch.setattr(demo_app, "_commands", commands)
+    assert main(["demo", "--methods", "base", "--jobs", "3", "--output-dir", str(tmp_path / "d"),
+                 "--cache-dir", cache]) == 2
+    assert "1 pipeline(s) at once, 4 thread(s) each" in capsys.readouterr().out and threads == [4]
 
 
 def test_a_demo_rerun_never_replaces_a_run_trained_on_since(cache, tmp_path, capsys):

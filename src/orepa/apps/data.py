@@ -79,7 +79,9 @@ def saved_val_sizes(saved: dict) -> tuple[int, int]:
 def default_cache_dir() -> Path:
     if os.environ.get("OREPA_CACHE"):
         return Path(os.environ["OREPA_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "orepa"
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # (the XDG spec: empty is unset, and a relative path is ignored; it would be the current directory's)
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "orepa"
 
 
 def add_cache_dir_argument(p) -> None:

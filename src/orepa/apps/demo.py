@@ -276,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--output-dir {root}: {root / m} holds a run trained on since the demo made it (its "
                             "checkpoint.pth is not the one the demo left: a --resume?); choose another --output-dir")
     cpus = args.threads or available_cpus()
-    jobs = 1 if args.in_process else args.jobs or max(1, min(len(methods), cpus))
+    # (more jobs than pipelines would run none more, and split the CPUs among jobs that never start)
+    jobs = 1 if args.in_process else min(args.jobs or cpus, len(methods))
     threads = max(1, cpus // jobs)
     shape = f" x{args.width_mult:g} width, small-input stem," if zoo else ""
     print(f"orepa demo: Fashion-MNIST, {args.model}{shape} 1 channel; "

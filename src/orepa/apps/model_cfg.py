@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 
 import torch
@@ -118,7 +119,7 @@ def check_model_takes_images(model: nn.Module, data, what: str, **batch) -> None
 
 def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images, *, batch: int = 1,
                       training: bool = False, amp: bool = False, device: torch.device | None = None,
-                      batch_flags: str | None = None, hint: str = "") -> None:
+                      batch_flags: str | None = None, hint: str = "", train_sizes=None) -> None:
     """One blank image of each of ``sizes`` through ``model`` (eval mode, no gradients, on the
     model's device): a network that cannot take them (one that downsamples a 28x28 image to nothing,
     a fixed-size one) gives a :class:`UserError` naming the size (``images(size)`` says what they
@@ -132,7 +133,11 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images,
     :class:`UserError` naming the batch (``batch_flags``, default ``-b N``; ``hint`` after the
     advice): allocations on a CPU succeed and the system's out-of-memory killer then ends the
     process without a word. ``device``: where the batches will run (default: the model's);
-    ``amp``: under autocast, whose activations take half the bytes of the probe's float32 ones."""
+    ``amp``: under autocast, whose activations take half the bytes of the probe's float32 ones.
+
+    A ``training`` step's images (``train_sizes``, default every size) that leave a BatchNorm one value
+    per channel in a batch of ``batch`` (a 1x1 map at -b 1) are refused too: torch's BN refuses them at
+    the first step."""
     was = model.training
     param = next(model.parameters(), None)
     on = param.device if param is not None else torch.device("cpu")
@@ -153,6 +158,10 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images,
                                     "train and evaluate classifiers (a detection or segmentation network takes a "
                                     "re-param backbone: docs/detection.md)")
                 per_image[size] = measured.total()
+                if training and batch * measured.bn_values == 1 and (train_sizes is None or size in train_sizes):
+                    raise UserError(f"{batch_flags or f'-b {batch}'}, {images(size)}: a training BatchNorm sees "
+                                    f"one value per channel in {what} (a 1x1 feature map), which it cannot "
+                                    "normalise; use a larger batch or image")
     finally:
         model.train(was)
     if batch > 1 and per_image:
@@ -178,9 +187,10 @@ class _ActivationBytes:
         self.model, self.training = model, training
         self.kept: dict[int, torch.UntypedStorage] = {}  # training: address -> storage of an input kept
         self.peak = 0  # inference: the largest input + output of one module
+        self.bn_values = math.inf  # the fewest values per channel one image gives a BatchNorm
 
     def clear(self) -> None:
-        self.kept, self.peak = {}, 0
+        self.kept, self.peak, self.bn_values = {}, 0, math.inf
 
     def total(self) -> int:
         return sum(s.nbytes() for s in self.kept.values()) if self.training else self.peak
@@ -191,6 +201,8 @@ class _ActivationBytes:
                        if isinstance(t, torch.Tensor) and t.numel()]
             return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
 
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and inputs and inputs[0].dim() >= 2:
+            self.bn_values = min(self.bn_values, inputs[0][0, 0].numel())
         if self.training:
             if any(p.requires_grad for p in module.parameters(recurse=False)):
                 self.kept.update(storages(inputs))

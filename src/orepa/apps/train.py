@@ -676,7 +676,8 @@ class Trainer:
         flags = f"-b {args.batch_size}" + (f" --micro-batches {args.micro_batches}" if args.micro_batches > 1 else "")
         check_model_takes_images(deploy_form, self.data, describe_cfg(self.cfg), training=True, amp=args.amp,
                                  batch=step, device=self.device, batch_flags=f"{flags} ({step} images a step)",
-                                 hint="; more --micro-batches keep the batch and need less")
+                                 hint="; more --micro-batches keep the batch and need less",
+                                 train_sizes=(args.train_crop_size,) if self.data.name == "imagefolder" else None)
         if self.main:
             # the directories this run makes, deepest first: a run that fails before writing anything
             # leaves none of them (remove_made_dirs)
@@ -1165,6 +1166,8 @@ class Trainer:
                 elif flags[2].item() > 0:
                     stop = self._signal_stop()
                 if stop:
+                    if self.main:  # (else it keeps the position of its last periodic write)
+                        self._write_progress(acc, steps, t0)
                     break
         finally:  # a fault in the loop (an unreadable image, a peer gone) ends the bar's line first
             if bar is not None:

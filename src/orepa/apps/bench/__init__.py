@@ -286,20 +286,15 @@ def run(args: argparse.Namespace) -> int:
         check_step_modes(device, args.cuda_graphs, args.compile, runners)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    try:
-        result = run_benchmark(
-            args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
-            reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, in_chans=in_chans, lr=args.lr,
-            seed=args.seed, inference=not args.no_inference, profile_memory=not args.no_memory_profile,
-            model_options=mopts,
-            cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder,
-            pack=args.pack_parameters, runners=runners,
-        )
-    except ValueError as exc:  # only BatchNorm's refusal of a 1-value batch is the flags' fault; the rest is a bug
-        if "Expected more than 1 value per channel" not in str(exc):
-            raise
-        raise UserError(f"-b {args.batch_size} --image-size {args.image_size}: a training BatchNorm sees one value "
-                        "per channel at the network's smallest feature map; use a larger batch or image") from None
+    # (a batch that leaves a training BatchNorm one value per channel was refused by check_model_takes)
+    result = run_benchmark(
+        args.model, methods, batch_size=args.batch_size, image_size=args.image_size, device=device,
+        reps=args.reps, warmup=args.warmup, num_classes=args.num_classes, in_chans=in_chans, lr=args.lr,
+        seed=args.seed, inference=not args.no_inference, profile_memory=not args.no_memory_profile,
+        model_options=mopts,
+        cuda_graphs=args.cuda_graphs, compile=args.compile, kernel_builder=args.kernel_builder,
+        pack=args.pack_parameters, runners=runners,
+    )
     print()
     print(format_header(result))
     print()

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from orepa.apps.checkpoint import atomic_write_text, json_text
+from orepa.apps.common import error_text
 from orepa.apps.logs import pyplot, save_figure
 
 from .variants import LADDER, offline_rung
@@ -272,7 +273,12 @@ def rerender(path: str | Path, plots: bool = True, out_dir: str | Path | None = 
     """Recompute ratios, table and plots of a saved result JSON, written to ``out_dir`` (default:
     next to it, replacing its table and JSON)."""
     path = Path(path)
-    result = json.loads(path.read_text())
+    raw = path.read_bytes()
+    try:
+        result = json.loads(raw.decode())
+    except ValueError as exc:  # (UnicodeDecodeError too): the decoder's words alone named no file kind
+        said = "an empty file" if not raw.strip() else error_text(exc, 120)
+        raise ValueError(f"{path} is not JSON ({said}); give a result JSON that orepa bench wrote") from None
     if isinstance(result, dict) and result.get("results") in ({}, []):
         raise ValueError(f"{path} holds no results (no variant was measured): nothing to render; "
                          "measure again with orepa bench")
