@@ -2203,6 +2203,28 @@ def test_resume_allows_epochs_equal_to_the_finished_ones_and_refuses_fewer_than_
         train.resumed_args(train._parser().parse_args(argv), {**ck, "step_in_epoch": 2})
 
 
+def test_resuming_an_earlier_epochs_checkpoint_in_its_run_keeps_the_later_states(cache, tmp_path, capsys):
+    """--resume DIR/model_1.pth into DIR replaced the run's later checkpoint.pth at its first write
+    (and model_2.pth at its epoch 2) without a word. Refused, naming them; continuing from it into
+    another --output-dir, or in DIR once they are moved away (or once checkpoint.pth is unreadable:
+    the epoch's file is then the way back), runs."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "3", "--no-eval", "--keep-epoch-checkpoints", "--max-steps", "10") == 0
+    latest, later = (run / "checkpoint.pth").read_bytes(), (run / "model_2.pth").read_bytes()
+    capsys.readouterr()
+    resume = ["train", "--resume", str(run / "model_1.pth"), "--cache-dir", cache]
+    assert main(resume) == 2
+    assert (f"--resume {run / 'model_1.pth'} (step 4): {run} holds later states of this run (checkpoint.pth, "
+            "model_2.pth), which continuing there would replace") in capsys.readouterr().err
+    assert (run / "checkpoint.pth").read_bytes() == latest and (run / "model_2.pth").read_bytes() == later
+    assert main([*resume, "--output-dir", str(tmp_path / "branch"), "--max-steps", "5"]) == 0
+    assert _load(tmp_path / "branch" / "checkpoint.pth")["global_step"] == 5
+    (run / "model_2.pth").rename(tmp_path / "model_2.pth")
+    (run / "checkpoint.pth").write_bytes(latest[:100])  # torn: nothing left to keep
+    assert main([*resume, "--max-steps", "5"]) == 0
+    assert _load(run / "checkpoint.pth")["global_step"] == 5
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_each_micro_batch_loss_is_weighted_by_its_share_of_the_batch(n):
     """_forward_backward over N micro-batches leaves the gradient of the whole batch's mean loss

@@ -856,6 +856,7 @@ class Trainer:
             raise UserError(f"--output-dir {self.out} holds the checkpoint this run starts from "
                             f"({self.start_flag}); a new run goes to another --output-dir")
         if args.resume and Path(args.resume).resolve().parent == self.out.resolve():
+            self._refuse_rewinding()
             return []  # continuing the run that lives here
         if found == [PROGRESS_FILE]:
             # a run that ended (failed, was killed) before its first checkpoint: nothing to continue or
@@ -868,6 +869,29 @@ class Trainer:
             raise UserError(f"--output-dir {self.out} already holds {what}; {hint}replace it with --overwrite, "
                             "or choose another --output-dir")
         return found
+
+    def _refuse_rewinding(self) -> None:
+        """An earlier state of the run resumed in its own directory (``model_<epoch>.pth``, kept by
+        --keep-epoch-checkpoints) would replace the later states there without a word: its
+        checkpoint.pth at the first write, the later epochs' files as it reaches them. Refused, with
+        both ways on: branching off into another directory, or moving them away to go back. A
+        checkpoint.pth that cannot be read holds no state to keep (resuming an epoch's file is then
+        the way back)."""
+        here = self.resume_ckpt
+        step, epoch = int(here.get("global_step", 0)), int(here.get("epoch", 0))
+        later = sorted((p for p in self.out.glob("model_*.pth")
+                        if p.stem[6:].isdigit() and int(p.stem[6:]) > epoch), key=lambda p: int(p.stem[6:]))
+        if self.ckpt_path.is_file() and self.ckpt_path.resolve() != Path(self.args.resume).resolve():
+            try:
+                newest = int(load_checkpoint(self.ckpt_path, lazy=True).get("global_step", 0))
+            except UserError:
+                newest = 0
+            if newest > step:
+                later.insert(0, self.ckpt_path)
+        if later:
+            raise UserError(f"--resume {self.args.resume} (step {step}): {self.out} holds later states of this run "
+                            f"({', '.join(p.name for p in later)}), which continuing there would replace; give "
+                            f"another --output-dir to continue from it there, or move them away to go back in {self.out}")
 
     def _clear_previous_run(self, found: list[str]) -> None:
         """--overwrite: move the previous run aside (``REPLACED_DIR``); it is removed once this run has
