@@ -364,6 +364,24 @@ def test_a_frozen_stage_stays_frozen(method):
     assert not deployed.layer1[0].bn1.training and deployed.layer2[0].bn1.training
 
 
+@pytest.mark.parametrize("method", ["dbb", "repvgg", "orepa-offline", "orepa-vgg"])
+def test_a_frozen_conv_before_a_bn_that_trains_keeps_the_bn_training(method):
+    """BN-only fine-tuning (convs frozen, BN affines train): the blocks that absorb the BN froze
+    whole with their conv, so the BN's affine got no gradient and deployed frozen. Now the block's
+    BNs train as that BN did, its convs stay frozen, and deployment gives the plain flags back."""
+    plain = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+    plain[0].weight.requires_grad_(False)
+    model = orepa.convert(plain, method)
+    model(torch.randn(2, 4, 6, 6)).sum().backward()
+    norms = [m for m in model[0].modules() if isinstance(m, nn.BatchNorm2d)]
+    assert norms and all(p.grad is not None for m in norms for p in m.parameters())
+    convs = [m for m in model[0].modules() if isinstance(m, orepa.ConvStep)]
+    assert convs and not any(p.requires_grad for m in convs for p in m.parameters())
+    deployed = orepa.reparameterize(model)
+    assert {n: p.requires_grad for n, p in deployed.named_parameters()} == \
+        {"0.weight": False, "1.weight": True, "1.bias": True}
+
+
 class _BNRelu(nn.BatchNorm2d):
     """A BatchNorm2d subclass that does more than normalise (as timm's BatchNormAct2d)."""
 

@@ -316,10 +316,15 @@ def _normalise_as(block: nn.Module, bn: nn.Module) -> None:
     others than torch's defaults: torchvision's MobileNetV3 1e-3 / 0.01, timm's ``tf_*`` nets eps 1e-3):
     with the plain weights loaded the block then computes conv + BN exactly, in training mode too, and
     its running statistics follow the network's own average. They are SyncBatchNorms (of its process
-    group) where it is one: under DDP their statistics are then the whole batch's, as its were."""
+    group) where it is one: under DDP their statistics are then the whole batch's, as its were. Their
+    affines train where its did (a frozen conv before a BN that trains, BN-only fine-tuning: the block's
+    convs stay frozen, its BNs train as that BN did)."""
     for m in block.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eps, m.momentum = bn.eps, bn.momentum
+            if m.affine and bn.affine:
+                m.weight.requires_grad_(bn.weight.requires_grad)
+                m.bias.requires_grad_(bn.bias.requires_grad)
     if isinstance(bn, nn.SyncBatchNorm):  # (the block is no BN itself: its children are swapped in place)
         nn.SyncBatchNorm.convert_sync_batchnorm(block, bn.process_group)
 
@@ -1204,8 +1209,10 @@ def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
 
 
 def _frozen_block(block: ReparamConv2d) -> bool:
-    """No parameter of ``block`` trains (a frozen stage, frozen when or after the model was built)."""
-    return not any(p.requires_grad for p in block.parameters())
+    """No parameter of ``block`` but its BNs' trains (a frozen stage, frozen when or after the model was
+    built; its BNs may train, as the absorbed BN did: that one is restored trainable, the conv frozen)."""
+    norms = {id(p) for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters()}
+    return not any(p.requires_grad for p in block.parameters() if id(p) not in norms)
 
 
 def _frozen_norms(block: ReparamConv2d) -> bool:
