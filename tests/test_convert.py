@@ -1059,6 +1059,41 @@ class _TiedDecoder(nn.Module):
         return nn.functional.conv_transpose2d(self.bn2(self.mid(self.bn(self.enc(x)))), self.enc.weight, padding=1)
 
 
+class _ReadsConvWeight(nn.Module):
+    """Reads its conv's weight beside calling it, as timm's EdgeNeXt position encoding does
+    (``self.token_projection.weight.dtype``); a BN follows the conv or a GroupNorm."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.proj, self.norm = nn.Conv2d(4, 4, 3, padding=1), norm
+        self.other = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        return self.other(self.norm(self.proj(x.to(self.proj.weight.dtype))))
+
+
+@pytest.mark.parametrize("route", ["torch.fx", "forward hooks"])
+@pytest.mark.parametrize("norm", ["bn", "gn"])
+def test_a_conv_whose_weight_the_forward_reads_stays_plain_on_every_route(route, norm):
+    """The forward reads the conv's weight itself: a block has none, so the converted model failed
+    ("'OREPAConv2d' object has no attribute 'weight'"): for ``without_bn``'s lone convs on every
+    route (timm's EdgeNeXt), and for a BN's pair where the pairs came from running example_input.
+    Now such a conv stays plain on every route, the report saying why."""
+    torch.manual_seed(0)
+    body = _ReadsConvWeight(nn.BatchNorm2d(4) if norm == "bn" else nn.GroupNorm(1, 4))
+    model = _Untraceable(body) if route == "forward hooks" else body
+    x = torch.randn(2, 4, 6, 6)
+    converted, report = orepa.convert(model, "orepa", return_report=True, without_bn=norm == "gn",
+                                      example_input=x if route == "forward hooks" else None)
+    assert report.pairing.startswith(route)
+    prefix = "body." if route == "forward hooks" else ""
+    assert report.converted == [prefix + "other.0"]
+    assert "read outside it" in report.skipped[prefix + "proj"]
+    converted.eval()
+    with torch.no_grad():
+        tol_close(orepa.reparameterize(converted)(x), converted(x))
+
+
 class _AuxInTraining(nn.Module):
     def __init__(self):
         super().__init__()
