@@ -364,6 +364,24 @@ def test_a_frozen_stage_stays_frozen(method):
     assert not deployed.layer1[0].bn1.training and deployed.layer2[0].bn1.training
 
 
+@pytest.mark.parametrize("method", ["dbb", "repvgg", "orepa-offline", "orepa-vgg"])
+def test_a_frozen_conv_before_a_bn_that_trains_keeps_the_bn_training(method):
+    """BN-only fine-tuning (convs frozen, BN affines train): the blocks that absorb the BN froze
+    whole with their conv, so the BN's affine got no gradient and deployed frozen. Now the block's
+    BNs train as that BN did, its convs stay frozen, and deployment gives the plain flags back."""
+    plain = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+    plain[0].weight.requires_grad_(False)
+    model = orepa.convert(plain, method)
+    model(torch.randn(2, 4, 6, 6)).sum().backward()
+    norms = [m for m in model[0].modules() if isinstance(m, nn.BatchNorm2d)]
+    assert norms and all(p.grad is not None for m in norms for p in m.parameters())
+    convs = [m for m in model[0].modules() if isinstance(m, orepa.ConvStep)]
+    assert convs and not any(p.requires_grad for m in convs for p in m.parameters())
+    deployed = orepa.reparameterize(model)
+    assert {n: p.requires_grad for n, p in deployed.named_parameters()} == \
+        {"0.weight": False, "1.weight": True, "1.bias": True}
+
+
 class _BNRelu(nn.BatchNorm2d):
     """A BatchNorm2d subclass that does more than normalise (as timm's BatchNormAct2d)."""
 
@@ -1039,6 +1057,41 @@ class _TiedDecoder(nn.Module):
 
     def forward(self, x):
         return nn.functional.conv_transpose2d(self.bn2(self.mid(self.bn(self.enc(x)))), self.enc.weight, padding=1)
+
+
+class _ReadsConvWeight(nn.Module):
+    """Reads its conv's weight beside calling it, as timm's EdgeNeXt position encoding does
+    (``self.token_projection.weight.dtype``); a BN follows the conv or a GroupNorm."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.proj, self.norm = nn.Conv2d(4, 4, 3, padding=1), norm
+        self.other = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        return self.other(self.norm(self.proj(x.to(self.proj.weight.dtype))))
+
+
+@pytest.mark.parametrize("route", ["torch.fx", "forward hooks"])
+@pytest.mark.parametrize("norm", ["bn", "gn"])
+def test_a_conv_whose_weight_the_forward_reads_stays_plain_on_every_route(route, norm):
+    """The forward reads the conv's weight itself: a block has none, so the converted model failed
+    ("'OREPAConv2d' object has no attribute 'weight'"): for ``without_bn``'s lone convs on every
+    route (timm's EdgeNeXt), and for a BN's pair where the pairs came from running example_input.
+    Now such a conv stays plain on every route, the report saying why."""
+    torch.manual_seed(0)
+    body = _ReadsConvWeight(nn.BatchNorm2d(4) if norm == "bn" else nn.GroupNorm(1, 4))
+    model = _Untraceable(body) if route == "forward hooks" else body
+    x = torch.randn(2, 4, 6, 6)
+    converted, report = orepa.convert(model, "orepa", return_report=True, without_bn=norm == "gn",
+                                      example_input=x if route == "forward hooks" else None)
+    assert report.pairing.startswith(route)
+    prefix = "body." if route == "forward hooks" else ""
+    assert report.converted == [prefix + "other.0"]
+    assert "read outside it" in report.skipped[prefix + "proj"]
+    converted.eval()
+    with torch.no_grad():
+        tol_close(orepa.reparameterize(converted)(x), converted(x))
 
 
 class _AuxInTraining(nn.Module):

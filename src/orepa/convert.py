@@ -316,10 +316,15 @@ def _normalise_as(block: nn.Module, bn: nn.Module) -> None:
     others than torch's defaults: torchvision's MobileNetV3 1e-3 / 0.01, timm's ``tf_*`` nets eps 1e-3):
     with the plain weights loaded the block then computes conv + BN exactly, in training mode too, and
     its running statistics follow the network's own average. They are SyncBatchNorms (of its process
-    group) where it is one: under DDP their statistics are then the whole batch's, as its were."""
+    group) where it is one: under DDP their statistics are then the whole batch's, as its were. Their
+    affines train where its did (a frozen conv before a BN that trains, BN-only fine-tuning: the block's
+    convs stay frozen, its BNs train as that BN did)."""
     for m in block.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eps, m.momentum = bn.eps, bn.momentum
+            if m.affine and bn.affine:
+                m.weight.requires_grad_(bn.weight.requires_grad)
+                m.bias.requires_grad_(bn.bias.requires_grad)
     if isinstance(bn, nn.SyncBatchNorm):  # (the block is no BN itself: its children are swapped in place)
         nn.SyncBatchNorm.convert_sync_batchnorm(block, bn.process_group)
 
@@ -349,8 +354,14 @@ def _in_mode(model: nn.Module, training: bool):
             m.training = mode
 
 
+#: why a conv whose tensors the forward reads itself is left plain, paired with a BN or not (``without_bn``)
+_READ_OUTSIDE = "its weight or bias is also read outside it (a tied weight), which a block does not hold"
+
+
 def _graph_pairs(model: nn.Module, graph, left_out: dict[str, str] | None) -> tuple[list[tuple[str, str]], set[str]]:
-    """The conv -> BN pairs of one traced graph of ``model``, and the modules that graph calls."""
+    """The conv -> BN pairs of one traced graph of ``model``, and the modules that graph calls;
+    ``left_out`` also takes every conv whose tensors the graph reads outside it (a lone conv too, which
+    ``without_bn`` would otherwise replace: ``self.proj.weight.dtype`` in timm's EdgeNeXt)."""
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
     for node in graph.nodes:
@@ -364,6 +375,11 @@ def _graph_pairs(model: nn.Module, graph, left_out: dict[str, str] | None) -> tu
     def read_outside(name: str) -> bool:
         return any(t.startswith(name + ".") for t in read)
 
+    if left_out is not None:
+        for target in read:
+            owner = target.rpartition(".")[0]  # ('' where the model is the conv: its own forward's read)
+            if owner and owner in modules and _is_conv(modules[owner]):
+                left_out.setdefault(owner, _READ_OUTSIDE)
     pairs = []
     for node in graph.nodes:
         if node.op != "call_module" or not node.args or not isinstance(node.args[0], torch.fx.Node):
@@ -374,7 +390,7 @@ def _graph_pairs(model: nn.Module, graph, left_out: dict[str, str] | None) -> tu
         conv, bn = modules[src.target], modules[node.target]
         if _is_conv(conv) and _foldable_bn(bn, conv) and calls[src.target] == 1 and calls[node.target] == 1:
             if read_outside(src.target):
-                why = "its weight or bias is also read outside it (a tied weight), which a block does not hold"
+                why = _READ_OUTSIDE
             elif read_outside(node.target):
                 why = (f"the forward also reads the tensors of its BN {node.target!r} outside it (its weight, bias "
                        "or statistics), which folding or absorbing that BN would remove")
@@ -430,12 +446,19 @@ class _UseCounter(torch.overrides.TorchFunctionMode):
     conv's output may feed its BN and also an op outside any module (a residual sum), which the
     BN's forward hook alone cannot see. Shape and dtype queries compute no tensor and do not count."""
 
-    def __init__(self, watched: dict[int, torch.Tensor]):
+    def __init__(self, watched: dict[int, torch.Tensor], params: dict[int, tuple[torch.Tensor, str]] | None = None):
         super().__init__()
         self.watched = watched
         self.uses: dict[int, int] = {}
+        # a conv's parameters ({id: (tensor, conv name)}): any use, a ``.dtype`` too, while that conv is
+        # not running is the forward reading them itself (``read_outside``), which a block would not hold
+        self.params, self.running, self.read_outside = {} if params is None else params, set(), set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            owner = self.params.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if owner is not None and owner[0] is t and owner[1] not in self.running:
+                self.read_outside.add(owner[1])
         out = func(*args, **(kwargs or {}))
         if any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves(out)):
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
@@ -453,10 +476,10 @@ def _pairs_hooks(model: nn.Module, example_input, left_out: dict[str, str] | Non
     streams as they were. A model that does not take the input in training mode (a detector wants
     targets then, a BN a batch of more than one value per channel) is paired by its eval run, with a
     warning."""
-    found = {False: _pairs_run(model, example_input, training=False)}
+    found = {False: _pairs_run(model, example_input, training=False, left_out=left_out)}
     try:
         with _untouched(model):
-            found[True] = _pairs_run(model, example_input, training=True)
+            found[True] = _pairs_run(model, example_input, training=True, left_out=left_out)
     except Exception as exc:  # noqa: BLE001 - any error of the model's own forward
         warnings.warn(f"conv -> BN pairs checked in eval mode only: the model did not run example_input in training "
                       f"mode ({type(exc).__name__}: {str(exc)[:100]}), so a forward that also reads a conv's output "
@@ -479,11 +502,13 @@ def _untouched(model: nn.Module):
                     b.copy_(value)
 
 
-def _pairs_run(model: nn.Module, example_input, training: bool) -> tuple[list[tuple[str, str]], dict[str, int]]:
+def _pairs_run(model: nn.Module, example_input, training: bool, left_out: dict[str, str] | None = None) \
+        -> tuple[list[tuple[str, str]], dict[str, int]]:
     """Run the model once in ``training`` mode; a BN whose input IS a conv's output tensor, and that
-    tensor's only use, pairs with that conv. The conv outputs are held until the run ends: a freed
-    output's ``id`` can come back as another tensor's (the BN's input after a ReLU, say). Returns the
-    pairs and the modules called."""
+    tensor's only use, pairs with that conv, unless the forward reads the conv's tensors outside it
+    (``left_out`` takes those convs, paired or not). The conv outputs are held until the run ends: a
+    freed output's ``id`` can come back as another tensor's (the BN's input after a ReLU, say). Returns
+    the pairs and the modules called."""
     outputs: dict[int, torch.Tensor] = {}  # id -> a conv's output
     conv_of: dict[int, str] = {}  # id -> the conv's name
     bn_input: dict[str, torch.Tensor] = {}  # BN name -> the conv output it read
@@ -499,10 +524,16 @@ def _pairs_run(model: nn.Module, example_input, training: bool) -> tuple[list[tu
                 outputs[id(out)], conv_of[id(out)] = out, name
         return fn
 
+    params: dict[int, tuple[torch.Tensor, str]] = {}
+    counter = _UseCounter(outputs, params)
     for name, m in model.named_modules():
         if _is_conv(m) or _pairs_with_conv(m):
             handles.append(m.register_forward_hook(hook(name)))
-    counter = _UseCounter(outputs)
+        if _is_conv(m):
+            params.update((id(p), (p, name)) for p in m._parameters.values() if p is not None)
+            handles.append(m.register_forward_pre_hook(lambda mod, args, name=name: counter.running.add(name)))
+            handles.append(m.register_forward_hook(lambda mod, args, out, name=name: counter.running.discard(name),
+                                                   prepend=True))
     try:
         with _in_mode(model, training), torch.no_grad(), counter:
             result = model(*example_input) if isinstance(example_input, tuple) else model(example_input)
@@ -514,7 +545,11 @@ def _pairs_run(model: nn.Module, example_input, training: bool) -> tuple[list[tu
             counter.uses[id(t)] = counter.uses.get(id(t), 0) + 1
     modules = dict(model.named_modules())
     pairs = [(conv_of[id(t)], b) for b, t in bn_input.items() if counter.uses.get(id(t)) == 1]
-    pairs = [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])]
+    pairs = [(c, b) for c, b in pairs if calls[c] == 1 and calls[b] == 1 and _foldable_bn(modules[b], modules[c])
+             and c not in counter.read_outside]
+    if left_out is not None:
+        for name in counter.read_outside:
+            left_out.setdefault(name, _READ_OUTSIDE)
     return pairs, calls
 
 
@@ -948,7 +983,8 @@ def convert(
             report.skipped[name] = f"{type(m).__name__}: only plain nn.Conv2d layers are converted"
     if without_bn:  # every other plain conv too, a block with no BN after it
         pairs = pairs + [(name, None) for name in report.skipped
-                         if _convertible(model.get_submodule(name)) and not _inside_block(name, model)]
+                         if _convertible(model.get_submodule(name)) and not _inside_block(name, model)
+                         and left_out.get(name) != _READ_OUTSIDE]
     slots = _slots(model)
     absorbed_on_trust: dict[str, str] = {}  # (an online block leaves the BN where it is: a pair on trust is safe)
     for conv_name, bn_name in pairs:
@@ -1204,8 +1240,10 @@ def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
 
 
 def _frozen_block(block: ReparamConv2d) -> bool:
-    """No parameter of ``block`` trains (a frozen stage, frozen when or after the model was built)."""
-    return not any(p.requires_grad for p in block.parameters())
+    """No parameter of ``block`` but its BNs' trains (a frozen stage, frozen when or after the model was
+    built; its BNs may train, as the absorbed BN did: that one is restored trainable, the conv frozen)."""
+    norms = {id(p) for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) for p in m.parameters()}
+    return not any(p.requires_grad for p in block.parameters() if id(p) not in norms)
 
 
 def _frozen_norms(block: ReparamConv2d) -> bool:
