@@ -408,6 +408,20 @@ def test_a_frozen_stage_or_norm_deploys_frozen_where_the_block_absorbed_its_bn(m
         assert all(r for n, r in trains.items() if n.startswith(("layer2.", "layer3.", "layer4.")))
 
 
+@pytest.mark.parametrize("method", ["base", "orepa", "dbb"])
+def test_a_frozen_stage_stays_frozen_with_its_bns_folded(method):
+    """fuse_bn=True replaced every conv -> BN pair by a new conv that trains: the frozen layer1 (and
+    the frozen norms' shifts) of the training form trained in the deployed one."""
+    f = D.resnet_features("resnet18", method, trainable_layers=3, norm="frozen", **TINY)
+    deployed = orepa.reparameterize(f, fuse_bn=True)
+    trains = {n: p.requires_grad for n, p in deployed.named_parameters()}
+    assert not any(r for n, r in trains.items() if n.startswith("layer1."))
+    assert all(r for n, r in trains.items() if n.startswith(("layer2.", "layer3.", "layer4.")) and n.endswith("weight"))
+    assert not any(r for n, r in trains.items() if n.endswith("bias"))  # conv without bias + frozen BN: a fixed shift
+    g = D.resnet_features("resnet18", method, trainable_layers=5, norm="train", **TINY)
+    assert all(p.requires_grad for p in orepa.reparameterize(g, fuse_bn=True).parameters())
+
+
 def test_trainable_layers_and_paper_stem():
     # torchvision semantics: 3 trainable stages = layer2..4; OREPA's deep stem stays trainable (paper)
     f = D.resnet_features("resnet18", "orepa", trainable_layers=3, **TINY)

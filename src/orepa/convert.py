@@ -1215,6 +1215,12 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
                                conv.dilation, conv.groups, bias=True, **mode).to(dtype=w.dtype)
         fused.weight.copy_(w)
         fused.bias.copy_(b)
+        # frozen where what it folds was (a frozen stage, a frozen BN's shift): a new conv would train
+        trains = {k: isinstance(t, nn.Parameter) and t.requires_grad for k, t in
+                  (("w", conv.weight), ("b", conv.bias), ("g", getattr(bn, "weight", None)),
+                   ("beta", getattr(bn, "bias", None)))}
+        fused.weight.requires_grad_(trains["w"] or trains["g"])
+        fused.bias.requires_grad_(trains["b"] or trains["g"] or trains["beta"])
         _set_submodule(model, conv_name, keep_layout(fused, (conv.weight,)).train(conv.training))
         _set_submodule(model, bn_name, _tail(bn))
     return model
