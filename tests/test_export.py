@@ -819,6 +819,35 @@ def test_an_export_at_another_input_size_records_the_crops_its_graph_takes(tmp_p
     assert prep["image"] == "grayscale 28x28 (Fashion-MNIST), resized to 32x32 (this export's input size)"
 
 
+def test_eval_of_a_fashion_mnist_export_at_another_size_resizes_the_images_as_it_records(tmp_path, capsys, cache):
+    """An export made with ``--input-size 32`` records "resized to 32x32"; eval fed it the 28x28 images
+    anyway: the ONNX model refused them, the TorchScript one scored what its record says it is not fed."""
+    from torchvision.transforms import v2 as T
+
+    from orepa.apps import data
+
+    ckpt = _run_checkpoint(tmp_path / "run" / "checkpoint.pth")
+    torch.save({**torch.load(ckpt, weights_only=True), "args": {"data_path": "fashion-mnist"}}, ckpt)
+    common = ["--val-subset", "64", "-b", "16", "--no-progress", "-j", "0", "--cache-dir", cache]
+    result = tmp_path / "e.json"
+    res = {}
+    for fmt in ("onnx", "torchscript"):
+        path = tmp_path / f"m{export.FORMATS[fmt][0]}"
+        assert cli.main(["export", str(ckpt), "--format", fmt, "-o", str(path), "--no-verify", "--input-size",
+                         "32"]) == 0
+        assert json.loads(export.export_metadata(path, fmt)["preprocessing"])["resize"] == 32
+        assert cli.main(["eval", str(path), *common, "--json", str(result)]) == 0, capsys.readouterr().err
+        res[fmt] = json.loads(result.read_text())
+    assert cli.main(["eval", str(ckpt), *common, "--json", str(result)]) == 0
+    at_28 = json.loads(result.read_text())
+    assert res["onnx"]["acc1"] == res["torchscript"]["acc1"]
+    assert res["onnx"]["loss"] == pytest.approx(res["torchscript"]["loss"], rel=1e-5)
+    assert res["torchscript"]["loss"] != pytest.approx(at_28["loss"], rel=1e-5)  # fed 32x32 images, not 28x28
+    x = data.fashion_mnist(cache, val_size=32)[1][0][0]
+    want = T.Resize(32, antialias=True)(data.fashion_mnist(cache)[1][0][0])  # torchvision's resize
+    assert x.shape == (1, 32, 32) and torch.allclose(x, want, atol=1e-5)
+
+
 def test_an_export_of_ema_weights_deployed_by_reparam_says_so(tmp_path, capsys):
     """A checkpoint whose model is EMA weights (``orepa reparam --use-ema``: ``"ema": True``) exports with
     ``source.ema`` true, as ``orepa eval`` says "(EMA)" of the checkpoint itself."""

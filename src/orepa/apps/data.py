@@ -214,6 +214,18 @@ class Normalize:
         return (img.float() / 255.0 - self.mean) / self.std
 
 
+class Resize:
+    """A square image of floats resized to ``size`` x ``size`` as torchvision's ``Resize`` does (bilinear,
+    antialiased): what an export made for another input size than Fashion-MNIST's 28 records it takes."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.interpolate(img[None], size=(self.size, self.size), mode="bilinear",
+                                               align_corners=False, antialias=True)[0]
+
+
 class Compose:
     def __init__(self, *fns):
         self.fns = fns
@@ -272,7 +284,8 @@ def _read_idx(path: Path) -> torch.Tensor:
     return body if labels else body.view(-1, 28, 28)
 
 
-def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
+def fashion_mnist(cache_dir, pad_crop: int = 2, val_size: int = 28) -> tuple[Dataset, Dataset]:
+    """``(train, val)``; ``val_size``: the validation images resized to it (an export's input size)."""
     if pad_crop >= 28:  # a crop could then hold no pixel of the image
         raise UserError(f"--pad-crop {pad_crop}: the padding must be smaller than Fashion-MNIST's 28-pixel images "
                         "(the default: 2)")
@@ -281,7 +294,8 @@ def fashion_mnist(cache_dir, pad_crop: int = 2) -> tuple[Dataset, Dataset]:
     for train in (True, False):
         images, labels = (n for n in FASHION_MNIST_FILES if n.startswith("train" if train else "t10k"))
         norm = Normalize(FASHION_MNIST_MEAN, FASHION_MNIST_STD)
-        tf = Compose(PadCropFlip(28, pad_crop), norm) if train else norm
+        tf = Compose(PadCropFlip(28, pad_crop), norm) if train else (
+            norm if val_size == 28 else Compose(norm, Resize(val_size)))
         sets.append(TensorImages(_read_idx(raw / images), _read_idx(raw / labels), tf, FASHION_MNIST_CLASSES))
     return sets[0], sets[1]
 
@@ -560,8 +574,9 @@ def build_data(args, *, need_train: bool = True) -> Data:
     if getattr(args, "_data_path_of", None):  # the path is a checkpoint's setting, not a flag given here
         check_saved_data_path(args, args._data_path_of)
     if kind == "fashion-mnist":
-        train, val = fashion_mnist(getattr(args, "cache_dir", None), getattr(args, "pad_crop", 2))
-        in_chans, small, sizes = 1, True, (28,)
+        size = getattr(args, "_fashion_mnist_size", None) or 28  # (an export's recorded input size: eval)
+        train, val = fashion_mnist(getattr(args, "cache_dir", None), getattr(args, "pad_crop", 2), size)
+        in_chans, small, sizes = 1, True, (size,)
     else:
         train_crop, val_crop = getattr(args, "train_crop_size", TRAIN_CROP), getattr(args, "val_crop_size", VAL_CROP)
         train, val = imagefolder(args.data_path, train_crop, getattr(args, "val_resize_size", VAL_RESIZE), val_crop,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 import time
 
@@ -246,8 +247,9 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
     source, classes, prep = (records.get(k) for k in (SOURCE_KEY, "classes", "preprocessing"))
     source = source if isinstance(source, dict) else {}
     prep = prep if isinstance(prep, dict) else {}
+    fashion_mnist = "Fashion-MNIST" in str(prep.get("image", ""))
     if args.data_path is None:
-        if "Fashion-MNIST" in str(prep.get("image", "")):
+        if fashion_mnist:
             args.data_path = "fashion-mnist"
         elif source and not source.get("checkpoint"):
             raise UserError(f"{path} is the export of a randomly initialised model: give the --data-path to run it on")
@@ -256,6 +258,12 @@ def evaluate_export(args: argparse.Namespace, info: DistInfo, device: torch.devi
                             "--data-path")
         else:
             raise UserError(f"{path} does not say which data it was trained on: give its --data-path")
+    if fashion_mnist:  # exported for another input size: its images resized as its record says (not fed at 28)
+        size = prep.get("resize")
+        if not isinstance(size, int):  # (an export that says it in words only)
+            size = re.search(r"resized to (\d+)x", str(prep["image"]))
+            size = int(size.group(1)) if size else None
+        args._fashion_mnist_size = size
     for key, size, default in zip(("val_resize_size", "val_crop_size"), (prep.get("resize"), prep.get("center_crop")),
                                   saved_val_sizes({})):  # (none recorded: that data's own, as a run's defaults)
         if getattr(args, key, None) is None:

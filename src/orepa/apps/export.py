@@ -729,6 +729,7 @@ def run(args: argparse.Namespace) -> int:
         preprocessing.update(resize=resize, center_crop=size)
     elif preprocessing and "center_crop" not in preprocessing and size != 28:  # Fashion-MNIST's, at another size
         preprocessing["image"] += f", resized to {size}x{size} (this export's input size)"
+        preprocessing["resize"] = size  # (as a number too: orepa eval of the export resizes the images so)
     metadata = {**({"classes": json.dumps(ckpt["classes"])} if ckpt.get("classes") else {}),
                 **({"preprocessing": json.dumps(preprocessing)} if preprocessing else {}),
                 SOURCE_KEY: ckpt_io.json_text(ckpt_io.plain(source))}
