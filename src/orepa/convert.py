@@ -1197,7 +1197,9 @@ def _absorbed_pairing(model: nn.Module, blocks: list[tuple[str, ReparamConv2d]])
 @torch.no_grad()
 def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None) -> nn.Module:
     """Fold every Conv2d -> BatchNorm2d pair (eval statistics) into the conv; the BN becomes Identity
-    (a timm BatchNormAct2d its dropout and activation)."""
+    (a timm BatchNormAct2d its dropout and activation). The folded weight trains where the conv's weight
+    or the BN's scale did, its bias where the conv's bias or the BN's affine did (a frozen stage stays
+    frozen)."""
     if not inplace:
         model = _deepcopy(model)
     pairs, _, left_out, trusted = _find_pairs(model, example_input)
