@@ -843,6 +843,22 @@ def test_a_resumed_run_continues_its_ema_average(cache, tmp_path, capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_the_ema_restarts_during_the_warm_up_steps_only(cache, tmp_path):
+    """A fractional warm-up (0.5 epochs: 2 of the 4 steps) restarted the average at every update of
+    its whole first epoch (compared by epoch), so the EMA ended as the model; it restarts at the
+    warm-up's steps: the updates after steps 3 and 4 average, by alpha = (1 - decay) x 16 x 1 / 1."""
+    args = ("--epochs", "1", "--no-eval", "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.99")
+    assert _train(cache, tmp_path / "whole", *args) == 0  # TINY: --lr-warmup-epochs 0.5
+    assert _train(cache, tmp_path / "three", *args, "--max-steps", "3") == 0
+    whole, three = _load(tmp_path / "whole" / "checkpoint.pth"), _load(tmp_path / "three" / "checkpoint.pth")
+    assert int(three["ema_n_averaged"]) == 1 and int(whole["ema_n_averaged"]) == 2
+    alpha = 0.01 * 16
+    for key, value in whole["model_ema"].items():
+        if value.is_floating_point():
+            expected = (1 - alpha) * three["model"][key] + alpha * whole["model"][key]
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
 def test_a_resumed_run_draws_the_dropout_masks_it_would_have_drawn(cache, tmp_path):
     """One process: --resume restores the global random stream, so a network with dropout stopped
     mid-epoch and resumed ends bit-identical to one that was not (from the stream as a fresh run
