@@ -628,6 +628,10 @@ def test_progress_json_says_where_a_run_stopped_mid_epoch(cache, tmp_path):
     progress = json.loads((run / "progress.json").read_text())
     assert (progress["global_step"], progress["step"], progress["epoch"]) == (3, 3, 1)
     assert _load(run / "checkpoint.pth")["global_step"] == 3
+    # at an epoch's end: all its steps done (it said step 0 of the epoch just completed)
+    assert _train(cache, run, "--epochs", "2", "--no-eval", "--max-steps", "4", "--resume", str(run / "checkpoint.pth")) == 0
+    progress = json.loads((run / "progress.json").read_text())
+    assert (progress["global_step"], progress["step"], progress["epoch"], progress["steps_per_epoch"]) == (4, 4, 1, 4)
 
 
 def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):

@@ -1423,7 +1423,8 @@ class Trainer:
         s.sums, s.timed = [0.0, 0.0, 0.0], [0.0, 0]
         self.checkpoint("epoch")
         if self.main:
-            write_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": 0,
+            # (the epoch just completed, all its steps done: "step 0" read as the epoch begun anew)
+            write_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": self.iters_per_epoch,
                                                   "steps_per_epoch": self.iters_per_epoch,
                                                   "global_step": s.global_step,
                                                   "total_steps": args.epochs * self.iters_per_epoch,
