@@ -634,6 +634,20 @@ def test_progress_json_says_where_a_run_stopped_mid_epoch(cache, tmp_path):
     assert (progress["global_step"], progress["step"], progress["epoch"], progress["steps_per_epoch"]) == (4, 4, 1, 4)
 
 
+def test_a_resumed_command_that_ends_no_epoch_keeps_the_runs_last_evaluation_in_its_summary(cache, tmp_path):
+    """summary.json of a command resumed mid-epoch that stopped before the epoch's end had no val
+    figures, though the run's earlier command had written epoch 1's: they are the run's last ones."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--max-steps", "5") == 0  # epoch 1 (4 steps) evaluated
+    first = json.loads((run / "summary.json").read_text())
+    assert main(["train", "--resume", str(run / "checkpoint.pth"), "--no-progress", "--quiet", "--max-steps", "6"]) == 0
+    second = json.loads((run / "summary.json").read_text())
+    assert second["global_step"] == 6 and second["epochs_done"] == 1
+    row = _load(run / "checkpoint.pth")["history"][-1]
+    for key in ("val_acc1", "val_acc5", "val_loss"):
+        assert second[key] == first[key] == row[key], key
+
+
 def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
     """The default 5-epoch warm-up with --epochs 1 ended at 21% of the peak lr, the schedule never
     begun, and nothing said so; a run whose warm-up ends inside it gets no note."""

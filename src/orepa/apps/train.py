@@ -1339,7 +1339,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         stop = None
-        last = {}
+        # the run's last evaluation, until this command ends an epoch: a resumed command that ends none
+        # rewrote summary.json without the figures the run had
+        last = s.history[-1] if s.history else {}
         try:
             with self.signals:
                 while s.epoch < args.epochs:
