@@ -628,6 +628,24 @@ def test_progress_json_says_where_a_run_stopped_mid_epoch(cache, tmp_path):
     progress = json.loads((run / "progress.json").read_text())
     assert (progress["global_step"], progress["step"], progress["epoch"]) == (3, 3, 1)
     assert _load(run / "checkpoint.pth")["global_step"] == 3
+    # at an epoch's end: all its steps done (it said step 0 of the epoch just completed)
+    assert _train(cache, run, "--epochs", "2", "--no-eval", "--max-steps", "4", "--resume", str(run / "checkpoint.pth")) == 0
+    progress = json.loads((run / "progress.json").read_text())
+    assert (progress["global_step"], progress["step"], progress["epoch"], progress["steps_per_epoch"]) == (4, 4, 1, 4)
+
+
+def test_a_resumed_command_that_ends_no_epoch_keeps_the_runs_last_evaluation_in_its_summary(cache, tmp_path):
+    """summary.json of a command resumed mid-epoch that stopped before the epoch's end had no val
+    figures, though the run's earlier command had written epoch 1's: they are the run's last ones."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--max-steps", "5") == 0  # epoch 1 (4 steps) evaluated
+    first = json.loads((run / "summary.json").read_text())
+    assert main(["train", "--resume", str(run / "checkpoint.pth"), "--no-progress", "--quiet", "--max-steps", "6"]) == 0
+    second = json.loads((run / "summary.json").read_text())
+    assert second["global_step"] == 6 and second["epochs_done"] == 1
+    row = _load(run / "checkpoint.pth")["history"][-1]
+    for key in ("val_acc1", "val_acc5", "val_loss"):
+        assert second[key] == first[key] == row[key], key
 
 
 def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
@@ -841,6 +859,22 @@ def test_a_resumed_run_continues_its_ema_average(cache, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "damaged.pth (its EMA weights) does not fit the model built" in err and lost in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_ema_restarts_during_the_warm_up_steps_only(cache, tmp_path):
+    """A fractional warm-up (0.5 epochs: 2 of the 4 steps) restarted the average at every update of
+    its whole first epoch (compared by epoch), so the EMA ended as the model; it restarts at the
+    warm-up's steps: the updates after steps 3 and 4 average, by alpha = (1 - decay) x 16 x 1 / 1."""
+    args = ("--epochs", "1", "--no-eval", "--model-ema", "--model-ema-steps", "1", "--model-ema-decay", "0.99")
+    assert _train(cache, tmp_path / "whole", *args) == 0  # TINY: --lr-warmup-epochs 0.5
+    assert _train(cache, tmp_path / "three", *args, "--max-steps", "3") == 0
+    whole, three = _load(tmp_path / "whole" / "checkpoint.pth"), _load(tmp_path / "three" / "checkpoint.pth")
+    assert int(three["ema_n_averaged"]) == 1 and int(whole["ema_n_averaged"]) == 2
+    alpha = 0.01 * 16
+    for key, value in whole["model_ema"].items():
+        if value.is_floating_point():
+            expected = (1 - alpha) * three["model"][key] + alpha * whole["model"][key]
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def test_a_resumed_run_draws_the_dropout_masks_it_would_have_drawn(cache, tmp_path):

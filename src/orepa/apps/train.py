@@ -284,9 +284,14 @@ def schedule_name(args) -> str:
     return {"cosine": "cosineannealinglr", "step": "steplr"}.get(args.lr_scheduler, args.lr_scheduler)
 
 
+def warmup_steps(args, iters_per_epoch: int) -> int:
+    """The optimizer steps of the linear warm-up (``--lr-warmup-epochs`` may be a fraction)."""
+    return int(round(args.lr_warmup_epochs * iters_per_epoch))
+
+
 def lr_factor_fn(args, iters_per_epoch: int):
     """Multiplier of the peak lr after ``it`` optimizer steps: linear warm-up, then the schedule."""
-    warm = int(round(args.lr_warmup_epochs * iters_per_epoch))
+    warm = warmup_steps(args, iters_per_epoch)
     total = args.epochs * iters_per_epoch
     sched = schedule_name(args)
     floor = (args.lr_min / args.lr) if args.lr else 0.0
@@ -748,6 +753,7 @@ class Trainer:
                             "set changed since the run began); put the folder back as it was, or start a new run "
                             "from its weights with --init-from")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
+        self.warmup_steps = warmup_steps(args, self.iters_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_fp16) if device.type == "cuda" or amp_fp16 \
             else None
         self.criterion = make_criterion(args)
@@ -1165,8 +1171,10 @@ class Trainer:
                 self.scheduler.step()
                 if self.ema is not None and s.global_step % args.model_ema_steps == 0:
                     self.ema.update_parameters(self.model)
-                    if s.epoch < args.lr_warmup_epochs:
-                        self.ema.n_averaged.fill_(0)  # torchvision: restart the average during warm-up
+                    if s.global_step < self.warmup_steps:
+                        # torchvision: restart the average during warm-up (counted in steps: a fractional
+                        # warm-up's epoch goes on after it)
+                        self.ema.n_averaged.fill_(0)
                 acc += sums
                 s.step_in_epoch += 1
                 s.global_step += 1
@@ -1331,7 +1339,9 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         stop = None
-        last = {}
+        # the run's last evaluation, until this command ends an epoch: a resumed command that ends none
+        # rewrote summary.json without the figures the run had
+        last = s.history[-1] if s.history else {}
         try:
             with self.signals:
                 while s.epoch < args.epochs:
@@ -1415,7 +1425,8 @@ class Trainer:
         s.sums, s.timed = [0.0, 0.0, 0.0], [0.0, 0]
         self.checkpoint("epoch")
         if self.main:
-            write_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": 0,
+            # (the epoch just completed, all its steps done: "step 0" read as the epoch begun anew)
+            write_json(self.out / PROGRESS_FILE, {**row, "epochs": args.epochs, "step": self.iters_per_epoch,
                                                   "steps_per_epoch": self.iters_per_epoch,
                                                   "global_step": s.global_step,
                                                   "total_steps": args.epochs * self.iters_per_epoch,
