@@ -559,6 +559,18 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(f(i) >= f(i + 1) for i in range(20, 100))
 
 
+def test_a_warm_up_shorter_than_half_a_step_is_one_step_not_none():
+    """--lr-warmup-epochs 0.1 at 4 steps an epoch (0.4 steps) rounded to no warm-up: the first step
+    trained at the peak lr, --lr-warmup-decay took no effect, and nothing said so."""
+    import argparse
+
+    a = argparse.Namespace(lr_warmup_epochs=0.1, epochs=2, lr_scheduler="constant", lr_min=0.0, lr=0.1,
+                           lr_warmup_decay=0.01, lr_gamma=0.1, lr_step_size=3)
+    assert train.warmup_steps(a, 4) == 1 and train.warmup_steps(a, 20) == 2
+    assert [train.lr_factor_fn(a, 4)(i) for i in (0, 1)] == pytest.approx([0.01, 1.0])
+    assert train.warmup_steps(argparse.Namespace(lr_warmup_epochs=0.0), 4) == 0
+
+
 def test_the_step_schedule_counts_its_steps_from_the_end_of_the_warm_up():
     """steplr decays by --lr-gamma every --lr-step-size epochs counted from the end of the warm-up
     (counted from iteration 0, each decay came a warm-up early: at iteration 30 here, not 50)."""

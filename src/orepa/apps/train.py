@@ -206,7 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-scheduler", default="cosineannealinglr",
                    choices=["cosineannealinglr", "cosine", "steplr", "step", "constant"])
     g.add_argument("--lr-warmup-epochs", type=nonneg_float, default=5.0,
-                   help="linear warm-up epochs (5; fractions ok)")
+                   help="linear warm-up epochs (5; fractions ok: at least one step where above 0)")
     g.add_argument("--lr-warmup-decay", type=fraction, default=0.01, help="warm-up starts at lr x this (0.01)")
     g.add_argument("--lr-min", type=nonneg_float, default=0.0, help="cosine floor")
     g.add_argument("--lr-step-size", type=positive_int, default=30, help="steplr: epochs per decay")
@@ -285,8 +285,11 @@ def schedule_name(args) -> str:
 
 
 def warmup_steps(args, iters_per_epoch: int) -> int:
-    """The optimizer steps of the linear warm-up (``--lr-warmup-epochs`` may be a fraction)."""
-    return int(round(args.lr_warmup_epochs * iters_per_epoch))
+    """The optimizer steps of the linear warm-up (``--lr-warmup-epochs`` may be a fraction): at least
+    one where a warm-up is asked for (one shorter than half a step rounded to none, which left
+    --lr-warmup-decay without effect and unsaid)."""
+    steps = int(round(args.lr_warmup_epochs * iters_per_epoch))
+    return max(1, steps) if args.lr_warmup_epochs > 0 else 0
 
 
 def lr_factor_fn(args, iters_per_epoch: int):
