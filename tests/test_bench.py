@@ -666,6 +666,37 @@ def test_flop_counter_counts_grouped_conv_backward_like_its_forward(groups, tran
     assert no_input_grad.get_total_flops() == expected_fwd  # the weight gradient only
 
 
+def test_flop_counter_counts_the_matrix_products_torch_has_no_formula_for():
+    """In-place, matrix-vector and dot products are matrix products too (2 FLOPs per multiply-add):
+    torch's registry keys its formulas by the out-of-place operators and has none for mv or dot, so
+    the engine's ``baddbmm_`` (an online block's filter family) and ``mv`` (a depthwise branch's
+    vjp) went uncounted in the train FLOPs."""
+    from orepa.apps.bench import flop_counter
+
+    a3, b3, c3 = torch.randn(3, 4, 5), torch.randn(3, 5, 6), torch.randn(3, 4, 6)
+    a2, b2, c2 = torch.randn(4, 5), torch.randn(5, 6), torch.randn(4, 6)
+    v5, v4 = torch.randn(5), torch.randn(4)
+    bmm, mm, mv, dot = 2 * 3 * 4 * 5 * 6, 2 * 4 * 5 * 6, 2 * 4 * 5, 2 * 5
+    cases = [
+        (lambda: torch.baddbmm(c3, a3, b3), bmm),  # (torch's own formula, for reference)
+        (lambda: c3.clone().baddbmm_(a3, b3), bmm),
+        (lambda: torch.addbmm(c2, a3, b3), bmm),
+        (lambda: c2.clone().addbmm_(a3, b3), bmm),
+        (lambda: torch.addmm(c2, a2, b2), mm),
+        (lambda: c2.clone().addmm_(a2, b2), mm),
+        (lambda: a2 @ v5, mv),
+        (lambda: torch.mv(a2, v5), mv),
+        (lambda: torch.addmv(v4, a2, v5), mv),
+        (lambda: v4.clone().addmv_(a2, v5), mv),
+        (lambda: torch.dot(v5, v5), dot),
+        (lambda: torch.vdot(v5, v5), dot),
+    ]
+    for i, (fn, expected) in enumerate(cases):
+        with flop_counter() as fc:
+            fn()
+        assert fc.get_total_flops() == expected, i
+
+
 def test_paired_step_ratio_cancels_slow_rounds():
     """Round i of every variant ran back to back: the paired ratio is the median of per-round ratios."""
     from orepa.apps.bench import format_table, ratios

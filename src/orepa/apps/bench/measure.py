@@ -237,7 +237,7 @@ def _median_ms(ts: Sequence[float]) -> float:
 
 def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
                         _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
-    """FLOPs of a convolution's backward: each requested gradient costs the MACs of the forward.
+    """FLOPs of a convolution's backward: each requested gradient costs the forward's FLOPs.
 
     torch's own formula counts the weight gradient of a grouped convolution ``groups`` times
     (it treats the transposed problem as one ungrouped conv): for OREPA's depthwise (x8) -> pw
@@ -250,11 +250,50 @@ def _conv_backward_flop(grad_out_shape, x_shape, w_shape, _bias, _stride, _paddi
     return fwd * (int(bool(output_mask[0])) + int(bool(output_mask[1])))
 
 
+# FLOPs of the matrix products torch's registry has no formula for (2 FLOPs per multiply-add, as it counts)
+def _addmm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``self + a @ b``, ``[m, k] @ [k, n]``."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+def _baddbmm_flop(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``self + a @ b`` per batch, ``[B, m, k] @ [B, k, n]`` (``addbmm``: the same products, summed)."""
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[-1]
+
+
+def _mv_flop(a_shape, x_shape, *args, out_shape=None, **kwargs) -> int:
+    """``a @ x``, ``[m, n] @ [n]``."""
+    return 2 * a_shape[0] * a_shape[1]
+
+
+def _addmv_flop(self_shape, a_shape, x_shape, *args, out_shape=None, **kwargs) -> int:
+    return _mv_flop(a_shape, x_shape)
+
+
+def _dot_flop(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0]
+
+
+def _products_torch_leaves_out() -> dict:
+    """Matrix products torch's FLOP registry has no formula for: the in-place ``baddbmm_`` /
+    ``addmm_`` / ``addbmm_`` (its formulas are keyed by the out-of-place operators), ``addbmm``,
+    matrix-vector and dot products. The engine squeezes an online block's filter family (avg,
+    prior) with ``baddbmm_`` and takes a depthwise two-step branch's vjp with ``mv``: uncounted,
+    the train FLOPs of those routes missed those products."""
+    aten = torch.ops.aten
+    return {aten.baddbmm_: _baddbmm_flop, aten.addbmm: _baddbmm_flop, aten.addbmm_: _baddbmm_flop,
+            aten.addmm_: _addmm_flop, aten.mv: _mv_flop, aten.addmv: _addmv_flop, aten.addmv_: _addmv_flop,
+            aten.dot: _dot_flop, aten.vdot: _dot_flop}
+
+
 def flop_counter():
-    """``FlopCounterMode`` with the grouped-convolution backward counted correctly."""
+    """``FlopCounterMode`` counting every convolution and matrix product: the grouped-convolution
+    backward counted correctly (:func:`_conv_backward_flop`), and the products torch's registry
+    leaves out counted (:func:`_products_torch_leaves_out`)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop})
+    return FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward_flop,
+                                                          **_products_torch_leaves_out()})
 
 
 # operators that neither compute nor copy (no kernel launch on a GPU) without being views in their schema
