@@ -888,8 +888,9 @@ class Trainer:
         the way back)."""
         here = self.resume_ckpt
         step, epoch = int(here.get("global_step", 0)), int(here.get("epoch", 0))
-        later = sorted((p for p in self.out.glob("model_*.pth")
-                        if p.stem[6:].isdigit() and int(p.stem[6:]) > epoch), key=lambda p: int(p.stem[6:]))
+        epochs = {p: int(p.stem[len("model_"):]) for p in self.out.glob("model_*.pth")
+                  if p.stem[len("model_"):].isdigit()}  # (the files of --keep-epoch-checkpoints)
+        later = sorted((p for p, e in epochs.items() if e > epoch), key=epochs.get)
         if self.ckpt_path.is_file() and self.ckpt_path.resolve() != Path(self.args.resume).resolve():
             try:
                 newest = int(load_checkpoint(self.ckpt_path, lazy=True).get("global_step", 0))
