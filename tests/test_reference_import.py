@@ -165,6 +165,40 @@ def test_training_script_wrapping_and_module_prefix(tmp_path):
         assert all(torch.equal(v, c.state_dict()[k]) for k, v in a.state_dict().items())
 
 
+def test_averaged_model_and_count_free_state_dicts_import():
+    """Two state_dicts torch itself loads into the reference model were refused: an EMA kept by
+    torch's ``AveragedModel`` (``module.`` keys and its step counter ``n_averaged``: "1 reference
+    key(s) match nothing: n_averaged") and one without the BNs' ``num_batches_tracked`` (PyTorch
+    before 0.4.1, or filtered out: "missing [...num_batches_tracked...]"); a BN with momentum 0.1
+    never reads that count."""
+    sd = make_resnet("dbb", [2, 2, 2, 2], [4, 8, 16, 32], seed=18)
+    expected = resnet_forward(sd, X)
+    ema = {**{f"module.{k}": v for k, v in sd.items()}, "n_averaged": torch.tensor(7)}
+    model = orepa.import_reference({"state_dict": ema}, dtype=torch.float64).eval()
+    with torch.no_grad():
+        assert rel(model(X), expected) < 1e-12
+    counts = [k for k in sd if k.endswith("num_batches_tracked")]
+    assert counts
+    model = orepa.import_reference({k: v for k, v in sd.items() if k not in counts}, dtype=torch.float64).eval()
+    with torch.no_grad():
+        assert rel(model(X), expected) < 1e-12
+    assert all(int(v) == 0 for k, v in model.state_dict().items() if k.endswith("num_batches_tracked"))
+    # where the checkpoint has them, they are carried over
+    model = orepa.import_reference(sd, dtype=torch.float64)
+    assert int(model.state_dict()["layer1.0.conv1.branches.kxk.bn.num_batches_tracked"]) == 3
+
+
+@pytest.mark.parametrize("mult,name", [(1.5, "wide_resnet18_1_5"), (2, "wide_resnet18_2"), (1, "resnet18")])
+def test_a_wide_resnet18_imports_as_the_zoo_model_of_its_widths(mult, name):
+    """The reference's ResNet-18-1.5x / -2x (``width_multiplier``; the authors released WideResNet-18 x2)
+    imported as ``resnet18`` with explicit widths, where the zoo has them by name (as RepVGGs are named)."""
+    w = [int(c * mult) for c in (64, 128, 256, 512)]
+    sd = make_resnet("base", [2, 2, 2, 2], w, seed=19)
+    model = orepa.import_reference(sd)
+    assert model.orepa_config["name"] == name and model.orepa_config["widths"] == w
+    assert model.orepa_config["stem_width"] == w[0]
+
+
 def test_imported_model_trains_like_the_zoo_model():
     """The import is a training-form model: its online path gives the same gradients as its offline twin."""
     sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=10)

@@ -34,9 +34,9 @@ from torch import Tensor, nn
 
 from .. import kernels as K
 from ..blocks import DBBConv2d, OREPAConv2d, OREPADeepStem, OREPAVGGBlock, RepVGGBlock
-from ..state_dicts import find_state_dict, is_state_dict, load_weights_only, strip_prefixes
+from ..state_dicts import find_state_dict, is_state_dict, load_weights_only, strip_prefixes, without_ema_counter
 from .repvgg import REPVGG_CONFIGS, build_repvgg
-from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck
+from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck, resnet_widths
 from .zoo import create_model
 
 __all__ = ["import_reference", "read_reference_state_dict"]
@@ -50,9 +50,9 @@ _BN_KEYS = ("weight", "bias", "running_mean", "running_var", "num_batches_tracke
 def read_reference_state_dict(src) -> dict[str, Tensor]:
     """The reference state_dict of ``src``: a path, a bare state_dict, or one inside a checkpoint
     dict (the training script's ``{"state_dict": ..., "optimizer": ...}``, or under another key of
-    :data:`orepa.state_dicts.STATE_DICT_KEYS`); wrapper prefixes (``module.`` of DataParallel / DDP,
-    ``_orig_mod.`` of torch.compile) removed, as every orepa command reads checkpoints. Files load
-    with ``weights_only=True``: no code in them runs."""
+    :data:`orepa.state_dicts.STATE_DICT_KEYS`); wrapper prefixes (``module.`` of DataParallel / DDP and
+    torch's ``AveragedModel``, ``_orig_mod.`` of torch.compile) and that EMA's step counter removed, as
+    every orepa command reads checkpoints. Files load with ``weights_only=True``: no code in them runs."""
     if isinstance(src, (str, os.PathLike)):
         try:
             src = load_weights_only(src)
@@ -68,7 +68,7 @@ def read_reference_state_dict(src) -> dict[str, Tensor]:
     if not is_state_dict(src):
         found = f"a dict with keys {list(src)[:8]}" if isinstance(src, Mapping) else type(src).__name__
         raise ValueError(f"not a reference checkpoint: expected a state_dict or {{'state_dict': ...}}, got {found}")
-    return strip_prefixes(src)
+    return strip_prefixes(without_ema_counter(src))
 
 
 class _Reader:
@@ -418,6 +418,8 @@ def _resnet(sd: Mapping[str, Tensor]) -> tuple[str, str, dict, list[tuple[str, s
         raise ValueError(f"unsupported reference ResNet: stem {stem_kind}, 3x3 blocks "
                          f"{_site_kind(sd, f'stage1.0.{spatial}')} (keys: {_keys_under(sd, 'stage0.')})")
     stem_out, in_chans = _out_in(sd, "stage0.conv1")
+    # the name whose own widths these are (the reference's ResNet-18-2x is wide_resnet18_2), else the first
+    name = next((n for n in names if resnet_widths(n) == (stem_out, tuple(planes))), name)
     options: dict = {"widths": planes, "stem_width": stem_out}
     sites = [("stage0.conv1", "conv1", "bn1")]
     for i, n in enumerate(layers, 1):
@@ -510,7 +512,9 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
         raise ValueError(f"{len(unused)} reference key(s) match nothing in {name}/{method}: "
                          f"{', '.join(unused[:10])}{', ...' if len(unused) > 10 else ''}")
     own = model.state_dict()
-    missing = [k for k in own if k not in ours]
+    # a BN's batch count may be absent (PyTorch before 0.4.1): load_state_dict keeps the model's 0, as
+    # torch does for the reference's own model; momentum 0.1 never reads it
+    missing = [k for k in own if k not in ours and not k.endswith("num_batches_tracked")]
     wrong = [f"{k}: reference {list(v.shape)} vs model {list(own[k].shape)}" for k, v in ours.items()
              if k in own and v.shape != own[k].shape]
     extra = [k for k in ours if k not in own]

@@ -23,7 +23,7 @@ from ..blocks import OREPADeepStem, ReparamConv2d
 from ..convert import convert, find_conv_bn_pairs
 from .zoo import ABLATIONS, BLOCK_OPTS, Family, block_opts, branch_list, register_family
 
-__all__ = ["BasicBlock", "Bottleneck", "ResNet", "RESNET_CONFIGS", "build_resnet"]
+__all__ = ["BasicBlock", "Bottleneck", "ResNet", "RESNET_CONFIGS", "build_resnet", "resnet_widths"]
 
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1, groups: int = 1, dilation: int = 1) -> nn.Conv2d:
@@ -203,16 +203,23 @@ def build_resnet(name: str, num_classes: int = 1000, in_chans: int = 3, *, width
     ``widths`` (the four stage widths, ``planes``) and ``stem_width`` set widths explicitly instead
     (e.g. the ``int(64 * w)`` widths of the paper's code, which rounding ``width_mult`` may miss).
     """
-    block, layers, groups, wpg, mult = RESNET_CONFIGS[name]
-    mult = mult * float(width_mult)
-    if mult <= 0:
-        raise ValueError(f"width_mult must be positive, got {width_mult!r}")
-    widths = _explicit_widths(widths) or tuple(max(1, int(round(w * mult))) for w in (64, 128, 256, 512))
-    stem = int(stem_width) if stem_width is not None else max(1, int(round(64 * mult)))
+    block, layers, groups, wpg, _ = RESNET_CONFIGS[name]
+    own_stem, own_widths = resnet_widths(name, width_mult)
+    widths = _explicit_widths(widths) or own_widths
+    stem = int(stem_width) if stem_width is not None else own_stem
     if stem < 1:
         raise ValueError(f"stem_width must be positive, got {stem_width!r}")
     return ResNet(block, layers, num_classes, in_chans, widths=widths, stem_width=stem, groups=groups,
                   width_per_group=wpg, small_input=small_input, zero_init_residual=zero_init_residual)
+
+
+def resnet_widths(name: str, width_mult: float = 1.0) -> tuple[int, tuple[int, ...]]:
+    """``(stem width, the four stage widths)`` of model ``name`` at ``width_mult`` (its own multiplier
+    times ``width_mult``, rounded)."""
+    mult = RESNET_CONFIGS[name][4] * float(width_mult)
+    if mult <= 0:
+        raise ValueError(f"width_mult must be positive, got {width_mult!r}")
+    return max(1, int(round(64 * mult))), tuple(max(1, int(round(w * mult))) for w in (64, 128, 256, 512))
 
 
 def _explicit_widths(widths) -> tuple[int, ...] | None:
