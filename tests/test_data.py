@@ -102,3 +102,25 @@ def test_a_class_folder_without_images_is_named_with_the_extensions_read(tmp_pat
     with pytest.raises(UserError, match=r"^--data-path .*: train/: Found no valid file for the classes c\. "
                                         r"Supported extensions are: \.jpg, \.jpeg, \.png"):
         read(root)
+
+
+def test_images_outside_the_class_folders_are_named(tmp_path):
+    """ImageNet's validation images as distributed lie flat in val/: torchvision said only "Couldn't find
+    any class folder"; a half-sorted val/ (class folders, and images still beside them) was read without
+    the loose images, the accuracy measured on what happened to be sorted. Both name the images."""
+    root = tree(tmp_path / "d")
+    for i in (1, 2):
+        Image.new("RGB", (8, 8)).save(root / "val" / f"ILSVRC2012_val_{i:08d}.JPEG")
+    with pytest.raises(UserError, match=r"^--data-path .*: val/: 2 images lie in .*val itself, outside any class "
+                                        r"folder \(ILSVRC2012_val_00000001\.JPEG, ILSVRC2012_val_00000002\.JPEG\): "
+                                        r"an image's class is the folder it is in$"):
+        read(root)
+    for c in ("a", "b"):
+        for f in (root / "val" / c).iterdir():
+            f.unlink()
+        (root / "val" / c).rmdir()
+    with pytest.raises(UserError, match=r"val/: 2 images lie in .*val itself, outside any class folder .*: an image's "
+                                        r"class is the folder it is in; sort them into one folder per class "
+                                        r"\(ImageNet's validation images come flat, their classes in the devkit's "
+                                        r"ground truth\)$"):
+        read(root)

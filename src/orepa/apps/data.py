@@ -375,7 +375,16 @@ class ImageFolder(Dataset):
         from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
         self.root, self.transform = root, transform
-        self.classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not _hidden(e.name))
+        with os.scandir(root) as entries:
+            entries = list(entries)
+        self.classes = sorted(e.name for e in entries if e.is_dir() and not _hidden(e.name))
+        loose = sorted(e.name for e in entries if not e.is_dir() and _visible_image(root, e.path))
+        if loose:  # (torchvision reads no image there: ImageNet's flat val/, or one half sorted, read in part)
+            raise FileNotFoundError(
+                f"{len(loose)} image{'s lie' if len(loose) > 1 else ' lies'} in {root} itself, outside any class "
+                f"folder ({some_of(loose, 2)}): an image's class is the folder it is in" + (
+                    "" if self.classes else "; sort them into one folder per class (ImageNet's validation images come "
+                                            "flat, their classes in the devkit's ground truth)"))
         if not self.classes:
             raise FileNotFoundError(f"Couldn't find any class folder in {root}.")
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
