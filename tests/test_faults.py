@@ -1857,10 +1857,10 @@ def test_a_failing_distributed_run_says_its_error_before_a_launchers_sigterm_end
 
 @pytest.mark.slow  # three short runs
 def test_an_unreadable_training_image_keeps_the_steps_trained_before_it(tmp_path, capsys, monkeypatch):
-    """One bad file among many training images ended the run at the last checkpoint: every step of
-    the epoch before the bad image was lost (on ImageNet, up to an epoch's hours). The steps trained
-    are kept as a checkpoint at the last one, which the message names; replacing the file and
-    resuming continues with the very batches the run would have trained."""
+    """One bad file among many training images (or a loader worker killed) ended the run at the last
+    checkpoint: every step of the epoch before the bad image was lost (on ImageNet, up to an epoch's
+    hours). The steps trained are kept as a checkpoint at the last one, which the message names;
+    replacing the file and resuming continues with the very batches the run would have trained."""
     from orepa.apps import data
 
     imgs = tmp_path / "imgs"
@@ -1889,3 +1889,20 @@ def test_an_unreadable_training_image_keeps_the_steps_trained_before_it(tmp_path
     assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet"]) == 0
     assert main([*argv[:-1], str(tmp_path / "whole")]) == 0
     _assert_same_run(_load(ckpt), _load(tmp_path / "whole" / "checkpoint.pth"))
+    # a loader worker the system killed (out of memory): the same
+    calls.clear()
+
+    def fifth_killed(path):
+        calls.append(path)
+        if len(calls) == 5:
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+        return real(path)
+
+    monkeypatch.setattr(data, "load_image", fifth_killed)
+    capsys.readouterr()
+    assert main([*argv[:-1], str(tmp_path / "killed")]) == 2
+    ckpt = tmp_path / "killed" / "checkpoint.pth"
+    assert f"a data-loading worker died (DataLoader worker (pid 4242) is killed by signal: Killed.) at epoch 1, step " \
+           f"3; the system may be out of memory: fewer workers (-j) need less; the last checkpoint is {ckpt}: " \
+           f"--resume {ckpt} continues the run" in capsys.readouterr().err
+    assert _load(ckpt)["step_in_epoch"] == 2

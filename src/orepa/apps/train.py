@@ -1216,12 +1216,12 @@ class Trainer:
         return stop
 
     def _batches(self, acc: torch.Tensor):
-        """The loader's batches. A sample it cannot read (an unreadable image: a :class:`UserError`) first keeps
-        the steps this epoch trained before it as a checkpoint at the last one (one process only, since the
-        save is collective): the file replaced, --resume continues with the very batches the run would train."""
+        """The loader's batches. A batch it cannot deliver (an unreadable image, a worker the system killed) first
+        keeps the steps this epoch trained before it as a checkpoint at the last one (one process only, since
+        the save is collective): the cause removed, --resume continues with the very batches the run would train."""
         try:
             yield from self.loader
-        except UserError:
+        except Exception:  # (the weights are those of the last step, whatever the loader met)
             if not self.info.distributed and self.epoch_steps:
                 self._flush_sums(acc)
                 self.checkpoint("fault")
