@@ -362,8 +362,8 @@ def _visible_image(top: str, path: str) -> bool:
     extensions, no hidden file or folder on the way to it."""
     from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-    return has_file_allowed_extension(path, IMG_EXTENSIONS) and \
-        not any(_hidden(part) for part in Path(os.path.relpath(path, top)).parts)
+    below = path[len(top):] if path.startswith(top) else os.path.relpath(path, top)  # (fast: ImageNet's 1.3M)
+    return has_file_allowed_extension(path, IMG_EXTENSIONS) and not any(map(_hidden, below.split(os.sep)))
 
 
 class ImageFolder(Dataset):
