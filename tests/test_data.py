@@ -70,3 +70,57 @@ def test_the_command_line_says_the_loop_in_one_line(tmp_path, capsys):
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "a folder above it (a loop)" in err and "Traceback" not in err
     assert not (tmp_path / "run" / "checkpoint.pth").exists()
+
+
+def test_hidden_files_and_folders_are_not_read(tmp_path):
+    """What a Mac, Jupyter or git leave in a tree: an AppleDouble ``._0.png`` (not an image) ended a
+    run when its turn came; a hidden folder next to the classes (``.ipynb_checkpoints``, empty) stopped
+    every command ("Found no valid file for the classes .ipynb_checkpoints"), one holding an image
+    (``train/.git``) was a class of its own, and a hidden folder inside a class (``.thumbnails``) had its
+    images trained as that class. Names beginning with a dot are skipped, as ``ls`` does."""
+    root = tree(tmp_path / "d")
+    for split in ("train", "val"):
+        (root / split / ".ipynb_checkpoints").mkdir()
+        (root / split / "a" / "._0.png").write_bytes(b"\x00\x05\x16\x07AppleDouble")
+    (root / "train" / ".git").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "train" / ".git" / "x.png")
+    (root / "train" / "b" / ".thumbnails").mkdir()
+    Image.new("RGB", (4, 4)).save(root / "train" / "b" / ".thumbnails" / "0.png")
+    train, val = read(root)
+    assert train.classes == val.classes == ["a", "b"]
+    assert [Path(p).relative_to(root).as_posix() for p, _ in train.samples] == [
+        f"train/{c}/{i}.png" for c in ("a", "b") for i in range(3)]
+    assert len(val) == 6 and all(x.shape == (3, 8, 8) for x, _ in val)
+
+
+def test_a_class_folder_without_images_is_named_with_the_extensions_read(tmp_path):
+    root = tree(tmp_path / "d")
+    (root / "train" / "c").mkdir()
+    (root / "val" / "c").mkdir()
+    (root / "train" / "c" / "._0.jpg").write_bytes(b"\x00")
+    (root / "val" / "c" / "0.gif").write_bytes(b"GIF89a")
+    with pytest.raises(UserError, match=r"^--data-path .*: train/: Found no valid file for the classes c\. "
+                                        r"Supported extensions are: \.jpg, \.jpeg, \.png"):
+        read(root)
+
+
+def test_images_outside_the_class_folders_are_named(tmp_path):
+    """ImageNet's validation images as distributed lie flat in val/: torchvision said only "Couldn't find
+    any class folder"; a half-sorted val/ (class folders, and images still beside them) was read without
+    the loose images, the accuracy measured on what happened to be sorted. Both name the images."""
+    root = tree(tmp_path / "d")
+    for i in (1, 2):
+        Image.new("RGB", (8, 8)).save(root / "val" / f"ILSVRC2012_val_{i:08d}.JPEG")
+    with pytest.raises(UserError, match=r"^--data-path .*: val/: 2 images lie in .*val itself, outside any class "
+                                        r"folder \(ILSVRC2012_val_00000001\.JPEG, ILSVRC2012_val_00000002\.JPEG\): "
+                                        r"an image's class is the folder it is in$"):
+        read(root)
+    for c in ("a", "b"):
+        for f in (root / "val" / c).iterdir():
+            f.unlink()
+        (root / "val" / c).rmdir()
+    with pytest.raises(UserError, match=r"val/: 2 images lie in .*val itself, outside any class folder .*: an image's "
+                                        r"class is the folder it is in; sort them into one folder per class "
+                                        r"\(ImageNet's validation images come flat, their classes in the devkit's "
+                                        r"ground truth\)$"):
+        read(root)

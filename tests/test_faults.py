@@ -1853,3 +1853,56 @@ def test_a_failing_distributed_run_says_its_error_before_a_launchers_sigterm_end
         assert signal.getsignal(signal.SIGTERM) is outside_handler  # the caller's back once the line was out
     finally:
         signal.signal(signal.SIGTERM, outside)
+
+
+@pytest.mark.slow  # three short runs
+def test_an_unreadable_training_image_keeps_the_steps_trained_before_it(tmp_path, capsys, monkeypatch):
+    """One bad file among many training images (or a loader worker killed) ended the run at the last
+    checkpoint: every step of the epoch before the bad image was lost (on ImageNet, up to an epoch's
+    hours). The steps trained are kept as a checkpoint at the last one, which the message names;
+    replacing the file and resuming continues with the very batches the run would have trained."""
+    from orepa.apps import data
+
+    imgs = tmp_path / "imgs"
+    _png_tree(imgs)
+    out = tmp_path / "run"
+    argv = ["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "2",
+            "--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "--no-progress", "-j", "0",
+            "--threads", "1", "--no-tensorboard", "--quiet", "--no-eval", "--epochs", "1", "--output-dir", str(out)]
+    real, calls = data.load_image, []
+
+    def fifth_unreadable(path):
+        calls.append(path)
+        if len(calls) == 5:  # in the third batch of two: two steps trained
+            raise data.UserError(f"cannot read image {path}: truncated (remove or replace the file)")
+        return real(path)
+
+    monkeypatch.setattr(data, "load_image", fifth_unreadable)
+    assert main(argv) == 2
+    ckpt = out / "checkpoint.pth"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"orepa train: error: cannot read image {calls[4]}: truncated (remove or replace the file); "
+                   f"the last checkpoint is {ckpt}: --resume {ckpt} continues the run"], err
+    kept = _load(ckpt)
+    assert (kept["epoch"], kept["step_in_epoch"], kept["global_step"]) == (0, 2, 2)
+    monkeypatch.setattr(data, "load_image", real)
+    assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet"]) == 0
+    assert main([*argv[:-1], str(tmp_path / "whole")]) == 0
+    _assert_same_run(_load(ckpt), _load(tmp_path / "whole" / "checkpoint.pth"))
+    # a loader worker the system killed (out of memory): the same
+    calls.clear()
+
+    def fifth_killed(path):
+        calls.append(path)
+        if len(calls) == 5:
+            raise RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
+        return real(path)
+
+    monkeypatch.setattr(data, "load_image", fifth_killed)
+    capsys.readouterr()
+    assert main([*argv[:-1], str(tmp_path / "killed")]) == 2
+    ckpt = tmp_path / "killed" / "checkpoint.pth"
+    assert f"a data-loading worker died (DataLoader worker (pid 4242) is killed by signal: Killed.) at epoch 1, step " \
+           f"3; the system may be out of memory: fewer workers (-j) need less; the last checkpoint is {ckpt}: " \
+           f"--resume {ckpt} continues the run" in capsys.readouterr().err
+    assert _load(ckpt)["step_in_epoch"] == 2

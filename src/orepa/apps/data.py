@@ -307,7 +307,6 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
                 need_train: bool = True):
     """``(train, val)`` ImageFolders with the paper's transforms; ``train`` is None unless ``need_train``
     (scanning ImageNet's train/ takes a while, and eval/reparam do not need it)."""
-    from torchvision import datasets
     from torchvision import transforms as T
 
     root_p = Path(root)
@@ -334,7 +333,7 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
                                "already") + ": its images would be read again, labelled as the class the link is in; "
                             "remove the link")
         try:
-            return datasets.ImageFolder(str(root_p / split), tf, loader=load_image)
+            return ImageFolder(str(root_p / split), tf)
         except (FileNotFoundError, RuntimeError) as exc:  # torchvision's message names no split
             raise UserError(f"--data-path {root}: {split}/: {exc}") from None
 
@@ -352,6 +351,59 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
     return train, val
 
 
+def _hidden(name: str) -> bool:
+    """A dot file or folder (a Mac's ``.DS_Store`` and ``._x.jpg``, ``.ipynb_checkpoints``, ``.git``): not the
+    data's, skipped as ``ls`` skips it."""
+    return name.startswith(".")
+
+
+def _visible_image(top: str, path: str) -> bool:
+    """Whether ``path``, under the split folder ``top``, is an image ImageFolder reads: torchvision's
+    extensions, no hidden file or folder on the way to it."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
+    below = path[len(top):] if path.startswith(top) else os.path.relpath(path, top)  # (fast: ImageNet's 1.3M)
+    return has_file_allowed_extension(path, IMG_EXTENSIONS) and not any(map(_hidden, below.split(os.sep)))
+
+
+class ImageFolder(Dataset):
+    """torchvision's ``ImageFolder`` (``root/<class>/**/<image>``, classes in name order, links followed; its
+    ``classes``, ``class_to_idx``, ``samples`` and ``targets``) without hidden files and folders, each image
+    read by :func:`load_image`. Errors as torchvision's (FileNotFoundError)."""
+
+    def __init__(self, root: str, transform):
+        from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+
+        self.root, self.transform = root, transform
+        with os.scandir(root) as entries:
+            entries = list(entries)
+        self.classes = sorted(e.name for e in entries if e.is_dir() and not _hidden(e.name))
+        loose = sorted(e.name for e in entries if not e.is_dir() and _visible_image(root, e.path))
+        if loose:  # (torchvision reads no image there: ImageNet's flat val/, or one half sorted, read in part)
+            raise FileNotFoundError(
+                f"{len(loose)} image{'s lie' if len(loose) > 1 else ' lies'} in {root} itself, outside any class "
+                f"folder ({some_of(loose, 2)}): an image's class is the folder it is in" + (
+                    "" if self.classes else "; sort them into one folder per class (ImageNet's validation images come "
+                                            "flat, their classes in the devkit's ground truth)"))
+        if not self.classes:
+            raise FileNotFoundError(f"Couldn't find any class folder in {root}.")
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.samples = make_dataset(root, self.class_to_idx, is_valid_file=partial(_visible_image, root),
+                                    allow_empty=True)
+        self.targets = [t for _, t in self.samples]
+        empty = sorted(set(self.classes) - {self.classes[t] for t in set(self.targets)})
+        if empty:
+            raise FileNotFoundError(f"Found no valid file for the classes {', '.join(empty)}. Supported extensions "
+                                    f"are: {', '.join(IMG_EXTENSIONS)}")
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        path, target = self.samples[i]
+        return self.transform(load_image(path)), target
+
+
 def _folder_read_twice(top: Path) -> tuple[Path, Path] | None:
     """A folder of the tree under ``top`` that symbolic links lead to twice, as ``(the second way to it, the
     first)``; None where each is reached once. torchvision's ImageFolder follows links (class folders
@@ -367,7 +419,7 @@ def _folder_read_twice(top: Path) -> tuple[Path, Path] | None:
         first_way[real] = folder
         try:
             with os.scandir(folder) as entries:
-                todo += sorted(Path(e.path) for e in entries if e.is_dir())  # (is_dir follows links)
+                todo += sorted(Path(e.path) for e in entries if e.is_dir() and not _hidden(e.name))  # (follows links)
         except OSError:  # unreadable: ImageFolder's reading says so
             continue
     return None

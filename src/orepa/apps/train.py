@@ -1138,7 +1138,7 @@ class Trainer:
         stop = None
         steps = self.epoch_steps = 0
         try:
-            for images, target in self.loader:
+            for images, target in self._batches(acc):
                 images = images.to(device, non_blocking=True)
                 if args.channels_last:
                     images = images.contiguous(memory_format=torch.channels_last)
@@ -1214,6 +1214,18 @@ class Trainer:
         self._epoch_t0 = None
         self._flush_sums(acc)
         return stop
+
+    def _batches(self, acc: torch.Tensor):
+        """The loader's batches. A batch it cannot deliver (an unreadable image, a worker the system killed) first
+        keeps the steps this epoch trained before it as a checkpoint at the last one (one process only, since
+        the save is collective): the cause removed, --resume continues with the very batches the run would train."""
+        try:
+            yield from self.loader
+        except Exception:  # (the weights are those of the last step, whatever the loader met)
+            if not self.info.distributed and self.epoch_steps:
+                self._flush_sums(acc)
+                self.checkpoint("fault")
+            raise
 
     def _forward_backward(self, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's gradients, over ``--micro-batches`` pieces of the batch one after another (each
