@@ -633,6 +633,62 @@ def test_weight_mismatches_are_explained():
     D.resnet_features("resnet18", "orepa", weights=ckpt, in_chans=1, small_input=True, **TINY)
 
 
+def test_checkpoints_without_bn_batch_counts_load_in_every_form():
+    """Weights saved before BatchNorm counted its batches (torchvision's ImageNet ResNet files, the ones
+    mmdetection's ``torchvision://resnet50`` reads; converted checkpoints) hold no ``num_batches_tracked``:
+    torch loads them strictly, and so does the backbone, in every form they can take."""
+    torch.manual_seed(0)
+
+    def without_counts(sd):
+        return {k: v for k, v in sd.items() if not k.endswith("num_batches_tracked")}
+
+    src = create_model("resnet18", "orepa", num_classes=10, **TINY).eval()
+    for bn in _bns(src):
+        bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        ref = _features_of(src, x)
+    vanilla = without_counts(orepa.reparameterize(src).state_dict())
+    for method, opts, weights in (("base", TINY, vanilla), ("dbb", TINY, vanilla),
+                                  ("orepa", {**TINY, "deep_stem": False}, vanilla),
+                                  ("orepa", TINY, without_counts(src.state_dict())),
+                                  ("base", TINY, without_counts(src.state_dict()))):
+        f = D.resnet_features("resnet18", method, weights=weights, **opts).eval()
+        with torch.no_grad():
+            tol_close(f(x)["c5"], ref)
+
+
+def test_a_checkpoint_of_orepa_train_with_block_options_is_read_as_it_says():
+    """An ``orepa train`` checkpoint records its block options (``--no-deep-stem``, a preset): a base
+    backbone, which takes no block options, builds the training form from them to reparameterize it,
+    and a backbone of other options is told all of them."""
+    torch.manual_seed(0)
+    src = create_model("resnet18", "orepa", deep_stem=False, **TINY).eval()
+    ckpt = {"model": src.state_dict(), "form": "train",
+            "model_cfg": {"model": "resnet18", "method": "orepa", "num_classes": 1000, "in_chans": 3,
+                          "small_input": False, "width_mult": 0.25, "options": {"deep_stem": False}}}
+    x = torch.randn(1, 3, 64, 64)
+    f = D.resnet_features("resnet18", "base", weights=ckpt, **TINY).eval()
+    with torch.no_grad():
+        tol_close(f(x)["c5"], _features_of(src, x))
+    with pytest.raises(ValueError, match="small_input=False; deep_stem=False: build the backbone with the same"):
+        D.resnet_features("resnet18", "orepa", weights=ckpt, **TINY)
+
+
+@pytest.mark.parametrize("builder", [D.deeplabv3, D.fcn, D.pspnet, D.deeplabv3plus])
+def test_segmenters_with_imagenet_weights_train_every_layer_and_norm_as_torchvisions_do(builder):
+    """torchvision's segmenters (and mmsegmentation's ResNet) fine-tune an ImageNet backbone whole, with
+    batch statistics: a checkpoint freezes no stage and no norm here either (the detectors' frozen
+    defaults are torchvision's detection ones); asked for, they are kept."""
+    weights = create_model("resnet18", "orepa", **TINY).state_dict()
+    model = builder("resnet18", "orepa", num_classes=3, weights=weights, backbone_options=TINY)
+    assert model.backbone.norm == "train" and model.backbone.frozen_stages == ()
+    assert all(p.requires_grad for p in model.backbone.parameters())
+    model = builder("resnet18", "orepa", num_classes=3, weights=weights, norm="eval", trainable_layers=3,
+                    backbone_options=TINY)
+    assert model.backbone.norm == "eval" and model.backbone.frozen_stages == ("layer1",)
+
+
 def test_old_module_path_is_the_same_module():
     """``orepa.detection`` (the module's former home, used in mm* configs) is an alias, not a copy."""
     import importlib

@@ -259,7 +259,10 @@ def _as_state_dict(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], di
 
 
 def _backbone_keys(keys: Iterable[str]) -> set[str]:
-    return {k for k in keys if not k.startswith("fc.")}
+    """The keys that tell a checkpoint's form: neither the classifier's (``fc.*``) nor the BNs' batch
+    counts, which weights saved before BatchNorm counted (torchvision's ImageNet ResNet files) lack and
+    ``load_state_dict`` does not ask for."""
+    return {k for k in keys if not k.startswith("fc.") and not k.endswith(".num_batches_tracked")}
 
 
 _COMMON_OPTIONS = ("width_mult", "small_input", "zero_init_residual")
@@ -322,6 +325,10 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
         _load_matching(trunk, sd, f"checkpoint for {name}/{method}")
         return method
+    cfg = saved.get("model_cfg") if isinstance(saved.get("model_cfg"), Mapping) else {}
+    recorded = dict(cfg["options"]) if isinstance(cfg.get("options"), Mapping) else {}  # its block options
+    if method == "base":  # (which a base trunk does not take: the training form is built with those recorded)
+        options = {**recorded, **options}
     form = method_of_weights(sd, name, **options)
     if form is None and is_reference_state_dict(sd):  # (its key lists would name nothing the user can act on)
         raise ValueError("the checkpoint holds a model in the layout of the paper's own code: convert it first "
@@ -329,9 +336,8 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
     if form is None:
         own = _backbone_keys(trunk.state_dict())
         theirs = _backbone_keys(sd)
-        cfg = saved.get("model_cfg") if isinstance(saved.get("model_cfg"), Mapping) else {}
-        said = "; ".join(f"{k}={cfg[k]!r}" for k in ("model", "method", "width_mult", "in_chans", "small_input")
-                         if k in cfg)
+        said = "; ".join([f"{k}={cfg[k]!r}" for k in ("model", "method", "width_mult", "in_chans", "small_input")
+                          if k in cfg] + [f"{k}={v!r}" for k, v in sorted(recorded.items())])
         raise ValueError(
             f"checkpoint does not match {name} in any form {METHODS}: e.g. missing {sorted(own - theirs)[:3]}, "
             f"unexpected {sorted(theirs - own)[:3]} (another architecture, or different block options?"
@@ -630,6 +636,10 @@ def _seg_features(backbone: str, method: str, output_stride: int, aux_loss: bool
         raise ValueError(f"output_stride must be 8, 16 or 32, got {output_stride}")
     dilation = {8: (False, True, True), 16: (False, False, True), 32: (False, False, False)}[output_stride]
     kwargs.setdefault("replace_stride_with_dilation", dilation)
+    # torchvision's segmenters (and mmsegmentation's ResNet) fine-tune the whole backbone with batch
+    # statistics, pretrained or not: resnet_features' defaults with weights are torchvision's detection ones
+    kwargs.setdefault("trainable_layers", 5)
+    kwargs.setdefault("norm", "train")
     layers, names = [4], ["out"]
     if aux_loss:
         layers, names = [3] + layers, ["aux"] + names
