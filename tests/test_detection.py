@@ -216,6 +216,28 @@ def test_detector_builders_take_torchvisions_backbone_names_and_refuse_unknown_k
         builder("resnet18", "base", weights=plain.state_dict(), weights_backbone=plain.state_dict(), **kw)
 
 
+@pytest.mark.parametrize("builder,levels", [(D.fasterrcnn, (2, 3, 4)), (D.retinanet, (1, 2, 3, 4))])
+def test_returned_layers_that_torchvisions_default_anchors_do_not_cover_are_said_when_built(builder, levels):
+    """torchvision's default anchor generators cover five feature maps (Faster R-CNN: C2..C5 + pool;
+    RetinaNet: C3..C5 + P6, P7); other returned_layers built a detector whose first forward ended in
+    torchvision's assertion on the anchors. The builder says it, and takes an anchor generator with
+    one entry per map (Faster R-CNN's ``rpn_anchor_generator``)."""
+    import re
+
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+
+    kw = dict(num_classes=3, backbone_options=TINY, fpn_channels=16, min_size=64, max_size=64)
+    maps = len(levels) + 1 + (builder is D.retinanet)  # (+ pool; RetinaNet: + P6, P7)
+    keyword = "rpn_anchor_generator" if builder is D.fasterrcnn else "anchor_generator"
+    with pytest.raises(ValueError, match=re.escape(f"{builder.__name__}(returned_layers={levels}) gives {maps} feature "
+                                                   "maps") + f".*covers 5: give {keyword}="):
+        builder("resnet18", "base", returned_layers=levels, **kw)
+    anchors = AnchorGenerator(tuple((32 * 2 ** i,) for i in range(maps)), ((0.5, 1.0, 2.0),) * maps)
+    model = builder("resnet18", "base", returned_layers=levels, **{keyword: anchors}, **kw).eval()
+    with torch.no_grad():
+        model([torch.rand(3, 64, 64)])
+
+
 def test_mask_rcnn_on_an_orepa_fpn_backbone_trains_and_deploys_exactly():
     """torchvision's Mask R-CNN over ``fpn_backbone(..., "orepa")`` (docs/detection.md): a few steps,
     then boxes, scores, labels and masks unchanged by ``reparameterize`` (float64), the deployed

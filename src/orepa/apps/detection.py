@@ -591,6 +591,19 @@ def _split_backbone_kwargs(kwargs: dict, detector: type, builder: str) -> tuple[
     return bb, kwargs
 
 
+def _check_feature_maps(body, det_kwargs: dict, extra: int, builder: str, anchors: str) -> None:
+    """torchvision's default anchor generators (Faster R-CNN's, RetinaNet's) have five levels: other
+    ``returned_layers`` (``extra``: the maps the FPN adds) would fail at the first forward, in
+    torchvision's assertion on the anchors, so they need an anchor generator (keyword ``anchors``) of
+    their own."""
+    layers = tuple(int(stage[len("layer"):]) for stage in body.body.return_layers)
+    maps = len(layers) + extra
+    if maps != 5 and det_kwargs.get(anchors) is None:
+        raise ValueError(f"{builder}(returned_layers={layers}) gives {maps} feature maps ({len(layers)} stages and "
+                         f"{extra} extra level(s)), but torchvision's default anchor generator covers 5: give "
+                         f"{anchors}=AnchorGenerator(sizes, aspect_ratios) with one entry per map")
+
+
 def fasterrcnn(backbone: str = "resnet50", method: str = "orepa", num_classes: int = 91, *,
                fpn_channels: int = 256, **kwargs):
     """torchvision ``FasterRCNN`` with an FPN over a re-param ResNet (C2..C5 + max-pool P6).
@@ -607,6 +620,7 @@ def fasterrcnn(backbone: str = "resnet50", method: str = "orepa", num_classes: i
 
     bb_kwargs, det_kwargs = _split_backbone_kwargs(kwargs, FasterRCNN, "fasterrcnn")
     body = fpn_backbone(backbone, method, out_channels=fpn_channels, **bb_kwargs)
+    _check_feature_maps(body, det_kwargs, 1, "fasterrcnn", "rpn_anchor_generator")  # + LastLevelMaxPool's "pool"
     if det_kwargs.get("box_predictor") is not None:
         num_classes = None  # torchvision: the predictor fixes the classes
     return FasterRCNN(body, num_classes=num_classes, **det_kwargs)
@@ -625,6 +639,7 @@ def retinanet(backbone: str = "resnet50", method: str = "orepa", num_classes: in
     bb_kwargs.setdefault("returned_layers", (2, 3, 4))
     body = fpn_backbone(backbone, method, out_channels=fpn_channels,
                         extra_blocks=LastLevelP6P7(fpn_channels, fpn_channels), **bb_kwargs)
+    _check_feature_maps(body, det_kwargs, 2, "retinanet", "anchor_generator")  # + P6, P7
     return RetinaNet(body, num_classes=num_classes, **det_kwargs)
 
 
