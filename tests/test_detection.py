@@ -656,8 +656,8 @@ def test_weight_mismatches_are_explained():
 
 
 def test_checkpoints_without_bn_batch_counts_load_in_every_form():
-    """Weights saved before BatchNorm counted its batches (torchvision's ImageNet ResNet files, the ones
-    mmdetection's ``torchvision://resnet50`` reads; converted checkpoints) hold no ``num_batches_tracked``:
+    """Weights saved before BatchNorm counted its batches (PyTorch < 0.4.1: torchvision's model-zoo ResNet
+    files, which mmdetection's ``torchvision://resnet50`` reads; converted checkpoints) hold no ``num_batches_tracked``:
     torch loads them strictly, and so does the backbone, in every form they can take."""
     torch.manual_seed(0)
 
@@ -678,6 +678,27 @@ def test_checkpoints_without_bn_batch_counts_load_in_every_form():
         f = D.resnet_features("resnet18", method, weights=weights, **opts).eval()
         with torch.no_grad():
             tol_close(f(x)["c5"], ref)
+
+
+def test_torchvisions_weights_enum_is_taken_for_weights_backbone(monkeypatch):
+    """``weights_backbone=ResNet18_Weights.IMAGENET1K_V1``, as torchvision's own detector builders take
+    it: its file is read (weights_only, hash checked), not refused as an unknown type."""
+    from torchvision.models import ResNet18_Weights
+    from torchvision.models._api import WeightsEnum
+
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18().state_dict()
+    asked = {}
+
+    def get_state_dict(self, *args, **kwargs):  # (no download in tests) the file: no BN batch counts
+        asked.update(kwargs, weights=self)
+        return {k: v for k, v in plain.items() if not k.endswith("num_batches_tracked")}
+
+    monkeypatch.setattr(WeightsEnum, "get_state_dict", get_state_dict)
+    model = D.fasterrcnn("resnet18", "base", num_classes=3, weights_backbone=ResNet18_Weights.IMAGENET1K_V1)
+    assert asked == {"weights": ResNet18_Weights.IMAGENET1K_V1, "progress": True, "check_hash": True,
+                     "weights_only": True}
+    assert torch.equal(model.backbone.body.layer4[1].conv2.weight, plain["layer4.1.conv2.weight"])
 
 
 def test_a_checkpoint_of_orepa_train_with_block_options_is_read_as_it_says():

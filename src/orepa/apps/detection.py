@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.utils import _reverse_repeat_tuple
+from torchvision.models import WeightsEnum
 from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
 from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
@@ -220,6 +221,8 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
             weights = read_checkpoint_file(weights)
         except UserError as exc:
             raise ValueError(str(exc)) from None
+    if isinstance(weights, WeightsEnum):  # torchvision's (weights_backbone=ResNet50_Weights.IMAGENET1K_V1): its file
+        weights = weights.get_state_dict(progress=True, check_hash=True, weights_only=True)
     saved = {k: weights[k] for k in ("model_cfg", "form") if k in weights} if isinstance(weights, Mapping) else {}
     if ema:
         key = next((k for k in EMA_KEYS if isinstance(weights, Mapping) and isinstance(weights.get(k), Mapping)
@@ -231,7 +234,8 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
     if isinstance(weights, nn.Module):
         weights = weights.state_dict()
     if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a path, a state_dict or a module, got {type(weights).__name__}")
+        raise TypeError(f"weights must be a path, a state_dict, a module or torchvision's weights enum, got "
+                        f"{type(weights).__name__}")
     while not all(isinstance(v, Tensor) for v in weights.values()):
         # a state_dict itself first (a checkpoint's "model" may be a description of it), then a wrapper
         inner = next((weights[k] for k in STATE_DICT_KEYS if is_state_dict(weights.get(k))), None) or \
@@ -260,7 +264,7 @@ def _as_state_dict(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], di
 
 def _backbone_keys(keys: Iterable[str]) -> set[str]:
     """The keys that tell a checkpoint's form: neither the classifier's (``fc.*``) nor the BNs' batch
-    counts, which weights saved before BatchNorm counted (torchvision's ImageNet ResNet files) lack and
+    counts, which weights saved before PyTorch 0.4.1 (torchvision's model-zoo ResNet files) lack and
     ``load_state_dict`` does not ask for."""
     return {k for k in keys if not k.startswith("fc.") and not k.endswith(".num_batches_tracked")}
 
@@ -306,7 +310,8 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
 
     ``weights``: a path (read with ``weights_only=True``), a state_dict (also
     wrapped in ``{"state_dict": ...}`` / ``{"model": ...}``, ``module.`` prefixes
-    stripped) or a module. ``ema``: the checkpoint's EMA weights (``model_ema`` of an
+    stripped), a module or torchvision's weights enum (``ResNet50_Weights.IMAGENET1K_V1``: its
+    file, downloaded as torchvision does). ``ema``: the checkpoint's EMA weights (``model_ema`` of an
     ``orepa train --model-ema`` run, timm's ``state_dict_ema``). The classifier (``fc.*``) is
     ignored. Accepted:
 
