@@ -216,6 +216,28 @@ def test_detector_builders_take_torchvisions_backbone_names_and_refuse_unknown_k
         builder("resnet18", "base", weights=plain.state_dict(), weights_backbone=plain.state_dict(), **kw)
 
 
+@pytest.mark.parametrize("builder,levels", [(D.fasterrcnn, (2, 3, 4)), (D.retinanet, (1, 2, 3, 4))])
+def test_returned_layers_that_torchvisions_default_anchors_do_not_cover_are_said_when_built(builder, levels):
+    """torchvision's default anchor generators cover five feature maps (Faster R-CNN: C2..C5 + pool;
+    RetinaNet: C3..C5 + P6, P7); other returned_layers built a detector whose first forward ended in
+    torchvision's assertion on the anchors. The builder says it, and takes an anchor generator with
+    one entry per map (Faster R-CNN's ``rpn_anchor_generator``)."""
+    import re
+
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+
+    kw = dict(num_classes=3, backbone_options=TINY, fpn_channels=16, min_size=64, max_size=64)
+    maps = len(levels) + 1 + (builder is D.retinanet)  # (+ pool; RetinaNet: + P6, P7)
+    keyword = "rpn_anchor_generator" if builder is D.fasterrcnn else "anchor_generator"
+    with pytest.raises(ValueError, match=re.escape(f"{builder.__name__}(returned_layers={levels}) gives {maps} feature "
+                                                   "maps") + f".*covers 5: give {keyword}="):
+        builder("resnet18", "base", returned_layers=levels, **kw)
+    anchors = AnchorGenerator(tuple((32 * 2 ** i,) for i in range(maps)), ((0.5, 1.0, 2.0),) * maps)
+    model = builder("resnet18", "base", returned_layers=levels, **{keyword: anchors}, **kw).eval()
+    with torch.no_grad():
+        model([torch.rand(3, 64, 64)])
+
+
 def test_mask_rcnn_on_an_orepa_fpn_backbone_trains_and_deploys_exactly():
     """torchvision's Mask R-CNN over ``fpn_backbone(..., "orepa")`` (docs/detection.md): a few steps,
     then boxes, scores, labels and masks unchanged by ``reparameterize`` (float64), the deployed
@@ -631,6 +653,83 @@ def test_weight_mismatches_are_explained():
                                          "build the backbone with the same options"):
         D.resnet_features("resnet18", "orepa", weights=ckpt, **TINY)
     D.resnet_features("resnet18", "orepa", weights=ckpt, in_chans=1, small_input=True, **TINY)
+
+
+def test_checkpoints_without_bn_batch_counts_load_in_every_form():
+    """Weights saved before BatchNorm counted its batches (PyTorch < 0.4.1: torchvision's model-zoo ResNet
+    files, which mmdetection's ``torchvision://resnet50`` reads; converted checkpoints) hold no ``num_batches_tracked``:
+    torch loads them strictly, and so does the backbone, in every form they can take."""
+    torch.manual_seed(0)
+
+    def without_counts(sd):
+        return {k: v for k, v in sd.items() if not k.endswith("num_batches_tracked")}
+
+    src = create_model("resnet18", "orepa", num_classes=10, **TINY).eval()
+    for bn in _bns(src):
+        bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        ref = _features_of(src, x)
+    vanilla = without_counts(orepa.reparameterize(src).state_dict())
+    for method, opts, weights in (("base", TINY, vanilla), ("dbb", TINY, vanilla),
+                                  ("orepa", {**TINY, "deep_stem": False}, vanilla),
+                                  ("orepa", TINY, without_counts(src.state_dict())),
+                                  ("base", TINY, without_counts(src.state_dict()))):
+        f = D.resnet_features("resnet18", method, weights=weights, **opts).eval()
+        with torch.no_grad():
+            tol_close(f(x)["c5"], ref)
+
+
+def test_torchvisions_weights_enum_is_taken_for_weights_backbone(monkeypatch):
+    """``weights_backbone=ResNet18_Weights.IMAGENET1K_V1``, as torchvision's own detector builders take
+    it: its file is read (weights_only, hash checked), not refused as an unknown type."""
+    from torchvision.models import ResNet18_Weights
+    from torchvision.models._api import WeightsEnum
+
+    torch.manual_seed(0)
+    plain = torchvision.models.resnet18().state_dict()
+    asked = {}
+
+    def get_state_dict(self, *args, **kwargs):  # (no download in tests) the file: no BN batch counts
+        asked.update(kwargs, weights=self)
+        return {k: v for k, v in plain.items() if not k.endswith("num_batches_tracked")}
+
+    monkeypatch.setattr(WeightsEnum, "get_state_dict", get_state_dict)
+    model = D.fasterrcnn("resnet18", "base", num_classes=3, weights_backbone=ResNet18_Weights.IMAGENET1K_V1)
+    assert asked == {"weights": ResNet18_Weights.IMAGENET1K_V1, "progress": True, "check_hash": True,
+                     "weights_only": True}
+    assert torch.equal(model.backbone.body.layer4[1].conv2.weight, plain["layer4.1.conv2.weight"])
+
+
+def test_a_checkpoint_of_orepa_train_with_block_options_is_read_as_it_says():
+    """An ``orepa train`` checkpoint records its block options (``--no-deep-stem``, a preset): a base
+    backbone, which takes no block options, builds the training form from them to reparameterize it,
+    and a backbone of other options is told all of them."""
+    torch.manual_seed(0)
+    src = create_model("resnet18", "orepa", deep_stem=False, **TINY).eval()
+    ckpt = {"model": src.state_dict(), "form": "train",
+            "model_cfg": {"model": "resnet18", "method": "orepa", "num_classes": 1000, "in_chans": 3,
+                          "small_input": False, "width_mult": 0.25, "options": {"deep_stem": False}}}
+    x = torch.randn(1, 3, 64, 64)
+    f = D.resnet_features("resnet18", "base", weights=ckpt, **TINY).eval()
+    with torch.no_grad():
+        tol_close(f(x)["c5"], _features_of(src, x))
+    with pytest.raises(ValueError, match="small_input=False; deep_stem=False: build the backbone with the same"):
+        D.resnet_features("resnet18", "orepa", weights=ckpt, **TINY)
+
+
+@pytest.mark.parametrize("builder", [D.deeplabv3, D.fcn, D.pspnet, D.deeplabv3plus])
+def test_segmenters_with_imagenet_weights_train_every_layer_and_norm_as_torchvisions_do(builder):
+    """torchvision's segmenters (and mmsegmentation's ResNet) fine-tune an ImageNet backbone whole, with
+    batch statistics: a checkpoint freezes no stage and no norm here either (the detectors' frozen
+    defaults are torchvision's detection ones); asked for, they are kept."""
+    weights = create_model("resnet18", "orepa", **TINY).state_dict()
+    model = builder("resnet18", "orepa", num_classes=3, weights=weights, backbone_options=TINY)
+    assert model.backbone.norm == "train" and model.backbone.frozen_stages == ()
+    assert all(p.requires_grad for p in model.backbone.parameters())
+    model = builder("resnet18", "orepa", num_classes=3, weights=weights, norm="eval", trainable_layers=3,
+                    backbone_options=TINY)
+    assert model.backbone.norm == "eval" and model.backbone.frozen_stages == ("layer1",)
 
 
 def test_old_module_path_is_the_same_module():

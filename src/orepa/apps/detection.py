@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.utils import _reverse_repeat_tuple
+from torchvision.models import WeightsEnum
 from torchvision.models.segmentation._utils import _SimpleSegmentationModel
 
 from ..blocks import AbsorbedNorm, OREPADeepStem, ReparamConv2d
@@ -220,6 +221,8 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
             weights = read_checkpoint_file(weights)
         except UserError as exc:
             raise ValueError(str(exc)) from None
+    if isinstance(weights, WeightsEnum):  # torchvision's (weights_backbone=ResNet50_Weights.IMAGENET1K_V1): its file
+        weights = weights.get_state_dict(progress=True, check_hash=True, weights_only=True)
     saved = {k: weights[k] for k in ("model_cfg", "form") if k in weights} if isinstance(weights, Mapping) else {}
     if ema:
         key = next((k for k in EMA_KEYS if isinstance(weights, Mapping) and isinstance(weights.get(k), Mapping)
@@ -231,7 +234,8 @@ def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
     if isinstance(weights, nn.Module):
         weights = weights.state_dict()
     if not isinstance(weights, Mapping):
-        raise TypeError(f"weights must be a path, a state_dict or a module, got {type(weights).__name__}")
+        raise TypeError(f"weights must be a path, a state_dict, a module or torchvision's weights enum, got "
+                        f"{type(weights).__name__}")
     while not all(isinstance(v, Tensor) for v in weights.values()):
         # a state_dict itself first (a checkpoint's "model" may be a description of it), then a wrapper
         inner = next((weights[k] for k in STATE_DICT_KEYS if is_state_dict(weights.get(k))), None) or \
@@ -259,7 +263,10 @@ def _as_state_dict(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], di
 
 
 def _backbone_keys(keys: Iterable[str]) -> set[str]:
-    return {k for k in keys if not k.startswith("fc.")}
+    """The keys that tell a checkpoint's form: neither the classifier's (``fc.*``) nor the BNs' batch
+    counts, which weights saved before PyTorch 0.4.1 (torchvision's model-zoo ResNet files) lack and
+    ``load_state_dict`` does not ask for."""
+    return {k for k in keys if not k.startswith("fc.") and not k.endswith(".num_batches_tracked")}
 
 
 _COMMON_OPTIONS = ("width_mult", "small_input", "zero_init_residual")
@@ -303,7 +310,8 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
 
     ``weights``: a path (read with ``weights_only=True``), a state_dict (also
     wrapped in ``{"state_dict": ...}`` / ``{"model": ...}``, ``module.`` prefixes
-    stripped) or a module. ``ema``: the checkpoint's EMA weights (``model_ema`` of an
+    stripped), a module or torchvision's weights enum (``ResNet50_Weights.IMAGENET1K_V1``: its
+    file, downloaded as torchvision does). ``ema``: the checkpoint's EMA weights (``model_ema`` of an
     ``orepa train --model-ema`` run, timm's ``state_dict_ema``). The classifier (``fc.*``) is
     ignored. Accepted:
 
@@ -322,6 +330,10 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
         _load_matching(trunk, sd, f"checkpoint for {name}/{method}")
         return method
+    cfg = saved.get("model_cfg") if isinstance(saved.get("model_cfg"), Mapping) else {}
+    recorded = dict(cfg["options"]) if isinstance(cfg.get("options"), Mapping) else {}  # its block options
+    if method == "base":  # (which a base trunk does not take: the training form is built with those recorded)
+        options = {**recorded, **options}
     form = method_of_weights(sd, name, **options)
     if form is None and is_reference_state_dict(sd):  # (its key lists would name nothing the user can act on)
         raise ValueError("the checkpoint holds a model in the layout of the paper's own code: convert it first "
@@ -329,9 +341,8 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
     if form is None:
         own = _backbone_keys(trunk.state_dict())
         theirs = _backbone_keys(sd)
-        cfg = saved.get("model_cfg") if isinstance(saved.get("model_cfg"), Mapping) else {}
-        said = "; ".join(f"{k}={cfg[k]!r}" for k in ("model", "method", "width_mult", "in_chans", "small_input")
-                         if k in cfg)
+        said = "; ".join([f"{k}={cfg[k]!r}" for k in ("model", "method", "width_mult", "in_chans", "small_input")
+                          if k in cfg] + [f"{k}={v!r}" for k, v in sorted(recorded.items())])
         raise ValueError(
             f"checkpoint does not match {name} in any form {METHODS}: e.g. missing {sorted(own - theirs)[:3]}, "
             f"unexpected {sorted(theirs - own)[:3]} (another architecture, or different block options?"
@@ -585,6 +596,19 @@ def _split_backbone_kwargs(kwargs: dict, detector: type, builder: str) -> tuple[
     return bb, kwargs
 
 
+def _check_feature_maps(body, det_kwargs: dict, extra: int, builder: str, anchors: str) -> None:
+    """torchvision's default anchor generators (Faster R-CNN's, RetinaNet's) have five levels: other
+    ``returned_layers`` (``extra``: the maps the FPN adds) would fail at the first forward, in
+    torchvision's assertion on the anchors, so they need an anchor generator (keyword ``anchors``) of
+    their own."""
+    layers = tuple(int(stage[len("layer"):]) for stage in body.body.return_layers)
+    maps = len(layers) + extra
+    if maps != 5 and det_kwargs.get(anchors) is None:
+        raise ValueError(f"{builder}(returned_layers={layers}) gives {maps} feature maps ({len(layers)} stages and "
+                         f"{extra} extra level(s)), but torchvision's default anchor generator covers 5: give "
+                         f"{anchors}=AnchorGenerator(sizes, aspect_ratios) with one entry per map")
+
+
 def fasterrcnn(backbone: str = "resnet50", method: str = "orepa", num_classes: int = 91, *,
                fpn_channels: int = 256, **kwargs):
     """torchvision ``FasterRCNN`` with an FPN over a re-param ResNet (C2..C5 + max-pool P6).
@@ -601,6 +625,7 @@ def fasterrcnn(backbone: str = "resnet50", method: str = "orepa", num_classes: i
 
     bb_kwargs, det_kwargs = _split_backbone_kwargs(kwargs, FasterRCNN, "fasterrcnn")
     body = fpn_backbone(backbone, method, out_channels=fpn_channels, **bb_kwargs)
+    _check_feature_maps(body, det_kwargs, 1, "fasterrcnn", "rpn_anchor_generator")  # + LastLevelMaxPool's "pool"
     if det_kwargs.get("box_predictor") is not None:
         num_classes = None  # torchvision: the predictor fixes the classes
     return FasterRCNN(body, num_classes=num_classes, **det_kwargs)
@@ -619,6 +644,7 @@ def retinanet(backbone: str = "resnet50", method: str = "orepa", num_classes: in
     bb_kwargs.setdefault("returned_layers", (2, 3, 4))
     body = fpn_backbone(backbone, method, out_channels=fpn_channels,
                         extra_blocks=LastLevelP6P7(fpn_channels, fpn_channels), **bb_kwargs)
+    _check_feature_maps(body, det_kwargs, 2, "retinanet", "anchor_generator")  # + P6, P7
     return RetinaNet(body, num_classes=num_classes, **det_kwargs)
 
 
@@ -630,6 +656,10 @@ def _seg_features(backbone: str, method: str, output_stride: int, aux_loss: bool
         raise ValueError(f"output_stride must be 8, 16 or 32, got {output_stride}")
     dilation = {8: (False, True, True), 16: (False, False, True), 32: (False, False, False)}[output_stride]
     kwargs.setdefault("replace_stride_with_dilation", dilation)
+    # torchvision's segmenters (and mmsegmentation's ResNet) fine-tune the whole backbone with batch
+    # statistics, pretrained or not: resnet_features' defaults with weights are torchvision's detection ones
+    kwargs.setdefault("trainable_layers", 5)
+    kwargs.setdefault("norm", "train")
     layers, names = [4], ["out"]
     if aux_loss:
         layers, names = [3] + layers, ["aux"] + names
