@@ -181,6 +181,8 @@ def test_a_stop_signal_during_the_evaluation_ends_it_and_keeps_the_epochs_traini
     assert f"stopped: SIGTERM received; continue with --resume {ckpt}" in capsys.readouterr().out
     stopped = _load(ckpt)
     assert (stopped["epoch"], stopped["step_in_epoch"], stopped["reason"], stopped["history"]) == (0, 4, "trained", [])
+    progress = json.loads((out / "progress.json").read_text())  # where it stopped, not its last periodic write
+    assert (progress["step"], progress["global_step"]) == (4, 4)
     monkeypatch.setattr(train, "evaluate", real)
     assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet", "--threads", "1"]) == 0
     done = _load(ckpt)

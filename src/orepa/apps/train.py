@@ -1431,6 +1431,9 @@ class Trainer:
                     row.update(ema_val_loss=r["loss"], ema_val_acc1=r["acc1"], ema_val_acc5=r["acc5"])
             except EvaluationStopped:  # every rank learnt it in the evaluation's all-reduce: the save is collective
                 self.checkpoint("trained")
+                if self.main:  # where it stopped: the epoch's last step (its sums are flushed into the state)
+                    self._write_progress(torch.zeros(3, dtype=torch.float64), self.epoch_steps,
+                                         time.perf_counter() - self.epoch_time)
                 return None
             except UserError:  # an unreadable validation image: the epoch's training is kept, at its last step
                 # (--resume evaluates it again); one process only, since the save is collective and a
