@@ -159,6 +159,37 @@ def test_a_stop_signal_ends_the_step_writes_a_checkpoint_and_the_run_resumes_bit
     _assert_same_run(reference, _load(ckpt))
 
 
+def test_a_stop_signal_during_the_evaluation_ends_it_and_keeps_the_epochs_training(
+        cache, reference, tmp_path, monkeypatch, capsys):
+    """torchrun gives its processes 30 s after passing a SIGINT or SIGTERM on (SLURM its KillWait, 30 s),
+    then kills them: a run stopped during an epoch's evaluation evaluated the whole validation set before
+    its checkpoint, and with a large set was killed first, the epoch it had trained lost (no checkpoint,
+    no word). A stop signal now ends the evaluation at its next batch and the epoch's training is saved
+    (a checkpoint at its last step); --resume evaluates it and ends as the run never stopped."""
+    real, calls = train.evaluate, []
+
+    def evaluate(*args, **kwargs):
+        if not calls:  # the signal comes as the first epoch's evaluation begins
+            os.kill(os.getpid(), signal.SIGTERM)
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    out, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoint.pth"
+    argv = [a for a in TINY if a != "--no-eval"]
+    assert main(["train", *argv, "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)]) == 143
+    assert f"stopped: SIGTERM received; continue with --resume {ckpt}" in capsys.readouterr().out
+    stopped = _load(ckpt)
+    assert (stopped["epoch"], stopped["step_in_epoch"], stopped["reason"], stopped["history"]) == (0, 4, "trained", [])
+    progress = json.loads((out / "progress.json").read_text())  # where it stopped, not its last periodic write
+    assert (progress["step"], progress["global_step"]) == (4, 4)
+    monkeypatch.setattr(train, "evaluate", real)
+    assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet", "--threads", "1"]) == 0
+    done = _load(ckpt)
+    _assert_same_run(reference, done)
+    assert [r["epoch"] for r in done["history"]] == [1, 2] and all("val_acc1" in r for r in done["history"])
+
+
 DEMO_IN_A_TERMINAL = """
 import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's foreground job (a background one ignores it)

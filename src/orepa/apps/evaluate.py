@@ -77,22 +77,32 @@ def _progress(iterable, total, desc, enabled):
                 mininterval=0.5 if sys.stderr.isatty() else 30)
 
 
+class EvaluationStopped(Exception):
+    """:func:`evaluate`'s ``stop`` ended it early (on some rank): its figures would be of part of the set."""
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo | None = None, amp: bool = False,
              amp_dtype: str = "auto", channels_last: bool = False, progress: bool = False, desc: str = "eval",
-             keep_outputs: bool = False) -> dict:
+             keep_outputs: bool = False, stop=None) -> dict:
     """Loss, top-1, top-5 (in %) over ``loader`` (summed over ranks when distributed).
 
     With ``keep_outputs`` the float32 logits of this rank are returned too (``outputs``).
+    ``stop``: a callable asked before each batch (a training run's stop signal); once it says so on any
+    rank, the evaluation ends there and every rank raises :class:`EvaluationStopped` (the ranks learn
+    it in the one all-reduce of the sums).
     """
     info = info or DistInfo()
     model.eval()
     crit = nn.CrossEntropyLoss(reduction="sum")
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, correct1, correct5, n
+    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct1, correct5, n, stopped
     outputs = []
     batches, t0 = 0, time.perf_counter()
     it = _progress(loader, len(loader), desc, progress and info.is_main)
     for images, target in it:
+        if stop is not None and stop():
+            sums[4] = 1
+            break
         images = images.to(device, non_blocking=True)
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
@@ -103,8 +113,8 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
         k = min(5, out.shape[1])
         top = out.topk(k, dim=1).indices
         hit = top.eq(target[:, None])
-        sums += torch.stack([crit(out, target).double(), hit[:, 0].sum().double(), hit.any(1).sum().double(),
-                             torch.tensor(float(len(target)), dtype=torch.float64, device=device)])
+        sums[:4] += torch.stack([crit(out, target).double(), hit[:, 0].sum().double(), hit.any(1).sum().double(),
+                                 torch.tensor(float(len(target)), dtype=torch.float64, device=device)])
         if keep_outputs:
             outputs.append(out.cpu())
         batches += 1
@@ -113,7 +123,9 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
     elapsed = time.perf_counter() - t0
     if info.distributed:
         dist.all_reduce(sums)
-    loss, c1, c5, n = sums.tolist()
+    loss, c1, c5, n, stopped = sums.tolist()
+    if stopped:
+        raise EvaluationStopped(f"{desc} stopped after {int(n)} images")
     if n == 0:
         raise UserError("the validation set is empty")
     res = {"loss": loss / n, "acc1": 100.0 * c1 / n, "acc5": 100.0 * c5 / n, "n": int(n),
@@ -322,4 +334,4 @@ def run(args: argparse.Namespace) -> int:
         cleanup_distributed(info)
 
 
-__all__ = ["evaluate", "evaluate_checkpoint", "autocast_context", "add_arguments", "run", "FASHION_MNIST_NAMES"]
+__all__ = ["evaluate", "EvaluationStopped", "evaluate_checkpoint", "autocast_context", "add_arguments", "run", "FASHION_MNIST_NAMES"]

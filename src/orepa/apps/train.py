@@ -119,7 +119,7 @@ from .common import (
     user_message,
 )
 from .data import add_data_arguments, build_data, train_loader, val_loader
-from .evaluate import autocast_context, evaluate
+from .evaluate import EvaluationStopped, autocast_context, evaluate
 from .logs import TensorBoard, plot_curves, write_history
 from .model_cfg import (
     add_model_arguments,
@@ -1296,9 +1296,13 @@ class Trainer:
         return f"{self.signals.received or 'a stop signal'} received" + \
             ("" if self.signals.received or not self.info.distributed else " (by another rank)")
 
+    def _stop_asked(self) -> bool:
+        """A stop signal reached this process (the evaluation asks before each batch)."""
+        return self.signals.received is not None
+
     def _signal_between_epochs(self) -> bool:
         """A stop signal that came during an epoch's end (evaluation, checkpoint), on any rank."""
-        got = torch.tensor([float(self.signals.received is not None)], dtype=torch.float64, device=self.device)
+        got = torch.tensor([float(self._stop_asked())], dtype=torch.float64, device=self.device)
         if self.info.distributed:
             dist.all_reduce(got)
         return got.item() > 0
@@ -1366,9 +1370,13 @@ class Trainer:
                         break
                     stop = self.train_epoch()
                     if s.step_in_epoch >= self.iters_per_epoch:  # the epoch is complete (even if stopping now)
-                        last = self.end_epoch(tb)
-                        if not stop and s.epoch < args.epochs and self._signal_between_epochs():
+                        row = self.end_epoch(tb)
+                        if row is None:  # a stop signal ended its evaluation: its training is saved
                             stop = self._signal_stop()
+                        else:
+                            last = row
+                            if not stop and s.epoch < args.epochs and self._signal_between_epochs():
+                                stop = self._signal_stop()
                     elif stop:
                         self.checkpoint("stop")
                     if stop and s.epoch >= args.epochs:
@@ -1405,7 +1413,10 @@ class Trainer:
             print_summary(saved)
         return {**saved, "stop_signal": None}  # (no signal stopped this command: its exit code is 0)
 
-    def end_epoch(self, tb: TensorBoard) -> dict:
+    def end_epoch(self, tb: TensorBoard) -> dict | None:
+        """Evaluate the epoch just trained, log it and save it; None where a stop signal (on any rank)
+        ended the evaluation: torchrun and schedulers kill a stopped run 30 s on, which a large validation
+        set outlasts, so the epoch's training is saved at its last step instead (--resume evaluates it)."""
         args, s, info = self.args, self.state, self.info
         sums = torch.tensor(s.sums, dtype=torch.float64)
         if info.distributed:
@@ -1422,13 +1433,20 @@ class Trainer:
         if self.val is not None:
             try:
                 r = evaluate(self.model, self.val, self.device, info=info, amp=args.amp, amp_dtype=args.amp_dtype,
-                             channels_last=args.channels_last, progress=not args.no_progress, desc="eval")
+                             channels_last=args.channels_last, progress=not args.no_progress, desc="eval",
+                             stop=self._stop_asked)
                 row.update(val_loss=r["loss"], val_acc1=r["acc1"], val_acc5=r["acc5"])
                 if self.ema is not None:
                     r = evaluate(self.ema.module, self.val, self.device, info=info, amp=args.amp,
                                  amp_dtype=args.amp_dtype, channels_last=args.channels_last,
-                                 progress=not args.no_progress, desc="eval EMA")
+                                 progress=not args.no_progress, desc="eval EMA", stop=self._stop_asked)
                     row.update(ema_val_loss=r["loss"], ema_val_acc1=r["acc1"], ema_val_acc5=r["acc5"])
+            except EvaluationStopped:  # every rank learnt it in the evaluation's all-reduce: the save is collective
+                self.checkpoint("trained")
+                if self.main:  # where it stopped: the epoch's last step (its sums are flushed into the state)
+                    self._write_progress(torch.zeros(3, dtype=torch.float64), self.epoch_steps,
+                                         time.perf_counter() - self.epoch_time)
+                return None
             except UserError:  # an unreadable validation image: the epoch's training is kept, at its last step
                 # (--resume evaluates it again); one process only, since the save is collective and a
                 # peer may still be inside the evaluation
