@@ -1545,8 +1545,8 @@ def test_an_unreadable_image_met_while_training_names_the_checkpoint_and_keeps_t
     ckpt = out / "checkpoint.pth"
     real_evaluate = train.evaluate
 
-    def unreadable(*a, **k):
-        raise train.UserError("cannot read image val/cat/3.jpg: truncated (remove or replace the file)")
+    def unreadable(*a, **k):  # (what evaluate raises, on every rank, for its loader's unreadable image)
+        raise train.EvaluationFailed("cannot read image val/cat/3.jpg: truncated (remove or replace the file)")
 
     monkeypatch.setattr(train, "evaluate", unreadable)
     evaluated = [a for a in TINY if a != "--no-eval"]

@@ -2171,6 +2171,47 @@ def test_evaluate_gives_the_top1_top5_and_mean_loss_per_sample_over_uneven_batch
     assert res["loss"] == pytest.approx(nn.functional.cross_entropy(out, y).item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("who", ["alone", "this rank", "another rank"])
+def test_an_unreadable_validation_image_is_raised_by_every_rank_after_the_all_reduce(who, monkeypatch):
+    """The loader's unreadable image (a UserError) is held until the evaluation's one all-reduce: a rank
+    raising at once left its peers waiting there (a training run could then not save the epoch, a
+    collective save). Every rank raises EvaluationFailed, the one that met the image with its message."""
+    from orepa.apps import evaluate as ev
+
+    said = "cannot read image val/cat/3.jpg: truncated (remove or replace the file)"
+
+    class Loader:
+        def __init__(self, fail: bool):
+            self.fail = fail
+
+        def __len__(self):
+            return 2
+
+        def __iter__(self):
+            yield torch.randn(2, 3), torch.tensor([0, 1])
+            if self.fail:
+                raise common.UserError(said)
+            yield torch.randn(2, 3), torch.tensor([1, 2])
+
+    reduced = []
+
+    def all_reduce(t):  # a peer's sums: 2 images, and whether it failed
+        reduced.append(t.clone())
+        t += torch.tensor([1.0, 1, 2, 2, 0, float(who == "another rank")], dtype=t.dtype)
+
+    monkeypatch.setattr(ev.dist, "all_reduce", all_reduce)
+    info = common.DistInfo(rank=0, world_size=2, distributed=who != "alone")
+    with pytest.raises(ev.EvaluationFailed) as err:
+        ev.evaluate(nn.Linear(3, 3), Loader(who != "another rank"), torch.device("cpu"), info=info)
+    assert str(err.value) == (said if who != "another rank" else
+                              "another process of this run could not read an image of the validation set "
+                              "(its error names it)")
+    assert isinstance(err.value, common.UserError)  # (the command line's one-line error)
+    if who != "alone":
+        assert len(reduced) == 1 and reduced[0][5] == float(who == "this rank")
+        assert reduced[0][3] == (2 if who == "this rank" else 4)  # (the images this rank evaluated)
+
+
 def test_the_training_criterion_applies_label_smoothing():
     """make_criterion takes --label-smoothing: equal to F.cross_entropy with label_smoothing=0.1."""
     import argparse

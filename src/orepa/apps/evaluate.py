@@ -81,6 +81,20 @@ class EvaluationStopped(Exception):
     """:func:`evaluate`'s ``stop`` ended it early (on some rank): its figures would be of part of the set."""
 
 
+class EvaluationFailed(UserError):
+    """The loader met an unreadable image (on some rank): every rank raises it together, after the
+    evaluation's all-reduce, so that what follows (a training run's collective save) finds every rank there."""
+
+
+def _until_unreadable(batches, failed: list):
+    """``batches`` until the loader meets an unreadable image (its :class:`UserError` kept in ``failed``): a
+    rank that raised at once would leave its peers waiting in the evaluation's all-reduce."""
+    try:
+        yield from batches
+    except UserError as exc:
+        failed.append(exc)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo | None = None, amp: bool = False,
              amp_dtype: str = "auto", channels_last: bool = False, progress: bool = False, desc: str = "eval",
@@ -90,16 +104,17 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
     With ``keep_outputs`` the float32 logits of this rank are returned too (``outputs``).
     ``stop``: a callable asked before each batch (a training run's stop signal); once it says so on any
     rank, the evaluation ends there and every rank raises :class:`EvaluationStopped` (the ranks learn
-    it in the one all-reduce of the sums).
+    it in the one all-reduce of the sums). An unreadable image on any rank: every rank raises
+    :class:`EvaluationFailed` (that rank with the loader's message), learnt in the same all-reduce.
     """
     info = info or DistInfo()
     model.eval()
     crit = nn.CrossEntropyLoss(reduction="sum")
-    sums = torch.zeros(5, dtype=torch.float64, device=device)  # loss, correct1, correct5, n, stopped
-    outputs = []
+    sums = torch.zeros(6, dtype=torch.float64, device=device)  # loss, correct1, correct5, n, stopped, failed
+    outputs, failed = [], []
     batches, t0 = 0, time.perf_counter()
     it = _progress(loader, len(loader), desc, progress and info.is_main)
-    for images, target in it:
+    for images, target in _until_unreadable(it, failed):
         if stop is not None and stop():
             sums[4] = 1
             break
@@ -121,9 +136,15 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0
+    sums[5] = len(failed)
     if info.distributed:
         dist.all_reduce(sums)
-    loss, c1, c5, n, stopped = sums.tolist()
+    loss, c1, c5, n, stopped, failures = sums.tolist()
+    if failed:
+        raise EvaluationFailed(str(failed[0])) from None
+    if failures:
+        raise EvaluationFailed("another process of this run could not read an image of the validation set (its "
+                               "error names it)")
     if stopped:
         raise EvaluationStopped(f"{desc} stopped after {int(n)} images")
     if n == 0:
@@ -334,4 +355,5 @@ def run(args: argparse.Namespace) -> int:
         cleanup_distributed(info)
 
 
-__all__ = ["evaluate", "EvaluationStopped", "evaluate_checkpoint", "autocast_context", "add_arguments", "run", "FASHION_MNIST_NAMES"]
+__all__ = ["evaluate", "EvaluationFailed", "EvaluationStopped", "evaluate_checkpoint", "autocast_context", "add_arguments", "run",
+           "FASHION_MNIST_NAMES"]

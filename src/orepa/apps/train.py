@@ -119,7 +119,7 @@ from .common import (
     user_message,
 )
 from .data import add_data_arguments, build_data, train_loader, val_loader
-from .evaluate import EvaluationStopped, autocast_context, evaluate
+from .evaluate import EvaluationFailed, EvaluationStopped, autocast_context, evaluate
 from .logs import TensorBoard, plot_curves, write_history
 from .model_cfg import (
     add_model_arguments,
@@ -1447,11 +1447,10 @@ class Trainer:
                     self._write_progress(torch.zeros(3, dtype=torch.float64), self.epoch_steps,
                                          time.perf_counter() - self.epoch_time)
                 return None
-            except UserError:  # an unreadable validation image: the epoch's training is kept, at its last step
-                # (--resume evaluates it again); one process only, since the save is collective and a
-                # peer may still be inside the evaluation
-                if not info.distributed:
-                    self.checkpoint("trained")
+            except EvaluationFailed:  # an unreadable validation image: the epoch's training is kept, at its last
+                # step (--resume evaluates it again); every rank raised it after the evaluation's all-reduce, so
+                # the collective save finds them all
+                self.checkpoint("trained")
                 raise
         s.history.append(row)
         s.epoch += 1
