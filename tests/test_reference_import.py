@@ -118,8 +118,11 @@ def test_a_deployed_plain_reference_checkpoint_is_named_as_such(arch):
         del sd[k]
     for k in [k for k in sd if k.endswith(".conv.weight")]:
         sd[k[:-len("weight")] + "bias"] = torch.zeros(sd[k].shape[0])
-    with pytest.raises(ValueError, match=r"a deployed \(converted\) checkpoint of the reference code"):
+    with pytest.raises(ValueError, match=r"a deployed \(converted\) checkpoint of the reference code") as err:
         orepa.import_reference(sd)
+    # (orepa has no reader of the reference's deployed layout: nothing else to load it into)
+    assert str(err.value).endswith("cannot be imported (its branches are gone); import the checkpoint it was "
+                                   "converted from")
 
 
 def test_orepa_vgg_reads_only_the_scaling_rows_the_reference_reads():

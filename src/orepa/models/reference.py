@@ -93,8 +93,8 @@ class _Reader:
             deployed = bool(site) and f"{site}.conv.bias" in self.sd and not any(k.startswith(f"{site}.bn.") for k in self.sd)
             raise ValueError(f"reference checkpoint lacks {key!r}" + (
                 f"; {site}.conv has a bias and no BatchNorm: a deployed (converted) checkpoint of the reference "
-                "code, which cannot be imported as a training form; import the checkpoint it was converted from, "
-                "or load it into the deployed model" if deployed else ""))
+                "code, which cannot be imported (its branches are gone); import the checkpoint it was converted "
+                "from" if deployed else ""))
         self.consumed.add(key)
         t = self.sd[key] if rows is None else self.sd[key][:rows]
         if not t.is_floating_point() and not name.endswith("num_batches_tracked"):  # only a BN's count is one
