@@ -38,6 +38,20 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                          "a checkpoint trained with the paper's public code -> an orepa training or deployed one"),
 }
 
+#: the packages of the ``apps`` extra (pyproject.toml): import name -> distribution name. The library is
+#: torch's alone (``pip install orepa``); a command that reaches for one of these without it says so
+APPS_PACKAGES: dict[str, str] = {
+    "torchvision": "torchvision", "timm": "timm", "tqdm": "tqdm", "matplotlib": "matplotlib", "numpy": "numpy",
+    "PIL": "pillow", "onnx": "onnx", "onnxruntime": "onnxruntime", "onnxscript": "onnxscript",
+}
+
+
+def missing_apps_package(exc: ImportError) -> str | None:
+    """What to install, where ``exc`` is a package of the apps extra not being there; else None."""
+    dist = APPS_PACKAGES.get((exc.name or "").partition(".")[0])
+    return None if dist is None else \
+        f'this command needs the package {dist}: pip install "orepa[apps]" (the command line\'s packages)'
+
 
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``orepa CMD: error: MESSAGE (see orepa CMD --help)``, exit 2."""
@@ -245,6 +259,11 @@ def _main(argv: list[str] | None) -> int:
                 return int(module.run(args) or 0)
             except UserError as exc:  # (said with the command's signal handlers still in place: see train.StopSignals)
                 return fail(args.command, exc)
+    except ModuleNotFoundError as exc:  # an installation without the apps extra (pip install orepa: torch only)
+        missing = missing_apps_package(exc)
+        if missing is None:
+            raise
+        return fail(args.command, UserError(missing))
     except RuntimeError as exc:  # torch.OutOfMemoryError among them: that one is the user's to fix
         oom = out_of_memory(exc)
         if oom is None:

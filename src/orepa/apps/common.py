@@ -122,7 +122,8 @@ def out_of_memory(exc: BaseException) -> str | None:
     RuntimeError) as a short clause, ``out of memory (...)``; None for any other error. torch's
     CUDA message goes on about allocator settings: its first three sentences say what was asked
     for and what was free. Callers add what lowers the memory their command needs."""
-    if not (isinstance(exc, torch.OutOfMemoryError)
+    # (torch.OutOfMemoryError, every device's, is torch 2.5's; before it CUDA's was torch.cuda's)
+    if not (isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
             or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))):
         return None
     text = " ".join(str(exc).split())

@@ -740,10 +740,16 @@ def git_state() -> dict | None:
     """Commit and modified files of the orepa checkout (tables depend on the core code's state)."""
     import subprocess
 
-    root = Path(__file__).resolve().parents[4]  # src/orepa/apps/bench/measure.py -> checkout
+    here = Path(__file__).resolve()
+    root = here.parents[4]  # src/orepa/apps/bench/measure.py -> checkout
+    if here.parents[3].name != "src":  # an installed copy (site-packages): no checkout of its own
+        return None
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, cwd=root, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
+        # the checkout's own repository (not one around a copy of the tree that git does not track)
+        top, _, commit = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], check=False,
+                                        cwd=root, capture_output=True, text=True, timeout=10).stdout.strip().partition("\n")
+        if not top or Path(top).resolve() != root:
+            return None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "src/orepa"], check=False,
                                cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.split("\n")
