@@ -327,6 +327,30 @@ def _dynamo_available() -> bool:
 
 
 @pytest.mark.skipif(not _dynamo_available(), reason="needs onnxscript and torch.onnx.export(dynamo=True)")
+def test_a_torch_before_the_dynamo_exporter_writes_onnx_and_refuses_dynamo_in_one_line(tmp_path, monkeypatch):
+    """torch 2.4 (the lowest this package takes) has no ``dynamo=`` keyword in torch.onnx.export (2.5's): the
+    TorchScript-based export passed ``dynamo=False`` and ended in a TypeError; --dynamo is said to need 2.5."""
+    real = torch.onnx.export
+    calls = []
+
+    def export_of_torch_2_4(model, args, f, export_params=True, verbose=False, training=None, input_names=None,
+                            output_names=None, operator_export_type=None, opset_version=None,
+                            do_constant_folding=True, dynamic_axes=None, keep_initializers_as_inputs=None,
+                            custom_opsets=None, export_modules_as_functions=False, autograd_inlining=True):
+        calls.append(opset_version)
+        return real(model, args, f, dynamo=False, input_names=input_names, output_names=output_names,
+                    opset_version=opset_version, dynamic_axes=dynamic_axes)
+
+    monkeypatch.setattr(torch.onnx, "export", export_of_torch_2_4)
+    model = _trained("resnet18", "orepa", **TINY)
+    ckpt = tmp_path / "train.pt"
+    torch.save(model.state_dict(), ckpt)
+    assert cli.main(["export", str(ckpt), *TINY_ARGS, "-o", str(tmp_path / "m.onnx")]) == 0
+    assert calls == [17] and (tmp_path / "m.onnx").stat().st_size > 0
+    with pytest.raises(UserError, match=r"^--dynamo: the torch.export-based ONNX exporter is torch 2.5's and later's"):
+        export.check_onnx_request(18, dynamo=True)
+
+
 def test_dynamo_export_is_one_self_contained_file(tmp_path, capsys):
     """The dynamo exporter keeps weights in a side file named after its target: the written .onnx
     must hold them itself (it works once copied elsewhere), and no temporary file may remain."""

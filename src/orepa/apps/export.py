@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import inspect
 import io
 import json
 import logging
@@ -206,6 +207,9 @@ def check_onnx_request(opset: int, *, dynamo: bool = False, verify: bool = True)
         hint = " or pass --no-verify" if [m for m, _ in missing] == ["onnxruntime"] else ""
         raise UserError(f"missing package(s) {what}: pip install {' '.join(m for m, _ in missing)} "
                         f"(or the apps extra: pip install 'orepa[apps]'){hint}")
+    if dynamo and not _has_dynamo_exporter():
+        raise UserError(f"--dynamo: the torch.export-based ONNX exporter is torch 2.5's and later's (this is torch "
+                        f"{torch.__version__}); leave the flag out for the TorchScript-based one")
     bounds = onnx_opset_range(dynamo)
     if dynamo and bounds:  # its lowest (asked for less it logs a failed down-conversion and writes 18)
         bounds = (max(bounds[0], default_opset(True)), bounds[1])
@@ -287,8 +291,16 @@ def _export_with_torch(deployed, path: str, x, opset, dynamic_batch, dynamo) -> 
                               output_names=["output"], dynamic_shapes=dyn)
         else:
             dyn = {"input": {0: "batch"}, "output": {0: "batch"}} if dynamic_batch else None
-            torch.onnx.export(deployed, (x,), path, dynamo=False, opset_version=opset, input_names=["input"],
+            # (the TorchScript-based exporter: asked for by name where the choice exists, torch 2.5 on, whose
+            # default became dynamo's in 2.9; before 2.5 it is the only one, and the keyword a TypeError)
+            choice = {"dynamo": False} if _has_dynamo_exporter() else {}
+            torch.onnx.export(deployed, (x,), path, **choice, opset_version=opset, input_names=["input"],
                               output_names=["output"], dynamic_axes=dyn)
+
+
+def _has_dynamo_exporter() -> bool:
+    """Whether this torch's ``torch.onnx.export`` takes ``dynamo=`` (torch 2.5 on)."""
+    return "dynamo" in inspect.signature(torch.onnx.export).parameters
 
 
 def _verify_onnx(model, deployed, path: str, x, report, dynamic_batch) -> None:
