@@ -147,6 +147,31 @@ def test_an_exported_program_of_an_older_torch_is_known_with_its_source(tmp_path
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_an_onnx_export_whose_temporary_file_the_disk_refuses_is_one_error(tmp_path, monkeypatch):
+    """The ONNX exporter writes into a temporary directory ($TMPDIR, often a small /tmp) before the model
+    is saved beside its output: a full one (here a file-size limit) ended the export with torch's
+    traceback (OSError: [Errno 27] File too large, no file named). One error naming that directory."""
+    import resource
+    import tempfile
+
+    raw = export._export_with_torch
+
+    def limited(*a, **k):  # (Python ignores SIGXFSZ: a write past the limit fails, EFBIG)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            return raw(*a, **k)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    monkeypatch.setattr(export, "_export_with_torch", limited)
+    model = zoo.create_model("resnet18", "orepa", num_classes=10, in_chans=1, small_input=True, width_mult=0.25)
+    with pytest.raises(UserError, match=f"cannot write the ONNX exporter's temporary file in {tempfile.gettempdir()}: "
+                                        "File too large") as err:
+        export_onnx(model.eval(), tmp_path / "m.onnx", (1, 1, 28, 28))
+    assert "TMPDIR" in str(err.value) and not list(tmp_path.iterdir())
+
+
 def test_export_writes_to_a_file_name_that_is_not_utf8(tmp_path, capsys):
     """torch's C++ writers and onnxruntime take no such name (a TypeError deep in torch.jit.save);
     a Linux file name is any bytes, which Python hands over as surrogates."""

@@ -952,6 +952,40 @@ def test_a_failed_write_is_one_line_and_keeps_the_previous_file(tmp_path):
     assert (tmp_path / "kept" / "m.onnx").read_bytes() == b"onnx"
 
 
+def test_a_checkpoint_the_file_system_refuses_names_the_refusal(tmp_path):
+    """torch's zip writer turns the file system's refusal of a write into its own RuntimeError ("unexpected
+    pos 64 vs 0"), with the OSError as its context: a quota exceeded, or a file-size limit (`ulimit -f`, FAT32),
+    was said as "torch's writer failed (71.5 GiB free there)", a disk with room. The refusal is named."""
+    import errno
+
+    from orepa.apps import checkpoint as ck
+    from orepa.apps.common import UserError
+
+    path = tmp_path / "checkpoint.pth"
+    path.write_bytes(b"previous")
+    for code in (errno.EDQUOT, errno.EFBIG, errno.ENOSPC):
+        class Refusing(io.RawIOBase):  # the file: its first records written, then refused
+            def __init__(self, f):
+                self.f, self.n = f, 0
+
+            def writable(self):
+                return True
+
+            def write(self, b, code=code):
+                self.n += 1
+                if self.n > 3:
+                    raise OSError(code, os.strerror(code))
+                return self.f.write(b)
+
+        def save(f):
+            torch.save({"w": torch.zeros(1000)}, Refusing(f))
+
+        with pytest.raises(UserError, match=f"cannot write {path}") as err:
+            ck.atomic_write(path, save)
+        assert os.strerror(code) in str(err.value) and "writer failed" not in str(err.value), str(err.value)
+        assert path.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
 def test_ctrl_c_during_training_is_one_line_with_the_checkpoint_to_resume(cache, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
@@ -1616,6 +1650,112 @@ def test_dist_timeout_sets_the_collectives_timeout_and_is_not_a_setting_of_the_r
     assert seen == [("gloo", {"timeout": datetime.timedelta(seconds=30)}), ("gloo", {})]
     assert "dist_timeout" in train.SESSION_FLAGS
     assert train._parser().parse_args(["--dist-timeout", "2.5"]).dist_timeout == 2.5
+
+
+def test_a_run_whose_lock_the_full_disk_refuses_is_one_line_and_leaves_nothing(cache, tmp_path, capsys, monkeypatch):
+    """On a full disk a new file can still be made (an inode), not written: the run lock's pid was refused
+    with a traceback (OSError: [Errno 28] from os.write), and its empty lock file and the directory made
+    for the run stayed. One line naming the lock file and the refusal; nothing left."""
+    import resource
+
+    lock = train.lock_run_dir
+
+    def on_a_full_disk(directory, *a, **k):  # (Python ignores SIGXFSZ: a write past the limit fails, EFBIG)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+        try:
+            return lock(directory, *a, **k)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    monkeypatch.setattr(train, "lock_run_dir", on_a_full_disk)
+    out = tmp_path / "new" / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--output-dir {out}: cannot write {RUN_LOCK} (File too large)" in err, err
+    assert not (tmp_path / "new").exists()
+
+
+def test_taking_a_run_directory_removes_the_temporary_files_of_writes_that_died(tmp_path):
+    """A run killed while writing a file it never writes again (``model_3.pth`` of --keep-epoch-checkpoints,
+    the run resumed from epoch 3's checkpoint.pth; a deployed file) left its full-size hidden temporary file
+    for good: only the next write of the same name removed it. A run taking the directory removes every
+    one whose writer (on this host) is gone; a live writer's, and other files, stay."""
+    from orepa.apps.checkpoint import _host, lock_run_dir, unlock_run_dir
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    gone = [run / f".model_3.pth.{_host()}-{int(dead.stdout)}.k2x_9abc.tmp",
+            run / f".deployed-fused.pth.{_host()}-{int(dead.stdout)}.q1w2e3r4.tmp"]
+    kept = [run / f".checkpoint.pth.{_host()}-{os.getpid()}.a1b2c3d4.tmp", run / ".notes.tmp",
+            run / f".x.pth.otherhost-{int(dead.stdout)}.a1b2c3d4.tmp", run / "model_3.pth"]
+    for p in gone + kept:
+        p.write_bytes(b"x")
+    unlock_run_dir(lock_run_dir(run))
+    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in kept)
+
+
+@pytest.mark.parametrize("taken", [False, True])
+def test_a_run_whose_directory_is_removed_takes_it_again_or_stops(cache, tmp_path, capsys, monkeypatch, taken):
+    """The output directory removed while the run trains (an ``rm -rf`` of it): the next write made it
+    again without the run's lock, and a run started there meanwhile (``--overwrite``) wrote into it with
+    this one, silently; this run's end then removed that run's lock. Now the run takes the directory
+    again before its next write (said), or, where another run has it, stops without writing there and
+    leaves that run's lock."""
+    import shutil
+
+    from orepa.apps.checkpoint import lock_run_dir, unlock_run_dir
+
+    out, held = tmp_path / "run", []
+    first = train.Trainer.train_epoch
+
+    def removed_meanwhile(self):
+        stop = first(self)
+        if not held:
+            shutil.rmtree(out)
+            if taken:  # another run starts there
+                out.mkdir()
+                held.append(lock_run_dir(out))
+            else:
+                held.append(None)
+        return stop
+
+    monkeypatch.setattr(train.Trainer, "train_epoch", removed_meanwhile)
+    code = main(["train", *TINY, "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)])
+    captured = capsys.readouterr()
+    if taken:
+        assert code == 2 and captured.err.count("\n") == 1, captured.err
+        assert f"--output-dir {out} was removed while this run was writing there, and could not be taken again " \
+               f"(--output-dir {out} is being written by another run (process " in captured.err, captured.err
+        assert "this run stops without writing there; this run's checkpoints went with its directory" in captured.err
+        assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK]  # the other run's lock, nothing of this one's
+        unlock_run_dir(held[0])
+    else:
+        assert code == 0, captured.err
+        assert f"note: --output-dir {out} was removed while this run was writing there: made again (what it held " \
+               "is gone) and taken again" in captured.out
+        assert _load(out / "checkpoint.pth")["epoch"] == 2 and not (out / RUN_LOCK).exists()
+
+
+def test_a_run_lock_is_released_without_removing_another_runs(tmp_path):
+    """A run whose directory was removed (and made again by another run, which locked it) removed that
+    run's lock at its end: a third run could then take the directory from the live second one."""
+    from orepa.apps.checkpoint import lock_run_dir, unlock_run_dir
+    from orepa.apps.common import UserError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    first = lock_run_dir(run)
+    (run / RUN_LOCK).unlink()
+    run.rmdir()
+    run.mkdir()
+    second = lock_run_dir(run)
+    unlock_run_dir(first)
+    with pytest.raises(UserError, match="is being written by another run"):
+        lock_run_dir(run)
+    unlock_run_dir(second)
+    assert not (run / RUN_LOCK).exists()
 
 
 def test_without_flock_runs_starting_at_once_take_the_lock_once(tmp_path, monkeypatch):

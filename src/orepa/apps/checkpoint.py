@@ -26,7 +26,8 @@ takes a bare state_dict (e.g. a torchvision one) or one wrapped as ``{"state_dic
 Writes are atomic (temporary file, fsync, rename) with the permissions of any other
 file the process creates (0666 minus the umask), through a symbolic link to the file it
 names; temporary files that a killed write left behind (``.<name>.<host>-<pid>.*.tmp``,
-whose process is gone) are removed by the next write of that file.
+whose process is gone) are removed by the next write of that file, and by the next run that takes
+their directory (:func:`lock_run_dir`).
 """
 from __future__ import annotations
 
@@ -178,16 +179,30 @@ _FLOCKED = "flock"
 class RunLock:
     """A run directory's lock, held by this process (:func:`lock_run_dir`): the lock file, and its
     open descriptor, which holds the file's ``flock`` until :func:`unlock_run_dir` (or this process's
-    end, however it ends: the kernel releases it)."""
+    end, however it ends: the kernel releases it); ``folder``, the directory's open descriptor, which
+    tells it from one made there since (:func:`run_dir_made_since`: an open directory's inode is not
+    given to another)."""
 
-    def __init__(self, path: Path, fd: int | None):
-        self.path, self.fd = path, fd
+    def __init__(self, path: Path, fd: int | None, folder: int | None = None):
+        self.path, self.fd, self.folder = path, fd, folder
+
+    def close(self) -> None:
+        """Its descriptors closed (its flock released); the file stays."""
+        for name in ("fd", "folder"):
+            if getattr(self, name) is not None:
+                with suppress(OSError):
+                    os.close(getattr(self, name))
+                setattr(self, name, None)
 
 
 def _refuse(directory: Path, flag: str, held: str, lock: Path) -> UserError:
     who = held.split(" ")[0] if held else "unknown"
     return UserError(f"{flag} {directory} is being written by another run (process {who}); wait for it to end or "
                      f"choose another {flag} (a run that died on another machine leaves {lock}: remove it)")
+
+
+def _unwritable(directory: Path, flag: str, lock: Path, exc: OSError) -> UserError:
+    return UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})")
 
 
 def _still_at(fd: int, path: Path) -> bool:
@@ -209,7 +224,10 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
     spaces of their own, where a pid says nothing). A lock another host wrote is left to the user
     (a shared file system's locks need not reach across hosts). Where the file system has no
     ``flock``, or the lock was written without one (an older orepa's), a lock is taken over only
-    where its host is this one and its pid no longer runs. Release it with :func:`unlock_run_dir`."""
+    where its host is this one and its pid no longer runs. Taken, the temporary files that killed
+    writes left in ``directory`` go (:func:`remove_stale_tmp`: a file the run never writes again, a
+    ``model_<epoch>.pth`` of an epoch it resumed after, kept its own for good). Release it with
+    :func:`unlock_run_dir`."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system: the pid's word alone
@@ -226,9 +244,9 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
             except FileNotFoundError:  # removed meanwhile (a run ending): again
                 continue
             except OSError as exc:
-                raise UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})") from None
+                raise _unwritable(directory, flag, lock, exc) from None
         except OSError as exc:
-            raise UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})") from None
+            raise _unwritable(directory, flag, lock, exc) from None
         flocked = fcntl is not None
         if flocked:
             try:
@@ -266,9 +284,16 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
                     os.unlink(lock)
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, f"{_writer_tag()}{' ' + _FLOCKED if flocked else ''}".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, f"{_writer_tag()}{' ' + _FLOCKED if flocked else ''}".encode())
+        except OSError as exc:  # a full disk still makes a file (an inode), but refuses what it holds
+            if created and _still_at(fd, lock):
+                with suppress(OSError):
+                    os.unlink(lock)
+            os.close(fd)
+            raise _unwritable(directory, flag, lock, exc) from None
         if not flocked:
             # a run that found the stale lock an instant ago may remove this one as that: look again once the
             # instant is past (if it went, that run makes the lock)
@@ -276,7 +301,12 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
             if not _still_at(fd, lock):
                 os.close(fd)
                 continue
-        taken = RunLock(lock, fd)
+        try:
+            folder = os.open(directory, os.O_RDONLY)
+        except OSError:  # (a system that opens no directory: run_dir_made_since cannot tell)
+            folder = None
+        taken = RunLock(lock, fd, folder)
+        remove_stale_tmp(directory, inside=True)  # what runs killed while writing there left (any file's)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=partial(_not_in_children, weakref.ref(taken)))
         return taken
@@ -288,32 +318,43 @@ def _not_in_children(ref: weakref.ref) -> None:
     lasts while any descriptor of it is open, so a run killed outright (kill -9) stayed locked until
     its workers noticed and ended (~5 s), and a --resume right after was refused."""
     held = ref()
-    if held is not None and held.fd is not None:
-        with suppress(OSError):
-            os.close(held.fd)
-        held.fd = None
+    if held is not None:
+        held.close()
+
+
+def holds_run_dir(lock: RunLock) -> bool:
+    """Whether ``lock`` is still its run directory's: its file not removed (with the directory, an
+    ``rm -rf`` of it) nor replaced (by another run's, made since)."""
+    return lock.fd is not None and _still_at(lock.fd, Path(lock.path))
+
+
+def run_dir_made_since(lock: RunLock) -> bool:
+    """Whether the directory ``lock`` is in is another than the one it locked (that one removed, this
+    one made since)."""
+    return lock.folder is None or not _still_at(lock.folder, Path(lock.path).parent)
 
 
 def unlock_run_dir(lock: RunLock | None) -> None:
     if lock is not None:
         try:
-            Path(lock.path).unlink(missing_ok=True)  # before the flock goes: no one takes a file about to go
+            if holds_run_dir(lock):  # (a lock made there since this one went is another run's: kept)
+                Path(lock.path).unlink(missing_ok=True)  # before the flock goes: no one takes a file about to go
         finally:
-            if lock.fd is not None:
-                os.close(lock.fd)
-                lock.fd = None
+            lock.close()
 
 
-def remove_stale_tmp(path: str | os.PathLike) -> list[Path]:
+def remove_stale_tmp(path: str | os.PathLike, *, inside: bool = False) -> list[Path]:
     """Delete the ``.<name>.<host>-<pid>.*.tmp`` files that interrupted atomic writes of ``path`` left
-    behind: those whose writing process (on this host) no longer runs; a concurrent writer's stays."""
+    behind (``inside``: of any file in the directory ``path``): those whose writing process (on this
+    host) no longer runs; a concurrent writer's stays."""
     path = Path(path)
-    if not path.parent.is_dir():
+    folder, pattern = (path, ".*.tmp") if inside else (path.parent, f".{glob_escape(path.name)}.*.tmp")
+    if not folder.is_dir():
         return []
     stale = []
-    for p in path.parent.glob(f".{glob_escape(path.name)}.*.tmp"):
-        tag = p.name[len(path.name) + 2:].split(".", 1)[0]
-        if _dead(tag):
+    for p in folder.glob(pattern):
+        parts = p.name[:-len(".tmp")].rsplit(".", 2)  # [".<name>", "<host>-<pid>", mkstemp's letters]
+        if len(parts) == 3 and _dead(parts[1]):
             p.unlink(missing_ok=True)
             stale.append(p)
     return stale
@@ -495,7 +536,12 @@ def _writing(path: Path) -> Iterator[Path]:
         if not any(mark in str(exc) for mark in ("inline_container", "PytorchStreamWriter")):
             raise
         # (its own text, e.g. "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0", says
-        # nothing to a user; the disk's free space does)
+        # nothing to a user; the file system's refusal it swallowed, its context, does: a quota or a file-size
+        # limit refuses a disk with room; without one, the disk's free space)
+        refusal = exc.__context__ if isinstance(exc.__context__, OSError) else None
+        if refusal is not None:
+            raise UserError(f"cannot write {path}: {refusal.strerror or refusal}; the file before it, if any, is "
+                            "kept") from None
         try:
             free = f"{size_text(shutil.disk_usage(path.parent).free)} free there"
         except OSError:

@@ -259,10 +259,15 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
                           atol=atol, opset_requested=opset)
     # The exporter may put the weights in side files named after its target (dynamo: "<target>.data"),
     # so it writes into a private temporary directory; the model is re-saved from there as one file.
-    with tempfile.TemporaryDirectory(prefix="orepa-export-") as work:
-        raw = str(Path(work, "model.onnx"))  # torch's writers take no file name that is not UTF-8
-        _export_raw(deployed, raw, x, opset, dynamic_batch, dynamo)
-        proto = onnx.load(raw)  # with the weights of any external-data file
+    try:
+        with tempfile.TemporaryDirectory(prefix="orepa-export-") as work:
+            raw = str(Path(work, "model.onnx"))  # torch's writers take no file name that is not UTF-8
+            _export_raw(deployed, raw, x, opset, dynamic_batch, dynamo)
+            proto = onnx.load(raw)  # with the weights of any external-data file
+    except OSError as exc:  # a full (or read-only) temporary directory: torch's write names no file
+        raise UserError(f"cannot write the ONNX exporter's temporary file in {tempfile.gettempdir()}: "
+                        f"{exc.strerror or exc} (the environment variable TMPDIR names another directory for "
+                        "it)") from None
     report.opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
     if metadata:
         onnx.helper.set_model_props(proto, dict(metadata))

@@ -62,17 +62,19 @@ from .checkpoint import (
     PROGRESS_FILE,
     RUN_FILES,
     VERSION,
+    RunLock,
     adapt_input_channels,
     args_dict,
     check_loaded_weights,
     check_output_path,
     classifier_rows_by_name,
+    holds_run_dir,
     load_checkpoint,
     load_model_state,
     lock_run_dir,
     new_classifier_keys,
-    remove_stale_tmp,
     rng_state,
+    run_dir_made_since,
     save_checkpoint,
     set_rng_state,
     unlock_run_dir,
@@ -502,7 +504,8 @@ class Trainer:
         self.main = self.info.is_main
         self.t_start = time.perf_counter()
         self.replaced: list[str] = []  # the run --overwrite moved aside until this one's first checkpoint
-        self.lock: Path | None = None  # the output directory's lock (lock_run_dir), held by the main process
+        self.lock: RunLock | None = None  # the output directory's lock (lock_run_dir), held by the main process
+        self.dir_lost = False  # the output directory went, and another run has it now
         self.made_dirs: list[Path] = []
 
     def log(self, *msg) -> None:
@@ -903,6 +906,36 @@ class Trainer:
                             f"({', '.join(p.name for p in later)}), which continuing there would replace; give "
                             f"another --output-dir to continue from it there, or move them away to go back in {self.out}")
 
+    def _hold_dir(self) -> None:
+        """Before each write into the output directory (main process): it is still this run's. Removed while
+        the run trained (an ``rm -rf`` of it), it was made again by the next write without the run's lock,
+        and a run started there meanwhile wrote into it with this one. It is made and locked again, said;
+        where another run has it now (its lock, or its files in a directory made since), this run stops
+        without writing there."""
+        if self.lock is None or holds_run_dir(self.lock):
+            return
+        made = run_dir_made_since(self.lock)
+        unlock_run_dir(self.lock)  # (its descriptors only: a lock file there is not this run's)
+        self.lock = None
+        lost = f"--output-dir {self.out} was removed while this run was writing there"
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.lock = lock_run_dir(self.out)
+        except (UserError, OSError) as exc:
+            self.dir_lost = True
+            why = exc.strerror if isinstance(exc, OSError) else user_message(exc)
+            raise UserError(f"{lost}, and could not be taken again ({why}); this run stops without writing "
+                            "there") from None
+        others = run_files(self.out) if made else []
+        if others:  # a directory made since, by a run that has ended
+            unlock_run_dir(self.lock)
+            self.lock, self.dir_lost = None, True
+            raise UserError(f"{lost}, and another run has written there since ({some_of(others)}); this run stops "
+                            "without writing there")
+        self.log(f"note: {lost}: made again (what it held is gone) and taken again" if made else
+                 f"note: --output-dir {self.out}: its lock {self.lock.path.name} was removed while this run was "
+                 "writing there: taken again")
+
     def _clear_previous_run(self, found: list[str]) -> None:
         """--overwrite: move the previous run aside (``REPLACED_DIR``); it is removed once this run has
         a checkpoint of its own (:meth:`_drop_replaced_run`), and put back if this run ends before
@@ -1094,6 +1127,7 @@ class Trainer:
             dist.all_gather_object(rngs, rng_state())
         if not self.main:
             return None
+        self._hold_dir()
         s = self.state
         ckpt = {
             "format": FORMAT, "version": VERSION, "form": "train", "model_cfg": self.cfg,
@@ -1269,6 +1303,7 @@ class Trainer:
                "steps_per_epoch": self.iters_per_epoch, "global_step": s.global_step,
                "total_steps": self.args.epochs * self.iters_per_epoch, **self._running(acc, steps, t0),
                "elapsed_s": time.perf_counter() - self.t_start}
+        self._hold_dir()
         write_json(self.out / PROGRESS_FILE, row)
         self._last_progress = time.perf_counter()
 
@@ -1317,6 +1352,8 @@ class Trainer:
 
     def how_to_go_on(self) -> str:
         """After a fault: the checkpoint that is still good, and the command that continues from it."""
+        if self.dir_lost:  # (a checkpoint.pth there is another run's)
+            return "this run's checkpoints went with its directory"
         if self.ckpt_path.exists():
             return f"the last checkpoint is {self.ckpt_path}: --resume {self.ckpt_path} continues the run"
         return "no checkpoint had been written yet"
@@ -1394,9 +1431,7 @@ class Trainer:
         s = self.state
         self.log(f"orepa train: {self.ckpt_path} {why}")
         saved = None
-        if self.main:
-            for name in RUN_FILES:  # what a run killed after its last checkpoint left half-written
-                remove_stale_tmp(self.out / name)
+        if self.main:  # (what a run killed after its last checkpoint left half-written went with lock_run_dir)
             try:
                 saved = json.loads((self.out / "summary.json").read_text())
             except (OSError, ValueError):
@@ -1503,6 +1538,7 @@ class Trainer:
             if k in last:
                 out[k] = last[k]
         if self.main:
+            self._hold_dir()
             write_json(self.out / "summary.json", out, indent=2)
             print_summary(out)
         return out
