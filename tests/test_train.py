@@ -1128,6 +1128,14 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert "already holds a run" in err and f"--resume {ckpt}" in err and "--overwrite" in err
     assert ckpt.read_bytes() == before
+    # a run still writing there: said first, not advice the lock would refuse (--resume it, --overwrite it)
+    held = ckpt_mod.lock_run_dir(run)
+    try:
+        assert _train(cache, run, "--epochs", "1", "--no-eval") == 2
+        err = capsys.readouterr().err
+        assert f"--output-dir {run} is being written by another run (process" in err and "--resume" not in err, err
+    finally:
+        ckpt_mod.unlock_run_dir(held)
     # reparam never writes over its input, nor over a run's training checkpoint (--overwrite or not:
     # it is what --resume continues), nor over another checkpoint without --overwrite
     other = tmp_path / "other.pth"

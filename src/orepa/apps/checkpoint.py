@@ -214,6 +214,29 @@ def _still_at(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def check_not_held(directory: Path, flag: str = "--output-dir") -> None:
+    """Raise :func:`lock_run_dir`'s refusal where a live run holds ``directory``'s lock (its ``flock``),
+    without taking it: said before advice that the lock would refuse (``--resume`` it, ``--overwrite`` it).
+    Where the file system has no ``flock`` the lock's taking judges."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    lock = directory / RUN_LOCK
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:  # none (unreadable: lock_run_dir says so)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (released with the descriptor)
+    except BlockingIOError:
+        raise _refuse(directory, flag, os.read(fd, 4096).decode(errors="replace").strip(), lock) from None
+    except OSError:  # no flock on this file system
+        pass
+    finally:
+        os.close(fd)
+
+
 def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
     """Take ``directory`` for this process's run (``RUN_LOCK``): a second run into it (``--overwrite``
     or ``--resume`` while the first still runs) would write over the first's files.

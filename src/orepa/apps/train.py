@@ -66,6 +66,7 @@ from .checkpoint import (
     adapt_input_channels,
     args_dict,
     check_loaded_weights,
+    check_not_held,
     check_output_path,
     classifier_rows_by_name,
     holds_run_dir,
@@ -876,6 +877,7 @@ class Trainer:
             # holds that lock and keeps its directory.
             return found
         if not args.overwrite:
+            check_not_held(self.out)  # (a run still writing there: neither --resume nor --overwrite would be taken)
             what = f"a run ({some_of(found)})"
             hint = f"continue it with --resume {self.ckpt_path}, " if (self.out / "checkpoint.pth").exists() else ""
             raise UserError(f"--output-dir {self.out} already holds {what}; {hint}replace it with --overwrite, "
