@@ -699,6 +699,18 @@ def test_torchvisions_weights_enum_is_taken_for_weights_backbone(monkeypatch):
     assert asked == {"weights": ResNet18_Weights.IMAGENET1K_V1, "progress": True, "check_hash": True,
                      "weights_only": True}
     assert torch.equal(model.backbone.body.layer4[1].conv2.weight, plain["layer4.1.conv2.weight"])
+    # by name, as torchvision's builders take weights_backbone ("DEFAULT", "IMAGENET1K_V1"): it was read as a path
+    for spelled, weights in (("DEFAULT", ResNet18_Weights.DEFAULT), ("IMAGENET1K_V1", ResNet18_Weights.IMAGENET1K_V1),
+                             ("ResNet18_Weights.IMAGENET1K_V1", ResNet18_Weights.IMAGENET1K_V1)):
+        asked.clear()
+        D.fasterrcnn("resnet18", "base", num_classes=3, weights_backbone=spelled)
+        assert asked["weights"] == weights
+    with pytest.raises(ValueError, match=r"weights 'IMAGENET22K': no such file, nor weights of torchvision's "
+                                         r"resnet18 \(it has DEFAULT, IMAGENET1K_V1\)"):
+        D.fasterrcnn("resnet18", "base", num_classes=3, weights_backbone="IMAGENET22K")
+    with pytest.raises(ValueError, match=r"weights 'DEFAULT': no such file, and torchvision has no weights of "
+                                         r"wide_resnet18_2 by name"):
+        D.resnet_features("wide_resnet18_2", "base", weights="DEFAULT")
 
 
 def test_a_checkpoint_of_orepa_train_with_block_options_is_read_as_it_says():

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 import warnings
 from collections import OrderedDict
@@ -206,6 +207,30 @@ def dilate_resnet(trunk: nn.Module, replace_stride_with_dilation: Sequence[bool]
 _PREFIXES = (*WRAPPER_PREFIXES, "backbone.body.", "backbone.", "body.", "features.")
 
 
+#: torchvision's weights by name, as its builders take ``weights_backbone``: "DEFAULT", "IMAGENET1K_V1",
+#: "ResNet50_Weights.IMAGENET1K_V1" (a name that is no file)
+_WEIGHTS_NAME = re.compile(r"(?:[A-Za-z0-9]+_Weights\.)?[A-Z][A-Z0-9_]*")
+
+
+def _named_weights(weights, name: str):
+    """``weights`` as torchvision's weights enum where it names torchvision's weights of network ``name``
+    rather than a file; else as given."""
+    if not (isinstance(weights, str) and _WEIGHTS_NAME.fullmatch(weights)) or os.path.exists(weights):
+        return weights
+    from torchvision.models import get_model_weights
+
+    try:
+        enum = get_model_weights(name)
+    except ValueError:
+        raise ValueError(f"weights {weights!r}: no such file, and torchvision has no weights of {name} by name "
+                         "(give a checkpoint's path)") from None
+    try:
+        return enum.verify(weights)
+    except KeyError:
+        raise ValueError(f"weights {weights!r}: no such file, nor weights of torchvision's {name} (it has DEFAULT, "
+                         f"{', '.join(w.name for w in enum)})") from None
+
+
 def _unwrap(weights, *, ema: bool = False) -> tuple[dict[str, Tensor], dict]:
     """The state_dict ``weights`` holds (``ema``: its EMA weights), keys as saved, and what the
     checkpoint says of itself (``model_cfg``, ``form``: an ``orepa train`` / ``orepa reparam``
@@ -310,8 +335,8 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
 
     ``weights``: a path (read with ``weights_only=True``), a state_dict (also
     wrapped in ``{"state_dict": ...}`` / ``{"model": ...}``, ``module.`` prefixes
-    stripped), a module or torchvision's weights enum (``ResNet50_Weights.IMAGENET1K_V1``: its
-    file, downloaded as torchvision does). ``ema``: the checkpoint's EMA weights (``model_ema`` of an
+    stripped), a module or torchvision's weights, as enum or by name (``ResNet50_Weights.IMAGENET1K_V1``,
+    ``"DEFAULT"``, ``"IMAGENET1K_V2"``: its file, downloaded as torchvision does). ``ema``: the checkpoint's EMA weights (``model_ema`` of an
     ``orepa train --model-ema`` run, timm's ``state_dict_ema``). The classifier (``fc.*``) is
     ignored. Accepted:
 
@@ -326,7 +351,7 @@ def load_backbone_weights(trunk: nn.Module, weights, *, name: str, method: str, 
 
     Anything else raises ``ValueError`` saying what the checkpoint is.
     """
-    sd, saved = _as_state_dict(weights, ema=ema)
+    sd, saved = _as_state_dict(_named_weights(weights, name), ema=ema)
     if _backbone_keys(sd) == _backbone_keys(trunk.state_dict()):
         _load_matching(trunk, sd, f"checkpoint for {name}/{method}")
         return method
