@@ -227,7 +227,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_pack_argument(g)
     add_kernel_graphs_argument(g)
     add_tf32_matmul_argument(g, default=None)
-    g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
+    g.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=False,
+                   help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--dist-timeout", type=positive_float, default=None, metavar="MIN",
                    help="under torchrun: how long a process waits for the others in a collective before the run "
                         "fails (a peer stuck on I/O or stopped); default torch's (30 min with gloo, NCCL's own)")
@@ -253,7 +254,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
     g.add_argument("--save-every", type=nonneg_int, default=0,
                    help="also checkpoint every N steps (0: epoch ends only)")
-    g.add_argument("--keep-epoch-checkpoints", action="store_true", help="keep model_<epoch>.pth of every epoch")
+    g.add_argument("--keep-epoch-checkpoints", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep model_<epoch>.pth of every epoch")
     g.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many optimizer steps in total, checkpointing (a budget; resume later)")
     g.add_argument("--time-limit", type=positive_float, default=None, metavar="MIN",
@@ -262,6 +264,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs even if installed")
     g.add_argument("--no-eval", action="store_true", help="skip the per-epoch evaluation")
+    g.add_argument("--eval", dest="no_eval", action="store_false", default=False,
+                   help="evaluate every epoch (the default; --resume of a --no-eval run evaluates again)")
     g.add_argument("--quiet", action="store_true", help="no per-epoch lines (the summary is still printed)")
 
 
@@ -599,6 +603,12 @@ class Trainer:
         if self.start_weights is not None:
             saved_cfg = self.start_weights.get("model_cfg")
         elif args.resume:
+            if "format" not in self.resume_ckpt and "optimizer" in self.resume_ckpt:
+                # torchvision's or timm's reference scripts: their optimizer groups, schedule, epoch count and
+                # random streams are their own, no position in an orepa run
+                raise UserError(f"--resume {args.resume}: another tool's training checkpoint (not one of `orepa "
+                                "train`): its optimizer, schedule and position are not an orepa run's; start a new "
+                                f"run from its weights with --init-from {args.resume}")
             if self.resume_ckpt.get("form", "train") != "train" or "optimizer" not in self.resume_ckpt:
                 raise UserError(f"--resume {args.resume}: not a training checkpoint (it holds "
                                 f"{self.resume_ckpt.get('form', 'bare')} weights without optimizer state); "
@@ -1436,7 +1446,9 @@ class Trainer:
                 saved = json.loads((self.out / "summary.json").read_text())
             except (OSError, ValueError):
                 pass
-            if not (isinstance(saved, dict) and saved.get("global_step") == s.global_step):
+            # (a summary of the same step whose run had more epochs: an --epochs override ends the run here)
+            if not (isinstance(saved, dict) and saved.get("global_step") == s.global_step
+                    and saved.get("epochs") == self.args.epochs):
                 saved = None
         if self.info.distributed:  # rank 0's file decides for every rank (summary() below is collective)
             box = [saved]
