@@ -2556,4 +2556,8 @@ def test_a_resume_whose_epochs_end_the_run_where_it_stopped_sums_it_up_as_ended(
         out.split("summary:")[1], out
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["epochs_done"], summary["epochs"], summary["stopped"]) == (1, 1, None)
+    # at its step budget with more epochs: a stopped run of as many epochs as the command says
+    assert main(["train", "--resume", str(ckpt), "--epochs", "5", "--max-steps", "4", "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["epochs_done"], summary["epochs"], summary["stopped"]) == (1, 5, "--max-steps 4 reached")
     assert ckpt.read_bytes() == before  # nothing trained: the checkpoint is the run's

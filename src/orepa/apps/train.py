@@ -1375,7 +1375,8 @@ class Trainer:
                                       f"nothing to train; --epochs N above {args.epochs} continues it")
         if args.max_steps is not None and s.global_step >= args.max_steps and self.resume_ckpt is not None:
             return self._complete_run(f"is at step {s.global_step}, the --max-steps {args.max_steps} given: nothing "
-                                      "to train; a higher --max-steps, or none, continues the run")
+                                      "to train; a higher --max-steps, or none, continues the run",
+                                      stop=f"--max-steps {args.max_steps} reached")
         self.log(f"orepa train: {describe_cfg(self.cfg)}")
         self.log(f"  params: {self.params_train:,} training form, {self.params_deploy:,} deployed; "
                  f"data: {self.data.name}, {len(self.data.train)} train / {len(self.data.val)} val images")
@@ -1435,9 +1436,9 @@ class Trainer:
             tb.close()
         return self.summary(stop, last)
 
-    def _complete_run(self, why: str) -> dict:
+    def _complete_run(self, why: str, stop: str | None = None) -> dict:
         """The summary of a run resumed where there is nothing to train (after its last epoch, at its
-        step budget): its summary.json, rebuilt from its history when that is gone."""
+        step budget: ``stop``): its summary.json, rebuilt from its history when that is gone."""
         s = self.state
         self.log(f"orepa train: {self.ckpt_path} {why}")
         saved = None
@@ -1455,7 +1456,7 @@ class Trainer:
             dist.broadcast_object_list(box, 0)
             saved = box[0]
         if saved is None:  # rebuilt (this command trained nothing)
-            return self.summary(None, s.history[-1] if s.history else {})
+            return self.summary(stop, s.history[-1] if s.history else {})
         if self.main:
             print_summary(saved)
         return {**saved, "stop_signal": None}  # (no signal stopped this command: its exit code is 0)
