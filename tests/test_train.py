@@ -2505,3 +2505,67 @@ def test_every_command_refuses_a_batch_its_device_cannot_hold_before_it_writes(c
                  "--micro-batches", "8"]) == 2
     assert "-b 64 --micro-batches 8 (8 images a step)" in capsys.readouterr().err
     assert _train(cache, tmp_path / "t", "-b", "64", "--micro-batches", "16", "--epochs", "1", "--no-eval") == 0
+
+
+def test_a_resume_turns_off_the_switches_its_run_was_started_with(cache, tmp_path, capsys):
+    """--no-eval, --keep-epoch-checkpoints and --sync-bn are run settings that --resume keeps, but they
+    had no opposite flag: a run started with them could not be resumed without them. --eval,
+    --no-keep-epoch-checkpoints and --no-sync-bn override them like any other setting."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--no-eval", "--keep-epoch-checkpoints", "--sync-bn",
+                  "--max-steps", "4") == 0  # the end of epoch 1 of 2
+    ckpt = run / "checkpoint.pth"
+    assert (run / "model_1.pth").is_file() and "val_acc1" not in _load(ckpt)["history"][0]
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--eval", "--no-keep-epoch-checkpoints", "--no-sync-bn",
+                 "--no-progress", "--quiet"]) == 0
+    assert "overrides: sync_bn True -> False, keep_epoch_checkpoints True -> False, no_eval True -> False" in \
+        capsys.readouterr().out
+    ck = _load(ckpt)
+    assert ck["global_step"] == 8 and "val_acc1" in ck["history"][1] and not (run / "model_2.pth").exists()
+    assert {k: ck["args"][k] for k in ("no_eval", "keep_epoch_checkpoints", "sync_bn")} == dict.fromkeys(
+        ("no_eval", "keep_epoch_checkpoints", "sync_bn"), False)
+    assert "val_acc1" in json.loads((run / "summary.json").read_text())
+
+
+def test_resume_refuses_another_tools_training_checkpoint_and_names_init_from(cache, tmp_path, capsys):
+    """A training checkpoint of torchvision's or timm's reference scripts (model, optimizer, epoch and its
+    own flags) was taken for an orepa run without settings: the advice was to give --data-path and the
+    run's flags, and with them it "resumed" at that tool's epoch count, global step 0. Its optimizer,
+    schedule and position are not an orepa run's: refused in one line, with --init-from for its weights."""
+    import argparse
+
+    assert _train(cache, tmp_path / "run", "--epochs", "1", "--no-eval", "--max-steps", "1") == 0
+    saved = _load(tmp_path / "run" / "checkpoint.pth")
+    other = tmp_path / "torchvision.pth"  # what torchvision's references/classification/train.py saves
+    torch.save({"model": saved["model"], "optimizer": saved["optimizer"], "lr_scheduler": saved["lr_scheduler"],
+                "epoch": 1, "args": argparse.Namespace(model="resnet18", lr=0.1)}, other)
+    out = tmp_path / "continued"
+    for extra in ([], ["--data-path", "fashion-mnist", "--cache-dir", cache, *TINY]):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(other), "--output-dir", str(out), "--no-progress", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "another tool's training checkpoint" in err and f"--init-from {other}" in err, err
+        assert err.count("\n") == 1 and not out.exists()
+
+
+def test_a_resume_whose_epochs_end_the_run_where_it_stopped_sums_it_up_as_ended(cache, tmp_path, capsys):
+    """--epochs N equal to the epochs a stopped run has done ends it there: the command said "ends a
+    complete run (1/1 epochs)", then printed the summary of the stopped 3-epoch run (1/3, stopped:
+    --max-steps 4 reached). The summary is the ended run's, as --epochs says."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "3", "--no-eval", "--max-steps", "4") == 0  # the end of epoch 1 of 3
+    ckpt = run / "checkpoint.pth"
+    before = ckpt.read_bytes()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--epochs", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "ends a complete run (1/1 epochs, 4 steps)" in out and "1/1 (4 steps)" in out and "stopped" not in \
+        out.split("summary:")[1], out
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["epochs_done"], summary["epochs"], summary["stopped"]) == (1, 1, None)
+    # at its step budget with more epochs: a stopped run of as many epochs as the command says
+    assert main(["train", "--resume", str(ckpt), "--epochs", "5", "--max-steps", "4", "--no-progress"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["epochs_done"], summary["epochs"], summary["stopped"]) == (1, 5, "--max-steps 4 reached")
+    assert ckpt.read_bytes() == before  # nothing trained: the checkpoint is the run's

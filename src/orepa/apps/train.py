@@ -228,7 +228,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_pack_argument(g)
     add_kernel_graphs_argument(g)
     add_tf32_matmul_argument(g, default=None)
-    g.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across processes (DDP on GPUs)")
+    g.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=False,
+                   help="SyncBatchNorm across processes (DDP on GPUs)")
     g.add_argument("--dist-timeout", type=positive_float, default=None, metavar="MIN",
                    help="under torchrun: how long a process waits for the others in a collective before the run "
                         "fails (a peer stuck on I/O or stopped); default torch's (30 min with gloo, NCCL's own)")
@@ -254,7 +255,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
     g.add_argument("--save-every", type=nonneg_int, default=0,
                    help="also checkpoint every N steps (0: epoch ends only)")
-    g.add_argument("--keep-epoch-checkpoints", action="store_true", help="keep model_<epoch>.pth of every epoch")
+    g.add_argument("--keep-epoch-checkpoints", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep model_<epoch>.pth of every epoch")
     g.add_argument("--max-steps", type=positive_int, default=None,
                    help="stop after this many optimizer steps in total, checkpointing (a budget; resume later)")
     g.add_argument("--time-limit", type=positive_float, default=None, metavar="MIN",
@@ -263,6 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs even if installed")
     g.add_argument("--no-eval", action="store_true", help="skip the per-epoch evaluation")
+    g.add_argument("--eval", dest="no_eval", action="store_false", default=False,
+                   help="evaluate every epoch (the default; --resume of a --no-eval run evaluates again)")
     g.add_argument("--quiet", action="store_true", help="no per-epoch lines (the summary is still printed)")
 
 
@@ -600,6 +604,12 @@ class Trainer:
         if self.start_weights is not None:
             saved_cfg = self.start_weights.get("model_cfg")
         elif args.resume:
+            if "format" not in self.resume_ckpt and "optimizer" in self.resume_ckpt:
+                # torchvision's or timm's reference scripts: their optimizer groups, schedule, epoch count and
+                # random streams are their own, no position in an orepa run
+                raise UserError(f"--resume {args.resume}: another tool's training checkpoint (not one of `orepa "
+                                "train`): its optimizer, schedule and position are not an orepa run's; start a new "
+                                f"run from its weights with --init-from {args.resume}")
             if self.resume_ckpt.get("form", "train") != "train" or "optimizer" not in self.resume_ckpt:
                 raise UserError(f"--resume {args.resume}: not a training checkpoint (it holds "
                                 f"{self.resume_ckpt.get('form', 'bare')} weights without optimizer state); "
@@ -1367,7 +1377,8 @@ class Trainer:
                                       f"nothing to train; --epochs N above {args.epochs} continues it")
         if args.max_steps is not None and s.global_step >= args.max_steps and self.resume_ckpt is not None:
             return self._complete_run(f"is at step {s.global_step}, the --max-steps {args.max_steps} given: nothing "
-                                      "to train; a higher --max-steps, or none, continues the run")
+                                      "to train; a higher --max-steps, or none, continues the run",
+                                      stop=f"--max-steps {args.max_steps} reached")
         self.log(f"orepa train: {describe_cfg(self.cfg)}")
         self.log(f"  params: {self.params_train:,} training form, {self.params_deploy:,} deployed; "
                  f"data: {self.data.name}, {len(self.data.train)} train / {len(self.data.val)} val images")
@@ -1427,9 +1438,9 @@ class Trainer:
             tb.close()
         return self.summary(stop, last)
 
-    def _complete_run(self, why: str) -> dict:
+    def _complete_run(self, why: str, stop: str | None = None) -> dict:
         """The summary of a run resumed where there is nothing to train (after its last epoch, at its
-        step budget): its summary.json, rebuilt from its history when that is gone."""
+        step budget: ``stop``): its summary.json, rebuilt from its history when that is gone."""
         s = self.state
         self.log(f"orepa train: {self.ckpt_path} {why}")
         saved = None
@@ -1438,14 +1449,16 @@ class Trainer:
                 saved = json.loads((self.out / "summary.json").read_text())
             except (OSError, ValueError):
                 pass
-            if not (isinstance(saved, dict) and saved.get("global_step") == s.global_step):
+            # (a summary of the same step whose run had more epochs: an --epochs override ends the run here)
+            if not (isinstance(saved, dict) and saved.get("global_step") == s.global_step
+                    and saved.get("epochs") == self.args.epochs):
                 saved = None
         if self.info.distributed:  # rank 0's file decides for every rank (summary() below is collective)
             box = [saved]
             dist.broadcast_object_list(box, 0)
             saved = box[0]
         if saved is None:  # rebuilt (this command trained nothing)
-            return self.summary(None, s.history[-1] if s.history else {})
+            return self.summary(stop, s.history[-1] if s.history else {})
         if self.main:
             print_summary(saved)
         return {**saved, "stop_signal": None}  # (no signal stopped this command: its exit code is 0)
