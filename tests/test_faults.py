@@ -747,6 +747,9 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys, monkeypa
         (["eval", str(ckpt), "--json", ""], "argument --json: '' names no file or directory"),
         ([*new, "--epochs", "1", "--output-dir", ""], "argument --output-dir: '' names no file or directory"),
         ([*new, "--epochs", "1", "--resume", ""], "argument --resume: '' names no file or directory"),
+        # a run directory given for its checkpoint: the file named
+        ([*new, "--resume", str(run), "--output-dir", str(tmp_path / "r2")],
+         f"{run} is not a file (a run directory: its checkpoint is {ckpt})"),
         ([*new, "--init-from", " ", "--output-dir", str(tmp_path / "e")], "argument --init-from: ' ' names no file"),
         (["analyze", ""], "argument target: '' names no file or directory"),
         (["analyze", str(ckpt), "--output-dir", ""], "argument --output-dir/--out-dir: '' names no file"),

@@ -711,7 +711,9 @@ def read_checkpoint_file(path: str | os.PathLike, *, lazy: bool = False):
     if not path.is_file():
         raise UserError(f"checkpoint {path} is a symbolic link to nothing (a dangling link or a loop)"
                         if path.is_symlink() and not path.exists() else
-                        f"checkpoint {path} does not exist" if not path.exists() else f"{path} is not a file")
+                        f"checkpoint {path} does not exist" if not path.exists() else
+                        f"{path} is not a file" + (f" (a run directory: its checkpoint is {path / 'checkpoint.pth'})"
+                                                   if (path / "checkpoint.pth").is_file() else ""))
     if path.stat().st_size == 0:
         raise UserError(f"checkpoint {path} is an empty file (a write that never finished?)")
     try:  # (not a damaged file: one this user may not read)
