@@ -747,6 +747,9 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys, monkeypa
         (["eval", str(ckpt), "--json", ""], "argument --json: '' names no file or directory"),
         ([*new, "--epochs", "1", "--output-dir", ""], "argument --output-dir: '' names no file or directory"),
         ([*new, "--epochs", "1", "--resume", ""], "argument --resume: '' names no file or directory"),
+        # a new run's input channels are the data's: a model for other images said as such (was torch's conv error)
+        ([*new, "--in-chans", "3", "--output-dir", str(tmp_path / "rgb")],
+         "--in-chans 3: the images of fashion-mnist have 1 channel(s), which a new run's model takes: leave it out"),
         # a run directory given for its checkpoint: the file named
         ([*new, "--resume", str(run), "--output-dir", str(tmp_path / "r2")],
          f"{run} is not a file (a run directory: its checkpoint is {ckpt})"),

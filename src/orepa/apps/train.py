@@ -672,6 +672,10 @@ class Trainer:
         if saved_cfg is None and n < have:  # a new run's count (a checkpoint's is checked below)
             flag = "--num-classes " if getattr(args, "num_classes", None) == n else "--model-option num_classes="
             raise UserError(f"{flag}{n} is fewer than the {have} classes of {self.data.name}")
+        if saved_cfg is None and self.cfg["in_chans"] != self.data.in_chans:  # (a checkpoint's: below)
+            flag = "--in-chans " if getattr(args, "in_chans", None) == self.cfg["in_chans"] else "--model-option in_chans="
+            raise UserError(f"{flag}{self.cfg['in_chans']}: the images of {self.data.name} have {self.data.in_chans} "
+                            "channel(s), which a new run's model takes: leave it out")
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
