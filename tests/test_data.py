@@ -93,6 +93,17 @@ def test_hidden_files_and_folders_are_not_read(tmp_path):
     assert len(val) == 6 and all(x.shape == (3, 8, 8) for x, _ in val)
 
 
+@pytest.mark.skipif(not hasattr(os, "symlink"), reason="no symbolic links on this system")
+def test_only_names_inside_the_tree_are_judged_hidden(tmp_path):
+    """A tree kept under a dot folder (``~/.cache/datasets/...``) is read whole: only the names below the
+    split folder count. A hidden link to a class folder (a ``.latest`` alias) is skipped as any hidden
+    folder is, not refused as a folder read twice."""
+    root = tree(tmp_path / ".cache" / "d")
+    (root / "train" / ".latest").symlink_to(root / "train" / "a", target_is_directory=True)
+    train, val = read(root)
+    assert train.classes == val.classes == ["a", "b"] and len(train) == len(val) == 6
+
+
 def test_a_class_folder_without_images_is_named_with_the_extensions_read(tmp_path):
     root = tree(tmp_path / "d")
     (root / "train" / "c").mkdir()

@@ -680,7 +680,7 @@ def test_checkpoints_without_bn_batch_counts_load_in_every_form():
             tol_close(f(x)["c5"], ref)
 
 
-def test_torchvisions_weights_enum_is_taken_for_weights_backbone(monkeypatch):
+def test_torchvisions_weights_enum_is_taken_for_weights_backbone(monkeypatch, tmp_path):
     """``weights_backbone=ResNet18_Weights.IMAGENET1K_V1``, as torchvision's own detector builders take
     it: its file is read (weights_only, hash checked), not refused as an unknown type."""
     from torchvision.models import ResNet18_Weights
@@ -711,6 +711,12 @@ def test_torchvisions_weights_enum_is_taken_for_weights_backbone(monkeypatch):
     with pytest.raises(ValueError, match=r"weights 'DEFAULT': no such file, and torchvision has no weights of "
                                          r"wide_resnet18_2 by name"):
         D.resnet_features("wide_resnet18_2", "base", weights="DEFAULT")
+    # a file of that name is the file
+    monkeypatch.chdir(tmp_path)
+    torch.save({k: v * 2 for k, v in plain.items()}, "IMAGENET1K_V1")
+    asked.clear()
+    model = D.fasterrcnn("resnet18", "base", num_classes=3, weights_backbone="IMAGENET1K_V1")
+    assert not asked and torch.equal(model.backbone.body.layer4[1].conv2.weight, 2 * plain["layer4.1.conv2.weight"])
 
 
 def test_a_checkpoint_of_orepa_train_with_block_options_is_read_as_it_says():

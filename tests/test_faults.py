@@ -190,6 +190,26 @@ def test_a_stop_signal_during_the_evaluation_ends_it_and_keeps_the_epochs_traini
     assert [r["epoch"] for r in done["history"]] == [1, 2] and all("val_acc1" in r for r in done["history"])
 
 
+def test_a_stop_signal_during_the_ema_evaluation_ends_it_too(cache, tmp_path, monkeypatch, capsys):
+    """With --model-ema each epoch is evaluated twice: a stop signal during the EMA's evaluation ends
+    it as one during the model's does (the epoch's training saved at its last step, unevaluated)."""
+    real, calls = train.evaluate, []
+
+    def evaluate(*args, **kwargs):
+        calls.append(kwargs["desc"])
+        if kwargs["desc"] == "eval EMA":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    out = tmp_path / "run"
+    argv = [a for a in TINY if a != "--no-eval"]
+    assert main(["train", *argv, "--model-ema", "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)]) == 143
+    assert calls == ["eval", "eval EMA"]
+    stopped = _load(out / "checkpoint.pth")
+    assert (stopped["epoch"], stopped["step_in_epoch"], stopped["reason"], stopped["history"]) == (0, 4, "trained", [])
+
+
 DEMO_IN_A_TERMINAL = """
 import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's foreground job (a background one ignores it)
@@ -1702,13 +1722,14 @@ def test_taking_a_run_directory_removes_the_temporary_files_of_writes_that_died(
     assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in kept)
 
 
-@pytest.mark.parametrize("taken", [False, True])
-def test_a_run_whose_directory_is_removed_takes_it_again_or_stops(cache, tmp_path, capsys, monkeypatch, taken):
+@pytest.mark.parametrize("meanwhile", ["removed", "taken", "taken in the epoch", "ended", "lock removed"])
+def test_a_run_whose_directory_is_removed_takes_it_again_or_stops(cache, tmp_path, capsys, monkeypatch, meanwhile):
     """The output directory removed while the run trains (an ``rm -rf`` of it): the next write made it
     again without the run's lock, and a run started there meanwhile (``--overwrite``) wrote into it with
     this one, silently; this run's end then removed that run's lock. Now the run takes the directory
-    again before its next write (said), or, where another run has it, stops without writing there and
-    leaves that run's lock."""
+    again before its next write (said), or, where another run has it (its lock, or its files in the
+    directory made since, that run ended), stops without writing there and leaves that run's lock and
+    files. Its lock file alone removed (the directory kept), it is taken again and the run goes on."""
     import shutil
 
     from orepa.apps.checkpoint import lock_run_dir, unlock_run_dir
@@ -1716,32 +1737,55 @@ def test_a_run_whose_directory_is_removed_takes_it_again_or_stops(cache, tmp_pat
     out, held = tmp_path / "run", []
     first = train.Trainer.train_epoch
 
+    def remove():
+        held.append(None)
+        if meanwhile == "lock removed":
+            (out / RUN_LOCK).unlink()
+            return
+        shutil.rmtree(out)
+        if meanwhile != "removed":  # another run starts there
+            out.mkdir()
+            held[0] = lock_run_dir(out)
+        if meanwhile == "ended":  # and ends, its files kept
+            (out / "log.jsonl").write_text("{}\n")
+            unlock_run_dir(held[0])
+
     def removed_meanwhile(self):
         stop = first(self)
         if not held:
-            shutil.rmtree(out)
-            if taken:  # another run starts there
-                out.mkdir()
-                held.append(lock_run_dir(out))
-            else:
-                held.append(None)
+            remove()
         return stop
 
-    monkeypatch.setattr(train.Trainer, "train_epoch", removed_meanwhile)
-    code = main(["train", *TINY, "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)])
+    step = train.Trainer._forward_backward
+
+    def removed_in_the_epoch(self, *a):  # (the step that --max-steps stops at: progress.json is written first)
+        if self.state.global_step == 5 and not held:
+            remove()
+        return step(self, *a)
+
+    if meanwhile == "taken in the epoch":
+        monkeypatch.setattr(train.Trainer, "_forward_backward", removed_in_the_epoch)
+        meanwhile = "taken"
+    else:
+        monkeypatch.setattr(train.Trainer, "train_epoch", removed_meanwhile)
+    code = main(["train", *TINY, "--epochs", "2", "--max-steps", "6", "--cache-dir", cache, "--output-dir", str(out)])
     captured = capsys.readouterr()
-    if taken:
+    if meanwhile in ("taken", "ended"):
         assert code == 2 and captured.err.count("\n") == 1, captured.err
-        assert f"--output-dir {out} was removed while this run was writing there, and could not be taken again " \
-               f"(--output-dir {out} is being written by another run (process " in captured.err, captured.err
+        lost = f"--output-dir {out} was removed while this run was writing there, and "
+        assert lost + (f"could not be taken again (--output-dir {out} is being written by another run (process "
+                       if meanwhile == "taken" else "another run has written there since (log.jsonl)") in captured.err
         assert "this run stops without writing there; this run's checkpoints went with its directory" in captured.err
-        assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK]  # the other run's lock, nothing of this one's
+        # the other run's lock or files, nothing of this one's
+        assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK if meanwhile == "taken" else "log.jsonl"]
         unlock_run_dir(held[0])
     else:
         assert code == 0, captured.err
-        assert f"note: --output-dir {out} was removed while this run was writing there: made again (what it held " \
-               "is gone) and taken again" in captured.out
-        assert _load(out / "checkpoint.pth")["epoch"] == 2 and not (out / RUN_LOCK).exists()
+        note = (f"note: --output-dir {out} was removed while this run was writing there: made again (what it held "
+                "is gone) and taken again" if meanwhile == "removed" else
+                f"note: --output-dir {out}: its lock {RUN_LOCK} was removed while this run was writing there: taken again")
+        assert note in captured.out and captured.out.count("taken again") == 1, captured.out  # (said once)
+        assert _load(out / "checkpoint.pth")["global_step"] == 6 and not (out / RUN_LOCK).exists()
 
 
 def test_a_run_lock_is_released_without_removing_another_runs(tmp_path):
@@ -1762,6 +1806,7 @@ def test_a_run_lock_is_released_without_removing_another_runs(tmp_path):
         lock_run_dir(run)
     unlock_run_dir(second)
     assert not (run / RUN_LOCK).exists()
+    assert (second.fd, second.folder) == (None, None)  # (both its descriptors closed: the lock's, the directory's)
 
 
 def test_without_flock_runs_starting_at_once_take_the_lock_once(tmp_path, monkeypatch):
@@ -2065,7 +2110,19 @@ def test_an_unreadable_training_image_keeps_the_steps_trained_before_it(tmp_path
     monkeypatch.setattr(data, "load_image", real)
     assert main(["train", "--resume", str(ckpt), "--no-progress", "--quiet"]) == 0
     assert main([*argv[:-1], str(tmp_path / "whole")]) == 0
-    _assert_same_run(_load(ckpt), _load(tmp_path / "whole" / "checkpoint.pth"))
+    resumed, whole = _load(ckpt), _load(tmp_path / "whole" / "checkpoint.pth")
+    _assert_same_run(resumed, whole)
+    # the epoch's figures count the steps trained before the bad image too
+    assert resumed["history"][0]["train_loss"] == pytest.approx(whole["history"][0]["train_loss"])
+    # met at the run's first batch: nothing trained, no checkpoint written (an --overwrite's replaced run stays)
+    def first_unreadable(path):
+        raise data.UserError(f"cannot read image {path}: truncated (remove or replace the file)")
+
+    monkeypatch.setattr(data, "load_image", first_unreadable)
+    capsys.readouterr()
+    assert main([*argv[:-1], str(tmp_path / "first")]) == 2
+    assert "; no checkpoint had been written yet" in capsys.readouterr().err
+    assert not (tmp_path / "first" / "checkpoint.pth").exists()
     # a loader worker the system killed (out of memory): the same
     calls.clear()
 

@@ -64,6 +64,9 @@ def test_a_command_whose_apps_package_is_missing_says_which_extra_to_install(mon
     err = capsys.readouterr().err
     assert err.startswith("orepa eval: error: ") and err.count("\n") == 1, err
     assert "tqdm" in err and 'pip install "orepa[apps]"' in err
+    # a module of a package (its import name's first part), under its distribution's name
+    old = ModuleNotFoundError("No module named 'PIL.AvifImagePlugin'", name="PIL.AvifImagePlugin")  # (an old Pillow)
+    assert "needs the package pillow:" in cli.missing_apps_package(old)
 
 
 def test_a_missing_module_that_no_extra_provides_still_raises(monkeypatch):
@@ -100,16 +103,19 @@ def _git(*args, cwd) -> str:
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_an_installed_orepa_does_not_report_the_commit_of_a_repository_around_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("place", [".venv/lib/python3.11/site-packages", "vendor", "vendor/orepa-0.1/src"])
+def test_an_installed_orepa_does_not_report_the_commit_of_a_repository_around_it(tmp_path, monkeypatch, place):
     """orepa installed into a project's .venv (a git repository): ``orepa bench`` headed its table
-    ``orepa <the project's commit>``, read from four folders above the installed file."""
+    ``orepa <the project's commit>``, read from four folders above the installed file. Nor where
+    ``pip install --target vendor`` put it four folders below the project's top, or an unpacked
+    source distribution's ``src/`` lies in the project (a tree that git does not track as orepa's)."""
     from orepa.apps.bench import measure
 
     project = tmp_path / "project"
     project.mkdir()
     _git("init", "-q", cwd=project)
     _git("-c", "user.name=u", "-c", "user.email=u@x", "commit", "-q", "--allow-empty", "-m", "x", cwd=project)
-    installed = project / ".venv" / "lib" / "python3.11" / "site-packages" / "orepa" / "apps" / "bench" / "measure.py"
+    installed = project / place / "orepa" / "apps" / "bench" / "measure.py"
     installed.parent.mkdir(parents=True)
     installed.write_text("")
     monkeypatch.setattr(measure, "__file__", str(installed))
