@@ -891,7 +891,8 @@ class Trainer:
             # holds that lock and keeps its directory.
             return found
         if not args.overwrite:
-            check_not_held(self.out)  # (a run still writing there: neither --resume nor --overwrite would be taken)
+            if self.lock is None:  # (not yet this run's: a run still writing there takes neither --resume nor --overwrite)
+                check_not_held(self.out)
             what = f"a run ({some_of(found)})"
             hint = f"continue it with --resume {self.ckpt_path}, " if (self.out / "checkpoint.pth").exists() else ""
             raise UserError(f"--output-dir {self.out} already holds {what}; {hint}replace it with --overwrite, "
