@@ -2197,8 +2197,10 @@ def test_an_unreadable_validation_image_is_raised_by_every_rank_after_the_all_re
 
         def __iter__(self):
             yield torch.randn(2, 3), torch.tensor([0, 1])
-            if self.fail:
-                raise common.UserError(said)
+            if self.fail:  # alone: as a loader worker's error reaches the process (its original message last)
+                raise common.UserError(said if info.distributed else "Caught UserError in DataLoader worker process 0."
+                                       "\nOriginal Traceback (most recent call last):\n  File \"data.py\", line 1"
+                                       f"\norepa.apps.common.UserError: {said}")
             yield torch.randn(2, 3), torch.tensor([1, 2])
 
     reduced = []

@@ -41,6 +41,7 @@ from .common import (
     positive_int,
     refuse_amp_dtype_without_amp,
     refuse_idle_flags,
+    user_message,
     weights_damage,
 )
 from .data import FASHION_MNIST_NAMES, ShardSampler, add_data_arguments, build_data, saved_val_sizes, val_loader
@@ -141,7 +142,7 @@ def evaluate(model: nn.Module, loader, device: torch.device, *, info: DistInfo |
         dist.all_reduce(sums)
     loss, c1, c5, n, stopped, failures = sums.tolist()
     if failed:
-        raise EvaluationFailed(str(failed[0])) from None
+        raise EvaluationFailed(user_message(failed[0])) from None  # (a loader worker's: its own message)
     if failures:
         raise EvaluationFailed("another process of this run could not read an image of the validation set (its "
                                "error names it)")
