@@ -356,5 +356,5 @@ def run(args: argparse.Namespace) -> int:
         cleanup_distributed(info)
 
 
-__all__ = ["evaluate", "EvaluationFailed", "EvaluationStopped", "evaluate_checkpoint", "autocast_context", "add_arguments", "run",
-           "FASHION_MNIST_NAMES"]
+__all__ = ["evaluate", "EvaluationFailed", "EvaluationStopped", "evaluate_checkpoint", "autocast_context",
+           "add_arguments", "run", "FASHION_MNIST_NAMES"]
