@@ -201,6 +201,11 @@ def _refuse(directory: Path, flag: str, held: str, lock: Path) -> UserError:
                      f"choose another {flag} (a run that died on another machine leaves {lock}: remove it)")
 
 
+def _lock_text(fd: int) -> str:
+    """What a run lock open as ``fd`` says (``host-pid [flock]``; empty where not yet written)."""
+    return os.read(fd, 4096).decode(errors="replace").strip()
+
+
 def _unwritable(directory: Path, flag: str, lock: Path, exc: OSError) -> UserError:
     return UserError(f"{flag} {directory}: cannot write {lock.name} ({exc.strerror or exc})")
 
@@ -230,7 +235,7 @@ def check_not_held(directory: Path, flag: str = "--output-dir") -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (released with the descriptor)
     except BlockingIOError:
-        raise _refuse(directory, flag, os.read(fd, 4096).decode(errors="replace").strip(), lock) from None
+        raise _refuse(directory, flag, _lock_text(fd), lock) from None
     except OSError:  # no flock on this file system
         pass
     finally:
@@ -275,7 +280,7 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # a live run holds it
-                held = os.read(fd, 4096).decode(errors="replace").strip()
+                held = _lock_text(fd)
                 os.close(fd)
                 raise _refuse(directory, flag, held, lock) from None
             except OSError:  # this file system has no flock
@@ -283,7 +288,7 @@ def lock_run_dir(directory: Path, flag: str = "--output-dir") -> RunLock:
         if not _still_at(fd, lock):  # removed (a run ending) or replaced while we opened it: again
             os.close(fd)
             continue
-        held = os.read(fd, 4096).decode(errors="replace").strip()
+        held = _lock_text(fd)
         if not held and not created and not flocked:
             # without flock an empty lock is another run's, made a moment ago and not yet written: wait for its word
             os.close(fd)

@@ -291,6 +291,13 @@ def schedule_name(args) -> str:
     return {"cosine": "cosineannealinglr", "step": "steplr"}.get(args.lr_scheduler, args.lr_scheduler)
 
 
+def _cfg_flag(args, key: str, value) -> str:
+    """How this command gave the model setting ``key`` its ``value``: its own flag (``--num-classes 5``)
+    or ``--model-option num_classes=5``."""
+    return f"--{key.replace('_', '-')} {value}" if getattr(args, key, None) == value else \
+        f"--model-option {key}={value}"
+
+
 def warmup_steps(args, iters_per_epoch: int) -> int:
     """The optimizer steps of the linear warm-up (``--lr-warmup-epochs`` may be a fraction): at least
     one where a warm-up is asked for (one shorter than half a step rounded to none, which left
@@ -670,12 +677,10 @@ class Trainer:
                 self.cfg, expected = cfg, plain_expected
         n, have = self.cfg["num_classes"], self.data.num_classes
         if saved_cfg is None and n < have:  # a new run's count (a checkpoint's is checked below)
-            flag = "--num-classes " if getattr(args, "num_classes", None) == n else "--model-option num_classes="
-            raise UserError(f"{flag}{n} is fewer than the {have} classes of {self.data.name}")
+            raise UserError(f"{_cfg_flag(args, 'num_classes', n)} is fewer than the {have} classes of {self.data.name}")
         if saved_cfg is None and self.cfg["in_chans"] != self.data.in_chans:  # (a checkpoint's: below)
-            flag = "--in-chans " if getattr(args, "in_chans", None) == self.cfg["in_chans"] else "--model-option in_chans="
-            raise UserError(f"{flag}{self.cfg['in_chans']}: the images of {self.data.name} have {self.data.in_chans} "
-                            "channel(s), which a new run's model takes: leave it out")
+            raise UserError(f"{_cfg_flag(args, 'in_chans', self.cfg['in_chans'])}: the images of {self.data.name} "
+                            f"have {self.data.in_chans} channel(s), which a new run's model takes: leave it out")
         if saved_cfg is not None and expected != self.cfg:
             raise UserError(f"{source} was trained as {describe_cfg(saved_cfg)}, but this command "
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
