@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -845,6 +847,72 @@ def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
     assert all(torch.equal(sa[i]["momentum_buffer"], sb[i]["momentum_buffer"]) for i in sa)
     assert ca["lr_scheduler"]["last_epoch"] == cb["lr_scheduler"]["last_epoch"]
     assert [h["train_loss"] for h in ca["history"]] == pytest.approx([h["train_loss"] for h in cb["history"]])
+
+
+def test_auto_resume_starts_a_run_where_there_is_none_and_continues_the_one_there(cache, tmp_path, capsys):
+    """A requeued job runs its command again as first given: --auto-resume continues the run its
+    directory holds (here stopped by a step budget, as a job killed mid-epoch), to the weights of the
+    run never stopped, and a run that has ended again is its summary (exit 0, nothing trained)."""
+    args = ("--method", "orepa", "--epochs", "2", "--no-eval", "--auto-resume")
+    assert _train(cache, tmp_path / "whole", *args) == 0  # nothing there: a new run
+    out = tmp_path / "job"
+    assert _train(cache, out, *args, "--max-steps", "3") == 0
+    capsys.readouterr()
+    assert _train(cache, out, *args) == 0
+    said = capsys.readouterr().out
+    assert f"--auto-resume: the run there continues (--resume {out / 'checkpoint.pth'})" in said
+    assert "global step 3, with its settings; no overrides" in said
+    whole, job = _load(tmp_path / "whole" / "checkpoint.pth"), _load(out / "checkpoint.pth")
+    assert job["global_step"] == 8 and all(torch.equal(v, job["model"][k]) for k, v in whole["model"].items())
+    assert _train(cache, out, *args) == 0
+    assert "ends a complete run (2/2 epochs, 8 steps): nothing to train" in capsys.readouterr().out
+    assert _load(out / "checkpoint.pth")["global_step"] == 8
+    for flag in (["--overwrite"], ["--resume", str(out / "checkpoint.pth")]):
+        assert _train(cache, out, *args, *flag) == 2
+        assert f"--auto-resume continues the run in --output-dir and {flag[0]} " in capsys.readouterr().err
+
+
+def test_a_torchrun_restart_continues_the_run_its_job_began_and_no_other(cache, tmp_path, capsys, monkeypatch):
+    """torchrun --max-restarts starts the processes again with the first command line, which would
+    start its run anew (--init-from), replace it (--overwrite) or refuse the directory its first start
+    made: the restart continues the run its job began (named in its checkpoints). A run there of
+    another job (the first start found it and was refused) is judged as the command says."""
+    args = ("--method", "orepa", "--epochs", "2", "--no-eval")
+    assert _train(cache, tmp_path / "whole", *args) == 0
+    start = tmp_path / "start.pth"
+    shutil.copy(tmp_path / "whole" / "checkpoint.pth", start)
+    out = tmp_path / "job"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert _train(cache, out, *args, "--max-steps", "3") == 0
+    assert _load(out / "checkpoint.pth")["torchrun_job"] == "rendezvous job-a"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")  # another job's first start, then its restart
+    for restart in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        assert _train(cache, out, *args) == 2
+        assert f"--output-dir {out} already holds a run" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    assert _train(cache, out, *args, "--overwrite", "--init-from", str(start)) == 0
+    said = capsys.readouterr().out
+    assert f"torchrun restart 1: the run this job began continues (--resume {out / 'checkpoint.pth'})" in said
+    assert "--overwrite" not in said and "starting from the weights" not in said
+    whole, job = _load(tmp_path / "whole" / "checkpoint.pth"), _load(out / "checkpoint.pth")
+    assert job["global_step"] == 8 and all(torch.equal(v, job["model"][k]) for k, v in whole["model"].items())
+
+
+def test_a_torchrun_job_is_named_alike_over_its_restarts_and_otherwise_between_jobs(monkeypatch):
+    """Without a rendezvous id (the static rendezvous of several nodes): rank 0's torchrun process,
+    with its start time (a pid is used again)."""
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert common.torchrun_job(common.DistInfo()) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    restart, job = common.torchrun_job(common.DistInfo())
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        started = f.read().rpartition(")")[2].split()[19]
+    assert restart == 2 and job == f"torchrun {socket.gethostname()}:{os.getppid()}:{started}"
+    monkeypatch.setattr(os, "getppid", lambda: os.getpid())
+    assert common.torchrun_job(common.DistInfo())[1] != job
 
 
 def test_a_resumed_run_continues_its_ema_average(cache, tmp_path, capsys):
@@ -1719,8 +1787,21 @@ from orepa.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
+FAIL_RANK_ONE = """
+import os, sys
+from orepa.apps import train
+real_time_up = train.Trainer._time_up
+def time_up(self):  # rank 1 dies during the fourth step (the second of epoch 2), in torchrun's first start only
+    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and self.state.global_step == 3:
+        os._exit(1)
+    return real_time_up(self)
+train.Trainer._time_up = time_up
+from orepa.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
-@pytest.mark.slow  # three torchrun launches: one test, not two, for the second costs as much again
+
+@pytest.mark.slow  # four torchrun launches: one test, for the run never stopped costs as much again
 def test_a_signal_to_one_rank_stops_every_rank_and_the_resumed_run_ends_as_one_never_stopped(cache, tmp_path):
     """Two gloo processes, 2 steps an epoch, dropout 0.5 in the network, evaluated every epoch.
     Stopping: only rank 1 receives SIGTERM (during the third step); both stop after that step with
@@ -1731,7 +1812,10 @@ def test_a_signal_to_one_rank_stops_every_rank_and_the_resumed_run_ends_as_one_n
     after the model is built alike, checkpoints keep every rank's streams, and the resumed run ends
     bit-identical to one never stopped. The loaders draw their workers' seeds from generators of
     their own: from the global one, the resumed run's new iterator and every evaluation shifted the
-    stream the masks are drawn from."""
+    stream the masks are drawn from.
+    A failed rank: torchrun --max-restarts starts every process again with the first command line,
+    which refused the directory its own first start had made ("already holds a run"): the restart
+    continues the run its job began, and ends as the run never stopped."""
     script = tmp_path / "signal_rank_one.py"
     script.write_text(SIGNAL_RANK_ONE)
     env = child_env()
@@ -1763,6 +1847,15 @@ def test_a_signal_to_one_rank_stops_every_rank_and_the_resumed_run_ends_as_one_n
     whole, parts = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("whole", "parts"))
     assert whole["global_step"] == parts["global_step"] == 4 and whole["ranks_in_sync"] and parts["ranks_in_sync"]
     assert parts["stop_signal"] is None and parts["weights_sha256"] == whole["weights_sha256"]
+    failing = tmp_path / "fail_rank_one.py"
+    failing.write_text(FAIL_RANK_ONE)
+    out = tmp_path / "restarted"
+    proc = subprocess.run([*launch, "--max-restarts=1", str(failing), *argv, "--output-dir", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"torchrun restart 1: the run this job began continues (--resume {out / 'checkpoint.pth'})" in proc.stdout
+    restarted = json.loads((out / "summary.json").read_text())
+    assert restarted["global_step"] == 4 and restarted["weights_sha256"] == whole["weights_sha256"]
 
 
 # --------------------------------------------------------------------------- CLI

@@ -25,6 +25,7 @@ import random
 import re
 import resource
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -703,6 +704,36 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     return DistInfo(), device
+
+
+def torchrun_job(info: DistInfo) -> tuple[int, str] | None:
+    """Under torchrun: ``(restart, job)``. ``restart``: how often torchrun has started this command's
+    processes again (``--max-restarts``: when one process fails, torchrun stops the others and starts
+    them all again with the same command line). ``job``: a name of the torchrun job, the same over its
+    restarts and another for every new ``torchrun`` command: its rendezvous id (``--standalone`` and
+    one-node runs make a random one; several nodes have the ``--rdzv-id`` their nodes share), else
+    (the static rendezvous of several nodes leaves it ``none``) rank 0's torchrun process: host, pid
+    and start time. None without torchrun. Collective with several processes: rank 0's name is
+    every rank's (a process's parent is its own node's torchrun)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if count is None:
+        return None
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id not in ("", "none"):
+        job = f"rendezvous {run_id}"
+    else:
+        agent = os.getppid()
+        try:  # a pid is used again: its start time (clock ticks since boot, the 22nd field) tells the process
+            with open(f"/proc/{agent}/stat") as f:
+                started = f.read().rpartition(")")[2].split()[19]
+        except (OSError, IndexError):
+            started = "?"
+        job = f"torchrun {socket.gethostname()}:{agent}:{started}"
+    if info.distributed:
+        box = [job]
+        dist.broadcast_object_list(box, 0)
+        job = box[0]
+    return (int(count) if count.isdigit() else 0), job
 
 
 def cleanup_distributed(info: DistInfo, *, together: bool = False) -> bool:

@@ -24,6 +24,8 @@ printed as overrides and take effect: a new ``--lr`` (or ``--epochs``, warm-up, 
 rescales the schedule from the current step, ``--wd`` / ``--momentum`` replace the
 optimizer's. Overrides that cannot apply are refused: another model, other data, another
 batch size (the position in the run is counted in its steps), fewer epochs than done.
+``--auto-resume`` continues the run its output directory holds, where there is one (a requeued
+job's command again); a torchrun restart (``--max-restarts``) continues the run its job began.
 
 Fine-tuning: ``orepa train --init-from CKPT --data-path DATA`` starts a new run from the weights
 of a training-form checkpoint (``orepa train``'s or ``orepa import-reference``'s), with this
@@ -119,6 +121,7 @@ from .common import (
     split_params,
     state_hash,
     stop_signals_to_catch,
+    torchrun_job,
     user_message,
 )
 from .data import add_data_arguments, build_data, train_loader, val_loader
@@ -246,6 +249,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", type=path_arg, default=None,
                    help="continue the run of a training checkpoint (model, optimizer, scheduler, scaler, epoch, "
                         "position in the epoch, RNG) with its settings; flags given override them")
+    g.add_argument("--auto-resume", action="store_true",
+                   help="continue the run --output-dir holds (its checkpoint.pth) where there is one, else start "
+                        "this one: for a job that may run its command again (a requeued or retried job). A "
+                        "torchrun restart (--max-restarts) continues the run its job began without it")
     g.add_argument("--init-from", type=path_arg, default=None, metavar="CKPT",
                    help="start a new run from the weights of a checkpoint: training-form (of `orepa train`, or "
                         "`orepa import-reference`), or plain weights that start every block as its conv (deployed, a "
@@ -358,7 +365,7 @@ def _sync_buffers(info: DistInfo, *models: nn.Module | None) -> None:
 
 
 #: flags of one session, never taken from the checkpoint on --resume
-SESSION_FLAGS = frozenset({"resume", "init_from", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
+SESSION_FLAGS = frozenset({"resume", "auto_resume", "init_from", "test_only", "max_steps", "time_limit", "device", "threads", "workers",
                            "dist_timeout",
                            "micro_batches",
                            # how steps run on this session's device (Trainer._step_modes)
@@ -519,6 +526,10 @@ class Trainer:
         self.lock: RunLock | None = None  # the output directory's lock (lock_run_dir), held by the main process
         self.dir_lost = False  # the output directory went, and another run has it now
         self.made_dirs: list[Path] = []
+        self.command = argparse.Namespace(**vars(self.args))  # as given: setup fills self.args in
+        self.continued = False  # setup turned this command into the continuation of its directory's run
+        # (restart count, job name) under torchrun: a restart continues the run its job began (setup)
+        self.torchrun = torchrun_job(self.info)
 
     def log(self, *msg) -> None:
         if self.main:
@@ -587,6 +598,10 @@ class Trainer:
         if args.resume and args.init_from:
             raise UserError("--resume continues a run and --init-from starts a new one from a checkpoint's weights: "
                             "give one of them")
+        for flag, what in (("resume", "continues the checkpoint it names"), ("overwrite", "replaces the run there")):
+            if args.auto_resume and getattr(args, flag):
+                raise UserError(f"--auto-resume continues the run in --output-dir and --{flag} {what}: give one of "
+                                "them")
         if args.resume:
             kept = Path(args.resume).parent / REPLACED_DIR / Path(args.resume).name
             if not Path(args.resume).exists() and kept.is_file():
@@ -698,6 +713,10 @@ class Trainer:
             args.output_dir = f"runs/{self.data.name}-{model_slug(self.cfg['model'])}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
         self.ckpt_path = self.out / "checkpoint.pth"
+        continuation = self._continuation()
+        if continuation is not None:  # set up again as the --resume of the run there
+            self.args = continuation
+            return self.setup()
         previous = self._check_output_dir()
         seed_everything(args.seed)  # same initial weights on every rank
         # before the directory is made: a model that cannot be built, or cannot take the data, leaves none
@@ -874,6 +893,39 @@ class Trainer:
                                    if how == "plain" else "")
         self.log(f"starting from the weights of {path}{f' ({made} from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
+
+    def _continuation(self) -> argparse.Namespace | None:
+        """This command as the ``--resume`` of the run in its output directory, where it is to continue
+        that run rather than begin its own (else None). With --auto-resume: the run of whichever
+        checkpoint.pth is there (a requeued job runs its command again as first given). After a
+        torchrun restart (--max-restarts: when a process fails, torchrun starts them all again with
+        the first command line): the run this torchrun job began, told by the job's name in its
+        checkpoint (:func:`torchrun_job`), whatever --resume, --init-from or --overwrite the command
+        gives. (The command again would start that run anew, or refuse the directory it made.) A
+        run there of another job is judged as the command says, as at its first start."""
+        args = self.args
+        if self.continued or not self.ckpt_path.is_file():
+            return None
+        if args.resume and Path(args.resume).resolve() == self.ckpt_path.resolve():
+            return None  # (continuing it already)
+        why = None
+        if self.torchrun is not None and self.torchrun[0] > 0:
+            try:
+                job = load_checkpoint(self.ckpt_path, lazy=True).get("torchrun_job")
+            except UserError:  # damaged: no word of its job
+                job = None
+            if job == self.torchrun[1]:
+                why = f"torchrun restart {self.torchrun[0]}: the run this job began continues"
+        if why is None and args.auto_resume:
+            why = "--auto-resume: the run there continues"
+        if why is None:
+            return None
+        self.log(f"{why} (--resume {self.ckpt_path})")
+        self.continued = True
+        command = argparse.Namespace(**vars(self.command))
+        command.resume, command.init_from, command.overwrite, command.auto_resume = str(self.ckpt_path), None, False, False
+        command.given = (_given(self.command) - {"init_from", "overwrite", "auto_resume"}) | {"resume"}
+        return command
 
     def _check_output_dir(self) -> list[str]:
         """Refuse to train into a directory holding another run unless --overwrite; the files of the run
@@ -1163,6 +1215,8 @@ class Trainer:
             "epoch_sums": sums.tolist(), "epoch_timed": self._epoch_timed() if s.step_in_epoch else [0.0, 0],
             "history": s.history, "rng": rngs[0], **({"rng_ranks": rngs} if self.info.distributed else {}),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
+            # the torchrun job that wrote it: that job's restart continues from it (_continuation)
+            **({"torchrun_job": self.torchrun[1]} if self.torchrun else {}),
         }
         if self.ema is not None:
             ckpt["model_ema"] = self.ema.module.state_dict()
