@@ -627,7 +627,7 @@ class Trainer:
         _refuse_idle_flags(args)
         self._step_modes(args)
         source = self.start_flag or f"--resume {args.resume}"
-        self.data = build_data(args)
+        self.data = build_data(args, note=self.log)
         if self.resume_ckpt is not None and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
             # the folder changed since the run began: its labels would now name other classes
             was, now = tuple(self.resume_ckpt["classes"]), self.data.classes
