@@ -1057,6 +1057,36 @@ def test_a_resume_that_builds_kernels_otherwise_than_the_last_session_says_so(ca
     assert "note: kernel builder" not in capsys.readouterr().out
 
 
+def test_a_warmup_override_after_the_warmup_ended_is_refused_during_it_taken(cache, tmp_path, capsys):
+    """--lr-warmup-decay on --resume once the run's warm-up has ended sets rates no step is left to
+    take: it was listed as an override and changed nothing. Refused in one line; during the warm-up
+    it is taken, as before. --lr-warmup-epochs moves cosine's (and steplr's) schedule after the
+    warm-up, so it is taken there; under a constant schedule, with both warm-ups over, it is refused."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--no-eval", "--max-steps", "1") == 0  # warm-up: 2 steps of 4
+    ckpt = run / "checkpoint.pth"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--lr-warmup-decay", "0.5", "--max-steps", "3", "--no-progress"]) == 0
+    assert "overrides: lr_warmup_decay 0.01 -> 0.5" in capsys.readouterr().out
+    assert _load(ckpt)["global_step"] == 3 and _load(ckpt)["args"]["lr_warmup_decay"] == 0.5
+    before = ckpt.read_bytes()
+    for argv, msg in (
+            (["--lr-warmup-decay", "0.1"], "--lr-warmup-decay 0.1 changes nothing: this run's warm-up ended at step 2 "
+                                           "(epoch 0.5), and the run is at step 3"),
+            (["--lr-scheduler", "constant", "--lr-warmup-epochs", "0.25"],
+             "--lr-warmup-epochs 0.25 changes nothing: this run's warm-up ended at step 2 (epoch 0.5), this one would "
+             "end at step 1, and the run is at step 3")):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(ckpt), *argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and msg in err, err
+    assert ckpt.read_bytes() == before
+    # the same value as the run's changes nothing and asks for nothing; a warm-up of another length moves
+    # the cosine schedule after it (--max-steps 3: the run stops where it is)
+    for argv in (["--lr-warmup-decay", "0.5"], ["--lr-warmup-epochs", "0.25"]):
+        assert main(["train", "--resume", str(ckpt), *argv, "--max-steps", "3", "--no-progress"]) == 0, argv
+
+
 def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     """--resume alone keeps the run's settings and directory; a given --lr / --epochs / --wd replaces
     the saved one and rescales the schedule from the current step; what cannot apply is refused."""

@@ -778,6 +778,8 @@ class Trainer:
                             f"epoch, but an epoch of {self.data.name} now has {self.iters_per_epoch} steps (the training "
                             "set changed since the run began); put the folder back as it was, or start a new run "
                             "from its weights with --init-from")
+        if self.resume_ckpt is not None:
+            self._refuse_idle_warmup(self.resume_ckpt)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
         self.warmup_steps = warmup_steps(args, self.iters_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_fp16) if device.type == "cuda" or amp_fp16 \
@@ -1045,6 +1047,30 @@ class Trainer:
                             f"this command's {world} x {args.batch_size} = {self.global_batch} (the position in the "
                             f"run and its schedule are counted in steps of that batch); {keep}, or start a new run "
                             "from its weights with --init-from")
+
+    def _refuse_idle_warmup(self, ckpt: dict) -> None:
+        """A warm-up setting changed on --resume that the rest of the run never reads, refused (it was
+        taken and changed nothing): --lr-warmup-decay once the warm-up has ended (it sets the warm-up's
+        rates only); --lr-warmup-epochs where both warm-ups have ended and the schedule after them is
+        constant (cosine's and steplr's are counted from the warm-up's end: a change moves them)."""
+        args, saved, ipe = self.args, ckpt.get("args") or {}, self.iters_per_epoch
+        step = int(ckpt.get("global_step", 0))
+        changed = {k for k in ("lr_warmup_decay", "lr_warmup_epochs") if k in _given(args)
+                   and isinstance(saved.get(k), (int, float)) and saved[k] != getattr(args, k)}
+        warm = warmup_steps(args, ipe)
+        was = warmup_steps(argparse.Namespace(lr_warmup_epochs=saved.get("lr_warmup_epochs", 0)), ipe) \
+            if "lr_warmup_epochs" in changed else warm
+        ended = f"this run's warm-up ended at step {was} (epoch {was / ipe:g})"
+        if "lr_warmup_decay" in changed and step >= warm:
+            key, why = "lr_warmup_decay", (f"{ended if was == warm else f'the warm-up would end at step {warm}'}, "
+                                           f"and the run is at step {step} (the flag sets the warm-up's first rate)")
+        elif "lr_warmup_epochs" in changed and schedule_name(args) == "constant" and step >= max(warm, was):
+            key, why = "lr_warmup_epochs", (f"{ended}, this one would end at step {warm}, and the run is at step "
+                                            f"{step}, where the constant schedule's rate does not depend on either")
+        else:
+            return
+        raise UserError(f"--resume {args.resume}: --{key.replace('_', '-')} {getattr(args, key):g} changes nothing: "
+                        f"{why}; leave it out")
 
     def _restore(self, ckpt: dict) -> None:
         args = self.args
