@@ -1795,6 +1795,33 @@ def test_a_signal_to_one_rank_stops_every_rank_and_the_resumed_run_ends_as_one_n
     assert parts["stop_signal"] is None and parts["weights_sha256"] == whole["weights_sha256"]
 
 
+@pytest.mark.slow  # two torchrun launches
+def test_progress_under_torchrun_is_the_epoch_of_all_ranks_before_and_after_a_resume(cache, tmp_path):
+    """progress.json's loss and top-1 under torchrun were rank 0's own running figures, but a run
+    resumed mid-epoch gave rank 0 the checkpoint's sums of all ranks and went on adding its own: a mix
+    that meant neither. Every rank now holds the sums of all ranks (they ride in the all-reduce each
+    step makes anyway): progress.json at a stop says what the checkpoint written with it holds, before
+    and after a resume (and what the epoch's train_loss will say)."""
+    env = child_env()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa"]
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "-b", "8", "--epochs", "1", "--no-eval", "-j", "0", "--cache-dir", cache, "--device", "cpu",
+            "--output-dir", str(out)]  # 64 images: 4 steps of 2 x 8
+    said, held = [], []
+    for cmd in (argv, ["train", "--resume", str(out / "checkpoint.pth"), "--no-progress", "--quiet", "-j", "0",
+                       "--device", "cpu"]):
+        proc = subprocess.run([*launch, *cmd, "--max-steps", str(len(said) + 1)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        p, ckpt = json.loads((out / "progress.json").read_text()), _load(out / "checkpoint.pth")
+        assert p["global_step"] == ckpt["global_step"] == ckpt["step_in_epoch"] == len(said) + 1
+        loss_sum, correct, n = ckpt["epoch_sums"]
+        assert n == 16 * (len(said) + 1)  # the images of both ranks
+        said.append([p["loss"], p["acc1"]])
+        held.append([loss_sum / n, 100 * correct / n])
+    assert said == [pytest.approx(h, rel=1e-9) for h in held]
+
+
 # --------------------------------------------------------------------------- CLI
 
 
