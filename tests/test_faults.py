@@ -1153,6 +1153,30 @@ def _one_error_line(argv, capsys) -> str:
     return err
 
 
+def test_a_subset_larger_than_the_set_takes_it_whole_and_says_so(tmp_path, capsys):
+    """--train-subset / --val-subset above the set's size took the whole set without a word (a user
+    who asked for 100,000 of Fashion-MNIST's 60,000 was not told): it still does (scripts ask for
+    "all" so), with one note per flag, from train, eval and reparam alike; the set's own size is silent."""
+    imgs, out = tmp_path / "imgs", tmp_path / "run"
+    _png_tree(imgs)  # 8 training, 8 validation images
+
+    def notes() -> list[str]:
+        return [line for line in capsys.readouterr().out.splitlines() if "-subset" in line]
+
+    capsys.readouterr()
+    assert main(["train", "--data-path", str(imgs), *IMGS, "-b", "2", "--train-subset", "20", "--val-subset", "8",
+                 "--epochs", "1", "--max-steps", "1", "--output-dir", str(out)]) == 0
+    assert notes() == [f"note: --train-subset 20 is more than the 8 training images of {imgs}: all are used"]
+    ckpt = out / "checkpoint.pth"
+    assert main(["eval", str(ckpt), "--val-subset", "9", "--no-progress", "-j", "0"]) == 0
+    assert notes() == [f"note: --val-subset 9 is more than the 8 validation images of {imgs}: all are used"]
+    assert main(["reparam", str(ckpt), "-o", str(tmp_path / "deployed.pth"), "--val-subset", "100000",
+                 "--no-progress", "-j", "0"]) == 0
+    assert notes() == [f"note: --val-subset 100000 is more than the 8 validation images of {imgs}: all are used"]
+    assert main(["eval", str(ckpt), "--val-subset", "8", "--no-progress", "-j", "0"]) == 0
+    assert notes() == []
+
+
 def test_a_resume_refuses_a_training_folder_of_another_size(tmp_path, capsys):
     """The same class folders with images added or removed: the epoch's order, and the position
     in it, would be those of other images (the run went on as if nothing had changed, or stopped

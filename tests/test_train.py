@@ -1125,6 +1125,36 @@ def test_a_resume_that_builds_kernels_otherwise_than_the_last_session_says_so(ca
     assert "note: kernel builder" not in capsys.readouterr().out
 
 
+def test_a_warmup_override_after_the_warmup_ended_is_refused_during_it_taken(cache, tmp_path, capsys):
+    """--lr-warmup-decay on --resume once the run's warm-up has ended sets rates no step is left to
+    take: it was listed as an override and changed nothing. Refused in one line; during the warm-up
+    it is taken, as before. --lr-warmup-epochs moves cosine's (and steplr's) schedule after the
+    warm-up, so it is taken there; under a constant schedule, with both warm-ups over, it is refused."""
+    run = tmp_path / "run"
+    assert _train(cache, run, "--epochs", "2", "--no-eval", "--max-steps", "1") == 0  # warm-up: 2 steps of 4
+    ckpt = run / "checkpoint.pth"
+    capsys.readouterr()
+    assert main(["train", "--resume", str(ckpt), "--lr-warmup-decay", "0.5", "--max-steps", "3", "--no-progress"]) == 0
+    assert "overrides: lr_warmup_decay 0.01 -> 0.5" in capsys.readouterr().out
+    assert _load(ckpt)["global_step"] == 3 and _load(ckpt)["args"]["lr_warmup_decay"] == 0.5
+    before = ckpt.read_bytes()
+    for argv, msg in (
+            (["--lr-warmup-decay", "0.1"], "--lr-warmup-decay 0.1 changes nothing: this run's warm-up ended at step 2 "
+                                           "(epoch 0.5), and the run is at step 3"),
+            (["--lr-scheduler", "constant", "--lr-warmup-epochs", "0.25"],
+             "--lr-warmup-epochs 0.25 changes nothing: this run's warm-up ended at step 2 (epoch 0.5), this one would "
+             "end at step 1, and the run is at step 3")):
+        capsys.readouterr()
+        assert main(["train", "--resume", str(ckpt), *argv, "--no-progress"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and msg in err, err
+    assert ckpt.read_bytes() == before
+    # the same value as the run's changes nothing and asks for nothing; a warm-up of another length moves
+    # the cosine schedule after it (--max-steps 3: the run stops where it is)
+    for argv in (["--lr-warmup-decay", "0.5"], ["--lr-warmup-epochs", "0.25"]):
+        assert main(["train", "--resume", str(ckpt), *argv, "--max-steps", "3", "--no-progress"]) == 0, argv
+
+
 def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     """--resume alone keeps the run's settings and directory; a given --lr / --epochs / --wd replaces
     the saved one and rescales the schedule from the current step; what cannot apply is refused."""
@@ -1856,6 +1886,33 @@ def test_a_signal_to_one_rank_stops_every_rank_and_the_resumed_run_ends_as_one_n
     assert f"torchrun restart 1: the run this job began continues (--resume {out / 'checkpoint.pth'})" in proc.stdout
     restarted = json.loads((out / "summary.json").read_text())
     assert restarted["global_step"] == 4 and restarted["weights_sha256"] == whole["weights_sha256"]
+
+
+@pytest.mark.slow  # two torchrun launches
+def test_progress_under_torchrun_is_the_epoch_of_all_ranks_before_and_after_a_resume(cache, tmp_path):
+    """progress.json's loss and top-1 under torchrun were rank 0's own running figures, but a run
+    resumed mid-epoch gave rank 0 the checkpoint's sums of all ranks and went on adding its own: a mix
+    that meant neither. Every rank now holds the sums of all ranks (they ride in the all-reduce each
+    step makes anyway): progress.json at a stop says what the checkpoint written with it holds, before
+    and after a resume (and what the epoch's train_loss will say)."""
+    env = child_env()
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "orepa"]
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "-b", "8", "--epochs", "1", "--no-eval", "-j", "0", "--cache-dir", cache, "--device", "cpu",
+            "--output-dir", str(out)]  # 64 images: 4 steps of 2 x 8
+    said, held = [], []
+    for cmd in (argv, ["train", "--resume", str(out / "checkpoint.pth"), "--no-progress", "--quiet", "-j", "0",
+                       "--device", "cpu"]):
+        proc = subprocess.run([*launch, *cmd, "--max-steps", str(len(said) + 1)], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        p, ckpt = json.loads((out / "progress.json").read_text()), _load(out / "checkpoint.pth")
+        assert p["global_step"] == ckpt["global_step"] == ckpt["step_in_epoch"] == len(said) + 1
+        loss_sum, correct, n = ckpt["epoch_sums"]
+        assert n == 16 * (len(said) + 1)  # the images of both ranks
+        said.append([p["loss"], p["acc1"]])
+        held.append([loss_sum / n, 100 * correct / n])
+    assert said == [pytest.approx(h, rel=1e-9) for h in held]
 
 
 # --------------------------------------------------------------------------- CLI

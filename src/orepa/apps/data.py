@@ -32,7 +32,7 @@ import signal
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -613,7 +613,9 @@ KIND_FLAGS = {"pad_crop": "fashion-mnist", "train_crop_size": "imagefolder", "va
               "val_crop_size": "imagefolder"}
 
 
-def build_data(args, *, need_train: bool = True) -> Data:
+def build_data(args, *, note: Callable[[str], None], need_train: bool = True) -> Data:
+    """The data ``args`` name; ``note`` prints a note (the main process's print: under torchrun the other
+    ranks' is silent)."""
     kind = resolve_kind(args)
     stray = sorted(k for k in getattr(args, "given", None) or () if KIND_FLAGS.get(k, kind) != kind)
     if stray:
@@ -635,12 +637,21 @@ def build_data(args, *, need_train: bool = True) -> Data:
                                  need_train=need_train)
         in_chans, small, sizes = 3, False, tuple(sorted({train_crop, val_crop} if need_train else {val_crop}))
     classes = val.classes
+    where = kind if kind == "fashion-mnist" else str(args.data_path)
+
+    def subset(ds, key: str, seed: int | None, what: str):
+        n = getattr(args, key, None)
+        if n is not None and n > len(ds):  # taken whole (scripts ask for "all" so), but said: not what was asked
+            note(f"note: --{key.replace('_', '-')} {n} is more than the {len(ds):,} {what} images of {where}: "
+                 "all are used")
+        return _subset(ds, n, seed)
+
     total = 0
     if need_train:
         total = len(train)  # a subset of other images than the run's would have the same size
-        train = _subset(train, getattr(args, "train_subset", None), getattr(args, "seed", 0))
+        train = subset(train, "train_subset", getattr(args, "seed", 0), "training")
         train = SeededAugment(train, getattr(args, "seed", 0))
-    val = _subset(val, getattr(args, "val_subset", None), None)
+    val = subset(val, "val_subset", None, "validation")
     return Data(kind, train, val, len(classes), in_chans, small, sizes, tuple(classes), total)
 
 

@@ -195,7 +195,11 @@ def data_args_from_checkpoint(args: argparse.Namespace, ckpt: dict) -> None:
 def checkpoint_data(args: argparse.Namespace, ckpt: dict, info: DistInfo):
     """The validation data to evaluate the checkpoint on, each image labelled as the checkpoint's
     classifier numbers its class (by name, where both name their classes: :meth:`Data.read_as`)."""
-    data = build_data(args, need_train=False)
+    def note(text: str) -> None:  # the main process's (the other ranks read the same data)
+        if info.is_main:
+            print(text, flush=True)
+
+    data = build_data(args, need_train=False, note=note)
     read = data.read_as(ckpt.get("classes") or (), args.checkpoint)
     if read is not data and info.is_main:
         print(f"note: the {len(data.classes)} classes of {data.name} read by name as {args.checkpoint}'s "

@@ -348,7 +348,8 @@ class Progress:
     step_in_epoch: int = 0
     global_step: int = 0
     history: list = field(default_factory=list)
-    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # loss sum, correct, images of the epoch so far
+    # loss sum, correct, images of the epoch so far, of all ranks (the same on every rank: a checkpoint's)
+    sums: list = field(default_factory=lambda: [0.0, 0.0, 0.0])
     # seconds and steps of the epoch in progress trained before this command (the runs it resumed):
     # an epoch's time is its own, however many commands trained it
     timed: list = field(default_factory=lambda: [0.0, 0])
@@ -642,7 +643,7 @@ class Trainer:
         _refuse_idle_flags(args)
         self._step_modes(args)
         source = self.start_flag or f"--resume {args.resume}"
-        self.data = build_data(args)
+        self.data = build_data(args, note=self.log)
         if self.resume_ckpt is not None and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
             # the folder changed since the run began: its labels would now name other classes
             was, now = tuple(self.resume_ckpt["classes"]), self.data.classes
@@ -797,6 +798,8 @@ class Trainer:
                             f"epoch, but an epoch of {self.data.name} now has {self.iters_per_epoch} steps (the training "
                             "set changed since the run began); put the folder back as it was, or start a new run "
                             "from its weights with --init-from")
+        if self.resume_ckpt is not None:
+            self._refuse_idle_warmup(self.resume_ckpt)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor_fn(args, self.iters_per_epoch))
         self.warmup_steps = warmup_steps(args, self.iters_per_epoch)
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_fp16) if device.type == "cuda" or amp_fp16 \
@@ -1098,6 +1101,30 @@ class Trainer:
                             f"run and its schedule are counted in steps of that batch); {keep}, or start a new run "
                             "from its weights with --init-from")
 
+    def _refuse_idle_warmup(self, ckpt: dict) -> None:
+        """A warm-up setting changed on --resume that the rest of the run never reads, refused (it was
+        taken and changed nothing): --lr-warmup-decay once the warm-up has ended (it sets the warm-up's
+        rates only); --lr-warmup-epochs where both warm-ups have ended and the schedule after them is
+        constant (cosine's and steplr's are counted from the warm-up's end: a change moves them)."""
+        args, saved, ipe = self.args, ckpt.get("args") or {}, self.iters_per_epoch
+        step = int(ckpt.get("global_step", 0))
+        changed = {k for k in ("lr_warmup_decay", "lr_warmup_epochs") if k in _given(args)
+                   and isinstance(saved.get(k), (int, float)) and saved[k] != getattr(args, k)}
+        warm = warmup_steps(args, ipe)
+        was = warmup_steps(argparse.Namespace(lr_warmup_epochs=saved.get("lr_warmup_epochs", 0)), ipe) \
+            if "lr_warmup_epochs" in changed else warm
+        ended = f"this run's warm-up ended at step {was} (epoch {was / ipe:g})"
+        if "lr_warmup_decay" in changed and step >= warm:
+            key, why = "lr_warmup_decay", (f"{ended if was == warm else f'the warm-up would end at step {warm}'}, "
+                                           f"and the run is at step {step} (the flag sets the warm-up's first rate)")
+        elif "lr_warmup_epochs" in changed and schedule_name(args) == "constant" and step >= max(warm, was):
+            key, why = "lr_warmup_epochs", (f"{ended}, this one would end at step {warm}, and the run is at step "
+                                            f"{step}, where the constant schedule's rate does not depend on either")
+        else:
+            return
+        raise UserError(f"--resume {args.resume}: --{key.replace('_', '-')} {getattr(args, key):g} changes nothing: "
+                        f"{why}; leave it out")
+
     def _restore(self, ckpt: dict) -> None:
         args = self.args
         load_model_state(self.model, ckpt["model"], path=args.resume, built=describe_cfg(self.cfg),
@@ -1135,7 +1162,7 @@ class Trainer:
             self.step_lr = ckpt["step_lr"]
         self.state = Progress(int(ckpt["epoch"]), int(ckpt.get("step_in_epoch", 0)), int(ckpt.get("global_step", 0)),
                               list(ckpt.get("history", [])),
-                              list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])) if self.main else [0.0, 0.0, 0.0],
+                              list(ckpt.get("epoch_sums", [0.0, 0.0, 0.0])),  # all ranks', as every rank holds
                               list(ckpt.get("epoch_timed", [0.0, 0])) if int(ckpt.get("step_in_epoch", 0)) else [0.0, 0])
         if "rng" in ckpt:
             ranks = ckpt.get("rng_ranks") or []
@@ -1193,10 +1220,8 @@ class Trainer:
         if flag.item() > 0:
             raise NonFiniteLoss(f"{bad or 'a tensor on another rank'} became non-finite by global step "
                                 f"{self.state.global_step} ({reason} checkpoint not written)")
-        sums = torch.tensor(self.state.sums, dtype=torch.float64)
         rngs = [rng_state()]  # every rank's random streams, so that a resumed run draws as this one would
         if self.info.distributed:
-            dist.all_reduce(sums)
             rngs = [None] * self.info.world_size
             dist.all_gather_object(rngs, rng_state())
         if not self.main:
@@ -1212,7 +1237,7 @@ class Trainer:
             "epoch": s.epoch, "step_in_epoch": s.step_in_epoch, "global_step": s.global_step,
             "steps_per_epoch": self.iters_per_epoch,  # a resume with another process count must have as many
             "step_lr": self.step_lr,  # the rate the last step trained at: an epoch ended on resume logs it
-            "epoch_sums": sums.tolist(), "epoch_timed": self._epoch_timed() if s.step_in_epoch else [0.0, 0],
+            "epoch_sums": list(s.sums), "epoch_timed": self._epoch_timed() if s.step_in_epoch else [0.0, 0],
             "history": s.history, "rng": rngs[0], **({"rng_ranks": rngs} if self.info.distributed else {}),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
             # the torchrun job that wrote it: that job's restart continues from it (_continuation)
@@ -1243,7 +1268,7 @@ class Trainer:
 
             bar = tqdm(total=self.iters_per_epoch, initial=s.step_in_epoch, desc=f"epoch {s.epoch + 1}/{args.epochs}",
                        dynamic_ncols=True, leave=False, mininterval=0.5 if sys.stderr.isatty() else 30)
-        acc = torch.zeros(3, dtype=torch.float64, device=device)  # this session's loss sum, correct, images
+        acc = torch.zeros(3, dtype=torch.float64, device=device)  # this session's loss sum, correct, images (all ranks)
         self._epoch_t0 = t0 = time.perf_counter()
         stop = None
         steps = self.epoch_steps = 0
@@ -1262,10 +1287,12 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss, sums = self._forward_backward(images, target)
                 # one all-reduce a step: every rank stops at the same step (a signal may reach one rank only)
-                # (the host's two flags in one copy to the device)
+                # (the host's two flags in one copy to the device); the step's sums ride along, so every rank
+                # holds the epoch's sums of all ranks (progress.json's loss means the same after a resume,
+                # whose checkpoint holds those)
                 host = [float(self._time_up()), float(self.signals.received is not None)]
                 flags = torch.cat([(~torch.isfinite(loss)).to(torch.float64).view(1),
-                                   torch.tensor(host, dtype=torch.float64, device=device)])
+                                   torch.tensor(host, dtype=torch.float64, device=device), sums])
                 if info.distributed:
                     dist.all_reduce(flags)
                 if flags[0].item() > 0:  # before the step: the weights stay those of the last good step
@@ -1289,7 +1316,7 @@ class Trainer:
                         # torchvision: restart the average during warm-up (counted in steps: a fractional
                         # warm-up's epoch goes on after it)
                         self.ema.n_averaged.fill_(0)
-                acc += sums
+                acc += flags[3:]
                 s.step_in_epoch += 1
                 s.global_step += 1
                 steps += 1
@@ -1366,7 +1393,7 @@ class Trainer:
         return self.step_lr if self.step_lr is not None else self.optimizer.param_groups[0]["lr"]
 
     def _running(self, acc: torch.Tensor, steps: int, t0: float) -> dict:
-        """This rank's running loss/accuracy over the epoch so far, and the global throughput."""
+        """The running loss/accuracy over the epoch so far (all ranks'), and the global throughput."""
         loss_sum, c, n = (a + b for a, b in zip(self.state.sums, acc.tolist()))
         el = time.perf_counter() - t0
         return {"loss": loss_sum / max(n, 1), "acc1": 100 * c / max(n, 1),
@@ -1532,10 +1559,7 @@ class Trainer:
         ended the evaluation: torchrun and schedulers kill a stopped run 30 s on, which a large validation
         set outlasts, so the epoch's training is saved at its last step instead (--resume evaluates it)."""
         args, s, info = self.args, self.state, self.info
-        sums = torch.tensor(s.sums, dtype=torch.float64)
-        if info.distributed:
-            dist.all_reduce(sums)
-        loss_sum, c, n = sums.tolist()
+        loss_sum, c, n = s.sums  # (all ranks')
         seconds, timed_steps = self._epoch_timed()
         row = {"epoch": s.epoch + 1, "lr": self._logged_lr(),
                "train_loss": loss_sum / max(n, 1), "train_acc1": 100 * c / max(n, 1),
