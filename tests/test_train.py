@@ -872,6 +872,46 @@ def test_auto_resume_starts_a_run_where_there_is_none_and_continues_the_one_ther
         assert f"--auto-resume continues the run in --output-dir and {flag[0]} " in capsys.readouterr().err
 
 
+def test_auto_resume_decides_before_the_setup_says_or_builds_anything(cache, tmp_path, capsys, monkeypatch):
+    """The continuation is set up again as a --resume: what the command's own setup had said (a note)
+    and built (the data) before it knew came twice, and the first line was not the one naming the
+    continuation. With --output-dir it is decided first; in the default directory (known once the
+    model is), what was said is held until then."""
+    args = ("--method", "orepa", "--epochs", "2", "--no-eval", "--no-tf32-matmul", "--auto-resume")
+    note = "note: --no-tf32-matmul acts on CUDA devices only"
+    out = tmp_path / "job"
+    assert _train(cache, out, *args, "--max-steps", "2") == 0
+    built = []
+    real = train.build_data
+    monkeypatch.setattr(train, "build_data", lambda *a, **k: built.append(1) or real(*a, **k))
+    capsys.readouterr()
+    assert _train(cache, out, *args, "--max-steps", "3") == 0
+    said = capsys.readouterr().out
+    assert said.startswith("--auto-resume: the run there continues") and said.count(note) == 1 and len(built) == 1
+    monkeypatch.chdir(tmp_path)  # runs/<data>-<model>-<method>
+    argv = ["train", *TINY, "--cache-dir", cache, *args]
+    assert main([*argv, "--max-steps", "2"]) == 0 and capsys.readouterr().out.count(note) == 1
+    assert main([*argv, "--max-steps", "3"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("--auto-resume: the run there continues") and said.count(note) == 1
+    assert _load(tmp_path / "runs" / "fashion-mnist-resnet18-orepa" / "checkpoint.pth")["global_step"] == 3
+
+
+def test_auto_resume_continues_a_run_that_overwrite_had_moved_aside(cache, tmp_path, capsys):
+    """A --overwrite run killed outright before its first checkpoint leaves the run it replaces in
+    .replaced-run, put back by the next command: --auto-resume continues it there, as the run its
+    directory holds, instead of refusing it ("already holds a run")."""
+    args = ("--method", "orepa", "--epochs", "2", "--no-eval")
+    out = tmp_path / "job"
+    assert _train(cache, tmp_path / "old", *args, "--max-steps", "3") == 0
+    shutil.copytree(tmp_path / "old", out / train.REPLACED_DIR)
+    capsys.readouterr()
+    assert _train(cache, out, *args, "--auto-resume", "--max-steps", "5") == 0
+    said = capsys.readouterr().out
+    assert "the run --overwrite moved aside" in said and "--auto-resume: the run there continues" in said
+    assert _load(out / "checkpoint.pth")["global_step"] == 5 and not (out / train.REPLACED_DIR).exists()
+
+
 def test_a_torchrun_restart_continues_the_run_its_job_began_and_no_other(cache, tmp_path, capsys, monkeypatch):
     """torchrun --max-restarts starts the processes again with the first command line, which would
     start its run anew (--init-from), replace it (--overwrite) or refuse the directory its first start
@@ -1880,7 +1920,10 @@ def test_a_signal_to_one_rank_stops_every_rank_and_the_resumed_run_ends_as_one_n
     failing = tmp_path / "fail_rank_one.py"
     failing.write_text(FAIL_RANK_ONE)
     out = tmp_path / "restarted"
-    proc = subprocess.run([*launch, "--max-restarts=1", str(failing), *argv, "--output-dir", str(out)], env=env,
+    # torchrun's workers share its rendezvous store by default: a restart's process group then read the
+    # first start's addresses (pytorch#135712), and failed to connect ("Connection refused") or hung
+    proc = subprocess.run([*launch, "--max-restarts=1", str(failing), *argv, "--output-dir", str(out)],
+                          env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"torchrun restart 1: the run this job began continues (--resume {out / 'checkpoint.pth'})" in proc.stdout

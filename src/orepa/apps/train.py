@@ -529,12 +529,22 @@ class Trainer:
         self.made_dirs: list[Path] = []
         self.command = argparse.Namespace(**vars(self.args))  # as given: setup fills self.args in
         self.continued = False  # setup turned this command into the continuation of its directory's run
+        # what setup says before it knows whether this command continues its directory's run (_continuation):
+        # said once that is known, or dropped for the continuation's setup to say again
+        self.held: list[tuple] | None = None
         # (restart count, job name) under torchrun: a restart continues the run its job began (setup)
         self.torchrun = torchrun_job(self.info)
 
     def log(self, *msg) -> None:
-        if self.main:
+        if self.held is not None:
+            self.held.append(msg)
+        elif self.main:
             print(*msg, flush=True)
+
+    def _say_held(self, drop: bool = False) -> None:
+        held, self.held = self.held or [], None
+        for msg in [] if drop else held:
+            self.log(*msg)
 
     # ------------------------------------------------------------------ setup
     def _step_modes(self, args: argparse.Namespace) -> None:
@@ -583,6 +593,13 @@ class Trainer:
                          f"last built with {last} (the same steps up to rounding; --kernel-builder {last} keeps it)")
 
     def setup(self) -> None:
+        self.held = []
+        try:
+            self._setup()
+        finally:
+            self._say_held()  # (a setup that failed before its _continuation: what it said, with its error)
+
+    def _setup(self) -> None:
         args, info, device = self.args, self.info, self.device
         if device.type == "cuda":
             # input shapes are fixed, so cuDNN may time its algorithms once (as torchvision's reference script)
@@ -603,6 +620,14 @@ class Trainer:
             if args.auto_resume and getattr(args, flag):
                 raise UserError(f"--auto-resume continues the run in --output-dir and --{flag} {what}: give one of "
                                 "them")
+        decided = args.output_dir is not None
+        if decided:  # before anything is read or built for a run this command might not be (an --init-from gone since)
+            self.out = Path(args.output_dir)
+            self.ckpt_path = self.out / "checkpoint.pth"
+            continuation = self._continuation()
+            if continuation is not None:  # set up again as the --resume of the run there
+                self.args = continuation
+                return self._setup()
         if args.resume:
             kept = Path(args.resume).parent / REPLACED_DIR / Path(args.resume).name
             if not Path(args.resume).exists() and kept.is_file():
@@ -714,10 +739,10 @@ class Trainer:
             args.output_dir = f"runs/{self.data.name}-{model_slug(self.cfg['model'])}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
         self.ckpt_path = self.out / "checkpoint.pth"
-        continuation = self._continuation()
-        if continuation is not None:  # set up again as the --resume of the run there
+        continuation = None if decided else self._continuation()  # (the default directory: known only now)
+        if continuation is not None:
             self.args = continuation
-            return self.setup()
+            return self._setup()
         previous = self._check_output_dir()
         seed_everything(args.seed)  # same initial weights on every rank
         # before the directory is made: a model that cannot be built, or cannot take the data, leaves none
@@ -730,14 +755,7 @@ class Trainer:
                                  hint="; more --micro-batches keep the batch and need less",
                                  train_sizes=(args.train_crop_size,) if self.data.name == "imagefolder" else None)
         if self.main:
-            # the directories this run makes, deepest first: a run that fails before writing anything
-            # leaves none of them (remove_made_dirs)
-            self.made_dirs = [d for d in (self.out, *self.out.parents) if not d.exists()]
-            try:
-                self.out.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise UserError(f"--output-dir {self.out}: cannot make the directory ({exc.strerror or exc})") from None
-            self.lock = lock_run_dir(self.out)  # before anything of this run is written there
+            self._take_dir()
             if self._recover_replaced_run():  # the directory holds that run again: judged anew
                 previous = self._check_output_dir()
             if self.resume_ckpt is not None and _file_identity(args.resume) != resumed_file:
@@ -897,6 +915,20 @@ class Trainer:
         self.log(f"starting from the weights of {path}{f' ({made} from {source})' if source else ''}: "
                  f"fresh optimizer and schedule, this command's settings{head}")
 
+    def _take_dir(self) -> None:
+        """Main process: make the output directory and take its lock, before anything of this run is
+        written there (once: _continuation may have taken it)."""
+        if self.lock is not None:
+            return
+        # the directories this run makes, deepest first: a run that fails before writing anything
+        # leaves none of them (remove_made_dirs)
+        self.made_dirs = [d for d in (self.out, *self.out.parents) if not d.exists()]
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--output-dir {self.out}: cannot make the directory ({exc.strerror or exc})") from None
+        self.lock = lock_run_dir(self.out)
+
     def _continuation(self) -> argparse.Namespace | None:
         """This command as the ``--resume`` of the run in its output directory, where it is to continue
         that run rather than begin its own (else None). With --auto-resume: the run of whichever
@@ -905,12 +937,27 @@ class Trainer:
         the first command line): the run this torchrun job began, told by the job's name in its
         checkpoint (:func:`torchrun_job`), whatever --resume, --init-from or --overwrite the command
         gives. (The command again would start that run anew, or refuse the directory it made.) A
-        run there of another job is judged as the command says, as at its first start."""
+        run there of another job is judged as the command says, as at its first start. Says what setup
+        held back (:attr:`held`) where the command is not to continue it."""
         args = self.args
-        if self.continued or not self.ckpt_path.is_file():
+        if self.continued:
             return None
-        if args.resume and Path(args.resume).resolve() == self.ckpt_path.resolve():
-            return None  # (continuing it already)
+        here = self.ckpt_path.is_file()
+        if args.auto_resume:
+            if not here and self.main and (self.out / REPLACED_DIR / "checkpoint.pth").is_file():
+                # the run --overwrite moved aside, whose replacement was killed before its first checkpoint:
+                # the run there once it is put back (under the lock), so continued rather than refused
+                self._say_held()
+                self._take_dir()
+                self._recover_replaced_run()
+                here = self.ckpt_path.is_file()
+            if self.info.distributed:  # rank 0's word: it alone puts a run back
+                box = [here]
+                dist.broadcast_object_list(box, 0)
+                here = box[0]
+        if not here or (args.resume and Path(args.resume).resolve() == self.ckpt_path.resolve()):
+            self._say_held()  # (nothing to continue, or continuing it already)
+            return None
         why = None
         if self.torchrun is not None and self.torchrun[0] > 0:
             try:
@@ -922,7 +969,9 @@ class Trainer:
         if why is None and args.auto_resume:
             why = "--auto-resume: the run there continues"
         if why is None:
+            self._say_held()
             return None
+        self._say_held(drop=True)  # the continuation's setup says its own
         self.log(f"{why} (--resume {self.ckpt_path})")
         self.continued = True
         command = argparse.Namespace(**vars(self.command))
