@@ -695,10 +695,17 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
             # import, which DistributedDataParallel triggers) would otherwise hold the group for good,
             # and cleanup_distributed could not free it
             importlib.import_module("torch.distributed.nn.functional")
+            timeout = {} if timeout_min is None else {"timeout": datetime.timedelta(minutes=timeout_min)}
+            group = dict(timeout)  # init_process_group's settings
+            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            if restart != "0":
+                # torchrun's processes share its rendezvous store, which keeps the first start's keys: a
+                # restart's process group read the dead processes' addresses there and failed to connect
+                # (gloo, NCCL) or hung (pytorch#135712). Its keys go under a prefix of the restart's own.
+                store, _, _ = next(dist.rendezvous("env://", rank, world, **timeout))
+                group.update(store=dist.PrefixStore(f"orepa-restart-{restart}", store), rank=rank, world_size=world)
             dist.init_process_group("nccl" if want_cuda else "gloo",
-                                    **({"device_id": device} if want_cuda else {}),
-                                    **({} if timeout_min is None else
-                                       {"timeout": datetime.timedelta(minutes=timeout_min)}))
+                                    **({"device_id": device} if want_cuda else {}), **group)
         return info, device
     device = parse_device(device_arg)
     if device.type == "cuda" and device.index is not None:
