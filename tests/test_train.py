@@ -955,6 +955,41 @@ def test_a_torchrun_job_is_named_alike_over_its_restarts_and_otherwise_between_j
     assert common.torchrun_job(common.DistInfo())[1] != job
 
 
+@pytest.mark.filterwarnings("ignore:Creating legend")  # (matplotlib times its legend: a minute a reading)
+def test_curves_are_drawn_at_the_runs_end_not_at_each_epoch_of_a_short_run(cache, tmp_path, monkeypatch):
+    """A drawing of curves.png takes a third of a second: a run of short epochs drew each (a tiny
+    run's fifth of its time); it is drawn at the end (a stopped run's too), and during a run at an
+    epoch's end once a minute has passed."""
+    drawn = []
+    real = train.plot_curves
+    monkeypatch.setattr(train, "plot_curves", lambda history, *a: drawn.append(len(history)) or real(history, *a))
+    assert _train(cache, tmp_path / "short", "--epochs", "3", "--no-eval") == 0
+    assert drawn == [3] and (tmp_path / "short" / "curves.png").is_file()
+    drawn.clear()
+    assert _train(cache, tmp_path / "stopped", "--epochs", "3", "--no-eval", "--max-steps", "6") == 0
+    assert drawn == [1]  # (stopped in epoch 2: the one epoch done)
+    drawn.clear()
+    clock = iter(range(0, 10**6, 61))  # a minute passes between any two readings
+    monkeypatch.setattr(train.time, "perf_counter", lambda: float(next(clock)))
+    assert _train(cache, tmp_path / "long", "--epochs", "2", "--no-eval") == 0
+    assert drawn == [1, 2]
+
+
+def test_a_faults_message_says_when_torchruns_restart_will_continue_the_run(tmp_path, monkeypatch):
+    """Under torchrun --max-restarts with restarts left, a fault's line says the restart continues
+    from the checkpoint it names (the user need not); with none left, or without torchrun, it does not."""
+    from types import SimpleNamespace
+
+    ckpt = tmp_path / "checkpoint.pth"
+    ckpt.write_bytes(b"")
+    plain = f"the last checkpoint is {ckpt}: --resume {ckpt} continues the run"
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    for job, said in (((0, "j"), " (as torchrun's restart 1 of 2 will)"), ((1, "j"), " (as torchrun's restart 2 of 2 will)"),
+                      ((2, "j"), ""), (None, "")):
+        trainer = SimpleNamespace(dir_lost=False, ckpt_path=ckpt, torchrun=job)
+        assert train.Trainer.how_to_go_on(trainer) == plain + said
+
+
 def test_a_resumed_run_continues_its_ema_average(cache, tmp_path, capsys):
     """The EMA's update count is restored with its weights: from a count of 0, the first update after
     a resume copied the model's weights over the average (AveragedModel's start) instead of averaging."""

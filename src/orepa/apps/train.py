@@ -517,6 +517,7 @@ class Trainer:
     def __init__(self, args: argparse.Namespace):
         self.args = argparse.Namespace(**vars(args))  # resume and defaults fill this copy, not the caller's
         self._last_progress = 0.0
+        self.drawn = (time.perf_counter(), 0)  # when curves.png was last drawn (or the run began), of how many epochs
         self.signal_stopped = False
         self.epoch_time, self.epoch_steps, self._epoch_t0 = 0.0, 0, None  # this command's part of the epoch
         self.info, self.device = init_distributed(args.device, timeout_min=args.dist_timeout)
@@ -1507,7 +1508,11 @@ class Trainer:
         if self.dir_lost:  # (a checkpoint.pth there is another run's)
             return "this run's checkpoints went with its directory"
         if self.ckpt_path.exists():
-            return f"the last checkpoint is {self.ckpt_path}: --resume {self.ckpt_path} continues the run"
+            said = f"the last checkpoint is {self.ckpt_path}: --resume {self.ckpt_path} continues the run"
+            restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+            if self.torchrun is not None and restarts.isdigit() and self.torchrun[0] < int(restarts):
+                said += f" (as torchrun's restart {self.torchrun[0] + 1} of {restarts} will)"  # (_continuation)
+            return said
         return "no checkpoint had been written yet"
 
     def fit(self) -> dict:
@@ -1576,7 +1581,19 @@ class Trainer:
                         break
         finally:
             tb.close()
+        self._draw_curves(final=True)  # (a stopped run's too)
         return self.summary(stop, last)
+
+    def _draw_curves(self, final: bool) -> None:
+        """``curves.png`` of the epochs done (main process): at an epoch's end once a minute has passed
+        since the run began or was last drawn, and at the run's end. A drawing takes a third of a second
+        (matplotlib): the epochs of a long run are each drawn, while a short run's many epochs are
+        not each paid for. (A run that fails leaves the drawing of its last minute's epochs out.)"""
+        done = len(self.state.history)
+        if not self.main or done == self.drawn[1] or not final and time.perf_counter() - self.drawn[0] < 60:
+            return
+        plot_curves(self.state.history, self.out / "curves.png", describe_cfg(self.cfg))
+        self.drawn = (time.perf_counter(), done)
 
     def _complete_run(self, why: str, stop: str | None = None) -> dict:
         """The summary of a run resumed where there is nothing to train (after its last epoch, at its
@@ -1653,7 +1670,7 @@ class Trainer:
                                                   "elapsed_s": time.perf_counter() - self.t_start})
             write_history(self.out, s.history)
             tb.epoch(row)
-            plot_curves(s.history, self.out / "curves.png", describe_cfg(self.cfg))
+            self._draw_curves(final=s.epoch >= args.epochs)
             if not args.quiet:
                 val = (f"  val top-1 {row['val_acc1']:.2f}% top-5 {row['val_acc5']:.2f}%"
                        if "val_acc1" in row else "")
