@@ -947,12 +947,13 @@ def test_a_torchrun_job_is_named_alike_over_its_restarts_and_otherwise_between_j
     assert common.torchrun_job(common.DistInfo()) is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    restart, job = common.torchrun_job(common.DistInfo())
+    named = common.torchrun_job(common.DistInfo())
+    restart, job = named.restart, named.name
     with open(f"/proc/{os.getppid()}/stat") as f:
         started = f.read().rpartition(")")[2].split()[19]
     assert restart == 2 and job == f"torchrun {socket.gethostname()}:{os.getppid()}:{started}"
     monkeypatch.setattr(os, "getppid", lambda: os.getpid())
-    assert common.torchrun_job(common.DistInfo())[1] != job
+    assert common.torchrun_job(common.DistInfo()).name != job
 
 
 @pytest.mark.filterwarnings("ignore:Creating legend")  # (matplotlib times its legend: a minute a reading)
@@ -984,9 +985,14 @@ def test_a_faults_message_says_when_torchruns_restart_will_continue_the_run(tmp_
     ckpt.write_bytes(b"")
     plain = f"the last checkpoint is {ckpt}: --resume {ckpt} continues the run"
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
-    for job, said in (((0, "j"), " (as torchrun's restart 1 of 2 will)"), ((1, "j"), " (as torchrun's restart 2 of 2 will)"),
-                      ((2, "j"), ""), (None, "")):
-        trainer = SimpleNamespace(dir_lost=False, ckpt_path=ckpt, torchrun=job)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "j")
+    for restart, said in (("0", " (as torchrun's restart 1 of 2 will)"), ("1", " (as torchrun's restart 2 of 2 will)"),
+                          ("2", ""), (None, "")):
+        if restart is None:
+            monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+        else:
+            monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+        trainer = SimpleNamespace(dir_lost=False, ckpt_path=ckpt, torchrun=common.torchrun_job(common.DistInfo()))
         assert train.Trainer.how_to_go_on(trainer) == plain + said
 
 

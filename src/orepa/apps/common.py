@@ -697,8 +697,8 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
             importlib.import_module("torch.distributed.nn.functional")
             timeout = {} if timeout_min is None else {"timeout": datetime.timedelta(minutes=timeout_min)}
             group = dict(timeout)  # init_process_group's settings
-            restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            if restart != "0":
+            restart = _torchrun_restart()
+            if restart:
                 # torchrun's processes share its rendezvous store, which keeps the first start's keys: a
                 # restart's process group read the dead processes' addresses there and failed to connect
                 # (gloo, NCCL) or hung (pytorch#135712). Its keys go under a prefix of the restart's own.
@@ -713,17 +713,30 @@ def init_distributed(device_arg: str | None, *, one_process: str | None = None, 
     return DistInfo(), device
 
 
-def torchrun_job(info: DistInfo) -> tuple[int, str] | None:
-    """Under torchrun: ``(restart, job)``. ``restart``: how often torchrun has started this command's
-    processes again (``--max-restarts``: when one process fails, torchrun stops the others and starts
-    them all again with the same command line). ``job``: a name of the torchrun job, the same over its
+def _torchrun_restart() -> int | None:
+    """How often torchrun has started this command's processes again (None without torchrun)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return None if count is None else int(count) if count.isdigit() else 0
+
+
+@dataclass(frozen=True)
+class TorchrunJob:
+    restart: int  # how often torchrun has started this command's processes again
+    max_restarts: int  # its --max-restarts
+    name: str  # the job's name, the same over its restarts (torchrun_job)
+
+
+def torchrun_job(info: DistInfo) -> TorchrunJob | None:
+    """Under torchrun: its job (:class:`TorchrunJob`). ``restart``: how often torchrun has started this
+    command's processes again (``--max-restarts``: when one process fails, torchrun stops the others and
+    starts them all again with the same command line). ``name``: a name of the torchrun job, the same over its
     restarts and another for every new ``torchrun`` command: its rendezvous id (``--standalone`` and
     one-node runs make a random one; several nodes have the ``--rdzv-id`` their nodes share), else
     (the static rendezvous of several nodes leaves it ``none``) rank 0's torchrun process: host, pid
     and start time. None without torchrun. Collective with several processes: rank 0's name is
     every rank's (a process's parent is its own node's torchrun)."""
-    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if count is None:
+    restart = _torchrun_restart()
+    if restart is None:
         return None
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if run_id not in ("", "none"):
@@ -740,7 +753,8 @@ def torchrun_job(info: DistInfo) -> tuple[int, str] | None:
         box = [job]
         dist.broadcast_object_list(box, 0)
         job = box[0]
-    return (int(count) if count.isdigit() else 0), job
+    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+    return TorchrunJob(restart, int(most) if most.isdigit() else 0, job)
 
 
 def cleanup_distributed(info: DistInfo, *, together: bool = False) -> bool:

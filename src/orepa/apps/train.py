@@ -960,13 +960,13 @@ class Trainer:
             self._say_held()  # (nothing to continue, or continuing it already)
             return None
         why = None
-        if self.torchrun is not None and self.torchrun[0] > 0:
+        if self.torchrun is not None and self.torchrun.restart > 0:
             try:
                 job = load_checkpoint(self.ckpt_path, lazy=True).get("torchrun_job")
             except UserError:  # damaged: no word of its job
                 job = None
-            if job == self.torchrun[1]:
-                why = f"torchrun restart {self.torchrun[0]}: the run this job began continues"
+            if job == self.torchrun.name:
+                why = f"torchrun restart {self.torchrun.restart}: the run this job began continues"
         if why is None and args.auto_resume:
             why = "--auto-resume: the run there continues"
         if why is None:
@@ -1291,7 +1291,7 @@ class Trainer:
             "history": s.history, "rng": rngs[0], **({"rng_ranks": rngs} if self.info.distributed else {}),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
             # the torchrun job that wrote it: that job's restart continues from it (_continuation)
-            **({"torchrun_job": self.torchrun[1]} if self.torchrun else {}),
+            **({"torchrun_job": self.torchrun.name} if self.torchrun else {}),
         }
         if self.ema is not None:
             ckpt["model_ema"] = self.ema.module.state_dict()
@@ -1509,9 +1509,9 @@ class Trainer:
             return "this run's checkpoints went with its directory"
         if self.ckpt_path.exists():
             said = f"the last checkpoint is {self.ckpt_path}: --resume {self.ckpt_path} continues the run"
-            restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "")
-            if self.torchrun is not None and restarts.isdigit() and self.torchrun[0] < int(restarts):
-                said += f" (as torchrun's restart {self.torchrun[0] + 1} of {restarts} will)"  # (_continuation)
+            job = self.torchrun
+            if job is not None and job.restart < job.max_restarts:
+                said += f" (as torchrun's restart {job.restart + 1} of {job.max_restarts} will)"  # (_continuation)
             return said
         return "no checkpoint had been written yet"
 
