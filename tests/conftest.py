@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,13 @@ import torch.utils.checkpoint
 # construction several times. Read when torch._inductor.config is first imported (``import torch``
 # does not import it); subprocesses (torchrun in the DDP tests) inherit it. Override by setting it.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+
+# Bytecode caches written, whatever PYTHONDONTWRITEBYTECODE says (container images set it): without
+# them every process the suite starts (a command, torchrun's ranks: about 150 a run) compiled
+# orepa's 19k lines again, and every xdist worker rewrote the tests' asserts again. Its workers and
+# subprocesses inherit the environment. (__pycache__ folders are git-ignored.)
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 #: architectures whose parametrized test cases run in the full suite only (``-m "not slow"`` skips them):
 #: the large or deep networks; the fast subset keeps every test on the small ones (resnet18, resnet34, repvgg_a0)
@@ -49,11 +57,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark a parametrized case ``slow`` when one of its parameters names one of SLOW_ARCHITECTURES."""
+    """Mark a parametrized case ``slow`` when one of its parameters names one of SLOW_ARCHITECTURES,
+    then run the ``slow`` tests first: xdist hands tests out in this order, and a long one handed out
+    last (a torchrun launch, 40 s) kept one worker busy after the other had finished."""
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any(isinstance(v, str) and v in SLOW_ARCHITECTURES for v in params.values()):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable: files' order kept)
 
 
 @pytest.fixture(autouse=True)

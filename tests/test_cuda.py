@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # lr 1e-3's by 0.9%), while a doubled or dropped gradient moves them by O(1) at any rate.
 RUN = ["--model", "resnet18", "--method", "orepa", "--width-mult", "0.25", "--train-subset", "512",
        "--val-subset", "256", "-b", "64", "--epochs", "1", "--lr", "1e-3", "--lr-warmup-epochs", "0",
-       "--lr-scheduler", "constant", "-j", "0", "--no-progress", "--no-tensorboard", "--seed", "0",
+       "--lr-scheduler", "constant", "-j", "0", "--no-progress", "--no-tensorboard", "--no-curves", "--seed", "0",
        "--device", "cuda"]
 
 

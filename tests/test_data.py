@@ -135,3 +135,40 @@ def test_images_outside_the_class_folders_are_named(tmp_path):
                                         r"\(ImageNet's validation images come flat, their classes in the devkit's "
                                         r"ground truth\)$"):
         read(root)
+
+
+def test_validation_images_are_torchvisions_resize_and_crop_and_a_thin_one_is_resized_where_its_crop_lies(
+        tmp_path, monkeypatch):
+    """The validation transform is torchvision's Resize(256) + CenterCrop(224), pixel for pixel. A thin
+    image (a 3 x 900 banner) was resized whole first: 256 x 76,800 pixels here, 1,024,000 for a 4 x 16000
+    one (750 MB in a loader worker) for a 224 x 224 crop. It is resized only where the crop lies, within
+    one level of the whole resize's pixels."""
+    import numpy as np
+    from torchvision import transforms as T
+
+    from orepa.apps.data import ResizeCentreCrop
+
+    rng = np.random.default_rng(0)
+    reference = T.Compose([T.Resize(256, antialias=True), T.CenterCrop(224)])
+    mine = ResizeCentreCrop(256, 224)
+    for w, h in ((300, 257), (256, 900), (640, 480), (225, 224), (40, 640)):  # (16:1 at most: resized whole)
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        assert np.array_equal(np.asarray(mine(img)), np.asarray(reference(img))), (w, h)
+    sizes = []
+    resize = Image.Image.resize
+    monkeypatch.setattr(Image.Image, "resize", lambda self, size, *a, **k: sizes.append(size) or resize(
+        self, size, *a, **k))
+    for w, h in ((3, 900), (900, 3), (17, 280)):
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        sizes.clear()
+        got = np.asarray(mine(img)).astype(int)
+        assert sizes == [(224, 224)], sizes
+        want = np.asarray(reference(img)).astype(int)
+        assert got.shape == want.shape == (224, 224, 3) and np.abs(got - want).max() <= 1, (w, h)
+    # read from a tree: the 4 x 16000 banner resized to 224 x 224 alone
+    root = tree(tmp_path / "d")
+    Image.new("RGB", (4, 16000), (90, 10, 10)).save(root / "val" / "a" / "banner.png")
+    _, val = imagefolder(str(root))
+    sizes.clear()
+    x, y = val[[p for p, _ in val.samples].index(str(root / "val" / "a" / "banner.png"))]
+    assert tuple(x.shape) == (3, 224, 224) and y == 0 and sizes == [(224, 224)]

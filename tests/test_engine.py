@@ -402,7 +402,7 @@ def test_train_takes_the_kernel_builder_and_both_routes_train_alike(cache, tmp_p
     from orepa.cli import main
 
     tiny = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32",
-            "-b", "16", "--epochs", "1", "-j", "0", "--no-progress", "--no-tensorboard", "--quiet",
+            "-b", "16", "--epochs", "1", "-j", "0", "--no-progress", "--no-tensorboard", "--no-curves", "--quiet",
             "--device", "cpu", "--cache-dir", cache]
     rows = {}
     for policy in ("grouped", "per-block"):

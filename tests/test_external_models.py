@@ -65,7 +65,7 @@ def test_the_command_line_trains_deploys_and_evaluates_a_torchvision_network(cac
     run = tmp_path / "run"
     common = ["--train-subset", "32", "--val-subset", "16", "-b", "16", "--no-progress", "--cache-dir", cache]
     assert main(["train", "-m", "torchvision:mobilenet_v3_small", "--method", "orepa", "--epochs", "1",
-                 "--no-tensorboard", "--quiet", "--output-dir", str(run), *common]) == 0
+                 "--no-tensorboard", "--no-curves", "--quiet", "--output-dir", str(run), *common]) == 0
     ckpt = torch.load(run / "checkpoint.pth", map_location="cpu", weights_only=True)
     # Fashion-MNIST's small_input default is the zoo's stem switch: torchvision's stem stays
     assert ckpt["model_cfg"]["model"] == "torchvision:mobilenet_v3_small" and ckpt["model_cfg"]["small_input"] is False
@@ -155,7 +155,7 @@ def test_training_starts_from_the_plain_networks_weights(cache, tmp_path, capsys
     common = ["--train-subset", "32", "--val-subset", "16", "-b", "16", "--no-progress", "--cache-dir", cache]
     capsys.readouterr()
     assert main(["train", "-m", "torchvision:resnet18", "--method", "orepa", "--init-from", str(weights), "--epochs",
-                 "1", "--lr", "1e-9", "--no-tensorboard", "--output-dir", str(run), *common]) == 0
+                 "1", "--lr", "1e-9", "--no-tensorboard", "--no-curves", "--output-dir", str(run), *common]) == 0
     out = capsys.readouterr().out
     assert "a new 10-class classifier (fc.weight, fc.bias)" in out and "every re-param block starts as its conv" in out
     deployed = tmp_path / "deployed.pth"
@@ -215,7 +215,7 @@ def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "-m", net, "--method", "orepa", "--init-from", str(weights), "--epochs",
                  "1", "--lr", "1e-9", "--train-subset", "16", "--no-eval", "-b", "16", "--no-progress",
-                 "--no-tensorboard", "--cache-dir", cache, "--output-dir", str(run)]) == 0
+                 "--no-tensorboard", "--no-curves", "--cache-dir", cache, "--output-dir", str(run)]) == 0
     assert f"RGB weights made for 1 input channel(s), summed over RGB: {stem}" in capsys.readouterr().out
     deployed = tmp_path / "deployed.pth"
     assert main(["reparam", str(run / "checkpoint.pth"), "-o", str(deployed), "--no-verify"]) == 0
@@ -231,7 +231,8 @@ def test_training_starts_from_rgb_weights_on_gray_data(cache, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "-m", net, "--method", "orepa", "--init-from", str(rgb_run), "--epochs",
                  "1", "--lr", "1e-9", "--train-subset", "16", "--no-eval", "-b", "16", "--no-progress",
-                 "--no-tensorboard", "--cache-dir", cache, "--output-dir", str(tmp_path / "from_rgb_run")]) == 0
+                 "--no-tensorboard", "--no-curves", "--cache-dir", cache,
+                 "--output-dir", str(tmp_path / "from_rgb_run")]) == 0
     out = capsys.readouterr().out
     assert f"RGB weights made for 1 input channel(s), summed over RGB: {stem}" in out
     assert "deployed weights: every re-param block starts as its conv" in out

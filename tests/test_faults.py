@@ -26,7 +26,8 @@ from orepa.apps.common import STOP_SIGNALS, STOP_WITH_PARENT_ENV
 from orepa.cli import main
 
 TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
-        "--lr-warmup-epochs", "0.5", "--no-progress", "--no-tensorboard", "--quiet", "--threads", "1", "--no-eval"]
+        "--lr-warmup-epochs", "0.5", "--no-progress",
+        "--no-tensorboard", "--no-curves", "--quiet", "--threads", "1", "--no-eval"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -541,7 +542,7 @@ def test_a_corrupt_image_read_by_loader_workers_ends_the_process(tmp_path):
     _png_tree(imgs, corrupt=True)
     argv = ["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "2",
             "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress",
-            "-j", "2", "--threads", "1", "--no-tensorboard", "--output-dir", str(tmp_path / "run")]
+            "-j", "2", "--threads", "1", "--no-tensorboard", "--no-curves", "--output-dir", str(tmp_path / "run")]
     proc = subprocess.run([sys.executable, "-m", "orepa", *argv], env=child_env(), capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -683,7 +684,8 @@ def test_every_bad_input_exits_2_with_one_line(cache, tmp_path, capsys, monkeypa
         (["analyze", str(ckpt), "--branches", ""], "--branches '' names no branch"),
         (["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "4",
           "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress", "-j", "1",
-          "--no-tensorboard", "--output-dir", str(tmp_path / "c")], "cannot read image " + str(imgs / "train" / "dog")),
+          "--no-tensorboard", "--no-curves", "--output-dir", str(tmp_path / "c")],
+         "cannot read image " + str(imgs / "train" / "dog")),
         # the training set's flags: eval and reparam read the validation set only (they took and ignored them)
         (["eval", str(ckpt), "--train-subset", "5"], "unrecognized arguments: --train-subset 5 (see orepa eval --help)"),
         (["reparam", str(ckpt), "--pad-crop", "3"], "unrecognized arguments: --pad-crop 3 (see orepa reparam --help)"),
@@ -1141,7 +1143,8 @@ def test_out_of_memory_names_the_batch_only_where_a_command_has_one(command, hin
 # --------------------------------------------------------------------------- a resumed run's data and settings
 
 IMGS = ["--model", "resnet18", "--width-mult", "0.0625", "--train-crop-size", "32", "--val-resize-size", "32",
-        "--val-crop-size", "32", "--no-eval", "--no-progress", "--no-tensorboard", "-j", "0", "--threads", "1"]
+        "--val-crop-size", "32", "--no-eval", "--no-progress",
+        "--no-tensorboard", "--no-curves", "-j", "0", "--threads", "1"]
 
 
 def _one_error_line(argv, capsys) -> str:
@@ -2114,7 +2117,8 @@ def test_an_unreadable_training_image_keeps_the_steps_trained_before_it(tmp_path
     out = tmp_path / "run"
     argv = ["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "2",
             "--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "--no-progress", "-j", "0",
-            "--threads", "1", "--no-tensorboard", "--quiet", "--no-eval", "--epochs", "1", "--output-dir", str(out)]
+            "--threads", "1",
+            "--no-tensorboard", "--no-curves", "--quiet", "--no-eval", "--epochs", "1", "--output-dir", str(out)]
     real, calls = data.load_image, []
 
     def fifth_unreadable(path):

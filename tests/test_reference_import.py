@@ -382,7 +382,8 @@ def test_train_fine_tunes_an_imported_checkpoint(tmp_path, capsys, flag, classes
     capsys.readouterr()
     rc = main(["train", flag, str(tmp_path / "start.pth"), "--data-path", str(tmp_path / "imgs"),
                "--epochs", "1", "-b", "4", "--lr", "1e-7", "--lr-warmup-epochs", "0", "--train-crop-size", "32",
-               "--val-resize-size", "36", "--val-crop-size", "32", "-j", "0", "--no-progress", "--no-tensorboard",
+               "--val-resize-size", "36", "--val-crop-size", "32", "-j", "0", "--no-progress",
+               "--no-tensorboard", "--no-curves",
                "--output-dir", str(out)])
     stdout = capsys.readouterr().out
     assert rc == 0 and f"starting from the weights of {tmp_path / 'start.pth'} (imported from " in stdout
@@ -472,7 +473,7 @@ def test_train_resume_of_an_import_that_does_not_fit_the_data_is_one_line(tmp_pa
     assert main(["import-reference", str(tmp_path / "ref.pth"), "-o", str(tmp_path / "start.pth")]) == 0
     capsys.readouterr()
     rc = main(["train", "--resume", str(tmp_path / "start.pth"), "--epochs", "1", "-b", "4", "--max-steps", "1",
-               "--train-subset", "16", "--val-subset", "8", "--no-progress", "--no-tensorboard",
+               "--train-subset", "16", "--val-subset", "8", "--no-progress", "--no-tensorboard", "--no-curves",
                "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "takes 3-channel images but fashion-mnist has 1 channel(s)" in err[0]

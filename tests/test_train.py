@@ -28,7 +28,7 @@ from orepa.apps.model_cfg import build_model
 from orepa.cli import main
 
 TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
-        "--lr-warmup-epochs", "0.5", "--no-progress", "--no-tensorboard", "--quiet"]
+        "--lr-warmup-epochs", "0.5", "--no-progress", "--no-tensorboard", "--no-curves", "--quiet"]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -224,7 +224,8 @@ def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["train", "--data-path", str(root), "--model", "resnet18", "--width-mult", "0.0625", "--epochs", "1",
                "-b", "4", "--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32",
-               "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard", "-j", "0", "--output-dir", str(out)])
+               "--lr-warmup-epochs", "0", "--no-progress",
+               "--no-tensorboard", "--no-curves", "-j", "0", "--output-dir", str(out)])
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["dataset"] == "imagefolder" and s["model_cfg"]["in_chans"] == 3 and s["model_cfg"]["num_classes"] == 2
@@ -255,7 +256,8 @@ def test_a_batch_a_training_batchnorm_sees_as_one_value_is_refused_before_the_ru
     _png_tree(root, n_train=2, n_val=1)
     out = tmp_path / "run"
     base = ["train", "--data-path", str(root), "--model", "resnet18", "--width-mult", "0.0625", "--epochs", "1",
-            "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard", "-j", "0", "--output-dir", str(out)]
+            "--lr-warmup-epochs", "0", "--no-progress",
+            "--no-tensorboard", "--no-curves", "-j", "0", "--output-dir", str(out)]
     for flags in (["-b", "1", "--train-crop-size", "16"], ["-b", "2", "--micro-batches", "2", "--train-crop-size", "16"]):
         assert main([*base, *flags, "--val-crop-size", "16", "--val-resize-size", "16"]) == 2
         err = capsys.readouterr().err
@@ -273,7 +275,8 @@ def test_a_relative_data_path_from_a_checkpoint_is_named_as_the_checkpoints(tmp_
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--data-path", "imgs", "--model", "resnet18", "--width-mult", "0.0625", "--epochs", "1",
                  "-b", "4", "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32",
-                 "--no-eval", "--no-progress", "--no-tensorboard", "-j", "0", "--output-dir", "run"]) == 0
+                 "--no-eval", "--no-progress",
+                 "--no-tensorboard", "--no-curves", "-j", "0", "--output-dir", "run"]) == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -295,7 +298,8 @@ def test_eval_notes_a_model_with_more_classes_than_the_data(tmp_path, capsys):
     _png_tree(root, classes=("cat", "dog", "fox"))
     sizes = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32"]
     assert main(["train", "--data-path", str(root), *TINY[:4], "--epochs", "1", "-b", "6", *sizes, "--num-classes",
-                 "5", "--no-progress", "--no-tensorboard", "-j", "0", "--max-steps", "1", "--output-dir", str(out)]) == 0
+                 "5", "--no-progress",
+                 "--no-tensorboard", "--no-curves", "-j", "0", "--max-steps", "1", "--output-dir", str(out)]) == 0
     capsys.readouterr()
     assert main(["eval", str(out / "checkpoint.pth"), "--no-progress", "-j", "0"]) == 0
     assert (f"note: {out / 'checkpoint.pth'} predicts 5 classes, imagefolder has 3: an image predicted as one of "
@@ -314,7 +318,8 @@ def test_checkpoints_name_their_classes_and_eval_reads_other_folders_by_name(tmp
     _png_tree(root, classes=("cat", "dog", "fox"))
     sizes = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32"]
     assert main(["train", "--data-path", str(root), *TINY[:4], "--epochs", "2", "-b", "6", *sizes,
-                 "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard", "-j", "0", "--max-steps", "3",
+                 "--lr-warmup-epochs", "0", "--no-progress",
+                 "--no-tensorboard", "--no-curves", "-j", "0", "--max-steps", "3",
                  "--output-dir", str(out)]) == 0
     ckpt_path = out / "checkpoint.pth"
     ckpt = load_checkpoint(ckpt_path)
@@ -380,7 +385,7 @@ def test_init_from_keeps_the_classifier_rows_of_the_classes_it_knows(tmp_path, c
     root, first = tmp_path / "imgs", tmp_path / "first"
     _png_tree(root, classes=("cat", "dog", "fox"), n_train=2, n_val=1)
     sizes = ["--train-crop-size", "32", "--val-resize-size", "36", "--val-crop-size", "32", "-j", "0",
-             "--no-progress", "--no-tensorboard", "--lr-warmup-epochs", "0", "--no-eval"]
+             "--no-progress", "--no-tensorboard", "--no-curves", "--lr-warmup-epochs", "0", "--no-eval"]
     assert main(["train", "--data-path", str(root), *TINY[:4], "-b", "2", *sizes, "--max-steps", "2",
                  "--output-dir", str(first)]) == 0
     start = _load(first / "checkpoint.pth")["model"]
@@ -683,7 +688,8 @@ def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.jit.load's deprecation (the TorchScript export)
 def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
     out = tmp_path / "run"
-    assert _train(cache, out, "--method", "orepa", "--epochs", "2", "--model-ema", "--model-ema-steps", "1") == 0
+    assert _train(cache, out, "--method", "orepa", "--epochs", "2", "--model-ema", "--model-ema-steps", "1",
+                  "--curves") == 0
     for name in ("checkpoint.pth", "log.jsonl", "log.csv", "curves.png", "summary.json", "progress.json"):
         assert (out / name).is_file(), name
     hist = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
@@ -802,7 +808,8 @@ def test_micro_batches_give_the_whole_batchs_step(cache, tmp_path, capsys):
     reassociation aside), the same loss; with BNs, each micro-batch is normalised on its own."""
     # (timm's test_resnet: the same ResNet code as resnet10t, few channels; only its norms matter here)
     net = ["--model", "timm:test_resnet", "--model-kwarg", "norm_layer=groupnorm1", "--model-option", "without_bn=true",
-           "--train-subset", "64", "-b", "16", "--max-steps", "2", "--no-eval", "--no-progress", "--no-tensorboard",
+           "--train-subset", "64", "-b", "16", "--max-steps", "2", "--no-eval", "--no-progress",
+           "--no-tensorboard", "--no-curves",
            "--quiet", "--cache-dir", cache, "--lr", "0.05", "--lr-warmup-epochs", "0"]
     assert main(["train", *net, "--output-dir", str(tmp_path / "whole")]) == 0
     assert main(["train", *net, "--micro-batches", "4", "--output-dir", str(tmp_path / "micro")]) == 0
@@ -958,22 +965,25 @@ def test_a_torchrun_job_is_named_alike_over_its_restarts_and_otherwise_between_j
 
 @pytest.mark.filterwarnings("ignore:Creating legend")  # (matplotlib times its legend: a minute a reading)
 def test_curves_are_drawn_at_the_runs_end_not_at_each_epoch_of_a_short_run(cache, tmp_path, monkeypatch):
-    """A drawing of curves.png takes a third of a second: a run of short epochs drew each (a tiny
-    run's fifth of its time); it is drawn at the end (a stopped run's too), and during a run at an
-    epoch's end once a minute has passed."""
+    """A drawing of curves.png took a third of a second: a run of short epochs drew each (a tiny
+    run's fifth of its time); it is drawn at the end (a stopped run's too), during a run at an
+    epoch's end once a minute has passed, and not at all with --no-curves."""
     drawn = []
     real = train.plot_curves
     monkeypatch.setattr(train, "plot_curves", lambda history, *a: drawn.append(len(history)) or real(history, *a))
-    assert _train(cache, tmp_path / "short", "--epochs", "3", "--no-eval") == 0
+    assert _train(cache, tmp_path / "short", "--epochs", "3", "--no-eval", "--curves") == 0
     assert drawn == [3] and (tmp_path / "short" / "curves.png").is_file()
     drawn.clear()
-    assert _train(cache, tmp_path / "stopped", "--epochs", "3", "--no-eval", "--max-steps", "6") == 0
+    assert _train(cache, tmp_path / "stopped", "--epochs", "3", "--no-eval", "--max-steps", "6", "--curves") == 0
     assert drawn == [1]  # (stopped in epoch 2: the one epoch done)
     drawn.clear()
     clock = iter(range(0, 10**6, 61))  # a minute passes between any two readings
     monkeypatch.setattr(train.time, "perf_counter", lambda: float(next(clock)))
-    assert _train(cache, tmp_path / "long", "--epochs", "2", "--no-eval") == 0
+    assert _train(cache, tmp_path / "long", "--epochs", "2", "--no-eval", "--curves") == 0
     assert drawn == [1, 2]
+    drawn.clear()
+    assert _train(cache, tmp_path / "none", "--epochs", "2", "--no-eval") == 0  # (the tests' runs: --no-curves)
+    assert drawn == [] and not (tmp_path / "none" / "curves.png").exists()
 
 
 def test_a_faults_message_says_when_torchruns_restart_will_continue_the_run(tmp_path, monkeypatch):
@@ -1045,7 +1055,7 @@ def test_a_resumed_run_draws_the_dropout_masks_it_would_have_drawn(cache, tmp_pa
     # (timm's test_resnet: timm's ResNet, its drop_rate dropout before the classifier, few channels)
     argv = ["train", "-m", "timm:test_resnet", "--method", "base", "--model-kwarg", "drop_rate=0.5", "--train-subset",
             "16", "-b", "4", "--epochs", "1", "--lr-warmup-epochs", "0", "--no-eval", "--no-progress",
-            "--no-tensorboard", "--quiet", "-j", "0", "--cache-dir", cache]  # 4 steps
+            "--no-tensorboard", "--no-curves", "--quiet", "-j", "0", "--cache-dir", cache]  # 4 steps
     assert main([*argv, "--output-dir", str(tmp_path / "whole")]) == 0
     assert main([*argv, "--output-dir", str(tmp_path / "parts"), "--max-steps", "2"]) == 0
     torch.manual_seed(1)  # whatever stream this process is at: the checkpoint's is the one that counts
@@ -1386,7 +1396,8 @@ def test_a_run_directory_is_never_replaced_silently(cache, tmp_path, capsys, mon
         holder.wait()
     for held in (f"{host}-1 flock", f"{host}-{os.getpid()} flock", f"{host}-{int(gone.stdout)}", ""):
         lock.write_text(held)
-        assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 0 and not lock.exists(), held
+        assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite", "--curves") == 0, held
+        assert not lock.exists(), held
     with subprocess.Popen(["sleep", "60"]) as other:
         lock.write_text(f"{host}-{other.pid}")  # no flock word: its pid's word, which says it runs
         assert _train(cache, run, "--epochs", "1", "--no-eval", "--overwrite") == 2
@@ -1670,7 +1681,8 @@ def test_init_from_a_training_form_of_another_method_or_rgb_images_starts_from_i
     capsys.readouterr()
     assert main(["train", "--data-path", str(tmp_path / "imgs"), "--model", "resnet18", "--width-mult", "0.0625",
                  "--max-steps", "1", "-b", "4", "--train-crop-size", "32", "--val-resize-size", "36",
-                 "--val-crop-size", "32", "--lr", "1e-9", "--lr-warmup-epochs", "0", "--no-progress", "--no-tensorboard",
+                 "--val-crop-size", "32", "--lr", "1e-9", "--lr-warmup-epochs", "0", "--no-progress",
+                 "--no-tensorboard", "--no-curves",
                  "--no-eval", "-j", "0", "--init-from", str(gray), "--output-dir", str(tmp_path / "rgb_run")]) == 0
     log = capsys.readouterr().out
     assert "gray weights made for 3 input channel(s), gray repeated, scaled by 1 / channels: conv1.weight" in log
@@ -1850,7 +1862,7 @@ def test_ddp_two_cpu_processes_end_with_identical_weights(cache, tmp_path, build
     proc = _torchrun_recording_group_freed(tmp_path, [
         "train", *TINY, "--method", "orepa", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out),
         "--device", "cpu", "--kernel-builder", builder, "--micro-batches", str(micro), "--model-ema",
-        "--model-ema-steps", "1"])
+        "--model-ema-steps", "1", "--curves"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["True", "True"]
     s = json.loads((out / "summary.json").read_text())
@@ -1929,7 +1941,7 @@ def test_a_signal_to_one_rank_stops_every_rank_and_torchruns_restart_ends_as_the
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     argv = ["train", "-m", "timm:resnet10t", "--method", "base", "--model-kwarg", "drop_rate=0.5", "--train-subset",
             "32", "--val-subset", "16", "-b", "8", "--epochs", "2", "--lr-warmup-epochs", "0", "--no-progress",
-            "--no-tensorboard", "--quiet", "-j", "0", "--cache-dir", cache, "--device", "cpu"]
+            "--no-tensorboard", "--no-curves", "--quiet", "-j", "0", "--cache-dir", cache, "--device", "cpu"]
 
     def run(*cmd):
         proc = subprocess.run([*launch, *cmd], env=env, capture_output=True, text=True, timeout=300)

@@ -322,8 +322,8 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
     norm = T.Normalize(IMAGENET_MEAN, IMAGENET_STD)
     train_tf = T.Compose([T.RandomResizedCrop(train_crop, antialias=True), T.RandomHorizontalFlip(),
                           T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
-    val_tf = T.Compose([T.Resize(val_resize, antialias=True), T.CenterCrop(val_crop),
-                        T.PILToTensor(), T.ConvertImageDtype(torch.float), norm])
+    val_tf = T.Compose([ResizeCentreCrop(val_resize, val_crop), T.PILToTensor(), T.ConvertImageDtype(torch.float),
+                        norm])
     def folder(split: str, tf):
         again = _folder_read_twice(root_p / split)
         if again:
@@ -349,6 +349,38 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
         raise UserError(f"--data-path {root}: train/ has {len(train.classes)} class folder "
                         f"({', '.join(train.classes)}); a classifier needs at least 2")
     return train, val
+
+
+class ResizeCentreCrop:
+    """torchvision's ``Resize(resize)`` (the shorter side to ``resize``), then ``CenterCrop(crop)``, of a PIL
+    image: the paper's validation images. A thin image (its long side over :attr:`THIN` times its short
+    one) is resized only where the crop lies: resized whole, a 4 x 16000 banner became 256 x 1,024,000
+    pixels (750 MB) for a 224 x 224 crop. Its pixels then differ from the whole resize's by at most one
+    level in 255 (Pillow rounds the box's coefficients otherwise); every other image's are torchvision's."""
+
+    THIN = 16  # (its resized image: at most 256 x 4096 x 3 bytes, 3 MB, at the paper's sizes)
+
+    def __init__(self, resize: int, crop: int):
+        from torchvision import transforms as T
+
+        if crop > resize:  # (imagefolder refuses it first; the box below assumes the crop fits)
+            raise ValueError(f"crop {crop} > resize {resize}")
+        self.resize, self.crop = resize, crop
+        self.whole = T.Compose([T.Resize(resize, antialias=True), T.CenterCrop(crop)])
+
+    def __call__(self, img):
+        from PIL import Image
+
+        w, h = img.size
+        if max(w, h) <= self.THIN * min(w, h):
+            return self.whole(img)
+        # torchvision's size of the resized image and its centre crop's place (Resize, CenterCrop)
+        long = int(self.resize * max(w, h) / min(w, h))
+        rw, rh = (self.resize, long) if w <= h else (long, self.resize)
+        top, left = int(round((rh - self.crop) / 2.0)), int(round((rw - self.crop) / 2.0))
+        sx, sy = w / rw, h / rh  # (Pillow's filters reach past the box into the image, as the whole resize's)
+        box = (left * sx, top * sy, (left + self.crop) * sx, (top + self.crop) * sy)
+        return img.resize((self.crop, self.crop), Image.BILINEAR, box=box)
 
 
 def _hidden(name: str) -> bool:

@@ -67,6 +67,8 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> Path | None
         return ([p[0] for p in pts], [p[1] for p in pts]) if pts else None
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    # fixed margins, not tight_layout: it measured every label again, 40% of the drawing's time
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.14, top=0.88 if title else 0.95, wspace=0.25)
     for ax, keys, label in ((axes[0], ("train_loss", "val_loss"), "loss"),
                             (axes[1], ("train_acc1", "val_acc1", "ema_val_acc1"), "top-1 accuracy (%)"),
                             (axes[2], ("lr",), "learning rate (end of epoch)")):
@@ -81,7 +83,6 @@ def plot_curves(history: list[dict], path: Path, title: str = "") -> Path | None
             ax.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     return save_figure(fig, path, dpi=110)
 
 

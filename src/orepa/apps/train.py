@@ -271,6 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--print-freq", type=positive_int, default=10, help="progress-bar update every N steps")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     g.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs even if installed")
+    g.add_argument("--curves", action=argparse.BooleanOptionalAction, default=True,
+                   help="draw curves.png (the default; --no-curves for sweeps of many short runs: a drawing takes a "
+                        "tenth of a second)")
     g.add_argument("--no-eval", action="store_true", help="skip the per-epoch evaluation")
     g.add_argument("--eval", dest="no_eval", action="store_false", default=False,
                    help="evaluate every epoch (the default; --resume of a --no-eval run evaluates again)")
@@ -371,7 +374,7 @@ SESSION_FLAGS = frozenset({"resume", "auto_resume", "init_from", "test_only", "m
                            "micro_batches",
                            # how steps run on this session's device (Trainer._step_modes)
                            "cuda_graphs", "kernel_graphs", "kernel_builder", "compile",
-                           "print_freq", "no_progress", "no_tensorboard", "quiet", "overwrite", "output_dir",
+                           "print_freq", "no_progress", "no_tensorboard", "curves", "quiet", "overwrite", "output_dir",
                            "given", "command"})
 #: settings a resumed run cannot change: the position in the run is counted in their units (the seed
 #: chooses a --train-subset's images and orders every epoch: another would repeat some of the current
@@ -1586,11 +1589,12 @@ class Trainer:
 
     def _draw_curves(self, final: bool) -> None:
         """``curves.png`` of the epochs done (main process): at an epoch's end once a minute has passed
-        since the run began or was last drawn, and at the run's end. A drawing takes a third of a second
+        since the run began or was last drawn, and at the run's end. A drawing takes a tenth of a second
         (matplotlib): the epochs of a long run are each drawn, while a short run's many epochs are
         not each paid for. (A run that fails leaves the drawing of its last minute's epochs out.)"""
         done = len(self.state.history)
-        if not self.main or done == self.drawn[1] or not final and time.perf_counter() - self.drawn[0] < 60:
+        if (not self.main or not self.args.curves or done == self.drawn[1]
+                or not final and time.perf_counter() - self.drawn[0] < 60):
             return
         plot_curves(self.state.history, self.out / "curves.png", describe_cfg(self.cfg))
         self.drawn = (time.perf_counter(), done)
