@@ -172,3 +172,35 @@ def test_validation_images_are_torchvisions_resize_and_crop_and_a_thin_one_is_re
     sizes.clear()
     x, y = val[[p for p, _ in val.samples].index(str(root / "val" / "a" / "banner.png"))]
     assert tuple(x.shape) == (3, 224, 224) and y == 0 and sizes == [(224, 224)]
+
+
+def test_class_names_written_two_ways_in_unicode_are_one_class(tmp_path):
+    """A class folder named on a Mac is stored decomposed (NFD: ``e`` + a combining accent), the same
+    name made elsewhere composed (NFC: one code point). train/ of one and val/ of the other were refused
+    as "different class folders (only in train/: éclair; only in val/: éclair)", and a checkpoint's
+    names as written matched nothing of the other tree. Names are compared in NFC; sorted as written
+    (torchvision's labels), ``e`` + accent comes before ``fig`` and ``é`` after it: val's labels are
+    train's, by name."""
+    from orepa.apps.data import Data
+
+    nfd, nfc = "e\u0301clair", "\u00e9clair"
+    for split, names in (("train", (nfd, "fig")), ("val", (nfc, "fig"))):
+        for i, c in enumerate(names):
+            (tmp_path / split / c).mkdir(parents=True)
+            Image.new("RGB", (8, 8), (100 * i, 0, 0)).save(tmp_path / split / c / "0.png")
+    train, val = read(tmp_path)
+    assert train.classes == val.classes == [nfc, "fig"]
+    labels = {Path(p).parent.name: t for p, t in train.samples}
+    assert labels == {nfd: 0, "fig": 1}
+    assert sorted(val[i][1] for i in range(len(val))) == [0, 1]
+    assert {Path(val.ds.samples[i][0]).parent.name: val[i][1] for i in range(len(val))} == {nfc: 0, "fig": 1}
+    # a checkpoint that kept the names as written (NFD) reads this data by name
+    data = Data("imagefolder", None, val, 2, 3, False, classes=tuple(val.classes))
+    assert data.read_as([nfd, "fig"], "ckpt") is data
+    flipped = data.read_as(["fig", nfd], "ckpt")
+    assert [flipped.val[i][1] for i in range(len(val))] == [1 - val[i][1] for i in range(len(val))]
+    # one name written both ways in one split: two folders that cannot be told apart by their names
+    (tmp_path / "val" / nfd).mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "val" / nfd / "0.png")
+    with pytest.raises(UserError, match="are one name written two ways .*merge them"):
+        read(tmp_path)

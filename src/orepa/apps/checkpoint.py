@@ -64,7 +64,7 @@ from ..state_dicts import (
     strip_prefixes,
     without_ema_counter,
 )
-from .common import UserError, error_text, size_text, some_of, weights_damage
+from .common import UserError, class_name, error_text, size_text, some_of, weights_damage
 from .model_cfg import FORMS, MODEL_CFG_KEYS, build_model_form, checked_cfg, describe_cfg, external_source
 
 FORMAT = "orepa-checkpoint"
@@ -996,7 +996,7 @@ def classifier_rows_by_name(model: nn.Module, sd: dict, num_classes: int, saved:
     both keeps its trained row, wherever it sits in either; any other row keeps the model's
     initialisation. Returns ``(sd, what was done)``; ``sd`` unchanged (and ``""``) where the names
     say nothing (unnamed, the same list, or no class in common)."""
-    saved, classes = tuple(saved), tuple(classes)
+    saved, classes = tuple(map(class_name, saved)), tuple(classes)  # (an older orepa's: as written)
     common = [c for c in classes if c in saved]
     if not saved or not classes or saved == classes or not common:
         return sd, ""

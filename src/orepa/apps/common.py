@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 import traceback
+import unicodedata
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -926,6 +927,13 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def class_name(name: str) -> str:
+    """A class name as orepa holds and compares it: Unicode NFC. A folder named on a Mac (HFS+ stores
+    names decomposed, NFD: ``e`` + a combining accent) and the same name made elsewhere (``é``, one
+    code point) are one class, though Python and the file system tell them apart."""
+    return unicodedata.normalize("NFC", name)
 
 
 def some_of(items, n: int = 3) -> str:

@@ -46,6 +46,7 @@ from .common import (
     DistInfo,
     UserError,
     available_cpus,
+    class_name,
     error_text,
     nonneg_int,
     path_arg,
@@ -237,10 +238,10 @@ class Compose:
 
 
 class Relabeled(Dataset):
-    """``ds`` with label ``y`` read as ``index[y]`` (another class order)."""
+    """``ds`` with label ``y`` read as ``index[y]`` (another class order: ``classes``)."""
 
-    def __init__(self, ds: Dataset, index: Sequence[int]):
-        self.ds, self.index = ds, list(index)
+    def __init__(self, ds: Dataset, index: Sequence[int], classes: Sequence[str] = ()):
+        self.ds, self.index, self.classes = ds, list(index), list(classes)
 
     def __len__(self) -> int:
         return len(self.ds)
@@ -339,6 +340,10 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
 
     train = folder("train", train_tf) if need_train else None
     val = folder("val", val_tf)
+    if train is not None and train.classes != val.classes and sorted(train.classes) == sorted(val.classes):
+        # the same names, written one way in one split and the other way in the other (a Mac's NFD): sorted
+        # as written (torchvision's labels), their order can differ; val's labels are train's, by name
+        val = Relabeled(val, [train.classes.index(c) for c in val.classes], train.classes)
     if train is not None and train.classes != val.classes:
         only_train = sorted(set(train.classes) - set(val.classes))
         only_val = sorted(set(val.classes) - set(train.classes))
@@ -409,7 +414,13 @@ class ImageFolder(Dataset):
         self.root, self.transform = root, transform
         with os.scandir(root) as entries:
             entries = list(entries)
-        self.classes = sorted(e.name for e in entries if e.is_dir() and not _hidden(e.name))
+        # in torchvision's order (of the names as written), each name as orepa compares it (class_name)
+        folders = sorted(e.name for e in entries if e.is_dir() and not _hidden(e.name))
+        self.classes = [class_name(f) for f in folders]
+        if len(set(self.classes)) < len(folders):
+            twice = [f for f in folders if self.classes.count(class_name(f)) > 1]
+            raise FileNotFoundError(f"the class folders {some_of(map(ascii, twice), 4)} of {root} are one name written "
+                                    "two ways (Unicode NFC and NFD, as a Mac writes it): merge them into one folder")
         loose = sorted(e.name for e in entries if not e.is_dir() and _visible_image(root, e.path))
         if loose:  # (torchvision reads no image there: ImageNet's flat val/, or one half sorted, read in part)
             raise FileNotFoundError(
@@ -420,8 +431,8 @@ class ImageFolder(Dataset):
         if not self.classes:
             raise FileNotFoundError(f"Couldn't find any class folder in {root}.")
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
-        self.samples = make_dataset(root, self.class_to_idx, is_valid_file=partial(_visible_image, root),
-                                    allow_empty=True)
+        self.samples = make_dataset(root, {f: i for i, f in enumerate(folders)},
+                                    is_valid_file=partial(_visible_image, root), allow_empty=True)
         self.targets = [t for _, t in self.samples]
         empty = sorted(set(self.classes) - {self.classes[t] for t in set(self.targets)})
         if empty:
@@ -578,7 +589,7 @@ class Data:
         """This data with the validation labels of a model trained on ``classes`` (from checkpoint
         ``source``): a folder holding some of its classes, or them in another order, gets their
         indices by name. A :class:`UserError` names the classes the model never saw."""
-        classes = tuple(classes)
+        classes = tuple(map(class_name, classes))  # (an older orepa's checkpoint kept them as written)
         if not classes or not self.classes or classes == self.classes:
             return self
         unknown = [c for c in self.classes if c not in classes]
@@ -586,7 +597,8 @@ class Data:
             raise UserError(f"{source} was trained on other classes: {self.name} has {len(unknown)} it never saw "
                             f"({some_of(unknown)}); its classes are {some_of(classes, 5)}")
         index = [classes.index(c) for c in self.classes]
-        return dataclasses.replace(self, val=Relabeled(self.val, index), num_classes=len(classes), classes=classes)
+        return dataclasses.replace(self, val=Relabeled(self.val, index, classes), num_classes=len(classes),
+                                   classes=classes)
 
 
 def names_fashion_mnist(data_path) -> bool:

@@ -96,6 +96,7 @@ from .common import (
     apply_threads,
     below_one,
     capture_cuda_graphs,
+    class_name,
     cleanup_distributed,
     count_params,
     decay_to_init,
@@ -673,9 +674,10 @@ class Trainer:
         self._step_modes(args)
         source = self.start_flag or f"--resume {args.resume}"
         self.data = build_data(args, note=self.log)
-        if self.resume_ckpt is not None and self.resume_ckpt.get("classes") and tuple(self.resume_ckpt["classes"]) != self.data.classes:
+        was = tuple(map(class_name, self.resume_ckpt.get("classes") or ())) if self.resume_ckpt is not None else ()
+        if was and was != self.data.classes:
             # the folder changed since the run began: its labels would now name other classes
-            was, now = tuple(self.resume_ckpt["classes"]), self.data.classes
+            now = self.data.classes
             change = "; ".join(f"{what} {some_of(names)}" for what, names in (
                 ("new:", [c for c in now if c not in was]), ("gone:", [c for c in was if c not in now])) if names)
             raise UserError(f"--resume {args.resume}: {self.data.name} no longer has the classes this run began with "
