@@ -726,8 +726,9 @@ def test_reparam_and_export_replace_only_an_output_of_the_same_source(tmp_path, 
         cmd = [*exporting, "--format", fmt, "-o", str(out)]
         assert cli.main([*cmd, str(first)]) == 0
         refused([*cmd, str(last)], out, f"--output {out} holds the export of {first}, resnet18/orepa")
-        refused([*cmd, str(first), "--use-ema"], out, f"holds the export of {first}, resnet18/orepa")
-        assert cli.main([*cmd, "run/model_1.pth"]) == 0 and cli.main([*cmd, str(first)]) == 0
+        if fmt == "onnx":  # (each format's record is read by one export_source: the other cases once)
+            refused([*cmd, str(first), "--use-ema"], out, f"holds the export of {first}, resnet18/orepa")
+            assert cli.main([*cmd, "run/model_1.pth"]) == 0 and cli.main([*cmd, str(first)]) == 0
         assert cli.main([*cmd, str(last), "--overwrite"]) == 0
         assert export.export_source(out, fmt)["checkpoint"] == str(last)
     # an ONNX model that records no source: another tool's, or an older orepa's export

@@ -856,6 +856,31 @@ def test_resume_mid_epoch_matches_uninterrupted_run(cache, tmp_path):
     assert [h["train_loss"] for h in ca["history"]] == pytest.approx([h["train_loss"] for h in cb["history"]])
 
 
+def test_save_interval_checkpoints_mid_epoch_once_its_minutes_have_passed_since_the_last(cache, tmp_path,
+                                                                                          monkeypatch):
+    """--save-interval MIN: a mid-epoch checkpoint once MIN minutes have passed since the last one (a
+    killed process, or torchrun's restart, repeats at most that much of a long epoch), none at an
+    epoch's end (it writes one anyway); the run ends as one without it."""
+    written = []
+    real = train.Trainer.checkpoint
+    monkeypatch.setattr(train.Trainer, "checkpoint", lambda self, reason: written.append(
+        (self.state.global_step, reason)) or real(self, reason))
+    args = ("--method", "base", "--epochs", "2", "--no-eval")  # 4 steps per epoch
+    assert _train(cache, tmp_path / "plain", *args, "--save-interval", "10") == 0
+    assert written == [(4, "epoch"), (8, "epoch")]
+    written.clear()
+    clock = iter(range(0, 10**6, 31))  # half a minute and a second between any two readings
+    monkeypatch.setattr(train.time, "perf_counter", lambda: float(next(clock)))
+    assert _train(cache, tmp_path / "saved", *args, "--save-interval", "1.5") == 0
+    steps = [step for step, reason in written if reason == "step"]
+    assert steps and all(step % 4 for step in steps) and [r for _, r in written].count("epoch") == 2, written
+    # (each step reads the clock at least once: 1.5 minutes pass within every 3 steps)
+    assert all(b - a <= 3 for a, b in zip([0, *steps], steps)), written
+    plain, saved = (_load(tmp_path / d / "checkpoint.pth") for d in ("plain", "saved"))
+    assert saved["args"]["save_interval"] == 1.5 and plain["global_step"] == saved["global_step"] == 8
+    assert all(torch.equal(v, saved["model"][k]) for k, v in plain["model"].items())
+
+
 def test_auto_resume_starts_a_run_where_there_is_none_and_continues_the_one_there(cache, tmp_path, capsys):
     """A requeued job runs its command again as first given: --auto-resume continues the run its
     directory holds (here stopped by a step budget, as a job killed mid-epoch), to the weights of the

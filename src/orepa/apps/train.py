@@ -263,6 +263,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--test-only", action="store_true", help="only evaluate (the --resume checkpoint)")
     g.add_argument("--save-every", type=nonneg_int, default=0,
                    help="also checkpoint every N steps (0: epoch ends only)")
+    g.add_argument("--save-interval", type=positive_float, default=None, metavar="MIN",
+                   help="also checkpoint once MIN minutes have passed since the last checkpoint (bounds what a "
+                        "killed process or a torchrun restart repeats in long epochs; the main process's clock "
+                        "decides, every rank writes at the same step)")
     g.add_argument("--keep-epoch-checkpoints", action=argparse.BooleanOptionalAction, default=False,
                    help="keep model_<epoch>.pth of every epoch")
     g.add_argument("--max-steps", type=positive_int, default=None,
@@ -527,7 +531,7 @@ class Trainer:
         self.info, self.device = init_distributed(args.device, timeout_min=args.dist_timeout)
         self.signals = StopSignals(hold_on_error=self.info.distributed)  # set up for the training loop by fit()
         self.main = self.info.is_main
-        self.t_start = time.perf_counter()
+        self.t_start = self.saved_at = time.perf_counter()  # saved_at: when the last checkpoint was written
         self.replaced: list[str] = []  # the run --overwrite moved aside until this one's first checkpoint
         self.lock: RunLock | None = None  # the output directory's lock (lock_run_dir), held by the main process
         self.dir_lost = False  # the output directory went, and another run has it now
@@ -1304,6 +1308,7 @@ class Trainer:
         if s.history:
             ckpt["metrics"] = {k: v for k, v in s.history[-1].items() if k.startswith("val_")}
         path = save_checkpoint(ckpt, self.ckpt_path)
+        self.saved_at = time.perf_counter()
         self._drop_replaced_run()
         if self.args.keep_epoch_checkpoints and reason == "epoch":
             save_checkpoint(ckpt, self.out / f"model_{s.epoch}.pth")
@@ -1341,16 +1346,18 @@ class Trainer:
                 # and would be doubled (see capture_cuda_graphs)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss, sums = self._forward_backward(images, target)
-                # one all-reduce a step: every rank stops at the same step (a signal may reach one rank only)
-                # (the host's two flags in one copy to the device); the step's sums ride along, so every rank
-                # holds the epoch's sums of all ranks (progress.json's loss means the same after a resume,
-                # whose checkpoint holds those)
-                host = [float(self._time_up()), float(self.signals.received is not None)]
+                # one all-reduce a step: every rank stops and checkpoints at the same step (a signal may
+                # reach one rank only; the main process's clock decides --save-interval) (the host's
+                # flags in one copy to the device, all four back in one); the step's sums ride along, so
+                # every rank holds the epoch's sums of all ranks (progress.json's loss means the same
+                # after a resume, whose checkpoint holds those)
+                host = [float(self._time_up()), float(self.signals.received is not None), float(self._save_due())]
                 flags = torch.cat([(~torch.isfinite(loss)).to(torch.float64).view(1),
                                    torch.tensor(host, dtype=torch.float64, device=device), sums])
                 if info.distributed:
                     dist.all_reduce(flags)
-                if flags[0].item() > 0:  # before the step: the weights stay those of the last good step
+                nonfinite, time_up, signalled, save_due = (f > 0 for f in flags[:4].tolist())
+                if nonfinite:  # before the step: the weights stay those of the last good step
                     raise NonFiniteLoss(f"loss is {loss.item()} {self.where()} (global step {s.global_step + 1})" +
                                         (" on some rank" if info.distributed else ""))
                 if self.scaler is not None and self.scaler.is_enabled():
@@ -1371,7 +1378,7 @@ class Trainer:
                         # torchvision: restart the average during warm-up (counted in steps: a fractional
                         # warm-up's epoch goes on after it)
                         self.ema.n_averaged.fill_(0)
-                acc += flags[3:]
+                acc += flags[4:]
                 s.step_in_epoch += 1
                 s.global_step += 1
                 steps += 1
@@ -1384,14 +1391,15 @@ class Trainer:
                                         lr=f"{m['lr']:.3g}")
                 if self.main and time.perf_counter() - self._last_progress > 5.0:
                     self._write_progress(acc, steps, t0)
-                if args.save_every and s.global_step % args.save_every == 0 and s.step_in_epoch < self.iters_per_epoch:
+                due = save_due or args.save_every and s.global_step % args.save_every == 0
+                if due and s.step_in_epoch < self.iters_per_epoch:  # (the epoch's end writes one anyway)
                     self._flush_sums(acc)
                     self.checkpoint("step")
                 if args.max_steps is not None and s.global_step >= args.max_steps:
                     stop = f"--max-steps {args.max_steps} reached"
-                elif flags[1].item() > 0:
+                elif time_up:
                     stop = f"--time-limit {args.time_limit:g} min reached"
-                elif flags[2].item() > 0:
+                elif signalled:
                     stop = self._signal_stop()
                 if stop:
                     if self.main:  # (else it keeps the position of its last periodic write)
@@ -1483,6 +1491,12 @@ class Trainer:
 
     def _time_up(self) -> bool:
         return self.args.time_limit is not None and time.perf_counter() - self.t_start > 60 * self.args.time_limit
+
+    def _save_due(self) -> bool:
+        """--save-interval has passed since the last checkpoint, by the main process's clock (the step's
+        all-reduce carries its word to every rank: each writes at the same step)."""
+        interval = getattr(self.args, "save_interval", None)  # (None in the settings of an older orepa's run)
+        return self.main and interval is not None and time.perf_counter() - self.saved_at >= 60 * interval
 
     def _signal_stop(self) -> str:
         self.signal_stopped = True
