@@ -2419,8 +2419,8 @@ def test_an_optimizer_made_before_packing_is_warned_of_once(policy, regroup):
     network by the grouping, whatever route the blocks take (a CPU's ``auto`` and ``per-block`` build
     no group: they were not), also where the model is grouped again before a step (the first
     packing's parameters were forgotten); made after, no warning."""
-    x = torch.randn(2, 3, 32, 32)
-    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    x = torch.randn(2, 3, 16, 16)
+    model = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625)
     if regroup == "unpacked after":  # packed, its optimizer made, then regrouped unpacked: stale again
         engine.group_kernels(model, policy, pack=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -2440,7 +2440,7 @@ def test_an_optimizer_made_before_packing_is_warned_of_once(policy, regroup):
     # (what the warning is about: the optimizer's tensors of the online blocks never moved)
     assert sum(torch.equal(a, p) for a, p in zip(before, opt.param_groups[0]["params"])) >= 20
     del opt
-    right = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.125)
+    right = orepa.create_model("resnet18", "orepa", num_classes=10, width_mult=0.0625)
     engine.group_kernels(right, policy, pack=True)
     if regroup != "once":
         engine.group_kernels(right, policy, pack=regroup == "twice")
