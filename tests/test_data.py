@@ -200,7 +200,10 @@ def test_class_names_written_two_ways_in_unicode_are_one_class(tmp_path):
     flipped = data.read_as(["fig", nfd], "ckpt")
     assert [flipped.val[i][1] for i in range(len(val))] == [1 - val[i][1] for i in range(len(val))]
     # one name written both ways in one split: two folders that cannot be told apart by their names
-    (tmp_path / "val" / nfd).mkdir()
+    try:
+        (tmp_path / "val" / nfd).mkdir()
+    except FileExistsError:  # a file system that compares names in one form (APFS) holds one folder of both
+        return
     Image.new("RGB", (8, 8)).save(tmp_path / "val" / nfd / "0.png")
     with pytest.raises(UserError, match="are one name written two ways .*merge them"):
         read(tmp_path)
