@@ -541,7 +541,7 @@ class Trainer:
         # what setup says before it knows whether this command continues its directory's run (_continuation):
         # said once that is known, or dropped for the continuation's setup to say again
         self.held: list[tuple] | None = None
-        # (restart count, job name) under torchrun: a restart continues the run its job began (setup)
+        # the torchrun job (restart count, --max-restarts, name): a restart continues the run its job began (setup)
         self.torchrun = torchrun_job(self.info)
 
     def log(self, *msg) -> None:
@@ -1495,7 +1495,7 @@ class Trainer:
     def _save_due(self) -> bool:
         """--save-interval has passed since the last checkpoint, by the main process's clock (the step's
         all-reduce carries its word to every rank: each writes at the same step)."""
-        interval = getattr(self.args, "save_interval", None)  # (None in the settings of an older orepa's run)
+        interval = self.args.save_interval  # (a resumed older run's: this command's, resumed_args)
         return self.main and interval is not None and time.perf_counter() - self.saved_at >= 60 * interval
 
     def _signal_stop(self) -> str:
