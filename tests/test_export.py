@@ -908,3 +908,94 @@ def test_an_export_of_ema_weights_deployed_by_reparam_says_so(tmp_path, capsys):
     out = tmp_path / "m.pt2"
     assert cli.main(["export", str(deployed), "--format", "exported-program", "-o", str(out), "--no-verify"]) == 0
     assert export.export_source(out, "exported-program")["ema"] is True
+
+
+# --------------------------------------------------------------------------- segmenters, backbones
+
+@pytest.fixture(scope="module")
+def pspnet_with_aux():
+    """A PSPNet (dict output ``out``, ``aux``) whose BN statistics have left their init values."""
+    from orepa.apps import detection
+
+    torch.manual_seed(0)
+    model = detection.pspnet("resnet18", "orepa", num_classes=3, aux_loss=True,
+                             backbone_options=dict(width_mult=0.125))
+    with torch.no_grad():
+        model.train()(torch.randn(2, 3, 64, 96))
+    return model.eval()
+
+
+def test_a_segmenter_exports_to_onnx_with_its_named_outputs_where_its_bins_do_not_divide_the_map(
+        tmp_path, pspnet_with_aux):
+    """torchvision's segmenter interface returns a dict: each entry is an output of the file, by its
+    name, and each is checked. PSPNet's bins 3 and 6 on the 8 x 12 map of a 64 x 96 image (stride 8)
+    are windows that overlap, which torch's exporter refuses as adaptive_avg_pool2d: they are written
+    as products with averaging matrices, the other bins as AveragePools."""
+    import onnx
+    import onnxruntime as ort
+
+    path = tmp_path / "psp.onnx"
+    report = export_onnx(pspnet_with_aux, path, (1, 3, 64, 96))
+    assert report.verified
+    assert set(report.errors) == {f"{check} [{name}]" for name in ("out", "aux") for check in (
+        "deployed vs training form", "onnxruntime vs pytorch (batch 1)", "onnxruntime vs pytorch (batch 2)")}
+    graph = onnx.load(str(path)).graph
+    assert [o.name for o in graph.output] == ["out", "aux"]
+    ops = [n.op_type for n in graph.node]
+    assert "MatMul" in ops and "BatchNormalization" not in ops
+    x = torch.randn(3, 3, 64, 96)
+    outs = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})
+    with torch.no_grad():
+        y = pspnet_with_aux(x)
+    for name, out in zip(("out", "aux"), outs):
+        assert out.shape == (3, 3, 64, 96)
+        assert (torch.from_numpy(out) - y[name]).abs().max() <= 1e-4 * (1 + y[name].abs().max())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("fmt", ["torchscript", "exported-program"])
+def test_a_segmenters_dict_of_outputs_exports_to_torchscript_and_exported_program(tmp_path, pspnet_with_aux, fmt):
+    exporter = {"torchscript": export_torchscript, "exported-program": export_exported_program}[fmt]
+    path = tmp_path / "psp"
+    report = exporter(pspnet_with_aux, path, (1, 3, 64, 96))
+    assert report.verified and {"deployed vs training form [out]", "deployed vs training form [aux]"} <= set(report.errors)
+    loaded = torch.jit.load(str(path)) if fmt == "torchscript" else torch.export.load(str(path)).module()
+    x = torch.randn(2, 3, 64, 96)
+    with torch.no_grad():
+        y, ref = loaded(x), export.deploy_fused(pspnet_with_aux)(x)
+    assert list(y) == ["out", "aux"]
+    for name in y:
+        torch.testing.assert_close(y[name], ref[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("size,out", [((8, 12), 3), ((8, 12), 6), ((9, 7), (4, None)), ((5, 5), (None, 2)),
+                                      ((6, 6), 1), ((12, 8), (3, 4)), ((3, 5), 7)])
+def test_the_exportable_adaptive_pool_computes_torchs_windows(size, out):
+    """Overlapping windows (8 -> 3), a kept axis (None), divisible sizes (torch's own operator) and an
+    output larger than the input (windows repeat) all give ``nn.AdaptiveAvgPool2d``'s means."""
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    pool = torch.nn.AdaptiveAvgPool2d(out)
+    ref = pool(x)
+    pool.__class__ = export._OnnxAdaptiveAvgPool2d
+    torch.testing.assert_close(pool(x), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_detector_is_refused_with_its_output_named_and_its_backbone_exports(tmp_path):
+    """A detector returns a list of dicts of boxes, a count per image: refused in one line, nothing
+    written. Its backbone (the re-param part) returns a dict of feature maps, which export; a key of
+    digits is named ``output<key>``, as TorchScript takes no name of digits."""
+    import onnx
+
+    from orepa.apps import detection
+
+    torch.manual_seed(0)
+    detector = detection.fasterrcnn("resnet18", "orepa", num_classes=3, min_size=64, max_size=64,
+                                    backbone_options=dict(width_mult=0.125))
+    with pytest.raises(UserError, match=r"returns list\[dict\[str, Tensor\]\].*export its backbone, e\.g\. "
+                                        r"model\.backbone"):
+        export_onnx(detector, tmp_path / "det.onnx", (1, 3, 64, 64))
+    assert list(tmp_path.iterdir()) == []
+    report = export_onnx(detector.backbone, tmp_path / "backbone.onnx", (1, 3, 64, 64))
+    names = ["output0", "output1", "output2", "output3", "pool"]
+    assert report.verified and [o.name for o in onnx.load(str(tmp_path / "backbone.onnx")).graph.output] == names
+    assert export.named_outputs((torch.zeros(1), torch.ones(1))).keys() == {"output0", "output1"}

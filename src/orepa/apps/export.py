@@ -7,6 +7,10 @@ Library use::
     report = export_onnx(model, "model.onnx", (1, 3, 224, 224))   # verified with onnxruntime
     print(report)
 
+A model may return one tensor (a classifier), or a dict, tuple or list of tensors (a segmenter's
+``out`` / ``aux``, a detector backbone's feature maps): each is an output of the export, by the name
+:func:`named_outputs` gives it, and each is checked.
+
 Each function puts the model in eval mode, deploys it with
 ``orepa.reparameterize(model, fuse_bn=True)`` (a plain conv net, every BN folded),
 export the deployed model, and (``verify=True``) check on a random input that
@@ -79,7 +83,7 @@ from .model_cfg import (
 from .model_cfg import deploy as deploy_form
 
 __all__ = ["deploy_fused", "export_onnx", "export_exported_program", "export_torchscript", "load_model_file",
-           "check_onnx_request", "onnx_opset_range", "default_opset", "ExportReport", "ExportVerificationError",
+           "check_onnx_request", "onnx_opset_range", "default_opset", "named_outputs", "ExportReport", "ExportVerificationError",
            "FORMATS", "export_format", "export_metadata", "export_records", "load_export", "OnnxModel",
            "add_arguments", "run"]
 
@@ -141,7 +145,18 @@ def deploy_fused(model: nn.Module) -> nn.Module:
     return deploy_form(model, "deploy-fused").eval()
 
 
-def _check(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) -> None:
+def _check(report: ExportReport, name: str, y, ref) -> None:
+    """``y`` against ``ref`` (a tensor, or the named outputs of :func:`named_outputs`), each output
+    within the report's bound; a check per output is named ``name [output]`` where there are several."""
+    y, ref = named_outputs(y), named_outputs(ref)
+    if list(y) != list(ref):
+        report.errors[name], report.bounds[name] = float("inf"), 0.0
+        raise ExportVerificationError(f"{name}: outputs {list(y)} vs {list(ref)} for {report.path}")
+    for key in ref:
+        _check_one(report, name if len(ref) == 1 else f"{name} [{key}]", y[key], ref[key])
+
+
+def _check_one(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) -> None:
     y, ref = y.float().cpu(), ref.float().cpu()
     if y.shape != ref.shape:  # (an exported graph that computes another size: a verification failure too)
         report.errors[name], report.bounds[name] = float("inf"), 0.0
@@ -152,6 +167,36 @@ def _check(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tensor) 
     if not err <= bound:  # also catches NaN
         raise ExportVerificationError(f"{name}: max abs error {err:.3e} > {bound:.3e} "
                                       f"(= {report.atol:g} * (1 + max|y|)) for {report.path}")
+
+
+def named_outputs(y) -> dict[str, torch.Tensor]:
+    """A model's output as name -> tensor, the names an export gives its outputs: one tensor is
+    ``output``; a mapping's keys are its names (torchvision's segmenters: ``out``, and ``aux`` where
+    they have an auxiliary head), a key of digits prefixed (a detector's backbone: its feature maps
+    ``output0`` ... ``output3`` and ``pool``; TorchScript takes no name of digits); a tuple or list's
+    items are ``output0``, ``output1``, ... Another output (a detector's list of dicts of boxes, whose
+    count varies per image) is refused with :class:`UserError`."""
+    if isinstance(y, torch.Tensor):
+        return {"output": y}
+    if isinstance(y, Mapping) and y and all(isinstance(v, torch.Tensor) for v in y.values()):
+        named = {f"output{k}" if str(k).isdigit() else str(k): v for k, v in y.items()}
+        return named if len(named) == len(y) else {f"output{i}": v for i, v in enumerate(y.values())}
+    if isinstance(y, (tuple, list)) and y and all(isinstance(v, torch.Tensor) for v in y):
+        return {f"output{i}": v for i, v in enumerate(y)}
+    raise UserError(f"the model returns {_structure(y)}: an export takes a model whose output is a tensor, or a "
+                    "dict, tuple or list of tensors (a detector's boxes are not: export its backbone, e.g. "
+                    "model.backbone, whose output is a dict of feature maps, and run the heads in PyTorch)")
+
+
+def _structure(y, depth: int = 0) -> str:
+    """``y``'s type, with its items' types (``list[dict[str, Tensor]]``), for an error message."""
+    name = "Tensor" if isinstance(y, torch.Tensor) else type(y).__name__
+    if depth < 2 and isinstance(y, Mapping) and y:
+        k, v = next(iter(y.items()))
+        return f"{name}[{type(k).__name__}, {_structure(v, depth + 1)}]"
+    if depth < 2 and isinstance(y, (tuple, list)) and y:
+        return f"{name}[{_structure(y[0], depth + 1)}]"
+    return name + (" (empty)" if isinstance(y, (Mapping, tuple, list)) and not y else "")
 
 
 def _deploy_check(model: nn.Module) -> str:
@@ -255,6 +300,9 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
         raise UserError(f"the deployed model's weights take {size / 2**30:.2f} GiB: over the 2 GiB that one ONNX "
                         "file can hold; export it with --format exported-program (or torchscript)")
     x = _example(input_shape, device=_device(model))
+    _onnx_adaptive_pools(deployed)
+    with torch.no_grad():
+        names = list(named_outputs(deployed(x)))
     report = ExportReport(str(path), "onnx", tuple(input_shape), count_params(model), count_params(deployed),
                           atol=atol, opset_requested=opset)
     # The exporter may put the weights in side files named after its target (dynamo: "<target>.data"),
@@ -262,7 +310,7 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     try:
         with tempfile.TemporaryDirectory(prefix="orepa-export-") as work:
             raw = str(Path(work, "model.onnx"))  # torch's writers take no file name that is not UTF-8
-            _export_raw(deployed, raw, x, opset, dynamic_batch, dynamo)
+            _export_raw(deployed, raw, x, opset, names, dynamic_batch, dynamo)
             proto = onnx.load(raw)  # with the weights of any external-data file
     except OSError as exc:  # a full (or read-only) temporary directory: torch's write names no file
         raise UserError(f"cannot write the ONNX exporter's temporary file in {tempfile.gettempdir()}: "
@@ -278,29 +326,30 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     return report
 
 
-def _export_raw(deployed, path: str, x, opset, dynamic_batch, dynamo) -> None:
+def _export_raw(deployed, path: str, x, opset, names, dynamic_batch, dynamo) -> None:
     try:
-        _export_with_torch(deployed, path, x, opset, dynamic_batch, dynamo)
+        _export_with_torch(deployed, path, x, opset, names, dynamic_batch, dynamo)
     except torch.onnx.OnnxExporterError as exc:  # an operator the opset lacks (Pad before 11, ...): said in one line
         text = error_text(exc, all_lines=True, typed=False, trailer=" [Caused by")
         hint = "; a higher --opset may have it" if "opset" in text.lower() else ""
         raise UserError(f"the ONNX exporter cannot write this model at opset {opset}: {text}{hint}") from None
 
 
-def _export_with_torch(deployed, path: str, x, opset, dynamic_batch, dynamo) -> None:
+def _export_with_torch(deployed, path: str, x, opset, names, dynamic_batch, dynamo) -> None:
+    """``torch.onnx.export`` of ``deployed`` on ``x``, its outputs named ``names`` (:func:`named_outputs`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
             dyn = {"x": {0: torch.export.Dim("batch")}} if dynamic_batch else None
             torch.onnx.export(deployed, (x,), path, dynamo=True, opset_version=opset, input_names=["input"],
-                              output_names=["output"], dynamic_shapes=dyn)
+                              output_names=names, dynamic_shapes=dyn)
         else:
-            dyn = {"input": {0: "batch"}, "output": {0: "batch"}} if dynamic_batch else None
+            dyn = {name: {0: "batch"} for name in ["input", *names]} if dynamic_batch else None
             # (the TorchScript-based exporter: asked for by name where the choice exists, torch 2.5 on, whose
             # default became dynamo's in 2.9; before 2.5 it is the only one, and the keyword a TypeError)
             choice = {"dynamo": False} if _has_dynamo_exporter() else {}
             torch.onnx.export(deployed, (x,), path, **choice, opset_version=opset, input_names=["input"],
-                              output_names=["output"], dynamic_axes=dyn)
+                              output_names=names, dynamic_axes=dyn)
 
 
 def _has_dynamo_exporter() -> bool:
@@ -317,9 +366,49 @@ def _verify_onnx(model, deployed, path: str, x, report, dynamic_batch) -> None:
     y_train, y_dep = model(x), deployed(x)
     _check(report, _deploy_check(model), y_dep, y_train)
     sess = ort.InferenceSession(serialized, providers=["CPUExecutionProvider"])
-    _check_batches(report, "onnxruntime vs pytorch", lambda xi: torch.from_numpy(
-        sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})[0]), deployed, x, y_dep, dynamic_batch)
+    names = [o.name for o in sess.get_outputs()]
+
+    def run(xi: torch.Tensor) -> dict[str, torch.Tensor]:
+        outs = sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})
+        return {name: torch.from_numpy(out) for name, out in zip(names, outs)}
+
+    _check_batches(report, "onnxruntime vs pytorch", run, deployed, x, y_dep, dynamic_batch)
     report.verified = True
+
+
+class _OnnxAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` in a form torch's ONNX exporter writes at every size: where the output
+    size divides the input's, torch's own operator (written as an AveragePool); elsewhere, which the
+    exporter refuses ("output size that are not factor of input size": PSPNet's bins 3 and 6 on the
+    64 x 128 map of a 512 x 1024 image), the same means as a product with each axis's averaging matrix
+    (the windows overlap there, so no AveragePool computes them)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with warnings.catch_warnings():  # the sizes are the example's: what the export fixes anyway
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            h, w = (int(n) for n in x.shape[-2:])
+        size = self.output_size if isinstance(self.output_size, (tuple, list)) else (self.output_size,) * 2
+        oh, ow = (n if s is None else s for s, n in zip(size, (h, w)))
+        if h % oh == 0 and w % ow == 0:
+            return super().forward(x)
+        return _window_means(oh, h, x) @ x @ _window_means(ow, w, x).T
+
+
+def _window_means(m: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """The (m, n) matrix of adaptive average pooling from n to m: row i averages the inputs
+    ``floor(i n / m) .. ceil((i + 1) n / m) - 1``, the windows of ``torch.nn.AdaptiveAvgPool2d``."""
+    i = torch.arange(m, device=like.device)
+    start, end = (i * n) // m, ((i + 1) * n + m - 1) // m
+    j = torch.arange(n, device=like.device)
+    inside = (j >= start[:, None]) & (j < end[:, None])
+    return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
+
+
+def _onnx_adaptive_pools(deployed: nn.Module) -> None:
+    """Make the (private, deployed) copy's adaptive average pools :class:`_OnnxAdaptiveAvgPool2d`s."""
+    for m in deployed.modules():
+        if type(m) is nn.AdaptiveAvgPool2d:
+            m.__class__ = _OnnxAdaptiveAvgPool2d  # a subclass with no state of its own: the module is unchanged
 
 
 def _check_batches(report: ExportReport, name: str, run, deployed: nn.Module, x: torch.Tensor, y_dep: torch.Tensor,
@@ -345,7 +434,7 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
     with warnings.catch_warnings(), ckpt_io.atomic_path(path) as tmp:
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*deprecated.*")
-        traced = torch.jit.trace(deployed, x)
+        traced = torch.jit.trace(deployed, x, strict=False)  # (not strict: a dict of outputs, as a segmenter's)
         with open(tmp, "wb") as f:  # a file object: torch's writer takes no file name that is not UTF-8
             torch.jit.save(traced, f, _extra_files=dict(metadata or {}))
         if verify:
