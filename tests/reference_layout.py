@@ -12,6 +12,7 @@ widths, groups).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -156,20 +157,62 @@ def repvgg_forward(sd, x):
     prefixes = ["stage0."] + [f"stage{i}.{j}." for i in range(1, 5) for j in range(100)
                               if any(k.startswith(f"stage{i}.{j}.") for k in sd)]
     for p in prefixes:
-        s = 2 if p == "stage0." or p.endswith(".0.") else 1
-        if p + "conv.weight" in sd:  # the training script's -t base: a ConvBN block
-            x = F.relu(_site(x, sd, p, s))
-            continue
-        if p + "rbr_dense.weight_rbr_origin" in sd:
-            dense = _bn(F.conv2d(x, orepa_kernel(sd, p + "rbr_dense.", prefix="weight_rbr_"), None, s, 1), sd,
-                        p + "rbr_dense.bn.")
-        else:
-            dense = _bn(F.conv2d(x, sd[p + "rbr_dense.conv.weight"], None, s, 1), sd, p + "rbr_dense.bn.")
-        out = dense + _bn(F.conv2d(x, sd[p + "rbr_1x1.conv.weight"], None, s), sd, p + "rbr_1x1.bn.")
-        if p + "rbr_identity.weight" in sd:
-            out = out + _bn(x, sd, p + "rbr_identity.")
-        x = F.relu(out)
+        x = F.relu(_repvgg_block(x, sd, p, 2 if p == "stage0." or p.endswith(".0.") else 1))
     return F.linear(x.mean((2, 3)), sd["linear.weight"], sd["linear.bias"])
+
+
+def _repvgg_block(x, sd, p, s):
+    """A reference RepVGG-layout block at prefix ``p`` (without its ReLU)."""
+    if p + "conv.weight" in sd:  # the training script's -t base: a ConvBN block
+        return _site(x, sd, p, s)
+    if p + "rbr_dense.weight_rbr_origin" in sd:
+        dense = _bn(F.conv2d(x, orepa_kernel(sd, p + "rbr_dense.", prefix="weight_rbr_"), None, s, 1), sd,
+                    p + "rbr_dense.bn.")
+    else:
+        dense = _bn(F.conv2d(x, sd[p + "rbr_dense.conv.weight"], None, s, 1), sd, p + "rbr_dense.bn.")
+    out = dense + _bn(F.conv2d(x, sd[p + "rbr_1x1.conv.weight"], None, s), sd, p + "rbr_1x1.bn.")
+    if p + "rbr_identity.weight" in sd:
+        out = out + _bn(x, sd, p + "rbr_identity.")
+    return out
+
+
+# --------------------------------------------------------------------------- deployed form
+
+#: the reference module at a site (by its main weight) -> the conv its conversion script leaves
+_DEPLOYED_NAME = {"weight0.weight_orepa_origin": "or_large_reparam", "weight_orepa_origin": "orepa_reparam",
+                  "weight_or1x1_origin": "or1x1_reparam", "dbb_origin.conv.weight": "dbb_reparam",
+                  "rbr_dense.weight_rbr_origin": "rbr_reparam", "rbr_dense.conv.weight": "rbr_reparam",
+                  "conv.weight": "conv"}
+
+
+def deploy_reference(sd):
+    """What the reference's conversion script writes for a training-form ``sd`` (groups 1): each
+    block one conv with a bias under its deployed name. Each site's kernel and bias are read off
+    its float64 evaluator (the functions above, which hold every branch and BN) by probing it,
+    as an affine map that is a conv with padding k // 2 (DBB's BN-and-pad layers keep it one at
+    the borders): the bias is its output on zeros, the kernel its answer to one-hot inputs."""
+    sd = {k: (v.double() if v.is_floating_point() else v) for k, v in sd.items()}
+    resnet = any(k.startswith("stage0.conv1.") for k in sd)
+    site = re.compile(r"^(stage0\.conv1|stage\d\.\d+\.(?:conv\d|shortcut))\." if resnet else r"^(stage0|stage\d\.\d+)\.")
+    out = {"linear.weight": sd["linear.weight"], "linear.bias": sd["linear.bias"]}
+    for p in dict.fromkeys(m.group(1) for k in sd if (m := site.match(k))):
+        main = next(n for n in _DEPLOYED_NAME if p + "." + n in sd)
+        w = sd[f"{p}.{main}"]
+        k = 7 if main.startswith("weight0.") else w.shape[-1]
+        fn = _site if resnet else _repvgg_block
+        kernel, bias = _probe(lambda x, p=p: fn(x, sd, p + ".", 1), w.shape[1], k)
+        out[f"{p}.{_DEPLOYED_NAME[main]}.weight"], out[f"{p}.{_DEPLOYED_NAME[main]}.bias"] = kernel, bias
+    return out
+
+
+def _probe(f, cin, k):
+    c = k // 2
+    bias = f(torch.zeros(1, cin, k, k, dtype=torch.float64))[0, :, c, c]
+    one_hot = torch.zeros(cin, cin, k, k, dtype=torch.float64)
+    one_hot[torch.arange(cin), torch.arange(cin), c, c] = 1
+    # output[i, o, y, x] = kernel[o, i, 2c - y, 2c - x] + bias[o]
+    kernel = (f(one_hot) - bias.view(1, -1, 1, 1)).flip(2, 3).transpose(0, 1).contiguous()
+    return kernel, bias
 
 
 # --------------------------------------------------------------------------- generator

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference_layout import deep_stem_kernel, make_repvgg, make_resnet, repvgg_forward, resnet_forward
+from reference_layout import (
+    deep_stem_kernel,
+    deploy_reference,
+    make_repvgg,
+    make_resnet,
+    repvgg_forward,
+    resnet_forward,
+)
 
 import orepa
 import orepa.models
@@ -108,21 +115,57 @@ def test_plain_repvgg_of_the_training_scripts_base_type_imports_as_base():
     assert (model.orepa_config["name"], model.orepa_config["method"]) == ("repvgg_a0", "base")
 
 
+def _check_deployed_import(sd, expected, x, tol=1e-12):
+    """The deployed form of reference checkpoint ``sd`` (what its conversion script writes) imports
+    as the zoo's deployed network, BNs folded, and computes ``expected``."""
+    model = orepa.import_reference(deploy_reference(sd), dtype=torch.float64)
+    assert not any(isinstance(m, (orepa.ReparamConv2d, torch.nn.BatchNorm2d)) for m in model.modules())
+    cfg = model.orepa_config
+    zoo = orepa.models.create_model(cfg["name"], cfg["method"], **{k: v for k, v in cfg.items()
+                                                                   if k not in ("name", "method")})
+    assert model.state_dict().keys() == orepa.reparameterize(zoo.eval(), fuse_bn=True).state_dict().keys()
+    with torch.no_grad():
+        assert rel(model(x), expected) < tol
+    return model
+
+
+@needs_fixtures
+@pytest.mark.parametrize("path", FILES, ids=[f.stem for f in FILES])
+def test_a_fixtures_deployed_form_imports_as_its_deployed_network(path):
+    """The conversion script's output for each fixture (``deploy_reference``: every block's kernel and
+    bias read off the evaluator, which does not use orepa): the reference's float64 logits."""
+    fx = torch.load(path, weights_only=True)
+    model = _check_deployed_import(fx["state_dict"], fx["output_float64"], fx["input"].double())
+    # the deployed keys name the block, not RepVGG's from OREPA-VGG's (both rbr_reparam): imported as repvgg
+    method = {"OREPA": "orepa", "OREPA_VGG": "repvgg", "DBB": "dbb"}[fx["impl"]]
+    assert model.orepa_config["method"] == method
+
+
 @pytest.mark.parametrize("arch", ["resnet", "repvgg"])
-def test_a_deployed_plain_reference_checkpoint_is_named_as_such(arch):
-    """The reference's conversion of a -t base model leaves each ConvBN a conv with a bias and no BN:
-    refused with the deployed-checkpoint hint, not only as lacking a BN's weight."""
+def test_a_deployed_plain_reference_checkpoint_imports_as_the_plain_network(arch):
+    """The reference's conversion of a -t base model leaves each ConvBN a conv with a bias and no BN
+    (``<site>.conv``); a ResNet-50 of OREPA blocks, Rep-1x1s and a deep stem leaves ``orepa_reparam``,
+    ``or1x1_reparam`` and ``or_large_reparam``."""
     sd = (make_resnet("base", [2, 2, 2, 2], [4, 8, 16, 32], seed=13) if arch == "resnet"
           else make_repvgg([2, 4, 14, 1], [6, 12, 24, 48], 6, kind="base", seed=18))
-    for k in [k for k in sd if ".bn." in k]:
-        del sd[k]
-    for k in [k for k in sd if k.endswith(".conv.weight")]:
-        sd[k[:-len("weight")] + "bias"] = torch.zeros(sd[k].shape[0])
-    with pytest.raises(ValueError, match=r"a deployed \(converted\) checkpoint of the reference code") as err:
-        orepa.import_reference(sd)
-    # (orepa has no reader of the reference's deployed layout: nothing else to load it into)
-    assert str(err.value).endswith("cannot be imported (its branches are gone); import the checkpoint it was "
-                                   "converted from")
+    forward = resnet_forward if arch == "resnet" else repvgg_forward
+    model = _check_deployed_import(sd, forward(sd, X), X)
+    assert model.orepa_config["method"] == "base"
+    sd = make_resnet("orepa", [3, 4, 6, 3], [4, 8, 16, 32], bottleneck=True, seed=12)
+    model = _check_deployed_import(sd, resnet_forward(sd, X), X)
+    assert {k: model.orepa_config[k] for k in ("name", "method", "deep_stem", "rep_1x1")} == {
+        "name": "resnet50", "method": "orepa", "deep_stem": True, "rep_1x1": True}
+    # a module in the other form, or a conv under a name the conversion does not write: said
+    deployed = deploy_reference(sd)
+    training_site = {k: v for k, v in sd.items() if k.startswith("stage2.1.conv2.")}
+    mixed = {**{k: v for k, v in deployed.items() if not k.startswith("stage2.1.conv2.")}, **training_site}
+    with pytest.raises(ValueError, match=r"stage2.1.conv2 is in the training form .* other 52 modules in the "
+                                         r"deployed form"):
+        orepa.import_reference(mixed)
+    renamed = {k.replace("stage2.1.conv2.orepa_reparam.", "stage2.1.conv2."): v for k, v in deployed.items()}
+    with pytest.raises(ValueError, match=r"at 'stage2.1.conv2' .*a deployed layout, but not under a name the "
+                                         r"reference's conversion script writes \(conv, dbb_reparam"):
+        orepa.import_reference(renamed)
 
 
 def test_orepa_vgg_reads_only_the_scaling_rows_the_reference_reads():
@@ -229,13 +272,14 @@ def test_unknown_layouts_are_refused_with_the_keys():
     with pytest.raises(ValueError, match=r"mixes block types in its 3x3 convs \(conv_bn from stage1.0.conv1, "
                                          r"orepa from stage2.0.conv1\)"):
         orepa.import_reference(mixed)
-    # what the reference's conversion script leaves: each site one conv with a bias, no BN
+    # one site as the reference's conversion script leaves it (one conv with a bias, no BN), the rest trained
     sd = make_resnet("orepa", [2, 2, 2, 2], [8, 16, 32, 64], seed=11)
     site = "stage1.0.conv1"
     w = sd[f"{site}.weight_orepa_origin"]
     sd = {k: v for k, v in sd.items() if not k.startswith(site + ".")}
     sd.update({f"{site}.orepa_reparam.weight": w, f"{site}.orepa_reparam.bias": torch.zeros(w.shape[0])})
-    with pytest.raises(ValueError, match="a deployed \\(converted\\) checkpoint of the reference code"):
+    with pytest.raises(ValueError, match=r"stage1.0.conv1 is in the deployed form .* other 19 modules in the "
+                                         r"training form"):
         orepa.import_reference(sd)
     with pytest.raises(ValueError, match="not a reference checkpoint"):
         orepa.import_reference({"state_dict": {}})
@@ -281,7 +325,22 @@ def test_cli_writes_training_and_deployed_checkpoints(tmp_path, capsys):
     assert form == "deploy-fused" and not any(isinstance(m, orepa.ReparamConv2d) for m in model.modules())
     with torch.no_grad():
         assert (model(x) - expected).abs().max() <= 1e-4 * (1 + expected.abs().max())
+    # the conversion script's output: only as the deployed network (said), then as the checkpoint above
+    deployed = tmp_path / "converted.pth"
+    torch.save(deploy_reference(sd), deployed)
     capsys.readouterr()
+    for flags in ([], ["--deploy"]):
+        assert main(["import-reference", str(deployed), "-o", str(tmp_path / "c.pth"), *flags]) == 2
+        assert "is a deployed checkpoint of the reference code" in capsys.readouterr().err
+    assert main(["eval", str(deployed), "--data-path", str(tmp_path)]) == 2  # another command: named, with the flags
+    assert f"orepa import-reference {deployed} -o OUT.pth --deploy --fuse-bn`" in capsys.readouterr().err
+    assert main(["import-reference", str(deployed), "-o", str(tmp_path / "c.pth"), "--deploy", "--fuse-bn"]) == 0
+    assert "(the reference's deployed form)" in capsys.readouterr().out
+    converted = load_checkpoint(tmp_path / "c.pth")
+    assert converted["model"].keys() == dep["model"].keys() and converted["model_cfg"] == dep["model_cfg"]
+    model, _, form = model_from_checkpoint(converted, tmp_path / "c.pth")
+    with torch.no_grad():
+        assert form == "deploy-fused" and (model(x) - expected).abs().max() <= 1e-4 * (1 + expected.abs().max())
 
 
 def test_cli_a_written_form_that_computes_otherwise_fails_its_check_with_exit_1(tmp_path, capsys, monkeypatch):

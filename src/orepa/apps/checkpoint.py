@@ -54,7 +54,7 @@ from torch import nn
 
 import orepa
 
-from ..models.reference import REFERENCE_KEY_ENDINGS, is_reference_state_dict
+from ..models.reference import REFERENCE_KEY_ENDINGS, is_deployed_reference, is_reference_state_dict
 from ..state_dicts import (
     EMA_KEYS,
     STATE_DICT_KEYS,
@@ -810,7 +810,8 @@ def _not_the_references(path: Path, sd: dict, reference: bool) -> dict:
     if not reference and is_reference_state_dict(sd):
         raise UserError(f"{path} holds a model in the layout of the paper's own code (e.g. "
                         f"{next(k for k in sd if k.endswith(REFERENCE_KEY_ENDINGS))}): convert it first with "
-                        f"`orepa import-reference {path} -o OUT.pth`, then give OUT.pth")
+                        f"`orepa import-reference {path} -o OUT.pth"
+                        f"{' --deploy --fuse-bn' if is_deployed_reference(sd) else ''}`, then give OUT.pth")
     return sd
 
 

@@ -3,6 +3,7 @@
     orepa import-reference ref/checkpoint.pth.tar -o r50.pth                  # training form
     orepa train --init-from r50.pth --data-path /data/mine --epochs 20 ...    # fine-tune it
     orepa import-reference ref/checkpoint.pth.tar -o r50-deploy.pth --deploy  # torchvision layout
+    orepa import-reference ref/deployed.pth -o r50-deploy.pth --deploy --fuse-bn  # its convert.py's output
 
 The architecture (family, depth, widths, block kinds) is read off the checkpoint's keys
 and shapes (:func:`orepa.import_reference`). The training-form checkpoint holds the
@@ -10,8 +11,10 @@ model and its ``model_cfg`` but no optimizer state: ``orepa train --init-from`` 
 ``--resume``) starts a fine-tuning run from it (fresh optimizer and schedule, the settings of
 that command, a new classifier where the data has another class count).
 ``--deploy`` writes the deployed model (vanilla layout; ``--fuse-bn`` folds the BNs),
-which ``orepa eval`` and ``orepa export`` read. Before writing, the written form is
-checked against the imported training form on a random batch.
+which ``orepa eval`` and ``orepa export`` read. The deployed checkpoint the reference's
+conversion script writes (each block one conv, its BN folded in) imports as that network only
+(``--deploy --fuse-bn``). Before writing, the written form is checked against the imported
+model on a random batch.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..models.reference import is_deployed_reference
 from .checkpoint import (
     FORMAT,
     VERSION,
@@ -73,6 +77,10 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     # the one checkpoint reader: a missing, damaged, foreign or TorchScript file and pickled objects
     # are reported as for every command; the reference's state_dict comes back as "model"
     state = load_checkpoint(src, reference=True)["model"]
+    if is_deployed_reference(state) and not (args.deploy and args.fuse_bn):
+        raise UserError(f"{src} is a deployed checkpoint of the reference code (its conversion script's output: each "
+                        "block one conv, its BN folded in, its branches gone): it imports as that network only; add "
+                        "--deploy --fuse-bn")
     torch.manual_seed(args.seed)
     try:
         model = orepa.import_reference(state)
@@ -84,7 +92,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     model.eval()
     cfg = model_cfg_of(model)
     form = ("deploy-fused" if args.fuse_bn else "deploy") if args.deploy else "train"
-    written = deploy(model, form)
+    written = model if is_deployed_reference(state) else deploy(model, form)
     ckpt = {"format": FORMAT, "version": VERSION, "form": form, "model_cfg": cfg,
             "model": {k: v.detach().cpu() for k, v in written.state_dict().items()},
             "epoch": 0, "step_in_epoch": 0, "global_step": 0, "source": str(src), "imported_from": "reference",
@@ -101,13 +109,16 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
                           f"{bound:.2e}); nothing written")
     save_checkpoint(ckpt, out)
     return {"source": str(src), "model": describe_cfg(cfg), "form": form, "output": str(out),
-            "params_train": count_params(model), "params_written": count_params(written), "max_abs_diff": diff}
+            "params_train": None if written is model else count_params(model), "params_written": count_params(written),
+            "max_abs_diff": diff}
 
 
 def run(args: argparse.Namespace) -> int:
     res = import_checkpoint(args)
     print(f"{res['source']}: {res['model']}")
-    print(f"  {res['form']} form, {res['params_written']:,} parameters (training form {res['params_train']:,}); "
+    trained = ("the reference's deployed form" if res["params_train"] is None else
+               f"training form {res['params_train']:,}")
+    print(f"  {res['form']} form, {res['params_written']:,} parameters ({trained}); "
           f"checked on a random batch: max |logit diff| {res['max_abs_diff']:.1e}")
     print(f"  wrote {res['output']}")
     if res["form"] == "train":

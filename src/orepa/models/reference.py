@@ -39,7 +39,7 @@ from .repvgg import REPVGG_CONFIGS, build_repvgg
 from .resnet import RESNET_CONFIGS, BasicBlock, Bottleneck, resnet_widths
 from .zoo import create_model
 
-__all__ = ["import_reference", "read_reference_state_dict"]
+__all__ = ["import_reference", "read_reference_state_dict", "is_deployed_reference"]
 
 #: row of each OREPA branch in the reference's scaling ``vector`` (kxk block / OREPA-VGG's 3x3 block)
 _OREPA_ROWS = {"kxk": 0, "1x1_avg": 1, "1x1_prior": 2, "1x1_kxk": 3, "1x1": 4, "dw_pw": 5}
@@ -88,13 +88,7 @@ class _Reader:
         neither checked nor returned)."""
         key = self.prefix + name
         if key not in self.sd:
-            site, _, rest = key.rpartition(".bn.")
-            # ConvBN's deployed form (the reference's conversion script): its conv carries the BN as a bias
-            deployed = bool(site) and f"{site}.conv.bias" in self.sd and not any(k.startswith(f"{site}.bn.") for k in self.sd)
-            raise ValueError(f"reference checkpoint lacks {key!r}" + (
-                f"; {site}.conv has a bias and no BatchNorm: a deployed (converted) checkpoint of the reference "
-                "code, which cannot be imported (its branches are gone); import the checkpoint it was converted "
-                "from" if deployed else ""))
+            raise ValueError(f"reference checkpoint lacks {key!r}")
         self.consumed.add(key)
         t = self.sd[key] if rows is None else self.sd[key][:rows]
         if not t.is_floating_point() and not name.endswith("num_batches_tracked"):  # only a BN's count is one
@@ -118,15 +112,31 @@ _MAIN_WEIGHT = {"orepa": "weight_orepa_origin", "rep_1x1": "weight_or1x1_origin"
                 "orepa_vgg": "rbr_dense.weight_rbr_origin", "repvgg": "rbr_dense.conv.weight", "conv_bn": "conv.weight"}
 
 
-#: key endings only the authors' training-form modules write
+#: reference module kind -> the conv its deployed form holds (the conversion script's ``switch_to_deploy``:
+#: the block's kernel with its BN folded in as a bias). RepVGG's and OREPA-VGG's blocks both leave
+#: ``rbr_reparam`` (RepVGG's own name), so a deployed checkpoint does not say which it was.
+_DEPLOYED_CONV = {"orepa": "orepa_reparam", "rep_1x1": "or1x1_reparam", "deep_stem": "or_large_reparam",
+                  "dbb": "dbb_reparam", "repvgg": "rbr_reparam", "conv_bn": "conv"}
+
+#: key endings only the authors' modules write (training form, then deployed form)
 REFERENCE_KEY_ENDINGS = ("weight_orepa_origin", "weight_or1x1_origin", "dbb_origin.conv.weight",
-                         "weight_rbr_origin")
+                         "weight_rbr_origin",
+                         *(f".{conv}.weight" for conv in _DEPLOYED_CONV.values() if conv.endswith("_reparam")))
 
 
 def is_reference_state_dict(sd: Mapping[str, Tensor]) -> bool:
-    """Whether ``sd`` is a training-form state_dict of the paper's own code (read by
-    :func:`import_reference`), not of this package."""
+    """Whether ``sd`` is a state_dict of the paper's own code (read by :func:`import_reference`),
+    training form or deployed, not of this package."""
     return any(isinstance(k, str) and k.endswith(REFERENCE_KEY_ENDINGS) for k in sd)
+
+
+def is_deployed_reference(sd: Mapping[str, Tensor]) -> bool:
+    """Whether ``sd`` (a reference-layout state_dict) is the deployed form its conversion script
+    writes: no BatchNorm left (each block one conv with a bias). Its training form has a BN at
+    every conv."""
+    keys = [k for k in sd if isinstance(k, str)]
+    return not any(k.endswith(".running_mean") for k in keys) and any(
+        k.endswith(tuple(f".{conv}.bias" for conv in _DEPLOYED_CONV.values())) for k in keys)
 
 
 def _site_kind(sd: Mapping[str, Tensor], prefix: str) -> str | None:
@@ -136,19 +146,22 @@ def _site_kind(sd: Mapping[str, Tensor], prefix: str) -> str | None:
         return "deep_stem"
     if p + "weight0" in sd:
         return "deep_stem_base"  # OREPA_LargeConvBase: not what the reference's models build
-    return next((kind for kind, key in _MAIN_WEIGHT.items() if p + key in sd), None)
+    return next((kind for kind, key in _MAIN_WEIGHT.items() if p + key in sd), None) or next(
+        (kind for kind, conv in _DEPLOYED_CONV.items() if f"{p}{conv}.bias" in sd), None)
 
 
 def _out_in(sd: Mapping[str, Tensor], prefix: str) -> tuple[int, int]:
     """(output channels, input channels per group) of the conv at ``prefix``."""
     kind = _site_kind(sd, prefix)
-    if kind == "deep_stem":  # first block's inputs, last block's outputs
+    if kind == "deep_stem" and f"{prefix}.weight0.weight_orepa_origin" in sd:  # first block's inputs, last's outputs
         n = _count(sd, rf"{re.escape(prefix)}\.weight(\d+)\.")
         return sd[f"{prefix}.weight{n - 1}.weight_orepa_origin"].shape[0], \
             sd[f"{prefix}.weight0.weight_orepa_origin"].shape[1]
-    if kind not in _MAIN_WEIGHT:
+    key = next((k for k in (f"{prefix}.{_MAIN_WEIGHT.get(kind)}", f"{prefix}.{_DEPLOYED_CONV.get(kind)}.weight")
+                if k in sd), None)
+    if key is None:
         raise _unknown_site(sd, prefix, kind)
-    w = sd[f"{prefix}.{_MAIN_WEIGHT[kind]}"]
+    w = sd[key]
     return w.shape[0], w.shape[1]
 
 
@@ -162,14 +175,13 @@ def _count(sd: Mapping[str, Tensor], pattern: str) -> int:
 
 
 def _unknown_site(sd: Mapping[str, Tensor], prefix: str, kind: str | None) -> ValueError:
-    """The error for a site whose layout is not one the reference trains; a conv with a bias and
-    nothing else there is what the reference's conversion script leaves (its deployed form)."""
+    """The error for a site whose layout is not one the reference writes; a conv with a bias under
+    another name than its conversion script's is said to be one."""
     keys = [k for k in sd if k.startswith(prefix + ".")]
     tails = sorted(k.rsplit(".", 1)[-1] for k in keys)
     deployed = tails == ["bias", "weight"] and sd[next(k for k in keys if k.endswith(".weight"))].dim() == 4
-    hint = ("; a conv with a bias and no BatchNorm: a deployed (converted) checkpoint of the reference code, "
-            "which cannot be imported (its branches are gone); import the checkpoint it was converted from"
-            if deployed else "")
+    hint = ("; a conv with a bias: a deployed layout, but not under a name the reference's conversion script "
+            f"writes ({', '.join(sorted(set(_DEPLOYED_CONV.values())))})" if deployed else "")
     return ValueError(f"unknown or unsupported module layout at {prefix!r} ({kind or 'no known weight'}; "
                       f"keys: {_keys_under(sd, prefix + '.')}){hint}")
 
@@ -349,11 +361,23 @@ _EXPECTED = {"orepa": OREPAConv2d, "rep_1x1": OREPAConv2d, "deep_stem": OREPADee
              "orepa_vgg": OREPAVGGBlock, "repvgg": RepVGGBlock, "conv_bn": nn.Conv2d}
 
 
-def _map_site(sd, consumed, ref: str, model: nn.Module, conv_name: str, bn_name: str) -> dict[str, Tensor]:
+def _site_deployed(sd: Mapping[str, Tensor], ref: str, kind: str) -> bool:
+    """Whether the module at ``ref`` is in its deployed form (one conv with a bias, no BN)."""
+    return f"{ref}.{_DEPLOYED_CONV.get(kind)}.bias" in sd and f"{ref}.bn.running_mean" not in sd
+
+
+def _map_site(sd, consumed, ref: str, model: nn.Module, conv_name: str, bn_name: str,
+              deployed: bool = False) -> dict[str, Tensor]:
     kind = _site_kind(sd, ref)
     if kind not in _EXPECTED:
         raise _unknown_site(sd, ref, kind)
     module = model.get_submodule(conv_name)
+    if deployed:  # the deployed network: the conv's kernel and bias, as they are
+        if type(module) is not nn.Conv2d:
+            raise ValueError(f"{ref} is a deployed conv but the model built here has {type(module).__name__} at "
+                             f"{conv_name}")
+        r = _Reader(sd, consumed, f"{ref}.{_DEPLOYED_CONV[kind]}.")
+        return {f"{conv_name}.weight": r("weight"), f"{conv_name}.bias": r("bias")}
     fits = type(module) is _EXPECTED[kind]
     if fits and kind in ("orepa", "rep_1x1", "deep_stem"):  # online blocks; Rep-1x1 is the 1x1 one
         fits = module.mode == "online" and (kind == "rep_1x1") == (tuple(module.kernel_size) == (1, 1))
@@ -407,7 +431,10 @@ def _resnet(sd: Mapping[str, Tensor]) -> tuple[str, str, dict, list[tuple[str, s
     for i, n in enumerate(layers, 1):
         for j in range(n):
             for c in ((spatial,) if bottleneck else ("conv1", "conv2")):
-                kinds.setdefault(_site_kind(sd, f"stage{i}.{j}.{c}"), f"stage{i}.{j}.{c}")
+                kind = _site_kind(sd, f"stage{i}.{j}.{c}")
+                if kind is None:  # no module the reference writes: its keys, not a block type "None"
+                    raise _unknown_site(sd, f"stage{i}.{j}.{c}", kind)
+                kinds.setdefault(kind, f"stage{i}.{j}.{c}")
     if len(kinds) > 1:
         raise ValueError("reference ResNet mixes block types in its 3x3 convs ("
                          + ", ".join(f"{kind} from {ref}" for kind, ref in kinds.items())
@@ -472,7 +499,8 @@ def _stage_heads(model: nn.Module) -> list[nn.Conv2d]:
 
 
 def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """This project's model in training form holding the weights of a reference checkpoint.
+    """This project's model holding the weights of a reference checkpoint: in training form, or,
+    given the deployed form the reference's conversion script writes, that deployed network.
 
     Args:
         src: a path or a state_dict in the layout of the paper's public code (also the
@@ -481,7 +509,13 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
     Returns:
         ``create_model(...)`` of the matching zoo model and method (in train mode, as
         ``create_model`` returns it; ``model.orepa_config`` says how to rebuild it) with every
-        parameter and BN statistic set. ``orepa.reparameterize`` deploys it.
+        parameter and BN statistic set. ``orepa.reparameterize`` deploys it. A deployed
+        checkpoint (:func:`is_deployed_reference`: each block one conv, its BN folded in as a
+        bias) gives ``orepa.reparameterize(create_model(...), fuse_bn=True)`` of that model, in
+        eval mode, its kernels and biases the checkpoint's: the vanilla layout with BNs folded.
+        (Its blocks' branches are gone: it cannot be trained as OREPA again, only fine-tuned as the
+        plain network it is. Its keys name RepVGG's and OREPA-VGG's blocks alike, both imported as
+        ``repvgg``, whose deployed layout is the same.)
     Raises:
         ValueError: unreadable file, a layout that is not the reference's (the message lists the
             keys that did not match), or a module this project cannot hold exactly.
@@ -500,11 +534,16 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
         raise ValueError("reference checkpoint has no classifier 'linear.weight'")
     num_classes = sd["linear.weight"].shape[0]
     model = create_model(name, method, num_classes=num_classes, **options).to(torch.float64)
+    deployed = _one_form(sd, [ref for ref, _, _ in sites])
+    if deployed:
+        from ..convert import reparameterize
+
+        model = reparameterize(model.eval(), fuse_bn=True)
     consumed: set[str] = set()
     ours: dict[str, Tensor] = {}
     for ref, conv_name, bn_name in sites:
         with _layout_errors(f"reference module {ref!r}"):
-            ours.update(_map_site(sd, consumed, ref, model, conv_name, bn_name))
+            ours.update(_map_site(sd, consumed, ref, model, conv_name, bn_name, deployed))
     head_r = _Reader(sd, consumed, "linear.")
     ours.update({f"{head}.weight": head_r("weight"), f"{head}.bias": head_r("bias")})
     unused = [k for k in sd if k not in consumed and not _ignorable(k)]
@@ -523,6 +562,21 @@ def import_reference(src, *, dtype: torch.dtype = torch.float32) -> nn.Module:
                          f"missing {missing[:5]}, shape mismatches {wrong[:5]}, unplaced {extra[:5]}")
     model.load_state_dict(ours, strict=True)
     return model.to(dtype)
+
+
+def _one_form(sd: Mapping[str, Tensor], refs: list[str]) -> bool:
+    """Whether the modules at ``refs`` are deployed (else in training form); modules of both forms
+    (the conversion script deploys every one) are refused, naming the fewer."""
+    deployed = {ref: _site_deployed(sd, ref, _site_kind(sd, ref)) for ref in refs}
+    most = 2 * sum(deployed.values()) > len(deployed)
+    odd = [ref for ref, d in deployed.items() if d != most]
+    if odd:
+        forms = ("deployed", "training") if most else ("training", "deployed")
+        raise ValueError(f"{', '.join(odd[:4])}{', ...' if len(odd) > 4 else ''} {'is' if len(odd) == 1 else 'are'} "
+                         f"in the {forms[1]} form (keys: {_keys_under(sd, odd[0] + '.', 3)}) and the checkpoint's other "
+                         f"{len(refs) - len(odd)} modules in the {forms[0]} form (the reference's conversion script "
+                         "deploys them all): a checkpoint of one form is imported")
+    return most
 
 
 @contextlib.contextmanager
