@@ -1,5 +1,6 @@
 """orepa analyze: branch similarity / norm statistics of re-param blocks, files, checkpoint handling."""
 import json
+import os
 
 import pytest
 import torch
@@ -241,7 +242,13 @@ def test_a_directory_is_not_taken_for_a_checkpoint_or_a_model(tmp_path, capsys, 
     assert main(["analyze", "run", "--output-dir", str(tmp_path / "a")]) == 2
     assert "run is a directory; give a checkpoint file in it, e.g. run/checkpoint.pth" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "nope")]) == 2
-    assert f"checkpoint file {str(tmp_path / 'nope')!r} does not exist" in capsys.readouterr().err
+    assert f"checkpoint {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    # what exists but is no file (a device), or a link to nothing: said as every command's loader says it
+    assert main(["analyze", os.devnull]) == 2
+    assert f"{os.devnull} is not a file" in capsys.readouterr().err
+    (tmp_path / "dangling.pth").symlink_to(tmp_path / "gone.pth")
+    assert main(["analyze", str(tmp_path / "dangling.pth")]) == 2
+    assert "is a symbolic link to nothing" in capsys.readouterr().err
     # a model name is analysed as one, whatever folder of that name is here
     (tmp_path / "resnet18").mkdir()
     assert main(["analyze", "resnet18", "--width-mult", "0.0625", "--no-plot", "--output-dir", str(tmp_path / "m")]) == 0

@@ -236,8 +236,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.target} is a directory; give a checkpoint file in it"
                         + (f", e.g. {target / 'checkpoint.pth'}" if (target / "checkpoint.pth").is_file() else
                            " (a .pth written by orepa train)") + ", or a model name to analyse at initialisation")
-    elif target.suffix in (".pt", ".pth", ".ckpt", ".bin") or "/" in args.target:
-        raise UserError(f"checkpoint file {args.target!r} does not exist")
+    elif (not target.is_dir() and (target.exists() or target.is_symlink())  # a device, a dangling link
+          or target.suffix in (".pt", ".pth", ".ckpt", ".bin") or "/" in args.target):
+        load_checkpoint(target)  # not a file: the one loader says what it is (missing, a dangling link, a device)
     else:
         if args.model is not None and args.model != args.target:
             raise UserError(f"two models: {args.target} and -m {args.model}; give one (the target names the model "
