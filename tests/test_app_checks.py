@@ -322,6 +322,15 @@ def test_a_batch_is_refused_where_its_activations_need_more_than_the_device_has_
     model_cfg.check_model_takes(pooled, (12, 6), 3, "pooled", lambda s: f"{s}x{s} images", batch=10)
     with pytest.raises(common.UserError, match="^-b 11, 6x6 images: an inference of pooled"):
         model_cfg.check_model_takes(pooled, (12, 6), 3, "pooled", lambda s: f"{s}x{s} images", batch=11)
+    # on a CPU the processes torchrun started on this host share what each measured free: a fourth each of
+    # the 4-process job's (10 images fit in 10 images' memory with one process, 2 in it with four)
+    monkeypatch.setattr(model_cfg, "free_memory", lambda device: free)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    check(2)
+    with pytest.raises(common.UserError, match=rf"free on cpu \(shared by this host's 4 processes: "
+                                               rf"{common.size_text(free // 4)} each\); a smaller batch"):
+        check(3)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(model_cfg, "free_memory", lambda device: None)  # unknown: not refused
     check(10**9)
     assert not any(m._forward_hooks for m in net.modules())  # the probe's hooks are gone

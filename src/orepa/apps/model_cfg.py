@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Mapping
 
 import torch
@@ -169,11 +170,26 @@ def check_model_takes(model: nn.Module, sizes, in_chans: int, what: str, images,
         device = torch.device(device) if device is not None else on
         per = per_image[size] // (2 if amp else 1)
         need, free = batch * per, free_memory(device)
-        if free is not None and need > free:
+        sharing = _processes_sharing(device)
+        if free is not None and need * sharing > free:
             step = "a training step" if training else "an inference"
+            shared = (f" (shared by this host's {sharing} processes: {size_text(free // sharing)} each)"
+                      if sharing > 1 else "")
             raise UserError(f"{batch_flags or f'-b {batch}'}, {images(size)}: {step} of {what} needs at least "
                             f"{size_text(need)} ({size_text(per)} an image), more than the "
-                            f"{size_text(free)} free on {device}; a smaller batch needs less{hint}")
+                            f"{size_text(free)} free on {device}{shared}; a smaller batch needs less{hint}")
+
+
+def _processes_sharing(device: torch.device) -> int:
+    """How many of the job's processes draw on the memory :func:`check_model_takes` measures free:
+    on a CPU every process torchrun started on this host (``LOCAL_WORLD_SIZE``), which all measure
+    the same free memory before any of them allocates; a GPU is each process's own."""
+    if device.type != "cpu":
+        return 1
+    try:
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    except ValueError:
+        return 1
 
 
 class _ActivationBytes:
