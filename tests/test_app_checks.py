@@ -411,6 +411,6 @@ def test_the_onnx_exporters_internals_are_left_out_of_its_error_and_the_error_is
                                        + "z" * 290 + " tail [Caused by the value 'x' of node 7]")
     with mock.patch.object(export, "_export_with_torch", side_effect=why), \
             pytest.raises(common.UserError) as raised:
-        export._export_raw(None, "m.onnx", None, 9, False, False)
+        export._export_raw(None, "m.onnx", None, 9, ["output"], False, False)
     assert str(raised.value) == ("the ONNX exporter cannot write this model at opset 9: Unsupported: ONNX export "
                                  "of operator Pad in opset 9 ...; a higher --opset may have it")
