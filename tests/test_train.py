@@ -7,6 +7,7 @@ deployed == training form, clear errors), not accuracy.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import shutil
@@ -2795,6 +2796,15 @@ def test_a_resume_whose_epochs_end_the_run_where_it_stopped_sums_it_up_as_ended(
         out.split("summary:")[1], out
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["epochs_done"], summary["epochs"], summary["stopped"]) == (1, 1, None)
+    # the checkpoint says so too (it kept the 3 epochs, and a plain --resume trained two more): the same
+    # weights and position, the run's new count
+    ended = _load(ckpt)
+    assert ended["args"]["epochs"] == 1 and ended["reason"] == "ended" and ckpt.read_bytes() != before
+    assert ended["global_step"] == 4 and all(torch.equal(v, ended["model"][k])
+                                           for k, v in torch.load(io.BytesIO(before), weights_only=True)["model"].items())
+    before = ckpt.read_bytes()
+    assert main(["train", "--resume", str(ckpt), "--no-progress"]) == 0
+    assert "ends a complete run (1/1 epochs, 4 steps)" in capsys.readouterr().out and ckpt.read_bytes() == before
     # at its step budget with more epochs: a stopped run of as many epochs as the command says
     assert main(["train", "--resume", str(ckpt), "--epochs", "5", "--max-steps", "4", "--no-progress"]) == 0
     summary = json.loads((run / "summary.json").read_text())

@@ -1536,7 +1536,10 @@ class Trainer:
 
     def fit(self) -> dict:
         args, s, info = self.args, self.state, self.info
-        if s.epoch >= args.epochs:  # resumed at its end: nothing to train, nothing of it rewritten
+        if s.epoch >= args.epochs:  # resumed at its end: nothing to train
+            saved_epochs = ((self.resume_ckpt or {}).get("args") or {}).get("epochs")
+            if saved_epochs != args.epochs:  # an --epochs override ends the run here: its checkpoint says so
+                self.checkpoint("ended")  # (as the run's last epoch would have; a later plain --resume agrees)
             return self._complete_run(f"ends a complete run ({s.epoch}/{args.epochs} epochs, {s.global_step} steps): "
                                       f"nothing to train; --epochs N above {args.epochs} continues it")
         if args.max_steps is not None and s.global_step >= args.max_steps and self.resume_ckpt is not None:
