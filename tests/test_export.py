@@ -943,6 +943,9 @@ def test_a_segmenter_exports_to_onnx_with_its_named_outputs_where_its_bins_do_no
     assert [o.name for o in graph.output] == ["out", "aux"]
     ops = [n.op_type for n in graph.node]
     assert "MatMul" in ops and "BatchNormalization" not in ops
+    # (the deployed copy's pools were made exportable: the model given keeps torch's own)
+    assert {type(m) for m in pspnet_with_aux.modules() if isinstance(m, torch.nn.AdaptiveAvgPool2d)} == {
+        torch.nn.AdaptiveAvgPool2d}
     x = torch.randn(3, 3, 64, 96)
     outs = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"input": x.numpy()})
     with torch.no_grad():
