@@ -302,7 +302,8 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     x = _example(input_shape, device=_device(model))
     _onnx_adaptive_pools(deployed)
     with torch.no_grad():
-        names = list(named_outputs(deployed(x)))
+        y_dep = deployed(x)  # (its outputs' names, and the reference the verification reads)
+    names = list(named_outputs(y_dep))
     report = ExportReport(str(path), "onnx", tuple(input_shape), count_params(model), count_params(deployed),
                           atol=atol, opset_requested=opset)
     # The exporter may put the weights in side files named after its target (dynamo: "<target>.data"),
@@ -322,7 +323,7 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     with ckpt_io.atomic_path(path) as tmp:
         onnx.save_model(proto, str(tmp))
         if verify:
-            _verify_onnx(model, deployed, str(tmp), x, report, dynamic_batch)
+            _verify_onnx(model, deployed, str(tmp), x, y_dep, report, dynamic_batch)
     return report
 
 
@@ -357,14 +358,14 @@ def _has_dynamo_exporter() -> bool:
     return "dynamo" in inspect.signature(torch.onnx.export).parameters
 
 
-def _verify_onnx(model, deployed, path: str, x, report, dynamic_batch) -> None:
+@torch.no_grad()
+def _verify_onnx(model, deployed, path: str, x, y_dep, report, dynamic_batch) -> None:
     import onnx
     import onnxruntime as ort
 
     serialized = Path(path).read_bytes()  # as bytes: the C++ readers take no file name that is not UTF-8
     onnx.checker.check_model(onnx.load_model_from_string(serialized))
-    y_train, y_dep = model(x), deployed(x)
-    _check(report, _deploy_check(model), y_dep, y_train)
+    _check(report, _deploy_check(model), y_dep, model(x))
     sess = ort.InferenceSession(serialized, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
 
