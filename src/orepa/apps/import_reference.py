@@ -77,7 +77,8 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     # the one checkpoint reader: a missing, damaged, foreign or TorchScript file and pickled objects
     # are reported as for every command; the reference's state_dict comes back as "model"
     state = load_checkpoint(src, reference=True)["model"]
-    if is_deployed_reference(state) and not (args.deploy and args.fuse_bn):
+    converted = is_deployed_reference(state)  # (the reference's convert.py's output: imported as it is)
+    if converted and not (args.deploy and args.fuse_bn):
         raise UserError(f"{src} is a deployed checkpoint of the reference code (its conversion script's output: each "
                         "block one conv, its BN folded in, its branches gone): it imports as that network only; add "
                         "--deploy --fuse-bn")
@@ -92,7 +93,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     model.eval()
     cfg = model_cfg_of(model)
     form = ("deploy-fused" if args.fuse_bn else "deploy") if args.deploy else "train"
-    written = model if is_deployed_reference(state) else deploy(model, form)
+    written = model if converted else deploy(model, form)
     ckpt = {"format": FORMAT, "version": VERSION, "form": form, "model_cfg": cfg,
             "model": {k: v.detach().cpu() for k, v in written.state_dict().items()},
             "epoch": 0, "step_in_epoch": 0, "global_step": 0, "source": str(src), "imported_from": "reference",
