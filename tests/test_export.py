@@ -1019,3 +1019,26 @@ def test_a_detector_is_refused_with_its_output_named_and_its_backbone_exports(tm
     names = ["output0", "output1", "output2", "output3", "pool"]
     assert report.verified and [o.name for o in onnx.load(str(tmp_path / "backbone.onnx")).graph.output] == names
     assert export.named_outputs((torch.zeros(1), torch.ones(1))).keys() == {"output0", "output1"}
+
+
+def test_an_output_named_like_the_input_gets_a_name_of_its_own(tmp_path):
+    """ONNX names a graph's values by name: a dict output keyed ``input`` would share the input's name
+    (onnx's checker refuses such a graph); it is written as ``outputinput``, the other keys as they are."""
+    import onnx
+
+    from orepa import OREPAConv2d
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = OREPAConv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            y = self.body(x)
+            return {"input": y, "out": y.mean((2, 3))}
+
+    torch.manual_seed(0)
+    report = export_onnx(TwoHeads(), tmp_path / "m.onnx", (1, 3, 8, 8))
+    graph = onnx.load(str(tmp_path / "m.onnx")).graph
+    assert report.verified
+    assert [i.name for i in graph.input] == ["input"] and [o.name for o in graph.output] == ["outputinput", "out"]

@@ -169,17 +169,21 @@ def _check_one(report: ExportReport, name: str, y: torch.Tensor, ref: torch.Tens
                                       f"(= {report.atol:g} * (1 + max|y|)) for {report.path}")
 
 
+INPUT_NAME = "input"  # the name of an ONNX export's one input
+
+
 def named_outputs(y) -> dict[str, torch.Tensor]:
     """A model's output as name -> tensor, the names an export gives its outputs: one tensor is
     ``output``; a mapping's keys are its names (torchvision's segmenters: ``out``, and ``aux`` where
     they have an auxiliary head), a key of digits prefixed (a detector's backbone: its feature maps
-    ``output0`` ... ``output3`` and ``pool``; TorchScript takes no name of digits); a tuple or list's
-    items are ``output0``, ``output1``, ... Another output (a detector's list of dicts of boxes, whose
-    count varies per image) is refused with :class:`UserError`."""
+    ``output0`` ... ``output3`` and ``pool``; TorchScript takes no name of digits), and so is a key
+    ``input`` (``outputinput``: an ONNX graph's input has that name); a tuple or list's items are
+    ``output0``, ``output1``, ... Another output (a detector's list of dicts of boxes, whose count
+    varies per image) is refused with :class:`UserError`."""
     if isinstance(y, torch.Tensor):
         return {"output": y}
     if isinstance(y, Mapping) and y and all(isinstance(v, torch.Tensor) for v in y.values()):
-        named = {f"output{k}" if str(k).isdigit() else str(k): v for k, v in y.items()}
+        named = {f"output{k}" if str(k).isdigit() or str(k) == INPUT_NAME else str(k): v for k, v in y.items()}
         return named if len(named) == len(y) else {f"output{i}": v for i, v in enumerate(y.values())}
     if isinstance(y, (tuple, list)) and y and all(isinstance(v, torch.Tensor) for v in y):
         return {f"output{i}": v for i, v in enumerate(y)}
@@ -342,14 +346,14 @@ def _export_with_torch(deployed, path: str, x, opset, names, dynamic_batch, dyna
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
             dyn = {"x": {0: torch.export.Dim("batch")}} if dynamic_batch else None
-            torch.onnx.export(deployed, (x,), path, dynamo=True, opset_version=opset, input_names=["input"],
+            torch.onnx.export(deployed, (x,), path, dynamo=True, opset_version=opset, input_names=[INPUT_NAME],
                               output_names=names, dynamic_shapes=dyn)
         else:
-            dyn = {name: {0: "batch"} for name in ["input", *names]} if dynamic_batch else None
+            dyn = {name: {0: "batch"} for name in [INPUT_NAME, *names]} if dynamic_batch else None
             # (the TorchScript-based exporter: asked for by name where the choice exists, torch 2.5 on, whose
             # default became dynamo's in 2.9; before 2.5 it is the only one, and the keyword a TypeError)
             choice = {"dynamo": False} if _has_dynamo_exporter() else {}
-            torch.onnx.export(deployed, (x,), path, **choice, opset_version=opset, input_names=["input"],
+            torch.onnx.export(deployed, (x,), path, **choice, opset_version=opset, input_names=[INPUT_NAME],
                               output_names=names, dynamic_axes=dyn)
 
 
