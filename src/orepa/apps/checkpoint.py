@@ -601,9 +601,10 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """For writers that want a file name (ONNX, TorchScript): a temporary path beside ``path``; when
-    the block ends normally it replaces ``path`` (usual permissions) once on disk, after an exception
-    it is removed."""
+    """For writers that need the temporary file by name (ONNX's writer takes a file name) or read it back
+    before it replaces ``path`` (the exporters verify the reloaded file): a temporary path beside
+    ``path``; when the block ends normally it replaces ``path`` (usual permissions) once on disk, after
+    an exception it is removed."""
     with _writing(Path(path)) as tmp:
         yield tmp
         with open(tmp, "rb") as f:  # (what the writer wrote reaches the disk before the rename, as atomic_write's)
