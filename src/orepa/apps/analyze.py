@@ -24,7 +24,6 @@ from torch import nn
 from orepa.analysis import analyze_model
 from orepa.apps.checkpoint import (
     EMA_NOTE,
-    atomic_write_text,
     check_output_path,
     check_use_ema,
     checkpoint_weights,
@@ -34,6 +33,7 @@ from orepa.apps.checkpoint import (
     same_source,
     state_dict_mismatch,
     with_bn_counts,
+    write_json,
 )
 from orepa.apps.common import (
     UserError,
@@ -184,7 +184,7 @@ def analyze(model: nn.Module, out_dir: str | Path | None = None, *, plots: bool 
             for stale in PLOT_FILES:
                 (out / stale).unlink(missing_ok=True)
         result["files"] = {k: str(v) for k, v in files.items()}
-        atomic_write_text(files["json"], json_text(result, indent=1))
+        write_json(files["json"], result, indent=1)
     return result
 
 
