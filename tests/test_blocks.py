@@ -492,19 +492,6 @@ def test_none_means_the_default_width():
     assert OREPADeepStem(3, 8, 7, mid_channels=5).branches["stem"].layer0.out_channels == 5
 
 
-@pytest.mark.parametrize("model,method", [("resnet18", "orepa"), ("resnet50", "orepa"), ("resnet18", "dbb"),
-                                          ("resnet18", "orepa-offline")])
-def test_branch_param_list_is_parameters_in_order(model, method):
-    """The squeeze's fast parameter list must be parameters() exactly (gradients map by position)."""
-    from orepa.models import create_model
-
-    net = create_model(model, method, num_classes=10, width_mult=0.25)
-    branches = [m for m in net.modules() if isinstance(m, orepa.blocks.Branch)]
-    assert any(any(s._modules for s in b._modules.values()) for b in branches) == (method == "orepa")  # deep stem
-    for b in branches:
-        assert [id(p) for p in b.param_list()] == [id(p) for p in b.parameters()]
-
-
 def test_a_new_branch_type_is_one_registration():
     """register_branch is the whole of adding a branch type: blocks, convert, the zoo and the CLI take it."""
     import argparse

@@ -604,17 +604,6 @@ class Branch(nn.Sequential):
         a, b = steps
         return K.cheap_vjp_groups(a.weight.shape, a.groups, b.weight.shape, b.groups)
 
-    def param_list(self) -> list[Tensor]:
-        """The branch's parameters in ``parameters()`` order, read straight from its steps
-        (the generic recursive walk is a visible part of an online block's host time)."""
-        out = []
-        for step in self._modules.values():
-            if step._modules:  # a nested block (deep stem): the generic walk
-                out.extend(step.parameters())
-            else:
-                out.extend(p for p in step._parameters.values() if p is not None)
-        return out
-
     def _split(self) -> tuple[list[nn.Module], Scale | None]:
         steps = list(self._modules.values())
         if self._scaled:

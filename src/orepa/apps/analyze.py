@@ -24,16 +24,15 @@ from torch import nn
 from orepa.analysis import analyze_model
 from orepa.apps.checkpoint import (
     EMA_NOTE,
-    atomic_write_text,
     check_output_path,
     check_use_ema,
     checkpoint_weights,
     json_text,
     load_checkpoint,
+    load_if_fits,
     other_stem_hint,
     same_source,
-    state_dict_mismatch,
-    with_bn_counts,
+    write_json,
 )
 from orepa.apps.common import (
     UserError,
@@ -62,14 +61,11 @@ def check_and_load(model: nn.Module, sd: dict[str, torch.Tensor], what: str, *, 
     """Strictly load ``sd`` into ``model``; a mismatch raises a :class:`UserError` that lists it.
     ``bare_cfg``: the model_cfg ``model`` was built from for a bare state_dict (none recorded), whose
     stem the flags said or left at the default: a state_dict that fits the other stem names its flag."""
-    own = model.state_dict()
-    sd = with_bn_counts(model, sd)
-    problem = state_dict_mismatch(model, sd)
+    problem = load_if_fits(model, sd)
     if problem:
         # the stem first: a small-input OREPA ResNet's 3x3 block against the deep stem reads as other branches
         hint = other_stem_hint(bare_cfg, sd, forms=("train",)) if bare_cfg is not None else ""
-        raise UserError(f"checkpoint does not match {what}: {problem}.{hint or _branch_hint(sd, own)}")
-    model.load_state_dict(sd, strict=True)
+        raise UserError(f"checkpoint does not match {what}: {problem}.{hint or _branch_hint(sd, model.state_dict())}")
     return model
 
 
@@ -184,7 +180,7 @@ def analyze(model: nn.Module, out_dir: str | Path | None = None, *, plots: bool 
             for stale in PLOT_FILES:
                 (out / stale).unlink(missing_ok=True)
         result["files"] = {k: str(v) for k, v in files.items()}
-        atomic_write_text(files["json"], json_text(result, indent=1))
+        write_json(files["json"], result, indent=1)
     return result
 
 

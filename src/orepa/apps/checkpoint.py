@@ -601,9 +601,10 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """For writers that want a file name (ONNX, TorchScript): a temporary path beside ``path``; when
-    the block ends normally it replaces ``path`` (usual permissions) once on disk, after an exception
-    it is removed."""
+    """For writers that need the temporary file by name (ONNX's writer takes a file name) or read it back
+    before it replaces ``path`` (the exporters verify the reloaded file): a temporary path beside
+    ``path``; when the block ends normally it replaces ``path`` (usual permissions) once on disk, after
+    an exception it is removed."""
     with _writing(Path(path)) as tmp:
         yield tmp
         with open(tmp, "rb") as f:  # (what the writer wrote reaches the disk before the rename, as atomic_write's)
@@ -951,6 +952,17 @@ def state_dict_mismatch(model: nn.Module, sd: dict) -> str:
     return "; ".join(parts)
 
 
+def load_if_fits(model: nn.Module, sd: dict) -> str:
+    """Load ``sd`` strictly into ``model`` if it fits (the BN counts it lacks taken from ``model``,
+    :func:`with_bn_counts`): ``""``; else nothing is loaded and :func:`state_dict_mismatch` says why.
+    The one check-then-load of every command; each caller phrases the mismatch for its situation."""
+    full = with_bn_counts(model, sd)
+    problem = state_dict_mismatch(model, full)
+    if not problem:
+        model.load_state_dict(full, strict=True)
+    return problem
+
+
 def adapt_input_channels(sd: dict, shapes: Mapping[str, torch.Size], in_chans: int, from_chans: int = 3) -> list[str]:
     """Weights made for images of ``from_chans`` channels (RGB unless a checkpoint says otherwise)
     for a model that takes ``in_chans``: every 4-D tensor of ``sd`` that differs from
@@ -1033,10 +1045,8 @@ def load_model_state(model: nn.Module, sd: dict, *, path, built: str, saved: str
         full = {**sd, **{k: own[k] for k in keep}}
     else:
         full = sd
-    full = with_bn_counts(model, full)
-    problem = state_dict_mismatch(model, full)
+    problem = load_if_fits(model, full)
     if not problem:
-        model.load_state_dict(full, strict=True)
         return "train"
     if plain and any(isinstance(m, orepa.ReparamConv2d) for m in model.modules()):
         try:
@@ -1121,10 +1131,8 @@ def model_from_checkpoint(ckpt: dict, path, *, cfg: dict | None = None, use_ema:
     problems = []
     for form in FORMS:
         model = build_model_form(cfg, form)
-        full = with_bn_counts(model, sd)
-        problem = state_dict_mismatch(model, full)
+        problem = load_if_fits(model, sd)
         if not problem:
-            model.load_state_dict(full, strict=True)
             return model.eval(), cfg, form
         problems.append(f"as {form}: {problem}")
     hint = other_stem_hint(cfg, sd) if saved_cfg is None else ""  # (a saved model_cfg says its stem)

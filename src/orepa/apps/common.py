@@ -61,9 +61,14 @@ class CheckFailed(UserError):
 _SHORT_FLAGS = {"batch_size": "-b/--batch-size", "workers": "-j/--workers"}
 
 
+def long_flag(dest: str) -> str:
+    """An argparse destination's long flag, to write in a command (``batch_size`` -> ``--batch-size``)."""
+    return "--" + dest.replace("_", "-")
+
+
 def flag_name(dest: str) -> str:
     """The command-line spelling of an argparse destination (``batch_size`` -> ``-b/--batch-size``)."""
-    return _SHORT_FLAGS.get(dest, "--" + dest.replace("_", "-"))
+    return _SHORT_FLAGS.get(dest, long_flag(dest))
 
 
 def refuse_idle_flags(args: argparse.Namespace, idle: Iterable[str], why: str, instead: str = "") -> None:

@@ -48,6 +48,7 @@ from .common import (
     available_cpus,
     class_name,
     error_text,
+    long_flag,
     nonneg_int,
     path_arg,
     per_cpu_cap,
@@ -663,7 +664,7 @@ def build_data(args, *, note: Callable[[str], None], need_train: bool = True) ->
     kind = resolve_kind(args)
     stray = sorted(k for k in getattr(args, "given", None) or () if KIND_FLAGS.get(k, kind) != kind)
     if stray:
-        flags = " / ".join(f"--{k.replace('_', '-')}" for k in stray)
+        flags = " / ".join(long_flag(k) for k in stray)
         raise UserError(f"{flags} appl{'ies' if len(stray) == 1 else 'y'} to " + (
             "Fashion-MNIST (the zero padding of its random crop), not to an ImageFolder tree, whose training images "
             "are random resized crops of --train-crop-size" if kind == "imagefolder" else
@@ -686,7 +687,7 @@ def build_data(args, *, note: Callable[[str], None], need_train: bool = True) ->
     def subset(ds, key: str, seed: int | None, what: str):
         n = getattr(args, key, None)
         if n is not None and n > len(ds):  # taken whole (scripts ask for "all" so), but said: not what was asked
-            note(f"note: --{key.replace('_', '-')} {n} is more than the {len(ds):,} {what} images of {where}: "
+            note(f"note: {long_flag(key)} {n} is more than the {len(ds):,} {what} images of {where}: "
                  "all are used")
         return _subset(ds, n, seed)
 

@@ -31,7 +31,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from .checkpoint import atomic_write_text, check_output_path, json_text, write_json
+from .checkpoint import check_output_path, write_json
 from .common import (
     STOP_SIGNALS,
     STOP_WITH_PARENT_ENV,
@@ -363,7 +363,7 @@ def run(args: argparse.Namespace) -> int:
         rows[p.method] = (s, r, p.t1 - p.t0)
     print_table(rows, wall, args)
     results = {m: {"summary": s, "reparam": r, "pipeline_s": t} for m, (s, r, t) in rows.items()}
-    atomic_write_text(root / "demo.json", json_text({"wall_s": wall, "results": results}, indent=2))
+    write_json(root / "demo.json", {"wall_s": wall, "results": results}, indent=2)
     ok = all(r["outputs_match"] and r["accuracy_equal"] for _, r, _ in rows.values())
     print(f"\ndeployed accuracy == training-form accuracy for every model: {'yes' if ok else 'NO'}; "
           f"total {wall / 60:.1f} min. Results in {root}/ (demo.json, <method>/log.csv, curves.png, "

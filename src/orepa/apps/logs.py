@@ -9,13 +9,12 @@ import csv
 import io
 from pathlib import Path
 
-from .checkpoint import atomic_write, json_text
-from .checkpoint import atomic_write_text as _atomic_write
+from .checkpoint import atomic_write, atomic_write_text, json_text
 
 
 def write_history(out_dir: Path, history: list[dict]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out_dir / "log.jsonl", "".join(json_text(row) + "\n" for row in history))
+    atomic_write_text(out_dir / "log.jsonl", "".join(json_text(row) + "\n" for row in history))
     keys: list[str] = []
     for row in history:
         keys += [k for k in row if k not in keys]
@@ -23,7 +22,7 @@ def write_history(out_dir: Path, history: list[dict]) -> None:
     w = csv.DictWriter(buf, fieldnames=keys)
     w.writeheader()
     w.writerows(history)
-    _atomic_write(out_dir / "log.csv", buf.getvalue())
+    atomic_write_text(out_dir / "log.csv", buf.getvalue())
 
 
 class TensorBoard:

@@ -24,7 +24,16 @@ from orepa import models as zoo
 from orepa.convert import METHOD_OPTIONS
 from orepa.models.zoo import branch_list, branch_switches
 
-from .common import UserError, error_text, free_memory, parse_key_values, positive_float, positive_int, size_text
+from .common import (
+    UserError,
+    error_text,
+    free_memory,
+    long_flag,
+    parse_key_values,
+    positive_float,
+    positive_int,
+    size_text,
+)
 
 #: model_cfg keys; ``options`` holds the block options (and, for a torchvision / timm network, its
 #: constructor keywords under :data:`MODEL_KWARGS`)
@@ -251,7 +260,7 @@ def model_cfg_from_args(args: argparse.Namespace, *, num_classes: int, in_chans:
     for key in defaults:  # e.g. --model-option width_mult=0.5: a model_cfg key, not a block option
         if key in options:
             if getattr(args, key, None) is not None:
-                raise UserError(f"{key} is given twice: --{key.replace('_', '-')} and --model-option {key}=")
+                raise UserError(f"{key} is given twice: {long_flag(key)} and --model-option {key}=")
             cfg[key] = options.pop(key)
     carried = dict(saved.get("options", {}))
     if cfg["method"] != saved.get("method", cfg["method"]):  # the others were the saved method's own

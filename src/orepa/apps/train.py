@@ -106,6 +106,7 @@ from .common import (
     first_nonfinite,
     fraction,
     init_distributed,
+    long_flag,
     make_sgd,
     nonneg_float,
     nonneg_int,
@@ -309,7 +310,7 @@ def schedule_name(args) -> str:
 def _cfg_flag(args, key: str, value) -> str:
     """How this command gave the model setting ``key`` its ``value``: its own flag (``--num-classes 5``)
     or ``--model-option num_classes=5``."""
-    return f"--{key.replace('_', '-')} {value}" if getattr(args, key, None) == value else \
+    return f"{long_flag(key)} {value}" if getattr(args, key, None) == value else \
         f"--model-option {key}={value}"
 
 
@@ -492,7 +493,7 @@ def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespa
             if value != getattr(args, key):
                 if key in FIXED_ON_RESUME:
                     raise UserError(
-                        f"--resume {args.resume}: --{key.replace('_', '-')} {getattr(args, key)} cannot apply to "
+                        f"--resume {args.resume}: {long_flag(key)} {getattr(args, key)} cannot apply to "
                         f"this run (it was started with {value!r}; the position in the run is counted in its "
                         "steps and data); start a new run with another --output-dir instead")
                 overrides.append(f"{key} {value!r} -> {getattr(args, key)!r}")
@@ -502,7 +503,7 @@ def resumed_args(args: argparse.Namespace, ckpt: dict) -> tuple[argparse.Namespa
             except ValueError as exc:
                 fix = ("the run cannot continue from it (its position is counted in this setting's units): start "
                        "a new run from its weights with --init-from" if key in (*FIXED_ON_RESUME, "batch_size") else
-                       f"give --{key.replace('_', '-')} to replace it")
+                       f"give {long_flag(key)} to replace it")
                 raise UserError(f"--resume {args.resume}: damaged run setting {key} ({str(value)[:40]!r}: {exc}); "
                                 + fix) from None
         else:
@@ -1181,7 +1182,7 @@ class Trainer:
                                             f"{step}, where the constant schedule's rate does not depend on either")
         else:
             return
-        raise UserError(f"--resume {args.resume}: --{key.replace('_', '-')} {getattr(args, key):g} changes nothing: "
+        raise UserError(f"--resume {args.resume}: {long_flag(key)} {getattr(args, key):g} changes nothing: "
                         f"{why}; leave it out")
 
     def _restore(self, ckpt: dict) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from orepa.apps.common import (
     UserError,
     add_kernel_builder_argument,
     add_pack_argument,
+    add_run_arguments,
     add_tf32_matmul_argument,
     apply_tf32_matmul,
     apply_threads,
@@ -29,8 +31,6 @@ from orepa.apps.common import (
     positive_float,
     positive_int,
     refuse_idle_flags,
-    seed_int,
-    thread_count,
 )
 from orepa.apps.model_cfg import MODEL_CFG_KEYS, check_cfg_value, check_model_takes, model_slug
 
@@ -81,7 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the component ladder of Fig. 'budgets' (base, dbb, each rung online and offline)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=16)
     p.add_argument("--image-size", type=positive_int, default=224)
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--reps", type=positive_int, default=5, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=nonneg_int, default=2)
     p.add_argument("--num-classes", type=positive_int, default=1000)
@@ -90,10 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "in_chans=N (any model): the synthetic images' channels (3)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a result file of other variants (a rerun of the same variants replaces its own)")
-    p.add_argument("--threads", type=thread_count, default=None, help="torch.set_num_threads (CPU)")
     p.add_argument("--lr", type=positive_float, default=1e-3,
                    help="SGD lr (momentum 0.9, wd 1e-4); cost does not depend on it, small keeps random-data steps finite")
-    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--no-inference", action="store_true", help="skip deployed inference timing")
     p.add_argument("--no-memory-profile", action="store_true", help="CPU: skip the profiler peak-memory pass")
     p.add_argument("--cudnn-benchmark", action="store_true")
@@ -108,6 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where TAG.json, TAG.md and the plots go (--out-dir: older spelling)")
     p.add_argument("--tag", default=None, help="output file stem (default from the settings)")
     p.add_argument("--no-plot", action="store_true")
+    add_run_arguments(p)  # --device, --threads, --seed as every computing subcommand takes them
     p.add_argument("--from-json", type=path_arg, default=None, metavar="FILE",
                    help="re-render the table and plots of a saved result (no measurement), into --output-dir if "
                         "given, else next to FILE")
@@ -213,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # every check on the flags before the first build: a bad one fails in seconds, not after minutes
     apply_threads(args)
-    _, device = init_distributed(None if args.device == "auto" else args.device, one_process="orepa bench")
+    _, device = init_distributed(args.device, one_process="orepa bench")
     try:
         check_step_modes(device, args.cuda_graphs, args.compile)
     except ValueError as exc:
@@ -308,5 +306,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: non-finite outputs for {diverged}: the random-data steps diverged (lower --lr); "
               "costs are unaffected")
     if off:
-        print(f"WARNING: deployed model differs from the training form for {off}")
+        print(f"warning: the deployed model differs from the training form for {off} (max |difference| > 1e-3)",
+              file=sys.stderr)
     return 0

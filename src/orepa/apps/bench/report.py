@@ -6,7 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
-from orepa.apps.checkpoint import atomic_write_text, json_text
+from orepa.apps.checkpoint import atomic_write_text, write_json
 from orepa.apps.common import error_text
 from orepa.apps.logs import pyplot, save_figure
 
@@ -212,7 +212,7 @@ def plot_budgets(result: dict, path: str | Path) -> Path:
 
 def save(result: dict, out_dir: str | Path, tag: str, plots: bool = True) -> list[Path]:
     out_dir = Path(out_dir)
-    files = [atomic_write_text(out_dir / f"{tag}.json", json_text(result, indent=1)),
+    files = [write_json(out_dir / f"{tag}.json", result, indent=1),
              atomic_write_text(out_dir / f"{tag}.md", format_header(result) + "\n\n" + format_table(result) + "\n")]
     if plots and no_plot_reason(result) is None:  # a result without a ratio has only its table
         files.append(plot_ratios(result, out_dir / f"{tag}_ratios.png"))
