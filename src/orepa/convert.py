@@ -50,6 +50,8 @@ from .blocks import (
     check_conv_config,
     check_flags,
     keep_layout,
+    reparametrized_steps,
+    reparametrized_steps_message,
 )
 from .engine import group_kernels
 from .state_dicts import wrapper_prefix
@@ -1275,6 +1277,12 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
         return _deployed_conv(model)
     if isinstance(model, AbsorbedNorm):  # a bare placeholder: its BN (no child of itself can stand for it)
         return model.restore(None)
+    # a pruned or normed branch step is refused before anything is copied or replaced: the copy would
+    # fail on the step's computed weight (torch's deepcopy of a non-leaf tensor), and in place the
+    # blocks before it would already be plain convs
+    odd = [f"{name}.{step}" for name, block in _top_level_blocks(model) for step in reparametrized_steps(block)]
+    if odd:
+        raise TypeError(reparametrized_steps_message(odd))
     if not inplace:
         model = _deepcopy(model)
     blocks = _top_level_blocks(model)
