@@ -808,6 +808,22 @@ def test_a_pruned_or_parametrized_branch_step_is_refused_by_name(how):
         net(torch.randn(2, 4, 6, 6))
 
 
+@pytest.mark.parametrize("how", ["prune", "weight_norm", "hook_weight_norm"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_reparameterize_refuses_a_network_with_a_pruned_branch_step_by_name(how, inplace):
+    """In a network (not a bare block), ``reparameterize`` copied the model first: ``prune`` and the
+    hook-based ``weight_norm`` leave the step's ``weight`` a computed (non-leaf) tensor, which
+    ``copy.deepcopy`` refuses ("Only Tensors created explicitly by the user ..."), so the named
+    refusal never came; in place, the blocks before the step's were already plain convs when it came."""
+    torch.manual_seed(0)
+    net = nn.Sequential(OREPAConv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), OREPAConv2d(4, 4, 3, padding=1),
+                        nn.BatchNorm2d(4))
+    _reparametrize(net[2].branches["kxk"].conv, how)
+    with pytest.raises(TypeError, match=r"the weight of 2\.branches\.kxk\.conv is pruned or parametrized"):
+        orepa.reparameterize(net.eval(), inplace=inplace)
+    assert isinstance(net[0], OREPAConv2d) and isinstance(net[2], OREPAConv2d)  # nothing deployed
+
+
 def test_reset_parameters_resets_the_branch_scales_too():
     """``model.apply(lambda m: m.reset_parameters())`` reset the convs and BNs but left every
     branch scale at its trained value (``Scale`` had no ``reset_parameters``)."""

@@ -1228,6 +1228,44 @@ def _hook_count(m: nn.Module) -> int:
     return len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
 
 
+@pytest.mark.parametrize("method", ["orepa", "dbb"])
+def test_reparameterize_carries_the_hooks_of_a_block_and_of_a_placeholder(method):
+    """A hook registered on a block after conversion (a feature tap, an activation-statistics or
+    calibration hook, a mask) or on an absorbed BN's placeholder was dropped without a word when
+    ``reparameterize`` put the plain conv / BN in its place: the deployed model computed another
+    function (a mask lost) and taps saw nothing. The forward and backward hooks now go to the module
+    that replaces the block (as torch.ao's fuse_modules carries a fused module's); the hooks of the
+    modules inside a block, which have no counterpart, are named in a warning."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                        nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)).eval()
+    model = orepa.convert(net, method).eval()
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, args, kwargs: seen.append("pre") or ((args[0] * 2,), kwargs),
+                                       with_kwargs=True)
+    model[3].register_forward_hook(_zero_output)
+    model[1].register_forward_hook(lambda m, args, out: seen.append("norm"))
+    model[3].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append("backward"))
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert seen == ["pre", "norm", "backward"]
+    for fuse_bn in (False, True):
+        seen.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (fuse_bn: the convs carrying hooks are left unfolded, said why)
+            deployed = orepa.reparameterize(model, fuse_bn=fuse_bn)
+        assert type(deployed[0]) is nn.Conv2d and type(deployed[3]) is nn.Conv2d
+        out = deployed(x)
+        assert torch.equal(out, torch.zeros_like(out))
+        out.sum().backward()
+        assert seen == ["pre", "norm", "backward"], (fuse_bn, seen)
+    inner = copy.deepcopy(model)
+    inner[0].branches["kxk"].register_forward_hook(lambda m, args, out: None)
+    with pytest.warns(UserWarning, match=r"hooks with no counterpart in the deployed model are dropped: 0\.branches\.kxk "
+                                         r"\(forward hooks\)"):
+        orepa.reparameterize(inner)
+
+
 class _ReadsItsBnWeight(nn.Module):
     """Scales the normalised map by the BN's own weight (as a network-slimming variant might)."""
 

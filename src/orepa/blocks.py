@@ -491,14 +491,23 @@ def _refuse_reparametrized_steps(block: nn.Module, error: Exception) -> None:
     # (named under the network the group was made for, where there is one)
     blocks = {id(b): (b, f"{name}.") for g in groups for b, name in zip(g.blocks, g.block_names or ("",) * len(g.blocks))}
     blocks.setdefault(id(block), (block, ""))
-    odd = [prefix + name for b, prefix in blocks.values() for name, m in b.named_modules()
-           if (_is_kernel_step(m) or isinstance(m, PackableWeight)) and _reparametrized(m)]
+    odd = [prefix + name for b, prefix in blocks.values() for name in reparametrized_steps(b)]
     if odd:
-        raise TypeError(
-            f"the weight of {', '.join(sorted(set(odd)))} is pruned or parametrized (torch.nn.utils.prune, "
+        raise TypeError(reparametrized_steps_message(odd)) from error
+
+
+def reparametrized_steps(block: nn.Module) -> list[str]:
+    """The names (under ``block``) of its steps whose weight slot ``prune`` / ``weight_norm`` /
+    ``parametrize`` took away (:func:`_reparametrized`)."""
+    return [name for name, m in block.named_modules()
+            if (_is_kernel_step(m) or isinstance(m, PackableWeight)) and _reparametrized(m)]
+
+
+def reparametrized_steps_message(names: Iterable[str]) -> str:
+    return (f"the weight of {', '.join(sorted(set(names)))} is pruned or parametrized (torch.nn.utils.prune, "
             "parametrizations.weight_norm, ...): a re-param block builds its kernel from its steps' weight "
             "tensors, which these take away; prune or parametrize the deployed model (orepa.reparameterize), "
-            "or remove them (prune.remove, parametrize.remove_parametrizations)") from error
+            "or remove them (prune.remove, parametrize.remove_parametrizations)")
 
 
 def _reparametrized(m: nn.Module) -> bool:

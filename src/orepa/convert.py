@@ -50,6 +50,8 @@ from .blocks import (
     check_conv_config,
     check_flags,
     keep_layout,
+    reparametrized_steps,
+    reparametrized_steps_message,
 )
 from .engine import group_kernels
 from .state_dicts import wrapper_prefix
@@ -1240,11 +1242,44 @@ def _check_module(model, caller: str) -> None:
 
 def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
     """``block`` as its plain conv, in the block's mode, and frozen where the block is (a frozen
-    stage deploys frozen)."""
+    stage deploys frozen), with the hooks around the block's call (:func:`_carry_call_hooks`)."""
     conv = block.fuse()  # (timm's protocol: also takes the engine's hooks off the root)
     if _frozen_block(block):
         conv.requires_grad_(False)
-    return conv
+    return _carry_call_hooks(block, conv)
+
+
+#: the hooks around a module's call and their flags, which a module computing the same function takes over
+_CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _carry_call_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new`` (the plain conv or BN deployment puts in place of the block or placeholder ``old``) with
+    ``old``'s forward and backward hooks: a caller's hook that records, masks or changes the block's
+    output (activation statistics, features) sees the same function's input and output there, as
+    ``torch.ao.quantization.fuse_modules`` carries a fused module's hooks. The state_dict hooks, of the
+    block's layout, stay behind (:func:`_dropped_hooks`)."""
+    for attr in _CALL_HOOK_DICTS:
+        theirs = getattr(old, attr, None)
+        if theirs:
+            getattr(new, attr).update(theirs)
+    if getattr(old, "_backward_hooks", None):
+        new._is_full_backward_hook = old._is_full_backward_hook
+    return new
+
+
+def _dropped_hooks(name: str, old: nn.Module) -> list[str]:
+    """What deploying ``old`` (a block or placeholder at ``name``) drops of a caller's hooks: its state_dict
+    hooks, and every hook of the modules inside it, which the plain module has no counterpart of."""
+    found = []
+    for sub_name, sub in old.named_modules():
+        kinds = _hooks(sub) if sub_name else ", ".join(
+            what for attr, what in _HOOKS if attr.startswith(("_state_dict", "_load_state_dict"))
+            and any(h is not _materialise_fixed_kernels for h in (getattr(sub, attr, None) or {}).values()))
+        if kinds:
+            found.append(f"{'.'.join(p for p in (name, sub_name) if p) or type(old).__name__} ({kinds})")
+    return found
 
 
 def _frozen_block(block: ReparamConv2d) -> bool:
@@ -1269,16 +1304,31 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     own BNs give their bias to the restored BatchNorm2d. With ``fuse_bn=True``
     every conv-BN pair is folded as well (fastest inference form).
     A bare block passed directly is returned as its ``nn.Conv2d``, a bare placeholder as its BatchNorm2d.
+    The forward and backward hooks registered on a block (or on an absorbed BN's placeholder) go to the
+    module that replaces it; the hooks of modules inside a block, which have no counterpart, are dropped
+    with a warning naming them. A branch step that is pruned or parametrized is refused (TypeError).
     """
     _check_module(model, "reparameterize")
     if isinstance(model, ReparamConv2d):
         return _deployed_conv(model)
     if isinstance(model, AbsorbedNorm):  # a bare placeholder: its BN (no child of itself can stand for it)
-        return model.restore(None)
+        return _carry_call_hooks(model, model.restore(None))
+    # a pruned or normed branch step is refused before anything is copied or replaced: the copy would
+    # fail on the step's computed weight (torch's deepcopy of a non-leaf tensor), and in place the
+    # blocks before it would already be plain convs
+    odd = [f"{name}.{step}" for name, block in _top_level_blocks(model) for step in reparametrized_steps(block)]
+    if odd:
+        raise TypeError(reparametrized_steps_message(odd))
     if not inplace:
         model = _deepcopy(model)
     blocks = _top_level_blocks(model)
     absorbed, orphans = _absorbed_pairing(model, blocks)
+    dropped = [h for name, block in blocks for h in _dropped_hooks(name, block)]
+    dropped += [h for name, m in model.named_modules() if isinstance(m, AbsorbedNorm) for h in _dropped_hooks(name, m)]
+    if dropped:
+        warnings.warn("reparameterize: hooks with no counterpart in the deployed model are dropped: "
+                      f"{'; '.join(dropped)} (the forward and backward hooks of a block or of an absorbed BN's "
+                      "placeholder go to the plain conv or BN that replaces it)", stacklevel=2)
     for name, block in blocks:
         conv = _deployed_conv(block)
         norm_name = absorbed.get(block.absorbed_token)
@@ -1287,7 +1337,8 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
             shift = None
             if conv.bias is not None:
                 shift = conv.bias if block.bias is None else conv.bias - block.bias
-            restored = model.get_submodule(norm_name).restore(shift)
+            placeholder = model.get_submodule(norm_name)
+            restored = _carry_call_hooks(placeholder, placeholder.restore(shift))
             if _frozen_norms(block):  # frozen after conversion (a detector's frozen stages or norms): it stays so
                 restored.requires_grad_(False)
             _set_submodule(model, norm_name, restored)  # in its placeholder's mode: a frozen BN stays in eval
@@ -1297,7 +1348,8 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
                 conv.bias.copy_(block.bias)
         _set_submodule(model, name, conv)
     for name in orphans:  # placeholders whose block was not found: plain BN, identity-like
-        _set_submodule(model, name, model.get_submodule(name).restore(None))
+        placeholder = model.get_submodule(name)
+        _set_submodule(model, name, _carry_call_hooks(placeholder, placeholder.restore(None)))
     E.strip_scopes(model)  # every block under it deployed: no grouped root's hook serves (nor scripts)
     if fuse_bn:
         model = fuse_conv_bn(model, inplace=True, example_input=example_input)
