@@ -1233,32 +1233,48 @@ def test_reparameterize_carries_the_hooks_of_a_block_and_of_a_placeholder(method
     """A hook registered on a block after conversion (a feature tap, an activation-statistics or
     calibration hook, a mask) or on an absorbed BN's placeholder was dropped without a word when
     ``reparameterize`` put the plain conv / BN in its place: the deployed model computed another
-    function (a mask lost) and taps saw nothing. The forward and backward hooks now go to the module
-    that replaces the block (as torch.ao's fuse_modules carries a fused module's); the hooks of the
-    modules inside a block, which have no counterpart, are named in a warning."""
+    function (a mask lost) and taps saw nothing. The hooks now go to the module that replaces the
+    block (as torch.ao's fuse_modules carries a fused module's); where the block absorbed the BN after
+    it (DBB), the conv computes its output less a shift that the restored BN adds back, so the hooks
+    on its output go to that BN. The BNs hold statistics and affines away from their init, so that
+    shift is not zero. (A backward hook on an absorbing block sees the gradient before its output
+    hooks, which this mask leaves as it is: the loss's gradient is zero where it masks.) The hooks of
+    the modules inside a block, which have no counterpart, are named
+    in a warning."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
                         nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)).eval()
     model = orepa.convert(net, method).eval()
-    seen = []
+    for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):  # (DBB: its branches' BNs too)
+        for t in (bn.weight, bn.bias, bn.running_mean):
+            t.data.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    seen, taps = [], []
     model[0].register_forward_pre_hook(lambda m, args, kwargs: seen.append("pre") or ((args[0] * 2,), kwargs),
                                        with_kwargs=True)
-    model[3].register_forward_hook(_zero_output)
+    model[0].register_forward_hook(lambda m, args, out: taps.append(out.detach().clone()))
+    model[3].register_forward_hook(lambda m, args, out: out * (torch.arange(6.0).view(1, 6, 1, 1) % 2))  # a mask
     model[1].register_forward_hook(lambda m, args, out: seen.append("norm"))
-    model[3].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append("backward"))
+    model[3].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(("backward", grad_out[0].sum())))
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
-    model(x).sum().backward()
-    assert seen == ["pre", "norm", "backward"]
+    ref = model(x)
+    (ref ** 2).sum().backward()
+    ref_seen, ref_grad, ref_tap = list(seen), x.grad.clone(), taps[0]
+    assert [s if isinstance(s, str) else s[0] for s in ref_seen] == ["pre", "norm", "backward"]
     for fuse_bn in (False, True):
-        seen.clear()
+        seen.clear(), taps.clear()
+        x.grad = None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (fuse_bn: the convs carrying hooks are left unfolded, said why)
             deployed = orepa.reparameterize(model, fuse_bn=fuse_bn)
         assert type(deployed[0]) is nn.Conv2d and type(deployed[3]) is nn.Conv2d
         out = deployed(x)
-        assert torch.equal(out, torch.zeros_like(out))
-        out.sum().backward()
-        assert seen == ["pre", "norm", "backward"], (fuse_bn, seen)
+        tol_close(out, ref)
+        tol_close(taps[0], ref_tap)  # (DBB: the restored BN's output, the block's)
+        (out ** 2).sum().backward()
+        assert [s if isinstance(s, str) else s[0] for s in seen] == ["pre", "norm", "backward"], (fuse_bn, seen)
+        assert seen[2][1].item() == pytest.approx(ref_seen[2][1].item(), rel=1e-4, abs=1e-4)
+        tol_close(x.grad, ref_grad)
     inner = copy.deepcopy(model)
     inner[0].branches["kxk"].register_forward_hook(lambda m, args, out: None)
     with pytest.warns(UserWarning, match=r"hooks with no counterpart in the deployed model are dropped: 0\.branches\.kxk "

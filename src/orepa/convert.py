@@ -1240,31 +1240,37 @@ def _check_module(model, caller: str) -> None:
         raise TypeError(f"{caller} takes an nn.Module, got {type(model).__name__}")
 
 
-def _deployed_conv(block: ReparamConv2d) -> nn.Conv2d:
+def _deployed_conv(block: ReparamConv2d, output_hooks: bool = True) -> nn.Conv2d:
     """``block`` as its plain conv, in the block's mode, and frozen where the block is (a frozen
-    stage deploys frozen), with the hooks around the block's call (:func:`_carry_call_hooks`)."""
+    stage deploys frozen), with the hooks around the block's call (:func:`_carry_call_hooks`; without
+    ``output_hooks``, its forward hooks stay behind)."""
     conv = block.fuse()  # (timm's protocol: also takes the engine's hooks off the root)
     if _frozen_block(block):
         conv.requires_grad_(False)
-    return _carry_call_hooks(block, conv)
+    _carry_call_hooks(block, conv, _INPUT_HOOK_DICTS + (_OUTPUT_HOOK_DICTS if output_hooks else ()))
+    return conv
 
 
-#: the hooks around a module's call and their flags, which a module computing the same function takes over
-_CALL_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-                    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+#: the hooks around a module's call and their flags, which a module computing the same function takes over:
+#: those that see its input (and the gradients, which a constant shift of the output leaves as they are; on
+#: a block that absorbed its BN, the gradient of its output is taken before the forward hooks, moved to the
+#: BN after the conv, which is the training form's where those hooks do not replace the output) ...
+_INPUT_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_pre_hooks", "_backward_hooks")
+#: ... and those that see (and may replace) its output
+_OUTPUT_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
-def _carry_call_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
+def _carry_call_hooks(old: nn.Module, new: nn.Module, dicts=_INPUT_HOOK_DICTS + _OUTPUT_HOOK_DICTS) -> nn.Module:
     """``new`` (the plain conv or BN deployment puts in place of the block or placeholder ``old``) with
-    ``old``'s forward and backward hooks: a caller's hook that records, masks or changes the block's
-    output (activation statistics, features) sees the same function's input and output there, as
+    ``old``'s hooks of ``dicts``, after those it has: a caller's hook that records, masks or changes the
+    block's output (activation statistics, features) sees the same values there, as
     ``torch.ao.quantization.fuse_modules`` carries a fused module's hooks. The state_dict hooks, of the
     block's layout, stay behind (:func:`_dropped_hooks`)."""
-    for attr in _CALL_HOOK_DICTS:
+    for attr in dicts:
         theirs = getattr(old, attr, None)
         if theirs:
             getattr(new, attr).update(theirs)
-    if getattr(old, "_backward_hooks", None):
+    if "_backward_hooks" in dicts and getattr(old, "_backward_hooks", None):
         new._is_full_backward_hook = old._is_full_backward_hook
     return new
 
@@ -1305,8 +1311,9 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     every conv-BN pair is folded as well (fastest inference form).
     A bare block passed directly is returned as its ``nn.Conv2d``, a bare placeholder as its BatchNorm2d.
     The forward and backward hooks registered on a block (or on an absorbed BN's placeholder) go to the
-    module that replaces it; the hooks of modules inside a block, which have no counterpart, are dropped
-    with a warning naming them. A branch step that is pruned or parametrized is refused (TypeError).
+    module that replaces it (a block that absorbed the BN after it: its forward hooks, which see its
+    output, to the restored BN, whose eval output that is); the hooks of modules inside a block, which
+    have no counterpart, are dropped with a warning naming them. A branch step that is pruned or parametrized is refused (TypeError).
     """
     _check_module(model, "reparameterize")
     if isinstance(model, ReparamConv2d):
@@ -1330,15 +1337,18 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
                       f"{'; '.join(dropped)} (the forward and backward hooks of a block or of an absorbed BN's "
                       "placeholder go to the plain conv or BN that replaces it)", stacklevel=2)
     for name, block in blocks:
-        conv = _deployed_conv(block)
         norm_name = absorbed.get(block.absorbed_token)
+        # a block that absorbed the BN after it: the conv computes its output less the shift the restored BN
+        # adds back, so the hooks on its output go to that BN, whose (eval) output is the block's
+        conv = _deployed_conv(block, output_hooks=norm_name is None)
         if norm_name is not None:
             # the conv keeps the original conv's bias (if any); the rest moves into the restored BN
             shift = None
             if conv.bias is not None:
                 shift = conv.bias if block.bias is None else conv.bias - block.bias
             placeholder = model.get_submodule(norm_name)
-            restored = _carry_call_hooks(placeholder, placeholder.restore(shift))
+            restored = _carry_call_hooks(block, placeholder.restore(shift), _OUTPUT_HOOK_DICTS)
+            _carry_call_hooks(placeholder, restored)  # (after the block's: the placeholder's ran after them)
             if _frozen_norms(block):  # frozen after conversion (a detector's frozen stages or norms): it stays so
                 restored.requires_grad_(False)
             _set_submodule(model, norm_name, restored)  # in its placeholder's mode: a frozen BN stays in eval
