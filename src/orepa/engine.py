@@ -1637,7 +1637,7 @@ class KernelGroup:
         if any(len({tensors[r].requires_grad for r in rs}) > 1
                for rs in ([w for w, _, _ in plan.family], [s_ for _, _, s_ in plan.family])):
             return False  # the filter family's 1x1 weights (its scales) pack as one operand: alike or not at all
-        stacked = self._stacked(tensors)  # the blocks' tensors become views of one storage per role
+        stacked = self._stacked(tensors, packing=True)  # the blocks' tensors become views of one storage per role
         if stacked is None:
             return False
         # the learnable operands in the order of the squeeze's packed gradients (Storage.packed): the
@@ -1932,7 +1932,7 @@ class KernelGroup:
         return self._storage is not None and self._storage.roles[0].device == tensors[0].device and all(
             t.data_ptr() == ptr for t, ptr in zip(tensors, self._addresses))
 
-    def _stacked(self, tensors: list[Tensor]) -> Storage | None:
+    def _stacked(self, tensors: list[Tensor], packing: bool = False) -> Storage | None:
         """Make the group's *storage*: per role, the blocks' tensors as one tensor concatenated
         along dim 0, of which they become views, so later builds concatenate nothing (:meth:`_build`
         reuses it while :meth:`_holds` says the tensors are still its views).
@@ -1953,11 +1953,12 @@ class KernelGroup:
             # tensors the blocks do not own (functional_call, FSDP's views of its flat parameter):
             # never re-pointed, concatenated per build instead
             return None
-        if not _repointable(tensors) or self._under_fsdp2():
+        if not packing and (not _repointable(tensors) or self._under_fsdp2()):
             # parameters whose memory another owner writes (FSDP2 all-gathers into the unsharded
             # parameters' own storage at every forward, a ZeroRedundancyOptimizer broadcasts into its
             # buckets): re-pointed, they would stop seeing its writes and the group would build from
-            # stale values; concatenated per build instead
+            # stale values; concatenated per build instead (pack() takes the tensors out of the model:
+            # their values are what it reads)
             return None
         roles = len(tensors) // n
         per_role = [tensors[r::roles] for r in range(roles)]
