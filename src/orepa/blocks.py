@@ -494,6 +494,20 @@ def _refuse_reparametrized_steps(block: nn.Module, error: Exception) -> None:
     odd = [prefix + name for b, prefix in blocks.values() for name in reparametrized_steps(b)]
     if odd:
         raise TypeError(reparametrized_steps_message(odd)) from error
+    # a parameter slot emptied and the tensor set as a plain attribute in its place: what
+    # FullyShardedDataParallel(use_orig_params=False) does with every parameter it flattens
+    plain = sorted({prefix + (f"{name}.{key}" if name else key) for b, prefix in blocks.values()
+                    for name, m in b.named_modules() if not m.__dict__.get("_is_replica", False)
+                    for key, t in m.__dict__.items() if isinstance(t, Tensor)
+                    and ((key == "weight" and (_is_kernel_step(m) or isinstance(m, Scale)))
+                         or (isinstance(m, E.PackedParameters) and key in m.kinds))})
+    if plain:
+        raise TypeError(
+            f"{', '.join(plain[:3])}{', ...' if len(plain) > 3 else ''} ({len(plain)} in all) are plain tensors "
+            "where the block expects registered parameters: FullyShardedDataParallel with use_orig_params=False "
+            "puts views of its flat parameter in their place, which a re-param block cannot build its kernel "
+            "from. Use FullyShardedDataParallel(..., use_orig_params=True) or FSDP2 (torch.distributed.fsdp."
+            "fully_shard), or shard the deployed model (orepa.reparameterize)") from error
 
 
 def reparametrized_steps(block: nn.Module) -> list[str]:

@@ -1376,6 +1376,10 @@ class KernelGroup:
         self.names = tuple(self.blocks[0].branches)
         self.policy = policy
         self.plan = Plan(self.blocks, self.names, launch_bound=True)
+        # the shapes of its blocks' tensors (block-major, per role), and of its packed parameters
+        # (pack()): what a build checks its operands against where they are not its storage's views
+        self._shapes = tuple(t.shape for b in range(self.plan.n) for t in self.plan.tensors_of(b))
+        self._packed_shapes: tuple[torch.Size, ...] = ()
         self._index = {id(b): i for i, b in enumerate(self.blocks)}
         self._pending: dict[int, tuple[tuple, Tensor]] = {}
         self.peers: list[KernelGroup] = [self]  # the groups of one network (group_kernels sets them)
@@ -1568,6 +1572,7 @@ class KernelGroup:
             leaves = list(self.packed._parameters.values())
             stacked = self._storage
             if stacked is None or not self._holds([*leaves, *self.plan.fixed()]):
+                self._check_gathered(leaves, self.__dict__.get("_packed_shapes", ()), packed=True)
                 stacked = self._packed_storage()
             return stacked, leaves, (tuple(map(_version, leaves)),) * plan.n
         tensors = [t for b in range(plan.n) for t in plan.tensors_of(b)]  # block-major, every role
@@ -1576,6 +1581,8 @@ class KernelGroup:
         # the common case: nothing moved since the storage was made (not a packed group's storage,
         # read here only while a step reads a tensor set in place of its rows)
         held = self.packed is None and self._holds(tensors)
+        if not held:
+            self._check_gathered(tensors, self.__dict__.get("_shapes", ()), packed=False)
         if not held and not all(t.device == ref.device and t.dtype == ref.dtype for t in tensors):
             return None
         # (a packed group's steps reading tensors set in their place: concatenated for this build only)
@@ -1630,7 +1637,7 @@ class KernelGroup:
         if any(len({tensors[r].requires_grad for r in rs}) > 1
                for rs in ([w for w, _, _ in plan.family], [s_ for _, _, s_ in plan.family])):
             return False  # the filter family's 1x1 weights (its scales) pack as one operand: alike or not at all
-        stacked = self._stacked(tensors)  # the blocks' tensors become views of one storage per role
+        stacked = self._stacked(tensors, packing=True)  # the blocks' tensors become views of one storage per role
         if stacked is None:
             return False
         # the learnable operands in the order of the squeeze's packed gradients (Storage.packed): the
@@ -1679,6 +1686,7 @@ class KernelGroup:
                 mod._packed = PackedSlot(holder, name, start, size)
                 start += size
         self.blocks[0].packed_parameters = holder
+        self._packed_shapes = tuple(p.shape for p in holder._parameters.values())
         self.packed, self._packed_roles, self._packed_family, self._packed_layout = holder, roles, family, tuple(layout)
         self._trainable_packed = self._packed_state()
         self._replan()
@@ -1883,12 +1891,48 @@ class KernelGroup:
         self._compiled_for = (storages, build)
         return build
 
+    def _under_fsdp2(self) -> bool:
+        """Whether FSDP2 (``fully_shard``) manages the grouped network or a block of the group: its
+        unsharded parameters own their storage, which it frees after a forward and all-gathers into
+        again before the next, so they can be no views of a group's storage."""
+        cls = _fsdp2_module_class()
+        if cls is None:
+            return False
+        root = self.workspace.root() if self.workspace is not None and self.workspace.root is not None else None
+        return any(isinstance(m, cls) for m in (root.modules() if root is not None else self.blocks))
+
+    def _check_gathered(self, tensors: Sequence[Tensor], shapes: Sequence[torch.Size], packed: bool) -> None:
+        """Refuse to build from tensors that are shards (a DTensor, or a shape other than the group's own
+        when it was made): FSDP wrapping the group's blocks in several units gathers each unit's
+        parameters at its own forward, while the group builds every block's kernel at its first."""
+        for i, (t, shape) in enumerate(zip(tensors, shapes)):
+            if not (_is_dtensor(t) or t.shape != shape):
+                continue
+            if packed:
+                name = f"{self.block_names[0] if self.block_names else ''}.packed_parameters." \
+                       f"{list(self.packed._parameters)[i]}".lstrip(".")
+            else:
+                roles = len(tensors) // self.plan.n
+                b, r = divmod(i, roles)
+                block, step = self.blocks[b], self.plan.role_modules[r][b]
+                inner = next((n for n, m in block.named_modules() if m is step), "?")
+                prefix = self.block_names[b] if self.block_names else type(block).__name__
+                name = f"{prefix}.{inner}.weight"
+            what = "a DTensor shard" if _is_dtensor(t) else f"shape {tuple(t.shape)}, not {tuple(shape)}"
+            raise RuntimeError(
+                f"{name} is not gathered ({what}) when its kernel group builds: a group of online blocks "
+                f"({len(self.blocks)} blocks, {', '.join(self.block_names[:3]) or type(self.blocks[0]).__name__}"
+                f"{', ...' if len(self.blocks) > 3 else ''}) builds every block's kernel at the forward's first "
+                "online block, while FSDP gathers a unit's parameters at that unit's forward. Keep a group's "
+                "blocks in one FSDP unit (wrap the whole network as one: no auto_wrap_policy, or fully_shard on "
+                "the root alone), or let each block build its own kernel: orepa.group_kernels(model, 'per-block')")
+
     def _holds(self, tensors: list[Tensor]) -> bool:
         """Whether ``tensors`` are still the views of this group's storage (one device and dtype)."""
         return self._storage is not None and self._storage.roles[0].device == tensors[0].device and all(
             t.data_ptr() == ptr for t, ptr in zip(tensors, self._addresses))
 
-    def _stacked(self, tensors: list[Tensor]) -> Storage | None:
+    def _stacked(self, tensors: list[Tensor], packing: bool = False) -> Storage | None:
         """Make the group's *storage*: per role, the blocks' tensors as one tensor concatenated
         along dim 0, of which they become views, so later builds concatenate nothing (:meth:`_build`
         reuses it while :meth:`_holds` says the tensors are still its views).
@@ -1909,6 +1953,14 @@ class KernelGroup:
             # tensors the blocks do not own (functional_call, FSDP's views of its flat parameter):
             # never re-pointed, concatenated per build instead
             return None
+        own = set() if self._storage is None else {r.untyped_storage()._cdata for r in self._storage.roles}
+        if not packing and (not _repointable(tensors, own) or self._under_fsdp2()):
+            # parameters whose memory another owner writes (FSDP2 all-gathers into the unsharded
+            # parameters' own storage at every forward, a ZeroRedundancyOptimizer broadcasts into its
+            # buckets): re-pointed, they would stop seeing its writes and the group would build from
+            # stale values; concatenated per build instead (pack() takes the tensors out of the model:
+            # their values are what it reads)
+            return None
         roles = len(tensors) // n
         per_role = [tensors[r::roles] for r in range(roles)]
         with torch.no_grad():
@@ -1924,6 +1976,43 @@ class KernelGroup:
         self._storage = self._finish_storage(storage, (weights, scales) if plan.family else None)
         self._addresses = tuple(t.data_ptr() for t in tensors)
         return self._storage
+
+
+@functools.cache
+def _fsdp2_module_class() -> type | None:
+    """FSDP2's module class (``fully_shard`` makes a module an instance of it), where torch has it."""
+    for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            return getattr(__import__(where, fromlist=["FSDPModule"]), "FSDPModule")
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    cls = type(t)
+    return cls is not Tensor and cls is not nn.Parameter and cls.__name__ == "DTensor"
+
+
+def _repointable(tensors: Sequence[Tensor], own: set[int]) -> bool:
+    """Whether a group may make ``tensors`` views of a storage of its own (:meth:`KernelGroup._stacked`):
+    every storage they live in is theirs alone, each tensor's own or one of ``own``, the storages the
+    group made before (some of whose tensors were replaced since), or one wholly covered by those of
+    ``tensors`` it holds, whose rows are alike (a copy of a grouped model: its tensors share one storage
+    per role as the original's did). Not where the storage holds more than them: FSDP2's unsharded
+    parameters are views of its all-gather buffer, refilled at every forward, and
+    ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)`` broadcasts the updated parameters into its
+    buckets; a tensor re-pointed away from such memory keeps the values it had then. (The storage of
+    another group, regrouped since, is not known here: its tensors are concatenated at each build.)"""
+    held: dict[int, list] = {}
+    for t in tensors:
+        if t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        entry = held.setdefault(storage._cdata, [storage.nbytes(), 0, set()])
+        entry[1] += t.numel() * t.element_size()
+        entry[2].add((t.dtype, tuple(t.shape[1:])))
+    return all((used == nbytes and len(rows) == 1) or impl in own for impl, (nbytes, used, rows) in held.items())
 
 
 def _build_groups(groups: Sequence[KernelGroup]) -> None:

@@ -1,0 +1,102 @@
+"""Online blocks under memory-sharding wrappers: FSDP2 (``fully_shard``), FullyShardedDataParallel and
+a parameter that is a view of memory another owner writes (ZeroRedundancyOptimizer's bucket views).
+One gloo process each (the mechanisms do not need two ranks: docs/training.md, "Sharded training")."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import orepa
+from orepa import engine
+
+from test_engine import _assert_same_state, _pair, _sgd_steps
+
+
+@pytest.fixture
+def gloo(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _small_pair(pack=False):
+    return _pair("resnet18", pack=pack, small_input=True)
+
+
+def test_a_group_reads_what_another_owner_writes_into_its_parameters_memory():
+    """Parameters that are views of a buffer another owner writes (ZeroRedundancyOptimizer with
+    parameters_as_bucket_view broadcasts each rank's updated parameters into its buckets) stay its
+    views: a group that re-pointed them into a storage of its own built every later step from the
+    values they had at its first build, and the ranks drifted apart silently."""
+    ref, grouped = _small_pair()
+    params = [p for p in grouped.parameters()]
+    bucket = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:  # what ZeroRedundancyOptimizer(parameters_as_bucket_view=True) does
+        p.data = bucket[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    grouped(x)
+    with torch.no_grad():  # another rank's update, broadcast into the bucket
+        bucket.mul_(1.5)
+        for p in ref.parameters():
+            p.mul_(1.5)
+    torch.testing.assert_close(grouped(x), ref(x), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_fully_shard_trains_a_grouped_model_as_the_per_block_route(gloo, pack):
+    """FSDP2 all-gathers into its unsharded parameters' own storage at every forward: a group that had
+    re-pointed them into its storage kept building from the first step's values (after three SGD
+    steps 0.1 from the per-block route, in float32 with two ranks as with one)."""
+    from torch.distributed.fsdp import fully_shard
+
+    ref, grouped = _small_pair(pack)
+    fully_shard(grouped)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    for m in (ref, grouped):
+        _sgd_steps(m, x, steps=3)
+    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grouped.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-10, msg=k)
+
+
+def test_a_group_split_across_fsdp_units_is_refused_by_name(gloo):
+    """FSDP units that split a kernel group: the group builds every block's kernel at the forward's
+    first online block, while the other units' parameters are still shards (an obscure DTensor
+    NotImplementedError, or a shape mismatch under FullyShardedDataParallel): a RuntimeError names the
+    parameter and the ways out; building block by block ('per-block') trains."""
+    from torch.distributed.fsdp import fully_shard
+
+    _, grouped = _small_pair()
+    for stage in (grouped.layer1, grouped.layer2, grouped.layer3, grouped.layer4):
+        fully_shard(stage)
+    fully_shard(grouped)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"is not gathered \(a DTensor shard\).*'per-block'"):
+        grouped(x).sum().backward()
+    ref, per_block = _small_pair()
+    engine.group_kernels(per_block, "per-block")
+    for stage in (per_block.layer1, per_block.layer2, per_block.layer3, per_block.layer4):
+        fully_shard(stage)
+    fully_shard(per_block)
+    for m in (ref, per_block):
+        _sgd_steps(m, x, steps=2)
+    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in per_block.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-10, msg=k)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_flat_parameter_fsdp_is_refused_by_name(gloo, pack):
+    """FullyShardedDataParallel(use_orig_params=False) replaces every parameter by a plain view of its
+    flat parameter: a TypeError saying so and naming use_orig_params=True / fully_shard, not a
+    KeyError('_packed') from inside the construction."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    _, grouped = _small_pair(pack)
+    wrapped = FSDP(grouped, use_orig_params=False, device_id=torch.device("cpu"))
+    with pytest.raises(TypeError, match="use_orig_params=False.*use_orig_params=True"):
+        wrapped(torch.randn(2, 3, 32, 32, dtype=torch.float64))
