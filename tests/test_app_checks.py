@@ -414,3 +414,12 @@ def test_the_onnx_exporters_internals_are_left_out_of_its_error_and_the_error_is
         export._export_raw(None, "m.onnx", None, 9, ["output"], False, False)
     assert str(raised.value) == ("the ONNX exporter cannot write this model at opset 9: Unsupported: ONNX export "
                                  "of operator Pad in opset 9 ...; a higher --opset may have it")
+
+
+def test_device_auto_is_the_default_device_and_others_are_named():
+    """``--device auto`` (orepa bench's default before it took the shared flags) picks what leaving the
+    flag out picks; a device orepa does not run on is refused naming the flag."""
+    assert common.parse_device("auto") == common.parse_device(None)
+    assert common.parse_device("cpu") == torch.device("cpu")
+    with pytest.raises(common.UserError, match=r"--device 'gpu': expected cpu, cuda or cuda:N"):
+        common.parse_device("gpu")

@@ -1255,11 +1255,14 @@ def test_reparameterize_carries_the_hooks_of_a_block_and_of_a_placeholder(method
     model[0].register_forward_hook(lambda m, args, out: taps.append(out.detach().clone()))
     model[3].register_forward_hook(lambda m, args, out: out * (torch.arange(6.0).view(1, 6, 1, 1) % 2))  # a mask
     model[1].register_forward_hook(lambda m, args, out: seen.append("norm"))
+    # on the BN after the second conv (DBB: its placeholder, the identity on the block's output)
+    model[4].register_forward_pre_hook(lambda m, args: taps.append(args[0].detach().clone()))
+    model[4].register_forward_pre_hook(lambda m, args: (args[0] * (torch.arange(6.0).view(1, 6, 1, 1) < 4),))
     model[3].register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(("backward", grad_out[0].sum())))
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
     ref = model(x)
     (ref ** 2).sum().backward()
-    ref_seen, ref_grad, ref_tap = list(seen), x.grad.clone(), taps[0]
+    ref_seen, ref_grad, ref_taps = list(seen), x.grad.clone(), list(taps)
     assert [s if isinstance(s, str) else s[0] for s in ref_seen] == ["pre", "norm", "backward"]
     for fuse_bn in (False, True):
         seen.clear(), taps.clear()
@@ -1270,7 +1273,9 @@ def test_reparameterize_carries_the_hooks_of_a_block_and_of_a_placeholder(method
         assert type(deployed[0]) is nn.Conv2d and type(deployed[3]) is nn.Conv2d
         out = deployed(x)
         tol_close(out, ref)
-        tol_close(taps[0], ref_tap)  # (DBB: the restored BN's output, the block's)
+        assert len(taps) == len(ref_taps) == 2
+        for tap, ref_tap in zip(taps, ref_taps):  # (DBB: the restored BNs' outputs, the blocks')
+            tol_close(tap, ref_tap)
         (out ** 2).sum().backward()
         assert [s if isinstance(s, str) else s[0] for s in seen] == ["pre", "norm", "backward"], (fuse_bn, seen)
         assert seen[2][1].item() == pytest.approx(ref_seen[2][1].item(), rel=1e-4, abs=1e-4)
@@ -1280,6 +1285,54 @@ def test_reparameterize_carries_the_hooks_of_a_block_and_of_a_placeholder(method
     with pytest.warns(UserWarning, match=r"hooks with no counterpart in the deployed model are dropped: 0\.branches\.kxk "
                                          r"\(forward hooks\)"):
         orepa.reparameterize(inner)
+
+
+def test_reparameterize_places_the_hooks_of_a_norm_act_placeholder_where_they_see_the_training_values():
+    """timm's BatchNormAct2d absorbed by a DBB block: the restored module runs BN, drop and act. The
+    block's output hooks and the placeholder's pre-hooks see the BN's output, so they run as forward
+    pre-hooks of its drop (on the whole module they saw the activation's output); the hooks of the
+    placeholder's drop and act are kept with them, without a warning that they were dropped."""
+    timm_layers = pytest.importorskip("timm.layers")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), timm_layers.BatchNormAct2d(4, act_layer=nn.ReLU)).eval()
+    model = orepa.convert(net, "dbb").eval()
+    for bn in (m for m in model.modules() if isinstance(m, nn.BatchNorm2d)):
+        bn.bias.data.uniform_(-1, 1)
+        bn.running_mean.uniform_(-1, 1)
+    taps = []
+    model[0].register_forward_hook(lambda m, args, out: taps.append(("block", out.detach().clone())))
+    model[0].register_forward_hook(lambda m, args, out: out - 0.5)
+    model[1].register_forward_pre_hook(lambda m, args: taps.append(("input", args[0].detach().clone())))
+    model[1].act.register_forward_hook(lambda m, args, out: taps.append(("act", out.detach().clone())))
+    x = torch.randn(2, 3, 6, 6)
+    ref = model(x)
+    ref_taps = list(taps)
+    taps.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing is dropped)
+        deployed = orepa.reparameterize(model)
+    tol_close(deployed(x), ref)
+    assert [name for name, _ in taps] == [name for name, _ in ref_taps] == ["block", "input", "act"]
+    for (_, tap), (_, ref_tap) in zip(taps, ref_taps):
+        tol_close(tap, ref_tap)
+    assert ref_taps[0][1].min() < 0  # (the block's output, before the activation)
+
+
+def test_reparameterize_keeps_the_callers_hook_objects():
+    """A hook that is a recorder's bound method (class-based feature extractors, Grad-CAM) records into
+    the caller's recorder from the deployed model: the default copy had copied the recorder with it."""
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def save(self, module, args, out):
+            self.seen.append(out.shape)
+
+    model = orepa.convert(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), "orepa").eval()
+    recorder = Recorder()
+    model[0].register_forward_hook(recorder.save)
+    orepa.reparameterize(model)(torch.randn(1, 3, 5, 5))
+    assert recorder.seen == [torch.Size([1, 4, 3, 3])]
 
 
 class _ReadsItsBnWeight(nn.Module):

@@ -4,12 +4,9 @@ One gloo process each (the mechanisms do not need two ranks: docs/training.md, "
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from test_engine import _pair, _sgd_steps
 
-import orepa
 from orepa import engine
-
-from test_engine import _assert_same_state, _pair, _sgd_steps
 
 
 @pytest.fixture
@@ -19,6 +16,16 @@ def gloo(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def _fully_shard():
+    """FSDP2's ``fully_shard`` (public from torch 2.6, before that under ``_composable``)."""
+    for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            return getattr(__import__(where, fromlist=["fully_shard"]), "fully_shard")
+        except (ImportError, AttributeError):
+            continue
+    pytest.skip(f"torch {torch.__version__} has no FSDP2 (fully_shard)")
 
 
 def _small_pair(pack=False):
@@ -46,17 +53,20 @@ def test_a_group_reads_what_another_owner_writes_into_its_parameters_memory():
     torch.testing.assert_close(grouped(x), ref(x), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_fully_shard_trains_a_grouped_model_as_the_per_block_route(gloo, pack):
+@pytest.mark.parametrize("pack,above", [(False, False), (True, False), (False, True)])
+def test_fully_shard_trains_a_grouped_model_as_the_per_block_route(gloo, pack, above):
     """FSDP2 all-gathers into its unsharded parameters' own storage at every forward: a group that had
     re-pointed them into its storage kept building from the first step's values (after three SGD
-    steps 0.1 from the per-block route, in float32 with two ranks as with one)."""
-    from torch.distributed.fsdp import fully_shard
+    steps 0.1 from the per-block route, in float32 with two ranks as with one). ``above``: fully_shard
+    applied to a module holding the grouped network (a task's wrapper), which the group does not see
+    from its root."""
+    fully_shard = _fully_shard()
 
     ref, grouped = _small_pair(pack)
-    fully_shard(grouped)
+    sharded = torch.nn.Sequential(grouped) if above else grouped
+    fully_shard(sharded)
     x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
-    for m in (ref, grouped):
+    for m in (ref, sharded):
         _sgd_steps(m, x, steps=3)
     sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grouped.state_dict().items()}
     for k, v in ref.state_dict().items():
@@ -68,7 +78,7 @@ def test_a_group_split_across_fsdp_units_is_refused_by_name(gloo):
     first online block, while the other units' parameters are still shards (an obscure DTensor
     NotImplementedError, or a shape mismatch under FullyShardedDataParallel): a RuntimeError names the
     parameter and the ways out; building block by block ('per-block') trains."""
-    from torch.distributed.fsdp import fully_shard
+    fully_shard = _fully_shard()
 
     _, grouped = _small_pair()
     for stage in (grouped.layer1, grouped.layer2, grouped.layer3, grouped.layer4):

@@ -1275,11 +1275,67 @@ def _carry_call_hooks(old: nn.Module, new: nn.Module, dicts=_INPUT_HOOK_DICTS + 
     return new
 
 
+def _callers_hooks(model: nn.Module) -> dict[int, object]:
+    """A ``copy.deepcopy`` memo that keeps the hooks around ``model``'s modules' calls themselves: the
+    deployed copy's hooks are the caller's, so a recorder's bound method records into the caller's
+    object, not into a copy of it. The engine's hooks, which belong to the model's own workspace,
+    are copied with it."""
+    return {id(h): h for m in model.modules()
+            for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+            for h in (getattr(m, attr, None) or {}).values() if not isinstance(h, E._ScopeHook)}
+
+
+def _restored_with_hooks(block: ReparamConv2d, placeholder: AbsorbedNorm, restored: nn.Module) -> nn.Module:
+    """The BN restored in ``placeholder``'s place after the conv of ``block``, which absorbed it, with the
+    hooks that see the block's output: the conv computes that output less the shift this BN adds back.
+    In eval mode the placeholder is the identity on the block's output (then a norm-act's drop and act),
+    and the BN's output (a norm-act's, its drop's input) is that output. So the block's forward hooks
+    and then the placeholder's forward pre-hooks run there, in that order (on a norm-act, as forward
+    pre-hooks of its drop, which the placeholder held), then the placeholder's forward and backward
+    hooks on the whole. A hook placed on the BN gets the BN (and, as a forward hook, the BN's input) as
+    its module and arguments; the values it sees and returns are the training form's."""
+    norm_act = placeholder.__dict__.get("_norm_act_template") is not None
+    outputs = [(h, block._forward_hooks_with_kwargs.get(i, False)) for i, h in block._forward_hooks.items()]
+    inputs = [(h, placeholder._forward_pre_hooks_with_kwargs.get(i, False))
+              for i, h in placeholder._forward_pre_hooks.items()]
+    if norm_act:  # (each prepended before the drop's own pre-hooks: the placeholder's, then before them the block's)
+        for h, kw in reversed(inputs):  # (the drop's input is the placeholder's)
+            restored.drop.register_forward_pre_hook(h, prepend=True, with_kwargs=kw)
+        for hook in reversed([_output_hook_as_input_hook(h, kw) for h, kw in outputs]):
+            restored.drop.register_forward_pre_hook(hook, prepend=True)
+    else:
+        _carry_call_hooks(block, restored, _OUTPUT_HOOK_DICTS)
+        for h, kw in inputs:
+            restored.register_forward_hook(_input_hook_as_output_hook(h, kw))
+    return _carry_call_hooks(placeholder, restored, _OUTPUT_HOOK_DICTS + ("_backward_pre_hooks", "_backward_hooks"))
+
+
+def _input_hook_as_output_hook(hook, with_kwargs: bool):
+    """A forward pre-hook of an identity (the placeholder) as a forward hook of the module computing its
+    input: the output is what the identity's input was, and what the hook returns replaces it."""
+    def on_output(module, args, output):
+        got = hook(module, (output,), {}) if with_kwargs else hook(module, (output,))
+        if got is None:
+            return None
+        got = got[0] if with_kwargs else got  # (args, kwargs) / args, or one value
+        return got[0] if isinstance(got, tuple) else got
+    return on_output
+
+
+def _output_hook_as_input_hook(hook, with_kwargs: bool):
+    """A forward hook of the block as a forward pre-hook of the module its output enters first."""
+    def on_input(module, args):
+        got = hook(module, args, {}, args[0]) if with_kwargs else hook(module, args, args[0])
+        return None if got is None else (got,)
+    return on_input
+
+
 def _dropped_hooks(name: str, old: nn.Module) -> list[str]:
     """What deploying ``old`` (a block or placeholder at ``name``) drops of a caller's hooks: its state_dict
-    hooks, and every hook of the modules inside it, which the plain module has no counterpart of."""
+    hooks, and every hook of the modules inside a block, which the plain conv has no counterpart of (a
+    norm-act placeholder's drop and act go into the restored module as they are)."""
     found = []
-    for sub_name, sub in old.named_modules():
+    for sub_name, sub in (old.named_modules() if isinstance(old, ReparamConv2d) else [("", old)]):
         kinds = _hooks(sub) if sub_name else ", ".join(
             what for attr, what in _HOOKS if attr.startswith(("_state_dict", "_load_state_dict"))
             and any(h is not _materialise_fixed_kernels for h in (getattr(sub, attr, None) or {}).values()))
@@ -1311,8 +1367,9 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     every conv-BN pair is folded as well (fastest inference form).
     A bare block passed directly is returned as its ``nn.Conv2d``, a bare placeholder as its BatchNorm2d.
     The forward and backward hooks registered on a block (or on an absorbed BN's placeholder) go to the
-    module that replaces it (a block that absorbed the BN after it: its forward hooks, which see its
-    output, to the restored BN, whose eval output that is); the hooks of modules inside a block, which
+    module that replaces it, the caller's hook objects themselves (a block that absorbed the BN after it:
+    the hooks that see its output, its forward hooks and the placeholder's pre-hooks, to the restored BN,
+    whose eval output that is; :func:`_restored_with_hooks`); the hooks of modules inside a block, which
     have no counterpart, are dropped with a warning naming them. A branch step that is pruned or parametrized is refused (TypeError).
     """
     _check_module(model, "reparameterize")
@@ -1327,7 +1384,7 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     if odd:
         raise TypeError(reparametrized_steps_message(odd))
     if not inplace:
-        model = _deepcopy(model)
+        model = _deepcopy(model, _callers_hooks(model))
     blocks = _top_level_blocks(model)
     absorbed, orphans = _absorbed_pairing(model, blocks)
     dropped = [h for name, block in blocks for h in _dropped_hooks(name, block)]
@@ -1347,8 +1404,7 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
             if conv.bias is not None:
                 shift = conv.bias if block.bias is None else conv.bias - block.bias
             placeholder = model.get_submodule(norm_name)
-            restored = _carry_call_hooks(block, placeholder.restore(shift), _OUTPUT_HOOK_DICTS)
-            _carry_call_hooks(placeholder, restored)  # (after the block's: the placeholder's ran after them)
+            restored = _restored_with_hooks(block, placeholder, placeholder.restore(shift))
             if _frozen_norms(block):  # frozen after conversion (a detector's frozen stages or norms): it stays so
                 restored.requires_grad_(False)
             _set_submodule(model, norm_name, restored)  # in its placeholder's mode: a frozen BN stays in eval

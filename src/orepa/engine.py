@@ -1892,14 +1892,23 @@ class KernelGroup:
         return build
 
     def _under_fsdp2(self) -> bool:
-        """Whether FSDP2 (``fully_shard``) manages the grouped network or a block of the group: its
-        unsharded parameters own their storage, which it frees after a forward and all-gathers into
-        again before the next, so they can be no views of a group's storage."""
+        """Whether FSDP2 (``fully_shard``) manages a module holding a block of the group (the grouped
+        root, a module above it or a block): its unsharded parameters own their storage, which it frees
+        after a forward and all-gathers into again before the next, so they can be no views of a group's
+        storage. Read off torch's registry of the modules ``fully_shard`` was applied to, where torch
+        has it (a private one; else the grouped network's own modules are looked at)."""
         cls = _fsdp2_module_class()
         if cls is None:
             return False
-        root = self.workspace.root() if self.workspace is not None and self.workspace.root is not None else None
-        return any(isinstance(m, cls) for m in (root.modules() if root is not None else self.blocks))
+        try:
+            from torch.distributed._composable_state import _module_state_mapping
+
+            managed = [m for m in list(_module_state_mapping) if isinstance(m, cls)]
+        except (ImportError, TypeError):
+            root = self.workspace.root() if self.workspace is not None and self.workspace.root is not None else None
+            return any(isinstance(m, cls) for m in (root.modules() if root is not None else self.blocks))
+        mine = {id(b) for b in self.blocks}
+        return any(id(sub) in mine for m in managed for sub in m.modules())
 
     def _check_gathered(self, tensors: Sequence[Tensor], shapes: Sequence[torch.Size], packed: bool) -> None:
         """Refuse to build from tensors that are shards (a DTensor, or a shape other than the group's own

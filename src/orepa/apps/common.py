@@ -319,7 +319,7 @@ path_arg.__name__ = "path"  # argparse names the type in its messages
 def add_run_arguments(p: argparse.ArgumentParser, *, seed: bool = True) -> None:
     """``--device``, ``--threads`` (and ``--seed``): every subcommand that computes takes them."""
     g = p.add_argument_group("run")
-    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available); under "
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default, or auto: cuda if available); under "
                                                   "torchrun each process takes cuda:LOCAL_RANK")
     g.add_argument("--threads", type=thread_count, default=None,
                    help="torch intra-op threads (default: torch's choice, usually one per core)")
@@ -627,11 +627,11 @@ class DistInfo:
 
 
 def parse_device(device_arg: str | None) -> torch.device:
-    """``--device`` as a device this machine has: ``cpu``, ``cuda`` or ``cuda:N`` (default: cuda if
-    available); anything else is a :class:`UserError` naming the flag."""
+    """``--device`` as a device this machine has: ``cpu``, ``cuda`` or ``cuda:N`` (default, or ``auto``:
+    cuda if available); anything else is a :class:`UserError` naming the flag."""
     if device_arg is not None and not device_arg.strip():
         raise UserError("--device '' names no device: give cpu, cuda or cuda:N, or leave the flag out")
-    text = device_arg or ("cuda" if torch.cuda.is_available() else "cpu")
+    text = device_arg if device_arg not in (None, "auto") else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(text)
     except RuntimeError:
