@@ -1572,6 +1572,16 @@ class KernelGroup:
             leaves = list(self.packed._parameters.values())
             stacked = self._storage
             if stacked is None or not self._holds([*leaves, *self.plan.fixed()]):
+                if self._under_fsdp2():
+                    # the steps save and load their rows of the packed parameters under their own keys:
+                    # rows of FSDP2's sharded parameters are no views of them (a load wrote into copies,
+                    # a state_dict after a forward read freed memory)
+                    raise RuntimeError(
+                        f"{self.block_names[0] if self.block_names else type(self.blocks[0]).__name__}: packed "
+                        "parameters under FSDP2 (fully_shard): their steps' state_dict keys read and write rows "
+                        "of the packed parameters, which FSDP2's shards are not; group without packing "
+                        "(orepa.group_kernels(model, policy), pack=False, the default of create_model and "
+                        "convert) before fully_shard")
                 self._check_gathered(leaves, self.__dict__.get("_packed_shapes", ()), packed=True)
                 stacked = self._packed_storage()
             return stacked, leaves, (tuple(map(_version, leaves)),) * plan.n
