@@ -503,7 +503,8 @@ def _refuse_reparametrized_steps(block: nn.Module, error: Exception) -> None:
                          or (isinstance(m, E.PackedParameters) and key in m.kinds))})
     if plain:
         raise TypeError(
-            f"{', '.join(plain[:3])}{', ...' if len(plain) > 3 else ''} ({len(plain)} in all) are plain tensors "
+            f"{', '.join(plain[:3])}{', ...' if len(plain) > 3 else ''} "
+            f"{f'({len(plain)} in all) are plain tensors' if len(plain) > 1 else 'is a plain tensor'} "
             "where the block expects registered parameters: FullyShardedDataParallel with use_orig_params=False "
             "puts views of its flat parameter in their place, which a re-param block cannot build its kernel "
             "from. Use FullyShardedDataParallel(..., use_orig_params=True) or FSDP2 (torch.distributed.fsdp."
