@@ -1370,7 +1370,8 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     module that replaces it, the caller's hook objects themselves (a block that absorbed the BN after it:
     the hooks that see its output, its forward hooks and the placeholder's pre-hooks, to the restored BN,
     whose eval output that is; :func:`_restored_with_hooks`); the hooks of modules inside a block, which
-    have no counterpart, are dropped with a warning naming them. A branch step that is pruned or parametrized is refused (TypeError).
+    have no counterpart, are dropped with a warning naming them. A branch step that is pruned or
+    parametrized is refused (TypeError).
     """
     _check_module(model, "reparameterize")
     if isinstance(model, ReparamConv2d):
