@@ -53,8 +53,18 @@ def test_a_group_reads_what_another_owner_writes_into_its_parameters_memory():
     torch.testing.assert_close(grouped(x), ref(x), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("pack,above", [(False, False), (False, True)])
-def test_fully_shard_trains_a_grouped_model_as_the_per_block_route(gloo, pack, above):
+def _trains_as(ref, model, sharded, x, steps):
+    """``steps`` SGD steps of ``ref`` and of ``sharded`` (``model`` under FSDP) end with ``model``'s full
+    state_dict equal to ``ref``'s."""
+    for m in (ref, sharded):
+        _sgd_steps(m, x, steps=steps)
+    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-10, msg=k)
+
+
+@pytest.mark.parametrize("above", [False, True])
+def test_fully_shard_trains_a_grouped_model_as_the_per_block_route(gloo, above):
     """FSDP2 all-gathers into its unsharded parameters' own storage at every forward: a group that had
     re-pointed them into its storage kept building from the first step's values (after three SGD
     steps 0.1 from the per-block route, in float32 with two ranks as with one). ``above``: fully_shard
@@ -62,15 +72,10 @@ def test_fully_shard_trains_a_grouped_model_as_the_per_block_route(gloo, pack, a
     from its root."""
     fully_shard = _fully_shard()
 
-    ref, grouped = _small_pair(pack)
+    ref, grouped = _small_pair()
     sharded = torch.nn.Sequential(grouped) if above else grouped
     fully_shard(sharded)
-    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
-    for m in (ref, sharded):
-        _sgd_steps(m, x, steps=3)
-    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in grouped.state_dict().items()}
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-10, msg=k)
+    _trains_as(ref, grouped, sharded, torch.randn(4, 3, 32, 32, dtype=torch.float64), steps=3)
 
 
 @pytest.mark.parametrize("above", [False, True])
@@ -109,11 +114,7 @@ def test_a_group_split_across_fsdp_units_is_refused_by_name(gloo):
     for stage in (per_block.layer1, per_block.layer2, per_block.layer3, per_block.layer4):
         fully_shard(stage)
     fully_shard(per_block)
-    for m in (ref, per_block):
-        _sgd_steps(m, x, steps=2)
-    sd = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in per_block.state_dict().items()}
-    for k, v in ref.state_dict().items():
-        torch.testing.assert_close(sd[k], v, rtol=1e-9, atol=1e-10, msg=k)
+    _trains_as(ref, per_block, per_block, x, steps=2)
 
 
 @pytest.mark.parametrize("pack", [False, True])
