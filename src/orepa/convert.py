@@ -1255,7 +1255,8 @@ def _deployed_conv(block: ReparamConv2d, output_hooks: bool = True) -> nn.Conv2d
 #: those that see its input (and the gradients, which a constant shift of the output leaves as they are; on
 #: a block that absorbed its BN, the gradient of its output is taken before the forward hooks, moved to the
 #: BN after the conv, which is the training form's where those hooks do not replace the output) ...
-_INPUT_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_pre_hooks", "_backward_hooks")
+_BACKWARD_HOOK_DICTS = ("_backward_pre_hooks", "_backward_hooks")  # (the gradients' alone)
+_INPUT_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", *_BACKWARD_HOOK_DICTS)
 #: ... and those that see (and may replace) its output
 _OUTPUT_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
@@ -1281,7 +1282,7 @@ def _callers_hooks(model: nn.Module) -> dict[int, object]:
     object, not into a copy of it. The engine's hooks, which belong to the model's own workspace,
     are copied with it."""
     return {id(h): h for m in model.modules()
-            for attr in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+            for attr in ("_forward_pre_hooks", "_forward_hooks", *_BACKWARD_HOOK_DICTS)
             for h in (getattr(m, attr, None) or {}).values() if not isinstance(h, E._ScopeHook)}
 
 
@@ -1307,7 +1308,7 @@ def _restored_with_hooks(block: ReparamConv2d, placeholder: AbsorbedNorm, restor
         _carry_call_hooks(block, restored, _OUTPUT_HOOK_DICTS)
         for h, kw in inputs:
             restored.register_forward_hook(_input_hook_as_output_hook(h, kw))
-    return _carry_call_hooks(placeholder, restored, _OUTPUT_HOOK_DICTS + ("_backward_pre_hooks", "_backward_hooks"))
+    return _carry_call_hooks(placeholder, restored, _OUTPUT_HOOK_DICTS + _BACKWARD_HOOK_DICTS)
 
 
 def _input_hook_as_output_hook(hook, with_kwargs: bool):
