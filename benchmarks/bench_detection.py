@@ -27,7 +27,6 @@ Prints a table and one JSON object (``--json PATH`` also writes it).
 from __future__ import annotations
 
 import argparse
-import ast
 import platform
 import statistics
 import time
@@ -37,6 +36,7 @@ import torch
 import orepa
 from orepa.apps import detection as D
 from orepa.apps.bench import tally_saved
+from orepa.apps.bench.variants import parse_spec
 from orepa.apps.checkpoint import check_output_path, json_text, report_of, write_json
 from orepa.apps.common import (
     UserError,
@@ -119,23 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str, dict]]:
-    """``(spec, method, backbone keywords)`` of each ``--methods`` variant ``METHOD[:key=value:...]``, the
-    words split at commas as ``orepa bench`` splits them; a :class:`UserError` for one that does not parse."""
-    out = []
-    for spec in method_list(args.methods):
-        method, *opts = spec.split(":")
-        kw = {}
-        for o in opts:
-            key, eq, value = o.partition("=")
-            try:
-                if not (key and eq):
-                    raise ValueError("not key=value")
-                kw[key] = ast.literal_eval(value)
-            except (ValueError, SyntaxError) as exc:
-                raise UserError(f"--methods {spec}: option {o!r} is no key=VALUE with a Python literal VALUE "
-                                f"(e.g. orepa:train_stem=False): {exc}") from None
-        out.append((spec, method, kw))
-    return out
+    """``(spec, method, backbone keywords)`` of each ``--methods`` variant ``METHOD[:key=value:...]``, split
+    and read as ``orepa bench`` reads its variants; a :class:`UserError` for one that does not parse."""
+    return [(spec, *parse_spec(spec)) for spec in method_list(args.methods)]
 
 
 def main(argv=None) -> int:

@@ -17,10 +17,10 @@ same round), so they hold for one run on one machine; a result without base has 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from orepa.apps.bench.report import saved_result
 from orepa.apps.checkpoint import check_output_path, report_of, same_file, write_json
 
 #: the mark of this script's reports (report_of): --json replaces those alone, not a file of another kind
@@ -95,11 +95,8 @@ def bench_results(folders: list[str]) -> list[tuple[Path, dict]]:
         path = Path(folder)
         files = sorted(path.glob("*.json")) if path.is_dir() else [path]
         for f in files:
-            try:
-                result = json.loads(f.read_text())
-            except (OSError, ValueError):
-                continue
-            if not (isinstance(result, dict) and isinstance(result.get("config"), dict)
+            result, settings = saved_result(f)
+            if not (settings is not None
                     and "base" in (result.get("ratios") or {})
                     and "cuda" in str(result.get("environment", {}).get("device", ""))):
                 continue  # not a CUDA bench result with base (a summary, an accuracy file, a CPU run)

@@ -375,13 +375,17 @@ def test_profile_step_takes_methods_as_orepa_bench_does(tmp_path):
 
 
 def test_bench_detection_takes_methods_as_orepa_bench_does():
-    """bench_detection.py --methods: words or comma-separated lists, each ``METHOD[:key=value:...]``; an
-    option that does not parse is one line before anything is built (it was a traceback)."""
+    """bench_detection.py --methods: words or comma-separated lists, each ``METHOD[:key=value:...]`` read
+    as orepa bench reads its variants; an option that does not parse is one line before anything is
+    built (it was a traceback), and one of the wrong kind one line from the build."""
     mod = benchmark_script("bench_detection")
     specs = mod.variants(argparse.Namespace(methods=["base,orepa:train_stem=False", "dbb"]))
     assert specs == [("base", "base", {}), ("orepa:train_stem=False", "orepa", {"train_stem": False}), ("dbb", "dbb", {})]
-    for bad in ("orepa:train_stem", "orepa:train_stem=nope"):
-        with pytest.raises(UserError, match=f"--methods {bad}: option"):
-            mod.variants(argparse.Namespace(methods=[bad]))
+    with pytest.raises(UserError, match="--methods orepa:train_stem expects KEY=VALUE"):
+        mod.variants(argparse.Namespace(methods=["orepa:train_stem"]))
+    # a value of the wrong kind: refused by the first build, before any variant is measured
+    with pytest.raises(UserError, match="variant orepa:train_stem=nope: train_stem must be True, False or None"):
+        mod.main(["--backbone", "resnet18", "--size", "64", "--steps", "0", "--detectors", "retinanet",
+                  "--methods", "orepa:train_stem=nope"])
     with pytest.raises(UserError, match="--size 4: the synthetic images need at least 8 pixels"):
         mod.main(["--size", "4"])

@@ -480,6 +480,8 @@ class ResNetFeatures(nn.ModuleDict):
 def _frozen_stages(deep_stem: bool, trainable_layers: int, train_stem: bool | None) -> list[str]:
     if not 0 <= trainable_layers <= 5:
         raise ValueError(f"trainable_layers must be in [0, 5], got {trainable_layers}")
+    if train_stem not in (None, True, False):  # (a string from a command line would read as True)
+        raise ValueError(f"train_stem must be True, False or None, got {train_stem!r}")
     trainable = set(STAGES[::-1][:trainable_layers])  # layer4, layer3, ..., stem (torchvision's order)
     if train_stem is None:
         train_stem = "stem" in trainable or deep_stem  # paper: the linear deep stem is not frozen

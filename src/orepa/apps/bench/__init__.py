@@ -9,7 +9,6 @@ writes the table, the plots and the JSON. docs/benchmarks.md describes every col
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -56,6 +55,7 @@ from .report import (
     ratios,
     rerender,
     save,
+    saved_result,
 )
 from .variants import LADDER, base_model, build_variant, component_variants, in_zoo, parse_options, parse_spec
 
@@ -141,12 +141,9 @@ def _check_result_files(out_dir: Path, tag: str, wanted: dict | None, overwrite:
     if overwrite or not any(p.exists() for p in paths):
         return
     in_place = replacing is not None and same_file(result, replacing)
-    try:
-        saved = json.loads(result.read_text())
-        config = {**saved.get("config", {}), "threads": saved.get("environment", {}).get("threads")}
-        held = config.get("methods")
-    except (OSError, ValueError, AttributeError, TypeError):  # (TypeError: a config that is no mapping)
-        saved, config, held = None, {}, None
+    saved, settings = saved_result(result)
+    config = settings or {}
+    held = config.get("methods")
     where = f"--from-json {replacing}" if in_place else f"--output-dir {out_dir}"
     elsewhere = "another --output-dir" if replacing is not None else "--tag NAME to write this run's result beside it"
     methods = None if wanted is None else wanted.get("methods")
@@ -161,7 +158,7 @@ def _check_result_files(out_dir: Path, tag: str, wanted: dict | None, overwrite:
                 f"{result.name} holds another file" if result.exists() else
                 f"{', '.join(p.name for p in paths if p.exists())} exist(s) beside no result of these variants")
         raise UserError(f"{where}: {what}; pass --overwrite to replace it, or {elsewhere}")
-    if in_place and not isinstance(saved, dict):
+    if in_place and settings is None:
         return  # a damaged source: rerender says what is wrong with it, before it writes anything
     # the result's own files: its table, and the plots beside it; another .md of the table's name is a user's
     others = [p.name for p in paths[1:] if p.exists()]
@@ -191,14 +188,10 @@ def run(args: argparse.Namespace) -> int:
         out_dir = args.output_dir if "output_dir" in given else None
         if out_dir is not None:
             check_output_path(out_dir, "--output-dir", directory=True)
-        try:
-            saved = json.loads(source.read_text())
-            held = {**saved["config"], "threads": saved.get("environment", {}).get("threads")}
-        except (OSError, ValueError, AttributeError, KeyError, TypeError):
-            held = None  # rerender says what is wrong with the file
+        _, held = saved_result(source)  # (None: rerender says what is wrong with the file)
         if source.is_file():
             _check_result_files(Path(out_dir) if out_dir is not None else source.parent, source.stem,
-                                held if isinstance(held, dict) else None, args.overwrite, replacing=source)
+                                held, args.overwrite, replacing=source)
         try:
             result, files = rerender(args.from_json, plots=not args.no_plot, out_dir=out_dir)
         except (OSError, ValueError) as exc:  # missing, unreadable, not JSON, not a bench result

@@ -118,6 +118,22 @@ def table_head(config: dict) -> str:
     return f"{config['model']}, batch {config['batch_size']}, {config['image_size']}x{config['image_size']}"
 
 
+def saved_result(path: Path) -> tuple[dict | None, dict | None]:
+    """``(result, settings)`` of the JSON at ``path`` as far as it can be read, for the checks made
+    before a file is replaced or read further: the parsed object (None where the file is missing,
+    unreadable or no JSON object) and its ``config`` with the torch ``threads`` it was timed with
+    (None where it has no config mapping). :func:`rerender` is the strict reader that says what is wrong."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+        return None, None
+    if not isinstance(result, dict):
+        return None, None
+    config, environment = result.get("config"), result.get("environment")
+    threads = environment.get("threads") if isinstance(environment, dict) else None
+    return result, {**config, "threads": threads} if isinstance(config, dict) else None
+
+
 def is_table_of(path: Path, result) -> bool:
     """Whether the file at ``path`` is a table :func:`save` wrote of ``result`` (a result as read from
     its JSON), in any version's format (a re-rendering renews an older one): its header starts with
