@@ -28,6 +28,10 @@ from orepa.cli import main
 TINY = ["--model", "resnet18", "--width-mult", "0.0625", "--train-subset", "64", "--val-subset", "32", "-b", "16",
         "--lr-warmup-epochs", "0.5", "--no-progress",
         "--no-tensorboard", "--no-curves", "--quiet", "--threads", "1", "--no-eval"]
+#: the same network in its plain form, for the tests whose checks concern no re-param block (a message, the
+#: files of a run, a process's signals or output): it builds and trains in a third of the OREPA form's time.
+#: (A run's stop and resume as the uninterrupted run, and what a command does with its blocks, keep OREPA's.)
+PLAIN = ["--method", "base"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -204,7 +208,7 @@ def test_a_stop_signal_during_the_ema_evaluation_ends_it_too(cache, tmp_path, mo
 
     monkeypatch.setattr(train, "evaluate", evaluate)
     out = tmp_path / "run"
-    argv = [a for a in TINY if a != "--no-eval"]
+    argv = [a for a in TINY if a != "--no-eval"] + PLAIN
     assert main(["train", *argv, "--model-ema", "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)]) == 143
     assert calls == ["eval", "eval EMA"]
     stopped = _load(out / "checkpoint.pth")
@@ -320,7 +324,8 @@ def test_a_demo_command_whose_parent_is_killed_stops_with_a_checkpoint(cache, tm
     passes a stop on): the run gets SIGTERM, ends its step with a checkpoint and frees its output
     directory, instead of training on as an orphan. Started after its parent died, it ends at once."""
     out = tmp_path / "run"
-    argv = ["train", *TINY, "--train-subset", "20000", "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]
+    argv = ["train", *TINY, *PLAIN, "--train-subset", "20000", "--epochs", "1", "--cache-dir", cache, "--output-dir",
+            str(out)]
     parent = subprocess.Popen([sys.executable, "-c", PARENT_OF_A_RUN, STOP_WITH_PARENT_ENV, *argv], env=child_env(),
                               stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -362,7 +367,7 @@ def test_resuming_a_complete_run_trains_and_rewrites_nothing(cache, tmp_path, ca
         return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
 
     resume = ["train", "--resume", ckpt, "--no-progress", "--threads", "1"]
-    assert main(["train", *TINY, "--epochs", "1", "--max-steps", "2", "--cache-dir", cache, "--output-dir",
+    assert main(["train", *TINY, *PLAIN, "--epochs", "1", "--max-steps", "2", "--cache-dir", cache, "--output-dir",
                  str(out)]) == 0
     for argv, said in (([*resume, "--max-steps", "2"], f"{ckpt} is at step 2, the --max-steps 2 given: nothing to "
                                                         "train; a higher --max-steps, or none, continues the run"),
@@ -540,7 +545,7 @@ def test_a_corrupt_image_read_by_loader_workers_ends_the_process(tmp_path):
     when their parent stops them (the process used to wait for them forever after the error)."""
     imgs = tmp_path / "imgs"
     _png_tree(imgs, corrupt=True)
-    argv = ["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "2",
+    argv = ["train", "--data-path", str(imgs), "--model", "resnet18", *PLAIN, "--width-mult", "0.0625", "-b", "2",
             "--train-crop-size", "32", "--val-resize-size", "32", "--val-crop-size", "32", "--no-progress",
             "-j", "2", "--threads", "1", "--no-tensorboard", "--no-curves", "--output-dir", str(tmp_path / "run")]
     proc = subprocess.run([sys.executable, "-m", "orepa", *argv], env=child_env(), capture_output=True, text=True,
@@ -1016,7 +1021,7 @@ def test_a_checkpoint_the_file_system_refuses_names_the_refusal(tmp_path):
 
 def test_ctrl_c_during_training_is_one_line_with_the_checkpoint_to_resume(cache, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+    assert main(["train", *TINY, *PLAIN, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
 
     def interrupted(self):
         raise KeyboardInterrupt
@@ -1061,7 +1066,7 @@ def test_out_of_memory_is_one_line_with_what_to_change(cache, tmp_path, capsys, 
     """A batch too large for the device: one error line with torch's figures (not its allocator
     advice), where the run was, the checkpoint that is still good; exit code 2."""
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+    assert main(["train", *TINY, *PLAIN, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
     calls = {"n": 0}
     real_step = torch.optim.SGD.step
 
@@ -1186,7 +1191,7 @@ def test_a_resume_refuses_a_training_folder_of_another_size(tmp_path, capsys):
     at a step past the end of the now shorter epoch)."""
     imgs, out = tmp_path / "imgs", tmp_path / "run"
     _png_tree(imgs)  # 8 training images: 4 steps of 2 an epoch
-    assert main(["train", "--data-path", str(imgs), *IMGS, "-b", "2", "--epochs", "1", "--max-steps", "3",
+    assert main(["train", "--data-path", str(imgs), *IMGS, *PLAIN, "-b", "2", "--epochs", "1", "--max-steps", "3",
                  "--output-dir", str(out)]) == 0
     ckpt = out / "checkpoint.pth"
     saved = _load(ckpt)
@@ -1210,7 +1215,7 @@ def test_a_resume_refuses_a_training_folder_of_another_size(tmp_path, capsys):
     # images would be another than of 6 of 8
     imgs, out = tmp_path / "imgs2", tmp_path / "run2"
     _png_tree(imgs)
-    assert main(["train", "--data-path", str(imgs), *IMGS, "-b", "2", "--train-subset", "6", "--epochs", "1",
+    assert main(["train", "--data-path", str(imgs), *IMGS, *PLAIN, "-b", "2", "--train-subset", "6", "--epochs", "1",
                  "--max-steps", "1", "--output-dir", str(out)]) == 0
     assert _load(out / "checkpoint.pth")["train_images"] == 8
     (imgs / "train" / "cat" / "4.png").write_bytes((imgs / "train" / "cat" / "0.png").read_bytes())
@@ -1224,7 +1229,7 @@ def test_a_relative_data_path_resumes_from_another_directory_given_its_place(tmp
     (the data path was fixed on resume: the run could not be continued from anywhere else)."""
     _png_tree(tmp_path / "imgs")
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--data-path", "imgs", *IMGS, "-b", "4", "--epochs", "1", "--output-dir", "run"]) == 0
+    assert main(["train", "--data-path", "imgs", *IMGS, *PLAIN, "-b", "4", "--epochs", "1", "--output-dir", "run"]) == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
@@ -1591,7 +1596,7 @@ def test_a_dead_loader_worker_or_peer_is_one_line_with_the_checkpoint(cache, tmp
     from orepa.apps.common import run_fault
 
     out = tmp_path / "run"
-    assert main(["train", *TINY, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
+    assert main(["train", *TINY, *PLAIN, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(out)]) == 0
     ckpt = out / "checkpoint.pth"
     killed = RuntimeError("DataLoader worker (pid 4242) is killed by signal: Killed. ")
     real_step = torch.optim.SGD.step
@@ -1611,7 +1616,7 @@ def test_a_dead_loader_worker_or_peer_is_one_line_with_the_checkpoint(cache, tmp
     # met by the end-of-epoch evaluation: said so, not as a step past the epoch's last
     monkeypatch.setattr(torch.optim.SGD, "step", real_step)
     monkeypatch.setattr(train, "evaluate", lambda *a, **k: (_ for _ in ()).throw(killed))
-    evaluated = [a for a in TINY if a != "--no-eval"]
+    evaluated = [a for a in TINY if a != "--no-eval"] + PLAIN
     assert main(["train", *evaluated, "--epochs", "1", "--cache-dir", cache, "--output-dir", str(tmp_path / "e")]) == 2
     assert "died (DataLoader worker (pid 4242) is killed by signal: Killed.) in the evaluation after epoch 1;" in \
         capsys.readouterr().err
@@ -1636,7 +1641,7 @@ def test_an_unreadable_image_met_while_training_names_the_checkpoint_and_keeps_t
         raise train.EvaluationFailed("cannot read image val/cat/3.jpg: truncated (remove or replace the file)")
 
     monkeypatch.setattr(train, "evaluate", unreadable)
-    evaluated = [a for a in TINY if a != "--no-eval"]
+    evaluated = [a for a in TINY if a != "--no-eval"] + PLAIN
     assert main(["train", *evaluated, "--epochs", "2", "--cache-dir", cache, "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"orepa train: error: cannot read image val/cat/3.jpg: truncated (remove or replace the file); "
@@ -1795,7 +1800,8 @@ def test_a_run_whose_directory_is_removed_takes_it_again_or_stops(cache, tmp_pat
         meanwhile = "taken"
     else:
         monkeypatch.setattr(train.Trainer, "train_epoch", removed_meanwhile)
-    code = main(["train", *TINY, "--epochs", "2", "--max-steps", "6", "--cache-dir", cache, "--output-dir", str(out)])
+    code = main(["train", *TINY, *PLAIN, "--epochs", "2", "--max-steps", "6", "--cache-dir", cache, "--output-dir",
+                 str(out)])
     captured = capsys.readouterr()
     if meanwhile in ("taken", "ended"):
         assert code == 2 and captured.err.count("\n") == 1, captured.err
@@ -1956,7 +1962,7 @@ def test_a_closed_output_pipe_ends_the_output_not_the_run(cache, tmp_path):
     which ended the run between epochs (exit 1, a traceback, no summary). Now the output ends there
     and the run goes on to its end: exit 0, its checkpoint and summary written, nothing on stderr."""
     out = tmp_path / "run"
-    argv = [a for a in TINY if a != "--quiet"]
+    argv = [a for a in TINY if a != "--quiet"] + PLAIN
     proc = subprocess.Popen([sys.executable, "-m", "orepa", "train", *argv, "--epochs", "2", "--cache-dir", cache,
                              "--output-dir", str(out)], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader is gone before the first line
@@ -1992,8 +1998,8 @@ def test_a_folder_named_as_the_embedded_data_is_not_read_in_its_place(tmp_path, 
         capsys.readouterr().err
     assert not (tmp_path / "run").exists()
     # a folder of that name that is no ImageFolder tree (a run's output orepa made, a cache) is not meant
-    assert main(["train", *TINY, "--data-path", "fashion-mnist", "--epochs", "1", "--cache-dir", "fashion-mnist",
-                 "--output-dir", "fashion-mnist/run"]) == 0, capsys.readouterr().err
+    assert main(["train", *TINY, *PLAIN, "--data-path", "fashion-mnist", "--epochs", "1", "--cache-dir",
+                 "fashion-mnist", "--output-dir", "fashion-mnist/run"]) == 0, capsys.readouterr().err
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (a DataLoader worker's start)")
@@ -2115,7 +2121,7 @@ def test_an_unreadable_training_image_keeps_the_steps_trained_before_it(tmp_path
     imgs = tmp_path / "imgs"
     _png_tree(imgs)
     out = tmp_path / "run"
-    argv = ["train", "--data-path", str(imgs), "--model", "resnet18", "--width-mult", "0.0625", "-b", "2",
+    argv = ["train", "--data-path", str(imgs), "--model", "resnet18", *PLAIN, "--width-mult", "0.0625", "-b", "2",
             "--train-crop-size", "16", "--val-resize-size", "16", "--val-crop-size", "16", "--no-progress", "-j", "0",
             "--threads", "1",
             "--no-tensorboard", "--no-curves", "--quiet", "--no-eval", "--epochs", "1", "--output-dir", str(out)]

@@ -144,13 +144,18 @@ def test_a_fixtures_deployed_form_imports_as_its_deployed_network(path):
 @pytest.mark.parametrize("arch", ["resnet", "repvgg"])
 def test_a_deployed_plain_reference_checkpoint_imports_as_the_plain_network(arch):
     """The reference's conversion of a -t base model leaves each ConvBN a conv with a bias and no BN
-    (``<site>.conv``); a ResNet-50 of OREPA blocks, Rep-1x1s and a deep stem leaves ``orepa_reparam``,
-    ``or1x1_reparam`` and ``or_large_reparam``."""
+    (``<site>.conv``)."""
     sd = (make_resnet("base", [2, 2, 2, 2], [4, 8, 16, 32], seed=13) if arch == "resnet"
           else make_repvgg([2, 4, 14, 1], [6, 12, 24, 48], 6, kind="base", seed=18))
     forward = resnet_forward if arch == "resnet" else repvgg_forward
     model = _check_deployed_import(sd, forward(sd, X), X)
     assert model.orepa_config["method"] == "base"
+
+
+def test_a_deployed_orepa_resnet50_imports_and_a_site_in_another_form_or_name_is_said():
+    """The reference's conversion of a ResNet-50 of OREPA blocks, Rep-1x1s and a deep stem leaves
+    ``orepa_reparam``, ``or1x1_reparam`` and ``or_large_reparam``: imported as that network; a module
+    left in the training form, or a conv under a name the conversion does not write, is said."""
     sd = make_resnet("orepa", [3, 4, 6, 3], [4, 8, 16, 32], bottleneck=True, seed=12)
     model = _check_deployed_import(sd, resnet_forward(sd, X), X)
     assert {k: model.orepa_config[k] for k in ("name", "method", "deep_stem", "rep_1x1")} == {
@@ -207,8 +212,8 @@ def test_training_script_wrapping_and_module_prefix(tmp_path):
     # the library reads what every command reads: other wrapper keys, torch.compile's prefix
     for other in ({"model": {f"_orig_mod.{k}": v for k, v in sd.items()}},
                   {"model_state_dict": {f"module._orig_mod.{k}": v for k, v in sd.items()}, "epoch": 1}):
-        c = orepa.import_reference(other, dtype=torch.float64).eval()
-        assert all(torch.equal(v, c.state_dict()[k]) for k, v in a.state_dict().items())
+        c = orepa.import_reference(other, dtype=torch.float64).eval().state_dict()  # (once: not per key)
+        assert all(torch.equal(v, c[k]) for k, v in a.state_dict().items())
 
 
 def test_averaged_model_and_count_free_state_dicts_import():
