@@ -2,8 +2,9 @@
 
 Each subcommand lives in its own module under ``orepa.apps`` exposing
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only
-when their subcommand runs, so ``orepa --help`` stays fast and the core
-library never imports the applications.
+when their subcommand runs, so ``orepa --help`` imports none of them (torch, by
+the package's ``__init__``, alone) and the core library never imports the
+applications.
 
 One error path: a bad flag value (argparse) or a :class:`orepa.apps.common.UserError`
 raised anywhere in a subcommand ends as one line ``orepa CMD: error: ...`` on stderr
