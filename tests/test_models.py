@@ -109,7 +109,8 @@ def test_repvgg_widths_depths_and_params():
     # bias; the paper's figures are the counts truncated to two decimals (A2: 25,499,944 -> 25.49)
     expected = {"repvgg_a0": 8.30, "repvgg_a1": 12.78, "repvgg_a2": 25.49, "repvgg_b0": 14.33, "repvgg_b1": 51.82}
     for name, mparams in expected.items():
-        m = orepa.reparameterize(zoo.create_model(name, "base").eval(), fuse_bn=True, inplace=True)
+        with meta_device():  # (counts of shapes: the five networks built without initialising their weights)
+            m = orepa.reparameterize(zoo.create_model(name, "base").eval(), fuse_bn=True, inplace=True)
         n = sum(p.numel() for p in m.parameters())
         assert n // 10_000 == round(mparams * 100), (name, n)
     m = zoo.create_model("repvgg_a0", "base", num_classes=3)
