@@ -345,7 +345,9 @@ def _export_with_torch(deployed, path: str, x, opset, names, dynamic_batch, dyna
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
-            dyn = {"x": {0: torch.export.Dim("batch")}} if dynamic_batch else None
+            # (by position: a spec keyed by name fit only a forward whose argument is called x, not
+            # nn.Sequential's input)
+            dyn = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
             torch.onnx.export(deployed, (x,), path, dynamo=True, opset_version=opset, input_names=[INPUT_NAME],
                               output_names=names, dynamic_shapes=dyn)
         else:
