@@ -83,6 +83,21 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def earlier_objects_frozen():
+    """What the process held before a test kept out of the garbage collector's reach while it runs
+    (``gc.freeze``), all thawed afterwards. ``orepa bench`` collects before each variant's peak and
+    timed steps, and Python collects by itself as commands build, trace and export models: in the
+    suite's process each full collection walked every object of the modules and tests before it
+    (0.3 to 1 s), where a command's own process holds few. The garbage a test makes is collected as
+    in that process. Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    import gc
+
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 

@@ -1,5 +1,4 @@
 """The training-cost harness (orepa bench) on tiny models: sane numbers, never wall-time asserts."""
-import gc
 import json
 import math
 import statistics
@@ -12,19 +11,7 @@ from torch import nn
 from orepa.apps import bench
 from orepa.apps.common import UserError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _earlier_objects_frozen():
-    """What the process held before the test kept out of the collector's reach while it runs
-    (``gc.freeze``): a bench run collects before each variant's peak step and before the timed steps
-    (``gc.collect``), which in the suite's process went through every object of the modules and tests
-    before it (0.3 to 1 s a collection, some 50 in this file) where ``orepa bench``'s own process
-    holds few. The garbage a test makes is collected as in that process; all thawed afterwards."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("one_thread", "earlier_objects_frozen")
 
 
 def tiny_net():

@@ -6,7 +6,6 @@ errors as one line with exit code 2, and ``--methods`` read as ``orepa bench`` r
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import re
 import subprocess
@@ -20,19 +19,7 @@ from conftest import benchmark_script, child_env
 from orepa.apps.checkpoint import check_output_path, json_text, report_of
 from orepa.apps.common import UserError
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _earlier_objects_frozen():
-    """What the process held before the test kept out of the collector's reach while it runs
-    (``gc.freeze``): the collections Python starts by itself as a script builds and times its models
-    went through every object of the modules and tests before it (0.1 to 0.3 s a full one in the
-    suite's process) where a script's own process holds few. The garbage a test makes is collected
-    as before; all thawed afterwards."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("one_thread", "earlier_objects_frozen")
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

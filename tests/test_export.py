@@ -1,5 +1,4 @@
 """Export of deployed zoo models: ONNX round trip through onnxruntime, ExportedProgram, TorchScript, the CLI."""
-import gc
 import importlib.util
 import inspect
 import json
@@ -28,19 +27,7 @@ from orepa.apps.export import (  # noqa: E402
     onnx_opset_range,
 )
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _earlier_objects_frozen():
-    """What the process held before the test kept out of the collector's reach while it runs
-    (``gc.freeze``): the collections Python starts by itself as a command builds, traces and exports
-    its models went through every object of the modules and tests before it (0.3 s a full one in the
-    suite's process, some 20 in this file) where a command's own process holds few. The garbage a
-    test makes is collected as before; all thawed afterwards."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
+pytestmark = pytest.mark.usefixtures("one_thread", "earlier_objects_frozen")
 
 
 class _OneBlock(torch.nn.Module):
