@@ -246,6 +246,11 @@ class _LeafTracer(torch.fx.Tracer):
 _CALL_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 
 
+#: the modules (by their class's module) whose forwards keep nothing of a call in the model: torch.nn's
+#: layers and containers, the zoo's networks, orepa's blocks (a subclass elsewhere may: it is not one)
+_FORWARDS_THAT_KEEP_NOTHING = ("torch.nn.modules.", "orepa.models.", "orepa.blocks")
+
+
 def _traced(model: nn.Module) -> torch.fx.Graph:
     """``model``'s graph (modules named as in ``model``), traced on a copy of it that shares its
     tensors: torch.fx runs the Python of the forward and of the hooks of the modules it traces
@@ -256,7 +261,12 @@ def _traced(model: nn.Module) -> torch.fx.Graph:
     there). A model whose copy cannot be made or traced (one that looks itself up by ``id``) is
     traced itself, whatever the copy's error (a forward that branches on a placeholder only where
     it does not find itself in such a registry fails on the copy alone), so an untraceable model
-    is traced twice."""
+    is traced twice. A model of torch.nn's and orepa's own modules without hooks keeps nothing of a
+    trace (their forwards store nothing) and is traced itself: the copy costs more than the trace."""
+    if all(type(m).__module__.startswith(_FORWARDS_THAT_KEEP_NOTHING) and not any(getattr(m, attr, None)
+                                                                                for attr in _CALL_HOOKS)
+           for m in model.modules()):
+        return _LeafTracer().trace(model)
     try:
         twin = _deepcopy(model, {id(t): t for t in _held_tensors(model)})
     except Exception:  # noqa: BLE001 - weight_norm's computed weight refuses copies, as may other code

@@ -570,14 +570,15 @@ def model_cfg_of(model: nn.Module) -> dict:
 FORMS = ("train", "deploy", "deploy-fused")
 
 
-def deploy(model: nn.Module, form: str) -> nn.Module:
-    """The ``form`` of a training-form model (a copy; ``train`` returns the model itself)."""
+def deploy(model: nn.Module, form: str, *, inplace: bool = False) -> nn.Module:
+    """The ``form`` of a training-form model (a copy unless ``inplace``; ``train`` returns the model itself)."""
     if form == "train":
         return model
     was = model.training
     model.eval()
-    out = orepa.reparameterize(model, fuse_bn=(form == "deploy-fused"))
-    model.train(was)
+    out = orepa.reparameterize(model, fuse_bn=(form == "deploy-fused"), inplace=inplace)
+    if not inplace:
+        model.train(was)
     return out.eval()
 
 
@@ -585,7 +586,7 @@ def build_model_form(cfg: dict, form: str) -> nn.Module:
     """An (untrained) model with the module layout of ``form``, ready for ``load_state_dict``."""
     if form not in FORMS:
         raise UserError(f"unknown model form {form!r}; expected one of {FORMS}")
-    return deploy(build_model(cfg), form)
+    return deploy(build_model(cfg), form, inplace=True)  # (a model of its own: no copy to make)
 
 
 def checkpoint_cfg_without_data(args: argparse.Namespace, ckpt: dict, path, sd: Mapping[str, torch.Tensor]
