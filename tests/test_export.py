@@ -1077,3 +1077,112 @@ def test_an_output_named_like_the_input_gets_a_name_of_its_own(tmp_path):
     graph = onnx.load(str(tmp_path / "m.onnx")).graph
     assert report.verified
     assert [i.name for i in graph.input] == ["input"] and [o.name for o in graph.output] == ["outputinput", "out"]
+
+
+class _DeepLabLike(torch.nn.Module):
+    """Stride-2 OREPA blocks, then the logits upsampled to the input's size (a segmenter's last step,
+    which reads the input's size as a tensor's shape: traced as sizes, not numbers)."""
+
+    def __init__(self):
+        super().__init__()
+        from orepa import OREPAConv2d
+
+        self.body = torch.nn.Sequential(OREPAConv2d(3, 8, 3, stride=2, padding=1, **TWO_BRANCHES),
+                                        torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                        OREPAConv2d(8, 4, 3, stride=2, padding=1, **TWO_BRANCHES),
+                                        torch.nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        y = self.body(x)
+        return {"out": torch.nn.functional.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False),
+                "pooled": y.mean((2, 3))}
+
+
+_ANY_SIZE_FORMATS = ["onnx", "onnx-dynamo", "exported-program", "torchscript"]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("fmt", _ANY_SIZE_FORMATS)
+def test_an_export_at_any_height_and_width_is_verified_at_another_and_runs_at_a_third(tmp_path, fmt):
+    """``dynamic_size``: the export is checked at 32 more rows and 64 more columns too, and runs at a
+    size neither check used (odd, so a stride's rounding differs), its outputs' sizes following."""
+    if fmt == "onnx-dynamo" and not _dynamo_available():
+        pytest.skip("the dynamo ONNX exporter needs torch >= 2.5 and onnxscript")
+    torch.manual_seed(0)
+    model = _DeepLabLike().eval()
+    with torch.no_grad():
+        model.train()(torch.randn(4, 3, 32, 32))  # BN statistics off their init
+    model.eval()
+    path = tmp_path / "m"
+    if fmt.startswith("onnx"):
+        report = export_onnx(model, path, (1, 3, 32, 32), dynamic_size=True, dynamo=fmt == "onnx-dynamo")
+    else:
+        exporter = export_torchscript if fmt == "torchscript" else export_exported_program
+        report = exporter(model, path, (1, 3, 32, 32), dynamic_size=True)
+    assert report.verified and report.dynamic == ("batch", "height", "width")
+    assert "any batch, height, width" in str(report)
+    checks = {k for k in report.errors if "pytorch" in k}
+    assert any("(batch 2, 64x96)" in k for k in checks) and any("(batch 1)" in k for k in checks), checks
+    x = torch.randn(2, 3, 37, 51)
+    with torch.no_grad():
+        ref = export.deploy_fused(model)(x)
+    if fmt.startswith("onnx"):
+        import onnxruntime as ort
+
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        y = dict(zip([o.name for o in sess.get_outputs()], map(torch.from_numpy, sess.run(None, {"input": x.numpy()}))))
+    else:
+        loaded = torch.jit.load(str(path)) if fmt == "torchscript" else torch.export.load(str(path)).module()
+        with torch.no_grad():
+            y = loaded(x)
+    assert y["out"].shape == (2, 4, 37, 51)
+    for name in ("out", "pooled"):
+        torch.testing.assert_close(y[name], ref[name], rtol=1e-4, atol=1e-5)
+
+
+class _SizeAsNumber(torch.nn.Module):
+    """A forward that reads the input's width as a Python number: a trace writes the example's."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).mean((2, 3)) * int(x.shape[-1])
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_an_export_that_fixed_a_size_fails_its_check_at_another_and_writes_nothing(tmp_path):
+    with pytest.raises(ExportVerificationError, match=r"onnxruntime vs pytorch \(batch 2, 64x96\): max abs error"):
+        export_onnx(_SizeAsNumber(), tmp_path / "m.onnx", (1, 3, 32, 32), dynamic_size=True)
+    with pytest.raises(ExportVerificationError, match=r"torchscript vs pytorch \(batch 2, 64x96\)"):
+        export_torchscript(_SizeAsNumber(), tmp_path / "m.pt", (1, 3, 32, 32), dynamic_size=True)
+    assert list(tmp_path.iterdir()) == []
+    # (without it, the same exports are the example's size's, as they are)
+    assert export_onnx(_SizeAsNumber(), tmp_path / "m.onnx", (1, 3, 32, 32)).verified
+
+
+def test_an_onnx_export_at_any_size_refuses_pooling_to_a_grid_and_names_the_pool(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d((3, 2)))
+    with pytest.raises(UserError, match=r"adaptive average pooling to a grid.*: 1 \(\[3, 2\]\); export at one size"):
+        export_onnx(model, tmp_path / "m.onnx", (1, 3, 32, 32), dynamic_size=True)
+    assert list(tmp_path.iterdir()) == []
+    # (a global pool is ONNX's GlobalAveragePool: any size)
+    model[1] = torch.nn.AdaptiveAvgPool2d(1)
+    assert export_onnx(model, tmp_path / "m.onnx", (1, 3, 32, 32), dynamic_size=True).verified
+
+
+def test_cli_export_at_any_size(tmp_path, capsys):
+    """At 32 x 32 ResNet-18's last feature map is one pixel, a size torch.export fixes: the check at
+    another size says so; at 64 x 64 (2 x 2) the program takes any size."""
+    args = ["export", "--model", "resnet18", "--method", "orepa", "--width-mult", "0.125", "--branches", "kxk,1x1",
+            "--num-classes", "10", "--dynamic-size", "--format", "exported-program", "-o", str(tmp_path / "m.pt2")]
+    assert cli.main(args + ["--input-size", "32"]) == 1
+    err = capsys.readouterr().err
+    assert "(batch 2, 64x96): the export does not run on an input of shape [2, 3, 64, 96]" in err
+    assert "torch.export specialises" in err and err.count("\n") == 1 and not (tmp_path / "m.pt2").exists()
+    assert cli.main(args + ["--input-size", "64"]) == 0
+    said = capsys.readouterr().out
+    assert "(input [1, 3, 64, 64]; any batch, height, width)" in said and "(batch 2, 96x128)" in said
+    with torch.no_grad():
+        assert torch.export.load(str(tmp_path / "m.pt2")).module()(torch.randn(1, 3, 72, 88)).shape == (1, 10)

@@ -83,7 +83,8 @@ from .model_cfg import (
 from .model_cfg import deploy as deploy_form
 
 __all__ = ["deploy_fused", "export_onnx", "export_exported_program", "export_torchscript", "load_model_file",
-           "check_onnx_request", "onnx_opset_range", "default_opset", "named_outputs", "ExportReport", "ExportVerificationError",
+           "check_onnx_request", "onnx_opset_range", "default_opset", "dynamic_axes", "named_outputs", "ExportReport",
+           "ExportVerificationError",
            "FORMATS", "export_format", "export_metadata", "export_records", "load_export", "OnnxModel",
            "add_arguments", "run"]
 
@@ -105,10 +106,12 @@ class ExportReport:
     bounds: dict[str, float] = field(default_factory=dict)  # check -> atol * (1 + max|reference|)
     opset: int | None = None  # ONNX: the opset the file holds ...
     opset_requested: int | None = None  # ... and the one asked for
+    dynamic: tuple[str, ...] = ()  # the input's axes the export takes at any size ("batch", "height", "width")
 
     def __str__(self) -> str:
         fmt = f"{self.format} opset {self.opset}" if self.opset is not None else self.format
-        lines = [f"exported {fmt} to {self.path} (input {list(self.input_shape)}); "
+        dynamic = f"; any {', '.join(self.dynamic)}" if self.dynamic else ""
+        lines = [f"exported {fmt} to {self.path} (input {list(self.input_shape)}{dynamic}); "
                  f"params {self.params_training:,} (as loaded) -> {self.params_deployed:,} (deployed, BN folded)"]
         if self.opset_requested is not None and self.opset != self.opset_requested:
             lines.append(f"  note: opset {self.opset} written, not the {self.opset_requested} asked for (the exporter "
@@ -278,13 +281,14 @@ def default_opset(dynamo: bool = False) -> int:
 
 @_in_eval_mode
 def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: int | None = None, verify: bool = True,
-                atol: float = 1e-4, dynamic_batch: bool = True, dynamo: bool = False,
+                atol: float = 1e-4, dynamic_batch: bool = True, dynamic_size: bool = False, dynamo: bool = False,
                 metadata: Mapping[str, str] | None = None) -> ExportReport:
     """Deploy ``model`` and export it to ONNX at ``path`` (one self-contained file); verify with onnxruntime.
 
     Args:
         input_shape: ``(N, C, H, W)`` of the example input (the batch axis is dynamic
-            unless ``dynamic_batch=False``).
+            unless ``dynamic_batch=False``; height and width with ``dynamic_size=True``, see
+            :func:`dynamic_axes`).
         opset: ONNX opset version (:func:`onnx_opset_range`; default :func:`default_opset`); the
             report says the one written, which the dynamo exporter may raise to its lowest (18 in
             torch 2.5-2.14).
@@ -303,19 +307,22 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     if size >= onnx.checker.MAXIMUM_PROTOBUF:  # protobuf's limit on one message: refuse before exporting
         raise UserError(f"the deployed model's weights take {size / 2**30:.2f} GiB: over the 2 GiB that one ONNX "
                         "file can hold; export it with --format exported-program (or torchscript)")
+    dynamic = dynamic_axes(dynamic_batch, dynamic_size, torch_export=dynamo)
+    if dynamic_size:
+        _refuse_fixed_pools(deployed)
     x = _example(input_shape, device=_device(model))
     _onnx_adaptive_pools(deployed)
     with torch.no_grad():
         y_dep = deployed(x)  # (its outputs' names, and the reference the verification reads)
-    names = list(named_outputs(y_dep))
+    outputs = named_outputs(y_dep)
     report = ExportReport(str(path), "onnx", tuple(input_shape), count_params(model), count_params(deployed),
-                          atol=atol, opset_requested=opset)
+                          atol=atol, opset_requested=opset, dynamic=dynamic)
     # The exporter may put the weights in side files named after its target (dynamo: "<target>.data"),
     # so it writes into a private temporary directory; the model is re-saved from there as one file.
     try:
         with tempfile.TemporaryDirectory(prefix="orepa-export-") as work:
             raw = str(Path(work, "model.onnx"))  # torch's writers take no file name that is not UTF-8
-            _export_raw(deployed, raw, x, opset, names, dynamic_batch, dynamo)
+            _export_raw(deployed, raw, x, opset, outputs, dynamic, dynamo)
             proto = onnx.load(raw)  # with the weights of any external-data file
     except OSError as exc:  # a full (or read-only) temporary directory: torch's write names no file
         raise UserError(f"cannot write the ONNX exporter's temporary file in {tempfile.gettempdir()}: "
@@ -327,31 +334,33 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     with ckpt_io.atomic_path(path) as tmp:
         onnx.save_model(proto, str(tmp))
         if verify:
-            _verify_onnx(model, deployed, str(tmp), x, y_dep, report, dynamic_batch)
+            _verify_onnx(model, deployed, str(tmp), x, y_dep, report)
     return report
 
 
-def _export_raw(deployed, path: str, x, opset, names, dynamic_batch, dynamo) -> None:
+def _export_raw(deployed, path: str, x, opset, outputs, dynamic, dynamo) -> None:
     try:
-        _export_with_torch(deployed, path, x, opset, names, dynamic_batch, dynamo)
+        _export_with_torch(deployed, path, x, opset, outputs, dynamic, dynamo)
     except torch.onnx.OnnxExporterError as exc:  # an operator the opset lacks (Pad before 11, ...): said in one line
         text = error_text(exc, all_lines=True, typed=False, trailer=" [Caused by")
         hint = "; a higher --opset may have it" if "opset" in text.lower() else ""
         raise UserError(f"the ONNX exporter cannot write this model at opset {opset}: {text}{hint}") from None
 
 
-def _export_with_torch(deployed, path: str, x, opset, names, dynamic_batch, dynamo) -> None:
-    """``torch.onnx.export`` of ``deployed`` on ``x``, its outputs named ``names`` (:func:`named_outputs`)."""
+def _export_with_torch(deployed, path: str, x, opset, outputs, dynamic, dynamo) -> None:
+    """``torch.onnx.export`` of ``deployed`` on ``x``, its outputs named as ``outputs`` (:func:`named_outputs`),
+    the input's axes ``dynamic`` (:func:`dynamic_axes`) at any size."""
+    names = list(outputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if dynamo:
-            # (by position: a spec keyed by name fit only a forward whose argument is called x, not
-            # nn.Sequential's input)
-            dyn = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
             torch.onnx.export(deployed, (x,), path, dynamo=True, opset_version=opset, input_names=[INPUT_NAME],
-                              output_names=names, dynamic_shapes=dyn)
+                              output_names=names, dynamic_shapes=_export_shapes(dynamic))
         else:
-            dyn = {name: {0: "batch"} for name in [INPUT_NAME, *names]} if dynamic_batch else None
+            # the outputs' axes by name too: a feature map's height and width follow the input's
+            dyn = {INPUT_NAME: {i: a for i, a in enumerate(_NCHW) if a in dynamic}} | {
+                name: {i: f"{name}_{a}" if i else a for i, a in enumerate(_NCHW[:y.dim()]) if a in dynamic}
+                for name, y in outputs.items()} if dynamic else None
             # (the TorchScript-based exporter: asked for by name where the choice exists, torch 2.5 on, whose
             # default became dynamo's in 2.9; before 2.5 it is the only one, and the keyword a TypeError)
             choice = {"dynamo": False} if _has_dynamo_exporter() else {}
@@ -365,7 +374,7 @@ def _has_dynamo_exporter() -> bool:
 
 
 @torch.no_grad()
-def _verify_onnx(model, deployed, path: str, x, y_dep, report, dynamic_batch) -> None:
+def _verify_onnx(model, deployed, path: str, x, y_dep, report) -> None:
     import onnx
     import onnxruntime as ort
 
@@ -379,7 +388,7 @@ def _verify_onnx(model, deployed, path: str, x, y_dep, report, dynamic_batch) ->
         outs = sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})
         return {name: torch.from_numpy(out) for name, out in zip(names, outs)}
 
-    _check_batches(report, "onnxruntime vs pytorch", run, deployed, x, y_dep, dynamic_batch)
+    _check_inputs(report, "onnxruntime vs pytorch", run, deployed, x, y_dep)
     report.verified = True
 
 
@@ -391,10 +400,12 @@ class _OnnxAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     (the windows overlap there, so no AveragePool computes them)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _global_pool(self):  # (the input's sizes not read: they stay dynamic where the export's are)
+            return super().forward(x)
         with warnings.catch_warnings():  # the sizes are the example's: what the export fixes anyway
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             h, w = (int(n) for n in x.shape[-2:])
-        size = self.output_size if isinstance(self.output_size, (tuple, list)) else (self.output_size,) * 2
+        size = _pool_size(self)
         oh, ow = (n if s is None else s for s, n in zip(size, (h, w)))
         if h % oh == 0 and w % ow == 0:
             return super().forward(x)
@@ -411,6 +422,54 @@ def _window_means(m: int, n: int, like: torch.Tensor) -> torch.Tensor:
     return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
 
 
+def _pool_size(pool: nn.AdaptiveAvgPool2d) -> tuple:
+    return tuple(pool.output_size) if isinstance(pool.output_size, (tuple, list)) else (pool.output_size,) * 2
+
+
+def _global_pool(pool: nn.AdaptiveAvgPool2d) -> bool:
+    """Whether ``pool`` averages whole feature maps (output 1 x 1): ONNX's GlobalAveragePool, at any size."""
+    return all(s == 1 for s in _pool_size(pool))
+
+
+def _refuse_fixed_pools(deployed: nn.Module) -> None:
+    """An ONNX export at any height and width is refused for a model whose adaptive average pools
+    pool to a grid (PSPNet's bins): ONNX writes them for the example's size only."""
+    fixed = [f"{name} ({list(_pool_size(m))})" for name, m in deployed.named_modules()
+             if isinstance(m, nn.AdaptiveAvgPool2d) and not _global_pool(m)]
+    if fixed:
+        raise UserError(f"an ONNX export at any height and width cannot hold adaptive average pooling to a grid, "
+                        f"which ONNX writes for the example's size only: {', '.join(fixed[:3])}"
+                        f"{' ...' if len(fixed) > 3 else ''}; export at one size (without dynamic height and width), "
+                        "or as an ExportedProgram")
+
+
+#: the axes of an image batch, as :func:`dynamic_axes` names them
+_NCHW = ("batch", "channels", "height", "width")
+
+
+def dynamic_axes(dynamic_batch: bool, dynamic_size: bool, *, torch_export: bool = False) -> tuple[str, ...]:
+    """The axes of the input that an export takes at any size: ``batch`` and ``height``, ``width``.
+    An export at any height and width is verified at a second size too (:func:`_check_inputs`), where
+    the format has no dynamic axes (TorchScript) as well. ``torch_export``: the export traces with
+    ``torch.export``, which finds the sizes a network takes itself (``Dim.AUTO``, torch 2.6 on): a
+    :class:`UserError` on an older torch."""
+    if dynamic_size and torch_export and not hasattr(torch.export.Dim, "AUTO"):
+        raise UserError(f"an export by torch.export at any height and width needs torch >= 2.6 (Dim.AUTO); this is "
+                        f"torch {torch.__version__}: export at one size, or with the TorchScript-based ONNX exporter")
+    return (("batch",) if dynamic_batch else ()) + (("height", "width") if dynamic_size else ())
+
+
+def _export_shapes(dynamic: tuple[str, ...]):
+    """``torch.export``'s ``dynamic_shapes`` for the one input (by position: a spec keyed by name fit only
+    a forward whose argument is called x, not nn.Sequential's input). The height and width as
+    ``Dim.AUTO``: a ResNet's strided layers give sizes that a named Dim would have to bound."""
+    if not dynamic:
+        return None
+    spec = {0: torch.export.Dim("batch")} if "batch" in dynamic else {}
+    spec |= {i: torch.export.Dim.AUTO for i, a in enumerate(_NCHW) if a in dynamic and a != "batch"}
+    return (spec,)
+
+
 def _onnx_adaptive_pools(deployed: nn.Module) -> None:
     """Make the (private, deployed) copy's adaptive average pools :class:`_OnnxAdaptiveAvgPool2d`s."""
     for m in deployed.modules():
@@ -418,26 +477,45 @@ def _onnx_adaptive_pools(deployed: nn.Module) -> None:
             m.__class__ = _OnnxAdaptiveAvgPool2d  # a subclass with no state of its own: the module is unchanged
 
 
-def _check_batches(report: ExportReport, name: str, run, deployed: nn.Module, x: torch.Tensor, y_dep: torch.Tensor,
-                   dynamic_batch: bool) -> None:
-    """``run`` (the reloaded export) against the deployed model at the example's batch, and at one more
-    image where the export's batch axis is dynamic."""
-    xs = [x] + ([_example((x.shape[0] + 1, *x.shape[1:]), 1, x.device)] if dynamic_batch else [])
+def _check_inputs(report: ExportReport, name: str, run, deployed: nn.Module, x: torch.Tensor,
+                  y_dep: torch.Tensor) -> None:
+    """``run`` (the reloaded export) against the deployed model at the example's batch, at one more
+    image where the export's batch axis is dynamic, and at 32 more rows and 64 more columns where its
+    height and width are (``report.dynamic``; a multiple of a network's stride stays one)."""
+    n = x.shape[0] + ("batch" in report.dynamic)
+    xs = [x] + ([_example((n, *x.shape[1:]), 1, x.device)] if "batch" in report.dynamic else [])
+    if "height" in report.dynamic:
+        xs.append(_example((n, x.shape[1], x.shape[2] + 32, x.shape[3] + 64), 2, x.device))
     for i, xi in enumerate(xs):
-        _check(report, f"{name} (batch {xi.shape[0]})", run(xi), deployed(xi) if i else y_dep)
+        check = f"{name} (batch {xi.shape[0]}" + (f", {xi.shape[2]}x{xi.shape[3]})" if xi.shape[2:] != x.shape[2:]
+                                                  else ")")
+        try:
+            y = run(xi)
+        except Exception as exc:  # noqa: BLE001 - a runtime's error on an input it does not take (sizes fixed)
+            if not i:
+                raise
+            report.errors[check], report.bounds[check] = float("inf"), 0.0
+            raise ExportVerificationError(
+                f"{check}: the export does not run on an input of shape {list(xi.shape)} ({error_text(exc)}) for "
+                f"{report.path}" + ("" if report.format == "torchscript" else
+                                    "; it fixed a size that the example's made 1 (a feature map of one pixel, which "
+                                    "torch.export specialises): a larger example size may not")) from None
+        _check(report, check, y, deployed(xi) if i else y_dep)
 
 
 @_in_eval_mode
 @torch.no_grad()
 def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, verify: bool = True,
-                       atol: float = 1e-4, metadata: Mapping[str, str] | None = None) -> ExportReport:
-    """Deploy ``model``, ``torch.jit.trace`` it and save it at ``path``; verify the reloaded module.
-    ``metadata`` (key -> text) is saved as extra files of the archive (``torch.jit.load(path,
-    _extra_files={"classes": ""})`` reads them)."""
+                       atol: float = 1e-4, dynamic_size: bool = False,
+                       metadata: Mapping[str, str] | None = None) -> ExportReport:
+    """Deploy ``model``, ``torch.jit.trace`` it and save it at ``path``; verify the reloaded module
+    (at another batch size, and with ``dynamic_size`` at another height and width too: a trace has no
+    fixed sizes but those its Python read as numbers). ``metadata`` (key -> text) is saved as extra
+    files of the archive (``torch.jit.load(path, _extra_files={"classes": ""})`` reads them)."""
     deployed = deploy_fused(model)
     x = _example(input_shape, device=_device(model))
     report = ExportReport(str(path), "torchscript", tuple(input_shape), count_params(model), count_params(deployed),
-                          atol=atol)
+                          atol=atol, dynamic=dynamic_axes(True, dynamic_size) if dynamic_size else ())
     with warnings.catch_warnings(), ckpt_io.atomic_path(path) as tmp:
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.filterwarnings("ignore", message=".*deprecated.*")
@@ -449,7 +527,10 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
                 loaded = torch.jit.load(f)
             y_train, y_dep = model(x), deployed(x)
             _check(report, _deploy_check(model), y_dep, y_train)
-            _check(report, "torchscript vs pytorch", loaded(x), y_dep)
+            if dynamic_size:
+                _check_inputs(report, "torchscript vs pytorch", loaded, deployed, x, y_dep)
+            else:
+                _check(report, "torchscript vs pytorch", loaded(x), y_dep)
             report.verified = True
     return report
 
@@ -457,22 +538,23 @@ def export_torchscript(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, 
 @_in_eval_mode
 @torch.no_grad()
 def export_exported_program(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, verify: bool = True,
-                            atol: float = 1e-4, dynamic_batch: bool = True,
+                            atol: float = 1e-4, dynamic_batch: bool = True, dynamic_size: bool = False,
                             metadata: Mapping[str, str] | None = None) -> ExportReport:
     """Deploy ``model``, ``torch.export.export`` it and ``torch.export.save`` the ExportedProgram at
     ``path`` (a ``.pt2`` archive: the graph of aten operators and the weights, no Python code; what
     AOTInductor (``torch._inductor.aoti_compile_and_package``) and ExecuTorch take); verify the
-    reloaded program's module. The batch axis is dynamic unless ``dynamic_batch=False``.
+    reloaded program's module. The batch axis is dynamic unless ``dynamic_batch=False``; height and
+    width with ``dynamic_size`` (:func:`dynamic_axes`).
     ``metadata`` (key -> text) is saved as the archive's extra files (``torch.export.load(path,
     extra_files={"classes": ""})`` reads them)."""
     deployed = deploy_fused(model)
     x = _example(input_shape, device=_device(model))
+    dynamic = dynamic_axes(dynamic_batch, dynamic_size, torch_export=True)
     report = ExportReport(str(path), "exported-program", tuple(input_shape), count_params(model),
-                          count_params(deployed), atol=atol)
+                          count_params(deployed), atol=atol, dynamic=dynamic)
     # torch.export fixes a size of 1 to 1 (its 0/1 specialisation): a dynamic batch is traced on two images
     traced_on = _example((2, *input_shape[1:]), device=x.device) if dynamic_batch and input_shape[0] == 1 else x
-    dims = ({0: torch.export.Dim("batch")},) if dynamic_batch else None
-    program = _torch_export(deployed, traced_on, dims)
+    program = _torch_export(deployed, traced_on, _export_shapes(dynamic))
     with ckpt_io.atomic_path(path) as tmp:
         with open(tmp, "wb") as f:  # a file object, as for TorchScript
             torch.export.save(program, f, extra_files=dict(metadata or {}))
@@ -481,7 +563,7 @@ def export_exported_program(model: nn.Module, path, input_shape=(1, 3, 224, 224)
                 loaded = torch.export.load(f).module()
             y_train, y_dep = model(x), deployed(x)
             _check(report, _deploy_check(model), y_dep, y_train)
-            _check_batches(report, "exported program vs pytorch", loaded, deployed, x, y_dep, dynamic_batch)
+            _check_inputs(report, "exported program vs pytorch", loaded, deployed, x, y_dep)
             report.verified = True
     return report
 
@@ -754,6 +836,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="height = width of the example input (default: the checkpoint's training size, "
                         "28 for Fashion-MNIST; else 224)")
     p.add_argument("-b", "--batch-size", type=positive_int, default=1)
+    p.add_argument("--dynamic-size", action="store_true",
+                   help="an export that takes any height and width (ONNX, ExportedProgram: dynamic axes), verified "
+                        "at a second size too (32 more rows, 64 more columns); default: the --input-size alone")
     p.add_argument("--format", choices=tuple(FORMATS), default="onnx",
                    help="onnx (for onnxruntime, TensorRT, ...), exported-program (torch.export's .pt2: for "
                         "AOTInductor, ExecuTorch, torch.export.load) or torchscript (torch.jit, deprecated by torch)")
@@ -849,10 +934,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.format == "onnx":
             report = export_onnx(model, out, shape, opset=args.opset, verify=not args.no_verify, atol=args.rtol,
-                                 dynamo=args.dynamo, metadata=metadata)
+                                 dynamic_size=args.dynamic_size, dynamo=args.dynamo, metadata=metadata)
         else:
             export = export_torchscript if args.format == "torchscript" else export_exported_program
-            report = export(model, out, shape, verify=not args.no_verify, atol=args.rtol, metadata=metadata)
+            report = export(model, out, shape, verify=not args.no_verify, atol=args.rtol,
+                            dynamic_size=args.dynamic_size, metadata=metadata)
     except ExportVerificationError as exc:
         raise CheckFailed(f"verification failed: {exc}") from None
     print(report)
