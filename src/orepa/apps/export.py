@@ -358,9 +358,10 @@ def _export_with_torch(deployed, path: str, x, opset, outputs, dynamic, dynamo) 
                               output_names=names, dynamic_shapes=_export_shapes(dynamic))
         else:
             # the outputs' axes by name too: a feature map's height and width follow the input's
-            dyn = {INPUT_NAME: {i: a for i, a in enumerate(_NCHW) if a in dynamic}} | {
+            axes = {INPUT_NAME: {i: a for i, a in enumerate(_NCHW) if a in dynamic}} | {
                 name: {i: f"{name}_{a}" if i else a for i, a in enumerate(_NCHW[:y.dim()]) if a in dynamic}
-                for name, y in outputs.items()} if dynamic else None
+                for name, y in outputs.items()}
+            dyn = {name: named for name, named in axes.items() if named} or None
             # (the TorchScript-based exporter: asked for by name where the choice exists, torch 2.5 on, whose
             # default became dynamo's in 2.9; before 2.5 it is the only one, and the keyword a TypeError)
             choice = {"dynamo": False} if _has_dynamo_exporter() else {}
