@@ -566,3 +566,34 @@ def test_a_checkpoint_of_the_papers_code_given_to_another_command_names_import_r
 
     with pytest.raises(ValueError, match="layout of the paper's own code: convert it first"):
         resnet_features("resnet18", "orepa", weights=src)
+
+
+def test_cli_imports_a_checkpoints_ema_weights_with_use_ema(tmp_path, capsys):
+    """A timm-style file of the paper's code holding both the weights and their moving average
+    (``state_dict_ema``, ``module.`` prefixed): ``--use-ema`` imports the average, recorded as EMA
+    weights (a later --use-ema on the written file is said to be one too many); a file without one is
+    said."""
+    from orepa.apps.checkpoint import load_checkpoint, model_from_checkpoint
+    from orepa.cli import main
+
+    weights = make_resnet("orepa", [2, 2, 2, 2], [4, 8, 16, 32], seed=3)
+    average = make_resnet("orepa", [2, 2, 2, 2], [4, 8, 16, 32], seed=4)
+    src = tmp_path / "ref.pth.tar"
+    torch.save({"state_dict": weights, "state_dict_ema": {f"module.{k}": v for k, v in average.items()}}, src)
+    x = torch.randn(2, 3, 64, 64)
+    for use_ema, sd in ((False, weights), (True, average)):
+        out = tmp_path / f"ema{use_ema}.pth"
+        assert main(["import-reference", str(src), "-o", str(out), *(["--use-ema"] if use_ema else [])]) == 0
+        assert ("(its EMA weights)" in capsys.readouterr().out) == use_ema
+        ckpt = load_checkpoint(out)
+        assert ckpt["ema"] is use_ema
+        model, _, _ = model_from_checkpoint(ckpt, out)
+        with torch.no_grad():
+            assert torch.equal(model.eval()(x), orepa.import_reference(sd).eval()(x))
+    assert main(["export", str(tmp_path / "emaTrue.pth"), "--use-ema", "-o", str(tmp_path / "m.onnx")]) == 2
+    assert "holds EMA weights as its model" in capsys.readouterr().err
+    torch.save({"state_dict": weights}, src)
+    assert main(["import-reference", str(src), "-o", str(tmp_path / "none.pth"), "--use-ema"]) == 2
+    err = capsys.readouterr().err
+    assert "holds no EMA weights (looked for model_ema / state_dict_ema" in err and err.count("\n") == 1
+    assert not (tmp_path / "none.pth").exists()

@@ -752,7 +752,7 @@ def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
     assert "deploy form (EMA)" in capsys.readouterr().out and e["ema"] is True
     assert e["acc1"] == pytest.approx(res["ema"]["acc1"])
     assert main(["eval", str(out / "deployed-ema.pth"), "--use-ema", "--no-progress"]) == 2
-    assert "holds EMA weights as its model (deployed by orepa reparam --use-ema): leave out --use-ema" \
+    assert "holds EMA weights as its model (written so by orepa reparam or import-reference --use-ema): leave out --use-ema" \
         in capsys.readouterr().err
     # the deployed (vanilla-layout) weights load strictly into the base model of the zoo
     base = orepa.models.create_model("resnet18", "base", num_classes=10, in_chans=1, small_input=True,

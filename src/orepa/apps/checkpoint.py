@@ -1068,8 +1068,8 @@ def checkpoint_weights(ckpt: dict, path, use_ema: bool = False) -> dict:
         return ckpt["model"]
     if ckpt.get("model_ema") is None:  # (absent, or saved as None by a run without one)
         if ckpt.get("ema"):
-            raise UserError(f"{path} holds EMA weights as its model (deployed by orepa reparam --use-ema): "
-                            "leave out --use-ema")
+            raise UserError(f"{path} holds EMA weights as its model (written so by orepa reparam or import-reference "
+                            "--use-ema): leave out --use-ema")
         if ckpt.get("form", "train") != "train":  # deployed from a run's model weights: its EMA, if any, is there
             source = ckpt.get("source_path") or ckpt.get("source")
             raise UserError(f"{path} holds deployed model weights, no EMA weights; deploy the run's EMA weights with "

@@ -13,7 +13,8 @@ that command, a new classifier where the data has another class count).
 ``--deploy`` writes the deployed model (vanilla layout; ``--fuse-bn`` folds the BNs),
 which ``orepa eval`` and ``orepa export`` read. The deployed checkpoint the reference's
 conversion script writes (each block one conv, its BN folded in) imports as that network only
-(``--deploy --fuse-bn``). Before writing, the written form is checked against the imported
+(``--deploy --fuse-bn``). ``--use-ema`` imports the file's moving average of the weights instead
+(timm's ``state_dict_ema``, ``model_ema``), recorded as such (``ema``). Before writing, the written form is checked against the imported
 model on a random batch.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..models.reference import is_deployed_reference
+from ..state_dicts import EMA_KEYS
 from .checkpoint import (
     FORMAT,
     VERSION,
@@ -37,6 +39,7 @@ from .common import (
     CheckFailed,
     UserError,
     add_run_arguments,
+    add_use_ema_argument,
     apply_threads,
     count_params,
     error_text,
@@ -57,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fuse-bn", action="store_true", help="with --deploy: also fold every BN into its conv")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output (never a run's training checkpoint)")
+    add_use_ema_argument(p, "import")
     p.add_argument("--rtol", type=positive_float, default=1e-4,
                    help="check tolerance: max|diff| <= rtol * (1 + max|logit|) on a random batch (1e-4)")
     add_run_arguments(p)
@@ -76,7 +80,11 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
 
     # the one checkpoint reader: a missing, damaged, foreign or TorchScript file and pickled objects
     # are reported as for every command; the reference's state_dict comes back as "model"
-    state = load_checkpoint(src, reference=True)["model"]
+    held = load_checkpoint(src, reference=True)
+    if args.use_ema and held.get("model_ema") is None:
+        raise UserError(f"{src} holds no EMA weights (looked for {' / '.join(EMA_KEYS)}: timm's training script saves "
+                        "them as state_dict_ema); leave out --use-ema")
+    state = held["model_ema"] if args.use_ema else held["model"]
     converted = is_deployed_reference(state)  # (the reference's convert.py's output: imported as it is)
     if converted and not (args.deploy and args.fuse_bn):
         raise UserError(f"{src} is a deployed checkpoint of the reference code (its conversion script's output: each "
@@ -97,6 +105,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     ckpt = {"format": FORMAT, "version": VERSION, "form": form, "model_cfg": cfg,
             "model": {k: v.detach().cpu() for k, v in written.state_dict().items()},
             "epoch": 0, "step_in_epoch": 0, "global_step": 0, "source": str(src), "imported_from": "reference",
+            "ema": bool(args.use_ema),
             "import_args": args_dict(args)}
     # what is written must read back through the one checkpoint loader and compute the imported model
     reread, _, _ = model_from_checkpoint(ckpt, out, use_ema=False)
@@ -109,7 +118,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
         raise CheckFailed(f"the {form} form computes other logits than the imported model (max |diff| {diff:.2e} > "
                           f"{bound:.2e}); nothing written")
     save_checkpoint(ckpt, out)
-    return {"source": str(src), "model": describe_cfg(cfg), "form": form, "output": str(out),
+    return {"source": str(src) + (" (its EMA weights)" if args.use_ema else ""), "model": describe_cfg(cfg), "form": form, "output": str(out),
             "params_train": None if written is model else count_params(model), "params_written": count_params(written),
             "max_abs_diff": diff}
 
