@@ -334,7 +334,7 @@ def export_onnx(model: nn.Module, path, input_shape=(1, 3, 224, 224), *, opset: 
     with ckpt_io.atomic_path(path) as tmp:
         onnx.save_model(proto, str(tmp))
         if verify:
-            _verify_onnx(model, deployed, str(tmp), x, y_dep, report)
+            _verify_onnx(model, deployed, str(tmp), x, y_dep, report, dynamo)
     return report
 
 
@@ -375,7 +375,7 @@ def _has_dynamo_exporter() -> bool:
 
 
 @torch.no_grad()
-def _verify_onnx(model, deployed, path: str, x, y_dep, report) -> None:
+def _verify_onnx(model, deployed, path: str, x, y_dep, report, dynamo: bool) -> None:
     import onnx
     import onnxruntime as ort
 
@@ -389,7 +389,7 @@ def _verify_onnx(model, deployed, path: str, x, y_dep, report) -> None:
         outs = sess.run(None, {sess.get_inputs()[0].name: xi.cpu().numpy()})
         return {name: torch.from_numpy(out) for name, out in zip(names, outs)}
 
-    _check_inputs(report, "onnxruntime vs pytorch", run, deployed, x, y_dep)
+    _check_inputs(report, "onnxruntime vs pytorch", run, deployed, x, y_dep, traced_by_export=dynamo)
     report.verified = True
 
 
@@ -478,11 +478,18 @@ def _onnx_adaptive_pools(deployed: nn.Module) -> None:
             m.__class__ = _OnnxAdaptiveAvgPool2d  # a subclass with no state of its own: the module is unchanged
 
 
+#: why an export traced by torch.export may not run at another height and width
+_SPECIALISED = ("; it fixed a size that the example's made 1 (a feature map of one pixel, which torch.export "
+                "specialises): a larger example size may not")
+
+
 def _check_inputs(report: ExportReport, name: str, run, deployed: nn.Module, x: torch.Tensor,
-                  y_dep: torch.Tensor) -> None:
+                  y_dep: torch.Tensor, *, traced_by_export: bool = False) -> None:
     """``run`` (the reloaded export) against the deployed model at the example's batch, at one more
     image where the export's batch axis is dynamic, and at 32 more rows and 64 more columns where its
-    height and width are (``report.dynamic``; a multiple of a network's stride stays one)."""
+    height and width are (``report.dynamic``; a multiple of a network's stride stays one).
+    ``traced_by_export``: the export was traced by torch.export (an input it does not take is said
+    with :data:`_SPECIALISED`)."""
     n = x.shape[0] + ("batch" in report.dynamic)
     xs = [x] + ([_example((n, *x.shape[1:]), 1, x.device)] if "batch" in report.dynamic else [])
     if "height" in report.dynamic:
@@ -498,9 +505,7 @@ def _check_inputs(report: ExportReport, name: str, run, deployed: nn.Module, x: 
             report.errors[check], report.bounds[check] = float("inf"), 0.0
             raise ExportVerificationError(
                 f"{check}: the export does not run on an input of shape {list(xi.shape)} ({error_text(exc)}) for "
-                f"{report.path}" + ("" if report.format == "torchscript" else
-                                    "; it fixed a size that the example's made 1 (a feature map of one pixel, which "
-                                    "torch.export specialises): a larger example size may not")) from None
+                f"{report.path}" + (_SPECIALISED if traced_by_export else "")) from None
         _check(report, check, y, deployed(xi) if i else y_dep)
 
 
@@ -564,7 +569,7 @@ def export_exported_program(model: nn.Module, path, input_shape=(1, 3, 224, 224)
                 loaded = torch.export.load(f).module()
             y_train, y_dep = model(x), deployed(x)
             _check(report, _deploy_check(model), y_dep, y_train)
-            _check_inputs(report, "exported program vs pytorch", loaded, deployed, x, y_dep)
+            _check_inputs(report, "exported program vs pytorch", loaded, deployed, x, y_dep, traced_by_export=True)
             report.verified = True
     return report
 
