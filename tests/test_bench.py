@@ -326,6 +326,11 @@ _BAD_CLI = [
     (["--methods", "orepa:builder"], "--methods orepa:builder: builder expects builder=VALUE"),
     # a spec with options is split at commas too (it was not: 'grouped,dbb' read as the builder)
     (["--methods", "orepa:builder=nope,dbb"], "cannot build variant 'orepa:builder=nope'"),
+    # a branch list written with a comma: its tail read as a variant, said so
+    (["--methods", "orepa:branches=kxk,1x1"], "cannot build variant '1x1' (-m resnet18 --model-option "
+                                              "width_mult=0.0625): unknown method '1x1'"),
+    (["--methods", "orepa:branches=kxk,1x1"], "a comma separates variants: a list inside an option is written "
+                                              "with '/', e.g. orepa:branches=kxk/1x1"),
 ]
 
 

@@ -268,7 +268,11 @@ def run(args: argparse.Namespace) -> int:
                                        kernel_builder=args.kernel_builder, pack=args.pack_parameters,
                                        compiled_step=bool(args.compile)))
         except (ValueError, TypeError, KeyError) as exc:
-            raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}") from None
+            # a comma inside an option's value ("orepa:branches=kxk,1x1") made its tail a variant of its own
+            split = ":" not in spec and spec in methods and any("=" in m for m in methods[:methods.index(spec)])
+            raise UserError(f"cannot build variant {spec!r} ({model_flags}): {exc}"
+                            + ("; a comma separates variants: a list inside an option is written with '/', e.g. "
+                               "orepa:branches=kxk/1x1" if split else "")) from None
     # a network that cannot take the images (the plain one: variant_specs puts base first), said before
     # anything is measured
     check_model_takes(runners[0].model, (args.image_size,), in_chans, model_flags,
