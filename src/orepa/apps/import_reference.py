@@ -14,8 +14,8 @@ that command, a new classifier where the data has another class count).
 which ``orepa eval`` and ``orepa export`` read. The deployed checkpoint the reference's
 conversion script writes (each block one conv, its BN folded in) imports as that network only
 (``--deploy --fuse-bn``). ``--use-ema`` imports the file's moving average of the weights instead
-(timm's ``state_dict_ema``, ``model_ema``), recorded as such (``ema``). Before writing, the written form is checked against the imported
-model on a random batch.
+(timm's ``state_dict_ema``, ``model_ema``), recorded as such (``ema``). Before writing, the
+written form is checked against the imported model on a random batch.
 """
 from __future__ import annotations
 
@@ -118,7 +118,8 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
         raise CheckFailed(f"the {form} form computes other logits than the imported model (max |diff| {diff:.2e} > "
                           f"{bound:.2e}); nothing written")
     save_checkpoint(ckpt, out)
-    return {"source": str(src) + (" (its EMA weights)" if args.use_ema else ""), "model": describe_cfg(cfg), "form": form, "output": str(out),
+    return {"source": str(src) + (" (its EMA weights)" if args.use_ema else ""), "model": describe_cfg(cfg),
+            "form": form, "output": str(out),
             "params_train": None if written is model else count_params(model), "params_written": count_params(written),
             "max_abs_diff": diff}
 
