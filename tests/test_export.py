@@ -1101,6 +1101,22 @@ class _DeepLabLike(torch.nn.Module):
 _ANY_SIZE_FORMATS = ["onnx", "onnx-dynamo", "exported-program", "torchscript"]
 
 
+def _has_dim_auto() -> bool:
+    return hasattr(torch.export.Dim, "AUTO")
+
+
+def test_torch_export_at_any_size_without_dim_auto_is_one_error(tmp_path, monkeypatch):
+    """A torch before 2.6 has no ``Dim.AUTO``: an export by torch.export at any height and width is
+    refused before anything is traced, naming the versions; the TorchScript-based ONNX exporter still does it."""
+    monkeypatch.setattr(torch.export, "Dim", type("Dim", (), {}))
+    with pytest.raises(UserError, match=r"torch.export at any height and width needs torch >= 2.6 \(Dim.AUTO\)"):
+        export_exported_program(_SizeAsNumber(), tmp_path / "m.pt2", (1, 3, 32, 32), dynamic_size=True)
+    if _dynamo_available():  # (else the missing exporter is said first)
+        with pytest.raises(UserError, match="needs torch >= 2.6"):
+            export_onnx(_SizeAsNumber(), tmp_path / "m.onnx", (1, 3, 32, 32), dynamic_size=True, dynamo=True)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("fmt", _ANY_SIZE_FORMATS)
 def test_an_export_at_any_height_and_width_is_verified_at_another_and_runs_at_a_third(tmp_path, fmt):
@@ -1108,6 +1124,8 @@ def test_an_export_at_any_height_and_width_is_verified_at_another_and_runs_at_a_
     size neither check used (odd, so a stride's rounding differs), its outputs' sizes following."""
     if fmt == "onnx-dynamo" and not _dynamo_available():
         pytest.skip("the dynamo ONNX exporter needs torch >= 2.5 and onnxscript")
+    if fmt in ("onnx-dynamo", "exported-program") and not _has_dim_auto():
+        pytest.skip("torch.export at any height and width needs Dim.AUTO (torch >= 2.6)")
     torch.manual_seed(0)
     model = _DeepLabLike().eval()
     with torch.no_grad():
@@ -1172,6 +1190,7 @@ def test_an_onnx_export_at_any_size_refuses_pooling_to_a_grid_and_names_the_pool
     assert export_onnx(model, tmp_path / "m.onnx", (1, 3, 32, 32), dynamic_size=True).verified
 
 
+@pytest.mark.skipif(not _has_dim_auto(), reason="torch.export at any height and width needs torch >= 2.6")
 def test_cli_export_at_any_size(tmp_path, capsys):
     """At 32 x 32 ResNet-18's last feature map is one pixel, a size torch.export fixes: the check at
     another size says so; at 64 x 64 (2 x 2) the program takes any size."""
