@@ -1140,7 +1140,8 @@ def test_an_export_at_any_height_and_width_is_verified_at_another_and_runs_at_a_
     assert report.verified and report.dynamic == ("batch", "height", "width")
     assert "any batch, height, width" in str(report)
     checks = {k for k in report.errors if "pytorch" in k}
-    assert any("(batch 2, 64x96)" in k for k in checks) and any("(batch 1)" in k for k in checks), checks
+    for size in ("(batch 1)", "(batch 2)", "(batch 2, 64x96)", "(batch 2, 65x97)"):
+        assert any(size in k for k in checks), (size, checks)
     x = torch.randn(2, 3, 37, 51)
     with torch.no_grad():
         ref = export.deploy_fused(model)(x)
@@ -1178,6 +1179,51 @@ def test_an_export_that_fixed_a_size_fails_its_check_at_another_and_writes_nothi
     assert list(tmp_path.iterdir()) == []
     # (without it, the same exports are the example's size's, as they are)
     assert export_onnx(_SizeAsNumber(), tmp_path / "m.onnx", (1, 3, 32, 32)).verified
+
+
+class _PadToEven(torch.nn.Module):
+    """A forward that pads an odd width to an even one, the padding read as a Python number: a trace
+    at an even size writes no padding, right at every even size and wrong at odd ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(torch.nn.functional.pad(x, (0, int(x.shape[-1]) % 2)))
+
+
+class _EvenSkip(torch.nn.Module):
+    """A skip over a stride-2 pool and its upsampling: the model itself takes even sizes only."""
+
+    def forward(self, x):
+        return x + torch.nn.functional.interpolate(torch.nn.functional.avg_pool2d(x, 2), scale_factor=2.0)
+
+
+class _Flattened(torch.nn.Module):
+    """A classifier on the flattened map: the model itself takes its one size only."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3 * 32 * 32, 2)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+def test_an_export_at_any_size_is_checked_at_odd_sizes_where_the_model_takes_them(tmp_path, capsys):
+    """The check at another size keeps a multiple of the strides (+32, +64), then adds one: a size
+    fixed only for the parity (a "same" padding read as a number) fails there; a model that takes
+    even sizes only is checked at those; one that takes its one size only is said before any check."""
+    with pytest.raises(ExportVerificationError, match=r"\(batch 2, 65x97\)"):
+        export_onnx(_PadToEven(), tmp_path / "m.onnx", (1, 3, 32, 32), dynamic_size=True)
+    report = export_onnx(_EvenSkip(), tmp_path / "even.onnx", (1, 3, 32, 32), dynamic_size=True)
+    assert report.verified and any("64x96" in k for k in report.errors)
+    assert not any("65x97" in k for k in report.errors)
+    with pytest.raises(UserError, match=r"the model itself does not take an input of shape \[2, 3, 64, 96\]"):
+        export_onnx(_Flattened(), tmp_path / "flat.onnx", (1, 3, 32, 32), dynamic_size=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["even.onnx"]
 
 
 def test_an_onnx_export_at_any_size_refuses_pooling_to_a_grid_and_names_the_pool(tmp_path):

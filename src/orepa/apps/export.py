@@ -18,7 +18,8 @@ export the deployed model, and (``verify=True``) check on a random input that
 * the deployed PyTorch model equals the training-form model in eval mode, and
 * the exported artifact (onnxruntime / the reloaded ExportedProgram / TorchScript module)
   equals the deployed PyTorch model (ONNX and ExportedProgram: at two batch sizes, their batch
-  axis being dynamic),
+  axis being dynamic; with ``dynamic_size=True``, every format also at two other heights and widths,
+  :func:`dynamic_axes`),
 
 each to ``max|y - y_ref| <= atol * (1 + max|y_ref|)`` (default ``atol=1e-4`` in float32;
 the test-suite's reparameterization bound is 1e-5 in the same form). A failed check raises
@@ -486,17 +487,29 @@ _SPECIALISED = ("; it fixed a size that the example's made 1 (a feature map of o
 def _check_inputs(report: ExportReport, name: str, run, deployed: nn.Module, x: torch.Tensor,
                   y_dep: torch.Tensor, *, traced_by_export: bool = False) -> None:
     """``run`` (the reloaded export) against the deployed model at the example's batch, at one more
-    image where the export's batch axis is dynamic, and at 32 more rows and 64 more columns where its
-    height and width are (``report.dynamic``; a multiple of a network's stride stays one).
-    ``traced_by_export``: the export was traced by torch.export (an input it does not take is said
-    with :data:`_SPECIALISED`)."""
+    image where the export's batch axis is dynamic, and where its height and width are
+    (``report.dynamic``) at 32 more rows and 64 more columns (a multiple of a network's stride stays
+    one), then at one more row and column than that: odd sizes, where a stride's rounding and
+    "same" padding differ (a size the model itself does not take, as a network whose skips need even
+    sizes, is left out). ``traced_by_export``: the export was traced by torch.export (an input it does
+    not take is said with :data:`_SPECIALISED`)."""
     n = x.shape[0] + ("batch" in report.dynamic)
-    xs = [x] + ([_example((n, *x.shape[1:]), 1, x.device)] if "batch" in report.dynamic else [])
+    xs = [(x, y_dep)] + ([(_example((n, *x.shape[1:]), 1, x.device), None)] if "batch" in report.dynamic else [])
     if "height" in report.dynamic:
-        xs.append(_example((n, x.shape[1], x.shape[2] + 32, x.shape[3] + 64), 2, x.device))
-    for i, xi in enumerate(xs):
+        h, w = x.shape[2] + 32, x.shape[3] + 64
+        xs += [(_example((n, x.shape[1], h, w), 2, x.device), None),
+               (_example((n, x.shape[1], h + 1, w + 1), 3, x.device), "odd")]
+    for i, (xi, ref) in enumerate(xs):
         check = f"{name} (batch {xi.shape[0]}" + (f", {xi.shape[2]}x{xi.shape[3]})" if xi.shape[2:] != x.shape[2:]
                                                   else ")")
+        if ref is None or ref == "odd":
+            try:
+                ref = deployed(xi)
+            except Exception as exc:  # noqa: BLE001 - what the model's own forward refuses at that size
+                if ref == "odd":
+                    continue
+                raise UserError(f"an export at any height and width: the model itself does not take an input of "
+                                f"shape {list(xi.shape)} ({error_text(exc)}); export it at one size") from None
         try:
             y = run(xi)
         except Exception as exc:  # noqa: BLE001 - a runtime's error on an input it does not take (sizes fixed)
@@ -506,7 +519,7 @@ def _check_inputs(report: ExportReport, name: str, run, deployed: nn.Module, x: 
             raise ExportVerificationError(
                 f"{check}: the export does not run on an input of shape {list(xi.shape)} ({error_text(exc)}) for "
                 f"{report.path}" + (_SPECIALISED if traced_by_export else "")) from None
-        _check(report, check, y, deployed(xi) if i else y_dep)
+        _check(report, check, y, ref)
 
 
 @_in_eval_mode
@@ -844,7 +857,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--batch-size", type=positive_int, default=1)
     p.add_argument("--dynamic-size", action="store_true",
                    help="an export that takes any height and width (ONNX, ExportedProgram: dynamic axes), verified "
-                        "at a second size too (32 more rows, 64 more columns); default: the --input-size alone")
+                        "at two more sizes (32 more rows and 64 more columns, then an odd size); default: the "
+                        "--input-size alone")
     p.add_argument("--format", choices=tuple(FORMATS), default="onnx",
                    help="onnx (for onnxruntime, TensorRT, ...), exported-program (torch.export's .pt2: for "
                         "AOTInductor, ExecuTorch, torch.export.load) or torchscript (torch.jit, deprecated by torch)")
