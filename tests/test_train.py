@@ -1281,7 +1281,7 @@ def test_a_warmup_override_after_the_warmup_ended_is_refused_during_it_taken(cac
         assert main(["train", "--resume", str(ckpt), *argv, "--max-steps", "3", "--no-progress"]) == 0, argv
 
 
-def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
+def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys, monkeypatch):
     """--resume alone keeps the run's settings and directory; a given --lr / --epochs / --wd replaces
     the saved one and rescales the schedule from the current step; what cannot apply is refused."""
     run = tmp_path / "run"
@@ -1324,6 +1324,11 @@ def test_resume_overrides_are_printed_and_take_effect(cache, tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--resume", str(two), "--output-dir", str(tmp_path / "two"), "--no-progress"]) == 2
     assert "this run's global batch is 2 x 8 = 16 images, this command's 1 x 8 = 8" in capsys.readouterr().err
+    # said before the data are read (an ImageFolder's scan of a large tree) or the model built
+    with monkeypatch.context() as m:
+        m.setattr(train, "build_data", lambda *a, **k: pytest.fail("the data were read before the batch was checked"))
+        assert main(["train", "--resume", str(two), "--output-dir", str(tmp_path / "two"), "--no-progress"]) == 2
+    assert "this run's global batch is 2 x 8 = 16 images" in capsys.readouterr().err
     assert main(["train", "--resume", str(two), "-b", "16", "--output-dir", str(tmp_path / "two"), "--epochs", "3",
                  "--max-steps", "7", "--no-progress"]) == 0
     assert "world size 2 -> 1" in capsys.readouterr().out

@@ -677,6 +677,9 @@ class Trainer:
             args = self.args
         _refuse_idle_flags(args)
         self._step_modes(args)
+        self.global_batch = args.batch_size * info.world_size
+        if self.resume_ckpt is not None:  # before the data are read (an ImageFolder's scan) and the model built
+            self._check_global_batch(self.resume_ckpt)
         source = self.start_flag or f"--resume {args.resume}"
         self.data = build_data(args, note=self.log)
         was = tuple(map(class_name, self.resume_ckpt.get("classes") or ())) if self.resume_ckpt is not None else ()
@@ -738,10 +741,8 @@ class Trainer:
                             f"builds {describe_cfg(self.cfg)} (" + "; ".join(cfg_mismatch(expected, self.cfg)) + ")")
         if saved_cfg is not None:  # its settings won over the data's: they must fit the data
             check_model_fits_data(self.cfg, self.data, source)
-        global_batch = args.batch_size * info.world_size
         if args.lr is None:
-            args.lr = 0.1 * global_batch / 256
-        self.global_batch = global_batch
+            args.lr = 0.1 * self.global_batch / 256
         if args.lr_min > args.lr and schedule_name(args) == "cosineannealinglr":
             raise UserError(f"--lr-min {args.lr_min:g} is above the peak --lr {args.lr:g}"
                             + ("" if "lr" in _given(args) else " (0.1 x global batch / 256)")
@@ -819,8 +820,6 @@ class Trainer:
         decay_to_init(self.optimizer, model)  # the identity factors decay towards the identity
         self.loader, self.sampler = train_loader(self.data, args, info, device)
         self.iters_per_epoch = len(self.loader)
-        if self.resume_ckpt is not None:
-            self._check_global_batch(self.resume_ckpt)  # first: another batch also gives other steps per epoch
         if self.resume_ckpt is not None and int(self.resume_ckpt.get("step_in_epoch", 0)) > self.iters_per_epoch:
             # a checkpoint from before the image count was recorded, whose training set shrank since
             raise UserError(f"--resume {args.resume}: it stopped at step {self.resume_ckpt['step_in_epoch']} of an "
@@ -1245,7 +1244,7 @@ class Trainer:
         saved = ckpt.get("args") or {}
         world = self.info.world_size
         w0 = saved.get("world_size") or world
-        # (its global batch: _check_global_batch, before the loader was asked how many steps an epoch has)
+        # (its global batch: _check_global_batch, before the data were read and the model built)
         # and so is an epoch's step count, which the processes' shares of the images round (a sampler
         # pads each rank's share to the same size): the same global batch may still give other steps
         spe = ckpt.get("steps_per_epoch")
