@@ -494,19 +494,22 @@ def _check_inputs(report: ExportReport, name: str, run, deployed: nn.Module, x: 
     sizes, is left out). ``traced_by_export``: the export was traced by torch.export (an input it does
     not take is said with :data:`_SPECIALISED`)."""
     n = x.shape[0] + ("batch" in report.dynamic)
-    xs = [(x, y_dep)] + ([(_example((n, *x.shape[1:]), 1, x.device), None)] if "batch" in report.dynamic else [])
+    # (input, its reference or None to compute, whether a size the model itself refuses is left out)
+    xs = [(x, y_dep, False)]
+    if "batch" in report.dynamic:
+        xs.append((_example((n, *x.shape[1:]), 1, x.device), None, False))
     if "height" in report.dynamic:
         h, w = x.shape[2] + 32, x.shape[3] + 64
-        xs += [(_example((n, x.shape[1], h, w), 2, x.device), None),
-               (_example((n, x.shape[1], h + 1, w + 1), 3, x.device), "odd")]
-    for i, (xi, ref) in enumerate(xs):
+        xs += [(_example((n, x.shape[1], h, w), 2, x.device), None, False),
+               (_example((n, x.shape[1], h + 1, w + 1), 3, x.device), None, True)]
+    for i, (xi, ref, optional) in enumerate(xs):
         check = f"{name} (batch {xi.shape[0]}" + (f", {xi.shape[2]}x{xi.shape[3]})" if xi.shape[2:] != x.shape[2:]
                                                   else ")")
-        if ref is None or ref == "odd":
+        if ref is None:
             try:
                 ref = deployed(xi)
             except Exception as exc:  # noqa: BLE001 - what the model's own forward refuses at that size
-                if ref == "odd":
+                if optional:
                     continue
                 raise UserError(f"an export at any height and width: the model itself does not take an input of "
                                 f"shape {list(xi.shape)} ({error_text(exc)}); export it at one size") from None
