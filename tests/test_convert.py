@@ -1138,6 +1138,17 @@ def test_convert_pairs_only_what_it_can_replace_whole():
         assert report.converted == ["3"] and "forward pre-hooks" in report.skipped["0"], report.skipped
     with pytest.raises(ValueError, match="pass inplace=True"):
         orepa.convert(nn.Sequential(nn.utils.weight_norm(nn.Conv2d(4, 4, 3, padding=1)), nn.BatchNorm2d(4)))
+    # a hook on the BN: an online block leaves that BN in place, hooks and all (it was left plain, for a
+    # drop that does not happen); a block that absorbs the BN would drop them, and stays plain, saying so
+    seen = []
+    hooked = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4))
+    hooked[1].register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    model, report = orepa.convert(hooked, "orepa", return_report=True)
+    assert report.converted == ["0"] and model[1] is not hooked[1] and isinstance(model[1], nn.BatchNorm2d)
+    model(x)
+    assert seen == [x.shape]
+    with pytest.raises(ValueError, match="'1' carries forward hooks .* which the 'dbb' block absorbing it would drop"):
+        orepa.convert(hooked, "dbb")
     model = _AuxInTraining().eval()
     model.main[1].train()  # a module in another mode than its model's keeps it
     converted, report = orepa.convert(model, "orepa", return_report=True)
@@ -1217,15 +1228,22 @@ def _zero_output(module, args, out):
 def test_a_bn_that_carries_hooks_is_neither_absorbed_nor_folded(hook):
     """A hook on the BN (a caller's mask, a feature or gradient tap) was dropped without a word where a
     block absorbed that BN (the output 3.4 instead of 0) or fuse_conv_bn replaced it by an Identity: the
-    pair is now left out, said why, as a conv's hooks are."""
+    pair is now left out, said why, as a conv's hooks are. An online block leaves the BN in place, hooks
+    and all: its conv is converted."""
     net = nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
                         nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)).eval()
     hook(net[1])
     x = torch.randn(2, 4, 8, 8)
     for method in ("dbb", "orepa"):
         model, report = orepa.convert(net, method, return_report=True)
-        assert report.converted == ["3"] and "'1' carries" in report.skipped["0"], report.skipped
-        assert type(model[0]) is nn.Conv2d and type(model[1]) is nn.BatchNorm2d and _hook_count(model[1]) == 1
+        if method == "orepa":
+            assert report.converted == ["0", "3"], report.skipped
+        else:
+            assert report.converted == ["3"] and "'1' carries" in report.skipped["0"], report.skipped
+            assert type(model[0]) is nn.Conv2d
+        assert type(model[1]) is nn.BatchNorm2d and _hook_count(model[1]) == 1
+        with torch.no_grad():
+            tol_close(orepa.reparameterize(model)(x), model(x))  # (the hook in the deployed model too)
     with torch.no_grad(), pytest.warns(UserWarning, match=r"pairs left out: 0: '1' carries"):
         fused = orepa.fuse_conv_bn(net)
         assert type(fused[1]) is nn.BatchNorm2d and type(fused[4]) is nn.Identity
@@ -1341,6 +1359,45 @@ def test_reparameterize_keeps_the_callers_hook_objects():
     model[0].register_forward_hook(recorder.save)
     orepa.reparameterize(model)(torch.randn(1, 3, 5, 5))
     assert recorder.seen == [torch.Size([1, 4, 3, 3])]
+
+
+class _KeepsItsFeatures(nn.Module):
+    """A model whose own method, hooked on its stage, keeps that stage's output (a feature pyramid's way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stage = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Conv2d(4, 2, 1)
+        self.kept = []
+        self.stage.register_forward_hook(self.keep)
+
+    def keep(self, module, args, out):
+        self.kept.append(out.shape)
+
+    def forward(self, x):
+        return self.head(self.stage(x))
+
+
+@pytest.mark.parametrize("how", ["convert", "fuse_conv_bn", "reparameterize"])
+def test_copies_keep_the_callers_hooks_and_give_the_models_own_to_the_copy(how):
+    """convert and fuse_conv_bn copied a recorder hooked on a module (it recorded nothing from the copy),
+    where reparameterize kept it: all three keep the caller's hook objects. A hook that is a method of
+    the model's own module is the copy's, so the copy keeps its features in itself, not in the original."""
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def save(self, module, args, out):
+            self.seen.append(out.shape)
+
+    model, recorder = _KeepsItsFeatures().eval(), Recorder()
+    if how == "reparameterize":
+        model = orepa.convert(model, "orepa", inplace=True)
+    model.stage.register_forward_hook(recorder.save)
+    made = getattr(orepa, how)(model)
+    made(torch.randn(1, 3, 5, 5))
+    assert recorder.seen == [torch.Size([1, 4, 3, 3])]
+    assert made.kept == [torch.Size([1, 4, 3, 3])] and model.kept == []
 
 
 class _ReadsItsBnWeight(nn.Module):

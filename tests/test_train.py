@@ -241,7 +241,11 @@ def test_imagefolder_pipeline_and_missing_dirs(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--data-path", str(root), "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err
-    assert "expected an ImageFolder tree" in err and "val" in err
+    assert "expected an ImageFolder tree" in err and "val" in err and "(or use --data-path fashion-mnist)" in err
+    # --dataset imagefolder left at the default --data-path: the hint names what is missing, not the value given
+    assert main(["train", "--dataset", "imagefolder", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "(--dataset imagefolder reads a tree: give its --data-path)" in err and "or use --data-path" not in err
     # eval reads val/ only: its message asks for that alone
     assert main(["eval", str(out / "checkpoint.pth"), "--data-path", str(root), "-j", "0"]) == 2
     err = capsys.readouterr().err
@@ -671,6 +675,21 @@ def test_a_resumed_command_that_ends_no_epoch_keeps_the_runs_last_evaluation_in_
         assert second[key] == first[key] == row[key], key
 
 
+def test_a_step_schedule_that_would_raise_or_never_decay_the_rate_is_said(cache, tmp_path, capsys):
+    """--lr-gamma 10 made the step schedule raise the rate tenfold each step (--lr-min above --lr was
+    refused for the cosine schedule, this not); a --lr-step-size longer than the run never decayed,
+    without a word. The first is refused, the second noted; a step inside the run gets no note."""
+    step = ("--method", "base", "--epochs", "2", "--no-eval", "--max-steps", "1", "--lr-scheduler", "steplr")
+    assert _train(cache, tmp_path / "a", *step, "--lr-gamma", "10") == 2
+    assert "--lr-gamma 10 is above 1: the step schedule would raise the learning rate 10x every --lr-step-size" \
+        in capsys.readouterr().err and not (tmp_path / "a").exists()
+    assert _train(cache, tmp_path / "b", *step, "--lr-step-size", "5") == 0
+    assert ("note: --lr-step-size 5 epoch(s) after the warm-up is not within the 2-epoch run: the step schedule "
+            "never decays the learning rate") in capsys.readouterr().out
+    assert _train(cache, tmp_path / "c", *step, "--lr-step-size", "1") == 0
+    assert "never decays" not in capsys.readouterr().out
+
+
 def test_a_warm_up_longer_than_the_run_is_noted(cache, tmp_path, capsys):
     """The default 5-epoch warm-up with --epochs 1 ended at 21% of the peak lr, the schedule never
     begun, and nothing said so; a run whose warm-up ends inside it gets no note."""
@@ -746,6 +765,9 @@ def test_train_eval_reparam_roundtrip(cache, tmp_path, capsys):
     assert main(["reparam", str(out / "checkpoint.pth"), "--no-verify", "--use-ema"]) == 0
     assert plain.read_bytes() == before and _load(out / "deployed-ema.pth")["ema"] is True
     capsys.readouterr()
+    # a deployed checkpoint given to reparam is said to be one (not that its default output is its input)
+    assert main(["reparam", str(plain), "--no-verify"]) == 2
+    assert f"{plain} is already deployed (deploy)" in capsys.readouterr().err and plain.read_bytes() == before
     assert main(["eval", str(out / "deployed-ema.pth"), "--no-progress", "--val-subset", "32", "--json",
                  str(tmp_path / "e.json")]) == 0
     e = json.loads((tmp_path / "e.json").read_text())
@@ -2031,6 +2053,12 @@ def test_subcommand_help(cmd, capsys):
     assert "usage: orepa " + cmd in capsys.readouterr().out
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out == f"orepa {orepa.__version__}\n"
+
+
 @pytest.mark.slow
 def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     # (--threads 1: the demo's default, every CPU, spins idle OpenMP threads on a network this small: 3x the CPU time)
@@ -2040,6 +2068,7 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "test top-1, deployed" in out and "params, training form" in out
+    assert "the pipelines ran one after the other" in out and "concurrently" not in out  # (--in-process)
     res = json.loads((tmp_path / "demo" / "demo.json").read_text())["results"]
     assert set(res) == {"base", "orepa"}
     for r in res.values():
@@ -2052,7 +2081,8 @@ def test_demo_end_to_end_tiny(cache, tmp_path, capsys):
     before = (foreign / "base" / "checkpoint.pth").read_bytes()
     capsys.readouterr()
     for argv, msg in (([], f"{foreign / 'base'} holds a run the demo did not make (checkpoint.pth"),
-                      (["--methods", "orepa,repvgg"], "unknown method 'repvgg' for resnet18")):
+                      (["--methods", "orepa,repvgg"], "unknown method 'repvgg' for resnet18"),
+                      (["--jobs", "2"], "--in-process runs the pipelines one after the other in this process")):
         assert main(["demo", "--output-dir", str(foreign), "--cache-dir", cache, "--no-progress", "--in-process",
                      *argv]) == 2
         out = capsys.readouterr()
@@ -2583,6 +2613,32 @@ def test_resuming_an_earlier_epochs_checkpoint_in_its_run_keeps_the_later_states
     (run / "checkpoint.pth").write_bytes(latest[:100])  # torn: nothing left to keep
     assert main([*resume, "--max-steps", "5"]) == 0
     assert _load(run / "checkpoint.pth")["global_step"] == 5
+
+
+def test_resuming_another_runs_checkpoint_into_a_run_directory_keeps_that_run(cache, tmp_path, capsys):
+    """--resume DIR/other.pth, a checkpoint of another run copied into DIR, continued there and replaced
+    DIR's run (its checkpoint.pth and logs) without a word when it had fewer steps; with more, it was
+    called "later states of this run". Each run records an id that its resumes keep: both are refused,
+    naming the other run; the same run resumed in its own directory goes on."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    assert _train(cache, mine, "--epochs", "1", "--no-eval", "--max-steps", "2", "--method", "base") == 0
+    assert _train(cache, other, "--epochs", "1", "--no-eval", "--max-steps", "3", "--method", "base") == 0
+    ids = {_load(d / "checkpoint.pth")["run_id"] for d in (mine, other)}
+    assert len(ids) == 2
+    def files():
+        return {p.name: p.read_bytes() for p in mine.iterdir() if p.is_file() and p.name != "copied.pth"}
+    held = files()
+    for steps in (3, 1):  # the copy has more steps than the run there, then fewer
+        ck = _load(other / "checkpoint.pth")
+        torch.save({**ck, "global_step": steps}, mine / "copied.pth")
+        capsys.readouterr()
+        assert main(["train", "--resume", str(mine / "copied.pth"), "--cache-dir", cache, "--max-steps", "4"]) == 2
+        assert (f"{mine} holds another run (checkpoint.pth, global step 2), which continuing there would replace"
+                in capsys.readouterr().err)
+        assert files() == held and "checkpoint.pth" in held
+    (mine / "copied.pth").unlink()
+    assert main(["train", "--resume", str(mine / "checkpoint.pth"), "--cache-dir", cache, "--max-steps", "3"]) == 0
+    assert _load(mine / "checkpoint.pth")["run_id"] in ids
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -63,6 +63,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(argv_cmd: str | None = None) -> argparse.ArgumentParser:
     parser = Parser(prog="orepa", description="Online Convolutional Re-parameterization")
+    from . import __version__  # (the package is imported already: this module is part of it)
+    parser.add_argument("--version", action="version", version=f"orepa {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, (module, help_) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)

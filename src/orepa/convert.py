@@ -779,12 +779,12 @@ def _passes_self(src: str, me: str) -> bool:
                and any(is_me(a) for a in (*node.args, *(k.value for k in node.keywords))) for node in ast.walk(fn))
 
 
-def _replace_reason(model: nn.Module, slots: dict[int, int], names) -> str | None:
+def _replace_reason(model: nn.Module, slots: dict[int, int], names, hooked=None) -> str | None:
     """Why the modules ``names`` (a conv and its BN, or a lone conv) cannot be replaced: one is
     registered at several places (:func:`_slots`), or holds a parameter another module holds too
     (a tied weight: ``c2.weight = c1.weight``); swapping it under one name would leave the other
-    name, or the other module, holding the old tensors. Or one carries hooks (:func:`_hooks`), which
-    its replacement would drop. None where they can."""
+    name, or the other module, holding the old tensors. Or one of ``hooked`` (default: all) carries
+    hooks (:func:`_hooks`), which its replacement would drop. None where they can."""
     # (the model itself is registered nowhere)
     shared = [n for n in names if n is not None and slots.get(id(model.get_submodule(n)), 0) > 1]
     if shared:
@@ -793,7 +793,7 @@ def _replace_reason(model: nn.Module, slots: dict[int, int], names) -> str | Non
     for n in names:
         if n is None:
             continue
-        hooks = _hooks(model.get_submodule(n))
+        hooks = _hooks(model.get_submodule(n)) if hooked is None or n in hooked else None
         if hooks:
             who = repr(n) if n else f"the {type(model).__name__} itself"  # (the model is the conv: its name is '')
             return (f"{who} carries {hooks} (a caller's, or torch.nn.utils.weight_norm / spectral_norm's), which "
@@ -805,18 +805,19 @@ def _replace_reason(model: nn.Module, slots: dict[int, int], names) -> str | Non
     return None
 
 
-def _find_pairs(model: nn.Module, example_input=None) \
+def _find_pairs(model: nn.Module, example_input=None, bn_hooks: bool = True) \
         -> tuple[list[tuple[str, str]], str, dict[str, str], dict[str, str]]:
     """:func:`find_conv_bn_pairs` plus ``{conv_name: why}`` for the likely pairs it left out and
     ``{conv_name: module}`` for the pairs taken on trust of an untraced module (:func:`_pairs_structural`).
     Whatever the route, a pair with a module registered at several places, holding a tied parameter or
     carrying hooks is left out (:func:`_replace_reason`): neither ``convert`` nor ``fuse_conv_bn`` could
-    replace it whole."""
+    replace it whole. ``bn_hooks=False``: a BN's hooks are the caller's to judge (``convert``, whose
+    online blocks leave the BN in place)."""
     pairs, how, left_out, trusted = _pairs_any_route(model, example_input)
     slots = _slots(model)
     kept = []
     for conv_name, bn_name in pairs:
-        why = _replace_reason(model, slots, (conv_name, bn_name))
+        why = _replace_reason(model, slots, (conv_name, bn_name), None if bn_hooks else (conv_name,))
         if why is None:
             kept.append((conv_name, bn_name))
         else:
@@ -919,7 +920,9 @@ def convert(
             (:func:`load_plain_state_dict`) or keep those convs plain (``exclude``;
             ``rep_1x1=False`` for the 1x1 convs, squeeze-excitation's among them).
         options: passed to the block (e.g. ``branches``, ``scaling``, ``scale_init``, ``rep_1x1``;
-            :data:`METHOD_OPTIONS` lists each method's).
+            :data:`METHOD_OPTIONS` lists each method's). ``branches`` and ``dw_expand`` shape the kxk
+            blocks: an OREPA 1x1 conv becomes the paper's Rep-1x1 (1x1 and 1x1->1x1) whatever they
+            say, as in the paper's ablations; ``rep_1x1=False`` leaves the 1x1 convs plain.
     Convs without a following BatchNorm2d are left alone (unless ``without_bn``): re-param
     blocks need a norm after them (OREPA uses it as the post-addition norm). So are convs a
     block cannot replace (even kernels; for the blocks that run branches on the feature map, a
@@ -976,11 +979,11 @@ def convert(
         _resolve_init(options["init"], (3, 3))  # (the kernel size sets only the default's slope)
     if not inplace:
         try:
-            model = _deepcopy(model)
+            model = _deepcopy(model, _callers_hooks(model))
         except RuntimeError as exc:  # torch.nn.utils.weight_norm's computed weight refuses to be copied
             raise ValueError(f"convert(inplace=False) cannot copy {type(model).__name__} ({exc}); "
                              "pass inplace=True to convert the model itself") from None
-    pairs, how, left_out, trusted = _find_pairs(model, example_input)
+    pairs, how, left_out, trusted = _find_pairs(model, example_input, bn_hooks=False)  # (checked where absorbed)
     report = ConversionReport(method, how)
     paired = {c for c, _ in pairs}
     for name, block in _top_level_blocks(model):
@@ -1041,6 +1044,12 @@ def convert(
                 continue
             report.frozen_norm_why[conv_name] = frozen  # (the norm stays where it is)
         elif block.has_norm:  # the block brings its own BNs: the one after it is absorbed (a norm-act's tail kept)
+            hooks = _hooks(bn)
+            if hooks:  # (an online block leaves the BN, hooks and all, where it is)
+                report.skipped[conv_name] = (f"{bn_name!r} carries {hooks} (a caller's, or torch.nn.utils.weight_norm "
+                                             f"/ spectral_norm's), which the {method!r} block absorbing it would "
+                                             "drop; online 'orepa' blocks keep it after them")
+                continue
             absorbed = AbsorbedNorm(bn, norm_act=_norm_then_act(bn))
             block.absorbed_token = absorbed.token
             _normalise_as(block, bn)
@@ -1213,7 +1222,7 @@ def fuse_conv_bn(model: nn.Module, *, inplace: bool = False, example_input=None)
     or the BN's scale did, its bias where the conv's bias or the BN's affine did (a frozen stage stays
     frozen)."""
     if not inplace:
-        model = _deepcopy(model)
+        model = _deepcopy(model, _callers_hooks(model))
     pairs, _, left_out, trusted = _find_pairs(model, example_input)
     # (stacklevel: past torch.no_grad's wrapper to the caller)
     _warn_left_out(left_out, stacklevel=4)
@@ -1288,12 +1297,20 @@ def _carry_call_hooks(old: nn.Module, new: nn.Module, dicts=_INPUT_HOOK_DICTS + 
 
 def _callers_hooks(model: nn.Module) -> dict[int, object]:
     """A ``copy.deepcopy`` memo that keeps the hooks around ``model``'s modules' calls themselves: the
-    deployed copy's hooks are the caller's, so a recorder's bound method records into the caller's
-    object, not into a copy of it. The engine's hooks, which belong to the model's own workspace,
-    are copied with it."""
+    copy's hooks are the caller's, so a recorder's bound method records into the caller's object, not
+    into a copy of it. Hooks that belong to the model go with the copy: the engine's (the model's own
+    workspace) and a method of one of the model's modules or of an object a module holds (a model that
+    records its own features, timm's ``FeatureHooks``)."""
+    own = set()
+    for m in model.modules():
+        own.add(id(m))
+        for value in vars(m).values():
+            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+            own.update(id(v) for v in (value, *inner))
     return {id(h): h for m in model.modules()
             for attr in ("_forward_pre_hooks", "_forward_hooks", *_BACKWARD_HOOK_DICTS)
-            for h in (getattr(m, attr, None) or {}).values() if not isinstance(h, E._ScopeHook)}
+            for h in (getattr(m, attr, None) or {}).values()
+            if not isinstance(h, E._ScopeHook) and id(getattr(h, "__self__", None)) not in own}
 
 
 def _restored_with_hooks(block: ReparamConv2d, placeholder: AbsorbedNorm, restored: nn.Module) -> nn.Module:

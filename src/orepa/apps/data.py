@@ -317,7 +317,9 @@ def imagefolder(root: str, train_crop: int = TRAIN_CROP, val_resize: int = VAL_R
         wanted = (f"{root}/train/<class>/*.jpg and {root}/val/<class>/*.jpg" if need_train else
                   f"{root}/val/<class>/*.jpg (this command reads the validation set only)")
         raise UserError(f"--data-path {root}: expected an ImageFolder tree with {wanted}; missing: "
-                        f"{', '.join(str(root_p / d) for d in missing)} (or use --data-path fashion-mnist)")
+                        f"{', '.join(str(root_p / d) for d in missing)}"
+                        + (" (--dataset imagefolder reads a tree: give its --data-path)" if str(root) == "fashion-mnist"
+                           else " (or use --data-path fashion-mnist)"))
     if val_crop > val_resize:  # torchvision's CenterCrop pads what the image lacks with zeros
         raise UserError(f"--val-crop-size {val_crop} is larger than --val-resize-size {val_resize}: the validation "
                         "crop would take black borders (the paper: resize 256, crop 224)")

@@ -254,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
     prepare_fashion_mnist(args.cache_dir)  # fails early, with the install hint, if the package is missing
     # each once: two pipelines of one method would share its directory
     methods = method_list(args.methods)
+    if args.in_process and (args.jobs or 1) > 1:  # said, not silently dropped
+        raise UserError(f"--in-process runs the pipelines one after the other in this process: --jobs {args.jobs} "
+                        "needs them as processes of their own (leave out --in-process)")
     check_batch_fits(min(args.train_subset or FASHION_MNIST_TRAIN, FASHION_MNIST_TRAIN), args.batch_size)
     # (a bad --device said once here, not by each pipeline's train after it started)
     init_distributed(args.device, one_process="orepa demo")
@@ -361,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
         s = json.loads((p.out / "summary.json").read_text())
         r = json.loads((p.out / "reparam.json").read_text())
         rows[p.method] = (s, r, p.t1 - p.t0)
-    print_table(rows, wall, args)
+    print_table(rows, wall, args, jobs)
     results = {m: {"summary": s, "reparam": r, "pipeline_s": t} for m, (s, r, t) in rows.items()}
     write_json(root / "demo.json", {"wall_s": wall, "results": results}, indent=2)
     ok = all(r["outputs_match"] and r["accuracy_equal"] for _, r, _ in rows.values())
@@ -371,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def print_table(rows: dict, wall: float, args) -> None:
+def print_table(rows: dict, wall: float, args, jobs: int) -> None:
     methods = list(rows)
     lines = [
         ("test top-1, training form", lambda s, r, t: f"{r['train_form_acc1']:.2f}%"),
@@ -394,5 +397,6 @@ def print_table(rows: dict, wall: float, args) -> None:
     for (name, _), row in zip(lines, cells):
         print(f"{name:<{w0}}  " + "  ".join(f"{c:>{w}}" for c in row))
     b = args.batch_size
-    print(f"(batch {b}, {args.epochs} epoch(s); the pipelines ran concurrently, so train times compare the "
-          f"methods under the same load)")
+    print(f"(batch {b}, {args.epochs} epoch(s); " + (
+        "the pipelines ran concurrently, so train times compare the methods under the same load)" if jobs > 1 else
+        "the pipelines ran one after the other)"))

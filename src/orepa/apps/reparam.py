@@ -145,6 +145,9 @@ def reparam(args: argparse.Namespace) -> dict:
     info, device = init_distributed(args.device, one_process="orepa reparam")
     out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
         deployed_file_name(args.fuse_bn, args.use_ema))
+    held = checkpoint_form(args.checkpoint)  # (before the output: a deployed.pth's default output is itself)
+    if held in ("deploy", "deploy-fused"):
+        raise UserError(f"{args.checkpoint} is already deployed ({held})")
     _check_output(out, args)
     ckpt = load_checkpoint(args.checkpoint)
     if ckpt.get("form", "train") != "train":

@@ -49,6 +49,7 @@ import signal
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -675,6 +676,8 @@ class Trainer:
             saved_cfg = self.resume_ckpt.get("model_cfg")
             self.args, self.overrides = resumed_args(args, self.resume_ckpt)
             args = self.args
+        # a run's identity, kept by its resumes (os.urandom: no random stream of the run moves)
+        self.run_id = (self.resume_ckpt or {}).get("run_id") or uuid.uuid4().hex
         _refuse_idle_flags(args)
         self._step_modes(args)
         self.global_batch = args.batch_size * info.world_size
@@ -747,6 +750,10 @@ class Trainer:
             raise UserError(f"--lr-min {args.lr_min:g} is above the peak --lr {args.lr:g}"
                             + ("" if "lr" in _given(args) else " (0.1 x global batch / 256)")
                             + ": the cosine schedule would raise the learning rate")
+        if args.lr_gamma > 1 and schedule_name(args) == "steplr":
+            raise UserError(f"--lr-gamma {args.lr_gamma:g} is above 1: the step schedule would raise the learning "
+                            f"rate {args.lr_gamma:g}x every --lr-step-size {args.lr_step_size} epoch(s); it decays "
+                            "with a factor below 1 (0.1 by default)")
         if args.output_dir is None:
             args.output_dir = f"runs/{self.data.name}-{model_slug(self.cfg['model'])}-{self.cfg['method']}"
         self.out = Path(args.output_dir)
@@ -1032,10 +1039,15 @@ class Trainer:
         later = sorted((p for p, e in epochs.items() if e > epoch), key=epochs.get)
         if self.ckpt_path.is_file() and self.ckpt_path.resolve() != Path(self.args.resume).resolve():
             try:
-                newest = int(load_checkpoint(self.ckpt_path, lazy=True).get("global_step", 0))
+                held = load_checkpoint(self.ckpt_path, lazy=True)
             except UserError:
-                newest = 0
-            if newest > step:
+                held = {}
+            ours, theirs = here.get("run_id"), held.get("run_id")
+            if ours and theirs and ours != theirs:  # (checkpoints older than run ids cannot say: steps alone decide)
+                raise UserError(f"--resume {self.args.resume}: {self.out} holds another run ({self.ckpt_path.name}, "
+                                f"global step {int(held.get('global_step', 0))}), which continuing there would "
+                                f"replace; give another --output-dir to continue from it there, or move that run away")
+            if int(held.get("global_step", 0)) > step:
                 later.insert(0, self.ckpt_path)
         if later:
             raise UserError(f"--resume {self.args.resume} (step {step}): {self.out} holds later states of this run "
@@ -1299,6 +1311,7 @@ class Trainer:
             "epoch_sums": list(s.sums), "epoch_timed": self._epoch_timed() if s.step_in_epoch else [0.0, 0],
             "history": s.history, "rng": rngs[0], **({"rng_ranks": rngs} if self.info.distributed else {}),
             "args": {**args_dict(self.args), "world_size": self.info.world_size}, "reason": reason,
+            "run_id": self.run_id,  # which run this is: a resume into a directory holding another is refused
             # the torchrun job that wrote it: that job's restart continues from it (_continuation)
             **({"torchrun_job": self.torchrun.name} if self.torchrun else {}),
         }
@@ -1560,6 +1573,7 @@ class Trainer:
                  f"{', kernel graphs' if args.kernel_graphs and self.n_groups else ''}"
                  f"{', EMA' if self.ema is not None else ''}; "
                  f"output {self.out}")
+        total = args.epochs * self.iters_per_epoch
         if args.lr_warmup_epochs >= args.epochs:  # (the default warm-up, 5 epochs, with a short run)
             peak = lr_factor_fn(args, self.iters_per_epoch)(args.epochs * self.iters_per_epoch - 1)
             self.log(f"  note: the {args.lr_warmup_epochs:g}-epoch warm-up outlasts the {args.epochs}-epoch run: the "
@@ -1568,7 +1582,10 @@ class Trainer:
                      + ("; the EMA restarts at every update during warm-up (as torchvision's), so it ends as the "
                         f"weights at its last update (every {args.model_ema_steps} steps, --model-ema-steps)"
                         if self.ema is not None else ""))
-        total = args.epochs * self.iters_per_epoch
+        elif schedule_name(args) == "steplr" and args.lr_gamma != 1 and \
+                lr_factor_fn(args, self.iters_per_epoch)(total - 1) == 1:
+            self.log(f"  note: --lr-step-size {args.lr_step_size} epoch(s) after the warm-up is not within the "
+                     f"{args.epochs}-epoch run: the step schedule never decays the learning rate")
         if self.ema is not None and total <= args.model_ema_steps:
             self.log(f"  note: the run's {total} step(s) are not more than --model-ema-steps {args.model_ema_steps}: "
                      "the EMA is updated at the first step only (it holds the weights after one step)")
