@@ -8,6 +8,7 @@ orepa and that reproduces the fixtures itself.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -324,7 +325,9 @@ def test_cli_writes_training_and_deployed_checkpoints(tmp_path, capsys):
     assert form == "train" and cfg["options"]["widths"] == [4, 8, 16, 32]
     with torch.no_grad():
         assert torch.equal(model(x), expected)
+    capsys.readouterr()
     assert main(["import-reference", str(src), "-o", str(tmp_path / "dep.pth"), "--deploy", "--fuse-bn"]) == 0
+    assert re.search(r"max \|logit diff\| \S+ \(tolerance \S+\)", capsys.readouterr().out)  # (the bound it was held to)
     dep = load_checkpoint(tmp_path / "dep.pth")
     model, _, form = model_from_checkpoint(dep, tmp_path / "dep.pth")
     assert form == "deploy-fused" and not any(isinstance(m, orepa.ReparamConv2d) for m in model.modules())

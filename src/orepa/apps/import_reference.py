@@ -121,7 +121,7 @@ def import_checkpoint(args: argparse.Namespace) -> dict:
     return {"source": str(src) + (" (its EMA weights)" if args.use_ema else ""), "model": describe_cfg(cfg),
             "form": form, "output": str(out),
             "params_train": None if written is model else count_params(model), "params_written": count_params(written),
-            "max_abs_diff": diff}
+            "max_abs_diff": diff, "tolerance": bound}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     trained = ("the reference's deployed form" if res["params_train"] is None else
                f"training form {res['params_train']:,}")
     print(f"  {res['form']} form, {res['params_written']:,} parameters ({trained}); "
-          f"checked on a random batch: max |logit diff| {res['max_abs_diff']:.1e}")
+          f"checked on a random batch: max |logit diff| {res['max_abs_diff']:.1e} (tolerance {res['tolerance']:.1e})")
     print(f"  wrote {res['output']}")
     if res["form"] == "train":
         print(f"  fine-tune: orepa train --init-from {res['output']} --data-path DATA ...")
