@@ -840,7 +840,8 @@ def _pairs_any_route(model: nn.Module, example_input=None) \
                    "pass example_input to pair the rest by running the model)"), left_out, trusted
 
 
-def _warn_trusted(caller: str, trusted: dict[str, str], stacklevel: int = 3) -> None:
+def _warn_trusted(caller: str, trusted: dict[str, str], stacklevel: int = 3,
+                  advice: str = "pass example_input to pair by running the model") -> None:
     """Where a BN is folded or absorbed on a pairing only trusted (:func:`_pairs_structural`): a
     forward that calls one child of such a Sequential or traced submodule alone, or reorders them,
     would be changed."""
@@ -851,8 +852,7 @@ def _warn_trusted(caller: str, trusted: dict[str, str], stacklevel: int = 3) -> 
                       f"{f' and {len(convs) - 3} more convs' if len(convs) > 3 else ''} was paired by nn.Sequential "
                       "order or by tracing its submodule alone, trusting that forward, which reaches into the "
                       "submodule, to call each such submodule whole (one calling a child alone or reordering them "
-                      "would be changed); pass example_input to pair by running the model",
-                      stacklevel=stacklevel)
+                      f"would be changed); {advice}", stacklevel=stacklevel)
 
 
 def find_conv_bn_pairs(model: nn.Module, example_input=None) -> tuple[list[tuple[str, str]], str]:
@@ -1055,6 +1055,7 @@ def convert(
             _normalise_as(block, bn)
             if conv_name in trusted:
                 absorbed_on_trust[conv_name] = trusted[conv_name]
+                absorbed.paired_on_trust = trusted[conv_name]  # (said again where reparameterize restores it)
             _set_submodule(model, bn_name, absorbed)
         _set_submodule(model, conv_name, block)
         report.converted.append(conv_name)
@@ -1421,7 +1422,12 @@ def reparameterize(model: nn.Module, fuse_bn: bool = False, *, inplace: bool = F
     if dropped:
         warnings.warn("reparameterize: hooks with no counterpart in the deployed model are dropped: "
                       f"{'; '.join(dropped)} (the forward and backward hooks of a block or of an absorbed BN's "
-                      "placeholder go to the plain conv or BN that replaces it)", stacklevel=2)
+                      "placeholder go to the plain conv or BN that replaces it)", stacklevel=3)
+    on_trust = {name: getattr(model.get_submodule(absorbed[block.absorbed_token]), "paired_on_trust", None)
+                for name, block in blocks if block.absorbed_token in absorbed}
+    _warn_trusted("reparameterize", {c: m for c, m in on_trust.items() if m is not None}, 4, advice=(
+        "the deployed model computes the trained one only if that forward calls them whole; convert with "
+        "example_input pairs by running the model"))  # (stacklevel: past torch.no_grad's wrapper to the caller)
     for name, block in blocks:
         norm_name = absorbed.get(block.absorbed_token)
         # a block that absorbed the BN after it: the conv computes its output less the shift the restored BN
