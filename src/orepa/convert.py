@@ -24,7 +24,7 @@ import re
 import textwrap
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -277,6 +277,13 @@ def _traced(model: nn.Module) -> torch.fx.Graph:
         return _LeafTracer().trace(model)
 
 
+def _attribute_values(holder) -> Iterator:
+    """What ``holder`` keeps as plain attributes: each value, and a list's, tuple's or dict's items."""
+    for value in getattr(holder, "__dict__", {}).values():
+        yield value
+        yield from value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+
+
 def _held_tensors(model: nn.Module) -> list[Tensor]:
     """The tensors the copy for tracing shares with ``model`` instead of copying them: its parameters
     and buffers, the tensors its modules hold as plain attributes (directly or in a list, tuple or
@@ -285,10 +292,7 @@ def _held_tensors(model: nn.Module) -> list[Tensor]:
     holders = list(model.modules())
     holders += [hook.__self__ for m in model.modules() for attr in _CALL_HOOKS
                 for hook in getattr(m, attr, {}).values() if hasattr(hook, "__self__")]
-    for holder in holders:
-        for value in getattr(holder, "__dict__", {}).values():
-            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-            found += [t for t in (value, *inner) if isinstance(t, Tensor)]
+    found += [t for holder in holders for t in _attribute_values(holder) if isinstance(t, Tensor)]
     return found
 
 
@@ -1302,14 +1306,9 @@ def _callers_hooks(model: nn.Module) -> dict[int, object]:
     into a copy of it. Hooks that belong to the model go with the copy: the engine's (the model's own
     workspace) and a method of one of the model's modules or of an object a module holds (a model that
     records its own features, timm's ``FeatureHooks``)."""
-    own = set()
-    for m in model.modules():
-        own.add(id(m))
-        for value in vars(m).values():
-            inner = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
-            own.update(id(v) for v in (value, *inner))
+    own = {id(v) for m in model.modules() for v in (m, *_attribute_values(m))}
     return {id(h): h for m in model.modules()
-            for attr in ("_forward_pre_hooks", "_forward_hooks", *_BACKWARD_HOOK_DICTS)
+            for attr in (*_CALL_HOOKS, *_BACKWARD_HOOK_DICTS)
             for h in (getattr(m, attr, None) or {}).values()
             if not isinstance(h, E._ScopeHook) and id(getattr(h, "__self__", None)) not in own}
 

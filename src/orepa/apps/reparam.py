@@ -146,12 +146,10 @@ def reparam(args: argparse.Namespace) -> dict:
     out = Path(args.output) if args.output else Path(args.checkpoint).with_name(
         deployed_file_name(args.fuse_bn, args.use_ema))
     held = checkpoint_form(args.checkpoint)  # (before the output: a deployed.pth's default output is itself)
-    if held in ("deploy", "deploy-fused"):
+    if held not in (None, "train", "state_dict"):
         raise UserError(f"{args.checkpoint} is already deployed ({held})")
     _check_output(out, args)
     ckpt = load_checkpoint(args.checkpoint)
-    if ckpt.get("form", "train") != "train":
-        raise UserError(f"{args.checkpoint} is already deployed ({ckpt['form']})")
     if ckpt.get("model_cfg") is None:  # reparam takes no model flags: what the weights are must be recorded
         raise UserError(f"{args.checkpoint} is a bare state_dict; reparam needs an orepa training checkpoint "
                         "(orepa train's checkpoint.pth, or orepa import-reference's output)")

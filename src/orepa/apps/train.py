@@ -1575,7 +1575,7 @@ class Trainer:
                  f"output {self.out}")
         total = args.epochs * self.iters_per_epoch
         if args.lr_warmup_epochs >= args.epochs:  # (the default warm-up, 5 epochs, with a short run)
-            peak = lr_factor_fn(args, self.iters_per_epoch)(args.epochs * self.iters_per_epoch - 1)
+            peak = lr_factor_fn(args, self.iters_per_epoch)(total - 1)
             self.log(f"  note: the {args.lr_warmup_epochs:g}-epoch warm-up outlasts the {args.epochs}-epoch run: the "
                      f"learning rate ends at {peak:.0%} of --lr {args.lr:g}, and the {args.lr_scheduler} schedule "
                      "never starts (--lr-warmup-epochs sets the warm-up)"
